@@ -1,0 +1,9 @@
+#include "ddp/torch/version.h"
+
+#include <torch/version.h>
+
+namespace ddp {
+
+std::string libtorch_version() { return TORCH_VERSION; }
+
+}  // namespace ddp
