@@ -1,0 +1,549 @@
+// ddprun as users run it: a real ddprun process starting real worker processes (small /bin/sh
+// scripts), checked through its output, its exit code, timing, and which processes are left.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support/subprocess.h"
+
+namespace ddp::test {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using Clock = std::chrono::steady_clock;
+
+std::string ddprun() {
+  return built_program("ddprun");
+}
+
+ExitStatus run_ddprun(const std::vector<std::string>& args,
+                      const std::map<std::string, std::optional<std::string>>& env = {},
+                      std::chrono::milliseconds timeout = 30s) {
+  std::vector<std::string> argv{ddprun()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return Subprocess::start(argv, env).wait(timeout);
+}
+
+// A fresh directory for one test's files, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "ddprun-test-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    lines.push_back(line);
+  return lines;
+}
+
+// "[r] KEY=VALUE" lines, by rank.
+std::map<int, std::map<std::string, std::string>> env_by_rank(const std::string& output) {
+  static const std::regex line_re(R"(^\[(\d+)\] ([A-Za-z_][A-Za-z0-9_]*)=(.*)$)");
+  std::map<int, std::map<std::string, std::string>> result;
+  for (const auto& line : split_lines(output)) {
+    std::smatch m;
+    if (std::regex_match(line, m, line_re)) result[std::stoi(m[1])][m[2]] = m[3];
+  }
+  return result;
+}
+
+std::vector<pid_t> read_pids(const std::string& path) {
+  std::vector<pid_t> pids;
+  std::ifstream in(path);
+  for (pid_t pid; in >> pid;)
+    pids.push_back(pid);
+  return pids;
+}
+
+int cpu_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return CPU_COUNT(&set);
+}
+
+// Waits until `output` of `process` contains every one of `needles`, or the deadline passes.
+bool wait_for_output(Subprocess& process, const std::vector<std::string>& needles,
+                     std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    const std::string& output = process.output_so_far();
+    if (std::all_of(needles.begin(), needles.end(), [&](const std::string& needle) {
+          return output.find(needle) != std::string::npos;
+        })) {
+      return true;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Environment
+
+// What torchrun would give the worker with this local rank of this job.
+struct Job {
+  int nproc_per_node, nnodes, node_rank, max_restarts;
+  std::string master_addr, master_port;
+};
+
+std::map<std::string, std::string> torchrun_variables(const Job& job, int local_rank) {
+  const std::string rank = std::to_string(job.node_rank * job.nproc_per_node + local_rank);
+  const std::string world_size = std::to_string(job.nnodes * job.nproc_per_node);
+  return {
+      {"RANK", rank},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"WORLD_SIZE", world_size},
+      {"LOCAL_WORLD_SIZE", std::to_string(job.nproc_per_node)},
+      {"GROUP_RANK", std::to_string(job.node_rank)},
+      {"GROUP_WORLD_SIZE", std::to_string(job.nnodes)},
+      {"ROLE_NAME", "default"},
+      {"ROLE_RANK", rank},
+      {"ROLE_WORLD_SIZE", world_size},
+      {"MASTER_ADDR", job.master_addr},
+      {"MASTER_PORT", job.master_port},
+      {"TORCHELASTIC_RESTART_COUNT", "0"},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(job.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", "none"},
+      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
+      {"DDP_RESTART_COUNT", "0"},
+      {"OMP_NUM_THREADS", std::to_string(std::max(1, cpu_count() / job.nproc_per_node))},
+  };
+}
+
+void expect_torchrun_variables(const std::string& output, const Job& job) {
+  const auto envs = env_by_rank(output);
+  ASSERT_EQ(envs.size(), static_cast<std::size_t>(job.nproc_per_node)) << output;
+  for (int local_rank = 0; local_rank < job.nproc_per_node; ++local_rank) {
+    const int rank = job.node_rank * job.nproc_per_node + local_rank;
+    SCOPED_TRACE(fmt::format("rank {}", rank));
+    ASSERT_TRUE(envs.contains(rank)) << output;
+    const auto& env = envs.at(rank);
+    for (const auto& [key, value] : torchrun_variables(job, local_rank)) {
+      EXPECT_TRUE(env.contains(key) && env.at(key) == value)
+          << key << " is '" << (env.contains(key) ? env.at(key) : "(unset)") << "', expected '"
+          << value << "'";
+    }
+  }
+}
+
+TEST(Ddprun, EveryWorkerGetsTorchrunsVariables) {
+  // A RANK left in ddprun's own environment must not leak into the workers.
+  const auto r = run_ddprun({"--nproc-per-node", "3", "--master-port", "29555", "/usr/bin/env"},
+                            {{"OMP_NUM_THREADS", std::nullopt}, {"RANK", "99"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_torchrun_variables(r.output, {.nproc_per_node = 3,
+                                       .nnodes = 1,
+                                       .node_rank = 0,
+                                       .max_restarts = 0,
+                                       .master_addr = "127.0.0.1",
+                                       .master_port = "29555"});
+}
+
+TEST(Ddprun, SecondNodeNumbersItsWorkersAfterTheFirstNodes) {
+  const auto r =
+      run_ddprun({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr",
+                  "10.1.2.3", "--master-port", "12345", "--max-restarts", "4", "/usr/bin/env"},
+                 {{"OMP_NUM_THREADS", std::nullopt}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_torchrun_variables(r.output, {.nproc_per_node = 2,
+                                       .nnodes = 2,
+                                       .node_rank = 1,
+                                       .max_restarts = 4,
+                                       .master_addr = "10.1.2.3",
+                                       .master_port = "12345"});
+}
+
+TEST(Ddprun, PresetOmpNumThreadsIsLeftAlone) {
+  const auto r = run_ddprun({"--nproc-per-node", "2", "/usr/bin/env"}, {{"OMP_NUM_THREADS", "7"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto envs = env_by_rank(r.output);
+  ASSERT_EQ(envs.size(), 2u) << r.output;
+  for (const auto& [rank, env] : envs)
+    EXPECT_EQ(env.at("OMP_NUM_THREADS"), "7") << rank;
+}
+
+TEST(Ddprun, StandalonePicksAFreePortForAllWorkers) {
+  for (const std::vector<std::string>& how :
+       {std::vector<std::string>{"--standalone"}, std::vector<std::string>{"--master-port", "0"}}) {
+    std::vector<std::string> args = how;
+    for (const char* a : {"--nproc-per-node", "2", "/usr/bin/env"})
+      args.push_back(a);
+    const auto r = run_ddprun(args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto envs = env_by_rank(r.output);
+    ASSERT_EQ(envs.size(), 2u) << r.output;
+    const std::string port = envs.at(0).at("MASTER_PORT");
+    EXPECT_EQ(envs.at(1).at("MASTER_PORT"), port);
+    EXPECT_NE(port, "29500");
+    EXPECT_GT(std::stoi(port), 0);
+    EXPECT_LT(std::stoi(port), 65536);
+  }
+}
+
+TEST(Ddprun, ProgramArgumentsArePassedUntouched) {
+  const auto r = run_ddprun({"/bin/sh", "-c", R"(printf '%s|' "$@"; echo)", "sh",
+                             "--nproc-per-node", "3", "--", "a b", ""});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, "[0] --nproc-per-node|3|--|a b||\n");
+}
+
+TEST(Ddprun, PyTorchWorkersFindEachOtherThroughTheVariables) {
+  // The torchrun contract, checked against torchrun's own consumer: torch.distributed's env://.
+  if (Subprocess::start({"/usr/bin/python3", "-c", "import torch.distributed"})
+          .wait(60s)
+          .exit_code != 0) {
+    GTEST_SKIP() << "/usr/bin/python3 cannot import torch.distributed (python3-torch)";
+  }
+  const auto r = run_ddprun({"--standalone", "--nproc-per-node", "2", "/usr/bin/python3", "-c",
+                             R"(
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("rank", dist.get_rank(), "of", dist.get_world_size(), "sum", int(t.item()))
+)"},
+                            {{"OMP_NUM_THREADS", "1"}}, 60s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[0] rank 0 of 2 sum 3\n"));
+  EXPECT_THAT(r.output, HasSubstr("[1] rank 1 of 2 sum 3\n"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+TEST(Ddprun, LinesStayWholeAndGoToTheRightStream) {
+  // Each line is written in two parts, so whole lines are ddprun's doing, not the pipe's.
+  constexpr int kLines = 2000;
+  TempDir dir;
+  const std::string err_file = dir.file("stderr");
+  const std::string script = fmt::format(R"(
+      i=0
+      while [ $i -lt {} ]; do
+        printf 'out r%s i%s part1 ' "$RANK" "$i"; printf 'part2 end\n'
+        printf 'err r%s i%s part1 ' "$RANK" "$i" >&2; printf 'part2 end\n' >&2
+        i=$((i+1))
+      done)",
+                                         kLines);
+  // ddprun's stderr goes to a file so that the two streams can be told apart.
+  auto p = Subprocess::start({"/bin/sh", "-c", R"(exec "$0" "$@" 2>")" + err_file + "\"", ddprun(),
+                              "--nproc-per-node", "2", "/bin/sh", "-c", script});
+  const auto r = p.wait(30s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream err_in(err_file);
+  const std::string err_output((std::istreambuf_iterator<char>(err_in)),
+                               std::istreambuf_iterator<char>());
+
+  for (const auto& [stream, text] : {std::pair{"out", r.output}, std::pair{"err", err_output}}) {
+    SCOPED_TRACE(stream);
+    const std::regex line_re(
+        fmt::format(R"(^\[([01])\] {} r([01]) i(\d+) part1 part2 end$)", stream));
+    std::map<int, int> next_index;
+    int bad = 0;
+    for (const auto& line : split_lines(text)) {
+      std::smatch m;
+      if (!std::regex_match(line, m, line_re) || m[1] != m[2]) {
+        if (++bad <= 5) ADD_FAILURE() << "mangled line: '" << line << "'";
+        continue;
+      }
+      const int rank = std::stoi(m[1]);
+      // Each worker's lines arrive complete and in order.
+      EXPECT_EQ(std::stoi(m[3]), next_index[rank]) << line;
+      next_index[rank] = std::stoi(m[3]) + 1;
+    }
+    EXPECT_EQ(bad, 0);
+    EXPECT_EQ(next_index[0], kLines);
+    EXPECT_EQ(next_index[1], kLines);
+  }
+}
+
+TEST(Ddprun, LastLineWithoutNewlineIsStillPrinted) {
+  const auto r = run_ddprun({"/bin/sh", "-c", "printf 'first\\nno newline'"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, "[0] first\n[0] no newline\n");
+}
+
+TEST(Ddprun, WorkerThatClosesItsStdoutIsStillSupervised) {
+  const auto r = run_ddprun(
+      {"/bin/sh", "-c", "echo before; exec >&-; sleep 0.5; echo after >&2; exit 4"}, {}, 20s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[0] before\n"));
+  EXPECT_THAT(r.output, HasSubstr("[0] after\n"));
+  EXPECT_THAT(r.output, HasSubstr("rank 0 exited with code 4"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures
+
+TEST(Ddprun, FailingWorkerStopsTheOthers) {
+  const auto start = Clock::now();
+  const auto r = run_ddprun(
+      {"--nproc-per-node", "3", "/bin/sh", "-c", "if [ $RANK = 1 ]; then exit 3; fi; sleep 60"}, {},
+      30s);
+  EXPECT_LT(seconds_since(start), 15.0);
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("rank 1 exited with code 3"));
+}
+
+TEST(Ddprun, WorkerKilledBySignalIsReported) {
+  const auto r = run_ddprun(
+      {"--nproc-per-node", "2", "/bin/sh", "-c", "if [ $RANK = 1 ]; then kill -9 $$; fi; sleep 60"},
+      {}, 30s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("rank 1 was killed by signal 9 (Killed)"));
+}
+
+TEST(Ddprun, WorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  TempDir dir;
+  const std::string ready = dir.file("ready");
+  // Rank 0 ignores SIGTERM (its sleeps die, the loop goes on); rank 1 fails once rank 0 is set.
+  const std::string script = fmt::format(R"(
+      if [ $RANK = 0 ]; then trap '' TERM; touch {0}; while :; do sleep 0.1; done; fi
+      n=0; while [ ! -e {0} ] && [ $n -lt 200 ]; do sleep 0.05; n=$((n+1)); done
+      exit 5)",
+                                         ready);
+  const auto start = Clock::now();
+  const auto r = run_ddprun(
+      {"--nproc-per-node", "2", "--grace-period", "1", "/bin/sh", "-c", script}, {}, 30s);
+  const double took = seconds_since(start);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("rank 1 exited with code 5"));
+  EXPECT_GE(took, 0.9);  // it did wait for the grace period
+  EXPECT_LT(took, 10.0);
+}
+
+TEST(Ddprun, MaxRestartsRestartsTheGroupUntilItSucceeds) {
+  const auto r = run_ddprun(
+      {"--nproc-per-node", "2", "--max-restarts", "3", "/bin/sh", "-c",
+       R"(echo "attempt $DDP_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS"
+          if [ $RANK = 1 ] && [ $DDP_RESTART_COUNT -lt 2 ]; then exit 3; fi)"},
+      {}, 30s);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[1] attempt 0 0 3\n"));
+  EXPECT_THAT(r.output, HasSubstr("[1] attempt 1 1 3\n"));
+  EXPECT_THAT(r.output, HasSubstr("[1] attempt 2 2 3\n"));
+  EXPECT_THAT(r.output, HasSubstr("[0] attempt 2 2 3\n"));
+  EXPECT_THAT(r.output, Not(HasSubstr("attempt 3")));
+}
+
+TEST(Ddprun, MaxRestartsGivesUpAfterKPlusOneAttempts) {
+  const auto r = run_ddprun(
+      {"--max-restarts", "2", "/bin/sh", "-c", R"(echo "attempt $DDP_RESTART_COUNT"; exit 3)"}, {},
+      30s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const auto lines = split_lines(r.output);
+  EXPECT_EQ(std::count_if(lines.begin(), lines.end(),
+                          [](const std::string& l) { return l.rfind("[0] attempt ", 0) == 0; }),
+            3)
+      << r.output;
+  EXPECT_THAT(r.output, HasSubstr("rank 0 exited with code 3"));
+  EXPECT_THAT(r.output, HasSubstr("giving up after 2 restarts"));
+}
+
+TEST(Ddprun, ProgramThatCannotBeExecutedIsReported) {
+  TempDir dir;
+  const std::string program = dir.file("not-a-program");
+  {
+    std::ofstream(program) << "\x7f"
+                              "ELF garbage";
+  }
+  ::chmod(program.c_str(), 0755);
+  const auto r = run_ddprun({"--nproc-per-node", "2", program}, {}, 30s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("cannot start rank 0"));
+  EXPECT_THAT(r.output, HasSubstr("Exec format error"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signals and orphans
+
+// Workers that print "ready", record their pids (and a child's), and report a signal.
+std::string trapping_worker(const std::string& sig, const std::string& pid_file) {
+  return fmt::format(R"(
+      sleep 60 & child=$!
+      echo $$ >> {1}; echo $child >> {1}
+      trap 'echo "got {0}"; kill $child; exit 0' {0}
+      echo ready
+      wait)",
+                     sig, pid_file);
+}
+
+void expect_all_dead(const std::vector<pid_t>& pids) {
+  for (const pid_t pid : pids)
+    EXPECT_FALSE(process_alive(pid)) << "pid " << pid << " survived";
+}
+
+void check_signal_is_forwarded(int sig, const std::string& name, int expected_exit) {
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  auto p = Subprocess::start(
+      {ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", trapping_worker(name, pids)});
+  ASSERT_TRUE(wait_for_output(p, {"[0] ready", "[1] ready"}, 15s)) << p.output_so_far();
+  ASSERT_EQ(::kill(p.pid(), sig), 0);
+  const auto r = p.wait(20s);
+  EXPECT_EQ(r.exit_code, expected_exit) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[0] got " + name));
+  EXPECT_THAT(r.output, HasSubstr("[1] got " + name));
+  const auto recorded = read_pids(pids);
+  EXPECT_EQ(recorded.size(), 4u);
+  expect_all_dead(recorded);
+}
+
+TEST(Ddprun, SigtermIsForwardedToTheWorkers) {
+  check_signal_is_forwarded(SIGTERM, "TERM", 143);
+}
+
+TEST(Ddprun, SigintIsForwardedToTheWorkers) {
+  check_signal_is_forwarded(SIGINT, "INT", 130);
+}
+
+TEST(Ddprun, SecondSignalSkipsTheGracePeriod) {
+  // Workers that ignore both signals would hold ddprun for the whole 60 s grace period.
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "--grace-period", "60", "/bin/sh",
+                              "-c", "trap '' INT TERM; echo ready; while :; do sleep 0.1; done"});
+  ASSERT_TRUE(wait_for_output(p, {"[0] ready", "[1] ready"}, 15s)) << p.output_so_far();
+  ASSERT_EQ(::kill(p.pid(), SIGINT), 0);
+  ASSERT_TRUE(wait_for_output(p, {"received SIGINT"}, 15s)) << p.output_so_far();
+  const auto start = Clock::now();
+  ASSERT_EQ(::kill(p.pid(), SIGINT), 0);
+  const auto r = p.wait(30s);
+  EXPECT_LT(seconds_since(start), 10.0);
+  EXPECT_EQ(r.exit_code, 130) << r.output;
+}
+
+TEST(Ddprun, NoProcessOutlivesAFailedJob) {
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  // Each worker records itself, a child, and a grandchild that left the group (setsid); rank 1
+  // fails once all six pids are written.
+  const std::string script = fmt::format(R"(
+      sleep 60 & echo $! >> {0}
+      setsid sleep 60 & echo $! >> {0}
+      echo $$ >> {0}
+      if [ $RANK = 1 ]; then
+        n=0; while [ $(wc -l < {0}) -lt 6 ] && [ $n -lt 200 ]; do sleep 0.05; n=$((n+1)); done
+        exit 1
+      fi
+      wait)",
+                                         pids);
+  const auto start = Clock::now();
+  const auto r = run_ddprun({"--nproc-per-node", "2", "/bin/sh", "-c", script}, {}, 30s);
+  EXPECT_LT(seconds_since(start), 15.0);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("rank 1 exited with code 1"));
+  const auto recorded = read_pids(pids);
+  EXPECT_EQ(recorded.size(), 6u);
+  expect_all_dead(recorded);
+}
+
+TEST(Ddprun, NoProcessOutlivesASuccessfulJob) {
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  const auto start = Clock::now();
+  const auto r = run_ddprun(
+      {"--nproc-per-node", "2", "/bin/sh", "-c",
+       fmt::format("sleep 60 & echo $! >> {0}; setsid sleep 60 & echo $! >> {0}; exit 0", pids)},
+      {}, 30s);
+  EXPECT_LT(seconds_since(start), 10.0);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const auto recorded = read_pids(pids);
+  EXPECT_EQ(recorded.size(), 4u);
+  expect_all_dead(recorded);
+}
+
+TEST(Ddprun, WorkersDieWhenDdprunIsKilledOutright) {
+  // SIGKILL gives ddprun no chance to stop anyone: the kernel does it (parent-death signal).
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c",
+                              fmt::format("echo $$ >> {}; echo ready; exec sleep 60", pids)});
+  ASSERT_TRUE(wait_for_output(p, {"[0] ready", "[1] ready"}, 15s)) << p.output_so_far();
+  ASSERT_EQ(::kill(p.pid(), SIGKILL), 0);
+  p.wait(10s);
+  const auto recorded = read_pids(pids);
+  ASSERT_EQ(recorded.size(), 2u);
+  const auto deadline = Clock::now() + 5s;
+  while (Clock::now() < deadline && std::any_of(recorded.begin(), recorded.end(), process_alive)) {
+    std::this_thread::sleep_for(10ms);
+  }
+  expect_all_dead(recorded);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad command lines
+
+TEST(Ddprun, BadOptionsExitWithTwoBeforeStartingAnything) {
+  TempDir dir;
+  const std::string marker = dir.file("started");
+  const std::vector<std::string> worker{"/bin/sh", "-c", "touch " + marker};
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases{
+      {{"--nnodes", "2", "--node-rank", "2"}, "--node-rank"},
+      {{"--nproc-per-node", "0"}, "--nproc-per-node"},
+      {{"--nproc-per-node", "many"}, "--nproc-per-node"},
+      {{"--master-port", "65536"}, "--master-port"},
+      {{"--grace-period", "soon"}, "--grace-period"},
+      {{"--no-such-option"}, "--no-such-option"},
+  };
+  for (const auto& [options, named] : cases) {
+    std::vector<std::string> args = options;
+    args.insert(args.end(), worker.begin(), worker.end());
+    const auto r = run_ddprun(args);
+    EXPECT_EQ(r.exit_code, 2) << named << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(named));
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
+  }
+  const auto missing = run_ddprun({"--nproc-per-node", "2"});
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_THAT(missing.output, HasSubstr("PROGRAM"));
+  const auto not_found = run_ddprun({"ddprun-test-no-such-program"});
+  EXPECT_EQ(not_found.exit_code, 2) << not_found.output;
+  EXPECT_THAT(not_found.output, HasSubstr("ddprun-test-no-such-program"));
+  const std::string data_file = dir.file("data.txt");
+  { std::ofstream(data_file) << "not a program\n"; }
+  ::chmod(data_file.c_str(), 0644);
+  const auto not_executable = run_ddprun({data_file});
+  EXPECT_EQ(not_executable.exit_code, 2) << not_executable.output;
+  EXPECT_THAT(not_executable.output, HasSubstr(data_file));
+  EXPECT_FALSE(std::filesystem::exists(marker));
+}
+
+}  // namespace
+}  // namespace ddp::test

@@ -1,0 +1,77 @@
+#include "ddprun/worker_env.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+namespace ddp::ddprun {
+namespace {
+
+LaunchOptions two_nodes_of_four() {
+  LaunchOptions options;
+  options.nproc_per_node = 4;
+  options.nnodes = 2;
+  options.node_rank = 1;
+  options.master_addr = "10.0.0.1";
+  options.master_port = 29501;
+  options.max_restarts = 3;
+  return options;
+}
+
+TEST(WorkerEnvironment, FollowsTorchrunsContract) {
+  Environment env{{"PATH", "/bin"}};
+  apply_worker_variables(
+      env, two_nodes_of_four(),
+      {.local_rank = 2, .restart_count = 1, .master_port = 29501, .cpu_count = 16});
+  const Environment expected{
+      {"PATH", "/bin"},
+      {"RANK", "6"},
+      {"LOCAL_RANK", "2"},
+      {"WORLD_SIZE", "8"},
+      {"LOCAL_WORLD_SIZE", "4"},
+      {"GROUP_RANK", "1"},
+      {"GROUP_WORLD_SIZE", "2"},
+      {"ROLE_NAME", "default"},
+      {"ROLE_RANK", "6"},
+      {"ROLE_WORLD_SIZE", "8"},
+      {"MASTER_ADDR", "10.0.0.1"},
+      {"MASTER_PORT", "29501"},
+      {"TORCHELASTIC_RESTART_COUNT", "1"},
+      {"TORCHELASTIC_MAX_RESTARTS", "3"},
+      {"TORCHELASTIC_RUN_ID", "none"},
+      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
+      {"DDP_RESTART_COUNT", "1"},
+      {"OMP_NUM_THREADS", "4"},
+  };
+  EXPECT_EQ(env, expected);
+}
+
+TEST(WorkerEnvironment, ReplacesInheritedRankVariables) {
+  Environment env{{"RANK", "99"}, {"WORLD_SIZE", "99"}, {"MASTER_PORT", "1"}};
+  apply_worker_variables(
+      env, two_nodes_of_four(),
+      {.local_rank = 0, .restart_count = 0, .master_port = 29501, .cpu_count = 1});
+  EXPECT_EQ(env["RANK"], "4");
+  EXPECT_EQ(env["WORLD_SIZE"], "8");
+  EXPECT_EQ(env["MASTER_PORT"], "29501");
+}
+
+TEST(WorkerEnvironment, OmpNumThreadsIsAtLeastOneAndUserChoiceWins) {
+  Environment env;
+  apply_worker_variables(env, two_nodes_of_four(),
+                         {.local_rank = 0, .restart_count = 0, .master_port = 1, .cpu_count = 2});
+  EXPECT_EQ(env["OMP_NUM_THREADS"], "1");  // 2 CPUs / 4 workers rounds down to 0, then 1
+
+  Environment preset{{"OMP_NUM_THREADS", "7"}};
+  apply_worker_variables(preset, two_nodes_of_four(),
+                         {.local_rank = 0, .restart_count = 0, .master_port = 1, .cpu_count = 64});
+  EXPECT_EQ(preset["OMP_NUM_THREADS"], "7");
+}
+
+TEST(WorkerEnvironment, EnvpStringsAreKeyEqualsValue) {
+  const auto strings = to_envp_strings({{"A", "1"}, {"B", "x=y"}});
+  EXPECT_EQ(strings, (std::vector<std::string>{"A=1", "B=x=y"}));
+}
+
+}  // namespace
+}  // namespace ddp::ddprun

@@ -1,0 +1,63 @@
+// LaunchOptions: what `ddprun` was asked to do, parsed and checked before anything is started.
+//
+//   std::optional<LaunchOptions> options = parse_command_line(args, std::cout);
+//   if (!options) return 0;  // --help was printed
+//
+// parse_command_line follows torchrun's option names (both --nproc-per-node and --nproc_per_node
+// spellings are accepted). Everything from PROGRAM on is passed to the workers untouched. Plain
+// functions without shared state: any thread may call them.
+//
+// Errors: UsageError (a ConfigError) whose message names the option or program that was wrong;
+// ddprun prints it on one line and exits with kUsageExitCode.
+#pragma once
+
+#include <chrono>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ddp/error.h"
+
+namespace ddp::ddprun {
+
+// Exit code for bad command lines (the shell convention for usage errors).
+inline constexpr int kUsageExitCode = 2;
+
+class UsageError : public ConfigError {
+ public:
+  using ConfigError::ConfigError;
+};
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  // 0 means "pick a free port" (also what --standalone asks for); see resolve_master_port.
+  int master_port = 29500;
+  bool standalone = false;
+  int max_restarts = 0;
+  // How long stopping workers get between SIGTERM (or the forwarded signal) and SIGKILL.
+  std::chrono::milliseconds grace_period{5000};
+  std::string program;            // as the user wrote it; becomes the workers' argv[0]
+  std::string program_path;       // where it was found (PATH lookup done), used for exec
+  std::vector<std::string> args;  // the workers' argv[1..]
+
+  int world_size() const { return nnodes * nproc_per_node; }
+  int global_rank(int local_rank) const { return node_rank * nproc_per_node + local_rank; }
+};
+
+// Parses ddprun's arguments (without argv[0]). Returns std::nullopt after printing help to
+// `help_out`. Resolves the program on PATH. Throws UsageError.
+std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& args,
+                                                std::ostream& help_out);
+
+// Finds `program` the way execvp would: a name containing '/' is used as is, any other name is
+// looked up in `path_env` (PATH). Throws UsageError when it is missing or not an executable file.
+std::string resolve_program(const std::string& program, const char* path_env);
+
+// Number of CPUs this process may run on (its affinity mask), at least 1.
+int usable_cpu_count();
+
+}  // namespace ddp::ddprun

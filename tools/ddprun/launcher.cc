@@ -1,0 +1,527 @@
+#include "ddprun/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ddp/error.h"
+#include "ddprun/line_assembler.h"
+#include "ddprun/worker_env.h"
+#include "net/socket.h"
+
+namespace ddp::ddprun {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// After SIGKILL, processes die within milliseconds unless stuck in the kernel; this bounds the
+// wait for such stragglers so that ddprun itself never hangs.
+constexpr milliseconds kKillWait{5000};
+// How much one pipe may deliver per loop turn, so that a chatty worker cannot starve the others
+// or delay the handling of signals.
+constexpr std::size_t kReadChunk = 64 * 1024;
+// Upper bound on what is read from one pipe once its writer is known to be gone (a descendant
+// that still holds the pipe open could otherwise keep the final drain busy forever).
+constexpr std::size_t kFinalDrainLimit = 8 * 1024 * 1024;
+
+[[noreturn]] void throw_errno(const std::string& what) {
+  throw Error(fmt::format("ddprun: {} failed: {}", what, std::strerror(errno)));
+}
+
+std::string signal_name(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev != nullptr ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+// Writes whole buffers to ddprun's stdout or stderr. A closed reader (EPIPE, e.g. `| head`)
+// must not kill ddprun while workers run, so that stream's output is dropped from then on.
+class OutputSink {
+ public:
+  explicit OutputSink(int fd) : fd_(fd) {}
+
+  void write(std::string& text) {
+    std::size_t done = 0;
+    while (!broken_ && done < text.size()) {
+      const ssize_t n = ::write(fd_, text.data() + done, text.size() - done);
+      if (n > 0) {
+        done += static_cast<std::size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && errno == EAGAIN) {
+        // Inherited a non-blocking descriptor: wait until the reader catches up.
+        pollfd pfd{fd_, POLLOUT, 0};
+        ::poll(&pfd, 1, 1000);
+      } else {
+        broken_ = true;
+      }
+    }
+    text.clear();
+  }
+
+ private:
+  int fd_;
+  bool broken_ = false;
+};
+
+// One end of a worker's stdout or stderr pipe.
+struct Stream {
+  int fd = -1;
+  OutputSink* sink = nullptr;
+  LineAssembler lines{""};
+};
+
+struct Worker {
+  int local_rank = 0;
+  int global_rank = 0;
+  pid_t pid = -1;  // also its process group id
+  bool running = false;
+  int wait_status = 0;
+  Stream out;
+  Stream err;
+};
+
+enum class OutcomeKind { kSucceeded, kWorkerFailed, kSignalled };
+
+struct Outcome {
+  OutcomeKind kind = OutcomeKind::kSucceeded;
+  int rank = -1;        // kWorkerFailed: the first rank that failed
+  int wait_status = 0;  // kWorkerFailed
+  int signal = 0;       // kSignalled
+};
+
+class Supervisor {
+ public:
+  explicit Supervisor(const LaunchOptions& options);
+  ~Supervisor();
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+
+  int run();
+
+ private:
+  // Starts every local worker; on failure to exec one, reports it and returns false.
+  bool start_workers(int restart_count);
+  pid_t spawn(Worker& worker, const std::vector<std::string>& env_strings);
+  // Runs the event loop until every worker succeeded, one failed, or ddprun got a signal.
+  Outcome supervise();
+  // Asks every process ddprun started to stop with `first_signal`, waits up to the grace period,
+  // kills what is left, and reaps everything. Returns the signal ddprun received meanwhile, if any.
+  std::optional<int> stop_everything(int first_signal, std::optional<int> already_signalled);
+
+  // Reads pending signals; returns a terminating one (SIGINT/SIGTERM/SIGHUP) if there was one.
+  std::optional<int> read_signals();
+  // Reaps every exited child. Returns false when ddprun has no children left at all.
+  bool reap_children(Outcome* first_failure);
+  void poll_once(int timeout_ms);
+  void pump(Stream& stream, std::size_t limit);
+  void close_stream(Stream& stream);
+  void drain_and_close_all();
+  // Sends `sig` to every process ddprun started that may still run, skipping those in `already`.
+  void signal_all(int sig, std::set<pid_t>& already);
+  std::vector<pid_t> direct_children() const;
+  Worker* find_worker(pid_t pid);
+  void note(const std::string& line);
+
+  const LaunchOptions& options_;
+  int master_port_ = 0;
+  int cpu_count_ = 1;
+  Environment base_env_;
+  sigset_t original_mask_{};
+  sigset_t handled_{};
+  struct sigaction original_sigpipe_ {};
+  int signal_fd_ = -1;
+  int dev_null_ = -1;
+  OutputSink stdout_sink_{STDOUT_FILENO};
+  OutputSink stderr_sink_{STDERR_FILENO};
+  std::vector<Worker> workers_;
+  std::vector<pollfd> pollfds_;
+  std::string pending_;  // scratch for assembled lines
+};
+
+Supervisor::Supervisor(const LaunchOptions& options) : options_(options) {
+  cpu_count_ = usable_cpu_count();
+  base_env_ = current_environment();
+  master_port_ = options.master_port != 0 ? options.master_port : net::pick_free_port();
+
+  sigemptyset(&handled_);
+  sigaddset(&handled_, SIGCHLD);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    // A signal ignored when ddprun started (nohup, `cmd &` in a script) stays ignored, for ddprun
+    // as for its workers, which inherit that disposition.
+    struct sigaction current {};
+    ::sigaction(sig, nullptr, &current);
+    if (current.sa_handler != SIG_IGN) sigaddset(&handled_, sig);
+  }
+  if (::sigprocmask(SIG_BLOCK, &handled_, &original_mask_) != 0) throw_errno("sigprocmask");
+  signal_fd_ = ::signalfd(-1, &handled_, SFD_NONBLOCK | SFD_CLOEXEC);
+  if (signal_fd_ < 0) throw_errno("signalfd");
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGPIPE, &ignore, &original_sigpipe_);
+  dev_null_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (dev_null_ < 0) throw_errno("open /dev/null");
+  // Orphans of our workers (a daemon a worker started) become our children, so none survives us.
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+}
+
+Supervisor::~Supervisor() {
+  // Only reached with workers alive when an exception escaped: leave nothing behind.
+  for (const Worker& worker : workers_) {
+    if (worker.running) ::kill(-worker.pid, SIGKILL);
+  }
+  for (Worker& worker : workers_) {
+    close_stream(worker.out);
+    close_stream(worker.err);
+  }
+  while (::waitpid(-1, nullptr, WNOHANG) > 0) {
+  }
+  if (dev_null_ >= 0) ::close(dev_null_);
+  if (signal_fd_ >= 0) ::close(signal_fd_);
+  ::sigaction(SIGPIPE, &original_sigpipe_, nullptr);
+  ::sigprocmask(SIG_SETMASK, &original_mask_, nullptr);
+}
+
+void Supervisor::note(const std::string& line) {
+  std::string text = fmt::format("ddprun: {}\n", line);
+  stderr_sink_.write(text);
+}
+
+Worker* Supervisor::find_worker(pid_t pid) {
+  for (Worker& worker : workers_) {
+    if (worker.pid == pid) return &worker;
+  }
+  return nullptr;
+}
+
+pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_strings) {
+  int out_pipe[2];
+  int err_pipe[2];
+  int exec_error_pipe[2];
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0) throw_errno("pipe2");
+  if (::pipe2(err_pipe, O_CLOEXEC) != 0) throw_errno("pipe2");
+  if (::pipe2(exec_error_pipe, O_CLOEXEC) != 0) throw_errno("pipe2");
+
+  // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(options_.program.c_str()));
+  for (const auto& arg : options_.args)
+    argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (const auto& entry : env_strings)
+    envp.push_back(const_cast<char*>(entry.c_str()));
+  envp.push_back(nullptr);
+  const pid_t parent = ::getpid();
+
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    const int error = errno;
+    for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1], exec_error_pipe[0],
+                   exec_error_pipe[1]}) {
+      ::close(fd);
+    }
+    errno = error;
+    throw_errno("fork");
+  }
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    // If ddprun is killed outright (SIGKILL), take the worker down with it rather than orphan it.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    ::sigaction(SIGPIPE, &original_sigpipe_, nullptr);
+    ::sigprocmask(SIG_SETMASK, &original_mask_, nullptr);
+    ::dup2(dev_null_, STDIN_FILENO);
+    ::dup2(out_pipe[1], STDOUT_FILENO);
+    ::dup2(err_pipe[1], STDERR_FILENO);
+    ::execve(options_.program_path.c_str(), argv.data(), envp.data());
+    const int error = errno;
+    (void)!::write(exec_error_pipe[1], &error, sizeof error);
+    ::_exit(127);
+  }
+  // Also in the parent, so that signalling the group works even before the child ran.
+  ::setpgid(pid, pid);
+  ::close(out_pipe[1]);
+  ::close(err_pipe[1]);
+  ::close(exec_error_pipe[1]);
+  ::fcntl(out_pipe[0], F_SETFL, O_NONBLOCK);
+  ::fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
+
+  const std::string prefix = fmt::format("[{}] ", worker.global_rank);
+  worker.pid = pid;
+  worker.running = true;
+  worker.wait_status = 0;
+  worker.out = Stream{out_pipe[0], &stdout_sink_, LineAssembler(prefix)};
+  worker.err = Stream{err_pipe[0], &stderr_sink_, LineAssembler(prefix)};
+
+  // The pipe closes on a successful exec (CLOEXEC) or carries errno when exec failed.
+  int exec_errno = 0;
+  ssize_t n;
+  do {
+    n = ::read(exec_error_pipe[0], &exec_errno, sizeof exec_errno);
+  } while (n < 0 && errno == EINTR);
+  ::close(exec_error_pipe[0]);
+  if (n == static_cast<ssize_t>(sizeof exec_errno)) {
+    note(fmt::format("cannot start rank {}: executing '{}' failed: {}", worker.global_rank,
+                     options_.program_path, std::strerror(exec_errno)));
+    return -1;
+  }
+  return pid;
+}
+
+bool Supervisor::start_workers(int restart_count) {
+  workers_.clear();
+  workers_.resize(static_cast<std::size_t>(options_.nproc_per_node));
+  for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
+    Worker& worker = workers_[static_cast<std::size_t>(local_rank)];
+    worker.local_rank = local_rank;
+    worker.global_rank = options_.global_rank(local_rank);
+    Environment env = base_env_;
+    apply_worker_variables(env, options_,
+                           {.local_rank = local_rank,
+                            .restart_count = restart_count,
+                            .master_port = master_port_,
+                            .cpu_count = cpu_count_});
+    if (spawn(worker, to_envp_strings(env)) < 0) return false;
+  }
+  return true;
+}
+
+std::optional<int> Supervisor::read_signals() {
+  std::optional<int> terminating;
+  signalfd_siginfo info{};
+  for (;;) {
+    const ssize_t n = ::read(signal_fd_, &info, sizeof info);
+    if (n != static_cast<ssize_t>(sizeof info)) break;  // EAGAIN: nothing more pending
+    const int sig = static_cast<int>(info.ssi_signo);
+    if (sig != SIGCHLD && !terminating) terminating = sig;
+  }
+  return terminating;
+}
+
+bool Supervisor::reap_children(Outcome* first_failure) {
+  for (;;) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid == 0) return true;
+    if (pid < 0) return errno != ECHILD;
+    Worker* worker = find_worker(pid);
+    if (worker == nullptr) continue;  // an orphan of a worker, reparented to us: just reap it
+    worker->running = false;
+    worker->wait_status = status;
+    // What the worker wrote before exiting is already in its pipes: relay it before any report.
+    pump(worker->out, kFinalDrainLimit);
+    pump(worker->err, kFinalDrainLimit);
+    const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    if (failed && first_failure != nullptr && first_failure->kind == OutcomeKind::kSucceeded) {
+      first_failure->kind = OutcomeKind::kWorkerFailed;
+      first_failure->rank = worker->global_rank;
+      first_failure->wait_status = status;
+    }
+  }
+}
+
+void Supervisor::pump(Stream& stream, std::size_t limit) {
+  char buffer[kReadChunk];
+  std::size_t total = 0;
+  while (stream.fd >= 0 && total < limit) {
+    const ssize_t n = ::read(stream.fd, buffer, sizeof buffer);
+    if (n > 0) {
+      total += static_cast<std::size_t>(n);
+      stream.lines.feed(std::string_view(buffer, static_cast<std::size_t>(n)), pending_);
+      stream.sink->write(pending_);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    close_stream(stream);  // EOF (every writer closed it) or a read error
+  }
+}
+
+void Supervisor::close_stream(Stream& stream) {
+  if (stream.fd < 0) return;
+  ::close(stream.fd);
+  stream.fd = -1;
+  // A last line without a newline is still a line.
+  stream.lines.finish(pending_);
+  if (stream.sink != nullptr) stream.sink->write(pending_);
+}
+
+void Supervisor::drain_and_close_all() {
+  for (Worker& worker : workers_) {
+    pump(worker.out, kFinalDrainLimit);
+    pump(worker.err, kFinalDrainLimit);
+    close_stream(worker.out);
+    close_stream(worker.err);
+  }
+}
+
+void Supervisor::poll_once(int timeout_ms) {
+  pollfds_.clear();
+  pollfds_.push_back({signal_fd_, POLLIN, 0});
+  std::vector<Stream*> streams;
+  for (Worker& worker : workers_) {
+    for (Stream* stream : {&worker.out, &worker.err}) {
+      if (stream->fd < 0) continue;
+      pollfds_.push_back({stream->fd, POLLIN, 0});
+      streams.push_back(stream);
+    }
+  }
+  const int ready = ::poll(pollfds_.data(), pollfds_.size(), timeout_ms);
+  if (ready < 0) {
+    if (errno == EINTR) return;
+    throw_errno("poll");
+  }
+  for (std::size_t i = 1; i < pollfds_.size(); ++i) {
+    if (pollfds_[i].revents != 0) pump(*streams[i - 1], kReadChunk);
+  }
+}
+
+std::vector<pid_t> Supervisor::direct_children() const {
+  // ddprun is single-threaded, so its one task lists all of its children.
+  std::vector<pid_t> children;
+  std::ifstream list(fmt::format("/proc/self/task/{}/children", ::getpid()));
+  pid_t pid = 0;
+  while (list >> pid)
+    children.push_back(pid);
+  return children;
+}
+
+void Supervisor::signal_all(int sig, std::set<pid_t>& already) {
+  // `already` holds pids (positive) and process groups (negative) that got `sig`: each is asked
+  // once, because a worker's handler may not expect the same request twice.
+  const auto signal_group = [&](pid_t group) {
+    if (group > 0 && group != ::getpgrp() && already.insert(-group).second) ::kill(-group, sig);
+  };
+  for (const Worker& worker : workers_) {
+    // Only while the leader is unreaped: until then its pid, hence the group id, cannot be reused
+    // by an unrelated process. What the group holds after that is reached through ddprun's
+    // children below, since orphans are reparented to ddprun.
+    if (worker.running) signal_group(worker.pid);
+  }
+  for (const pid_t pid : direct_children()) {
+    if (find_worker(pid) != nullptr) continue;
+    // A reparented descendant: itself, and the group it is in (its worker's, or its own after
+    // setsid), which holds what it started.
+    if (already.insert(pid).second) ::kill(pid, sig);
+    signal_group(::getpgid(pid));
+  }
+}
+
+Outcome Supervisor::supervise() {
+  Outcome outcome;
+  for (;;) {
+    // The timeout is only a safety net; SIGCHLD and output wake the loop.
+    poll_once(1000);
+    const std::optional<int> sig = read_signals();
+    reap_children(&outcome);
+    if (sig) return Outcome{.kind = OutcomeKind::kSignalled, .signal = *sig};
+    if (outcome.kind == OutcomeKind::kWorkerFailed) return outcome;
+    if (std::none_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) {
+      return outcome;  // every worker exited with 0
+    }
+  }
+}
+
+std::optional<int> Supervisor::stop_everything(int first_signal,
+                                               std::optional<int> already_signalled) {
+  std::optional<int> received = already_signalled;
+  int current_signal = first_signal;
+  std::set<pid_t> asked;
+  auto deadline = Clock::now() + options_.grace_period;
+  for (;;) {
+    if (!reap_children(nullptr)) break;  // nothing left
+    // Every turn, since descendants get orphaned into ddprun as their parents die.
+    signal_all(current_signal, asked);
+    if (Clock::now() >= deadline) {
+      if (current_signal == SIGKILL) {
+        note("some processes did not exit even after SIGKILL; giving up on them");
+        break;
+      }
+      current_signal = SIGKILL;
+      asked.clear();
+      deadline = Clock::now() + kKillWait;
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
+    poll_once(static_cast<int>(std::clamp<long long>(left, 0, 100)));
+    if (const std::optional<int> sig = read_signals()) {
+      // A second request to stop means "now": skip the rest of the grace period.
+      if (current_signal != SIGKILL) deadline = Clock::now();
+      if (!received) received = sig;
+    }
+  }
+  drain_and_close_all();
+  return received;
+}
+
+int Supervisor::run() {
+  for (int restart_count = 0;; ++restart_count) {
+    if (!start_workers(restart_count)) {
+      stop_everything(SIGTERM, std::nullopt);
+      return kWorkerFailedExitCode;
+    }
+    const Outcome outcome = supervise();
+    switch (outcome.kind) {
+      case OutcomeKind::kSucceeded:
+        // Every worker is done; stop whatever they left running in the background.
+        if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
+        return 0;
+      case OutcomeKind::kSignalled: {
+        note(fmt::format("received {}; forwarding it to the workers", signal_name(outcome.signal)));
+        stop_everything(outcome.signal, outcome.signal);
+        return 128 + outcome.signal;
+      }
+      case OutcomeKind::kWorkerFailed: {
+        note(fmt::format("rank {} {}; stopping the other workers", outcome.rank,
+                         describe_wait_status(outcome.wait_status)));
+        if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
+        if (restart_count >= options_.max_restarts) {
+          if (options_.max_restarts > 0) {
+            note(fmt::format("giving up after {} restarts", options_.max_restarts));
+          }
+          return kWorkerFailedExitCode;
+        }
+        note(fmt::format("restart {} of {}: starting the local workers again", restart_count + 1,
+                         options_.max_restarts));
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string describe_wait_status(int wait_status) {
+  if (WIFEXITED(wait_status)) return fmt::format("exited with code {}", WEXITSTATUS(wait_status));
+  if (WIFSIGNALED(wait_status)) {
+    const int sig = WTERMSIG(wait_status);
+    const char* description = ::sigdescr_np(sig);
+    return fmt::format("was killed by signal {} ({}){}", sig,
+                       description != nullptr ? description : "unknown signal",
+                       WCOREDUMP(wait_status) ? ", core dumped" : "");
+  }
+  return fmt::format("ended with wait status {:#x}", wait_status);
+}
+
+int run_workers(const LaunchOptions& options) {
+  Supervisor supervisor(options);
+  return supervisor.run();
+}
+
+}  // namespace ddp::ddprun

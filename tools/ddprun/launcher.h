@@ -1,0 +1,38 @@
+// The ddprun supervisor: starts the local workers, relays their output line by line, watches them,
+// and stops all of them when one fails or when ddprun is asked to stop.
+//
+//   LaunchOptions options = *parse_command_line(args, std::cout);
+//   return run_workers(options);  // ddprun's exit code
+//
+// How it works: one event loop (poll) over every worker's stdout and stderr pipe plus a signalfd
+// for SIGCHLD, SIGINT, SIGTERM and SIGHUP; no thread per worker. Each worker is the leader of its
+// own process group, so stopping a worker stops whatever it started; ddprun is also a child
+// subreaper, so processes that escape their group are reparented to ddprun and stopped too.
+// Worker exit is judged by waitpid, output by the pipes: a worker that closes its stdout keeps
+// being supervised.
+//
+// Exit codes: 0 when every worker exited with 0; 1 when a worker failed (after --max-restarts
+// restarts) or could not be started; 128+N when ddprun received signal N (130 for SIGINT).
+//
+// run_workers blocks SIGCHLD/SIGINT/SIGTERM/SIGHUP and ignores SIGPIPE in the calling process
+// (workers get the original settings back), so call it from the main thread of a process that
+// runs nothing else, once. It throws ddp::Error when the kernel refuses a pipe, fork or signalfd,
+// or when no free port can be had for --master-port 0; the workers are killed first.
+#pragma once
+
+#include <string>
+
+#include "ddprun/launch_options.h"
+
+namespace ddp::ddprun {
+
+// Exit code when a worker failed or could not be started.
+inline constexpr int kWorkerFailedExitCode = 1;
+
+int run_workers(const LaunchOptions& options);
+
+// How a process ended, from a waitpid status: "exited with code 3",
+// "was killed by signal 9 (Killed)".
+std::string describe_wait_status(int wait_status);
+
+}  // namespace ddp::ddprun

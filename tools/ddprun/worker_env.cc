@@ -1,0 +1,62 @@
+#include "ddprun/worker_env.h"
+
+#include <algorithm>
+#include <string_view>
+#include <type_traits>
+
+extern char** environ;
+
+namespace ddp::ddprun {
+
+Environment current_environment() {
+  Environment env;
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    const std::string_view text(*entry);
+    const auto eq = text.find('=');
+    if (eq == std::string_view::npos) continue;
+    env.emplace(std::string(text.substr(0, eq)), std::string(text.substr(eq + 1)));
+  }
+  return env;
+}
+
+void apply_worker_variables(Environment& env, const LaunchOptions& options,
+                            const WorkerSlot& slot) {
+  const auto set = [&env](const char* key, auto value) {
+    if constexpr (std::is_convertible_v<decltype(value), std::string>) {
+      env[key] = std::string(value);
+    } else {
+      env[key] = std::to_string(value);
+    }
+  };
+  set("RANK", options.global_rank(slot.local_rank));
+  set("LOCAL_RANK", slot.local_rank);
+  set("WORLD_SIZE", options.world_size());
+  set("LOCAL_WORLD_SIZE", options.nproc_per_node);
+  // One role ("default") and a static group per node, exactly as torchrun's static rendezvous.
+  set("GROUP_RANK", options.node_rank);
+  set("GROUP_WORLD_SIZE", options.nnodes);
+  set("ROLE_NAME", "default");
+  set("ROLE_RANK", options.global_rank(slot.local_rank));
+  set("ROLE_WORLD_SIZE", options.world_size());
+  set("MASTER_ADDR", options.master_addr);
+  set("MASTER_PORT", slot.master_port);
+  set("TORCHELASTIC_RESTART_COUNT", slot.restart_count);
+  set("TORCHELASTIC_MAX_RESTARTS", options.max_restarts);
+  set("TORCHELASTIC_RUN_ID", "none");
+  // ddprun hosts no store: global rank 0 must start the server itself (PyTorch reads this too).
+  set("TORCHELASTIC_USE_AGENT_STORE", "False");
+  set("DDP_RESTART_COUNT", slot.restart_count);
+  if (env.find("OMP_NUM_THREADS") == env.end()) {
+    set("OMP_NUM_THREADS", std::max(1, slot.cpu_count / std::max(1, options.nproc_per_node)));
+  }
+}
+
+std::vector<std::string> to_envp_strings(const Environment& env) {
+  std::vector<std::string> strings;
+  strings.reserve(env.size());
+  for (const auto& [key, value] : env)
+    strings.push_back(key + "=" + value);
+  return strings;
+}
+
+}  // namespace ddp::ddprun
