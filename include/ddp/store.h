@@ -3,12 +3,14 @@
 // Keys are strings, values are bytes. Every call has a deadline: `timeout()` unless the call takes
 // its own. Implementations are thread-safe: several threads may share one Store.
 //
-//   auto store = std::make_shared<ddp::TcpStore>("127.0.0.1", 29500, {.is_server = rank == 0});
+//   auto store = std::make_shared<ddp::TcpStore>("127.0.0.1", 29500,
+//                                                ddp::TcpStoreOptions{.is_server = rank == 0});
 //   store->set("addr/3", "10.0.0.7:4100");
 //   auto value = store->get("addr/0");          // blocks until rank 0 has set it
 //
 // Throws TimeoutError when a deadline passes, StoreError when the server refuses a request or is
-// gone, ConfigError for arguments outside the documented limits (see tcp_store.h).
+// gone, ConfigError for arguments outside the documented limits (see tcp_store.h). Implementations:
+// TcpStore (tcp_store.h), PrefixStore (prefix_store.h); the protocol is in docs/store.md.
 #pragma once
 
 #include <chrono>

@@ -9,7 +9,9 @@ std::span<const std::uint8_t> as_bytes(std::string_view text) {
 
 }  // namespace
 
-void Store::set(std::string_view key, std::string_view value) { set(key, as_bytes(value)); }
+void Store::set(std::string_view key, std::string_view value) {
+  set(key, as_bytes(value));
+}
 
 std::string Store::get_string(std::string_view key, Milliseconds timeout) {
   const Bytes value = get(key, timeout);

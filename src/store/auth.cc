@@ -1,0 +1,77 @@
+#include "store/auth.h"
+
+#include <string>
+#include <vector>
+
+#include "ddp/error.h"
+
+#ifdef DDP_STORE_HAVE_OPENSSL
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+#endif
+
+namespace ddp::store {
+#ifdef DDP_STORE_HAVE_OPENSSL
+
+bool auth_available() {
+  return true;
+}
+
+void require_auth() {}
+
+Nonce random_nonce() {
+  Nonce nonce{};
+  if (RAND_bytes(nonce.data(), static_cast<int>(nonce.size())) != 1) {
+    throw Error("store authentication: OpenSSL could not produce random bytes");
+  }
+  return nonce;
+}
+
+Mac auth_mac(std::string_view secret, std::string_view role, std::span<const std::uint8_t> nonce) {
+  std::vector<std::uint8_t> message(role.begin(), role.end());
+  message.insert(message.end(), nonce.begin(), nonce.end());
+  Mac mac{};
+  unsigned int size = 0;
+  if (HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), message.data(),
+           message.size(), mac.data(), &size) == nullptr ||
+      size != mac.size()) {
+    throw Error("store authentication: HMAC-SHA256 failed");
+  }
+  return mac;
+}
+
+bool macs_equal(std::span<const std::uint8_t> a, std::span<const std::uint8_t> b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+#else
+
+bool auth_available() {
+  return false;
+}
+
+void require_auth() {
+  throw ConfigError(
+      "store authentication needs OpenSSL, and this ddp was built without it: install "
+      "libssl-dev and rebuild, or run without a store secret");
+}
+
+// Unreachable returns: require_auth() always throws in this build.
+Nonce random_nonce() {
+  require_auth();
+  return {};
+}
+Mac auth_mac(std::string_view, std::string_view, std::span<const std::uint8_t>) {
+  require_auth();
+  return {};
+}
+bool macs_equal(std::span<const std::uint8_t>, std::span<const std::uint8_t>) {
+  require_auth();
+  return false;
+}
+
+#endif
+
+}  // namespace ddp::store
