@@ -37,8 +37,8 @@ struct LaunchEnvironment {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   std::uint16_t master_port = 29500;
-  int restart_count = 0;      // TORCHELASTIC_RESTART_COUNT, 0 when not restarted
-  std::string launcher;       // "ddprun/torchrun", "mpirun", "srun", "options" or "none"
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT, 0 when not restarted
+  std::string launcher;   // "ddprun/torchrun", "mpirun", "srun", "options" or "none"
 };
 
 // Looks up one environment variable; std::nullopt when unset. The default reads the process

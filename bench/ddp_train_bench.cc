@@ -1,0 +1,117 @@
+// ddp-train-bench: median training-step time of DistributedDataParallel, the peer of
+// bench/pytorch_ddp_bench.py (PyTorch DDP on gloo). Same models, batch and synthetic data.
+//
+//   ddprun --standalone --nproc-per-node 2 ddp-train-bench --model mlp --steps 30
+//
+// A step is zero_grad + forward + cross-entropy + backward (gradients averaged over the ranks
+// when it returns) + SGD step. Each rank takes the median of its step times; the slowest rank's
+// median is reported. Rank 0's last line: `step_ms=<median> samples_per_s=<world*batch/median>`.
+// With one process the model is trained without DistributedDataParallel, as the Python peer does.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "ddp/error.h"
+#include "ddp/init.h"
+#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/tensor_collectives.h"
+
+namespace {
+
+torch::nn::Sequential make_model(const std::string& name) {
+  namespace nn = torch::nn;
+  if (name == "mlp") {
+    return nn::Sequential(nn::Flatten(), nn::Linear(784, 4096), nn::ReLU(), nn::Linear(4096, 4096),
+                          nn::ReLU(), nn::Linear(4096, 10));
+  }
+  return nn::Sequential(
+      nn::Conv2d(nn::Conv2dOptions(1, 32, 3).padding(1)), nn::BatchNorm2d(32), nn::ReLU(),
+      nn::MaxPool2d(2), nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1)), nn::BatchNorm2d(64),
+      nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(3136, 128), nn::ReLU(),
+      nn::Linear(128, 10));
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const auto n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Median DistributedDataParallel training-step time (peer: bench/pytorch_ddp_bench.py)"};
+  std::string model_name = "mlp";
+  int steps = 30;
+  int warmup = 5;
+  int batch_size = 64;
+  int threads = 1;
+  double bucket_cap_mb = 25.0;
+  bool as_view = false;
+  std::string hook = "none";
+  app.add_option("--model", model_name, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}));
+  app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--batch-size", batch_size, "samples per rank and step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "torch threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("--bucket-cap-mb", bucket_cap_mb, "DDP bucket cap")->check(CLI::PositiveNumber);
+  app.add_flag("--gradient-as-bucket-view", as_view, "gradients are views of the buckets");
+  app.add_option("--comm-hook", hook, "none, fp16 or bf16")
+      ->check(CLI::IsMember({"none", "fp16", "bf16"}));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  try {
+    torch::set_num_threads(threads);
+    auto group = ddp::init_process_group();
+    const int rank = group->rank();
+    const int world = group->size();
+    torch::manual_seed(1234);
+    auto net = make_model(model_name);
+    std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
+    if (world > 1) {
+      ddp_model = ddp::DistributedDataParallel(
+                      net, group, {.bucket_cap_mb = bucket_cap_mb, .gradient_as_bucket_view = as_view})
+                      .ptr();
+      if (hook == "fp16") ddp_model->register_comm_hook(ddp::fp16_compress_hook());
+      if (hook == "bf16") ddp_model->register_comm_hook(ddp::bf16_compress_hook());
+    }
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    torch::manual_seed(100 + rank);
+    const auto x = torch::randn({batch_size, 1, 28, 28});
+    const auto y = torch::randint(0, 10, {batch_size});
+
+    std::vector<double> step_seconds;
+    for (int step = 0; step < warmup + steps; ++step) {
+      const auto start = std::chrono::steady_clock::now();
+      opt.zero_grad();
+      auto logits = ddp_model ? ddp_model->forward(x) : net->forward(x);
+      torch::nn::functional::cross_entropy(logits, y).backward();
+      opt.step();
+      const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+      if (step >= warmup) step_seconds.push_back(elapsed.count());
+    }
+    double step_s = median(step_seconds);
+    group->allreduce(&step_s, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
+    group->barrier()->wait();
+    if (rank == 0) {
+      fmt::print("model={} world_size={} batch_size={} threads={} steps={} backend={}\n",
+                 model_name, world, batch_size, threads, steps, group->backend());
+      fmt::print("step_ms={:.3f} samples_per_s={:.1f}\n", step_s * 1e3,
+                 world * batch_size / step_s);
+    }
+    return 0;
+  } catch (const ddp::Error& e) {
+    fmt::print(stderr, "ddp-train-bench: {}\n", e.what());
+    return 1;
+  }
+}

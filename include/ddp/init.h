@@ -1,0 +1,35 @@
+// init_process_group: the one call a training program makes to join its job.
+//
+//   auto pg = ddp::init_process_group();        // under ddprun, torchrun, mpirun or srun
+//   pg->allreduce(buf, n, ddp::DType::kFloat32, ddp::ReduceOp::kAvg)->wait();
+//
+// Runs the rendezvous (rendezvous.h: launcher variables, store, deadline), then creates the
+// job's default ProcessGroup with the chosen backend and makes it the default group
+// (default_process_group()). Backend, first that applies: InitOptions::backend, the environment
+// variable DDP_BACKEND, "mpi" when launched by mpirun and the mpi backend was built, else "ring".
+//
+// Call it once per process, from one thread. Throws what rendezvous() throws, ConfigError for an
+// unknown backend (the message lists the available ones), and CommError when the group's
+// connections cannot be set up before the deadline.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ddp/process_group.h"
+#include "ddp/rendezvous.h"
+
+namespace ddp {
+
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
+
+// The group made by the last init_process_group, or nullptr before it. Thread-safe.
+std::shared_ptr<ProcessGroup> default_process_group();
+// Forgets the default group (it is destroyed once nobody else holds it). Thread-safe.
+void destroy_process_group();
+
+// Backends built into this library, e.g. {"ring", "mpi"}.
+std::vector<std::string> available_backends();
+
+}  // namespace ddp

@@ -1,0 +1,107 @@
+// ProcessGroup: a fixed set of ranks and the collectives they run together on raw buffers.
+//
+// Every member issues the same collectives in the same order; each call returns a Work at once
+// and the operation runs asynchronously, in issue order, on the group's worker thread. Calls may
+// come from any thread (the group serialises them; the order in which they were issued is the
+// order in which they run). Buffers are (pointer, element count, DType) and must stay valid and
+// untouched until the Work completes; send == recv means in place where a collective allows it.
+//
+//   std::shared_ptr<ddp::ProcessGroup> pg = ddp::make_ring_process_group(store, rank, size);
+//   pg->allreduce(grads.data(), grads.size(), ddp::DType::kFloat32, ddp::ReduceOp::kAvg)->wait();
+//   pg->broadcast(params.data(), params.size(), ddp::DType::kFloat32, /*root=*/0)->wait();
+//
+// Errors: ConfigError at once for bad arguments (null buffer with a non-zero count, root or peer
+// outside the group, unsorted ranks for new_group). CommError from Work::wait when the operation
+// fails: peer gone, deadline passed, or ranks issued different collectives (the message names
+// both calls). After the first CommError the group is poisoned: every pending and later call fails
+// at once with that error. Point-to-point send/recv between two ranks match in issue order and
+// must agree on count, dtype and tag; a send completes once its bytes are handed to the network.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "ddp/comm_error.h"
+#include "ddp/types.h"
+#include "ddp/work.h"
+
+namespace ddp {
+
+struct CallOptions {
+  // Deadline of this call, counted from when it starts to run. 0 = the group's timeout.
+  std::chrono::milliseconds timeout{0};
+};
+
+class ProcessGroup {
+ public:
+  ProcessGroup(int rank, int size) : rank_(rank), size_(size) {}
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+  // Runs the operations still queued, then closes the connections.
+  virtual ~ProcessGroup() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  virtual std::string_view backend() const = 0;
+
+  // recv[i] = op over ranks of send[i], on every rank.
+  virtual std::shared_ptr<Work> allreduce(const void* send, void* recv, std::size_t count,
+                                          DType dtype, ReduceOp op, CallOptions options = {}) = 0;
+  std::shared_ptr<Work> allreduce(void* buf, std::size_t count, DType dtype, ReduceOp op,
+                                  CallOptions options = {}) {
+    return allreduce(buf, buf, count, dtype, op, options);
+  }
+
+  // buf on every rank = buf on `root`.
+  virtual std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,
+                                          CallOptions options = {}) = 0;
+
+  // recv on `root` = op over ranks of send; `recv` is used at the root only (may be null
+  // elsewhere).
+  virtual std::shared_ptr<Work> reduce(const void* send, void* recv, std::size_t count, DType dtype,
+                                       ReduceOp op, int root, CallOptions options = {}) = 0;
+
+  // recv[r * count_per_rank ...] = send of rank r, on every rank. recv holds size() blocks.
+  virtual std::shared_ptr<Work> allgather(const void* send, void* recv, std::size_t count_per_rank,
+                                          DType dtype, CallOptions options = {}) = 0;
+
+  // Like allgather, but only `root` receives (recv may be null elsewhere).
+  virtual std::shared_ptr<Work> gather(const void* send, void* recv, std::size_t count_per_rank,
+                                       DType dtype, int root, CallOptions options = {}) = 0;
+
+  // Rank r receives block r of `root`'s send (send may be null elsewhere).
+  virtual std::shared_ptr<Work> scatter(const void* send, void* recv, std::size_t count_per_rank,
+                                        DType dtype, int root, CallOptions options = {}) = 0;
+
+  // Rank r receives block r of the reduction of every rank's send (size() blocks).
+  virtual std::shared_ptr<Work> reduce_scatter(const void* send, void* recv,
+                                               std::size_t count_per_rank, DType dtype, ReduceOp op,
+                                               CallOptions options = {}) = 0;
+
+  // recv block j on rank r = send block r of rank j.
+  virtual std::shared_ptr<Work> alltoall(const void* send, void* recv, std::size_t count_per_rank,
+                                         DType dtype, CallOptions options = {}) = 0;
+
+  // Completes once every rank has called it.
+  virtual std::shared_ptr<Work> barrier(CallOptions options = {}) = 0;
+
+  // Point to point. Matches the peer's recv(…, src = this rank) issued at the same position.
+  virtual std::shared_ptr<Work> send(const void* buf, std::size_t count, DType dtype, int dst,
+                                     int tag = 0, CallOptions options = {}) = 0;
+  virtual std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src,
+                                     int tag = 0, CallOptions options = {}) = 0;
+
+  // Collective over this group: every member calls it with the same ranks (sorted, unique, ranks
+  // of this group). Returns the subgroup (ranks renumbered 0..n-1 in that order) for members,
+  // nullptr for the others. Runs on the calling thread; it does not wait for queued work.
+  virtual std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) = 0;
+
+ private:
+  int rank_;
+  int size_;
+};
+
+}  // namespace ddp

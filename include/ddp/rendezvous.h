@@ -1,0 +1,58 @@
+// Rendezvous: how the processes of a job find each other before any collective runs.
+//
+//   ddp::World world = ddp::rendezvous();           // reads ddprun/torchrun/mpirun/srun variables
+//   world.store->set("hello/" + std::to_string(world.rank()), "hi");
+//
+// Rank 0 starts the rendezvous store's server on MASTER_PORT (every address); every rank connects
+// to MASTER_ADDR:MASTER_PORT as a client, retrying until the deadline (rank 0 may start last).
+// Each rank then claims its rank number and the world size in the store, and all ranks wait until
+// the whole world has arrived. rendezvous() returns only when every rank is there.
+//
+// Deadline: InitOptions::timeout, else the environment variable DDP_TIMEOUT (seconds), else
+// 300 s. It bounds connecting, and waiting for the other ranks.
+//
+// Errors (nothing waits past the deadline):
+//   ConfigError   bad launch variables (see launch_environment.h), MASTER_PORT already in use on
+//                 rank 0, two processes claiming the same rank, ranks that disagree on the world
+//                 size, a malformed DDP_TIMEOUT;
+//   TimeoutError  the master cannot be reached, or not every rank arrived (names the missing
+//   ranks).
+// Keep the returned World (and so rank 0's store server) alive until every rank is done with the
+// store: destroy it after a final barrier.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "ddp/launch_environment.h"
+#include "ddp/store.h"
+
+namespace ddp {
+
+struct InitOptions {
+  LaunchOptions launch;                 // overrides of the launcher's variables
+  std::string backend;                  // "" = DDP_BACKEND, else chosen from the launcher
+  std::optional<Milliseconds> timeout;  // "" = DDP_TIMEOUT, else kDefaultTimeout
+  std::shared_ptr<Store> store;         // use this store instead of connecting to the master
+};
+
+struct World {
+  std::shared_ptr<Store> store;  // the job's store (all ranks share one key space)
+  LaunchEnvironment environment;
+  Milliseconds timeout{kDefaultTimeout};
+
+  int rank() const { return environment.rank; }
+  int size() const { return environment.world_size; }
+  int local_rank() const { return environment.local_rank; }
+  int local_size() const { return environment.local_world_size; }
+};
+
+World rendezvous(const InitOptions& options = {});
+
+// The deadline rendezvous() uses: options.timeout, else DDP_TIMEOUT (seconds, may be
+// fractional), else kDefaultTimeout. Throws ConfigError for a malformed or non-positive value.
+Milliseconds resolve_timeout(std::optional<Milliseconds> explicit_timeout,
+                             const EnvironmentLookup& lookup = process_environment);
+
+}  // namespace ddp

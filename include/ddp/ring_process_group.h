@@ -1,0 +1,55 @@
+// The `ring` backend: ddp's own collective engine over TCP.
+//
+// Ranks find each other through a Store (each publishes host:port under a key prefixed with the
+// group name), connect as a full mesh with a checked handshake, and then run collectives on one
+// worker thread per group: pipelined ring algorithms for large messages, log-step algorithms for
+// small ones (docs/algorithms.md has the algorithms, their costs and the measured switch point).
+//
+//   auto store = std::make_shared<ddp::TcpStore>(host, port, {.is_server = rank == 0});
+//   auto pg = ddp::make_ring_process_group(store, rank, world_size, {.group_name = "default"});
+//
+// make_ring_process_group blocks until every rank has connected, or throws: ConfigError for bad
+// arguments, CommError when the handshake finds a peer of another group/rank/protocol, or when
+// the peers do not show up before the timeout. Call it from one thread per rank.
+//
+// Timeout precedence (first that applies): CallOptions::timeout of the call; RingOptions::timeout
+// when non-zero; the DDP_TIMEOUT environment variable (seconds, may be fractional) read here;
+// kDefaultTimeout (300 s). The same timeout bounds the connection set-up.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "ddp/process_group.h"
+#include "ddp/store.h"
+
+namespace ddp {
+
+struct RingOptions {
+  // 0 = DDP_TIMEOUT if set, else kDefaultTimeout. See the precedence above.
+  std::chrono::milliseconds timeout{0};
+  // Names the group in store keys and error messages; groups sharing a store need distinct names
+  // (re-creating a group of the same name later is fine).
+  std::string group_name = "default";
+  // Address peers use to reach this rank. "" = DDP_ADVERTISE_ADDR if set, else this host's name.
+  std::string advertise_host;
+  // allreduce messages of at most this many bytes (2x this in a group of two) use recursive
+  // doubling instead of the ring, and broadcasts a binomial tree instead of a chain (chosen by
+  // measurement, see docs/algorithms.md). Must be equal on every rank.
+  std::size_t small_message_bytes = 128 * 1024;
+  // Bytes received per step before reducing them (a cache-sized scratch chunk per stream).
+  std::size_t chunk_bytes = 256 * 1024;
+  // SO_SNDBUF/SO_RCVBUF of every connection.
+  int socket_buffer_bytes = 4 * 1024 * 1024;
+  // How long a waiting thread polls without sleeping (lower latency, burns a core meanwhile).
+  // 0 disables spinning; negative = automatic: 50 us when the group has no more ranks than this
+  // host has cores, else 0.
+  std::chrono::microseconds spin{-1};
+};
+
+std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> store, int rank,
+                                                      int size, RingOptions options = {});
+
+}  // namespace ddp

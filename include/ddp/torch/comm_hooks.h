@@ -1,0 +1,47 @@
+// Communication hooks: how DistributedDataParallel reduces one bucket of gradients.
+//
+// A hook receives the bucket (a flat buffer of one dtype, whose pieces are the gradients of the
+// bucket's parameters) and starts its reduction, returning the pending Work and a `finish` step.
+// When the Work completes, the reducer runs `finish` on the autograd thread; afterwards
+// bucket.buffer must hold the *average* of the ranks' gradients. Hooks run on the autograd thread
+// in bucket order, identically on every rank; they must make the same collectives on every rank.
+//
+//   ddp_model->register_comm_hook(ddp::fp16_compress_hook());
+//
+// Built-ins: allreduce_hook() (default: in-place allreduce with ReduceOp::kAvg),
+// fp16_compress_hook() and bf16_compress_hook() (halve the bytes on the wire: cast to 16 bits,
+// average, cast back; lossy, as in PyTorch).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddp/process_group.h"
+
+namespace ddp {
+
+struct GradBucket {
+  std::size_t index = 0;              // position in launch order (0 = first reduced)
+  torch::Tensor buffer;               // flat, contiguous; reduce it in place (or via finish)
+  std::vector<torch::Tensor> gradients;  // views of buffer, one per parameter, in bucket order
+  std::vector<std::string> parameter_names;
+  bool is_last = false;               // the last bucket of this backward pass
+};
+
+struct BucketReduction {
+  std::shared_ptr<Work> work;   // may be null: then nothing is waited for
+  std::function<void()> finish; // may be empty; runs after work completed successfully
+};
+
+using CommHook = std::function<BucketReduction(ProcessGroup& group, GradBucket& bucket)>;
+
+CommHook allreduce_hook();
+CommHook fp16_compress_hook();
+CommHook bf16_compress_hook();
+
+}  // namespace ddp

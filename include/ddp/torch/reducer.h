@@ -1,0 +1,137 @@
+// Reducer: the gradient-averaging engine behind DistributedDataParallel.
+//
+// Parameters are grouped into buckets (reverse registration order at first, by dtype, a small
+// first bucket so communication starts early, then up to bucket_cap_bytes). Each bucket is one
+// flat tensor. A post-hook on every parameter's gradient accumulator copies the fresh gradient
+// into its slot (or, with gradient_as_bucket_view, the gradient *is* the slot) and counts the
+// bucket down; a full bucket's reduction starts at once, in bucket order, on the group's worker
+// thread, while backward goes on computing earlier layers. A callback queued on the autograd
+// engine runs when backward ends: it waits for every bucket and writes the averages back, so the
+// gradients are synchronised when backward() returns.
+//
+// After the first synchronised iteration the buckets are rebuilt once, in the order in which
+// gradients actually became ready on rank 0 (broadcast, so every rank agrees), at the start of
+// the next forward.
+//
+// Threads: hooks and the final callback run on the autograd thread; prepare_* and the setters on
+// the thread that runs forward. Do not run two backward passes over one Reducer at once.
+// Lifetime: destroying the Reducer waits (bounded by the group's timeout) for reductions in flight
+// and removes its hooks; it must not be destroyed while a backward pass over its parameters runs.
+// Errors surface from backward(): a parameter that received no gradient without
+// find_unused_parameters (Error naming the parameters and the option), a gradient received twice
+// in one pass, and the group's CommError.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddp/process_group.h"
+#include "ddp/torch/comm_hooks.h"
+
+namespace ddp {
+
+struct ReducerOptions {
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  // The set of used parameters and their ready order never change: unused parameters are found
+  // once (first iteration) instead of in every forward.
+  bool static_graph = false;
+};
+
+// What happened in the last synchronised backward pass (for tests and profiling).
+struct BackwardTimeline {
+  using TimePoint = std::chrono::steady_clock::time_point;
+  std::vector<TimePoint> bucket_launched;   // per bucket, when its reduction started
+  std::vector<TimePoint> bucket_completed;  // per bucket, when its reduction finished
+  TimePoint backward_finished{};            // when autograd finished computing (final callback)
+  TimePoint synchronised{};                 // when every average was in place
+};
+
+class Reducer {
+ public:
+  // `parameters` must be distinct leaf tensors that require grad; `names` label them in errors.
+  Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string> names,
+          std::shared_ptr<ProcessGroup> group, ReducerOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Call at the start of every forward pass: rebuilds the buckets when that is due (a collective:
+  // every rank runs the same forwards).
+  void prepare_for_forward();
+  // Call at the end of a forward pass whose gradients will be synchronised, with its outputs:
+  // with find_unused_parameters (or static_graph's first pass) walks the autograd graph from them
+  // to find the parameters this pass does not use.
+  void prepare_for_backward(const std::vector<torch::Tensor>& outputs);
+
+  // false = gradients accumulate locally (no_sync); true = the next backward synchronises.
+  void set_require_sync(bool require_sync);
+  bool require_sync() const;
+
+  // Replaces how buckets are reduced (default allreduce_hook()). Call before the first backward.
+  void register_comm_hook(CommHook hook);
+
+  // Parameter indices per bucket, in launch order.
+  std::vector<std::vector<std::size_t>> bucket_assignment() const;
+  BackwardTimeline last_timeline() const;
+  bool buckets_rebuilt() const;
+
+ private:
+  struct Bucket;
+  struct Slot {
+    std::size_t bucket = 0;
+    std::size_t index = 0;  // position within the bucket
+  };
+
+  void assign_buckets(const std::vector<std::size_t>& order);
+  torch::Tensor slot_view(std::size_t param) const;
+  bool is_bucket_view(std::size_t param, const torch::Tensor& grad) const;
+  void autograd_hook(std::size_t param);
+  void mark_ready(std::size_t param, bool has_grad);
+  void launch_ready_buckets();
+  void finalize_backward();
+  void wait_for_launched_buckets() noexcept;
+  void reset_iteration();
+  void rebuild_buckets();
+  void find_unused(const std::vector<torch::Tensor>& outputs);
+
+  std::vector<torch::Tensor> parameters_;
+  std::vector<std::string> names_;
+  std::shared_ptr<ProcessGroup> group_;
+  ReducerOptions options_;
+  CommHook comm_hook_;
+
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
+  std::vector<std::uintptr_t> hook_keys_;
+
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;  // per parameter
+
+  mutable std::mutex mutex_;
+  bool require_sync_ = true;
+  // Per backward pass.
+  std::vector<bool> ready_;
+  std::vector<bool> used_;  // got a gradient in this pass (find_unused bookkeeping)
+  std::size_t next_bucket_ = 0;
+  bool callback_queued_ = false;
+  bool unused_marked_ = false;
+  std::vector<std::size_t> unused_;
+  bool unused_known_ = false;  // static_graph: unused_ found once
+  BackwardTimeline timeline_;
+  BackwardTimeline last_timeline_;
+  // Bucket rebuilding.
+  std::vector<std::size_t> ready_order_;
+  bool record_ready_order_ = true;
+  bool rebuild_due_ = false;
+  bool rebuilt_ = false;
+};
+
+}  // namespace ddp

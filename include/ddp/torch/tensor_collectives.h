@@ -1,0 +1,37 @@
+// Tensor-level helpers over ProcessGroup: the bridge between libtorch tensors and the raw-buffer
+// collectives of ddp::comm.
+//
+//   ddp::broadcast_coalesced(*pg, module->parameters(), /*root=*/0);   // same values everywhere
+//
+// Tensors must be dense CPU tensors. Calls are collective: every rank of the group makes the same
+// calls with tensors of the same shapes and dtypes, in the same order. Thread-safety as for
+// ProcessGroup. Throws ConfigError for tensors ddp cannot move (sparse, non-CPU, complex, bool),
+// and whatever Work::wait throws (CommError, TimeoutError).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddp/process_group.h"
+
+namespace ddp {
+
+// The collective element type of a tensor's dtype; ConfigError for unsupported dtypes.
+DType to_dtype(c10::ScalarType type);
+
+// Checks that `tensor` can be handed to a collective as a raw buffer (dense, CPU, contiguous,
+// supported dtype); `what` names it in the error.
+void check_collective_tensor(const torch::Tensor& tensor, const std::string& what);
+
+// Starts an in-place allreduce of a contiguous tensor; the tensor must outlive the Work.
+std::shared_ptr<Work> allreduce_tensor(ProcessGroup& group, torch::Tensor& tensor, ReduceOp op);
+
+// Broadcasts `tensors` from `root` in place, packing tensors of one dtype into flat buffers of at
+// most `buffer_bytes` so that many small tensors cost few collectives. Waits for completion.
+void broadcast_coalesced(ProcessGroup& group, std::vector<torch::Tensor> tensors, int root,
+                         std::size_t buffer_bytes = std::size_t{64} << 20);
+
+}  // namespace ddp

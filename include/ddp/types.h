@@ -1,0 +1,43 @@
+// Element types and reduction operations of collectives.
+//
+// A collective moves raw buffers described by (pointer, element count, DType); reductions combine
+// elements with a ReduceOp. These are plain values: any thread may use them. Nothing here throws
+// except to_string/dtype_size on a value outside the enum (std::invalid_argument).
+//
+//   ddp::dtype_size(ddp::DType::kBFloat16)   // 2
+//   ddp::to_string(ddp::ReduceOp::kAvg)       // "avg"
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace ddp {
+
+enum class DType : std::uint8_t {
+  kFloat32,   // IEEE binary32
+  kFloat64,   // IEEE binary64
+  kFloat16,   // IEEE binary16; reduced in float32, rounded back to nearest even
+  kBFloat16,  // bfloat16; reduced in float32, rounded back to nearest even
+  kInt8,      // two's complement; sums and products wrap
+  kUInt8,     // sums and products wrap
+  kInt32,     // two's complement; sums and products wrap
+  kInt64,     // two's complement; sums and products wrap
+};
+
+enum class ReduceOp : std::uint8_t {
+  kSum,
+  kAvg,  // sum over ranks, then divided once by the group size (integers: truncating division)
+  kMin,
+  kMax,
+  kProduct,
+};
+
+// Bytes per element.
+std::size_t dtype_size(DType dtype);
+// "float32", "bfloat16", "int64", ...
+std::string_view to_string(DType dtype);
+// "sum", "avg", "min", "max", "product".
+std::string_view to_string(ReduceOp op);
+
+}  // namespace ddp

@@ -1,0 +1,82 @@
+// Work: the result of an asynchronous operation of a ProcessGroup.
+//
+// A ProcessGroup call returns a std::shared_ptr<Work> at once; the operation runs later on the
+// group's worker thread (or on a thread that waits for it, see below). Any thread may call any
+// method, concurrently.
+//
+//   auto work = pg->allreduce(grads, n, ddp::DType::kFloat32, ddp::ReduceOp::kAvg);
+//   work->then([](ddp::Work& w) { if (!w.error()) mark_ready(); });   // runs on completion
+//   work->wait();                                                    // throws CommError on failure
+//
+// wait() (not wait_for) may run queued operations of the group on the calling thread (up to and
+// including this one) when the worker is idle: that saves a thread hand-off per call, which
+// dominates the latency of small collectives. Callbacks therefore run on whichever thread completed
+// the operation, or on the caller of then() when the operation had already completed. A callback
+// must not throw (exceptions are caught and reported on stderr) and must not wait for later work of
+// the group.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ddp {
+
+class Work {
+ public:
+  // `description` names the operation for timeout messages; `timeout` bounds wait().
+  Work(std::string description, std::chrono::milliseconds timeout);
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+  virtual ~Work() = default;
+
+  bool is_completed() const { return completed_.load(std::memory_order_acquire); }
+
+  // Blocks until the operation completes and the callbacks registered before that have run;
+  // rethrows its error (usually CommError). Throws
+  // TimeoutError when it has not completed within 2 x its timeout + 1 s: a safety net, since the
+  // group enforces the operation's deadline itself from when it starts running.
+  void wait();
+
+  // Blocks up to `timeout`; returns whether the operation completed (callbacks included, as
+  // wait()). Does not throw, not even when the operation failed (see error()).
+  bool wait_for(std::chrono::milliseconds timeout);
+
+  // The operation's error once completed with one, else nullptr.
+  std::exception_ptr error() const;
+
+  // Runs `callback` once the operation has completed: at once on this thread if it already has.
+  void then(std::function<void(Work&)> callback);
+
+  const std::string& description() const { return description_; }
+
+  // For implementations: marks the operation done (with `error`, or successful when null), wakes
+  // waiters, runs callbacks. Called exactly once.
+  void complete(std::exception_ptr error = nullptr);
+
+ protected:
+  // Hook for implementations: called by wait()/wait_for() before they block, so the group may run
+  // the operation on the waiting thread. Returns without blocking when it cannot.
+  virtual void help_until_completed() {}
+
+ private:
+  bool wait_until(std::chrono::steady_clock::time_point deadline, bool help);
+
+  const std::string description_;
+  const std::chrono::milliseconds timeout_;
+  std::atomic<bool> completed_{false};
+  mutable std::mutex mutex_;
+  std::condition_variable done_cv_;
+  std::exception_ptr error_;
+  std::vector<std::function<void(Work&)>> callbacks_;
+  bool finished_ = false;  // completed and the callbacks registered before have run
+  std::thread::id completing_thread_;
+};
+
+}  // namespace ddp

@@ -1,0 +1,762 @@
+// The mpi backend: the per-group queue and worker, deadlines over MPI_Test, poisoning, subgroups.
+//
+// Each group owns two duplicates of its communicator: `comm_`, used only by the worker thread for
+// the operations in issue order, and `control_`, used only by new_group on the caller's thread.
+// Two communicators keep new_group's own collectives from interleaving, in a different order on
+// different ranks, with the operations the worker is running meanwhile.
+//
+// An operation is one non-blocking MPI call (MPI_Iallreduce, MPI_Ibcast, ...) followed by
+// MPI_Test polling until it completes or its deadline passes: polling keeps the deadline ours (MPI
+// has none) and drives MPI's progress engine; it backs off from yielding to short sleeps so that
+// ranks oversubscribing the cores leave them to each other. Operations run one at a time so that
+// a later call sees the buffers of an earlier one completed, as with the ring backend.
+#include "ddp/mpi_process_group.h"
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "comm/mpi/mpi_runtime.h"
+#include "comm/reduce_kernels.h"
+#include "comm/wire.h"
+#include "ddp/error.h"
+#include "ddp/rendezvous.h"
+
+namespace ddp {
+namespace {
+
+using comm::OpKind;
+using comm::mpi::mpi_error_text;
+using comm::mpi::MpiRuntime;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+struct MpiOp {
+  OpKind kind = OpKind::kAllreduce;
+  const std::byte* send = nullptr;
+  std::byte* recv = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = -1;  // or the tag of a send/recv
+  int peer = -1;  // send/recv
+  bool is_recv = false;
+  milliseconds timeout{0};
+  std::uint64_t sequence = 0;
+  std::string description;
+  std::shared_ptr<Work> work;
+};
+
+bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a);
+  const auto y = reinterpret_cast<std::uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+}
+
+// MPI_Comm_idup / MPI_Iallreduce etc. polled against a deadline; false when it passed.
+bool wait_request(MPI_Request& request, Clock::time_point deadline, int& rc,
+                  MPI_Status* status = MPI_STATUS_IGNORE) {
+  auto& runtime = MpiRuntime::instance();
+  for (int idle = 0;; ++idle) {
+    int done = 0;
+    {
+      auto lock = runtime.lock();
+      rc = MPI_Test(&request, &done, status);
+    }
+    if (rc != MPI_SUCCESS || done) return true;
+    if (Clock::now() >= deadline) return false;
+    if (idle < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(std::min(250, 2 * (idle - 63))));
+    }
+  }
+}
+
+class MpiProcessGroup;
+
+// A Work whose wait() may run the group's queue on the waiting thread (see work.h): that saves two
+// thread hand-offs per call, most of the latency of a small collective.
+class MpiWork final : public Work {
+ public:
+  MpiWork(std::string description, milliseconds timeout, std::weak_ptr<MpiProcessGroup> group)
+      : Work(std::move(description), timeout), group_(std::move(group)) {}
+
+ protected:
+  void help_until_completed() override;
+
+ private:
+  std::weak_ptr<MpiProcessGroup> group_;
+};
+
+class MpiProcessGroup final : public ProcessGroup,
+                              public std::enable_shared_from_this<MpiProcessGroup> {
+ public:
+  MpiProcessGroup(MPI_Comm comm, MPI_Comm control, std::string name, milliseconds timeout, int rank,
+                  int size)
+      : ProcessGroup(rank, size),
+        comm_(comm),
+        control_(control),
+        name_(std::move(name)),
+        timeout_(timeout),
+        send_sequence_(static_cast<std::size_t>(size), 0),
+        recv_sequence_(static_cast<std::size_t>(size), 0) {
+    worker_ = std::thread([this] { worker_loop(); });
+  }
+  ~MpiProcessGroup() override;
+
+  std::string_view backend() const override { return "mpi"; }
+  using ProcessGroup::allreduce;
+
+  std::shared_ptr<Work> allreduce(const void* send, void* recv, std::size_t count, DType dtype,
+                                  ReduceOp op, CallOptions options) override {
+    check_buffer(send, count, "allreduce", "send");
+    check_buffer(recv, count, "allreduce", "recv");
+    return enqueue(make_op(OpKind::kAllreduce, send, recv, count, dtype, op, -1), options);
+  }
+
+  std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,
+                                  CallOptions options) override {
+    check_buffer(buf, count, "broadcast", "buf");
+    check_rank(root, "broadcast", "root");
+    return enqueue(make_op(OpKind::kBroadcast, buf, buf, count, dtype, std::nullopt, root),
+                   options);
+  }
+
+  std::shared_ptr<Work> reduce(const void* send, void* recv, std::size_t count, DType dtype,
+                               ReduceOp op, int root, CallOptions options) override {
+    check_rank(root, "reduce", "root");
+    check_buffer(send, count, "reduce", "send");
+    if (rank() == root) check_buffer(recv, count, "reduce", "recv (at the root)");
+    return enqueue(make_op(OpKind::kReduce, send, recv, count, dtype, op, root), options);
+  }
+
+  std::shared_ptr<Work> allgather(const void* send, void* recv, std::size_t count_per_rank,
+                                  DType dtype, CallOptions options) override {
+    check_buffer(send, count_per_rank, "allgather", "send");
+    check_buffer(recv, count_per_rank, "allgather", "recv");
+    return enqueue(make_op(OpKind::kAllgather, send, recv, count_per_rank, dtype, std::nullopt, -1),
+                   options);
+  }
+
+  std::shared_ptr<Work> gather(const void* send, void* recv, std::size_t count_per_rank,
+                               DType dtype, int root, CallOptions options) override {
+    check_rank(root, "gather", "root");
+    check_buffer(send, count_per_rank, "gather", "send");
+    if (rank() == root) check_buffer(recv, count_per_rank, "gather", "recv (at the root)");
+    return enqueue(make_op(OpKind::kGather, send, recv, count_per_rank, dtype, std::nullopt, root),
+                   options);
+  }
+
+  std::shared_ptr<Work> scatter(const void* send, void* recv, std::size_t count_per_rank,
+                                DType dtype, int root, CallOptions options) override {
+    check_rank(root, "scatter", "root");
+    if (rank() == root) check_buffer(send, count_per_rank, "scatter", "send (at the root)");
+    check_buffer(recv, count_per_rank, "scatter", "recv");
+    return enqueue(make_op(OpKind::kScatter, send, recv, count_per_rank, dtype, std::nullopt, root),
+                   options);
+  }
+
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, std::size_t count_per_rank,
+                                       DType dtype, ReduceOp op, CallOptions options) override {
+    check_buffer(send, count_per_rank, "reduce_scatter", "send");
+    check_buffer(recv, count_per_rank, "reduce_scatter", "recv");
+    return enqueue(make_op(OpKind::kReduceScatter, send, recv, count_per_rank, dtype, op, -1),
+                   options);
+  }
+
+  std::shared_ptr<Work> alltoall(const void* send, void* recv, std::size_t count_per_rank,
+                                 DType dtype, CallOptions options) override {
+    check_buffer(send, count_per_rank, "alltoall", "send");
+    check_buffer(recv, count_per_rank, "alltoall", "recv");
+    return enqueue(make_op(OpKind::kAlltoall, send, recv, count_per_rank, dtype, std::nullopt, -1),
+                   options);
+  }
+
+  std::shared_ptr<Work> barrier(CallOptions options) override {
+    return enqueue(make_op(OpKind::kBarrier, nullptr, nullptr, 0, DType::kUInt8, std::nullopt, -1),
+                   options);
+  }
+
+  std::shared_ptr<Work> send(const void* buf, std::size_t count, DType dtype, int dst, int tag,
+                             CallOptions options) override {
+    check_buffer(buf, count, "send", "buf");
+    check_peer(dst, "send", "dst");
+    check_tag(tag, "send");
+    MpiOp op = make_op(OpKind::kSend, buf, nullptr, count, dtype, std::nullopt, tag);
+    op.peer = dst;
+    return enqueue(std::move(op), options);
+  }
+
+  std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
+                             CallOptions options) override {
+    check_buffer(buf, count, "recv", "buf");
+    check_peer(src, "recv", "src");
+    check_tag(tag, "recv");
+    MpiOp op = make_op(OpKind::kSend, nullptr, buf, count, dtype, std::nullopt, tag);
+    op.peer = src;
+    op.is_recv = true;
+    return enqueue(std::move(op), options);
+  }
+
+  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
+
+ private:
+  MpiOp make_op(OpKind kind, const void* send, void* recv, std::size_t count, DType dtype,
+                std::optional<ReduceOp> op, int root) const;
+  std::shared_ptr<Work> enqueue(MpiOp op, CallOptions options);
+  void worker_loop();
+
+ public:
+  // Runs queued operations on the calling thread until `work` is done, unless another thread
+  // is running them already.
+  void run_inline_until(Work& work);
+
+ private:
+  void execute(MpiOp& op);
+  void run(MpiOp& op);
+  // Starts the MPI call of `op` (under the runtime lock); returns MPI's code.
+  int start(MpiOp& op, MPI_Request* request);
+  void fail(MpiOp& op, std::exception_ptr error);
+  std::exception_ptr poison() {
+    std::lock_guard lock(poison_mutex_);
+    return poison_;
+  }
+  CommError error(const MpiOp& op, const std::string& what) const {
+    return CommError(fmt::format("rank {} of group '{}' (mpi backend): {} {}", rank(), name_,
+                                 op.description, what),
+                     name_, op.description, op.sequence, op.peer);
+  }
+
+  void check_buffer(const void* p, std::size_t count, const char* op, const char* name) const;
+  void check_rank(int r, const char* op, const char* name) const;
+  void check_peer(int r, const char* op, const char* name) const;
+  void check_tag(int tag, const char* op) const;
+
+  MPI_Comm comm_;
+  MPI_Comm control_;
+  std::string name_;
+  milliseconds timeout_;
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<MpiOp> queue_;
+  bool stopping_ = false;
+  std::uint64_t next_sequence_ = 0;
+  std::vector<std::uint64_t> send_sequence_;  // p2p, per peer
+  std::vector<std::uint64_t> recv_sequence_;
+  std::thread worker_;
+  // Held by whichever thread runs operations: the worker, or a waiter (run_inline_until).
+  std::mutex exec_mutex_;
+
+  std::mutex new_group_mutex_;
+  int subgroups_created_ = 0;
+  std::exception_ptr control_error_;  // new_group timed out: control_ is unusable
+
+  std::atomic<bool> poisoned_{false};
+  std::mutex poison_mutex_;
+  std::exception_ptr poison_;
+
+  // Worker thread only: copies of inputs that overlap outputs.
+  std::vector<std::byte> scratch_;
+};
+
+MpiProcessGroup::~MpiProcessGroup() {
+  {
+    std::lock_guard lock(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (worker_.get_id() == std::this_thread::get_id()) {
+    worker_.detach();  // dropped from a callback on the worker; it exits on its own
+    return;
+  }
+  worker_.join();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  // A poisoned communicator may still have an abandoned request posted: leave it to MPI_Finalize.
+  if (finalized || poisoned_.load()) return;
+  auto lock = MpiRuntime::instance().lock();
+  MPI_Comm_free(&comm_);
+  MPI_Comm_free(&control_);
+}
+
+void MpiProcessGroup::check_buffer(const void* p, std::size_t count, const char* op,
+                                   const char* name) const {
+  if (p == nullptr && count > 0) {
+    throw ConfigError(
+        fmt::format("{}: the {} buffer is null but count is {}; pass a buffer of "
+                    "at least count elements",
+                    op, name, count));
+  }
+  if (count > static_cast<std::size_t>(INT_MAX)) {
+    throw ConfigError(
+        fmt::format("{}: count {} is above {} elements, the most one MPI call "
+                    "takes; split the buffer into several calls",
+                    op, count, INT_MAX));
+  }
+}
+
+void MpiProcessGroup::check_rank(int r, const char* op, const char* name) const {
+  if (r < 0 || r >= size()) {
+    throw ConfigError(fmt::format("{}: {} {} is not a rank of group '{}' (ranks 0..{})", op, name,
+                                  r, name_, size() - 1));
+  }
+}
+
+void MpiProcessGroup::check_peer(int r, const char* op, const char* name) const {
+  check_rank(r, op, name);
+  if (r == rank()) {
+    throw ConfigError(
+        fmt::format("{}: {} {} is this rank itself; point-to-point needs another "
+                    "rank",
+                    op, name, r));
+  }
+}
+
+void MpiProcessGroup::check_tag(int tag, const char* op) const {
+  const int max_tag = MpiRuntime::instance().max_tag();
+  if (tag < 0 || tag > max_tag) {
+    throw ConfigError(
+        fmt::format("{}: tag {} is outside 0..{}, the tags this MPI accepts", op, tag, max_tag));
+  }
+}
+
+MpiOp MpiProcessGroup::make_op(OpKind kind, const void* send, void* recv, std::size_t count,
+                               DType dtype, std::optional<ReduceOp> op, int root) const {
+  if (static_cast<std::uint8_t>(dtype) > static_cast<std::uint8_t>(DType::kInt64)) {
+    throw ConfigError(
+        fmt::format("{}: invalid DType value {}", comm::to_string(kind), static_cast<int>(dtype)));
+  }
+  if (op && static_cast<std::uint8_t>(*op) > static_cast<std::uint8_t>(ReduceOp::kProduct)) {
+    throw ConfigError(
+        fmt::format("{}: invalid ReduceOp value {}", comm::to_string(kind), static_cast<int>(*op)));
+  }
+  MpiOp result;
+  result.kind = kind;
+  result.send = static_cast<const std::byte*>(send);
+  result.recv = static_cast<std::byte*>(recv);
+  result.count = count;
+  result.dtype = dtype;
+  result.op = op.value_or(ReduceOp::kSum);
+  result.root = root;
+  return result;
+}
+
+std::shared_ptr<Work> MpiProcessGroup::enqueue(MpiOp op, CallOptions options) {
+  if (options.timeout.count() < 0) {
+    throw ConfigError(
+        fmt::format("CallOptions::timeout is negative ({} ms)", options.timeout.count()));
+  }
+  op.timeout = options.timeout.count() > 0 ? options.timeout : timeout_;
+  // The same names as the ring backend's messages ("allreduce(float32 x 8, sum) #3").
+  comm::OpHeader header;
+  header.kind = op.kind;
+  header.dtype = static_cast<std::uint8_t>(op.dtype);
+  header.reduce_op = op.kind == OpKind::kAllreduce || op.kind == OpKind::kReduce ||
+                             op.kind == OpKind::kReduceScatter
+                         ? static_cast<std::uint8_t>(op.op)
+                         : comm::kNoReduceOp;
+  header.count = op.count;
+  header.root = op.root;
+  std::shared_ptr<Work> work;
+  bool queued = false;
+  {
+    std::lock_guard lock(queue_mutex_);
+    if (op.kind == OpKind::kSend) {
+      auto& counters = op.is_recv ? recv_sequence_ : send_sequence_;
+      op.sequence = counters[static_cast<std::size_t>(op.peer)]++;
+      header.sequence = op.sequence;
+      op.description = comm::describe(header, op.peer, op.is_recv);
+    } else {
+      op.sequence = next_sequence_++;
+      header.sequence = op.sequence;
+      op.description = comm::describe(header);
+    }
+    work = std::make_shared<MpiWork>(op.description, op.timeout, weak_from_this());
+    op.work = work;
+    if (!poisoned_.load(std::memory_order_acquire)) {
+      queue_.push_back(std::move(op));
+      queued = true;
+    }
+  }
+  if (queued) {
+    queue_cv_.notify_one();
+  } else {
+    work->complete(poison());
+  }
+  return work;
+}
+
+void MpiProcessGroup::worker_loop() {
+  for (;;) {
+    {
+      std::unique_lock lock(queue_mutex_);
+      queue_cv_.wait(lock, [&] { return !queue_.empty() || stopping_; });
+      if (queue_.empty()) return;
+    }
+    std::lock_guard exec(exec_mutex_);
+    MpiOp op;
+    {
+      std::lock_guard lock(queue_mutex_);
+      if (queue_.empty()) continue;  // a waiter ran it meanwhile
+      op = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    execute(op);
+  }
+}
+
+void MpiProcessGroup::run_inline_until(Work& work) {
+  std::unique_lock exec(exec_mutex_, std::try_to_lock);
+  if (!exec.owns_lock()) return;  // the worker runs them; the caller sleeps on the Work
+  while (!work.is_completed()) {
+    MpiOp op;
+    {
+      std::lock_guard lock(queue_mutex_);
+      if (queue_.empty()) return;
+      op = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    execute(op);
+  }
+}
+
+void MpiWork::help_until_completed() {
+  if (auto group = group_.lock()) group->run_inline_until(*this);
+}
+
+void MpiProcessGroup::execute(MpiOp& op) {
+  if (poisoned_.load(std::memory_order_acquire)) {
+    op.work->complete(poison());
+    return;
+  }
+  try {
+    run(op);
+  } catch (const CommError&) {
+    fail(op, std::current_exception());
+    return;
+  } catch (const std::exception& e) {
+    fail(op, std::make_exception_ptr(error(op, fmt::format("failed: {}", e.what()))));
+    return;
+  }
+  op.work->complete();
+}
+
+// Poisons the group with its first error: fails `op` and everything still queued. Peers are not
+// told (MPI has no way to interrupt their calls): they fail at their own deadlines.
+void MpiProcessGroup::fail(MpiOp& op, std::exception_ptr error) {
+  {
+    std::lock_guard lock(poison_mutex_);
+    if (!poison_) poison_ = error;
+    error = poison_;
+  }
+  poisoned_.store(true, std::memory_order_release);
+  op.work->complete(error);
+  std::deque<MpiOp> pending;
+  {
+    std::lock_guard lock(queue_mutex_);
+    pending.swap(queue_);
+  }
+  for (auto& p : pending)
+    p.work->complete(error);
+}
+
+void MpiProcessGroup::run(MpiOp& op) {
+  // Nothing to move; every rank passes the same count, so every rank skips it alike.
+  if (op.count == 0 && op.kind != OpKind::kBarrier && op.kind != OpKind::kSend) return;
+  const auto deadline = Clock::now() + op.timeout;
+  MPI_Request request = MPI_REQUEST_NULL;
+  int rc = start(op, &request);
+  if (rc != MPI_SUCCESS) throw error(op, fmt::format("could not start: {}", mpi_error_text(rc)));
+  MPI_Status status;
+  if (!wait_request(request, deadline, rc, op.is_recv ? &status : MPI_STATUS_IGNORE)) {
+    // MPI cannot cancel a collective: the request stays posted and the group stays poisoned.
+    throw error(op, fmt::format("did not complete within {} ms: a rank of the group did not issue "
+                                "it (or issued a different operation), or is stuck or gone; this "
+                                "group is unusable from now on",
+                                op.timeout.count()));
+  }
+  if (rc != MPI_SUCCESS) throw error(op, fmt::format("failed: {}", mpi_error_text(rc)));
+  const std::size_t bytes = op.count * dtype_size(op.dtype);
+  if (op.is_recv) {
+    int received = 0;
+    MPI_Get_count(&status, MpiRuntime::instance().datatype(op.dtype), &received);
+    if (received != static_cast<int>(op.count)) {
+      throw error(op, fmt::format("received {} elements from rank {} but expected {}: sender and "
+                                  "receiver must agree on count and dtype",
+                                  received, op.peer, op.count));
+    }
+  }
+  const bool average = op.op == ReduceOp::kAvg;
+  switch (op.kind) {
+    case OpKind::kAllreduce:
+    case OpKind::kReduceScatter:
+      if (average) comm::divide(op.recv, op.count, op.dtype, size());
+      break;
+    case OpKind::kReduce:
+      if (average && rank() == op.root) comm::divide(op.recv, op.count, op.dtype, size());
+      break;
+    case OpKind::kScatter:
+      // The root scattered with MPI_IN_PLACE (its block stayed in `send`); copying it only now
+      // keeps a `recv` that overlaps other blocks of `send` from corrupting them.
+      if (rank() == op.root) {
+        std::memmove(op.recv, op.send + static_cast<std::size_t>(op.root) * bytes, bytes);
+      }
+      break;
+    default:
+      break;
+  }
+}
+
+int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
+  auto& runtime = MpiRuntime::instance();
+  const MPI_Datatype type = runtime.datatype(op.dtype);
+  const MPI_Op reduce_op = runtime.reduce_op(op.dtype, op.op);
+  const int count = static_cast<int>(op.count);
+  const std::size_t bytes = op.count * dtype_size(op.dtype);
+  const std::size_t all_bytes = bytes * static_cast<std::size_t>(size());
+  // An input that overlaps the output (other than exactly, which is MPI_IN_PLACE) is copied.
+  auto private_copy = [&](std::size_t n) -> const std::byte* {
+    scratch_.assign(op.send, op.send + n);
+    return scratch_.data();
+  };
+  switch (op.kind) {
+    case OpKind::kAllreduce: {
+      const void* in = op.send == op.recv                         ? MPI_IN_PLACE
+                       : overlaps(op.send, bytes, op.recv, bytes) ? private_copy(bytes)
+                                                                  : op.send;
+      auto lock = runtime.lock();
+      return MPI_Iallreduce(in, op.recv, count, type, reduce_op, comm_, request);
+    }
+    case OpKind::kBroadcast: {
+      auto lock = runtime.lock();
+      return MPI_Ibcast(op.recv, count, type, op.root, comm_, request);
+    }
+    case OpKind::kReduce: {
+      const void* in = op.send;
+      if (rank() == op.root) {
+        in = op.send == op.recv                         ? MPI_IN_PLACE
+             : overlaps(op.send, bytes, op.recv, bytes) ? private_copy(bytes)
+                                                        : op.send;
+      }
+      auto lock = runtime.lock();
+      return MPI_Ireduce(in, rank() == op.root ? op.recv : nullptr, count, type, reduce_op, op.root,
+                         comm_, request);
+    }
+    case OpKind::kAllgather: {
+      std::byte* own = op.recv + static_cast<std::size_t>(rank()) * bytes;
+      if (own != op.send) std::memmove(own, op.send, bytes);
+      auto lock = runtime.lock();
+      return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, op.recv, count, type, comm_,
+                            request);
+    }
+    case OpKind::kGather: {
+      auto lock = std::unique_lock<std::mutex>();
+      if (rank() == op.root) {
+        std::byte* own = op.recv + static_cast<std::size_t>(rank()) * bytes;
+        if (own != op.send) std::memmove(own, op.send, bytes);
+        lock = runtime.lock();
+        return MPI_Igather(MPI_IN_PLACE, count, type, op.recv, count, type, op.root, comm_,
+                           request);
+      }
+      lock = runtime.lock();
+      return MPI_Igather(op.send, count, type, nullptr, count, type, op.root, comm_, request);
+    }
+    case OpKind::kScatter: {
+      auto lock = runtime.lock();
+      if (rank() == op.root) {
+        return MPI_Iscatter(op.send, count, type, MPI_IN_PLACE, count, type, op.root, comm_,
+                            request);
+      }
+      return MPI_Iscatter(nullptr, count, type, op.recv, count, type, op.root, comm_, request);
+    }
+    case OpKind::kReduceScatter: {
+      const void* in = op.send == op.recv                             ? MPI_IN_PLACE
+                       : overlaps(op.send, all_bytes, op.recv, bytes) ? private_copy(all_bytes)
+                                                                      : op.send;
+      auto lock = runtime.lock();
+      return MPI_Ireduce_scatter_block(in, op.recv, count, type, reduce_op, comm_, request);
+    }
+    case OpKind::kAlltoall: {
+      const void* in =
+          overlaps(op.send, all_bytes, op.recv, all_bytes) ? private_copy(all_bytes) : op.send;
+      auto lock = runtime.lock();
+      return MPI_Ialltoall(in, count, type, op.recv, count, type, comm_, request);
+    }
+    case OpKind::kBarrier: {
+      auto lock = runtime.lock();
+      return MPI_Ibarrier(comm_, request);
+    }
+    case OpKind::kSend: {
+      auto lock = runtime.lock();
+      if (op.is_recv) {
+        return MPI_Irecv(op.recv, count, type, op.peer, op.root, comm_, request);
+      }
+      return MPI_Isend(op.send, count, type, op.peer, op.root, comm_, request);
+    }
+  }
+  return MPI_ERR_OTHER;
+}
+
+std::uint64_t hash_ranks(const std::vector<int>& ranks) {
+  std::uint64_t h = 14695981039346656037ull;  // FNV-1a
+  auto mix = [&](std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(ranks.size());
+  for (int r : ranks)
+    mix(static_cast<std::uint32_t>(r));
+  return h;
+}
+
+std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks) {
+  if (ranks.empty()) {
+    throw ConfigError(fmt::format("new_group on group '{}': the rank list is empty", name_));
+  }
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    check_rank(ranks[i], "new_group", "rank");
+    if (i > 0 && ranks[i] <= ranks[i - 1]) {
+      throw ConfigError(
+          fmt::format("new_group on group '{}': ranks must be sorted and unique, "
+                      "got {} after {}",
+                      name_, ranks[i], ranks[i - 1]));
+    }
+  }
+  auto& runtime = MpiRuntime::instance();
+  std::lock_guard guard(new_group_mutex_);
+  if (control_error_) std::rethrow_exception(control_error_);
+  const int index = subgroups_created_++;
+  auto comm_error = [&](const std::string& what) {
+    return CommError(fmt::format("rank {} of group '{}' (mpi backend): new_group({}) {}", rank(),
+                                 name_, fmt::join(ranks, ", "), what),
+                     name_, "new_group", 0, -1);
+  };
+
+  // Every rank must pass the same list: max over ranks of (h, ~h) is (h, ~h) on every rank iff
+  // all hashes are equal. The Iallreduce also bounds the wait for the other ranks by a deadline;
+  // the blocking MPI_Comm_split after it then finds every rank there.
+  const std::uint64_t h = hash_ranks(ranks);
+  // On the heap: after a timeout MPI may still write `most`, so the buffer is then leaked.
+  auto buffer = std::make_unique<std::uint64_t[]>(4);
+  std::uint64_t* mine = buffer.get();
+  std::uint64_t* most = buffer.get() + 2;
+  mine[0] = h;
+  mine[1] = ~h;
+  MPI_Request request = MPI_REQUEST_NULL;
+  int rc;
+  {
+    auto lock = runtime.lock();
+    rc = MPI_Iallreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, control_, &request);
+  }
+  if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
+  if (!wait_request(request, Clock::now() + timeout_, rc)) {
+    // The request stays posted on control_ (and writes `most` if the peers come): never reuse it.
+    static_cast<void>(buffer.release());
+    control_error_ = std::make_exception_ptr(comm_error(fmt::format(
+        "timed out after {} ms waiting for the other ranks of the group to call it (every rank "
+        "of the group calls new_group, members or not)",
+        timeout_.count())));
+    std::rethrow_exception(control_error_);
+  }
+  if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
+  if (most[0] != h || most[1] != ~h) {
+    throw ConfigError(
+        fmt::format("new_group on group '{}': the ranks passed different rank lists "
+                    "(rank {} passed [{}]); pass the same list on every rank",
+                    name_, rank(), fmt::join(ranks, ", ")));
+  }
+  const auto it = std::find(ranks.begin(), ranks.end(), rank());
+  const bool member = it != ranks.end();
+  const int key = member ? static_cast<int>(it - ranks.begin()) : 0;
+  MPI_Comm sub = MPI_COMM_NULL;
+  MPI_Comm sub_control = MPI_COMM_NULL;
+  {
+    auto lock = runtime.lock();
+    rc = MPI_Comm_split(control_, member ? 0 : MPI_UNDEFINED, key, &sub);
+    if (rc == MPI_SUCCESS && member) rc = MPI_Comm_dup(sub, &sub_control);
+    if (rc == MPI_SUCCESS && member) {
+      MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+      MPI_Comm_set_errhandler(sub_control, MPI_ERRORS_RETURN);
+    }
+  }
+  if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
+  if (!member) return nullptr;
+  return std::make_shared<MpiProcessGroup>(sub, sub_control, fmt::format("{}/sub{}", name_, index),
+                                           timeout_, key, static_cast<int>(ranks.size()));
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
+  if (options.group_name.empty()) {
+    throw ConfigError("make_mpi_process_group: MpiOptions::group_name is empty");
+  }
+  if (options.timeout.count() < 0) {
+    throw ConfigError(
+        fmt::format("MpiOptions::timeout is negative ({} ms); use a positive "
+                    "value, or 0 for DDP_TIMEOUT / the default",
+                    options.timeout.count()));
+  }
+  const milliseconds timeout =
+      options.timeout.count() > 0 ? options.timeout : resolve_timeout(std::nullopt);
+  auto& runtime = MpiRuntime::instance();
+  int world_rank = 0;
+  int world_size = 0;
+  // On the heap: after a timeout MPI may still complete the duplication into it (then leaked).
+  auto comms_buffer = std::make_unique<MPI_Comm[]>(2);
+  MPI_Comm* comms = comms_buffer.get();
+  comms[0] = comms[1] = MPI_COMM_NULL;
+  MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  int rc;
+  {
+    auto lock = runtime.lock();
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    rc = MPI_Comm_idup(MPI_COMM_WORLD, &comms[0], &requests[0]);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_idup(MPI_COMM_WORLD, &comms[1], &requests[1]);
+  }
+  auto comm_error = [&](const std::string& what) {
+    return CommError(fmt::format("rank {} of {} (mpi backend): creating group '{}' {}", world_rank,
+                                 world_size, options.group_name, what),
+                     options.group_name, "make_mpi_process_group", 0, -1);
+  };
+  if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
+  const auto deadline = Clock::now() + timeout;
+  for (auto& request : requests) {
+    if (!wait_request(request, deadline, rc)) {
+      static_cast<void>(comms_buffer.release());
+      throw comm_error(
+          fmt::format("timed out after {} ms waiting for every rank of "
+                      "MPI_COMM_WORLD to call make_mpi_process_group",
+                      timeout.count()));
+    }
+    if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
+  }
+  {
+    auto lock = runtime.lock();
+    MPI_Comm_set_errhandler(comms[0], MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(comms[1], MPI_ERRORS_RETURN);
+  }
+  return std::make_shared<MpiProcessGroup>(comms[0], comms[1], options.group_name, timeout,
+                                           world_rank, world_size);
+}
+
+bool mpi_backend_available() {
+  return true;
+}
+
+}  // namespace ddp

@@ -1,0 +1,68 @@
+#include "ddp/types.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace ddp {
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat64:
+      return 8;
+    case DType::kFloat16:
+      return 2;
+    case DType::kBFloat16:
+      return 2;
+    case DType::kInt8:
+      return 1;
+    case DType::kUInt8:
+      return 1;
+    case DType::kInt32:
+      return 4;
+    case DType::kInt64:
+      return 8;
+  }
+  throw std::invalid_argument("unknown DType " + std::to_string(static_cast<int>(dtype)));
+}
+
+std::string_view to_string(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kInt8:
+      return "int8";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+  }
+  throw std::invalid_argument("unknown DType " + std::to_string(static_cast<int>(dtype)));
+}
+
+std::string_view to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMin:
+      return "min";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kProduct:
+      return "product";
+  }
+  throw std::invalid_argument("unknown ReduceOp " + std::to_string(static_cast<int>(op)));
+}
+
+}  // namespace ddp

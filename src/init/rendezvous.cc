@@ -1,0 +1,181 @@
+#include "ddp/rendezvous.h"
+
+#include <unistd.h>
+
+#include <charconv>
+#include <cmath>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "ddp/error.h"
+#include "ddp/tcp_store.h"
+#include "net/socket.h"
+
+namespace ddp {
+namespace {
+
+std::string seconds_text(Milliseconds timeout) {
+  return fmt::format("{:g} s", static_cast<double>(timeout.count()) / 1000.0);
+}
+
+// A token that identifies this process among all processes of the job.
+std::string process_token() {
+  std::random_device random;
+  return fmt::format("{} pid {} ({:08x})", net::host_name(), ::getpid(), random());
+}
+
+// Marks an error value that is a timeout (others are configuration errors).
+constexpr std::string_view kTimeoutTag = "timeout: ";
+
+std::string to_string(const Bytes& bytes) { return {bytes.begin(), bytes.end()}; }
+
+// The keys one rendezvous attempt uses. Restarted jobs get a fresh generation.
+struct Keys {
+  std::string base;
+  std::string rank(int r) const { return fmt::format("{}/rank/{}", base, r); }
+  std::string world_size() const { return base + "/world_size"; }
+  std::string arrived() const { return base + "/arrived"; }
+  std::string complete() const { return base + "/complete"; }
+  std::string error() const { return base + "/error"; }
+};
+
+std::shared_ptr<Store> connect_store(const LaunchEnvironment& env, Milliseconds timeout) {
+  const bool is_server = env.rank == 0;
+  try {
+    return std::make_shared<TcpStore>(
+        env.master_addr, env.master_port,
+        TcpStoreOptions{.is_server = is_server, .timeout = timeout, .connect_timeout = timeout});
+  } catch (const ConfigError& e) {
+    if (is_server) {
+      throw ConfigError(fmt::format(
+          "rank 0 cannot start the rendezvous store on port {}: {}", env.master_port, e.what()));
+    }
+    throw;
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(fmt::format(
+        "rank {} could not reach the rendezvous store at {}:{} within {}: is rank 0 running, and "
+        "do MASTER_ADDR and MASTER_PORT point at its host? ({})",
+        env.rank, env.master_addr, env.master_port, seconds_text(timeout), e.what()));
+  }
+}
+
+// Records `message` for every other rank to see, then throws it here.
+[[noreturn]] void fail_everywhere(Store& store, const Keys& keys, const std::string& message) {
+  try {
+    store.set(keys.error(), message);
+  } catch (const Error&) {
+    // The store itself failing must not hide the original problem.
+  }
+  throw ConfigError(message);
+}
+
+std::vector<int> missing_ranks(Store& store, const Keys& keys, int world_size) {
+  std::vector<int> missing;
+  for (int r = 0; r < world_size; ++r) {
+    const std::vector<std::string> key{keys.rank(r)};
+    if (!store.check(key)) missing.push_back(r);
+  }
+  return missing;
+}
+
+void wait_for_world(Store& store, const Keys& keys, const LaunchEnvironment& env,
+                    Milliseconds timeout) {
+  const auto deadline = net::deadline_after(timeout);
+  const std::vector<std::string> complete{keys.complete()};
+  const std::vector<std::string> error{keys.error()};
+  auto pause = std::chrono::milliseconds(1);
+  try {
+    for (;;) {
+      if (store.check(complete)) return;
+      if (store.check(error)) {
+        store.add(keys.error() + "/seen", 1);
+        const std::string value = to_string(store.get(keys.error(), timeout));
+        if (value.starts_with(kTimeoutTag)) throw TimeoutError(value.substr(kTimeoutTag.size()));
+        throw ConfigError(value);
+      }
+      if (net::Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    }
+    const auto missing = missing_ranks(store, keys, env.world_size);
+    const std::string message = fmt::format(
+        "only {} of {} ranks joined the rendezvous at {}:{} within {}; missing rank(s): {}. "
+        "Check that every process was started with the same WORLD_SIZE and MASTER_ADDR/PORT",
+        env.world_size - static_cast<int>(missing.size()), env.world_size, env.master_addr,
+        env.master_port, seconds_text(timeout), fmt::join(missing, ", "));
+    if (env.rank == 0) {
+      // Rank 0 hosts the store: tell the ranks that did arrive, and give them a moment to read it
+      // before the store goes away with this process.
+      store.compare_set(keys.error(), "", std::string(kTimeoutTag) + message);
+      const int arrived_others = env.world_size - static_cast<int>(missing.size()) - 1;
+      const auto linger = net::deadline_after(std::chrono::seconds(2));
+      while (store.add(keys.error() + "/seen", 0) < arrived_others && net::Clock::now() < linger) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+    throw TimeoutError(message);
+  } catch (const StoreError& e) {
+    throw StoreError(fmt::format(
+        "rank {} lost the rendezvous store at {}:{} while waiting for the other ranks: rank 0, "
+        "which hosts it, has stopped (see its own error) ({})",
+        env.rank, env.master_addr, env.master_port, e.what()));
+  }
+}
+
+}  // namespace
+
+Milliseconds resolve_timeout(std::optional<Milliseconds> explicit_timeout,
+                             const EnvironmentLookup& lookup) {
+  if (explicit_timeout) {
+    if (explicit_timeout->count() <= 0) {
+      throw ConfigError("the timeout must be positive (InitOptions::timeout)");
+    }
+    return *explicit_timeout;
+  }
+  const auto text = lookup("DDP_TIMEOUT");
+  if (!text) return kDefaultTimeout;
+  double seconds = 0;
+  const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+  if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() ||
+      !std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
+    throw ConfigError(fmt::format(
+        "DDP_TIMEOUT='{}' is not a positive number of seconds (e.g. DDP_TIMEOUT=60)", *text));
+  }
+  return Milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
+}
+
+World rendezvous(const InitOptions& options) {
+  World world;
+  world.environment = resolve_launch_environment(options.launch);
+  world.timeout = resolve_timeout(options.timeout);
+  const auto& env = world.environment;
+
+  world.store = options.store ? options.store : connect_store(env, world.timeout);
+  Store& store = *world.store;
+  const Keys keys{fmt::format("ddp/rendezvous/{}", env.restart_count)};
+
+  const std::string token = process_token();
+  const std::string holder = store.compare_set(keys.rank(env.rank), "", token);
+  if (holder != token) {
+    fail_everywhere(store, keys,
+                    fmt::format("two processes claim rank {}: {} and {}; every process of the job "
+                                "needs its own RANK (check the launcher's variables)",
+                                env.rank, holder, token));
+  }
+  const std::string size_text = std::to_string(env.world_size);
+  const std::string agreed_size = store.compare_set(keys.world_size(), "", size_text);
+  if (agreed_size != size_text) {
+    fail_everywhere(store, keys,
+                    fmt::format("rank {} was launched with WORLD_SIZE={} but another rank with "
+                                "WORLD_SIZE={}; every process must be given the same world size",
+                                env.rank, size_text, agreed_size));
+  }
+  if (store.add(keys.arrived(), 1) == env.world_size) store.set(keys.complete(), "1");
+  wait_for_world(store, keys, env, world.timeout);
+  return world;
+}
+
+}  // namespace ddp

@@ -1,0 +1,482 @@
+#include "ddp/torch/reducer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <numeric>
+#include <unordered_set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "ddp/error.h"
+#include "ddp/torch/tensor_collectives.h"
+
+namespace ddp {
+
+struct Reducer::Bucket {
+  torch::Tensor contents;             // flat buffer of one dtype
+  std::vector<std::size_t> params;    // parameter indices, in bucket order
+  std::vector<std::int64_t> offsets;  // element offset of each parameter in contents
+  std::vector<torch::Tensor> views;   // contents' pieces shaped like the parameters
+  std::size_t pending = 0;            // parameters not yet ready in this pass
+  BucketReduction reduction;          // the reduction in flight, once launched
+  bool launched = false;
+  // Set by the Work's completion callback (any thread): steady-clock nanoseconds, 0 = not yet.
+  std::shared_ptr<std::atomic<std::int64_t>> completed_ns;
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A tensor that aliases `storage` at `offset` with `like`'s shape, but is not an autograd view:
+// optimizers may detach_() and zero_() it in place (they refuse views).
+torch::Tensor alias_of(const torch::Tensor& contents, std::int64_t offset,
+                       const torch::Tensor& like) {
+  torch::NoGradGuard no_grad;
+  const auto sizes = like.sizes();
+  std::vector<std::int64_t> strides(sizes.size(), 1);
+  for (std::size_t d = sizes.size(); d-- > 1;) strides[d - 1] = strides[d] * sizes[d];
+  return torch::empty({0}, contents.options())
+      .set_(contents.storage(), contents.storage_offset() + offset, sizes, strides);
+}
+
+std::string name_list(const std::vector<std::string>& names, const std::vector<std::size_t>& which,
+                      std::size_t limit = 8) {
+  std::vector<std::string> quoted;
+  for (std::size_t i = 0; i < which.size() && i < limit; ++i) {
+    quoted.push_back("'" + names[which[i]] + "'");
+  }
+  std::string text = fmt::format("{}", fmt::join(quoted, ", "));
+  if (which.size() > limit) text += fmt::format(" and {} more", which.size() - limit);
+  return text;
+}
+
+}  // namespace
+
+Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string> names,
+                 std::shared_ptr<ProcessGroup> group, ReducerOptions options)
+    : parameters_(std::move(parameters)),
+      names_(std::move(names)),
+      group_(std::move(group)),
+      options_(options),
+      comm_hook_(allreduce_hook()) {
+  if (!group_) throw ConfigError("Reducer needs a process group");
+  if (names_.size() != parameters_.size()) {
+    throw ConfigError("Reducer: one name per parameter is needed");
+  }
+  if (options_.bucket_cap_bytes == 0 || options_.first_bucket_cap_bytes == 0) {
+    throw ConfigError("bucket caps must be positive (bucket_cap_mb, first bucket)");
+  }
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    const auto& p = parameters_[i];
+    check_collective_tensor(p, fmt::format("parameter '{}'", names_[i]));
+    if (!p.requires_grad() || !p.is_leaf()) {
+      throw ConfigError(fmt::format("parameter '{}' must be a leaf tensor that requires grad",
+                                    names_[i]));
+    }
+  }
+  ready_.assign(parameters_.size(), false);
+  used_.assign(parameters_.size(), false);
+
+  std::vector<std::size_t> reverse_order(parameters_.size());
+  std::iota(reverse_order.rbegin(), reverse_order.rend(), std::size_t{0});
+  assign_buckets(reverse_order);
+
+  // The gradient accumulators are owned weakly by the parameters; keep them alive so the hooks
+  // stay attached for the Reducer's lifetime.
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[i]);
+    const auto key = accumulator->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, i](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list& /*inputs*/) {
+              autograd_hook(i);
+              return outputs;
+            }));
+    grad_accumulators_.push_back(std::move(accumulator));
+    hook_keys_.push_back(key);
+  }
+}
+
+Reducer::~Reducer() {
+  for (std::size_t i = 0; i < grad_accumulators_.size(); ++i) {
+    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+  std::lock_guard lock(mutex_);
+  wait_for_launched_buckets();
+}
+
+void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
+  torch::NoGradGuard no_grad;
+  // Open bucket per dtype; the first bucket of each dtype gets the small cap.
+  struct Open {
+    std::vector<std::size_t> params;
+    std::size_t bytes = 0;
+    bool first = true;
+  };
+  std::map<c10::ScalarType, Open> open;
+  std::vector<std::vector<std::size_t>> closed;
+  for (const std::size_t i : order) {
+    auto& bucket = open[parameters_[i].scalar_type()];
+    bucket.params.push_back(i);
+    bucket.bytes += static_cast<std::size_t>(parameters_[i].numel()) *
+                    static_cast<std::size_t>(parameters_[i].element_size());
+    const auto cap = bucket.first ? options_.first_bucket_cap_bytes : options_.bucket_cap_bytes;
+    if (bucket.bytes >= cap) {
+      closed.push_back(std::move(bucket.params));
+      bucket = Open{.first = false};
+    }
+  }
+  for (auto& [type, bucket] : open) {
+    if (!bucket.params.empty()) closed.push_back(std::move(bucket.params));
+  }
+  // Launch order: by the position of each bucket's first parameter in `order`.
+  std::vector<std::size_t> position(parameters_.size());
+  for (std::size_t k = 0; k < order.size(); ++k) position[order[k]] = k;
+  std::sort(closed.begin(), closed.end(), [&](const auto& a, const auto& b) {
+    return position[a.front()] < position[b.front()];
+  });
+
+  std::vector<Bucket> buckets(closed.size());
+  slots_.assign(parameters_.size(), Slot{});
+  for (std::size_t b = 0; b < closed.size(); ++b) {
+    auto& bucket = buckets[b];
+    bucket.params = std::move(closed[b]);
+    std::int64_t total = 0;
+    for (const auto i : bucket.params) {
+      bucket.offsets.push_back(total);
+      total += parameters_[i].numel();
+    }
+    bucket.contents = torch::zeros({total}, parameters_[bucket.params.front()].options()
+                                                .requires_grad(false));
+    for (std::size_t k = 0; k < bucket.params.size(); ++k) {
+      const auto i = bucket.params[k];
+      bucket.views.push_back(alias_of(bucket.contents, bucket.offsets[k], parameters_[i]));
+      slots_[i] = Slot{b, k};
+    }
+    bucket.pending = bucket.params.size();
+  }
+  buckets_ = std::move(buckets);
+
+  if (options_.gradient_as_bucket_view) {
+    // Gradients become aliases of their slots; keep any values they already hold.
+    for (std::size_t i = 0; i < parameters_.size(); ++i) {
+      torch::Tensor& grad = parameters_[i].mutable_grad();
+      if (!grad.defined()) continue;
+      torch::Tensor view = slot_view(i);
+      view.copy_(grad);
+      grad = view;
+    }
+  }
+}
+
+torch::Tensor Reducer::slot_view(std::size_t param) const {
+  const auto& slot = slots_[param];
+  const auto& bucket = buckets_[slot.bucket];
+  return alias_of(bucket.contents, bucket.offsets[slot.index], parameters_[param]);
+}
+
+bool Reducer::is_bucket_view(std::size_t param, const torch::Tensor& grad) const {
+  const auto& view = buckets_[slots_[param].bucket].views[slots_[param].index];
+  return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
+         grad.is_contiguous();
+}
+
+void Reducer::autograd_hook(std::size_t param) {
+  std::lock_guard lock(mutex_);
+  if (!require_sync_) return;  // no_sync: gradients just accumulate
+  used_[param] = true;
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    timeline_ = BackwardTimeline{};
+    timeline_.bucket_launched.resize(buckets_.size());
+    timeline_.bucket_completed.resize(buckets_.size());
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+  }
+  if (!unused_marked_) {
+    // Parameters this pass does not use still have to fill their buckets (with zeros).
+    unused_marked_ = true;
+    for (const auto i : unused_) mark_ready(i, /*has_grad=*/false);
+  }
+  mark_ready(param, /*has_grad=*/true);
+}
+
+void Reducer::mark_ready(std::size_t param, bool has_grad) {
+  torch::NoGradGuard no_grad;
+  if (ready_[param]) {
+    throw Error(fmt::format(
+        "DistributedDataParallel: parameter '{}' received a gradient twice in one backward pass. "
+        "Each parameter may take part in one backward pass per iteration; for gradient "
+        "accumulation over several backward passes use no_sync(){}",
+        names_[param],
+        options_.find_unused_parameters ? "" : ", and if it was reported unused, check "
+                                               "find_unused_parameters"));
+  }
+  ready_[param] = true;
+  if (record_ready_order_ && has_grad) ready_order_.push_back(param);
+
+  const auto& slot = slots_[param];
+  auto& bucket = buckets_[slot.bucket];
+  torch::Tensor& view = bucket.views[slot.index];
+  torch::Tensor& grad = parameters_[param].mutable_grad();
+  if (has_grad && grad.defined()) {
+    if (!is_bucket_view(param, grad)) {
+      if (grad.sizes() != view.sizes() || grad.scalar_type() != view.scalar_type()) {
+        throw Error(fmt::format("DistributedDataParallel: the gradient of '{}' has shape {} and "
+                                "dtype {}, but the parameter has {} and {}",
+                                names_[param], fmt::join(grad.sizes(), "x"),
+                                c10::toString(grad.scalar_type()), fmt::join(view.sizes(), "x"),
+                                c10::toString(view.scalar_type())));
+      }
+      view.copy_(grad);
+      if (options_.gradient_as_bucket_view) grad = slot_view(param);
+    }
+  } else {
+    view.zero_();
+  }
+  if (--bucket.pending == 0) launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  // Buckets start in bucket order only, so every rank issues the same collectives in the same
+  // order even when gradients become ready in a different order on different ranks.
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    const std::size_t b = next_bucket_++;
+    auto& bucket = buckets_[b];
+    GradBucket grad_bucket{.index = b,
+                           .buffer = bucket.contents,
+                           .gradients = bucket.views,
+                           .is_last = b + 1 == buckets_.size()};
+    for (const auto i : bucket.params) grad_bucket.parameter_names.push_back(names_[i]);
+    timeline_.bucket_launched[b] = Clock::now();
+    bucket.reduction = comm_hook_(*group_, grad_bucket);
+    bucket.launched = true;
+    bucket.completed_ns = std::make_shared<std::atomic<std::int64_t>>(0);
+    if (bucket.reduction.work) {
+      bucket.reduction.work->then([done = bucket.completed_ns](Work&) {
+        done->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+      });
+    }
+  }
+}
+
+void Reducer::wait_for_launched_buckets() noexcept {
+  for (auto& bucket : buckets_) {
+    if (!bucket.launched || !bucket.reduction.work) continue;
+    try {
+      bucket.reduction.work->wait();  // bounded by the operation's timeout
+    } catch (...) {
+      // Only draining here: the error is reported where the reduction was awaited.
+    }
+  }
+}
+
+void Reducer::reset_iteration() {
+  std::fill(ready_.begin(), ready_.end(), false);
+  std::fill(used_.begin(), used_.end(), false);
+  for (auto& bucket : buckets_) {
+    bucket.pending = bucket.params.size();
+    bucket.reduction = {};
+    bucket.launched = false;
+  }
+  next_bucket_ = 0;
+  callback_queued_ = false;
+  unused_marked_ = false;
+  if (record_ready_order_) ready_order_.clear();  // a failed first pass records nothing
+  if (!(options_.static_graph && unused_known_)) unused_.clear();
+}
+
+void Reducer::finalize_backward() {
+  std::lock_guard lock(mutex_);
+  timeline_.backward_finished = Clock::now();
+  try {
+    if (next_bucket_ < buckets_.size()) {
+      std::vector<std::size_t> missing;
+      for (std::size_t i = 0; i < parameters_.size(); ++i) {
+        if (!ready_[i]) missing.push_back(i);
+      }
+      throw Error(fmt::format(
+          "DistributedDataParallel (rank {}): {} parameter(s) received no gradient in this "
+          "backward pass: {}. Their buckets could not be reduced. If parts of the model are "
+          "unused in some iterations, construct DistributedDataParallel with "
+          "find_unused_parameters = true (and return every output from forward); otherwise "
+          "make sure every parameter takes part in the loss",
+          group_->rank(), missing.size(), name_list(names_, missing)));
+    }
+    // Which parameters some rank used, so that parameters unused everywhere keep their
+    // gradients untouched (as in PyTorch).
+    std::vector<std::int32_t> used_anywhere;
+    if (options_.find_unused_parameters || options_.static_graph) {
+      used_anywhere.assign(parameters_.size(), 0);
+      for (std::size_t i = 0; i < parameters_.size(); ++i) used_anywhere[i] = used_[i] ? 1 : 0;
+    }
+    std::shared_ptr<Work> used_work;
+    if (!used_anywhere.empty()) {
+      used_work = group_->allreduce(used_anywhere.data(), used_anywhere.size(), DType::kInt32,
+                                    ReduceOp::kMax);
+    }
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      auto& bucket = buckets_[b];
+      if (bucket.reduction.work) bucket.reduction.work->wait();
+      const auto done = bucket.completed_ns ? bucket.completed_ns->load() : 0;
+      timeline_.bucket_completed[b] =
+          done != 0 ? Clock::time_point(Clock::duration(done)) : Clock::now();
+      if (bucket.reduction.finish) bucket.reduction.finish();
+    }
+    if (used_work) used_work->wait();
+
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < parameters_.size(); ++i) {
+      if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
+      torch::Tensor& grad = parameters_[i].mutable_grad();
+      if (is_bucket_view(i, grad)) continue;  // gradient_as_bucket_view: already in place
+      const auto& view = buckets_[slots_[i].bucket].views[slots_[i].index];
+      if (options_.gradient_as_bucket_view) {
+        grad = slot_view(i);
+      } else if (grad.defined()) {
+        grad.copy_(view);
+      } else {
+        grad = view.clone();
+      }
+    }
+  } catch (...) {
+    wait_for_launched_buckets();
+    reset_iteration();
+    throw;
+  }
+  timeline_.synchronised = Clock::now();
+  last_timeline_ = timeline_;
+  if (record_ready_order_) {
+    record_ready_order_ = false;
+    rebuild_due_ = !rebuilt_;
+  }
+  if (options_.static_graph) unused_known_ = true;
+  reset_iteration();
+}
+
+void Reducer::prepare_for_forward() {
+  std::lock_guard lock(mutex_);
+  if (rebuild_due_) rebuild_buckets();
+}
+
+void Reducer::rebuild_buckets() {
+  rebuild_due_ = false;
+  rebuilt_ = true;
+  // Rank 0's observed order decides; parameters that never became ready go last, in reverse
+  // registration order.
+  const std::size_t n = parameters_.size();
+  std::vector<std::int64_t> order;
+  order.reserve(n);
+  std::vector<bool> placed(n, false);
+  for (const auto i : ready_order_) {
+    if (!placed[i]) {
+      order.push_back(static_cast<std::int64_t>(i));
+      placed[i] = true;
+    }
+  }
+  for (std::size_t i = n; i-- > 0;) {
+    if (!placed[i]) order.push_back(static_cast<std::int64_t>(i));
+  }
+  ready_order_.clear();
+  group_->broadcast(order.data(), order.size(), DType::kInt64, /*root=*/0)->wait();
+  std::vector<std::size_t> new_order;
+  std::vector<bool> seen(n, false);
+  for (const auto i : order) {
+    if (i < 0 || static_cast<std::size_t>(i) >= n || seen[static_cast<std::size_t>(i)]) {
+      throw Error("DistributedDataParallel: rank 0 broadcast an invalid bucket order; do all "
+                  "ranks wrap the same model?");
+    }
+    seen[static_cast<std::size_t>(i)] = true;
+    new_order.push_back(static_cast<std::size_t>(i));
+  }
+  // Keep gradients accumulated so far (no_sync, or values the user still reads).
+  std::vector<torch::Tensor> saved(n);
+  {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& grad = parameters_[i].grad();
+      if (grad.defined() && is_bucket_view(i, grad)) saved[i] = grad.clone();
+    }
+  }
+  assign_buckets(new_order);
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!saved[i].defined()) continue;
+    torch::Tensor view = slot_view(i);
+    view.copy_(saved[i]);
+    parameters_[i].mutable_grad() = view;
+  }
+}
+
+void Reducer::prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
+  std::lock_guard lock(mutex_);
+  if (!require_sync_) return;
+  if (!options_.find_unused_parameters && !options_.static_graph) return;
+  if (options_.static_graph && unused_known_) return;
+  find_unused(outputs);
+}
+
+void Reducer::find_unused(const std::vector<torch::Tensor>& outputs) {
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& output : outputs) {
+    if (!output.defined() || !output.requires_grad()) continue;
+    auto fn = output.grad_fn();
+    torch::autograd::Node* node = fn ? fn.get()
+                                     : torch::autograd::impl::try_get_grad_accumulator(output).get();
+    if (node != nullptr && seen.insert(node).second) stack.push_back(node);
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      auto* next = edge.function.get();
+      if (next != nullptr && seen.insert(next).second) stack.push_back(next);
+    }
+  }
+  unused_.clear();
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    if (seen.count(grad_accumulators_[i].get()) == 0) unused_.push_back(i);
+  }
+}
+
+void Reducer::set_require_sync(bool require_sync) {
+  std::lock_guard lock(mutex_);
+  require_sync_ = require_sync;
+}
+
+bool Reducer::require_sync() const {
+  std::lock_guard lock(mutex_);
+  return require_sync_;
+}
+
+void Reducer::register_comm_hook(CommHook hook) {
+  if (!hook) throw ConfigError("register_comm_hook: the hook is empty");
+  std::lock_guard lock(mutex_);
+  comm_hook_ = std::move(hook);
+}
+
+std::vector<std::vector<std::size_t>> Reducer::bucket_assignment() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::vector<std::size_t>> result;
+  for (const auto& bucket : buckets_) result.push_back(bucket.params);
+  return result;
+}
+
+BackwardTimeline Reducer::last_timeline() const {
+  std::lock_guard lock(mutex_);
+  return last_timeline_;
+}
+
+bool Reducer::buckets_rebuilt() const {
+  std::lock_guard lock(mutex_);
+  return rebuilt_;
+}
+
+}  // namespace ddp

@@ -1,0 +1,265 @@
+// Failures of the ring backend, in real processes: mismatched collectives give an error naming
+// both calls on the ranks involved; a peer killed (SIGKILL) or stopped (SIGSTOP) mid-allreduce
+// makes every other rank fail with CommError within the deadline; a poisoned group fails every
+// later call at once; per-call deadlines.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "comm/comm_test_util.h"
+#include "support/multiprocess.h"
+
+namespace ddp::test {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// Runs `call` expecting CommError; returns its message. Throws if it succeeds.
+template <class F>
+std::string expect_comm_error(F&& call) {
+  try {
+    call();
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  throw std::runtime_error("expected a CommError, but the call succeeded");
+}
+
+void expect_contains(const std::string& text, const std::string& part) {
+  if (text.find(part) == std::string::npos) {
+    throw std::runtime_error(fmt::format("message lacks '{}': {}", part, text));
+  }
+}
+
+// After the first error, later calls must fail at once with that same error.
+void expect_poisoned(ProcessGroup& pg, const std::string& first_error) {
+  std::vector<float> buf(16);
+  const auto start = Clock::now();
+  const std::string again = expect_comm_error(
+      [&] { pg.allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait(); });
+  if (Clock::now() - start > 200ms) throw std::runtime_error("later call did not fail at once");
+  if (again != first_error) {
+    throw std::runtime_error(
+        fmt::format("later call failed with '{}' instead of the first "
+                    "error '{}'",
+                    again, first_error));
+  }
+}
+
+TEST(Failure, MismatchedCollectivesNameBothCallsOnBothRanks) {
+  TempDir dir;
+  auto results = run_ranks(2, [&](int rank) {
+    auto pg = make_group(dir.path(), rank, 2, {.timeout = 5s});
+    std::vector<float> buf(1024, 1.0f);
+    pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait();  // #0 ok
+    const std::string message = expect_comm_error([&] {
+      if (rank == 0) {
+        pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+      } else {
+        pg->broadcast(buf.data(), buf.size(), DType::kFloat32, 0)->wait();
+      }
+    });
+    expect_contains(message, "allreduce(float32 x 1024, sum) #1");
+    expect_contains(message, "broadcast(float32 x 1024, root 0) #1");
+    if (rank == 1) {
+      expect_contains(message,
+                      "rank 1 called broadcast(float32 x 1024, root 0) #1 but rank 0 "
+                      "called allreduce(float32 x 1024, sum) #1");
+    }
+    expect_poisoned(*pg, message);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Failure, MismatchedCountDtypeOrRootFailEveryRankWithoutHanging) {
+  struct Case {
+    const char* what;
+    std::function<std::shared_ptr<Work>(ProcessGroup&, int rank, std::vector<double>&)> call;
+    const char* odd_one;  // the description rank 2 must see for its own call
+  };
+  const std::vector<Case> cases = {
+      {"count",
+       [](ProcessGroup& pg, int rank, std::vector<double>& buf) {
+         return pg.allreduce(buf.data(), rank == 2 ? 2000 : 1000, DType::kFloat64, ReduceOp::kSum);
+       },
+       "allreduce(float64 x 2000, sum)"},
+      {"dtype",
+       [](ProcessGroup& pg, int rank, std::vector<double>& buf) {
+         return pg.allreduce(buf.data(), 1000, rank == 2 ? DType::kInt64 : DType::kFloat64,
+                             ReduceOp::kSum);
+       },
+       "allreduce(int64 x 1000, sum)"},
+      {"op",
+       [](ProcessGroup& pg, int rank, std::vector<double>& buf) {
+         return pg.allreduce(buf.data(), 100'000, DType::kFloat64,
+                             rank == 2 ? ReduceOp::kMax : ReduceOp::kSum);
+       },
+       "allreduce(float64 x 100000, max)"},
+      {"root",
+       [](ProcessGroup& pg, int rank, std::vector<double>& buf) {
+         return pg.broadcast(buf.data(), 1000, DType::kFloat64, rank == 2 ? 1 : 0);
+       },
+       "broadcast(float64 x 1000, root 1)"},
+  };
+  for (const auto& c : cases) {
+    TempDir dir;
+    const auto start = Clock::now();
+    auto results = run_ranks(
+        3,
+        [&](int rank) {
+          auto pg = make_group(dir.path(), rank, 3, {.timeout = 3s});
+          std::vector<double> buf(100'000, 1.0);
+          // A rank whose own part of the exchange cannot see the difference (e.g. the true root
+          // of a broadcast) completes this call and fails at its next one.
+          const std::string message = expect_comm_error([&] {
+            c.call(*pg, rank, buf)->wait();
+            pg->barrier()->wait();
+          });
+          expect_contains(message, c.odd_one);
+          expect_poisoned(*pg, message);
+        },
+        30s);
+    SCOPED_TRACE(c.what);
+    EXPECT_ALL_RANKS_OK(results);
+    EXPECT_LT(Clock::now() - start, 10s) << c.what;
+  }
+}
+
+TEST(Failure, PeerKilledMidAllreduceFailsEveryOtherRank) {
+  TempDir dir;
+  const auto start = Clock::now();
+  auto results = run_ranks(
+      3,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, 3, {.timeout = 3s});
+        std::vector<float> buf(4 << 20, 1.0f);  // 16 MiB: many chunks in flight
+        if (rank == 1) {
+          std::thread([] {
+            std::this_thread::sleep_for(300ms);
+            ::raise(SIGKILL);
+          }).detach();
+        }
+        std::string message;
+        const auto t0 = Clock::now();
+        Clock::time_point failed_at;
+        message = expect_comm_error([&] {
+          for (;;) {
+            pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+            failed_at = Clock::now();
+          }
+        });
+        failed_at = Clock::now();
+        if (failed_at - t0 > 6s) throw std::runtime_error("error came after the deadline");
+        expect_contains(message, "group 'default'");
+        expect_contains(message, "allreduce(float32 x 4194304, sum)");
+        expect_poisoned(*pg, message);
+      },
+      30s);
+  EXPECT_EQ(results[1].signal, SIGKILL) << describe(results);
+  EXPECT_TRUE(results[0].ok()) << describe(results);
+  EXPECT_TRUE(results[2].ok()) << describe(results);
+  EXPECT_LT(Clock::now() - start, 15s);
+}
+
+TEST(Failure, PeerStoppedMidAllreduceFailsEveryOtherRankAtTheDeadline) {
+  TempDir dir;
+  auto results = run_ranks(
+      3,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, 3, {.timeout = 2s});
+        FileStore store(dir.path());
+        std::vector<float> buf(1 << 20, 1.0f);
+        if (rank == 2) {
+          store.set("stopped-pid", std::to_string(::getpid()));
+          std::thread([] {
+            std::this_thread::sleep_for(300ms);
+            ::raise(SIGSTOP);
+          }).detach();
+        }
+        const auto t0 = Clock::now();
+        std::string message;
+        try {
+          message = expect_comm_error([&] {
+            for (;;)
+              pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+          });
+        } catch (...) {
+          if (rank == 2) return;  // the stopped rank is killed by the others below
+          throw;
+        }
+        if (rank == 2) return;
+        const auto elapsed = Clock::now() - t0;
+        // Kill the stopped rank so that the test does not wait for run_ranks' deadline.
+        const int pid = std::stoi(store.get_string("stopped-pid", 5s));
+        ::kill(pid, SIGKILL);
+        if (elapsed > 5s) throw std::runtime_error("error came long after the 2 s deadline");
+        expect_contains(message, "allreduce(float32 x 1048576, sum)");
+        // The first rank to give up reports the timeout; the other may instead see a closed
+        // connection (from that rank, or from rank 2 once it is killed), named as such.
+        if (message.find("timed out after 2000 ms") == std::string::npos &&
+            message.find("rank 2 left no reason") == std::string::npos) {
+          throw std::runtime_error("neither the timeout nor the stopped rank reported: " + message);
+        }
+        expect_poisoned(*pg, message);
+      },
+      30s);
+  EXPECT_TRUE(results[0].ok()) << describe(results);
+  EXPECT_TRUE(results[1].ok()) << describe(results);
+  EXPECT_EQ(results[2].signal, SIGKILL) << describe(results);
+}
+
+TEST(Failure, PerCallTimeoutOverridesTheGroupTimeout) {
+  TempDir dir;
+  auto results = run_ranks(2, [&](int rank) {
+    auto pg = make_group(dir.path(), rank, 2, {.timeout = 20s});
+    std::vector<float> buf(10, 1.0f);
+    if (rank == 1) {
+      std::this_thread::sleep_for(1500ms);  // the peer is late on purpose: this is the test
+      // Rank 0 had sent its part before it gave up, so this call may still complete (with the
+      // right numbers); the next one must fail now that rank 0 has closed its connections.
+      expect_comm_error([&] {
+        for (int i = 0; i < 2; ++i) {
+          pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+        }
+      });
+      return;
+    }
+    const auto t0 = Clock::now();
+    const std::string message = expect_comm_error([&] {
+      pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, {.timeout = 300ms})
+          ->wait();
+    });
+    const auto elapsed = Clock::now() - t0;
+    if (elapsed < 250ms || elapsed > 1200ms) {
+      throw std::runtime_error(
+          fmt::format("failed after {} ms, expected ~300",
+                      std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count()));
+    }
+    expect_contains(message, "timed out after 300 ms");
+    expect_contains(message, "rank 1");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Failure, PeerThatExitsCleanlyEarlyIsReportedNotAwaited) {
+  // Rank 1 destroys its group and exits while rank 0 still expects a collective.
+  TempDir dir;
+  auto results = run_ranks(2, [&](int rank) {
+    auto pg = make_group(dir.path(), rank, 2, {.timeout = 20s});
+    std::vector<float> buf(10, 1.0f);
+    pg->barrier()->wait();
+    if (rank == 1) return;
+    const auto t0 = Clock::now();
+    const std::string message = expect_comm_error(
+        [&] { pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait(); });
+    if (Clock::now() - t0 > 5s) throw std::runtime_error("waited for the deadline");
+    expect_contains(message, "rank 1");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+}  // namespace
+}  // namespace ddp::test

@@ -1,0 +1,685 @@
+#include "conformance/collective_checks.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "comm/reduce_kernels.h"
+#include "ddp/error.h"
+
+namespace ddp::conformance {
+namespace {
+
+using Bytes = std::vector<std::byte>;
+
+constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
+                                DType::kInt8,    DType::kUInt8,   DType::kInt32,   DType::kInt64};
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
+                                ReduceOp::kProduct};
+constexpr std::byte kFill{0x5a};  // what output buffers hold before an operation
+
+// Element i of `who`'s input (who is a rank, or a (rank, block) pair folded into one number).
+long long input_value(DType dtype, int who, std::size_t i, int salt) {
+  const long long v = static_cast<long long>((static_cast<std::size_t>(who) * 7 + i * 3 +
+                                              static_cast<std::size_t>(salt) * 11 + 1) %
+                                             5) -
+                      2;
+  return dtype == DType::kUInt8 ? v + 2 : v;
+}
+
+bool is_float(DType d) {
+  return d == DType::kFloat32 || d == DType::kFloat64 || d == DType::kFloat16 ||
+         d == DType::kBFloat16;
+}
+
+void store_value(DType dtype, std::byte* p, double value) {
+  auto put = [p](auto v) { std::memcpy(p, &v, sizeof v); };
+  switch (dtype) {
+    case DType::kFloat32:
+      return put(static_cast<float>(value));
+    case DType::kFloat64:
+      return put(value);
+    case DType::kFloat16:
+      return put(comm::float_to_half(static_cast<float>(value)));
+    case DType::kBFloat16:
+      return put(comm::float_to_bfloat16(static_cast<float>(value)));
+    // Integers wrap, as the engine's sums and products do.
+    case DType::kInt8:
+      return put(static_cast<std::int8_t>(static_cast<long long>(value)));
+    case DType::kUInt8:
+      return put(static_cast<std::uint8_t>(static_cast<long long>(value)));
+    case DType::kInt32:
+      return put(static_cast<std::int32_t>(static_cast<long long>(value)));
+    case DType::kInt64:
+      return put(static_cast<std::int64_t>(value));
+  }
+}
+
+Bytes make_input(DType dtype, std::size_t count, int who, int salt) {
+  const std::size_t esz = dtype_size(dtype);
+  Bytes buf(count * esz);
+  for (std::size_t i = 0; i < count; ++i) {
+    store_value(dtype, buf.data() + i * esz, static_cast<double>(input_value(dtype, who, i, salt)));
+  }
+  return buf;
+}
+
+// Element-wise op over ranks 0..size-1 of make_input(dtype, count, rank, salt).
+Bytes expected_reduction(DType dtype, ReduceOp op, std::size_t count, int size, int salt) {
+  const std::size_t esz = dtype_size(dtype);
+  Bytes out(count * esz);
+  for (std::size_t i = 0; i < count; ++i) {
+    // In double (exact for these inputs, and keeps -0 from -2 * 0) and in int64.
+    long long acc = input_value(dtype, 0, i, salt);
+    double facc = static_cast<double>(acc);
+    for (int r = 1; r < size; ++r) {
+      const long long v = input_value(dtype, r, i, salt);
+      const auto fv = static_cast<double>(v);
+      switch (op) {
+        case ReduceOp::kSum:
+        case ReduceOp::kAvg:
+          acc += v, facc += fv;
+          break;
+        case ReduceOp::kMin:
+          acc = std::min(acc, v), facc = std::min(facc, fv);
+          break;
+        case ReduceOp::kMax:
+          acc = std::max(acc, v), facc = std::max(facc, fv);
+          break;
+        case ReduceOp::kProduct:
+          acc *= v, facc *= fv;
+          break;
+      }
+    }
+    std::byte* p = out.data() + i * esz;
+    if (!is_float(dtype)) {
+      // Wrap to the type first (sums here never wrap; products of int8/uint8 may), then truncate.
+      Bytes wrapped(esz);
+      store_value(dtype, wrapped.data(), static_cast<double>(acc));
+      long long w = 0;
+      switch (dtype) {
+        case DType::kInt8:
+          w = static_cast<std::int8_t>(wrapped[0]);
+          break;
+        case DType::kUInt8:
+          w = static_cast<std::uint8_t>(wrapped[0]);
+          break;
+        default:
+          w = acc;
+          break;
+      }
+      store_value(dtype, p, static_cast<double>(op == ReduceOp::kAvg ? w / size : w));
+    } else if (op != ReduceOp::kAvg) {
+      store_value(dtype, p, facc);
+    } else if (dtype == DType::kFloat64) {
+      store_value(dtype, p, facc / size);
+    } else {
+      store_value(dtype, p,
+                  static_cast<double>(static_cast<float>(facc) / static_cast<float>(size)));
+    }
+  }
+  return out;
+}
+
+Bytes slice(const Bytes& b, std::size_t offset, std::size_t bytes) {
+  return Bytes(b.begin() + static_cast<std::ptrdiff_t>(offset),
+               b.begin() + static_cast<std::ptrdiff_t>(offset + bytes));
+}
+
+// `what` names the case; throws naming the first differing element.
+void expect_equal(const ProcessGroup& pg, const Bytes& got, const Bytes& want, DType dtype,
+                  const std::string& what) {
+  if (got.size() != want.size()) {
+    throw std::runtime_error(fmt::format("{}: {} bytes, expected {} (rank {} of {})", what,
+                                         got.size(), want.size(), pg.rank(), pg.size()));
+  }
+  const std::size_t esz = dtype_size(dtype);
+  for (std::size_t i = 0; i < got.size(); i += esz) {
+    if (std::memcmp(got.data() + i, want.data() + i, esz) != 0) {
+      std::uint64_t g = 0;
+      std::uint64_t w = 0;
+      std::memcpy(&g, got.data() + i, esz);
+      std::memcpy(&w, want.data() + i, esz);
+      throw std::runtime_error(fmt::format(
+          "{}: first wrong index {} of {}: got bits {:#x}, expected {:#x} (rank {} of {})", what,
+          i / esz, got.size() / esz, g, w, pg.rank(), pg.size()));
+    }
+  }
+}
+
+std::string label(std::string_view check, DType dtype, std::size_t count, std::string_view extra) {
+  return fmt::format("{}: dtype {}, count {}{}{}", check, to_string(dtype), count,
+                     extra.empty() ? "" : ", ", extra);
+}
+std::string label(std::string_view check, DType dtype, ReduceOp op, std::size_t count,
+                  std::string_view extra) {
+  return fmt::format("{}: dtype {}, op {}, count {}{}{}", check, to_string(dtype), to_string(op),
+                     count, extra.empty() ? "" : ", ", extra);
+}
+
+// 0, 1, fewer than ranks, a prime, not divisible by the group size, a larger prime.
+std::vector<std::size_t> counts_for(int size, bool large) {
+  std::vector<std::size_t> counts{0, 1, static_cast<std::size_t>(std::max(size - 1, 0)), 13,
+                                  static_cast<std::size_t>(3 * size + 1)};
+  if (large) counts.push_back(1009);
+  std::sort(counts.begin(), counts.end());
+  counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
+  return counts;
+}
+
+template <class F>
+void expect_config_error(const std::string& what, F&& call) {
+  try {
+    call();
+  } catch (const ConfigError&) {
+    return;
+  } catch (const std::exception& e) {
+    throw std::runtime_error(
+        fmt::format("argument_errors: {} threw '{}', expected a ddp::ConfigError", what, e.what()));
+  }
+  throw std::runtime_error(
+      fmt::format("argument_errors: {} did not throw; expected a ddp::ConfigError", what));
+}
+
+void allreduce_cases(ProcessGroup& pg, const std::vector<std::size_t>& counts, int salt_base,
+                     const char* check) {
+  int salt = salt_base;
+  for (std::size_t count : counts) {
+    for (DType dtype : kAllDTypes) {
+      for (ReduceOp op : kAllOps) {
+        ++salt;
+        const Bytes input = make_input(dtype, count, pg.rank(), salt);
+        const Bytes want = expected_reduction(dtype, op, count, pg.size(), salt);
+        if (salt % 2 == 0) {
+          Bytes buf = input;
+          pg.allreduce(buf.data(), count, dtype, op)->wait();
+          expect_equal(pg, buf, want, dtype, label(check, dtype, op, count, "in place"));
+        } else {
+          Bytes out(input.size(), kFill);
+          pg.allreduce(input.data(), out.data(), count, dtype, op)->wait();
+          expect_equal(pg, out, want, dtype, label(check, dtype, op, count, "out of place"));
+          expect_equal(pg, input, make_input(dtype, count, pg.rank(), salt), dtype,
+                       label(check, dtype, op, count, "send buffer unchanged"));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void check_allreduce(ProcessGroup& pg) {
+  allreduce_cases(pg, counts_for(pg.size(), true), 0, "allreduce");
+  // Larger than the ring backend's small-message switch (64 KiB) for the common types.
+  int salt = 500;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt64}) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+      const std::size_t count = 70001;
+      ++salt;
+      Bytes buf = make_input(dtype, count, pg.rank(), salt);
+      pg.allreduce(buf.data(), count, dtype, op)->wait();
+      expect_equal(pg, buf, expected_reduction(dtype, op, count, pg.size(), salt), dtype,
+                   label("allreduce", dtype, op, count, "in place, large"));
+    }
+  }
+}
+
+void check_broadcast(ProcessGroup& pg) {
+  int salt = 1000;
+  for (std::size_t count : counts_for(pg.size(), true)) {
+    for (DType dtype : kAllDTypes) {
+      for (int root = 0; root < pg.size(); ++root) {
+        ++salt;
+        const Bytes want = make_input(dtype, count, root, salt);
+        Bytes buf = pg.rank() == root ? want : Bytes(want.size(), kFill);
+        pg.broadcast(buf.data(), count, dtype, root)->wait();
+        expect_equal(pg, buf, want, dtype,
+                     label("broadcast", dtype, count, fmt::format("root {}", root)));
+      }
+    }
+  }
+}
+
+void check_reduce(ProcessGroup& pg) {
+  int salt = 2000;
+  for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{13},
+                            static_cast<std::size_t>(3 * pg.size() + 1)}) {
+    for (DType dtype : kAllDTypes) {
+      for (ReduceOp op : kAllOps) {
+        for (int root = 0; root < pg.size(); ++root) {
+          ++salt;
+          const bool in_place = salt % 2 == 0;
+          const std::string extra =
+              fmt::format("root {}, {}", root, in_place ? "in place" : "out of place");
+          const Bytes input = make_input(dtype, count, pg.rank(), salt);
+          Bytes buf = input;
+          Bytes out(input.size(), kFill);
+          if (in_place && pg.rank() == root) {
+            pg.reduce(buf.data(), buf.data(), count, dtype, op, root)->wait();
+            out = buf;
+          } else {
+            // Off the root the receive buffer is unused: null on odd salts, untouched otherwise.
+            void* recv = pg.rank() != root && salt % 3 == 0 ? nullptr : out.data();
+            pg.reduce(input.data(), recv, count, dtype, op, root)->wait();
+          }
+          if (pg.rank() == root) {
+            expect_equal(pg, out, expected_reduction(dtype, op, count, pg.size(), salt), dtype,
+                         label("reduce", dtype, op, count, extra));
+          } else {
+            expect_equal(
+                pg, out, Bytes(out.size(), kFill), dtype,
+                label("reduce", dtype, op, count, extra + ", recv off the root untouched"));
+          }
+        }
+      }
+    }
+  }
+}
+
+void check_allgather(ProcessGroup& pg) {
+  int salt = 3000;
+  const auto n = static_cast<std::size_t>(pg.size());
+  for (std::size_t count : counts_for(pg.size(), true)) {
+    for (DType dtype : kAllDTypes) {
+      ++salt;
+      const std::size_t block = count * dtype_size(dtype);
+      Bytes want;
+      for (int r = 0; r < pg.size(); ++r) {
+        const Bytes b = make_input(dtype, count, r, salt);
+        want.insert(want.end(), b.begin(), b.end());
+      }
+      const Bytes input = make_input(dtype, count, pg.rank(), salt);
+      Bytes out(n * block, kFill);
+      pg.allgather(input.data(), out.data(), count, dtype)->wait();
+      expect_equal(pg, out, want, dtype, label("allgather", dtype, count, "out of place"));
+      // In place: the input already sits in this rank's block of the output.
+      Bytes buf(n * block, kFill);
+      std::copy(
+          input.begin(), input.end(),
+          buf.begin() + static_cast<std::ptrdiff_t>(block * static_cast<std::size_t>(pg.rank())));
+      pg.allgather(buf.data() + block * static_cast<std::size_t>(pg.rank()), buf.data(), count,
+                   dtype)
+          ->wait();
+      expect_equal(pg, buf, want, dtype, label("allgather", dtype, count, "in place"));
+    }
+  }
+}
+
+void check_gather(ProcessGroup& pg) {
+  int salt = 4000;
+  const auto n = static_cast<std::size_t>(pg.size());
+  for (std::size_t count : counts_for(pg.size(), false)) {
+    for (DType dtype : kAllDTypes) {
+      for (int root = 0; root < pg.size(); ++root) {
+        ++salt;
+        const std::size_t block = count * dtype_size(dtype);
+        const Bytes input = make_input(dtype, count, pg.rank(), salt);
+        Bytes out(pg.rank() == root ? n * block : 0, kFill);
+        pg.gather(input.data(), pg.rank() == root ? out.data() : nullptr, count, dtype, root)
+            ->wait();
+        if (pg.rank() != root) continue;
+        Bytes want;
+        for (int r = 0; r < pg.size(); ++r) {
+          const Bytes b = make_input(dtype, count, r, salt);
+          want.insert(want.end(), b.begin(), b.end());
+        }
+        expect_equal(pg, out, want, dtype,
+                     label("gather", dtype, count, fmt::format("root {}", root)));
+      }
+    }
+  }
+}
+
+void check_scatter(ProcessGroup& pg) {
+  int salt = 5000;
+  for (std::size_t count : counts_for(pg.size(), false)) {
+    for (DType dtype : kAllDTypes) {
+      for (int root = 0; root < pg.size(); ++root) {
+        ++salt;
+        Bytes send;
+        if (pg.rank() == root) {
+          for (int r = 0; r < pg.size(); ++r) {
+            const Bytes b = make_input(dtype, count, r, salt);
+            send.insert(send.end(), b.begin(), b.end());
+          }
+        }
+        Bytes out(count * dtype_size(dtype), kFill);
+        pg.scatter(pg.rank() == root ? send.data() : nullptr, out.data(), count, dtype, root)
+            ->wait();
+        expect_equal(pg, out, make_input(dtype, count, pg.rank(), salt), dtype,
+                     label("scatter", dtype, count, fmt::format("root {}", root)));
+      }
+    }
+  }
+}
+
+void check_reduce_scatter(ProcessGroup& pg) {
+  int salt = 6000;
+  const auto n = static_cast<std::size_t>(pg.size());
+  for (std::size_t count : counts_for(pg.size(), true)) {
+    for (DType dtype : kAllDTypes) {
+      for (ReduceOp op : kAllOps) {
+        ++salt;
+        const std::size_t block = count * dtype_size(dtype);
+        const Bytes input = make_input(dtype, n * count, pg.rank(), salt);
+        const Bytes want = slice(expected_reduction(dtype, op, n * count, pg.size(), salt),
+                                 block * static_cast<std::size_t>(pg.rank()), block);
+        // Out of place only: whether send == recv is allowed here is not in the contract.
+        Bytes out(block, kFill);
+        pg.reduce_scatter(input.data(), out.data(), count, dtype, op)->wait();
+        expect_equal(pg, out, want, dtype, label("reduce_scatter", dtype, op, count, ""));
+      }
+    }
+  }
+}
+
+void check_alltoall(ProcessGroup& pg) {
+  int salt = 7000;
+  const int n = pg.size();
+  const auto un = static_cast<std::size_t>(n);
+  for (std::size_t count : counts_for(n, true)) {
+    for (DType dtype : kAllDTypes) {
+      for (bool in_place : {false, true}) {
+        ++salt;
+        // Block j of rank r's input is "who" = r * n + j.
+        Bytes input;
+        Bytes want;
+        for (int j = 0; j < n; ++j) {
+          const Bytes b = make_input(dtype, count, pg.rank() * n + j, salt);
+          input.insert(input.end(), b.begin(), b.end());
+          const Bytes w = make_input(dtype, count, j * n + pg.rank(), salt);
+          want.insert(want.end(), w.begin(), w.end());
+        }
+        Bytes out = in_place ? input : Bytes(un * count * dtype_size(dtype), kFill);
+        pg.alltoall(in_place ? out.data() : input.data(), out.data(), count, dtype)->wait();
+        expect_equal(pg, out, want, dtype,
+                     label("alltoall", dtype, count, in_place ? "in place" : "out of place"));
+      }
+    }
+  }
+}
+
+void check_barrier(ProcessGroup& pg) {
+  for (int i = 0; i < 5; ++i)
+    pg.barrier()->wait();
+  // Barriers queued behind each other and behind a collective complete in order.
+  std::vector<std::shared_ptr<Work>> works;
+  Bytes buf = make_input(DType::kInt32, 5, pg.rank(), 8000);
+  works.push_back(pg.barrier());
+  works.push_back(pg.allreduce(buf.data(), 5, DType::kInt32, ReduceOp::kSum));
+  works.push_back(pg.barrier());
+  for (auto& w : works)
+    w->wait();
+  expect_equal(pg, buf, expected_reduction(DType::kInt32, ReduceOp::kSum, 5, pg.size(), 8000),
+               DType::kInt32, "barrier: allreduce between barriers");
+}
+
+void check_send_recv(ProcessGroup& pg) {
+  const int n = pg.size();
+  const int r = pg.rank();
+  if (n == 1) return;
+  int salt = 9000;
+  // Rank 0 sends every dtype to every other rank; tags distinguish the dtypes.
+  for (DType dtype : kAllDTypes) {
+    ++salt;
+    const int tag = 10 + static_cast<int>(dtype);
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{1009}}) {
+      if (r == 0) {
+        std::vector<std::shared_ptr<Work>> works;
+        std::vector<Bytes> messages;
+        for (int peer = 1; peer < n; ++peer)
+          messages.push_back(make_input(dtype, count, peer, salt));
+        for (int peer = 1; peer < n; ++peer) {
+          const Bytes& m = messages[static_cast<std::size_t>(peer - 1)];
+          works.push_back(pg.send(m.data(), count, dtype, peer, tag));
+        }
+        for (auto& w : works)
+          w->wait();
+      } else {
+        Bytes out(count * dtype_size(dtype), kFill);
+        pg.recv(out.data(), count, dtype, 0, tag)->wait();
+        expect_equal(pg, out, make_input(dtype, count, r, salt), dtype,
+                     label("send_recv", dtype, count, fmt::format("from rank 0, tag {}", tag)));
+      }
+    }
+  }
+  // Ring exchange: even ranks send first, odd ranks receive first, so that no rank waits on a
+  // rank that waits on it whatever the transport buffers.
+  {
+    ++salt;
+    const int next = (r + 1) % n;
+    const int prev = (r + n - 1) % n;
+    const std::size_t count = 4099;
+    const Bytes mine = make_input(DType::kFloat32, count, r, salt);
+    Bytes got(mine.size(), kFill);
+    if (r % 2 == 0) {
+      pg.send(mine.data(), count, DType::kFloat32, next, 3)->wait();
+      pg.recv(got.data(), count, DType::kFloat32, prev, 3)->wait();
+    } else {
+      pg.recv(got.data(), count, DType::kFloat32, prev, 3)->wait();
+      pg.send(mine.data(), count, DType::kFloat32, next, 3)->wait();
+    }
+    expect_equal(pg, got, make_input(DType::kFloat32, count, prev, salt), DType::kFloat32,
+                 label("send_recv", DType::kFloat32, count, "ring exchange"));
+  }
+  // Several messages in flight from the last rank to rank 0: they match in issue order.
+  {
+    ++salt;
+    const int last = n - 1;
+    constexpr int kMessages = 8;
+    if (r == last || r == 0) {
+      std::vector<Bytes> bufs;
+      std::vector<std::shared_ptr<Work>> works;
+      for (int k = 0; k < kMessages; ++k) {
+        const std::size_t count = 3 + static_cast<std::size_t>(k);
+        bufs.push_back(r == last ? make_input(DType::kInt64, count, k, salt)
+                                 : Bytes(count * 8, kFill));
+      }
+      for (int k = 0; k < kMessages; ++k) {
+        const std::size_t count = 3 + static_cast<std::size_t>(k);
+        auto& b = bufs[static_cast<std::size_t>(k)];
+        works.push_back(r == last ? pg.send(b.data(), count, DType::kInt64, 0, 5)
+                                  : pg.recv(b.data(), count, DType::kInt64, last, 5));
+      }
+      for (auto& w : works)
+        w->wait();
+      if (r == 0) {
+        for (int k = 0; k < kMessages; ++k) {
+          const std::size_t count = 3 + static_cast<std::size_t>(k);
+          expect_equal(pg, bufs[static_cast<std::size_t>(k)],
+                       make_input(DType::kInt64, count, k, salt), DType::kInt64,
+                       label("send_recv", DType::kInt64, count,
+                             fmt::format("message {} of {} in flight", k, kMessages)));
+        }
+      }
+    }
+  }
+  pg.barrier()->wait();
+}
+
+void check_many_in_flight(ProcessGroup& pg) {
+  constexpr int kCalls = 64;
+  constexpr std::size_t kCount = 257;
+  std::vector<Bytes> bufs;
+  std::vector<std::shared_ptr<Work>> works;
+  // Shared: a callback may still run after wait() returned (and after a failed check threw).
+  auto callbacks = std::make_shared<std::atomic<int>>(0);
+  for (int k = 0; k < kCalls; ++k) {
+    const DType dtype = kAllDTypes[static_cast<std::size_t>(k) % std::size(kAllDTypes)];
+    bufs.push_back(make_input(dtype, kCount, pg.rank(), 10000 + k));
+  }
+  for (int k = 0; k < kCalls; ++k) {
+    const DType dtype = kAllDTypes[static_cast<std::size_t>(k) % std::size(kAllDTypes)];
+    auto& b = bufs[static_cast<std::size_t>(k)];
+    // Mostly allreduces, every fourth a broadcast from a rotating root: the order must hold.
+    works.push_back(k % 4 == 3 ? pg.broadcast(b.data(), kCount, dtype, k % pg.size())
+                               : pg.allreduce(b.data(), kCount, dtype, ReduceOp::kSum));
+    works.back()->then([callbacks](Work& w) {
+      if (w.is_completed() && !w.error()) callbacks->fetch_add(1);
+    });
+  }
+  for (auto& w : works)
+    w->wait();
+  for (int k = 0; k < kCalls; ++k) {
+    const DType dtype = kAllDTypes[static_cast<std::size_t>(k) % std::size(kAllDTypes)];
+    const Bytes want =
+        k % 4 == 3 ? make_input(dtype, kCount, k % pg.size(), 10000 + k)
+                   : expected_reduction(dtype, ReduceOp::kSum, kCount, pg.size(), 10000 + k);
+    expect_equal(pg, bufs[static_cast<std::size_t>(k)], want, dtype,
+                 label("many_in_flight", dtype, kCount, fmt::format("call {} of {}", k, kCalls)));
+  }
+  // Callbacks run before wait() returns is not promised; completion of all of them is, shortly.
+  for (int polls = 0; callbacks->load() < kCalls && polls < 5000; ++polls) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (callbacks->load() != kCalls) {
+    throw std::runtime_error(fmt::format("many_in_flight: {} of {} then() callbacks ran (rank {})",
+                                         callbacks->load(), kCalls, pg.rank()));
+  }
+  bool ran_at_once = false;
+  works.front()->then([&](Work&) { ran_at_once = true; });
+  if (!ran_at_once) {
+    throw std::runtime_error("many_in_flight: then() on a completed Work did not run at once");
+  }
+}
+
+void check_subgroups(ProcessGroup& pg) {
+  const int n = pg.size();
+  const int r = pg.rank();
+  auto members = [](std::vector<int> ranks) { return ranks; };
+  // Everybody, renumbered identically.
+  {
+    std::vector<int> all(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i)
+      all[static_cast<std::size_t>(i)] = i;
+    auto sub = pg.new_group(all);
+    if (!sub || sub->rank() != r || sub->size() != n) {
+      throw std::runtime_error(fmt::format(
+          "subgroups: new_group(all ranks) gave {} (rank {})",
+          sub ? fmt::format("rank {} of {}", sub->rank(), sub->size()) : std::string("nullptr"),
+          r));
+    }
+    allreduce_cases(*sub, {1, 13}, 11000, "subgroup(all) allreduce");
+  }
+  if (n < 2) return;
+  // Without rank 0: ranks 1..n-1 become 0..n-2. The parent group keeps working meanwhile.
+  std::vector<int> tail;
+  for (int i = 1; i < n; ++i)
+    tail.push_back(i);
+  auto sub = pg.new_group(members(tail));
+  Bytes parent_buf = make_input(DType::kFloat32, 31, r, 12000);
+  auto parent_work = pg.allreduce(parent_buf.data(), 31, DType::kFloat32, ReduceOp::kMax);
+  if (r == 0) {
+    if (sub)
+      throw std::runtime_error("subgroups: rank 0 is not in new_group(1..n-1) but got a group");
+  } else {
+    if (!sub || sub->rank() != r - 1 || sub->size() != n - 1) {
+      throw std::runtime_error(
+          fmt::format("subgroups: rank {} expected rank {} of {} in "
+                      "new_group(1..n-1)",
+                      r, r - 1, n - 1));
+    }
+    allreduce_cases(*sub, {0, 1, 13, static_cast<std::size_t>(n)}, 13000,
+                    "subgroup(1..n-1) allreduce");
+    const int root = sub->size() - 1;
+    for (DType dtype : kAllDTypes) {
+      const Bytes want = make_input(dtype, 17, root, 14000);
+      Bytes buf = sub->rank() == root ? want : Bytes(want.size(), kFill);
+      sub->broadcast(buf.data(), 17, dtype, root)->wait();
+      expect_equal(*sub, buf, want, dtype,
+                   label("subgroup(1..n-1) broadcast", dtype, 17, fmt::format("root {}", root)));
+    }
+    check_allgather(*sub);
+  }
+  parent_work->wait();
+  expect_equal(pg, parent_buf, expected_reduction(DType::kFloat32, ReduceOp::kMax, 31, n, 12000),
+               DType::kFloat32, "subgroups: parent allreduce issued alongside the subgroup's");
+  // The first and the last rank.
+  auto ends = pg.new_group({0, n - 1});
+  if ((r == 0 || r == n - 1) != static_cast<bool>(ends)) {
+    throw std::runtime_error(
+        fmt::format("subgroups: rank {}: new_group(0, {}) membership wrong", r, n - 1));
+  }
+  if (ends) {
+    allreduce_cases(*ends, {1, 7}, 15000, "subgroup(0, n-1) allreduce");
+    if (ends->rank() != (r == 0 ? 0 : 1))
+      throw std::runtime_error("subgroups: new_group(0, n-1) renumbering wrong");
+  }
+  pg.barrier()->wait();
+}
+
+void check_argument_errors(ProcessGroup& pg) {
+  const int n = pg.size();
+  float x[4] = {};
+  expect_config_error("allreduce with a null buffer and count 4",
+                      [&] { pg.allreduce(nullptr, 4, DType::kFloat32, ReduceOp::kSum); });
+  expect_config_error("allreduce with a null recv buffer",
+                      [&] { pg.allreduce(x, nullptr, 4, DType::kFloat32, ReduceOp::kSum); });
+  expect_config_error("broadcast with root -1", [&] { pg.broadcast(x, 4, DType::kFloat32, -1); });
+  expect_config_error("broadcast with root == size",
+                      [&] { pg.broadcast(x, 4, DType::kFloat32, n); });
+  expect_config_error("broadcast with a null buffer",
+                      [&] { pg.broadcast(nullptr, 4, DType::kFloat32, 0); });
+  expect_config_error("reduce with root == size",
+                      [&] { pg.reduce(x, x, 4, DType::kFloat32, ReduceOp::kSum, n); });
+  expect_config_error("gather with root -1", [&] { pg.gather(x, x, 1, DType::kFloat32, -1); });
+  expect_config_error("scatter with root == size",
+                      [&] { pg.scatter(x, x, 1, DType::kFloat32, n); });
+  expect_config_error("allgather with a null send buffer",
+                      [&] { pg.allgather(nullptr, x, 1, DType::kFloat32); });
+  expect_config_error("alltoall with a null recv buffer",
+                      [&] { pg.alltoall(x, nullptr, 1, DType::kFloat32); });
+  expect_config_error("reduce_scatter with a null send buffer",
+                      [&] { pg.reduce_scatter(nullptr, x, 1, DType::kFloat32, ReduceOp::kSum); });
+  expect_config_error("send to this rank itself",
+                      [&] { pg.send(x, 4, DType::kFloat32, pg.rank()); });
+  expect_config_error("send to rank == size", [&] { pg.send(x, 4, DType::kFloat32, n); });
+  expect_config_error("recv from rank -1", [&] { pg.recv(x, 4, DType::kFloat32, -1); });
+  expect_config_error("an invalid DType value",
+                      [&] { pg.allreduce(x, 4, static_cast<DType>(99), ReduceOp::kSum); });
+  expect_config_error("an invalid ReduceOp value",
+                      [&] { pg.allreduce(x, 4, DType::kFloat32, static_cast<ReduceOp>(99)); });
+  expect_config_error("a negative CallOptions::timeout", [&] {
+    pg.allreduce(x, 4, DType::kFloat32, ReduceOp::kSum, {.timeout = std::chrono::milliseconds(-1)});
+  });
+  expect_config_error("new_group with no ranks", [&] { pg.new_group({}); });
+  expect_config_error("new_group with a rank == size", [&] { pg.new_group({n}); });
+  expect_config_error("new_group with a duplicate rank", [&] { pg.new_group({0, 0}); });
+  if (n >= 2) expect_config_error("new_group with unsorted ranks", [&] { pg.new_group({1, 0}); });
+}
+
+const std::vector<NamedCheck>& all_checks() {
+  static const std::vector<NamedCheck> checks{
+      {"argument_errors", check_argument_errors},
+      {"allreduce", check_allreduce},
+      {"broadcast", check_broadcast},
+      {"reduce", check_reduce},
+      {"allgather", check_allgather},
+      {"gather", check_gather},
+      {"scatter", check_scatter},
+      {"reduce_scatter", check_reduce_scatter},
+      {"alltoall", check_alltoall},
+      {"barrier", check_barrier},
+      {"send_recv", check_send_recv},
+      {"many_in_flight", check_many_in_flight},
+      {"subgroups", check_subgroups},
+  };
+  return checks;
+}
+
+void run_all_checks(ProcessGroup& pg) {
+  for (const auto& check : all_checks()) {
+    try {
+      check.run(pg);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(fmt::format("check {} failed on rank {} of {}: {}", check.name,
+                                           pg.rank(), pg.size(), e.what()));
+    }
+  }
+}
+
+}  // namespace ddp::conformance

@@ -1,0 +1,62 @@
+// Backend-independent conformance checks for ddp::ProcessGroup.
+//
+// Each check runs one family of operations on a group, with every dtype (and every reduce op where
+// there is one), counts 0, 1, a prime, fewer elements than ranks, not divisible by the group size,
+// every root, in place and out of place, and compares the results with a reference computed
+// locally. Inputs are small integers derived from (rank, index, salt), so that sums and products
+// over up to 8 ranks are exact in every float type and the reference does not depend on the
+// reduction order; an average is the exact sum divided once (float32 for float32/16/bfloat16,
+// rounded once to the storage type; truncating for integers), as the types.h contract says.
+//
+//   auto pg = ddp::make_mpi_process_group();
+//   ddp::conformance::run_all_checks(*pg);            // throws std::runtime_error on a mismatch
+//
+// Every rank of the group must run the same checks in the same order (they issue collectives).
+// A mismatch throws std::runtime_error naming the check, dtype, op, count, first wrong index and
+// the rank; errors of the group itself (ConfigError, CommError, TimeoutError) pass through. After
+// a failure on one rank the others block in their next collective until the group's timeout: give
+// the group a short timeout in tests. Call from one thread per rank.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ddp/process_group.h"
+
+namespace ddp::conformance {
+
+void check_allreduce(ProcessGroup& pg);
+void check_broadcast(ProcessGroup& pg);
+void check_reduce(ProcessGroup& pg);
+void check_allgather(ProcessGroup& pg);
+void check_gather(ProcessGroup& pg);
+void check_scatter(ProcessGroup& pg);
+void check_reduce_scatter(ProcessGroup& pg);
+void check_alltoall(ProcessGroup& pg);
+void check_barrier(ProcessGroup& pg);
+// send/recv: a root talking to every rank, an even/odd ring exchange, several tagged messages in
+// flight to one peer, empty messages. Does nothing on a group of one.
+void check_send_recv(ProcessGroup& pg);
+// 64+ operations issued before any is waited for; Work::then callbacks; then() after completion.
+void check_many_in_flight(ProcessGroup& pg);
+// new_group: a subgroup without rank 0, one of the first and last ranks, one of everybody; each
+// runs collectives (the non-members check they got nullptr), interleaved with the parent group.
+void check_subgroups(ProcessGroup& pg);
+// ConfigError at call time for bad roots, peers, null buffers, rank lists, dtype values and
+// timeouts. Purely local: issues no operation.
+void check_argument_errors(ProcessGroup& pg);
+
+struct NamedCheck {
+  std::string name;
+  std::function<void(ProcessGroup&)> run;
+};
+
+// Every check above, in the order run_all_checks runs them.
+const std::vector<NamedCheck>& all_checks();
+
+// Runs every check in order; rethrows the first failure as std::runtime_error prefixed with
+// "check <name> failed on rank R of N: ".
+void run_all_checks(ProcessGroup& pg);
+
+}  // namespace ddp::conformance

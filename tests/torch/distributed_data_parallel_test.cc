@@ -1,0 +1,385 @@
+#include "ddp/torch/distributed_data_parallel.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ddp/error.h"
+#include "support/multiprocess.h"
+#include "torch/ddp_test_util.h"
+
+namespace ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using test::expect_close;
+using test::expect_identical_across_ranks;
+using test::join_group;
+using test::run_ranks;
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(int hidden = 32) {
+    fc1 = register_module("fc1", torch::nn::Linear(20, hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, 16));
+    fc3 = register_module("fc3", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc3(torch::relu(fc2(torch::relu(fc1(x)))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// The cnn without BatchNorm, scaled down to 12x12 inputs.
+struct SmallCnnImpl : torch::nn::Module {
+  SmallCnnImpl() {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 8, 3).padding(1)));
+    fc1 = register_module("fc1", torch::nn::Linear(8 * 3 * 3, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(SmallCnn);
+
+struct Batches {
+  torch::Tensor inputs;   // [steps, world * batch, ...]
+  torch::Tensor targets;  // [steps, world * batch]
+};
+
+Batches make_batches(int steps, int total_batch, std::vector<std::int64_t> sample_shape) {
+  torch::manual_seed(7);
+  std::vector<std::int64_t> shape{steps, total_batch};
+  shape.insert(shape.end(), sample_shape.begin(), sample_shape.end());
+  return {torch::randn(shape), torch::randint(0, 4, {steps, total_batch})};
+}
+
+torch::optim::SGD make_sgd(std::vector<torch::Tensor> params) {
+  return torch::optim::SGD(std::move(params), torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+// Trains `Model` for `steps` steps on `world` ranks with per-rank batch `batch` and checks, after
+// every step, that all ranks hold bit-identical parameters, and at the end (on rank 0) that they
+// equal one process trained on the combined batches.
+template <typename Model>
+void check_equivalence(int world, int batch, std::vector<std::int64_t> sample_shape,
+                       DdpOptions options, double tolerance = 1e-5,
+                       std::function<void(DistributedDataParallel<typename Model::ContainedType>&)>
+                           setup = nullptr) {
+  const int port = test::free_port();
+  const int steps = 5;
+  const auto results = run_ranks(world, [&](int rank) {
+    auto pg = join_group(rank, world, port);
+    torch::manual_seed(100 + rank);  // different on every rank: construction must broadcast
+    Model net;
+    DistributedDataParallel ddp_model(net.ptr(), pg, options);
+    if (setup) setup(ddp_model);
+    auto opt = make_sgd(ddp_model->parameters());
+    const auto data = make_batches(steps, world * batch, sample_shape);
+    for (int step = 0; step < steps; ++step) {
+      opt.zero_grad();
+      auto x = data.inputs[step].narrow(0, rank * batch, batch);
+      auto y = data.targets[step].narrow(0, rank * batch, batch);
+      torch::nn::functional::cross_entropy(ddp_model->forward(x), y).backward();
+      opt.step();
+      expect_identical_across_ranks(*pg, ddp_model->parameters(),
+                                    fmt::format("parameters after step {}", step));
+    }
+    if (rank != 0) return;
+    torch::manual_seed(100);
+    Model reference;
+    auto ref_opt = make_sgd(reference->parameters());
+    for (int step = 0; step < steps; ++step) {
+      ref_opt.zero_grad();
+      torch::nn::functional::cross_entropy(reference->forward(data.inputs[step]),
+                                           data.targets[step])
+          .backward();
+      ref_opt.step();
+    }
+    const auto got = ddp_model->parameters();
+    const auto want = reference->parameters();
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      expect_close(got[i], want[i], fmt::format("parameter {}", i), tolerance,
+                   std::max(1e-6, tolerance * 0.1));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DistributedDataParallel, MlpOnTwoRanksEqualsOneProcessWithTheCombinedBatch) {
+  check_equivalence<Mlp>(2, 8, {20}, {});
+}
+
+TEST(DistributedDataParallel, MlpOnThreeRanksEqualsOneProcess) {
+  check_equivalence<Mlp>(3, 4, {20}, {});
+}
+
+TEST(DistributedDataParallel, CnnOnTwoRanksEqualsOneProcess) {
+  check_equivalence<SmallCnn>(2, 6, {1, 12, 12}, {});
+}
+
+TEST(DistributedDataParallel, ManySmallBucketsAndRebuildKeepEquivalence) {
+  check_equivalence<Mlp>(2, 8, {20}, {.bucket_cap_mb = 0.001, .first_bucket_cap_mb = 0.0005});
+}
+
+TEST(DistributedDataParallel, GradientAsBucketViewEqualsOneProcess) {
+  check_equivalence<Mlp>(2, 8, {20}, {.gradient_as_bucket_view = true});
+}
+
+TEST(DistributedDataParallel, Fp16CompressionIsCloseToOneProcess) {
+  check_equivalence<Mlp>(2, 8, {20}, {}, 1e-2,
+                         [](auto& model) { model->register_comm_hook(fp16_compress_hook()); });
+}
+
+TEST(DistributedDataParallel, Bf16CompressionIsCloseToOneProcess) {
+  check_equivalence<Mlp>(2, 8, {20}, {}, 5e-2,
+                         [](auto& model) { model->register_comm_hook(bf16_compress_hook()); });
+}
+
+void check_no_sync(bool as_view) {
+  const int port = test::free_port();
+  const int world = 2, batch = 8, micro = 4;
+  const auto results = run_ranks(world, [&](int rank) {
+    auto pg = join_group(rank, world, port);
+    torch::manual_seed(100 + rank);
+    Mlp net;
+    DistributedDataParallel ddp_model(net.ptr(), pg, {.gradient_as_bucket_view = as_view});
+    auto opt = make_sgd(ddp_model->parameters());
+    const auto data = make_batches(1, world * batch, {20});
+    auto x = data.inputs[0].narrow(0, rank * batch, batch).chunk(micro);
+    auto y = data.targets[0].narrow(0, rank * batch, batch).chunk(micro);
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      auto loss = torch::nn::functional::cross_entropy(ddp_model->forward(x[m]), y[m]) / micro;
+      if (m + 1 < micro) {
+        auto guard = ddp_model->no_sync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    opt.step();
+    expect_identical_across_ranks(*pg, ddp_model->parameters(), "after the synced step");
+    if (rank != 0) return;
+    torch::manual_seed(100);
+    Mlp reference;
+    auto ref_opt = make_sgd(reference->parameters());
+    torch::nn::functional::cross_entropy(reference->forward(data.inputs[0]), data.targets[0])
+        .backward();
+    ref_opt.step();
+    for (std::size_t i = 0; i < reference->parameters().size(); ++i) {
+      expect_close(ddp_model->parameters()[i], reference->parameters()[i],
+                   fmt::format("parameter {}", i));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DistributedDataParallel, NoSyncMicroStepsEqualOneStepOnTheCombinedBatch) {
+  check_no_sync(/*as_view=*/false);
+}
+
+TEST(DistributedDataParallel, NoSyncWithGradientAsBucketView) { check_no_sync(/*as_view=*/true); }
+
+// fc_unused is registered but never used in forward.
+struct WithUnusedImpl : torch::nn::Module {
+  WithUnusedImpl() {
+    fc = register_module("fc", torch::nn::Linear(20, 4));
+    fc_unused = register_module("fc_unused", torch::nn::Linear(20, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc(x); }
+  torch::nn::Linear fc{nullptr}, fc_unused{nullptr};
+};
+TORCH_MODULE(WithUnused);
+
+TEST(DistributedDataParallel, UnusedParametersTrainWithFindUnusedParameters) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    torch::manual_seed(100 + rank);
+    WithUnused net;
+    DistributedDataParallel model(net.ptr(), pg, {.find_unused_parameters = true});
+    auto opt = make_sgd(model->parameters());
+    const auto data = make_batches(3, 16, {20});
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      auto x = data.inputs[step].narrow(0, rank * 8, 8);
+      auto y = data.targets[step].narrow(0, rank * 8, 8);
+      torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+      opt.step();
+    }
+    expect_identical_across_ranks(*pg, model->parameters(), "parameters");
+    if (net->fc_unused->weight.grad().defined()) {
+      throw std::runtime_error("a parameter unused on every rank must keep no gradient");
+    }
+    if (!net->fc->weight.grad().defined()) throw std::runtime_error("used parameter has no grad");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DistributedDataParallel, UnusedParametersWithoutTheOptionNameTheParameterAndNeverHang) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port, 10s);
+    WithUnused net;
+    DistributedDataParallel model(net.ptr(), pg);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      try {
+        model->forward(torch::randn({4, 20})).sum().backward();
+        throw std::runtime_error("backward should have failed");
+      } catch (const ddp::Error& e) {
+        const std::string message = e.what();
+        if (message.find("fc_unused.weight") == std::string::npos ||
+            message.find("find_unused_parameters") == std::string::npos) {
+          throw std::runtime_error("unhelpful message: " + message);
+        }
+      }
+    }
+  }, 60s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DistributedDataParallel, DifferentModelsAcrossRanksAreNamedAtConstruction) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port, 10s);
+    Mlp net(rank == 0 ? 32 : 33);
+    try {
+      DistributedDataParallel model(net.ptr(), pg);
+    } catch (const ddp::Error& e) {
+      const std::string message = e.what();
+      if (message.find("rank(s) 1") == std::string::npos) {
+        throw std::runtime_error("message does not name rank 1: " + message);
+      }
+      if (rank == 1 && message.find("'fc1.weight'") == std::string::npos) {
+        throw std::runtime_error("message does not name the parameter: " + message);
+      }
+      return;
+    }
+    throw std::runtime_error("construction should have failed");
+  }, 60s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+struct WithBatchNormImpl : torch::nn::Module {
+  WithBatchNormImpl() {
+    fc = register_module("fc", torch::nn::Linear(20, 8));
+    bn = register_module("bn", torch::nn::BatchNorm1d(8));
+  }
+  torch::Tensor forward(torch::Tensor x) { return bn(fc(x)); }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(WithBatchNorm);
+
+TEST(DistributedDataParallel, BuffersComeFromRankZero) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    WithBatchNorm net;
+    torch::NoGradGuard no_grad;
+    net->bn->running_mean.fill_(static_cast<float>(rank + 1));
+    DistributedDataParallel model(net.ptr(), pg);
+    if (!torch::equal(net->bn->running_mean, torch::full({8}, 1.0f))) {
+      throw std::runtime_error("construction did not broadcast rank 0's buffers");
+    }
+    // Diverge, then a training forward must start from rank 0's buffers again: with the same
+    // input on both ranks the running statistics then agree exactly.
+    net->bn->running_var.fill_(static_cast<float>(rank + 3));
+    torch::manual_seed(3);
+    model->forward(torch::randn({6, 20}));
+    expect_identical_across_ranks(*pg, model->buffers(), "buffers after forward");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Big enough that backward takes a while, in several buckets.
+struct DeepImpl : torch::nn::Module {
+  DeepImpl() {
+    for (int i = 0; i < 6; ++i) {
+      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(256, 256)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& layer : layers) x = torch::relu(layer(x));
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Deep);
+
+TEST(DistributedDataParallel, BucketReductionsStartBeforeBackwardEnds) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    Deep net;
+    DistributedDataParallel model(net.ptr(), pg,
+                                  {.bucket_cap_mb = 0.3, .first_bucket_cap_mb = 0.3});
+    const auto buckets = model->reducer().bucket_assignment();
+    if (buckets.size() < 3) throw std::runtime_error("expected several buckets");
+    // The first bucket holds the last layer's parameters (reverse order).
+    if (buckets.front().front() != net->parameters().size() - 1) {
+      throw std::runtime_error("first bucket is not the last parameter");
+    }
+    for (int step = 0; step < 3; ++step) {
+      model->forward(torch::randn({512, 256})).square().mean().backward();
+      const auto timeline = model->reducer().last_timeline();
+      if (timeline.bucket_launched.size() != buckets.size()) {
+        throw std::runtime_error("timeline has the wrong number of buckets");
+      }
+      if (!(timeline.bucket_launched.front() < timeline.backward_finished)) {
+        throw std::runtime_error("the first bucket's allreduce did not start during backward");
+      }
+      for (std::size_t b = 1; b < buckets.size(); ++b) {
+        if (timeline.bucket_launched[b] < timeline.bucket_launched[b - 1]) {
+          throw std::runtime_error("buckets launched out of order");
+        }
+      }
+    }
+    if (!model->reducer().buckets_rebuilt()) throw std::runtime_error("buckets not rebuilt");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// One Linear applied twice, and a second module registering the first one's weight again.
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() {
+    a = register_module("a", torch::nn::Linear(20, 20));
+    b = register_module("b", torch::nn::Linear(20, 4));
+    head = register_module("head", std::make_shared<torch::nn::Module>());
+    head->register_parameter("tied_weight", b->weight);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = torch::relu(a(torch::relu(a(x))));
+    return b(h) + torch::nn::functional::linear(h.square(), head->named_parameters()["tied_weight"]);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  std::shared_ptr<torch::nn::Module> head;
+};
+TORCH_MODULE(Tied);
+
+TEST(DistributedDataParallel, SharedAndReusedParametersEqualOneProcess) {
+  check_equivalence<Tied>(2, 8, {20}, {});
+}
+
+TEST(DistributedDataParallel, NoProcessGroupIsAConfigError) {
+  const auto results = run_ranks(1, [](int) {
+    Mlp net;
+    try {
+      DistributedDataParallel model(net.ptr());
+    } catch (const ConfigError& e) {
+      if (std::string(e.what()).find("init_process_group") == std::string::npos) throw;
+      return;
+    }
+    throw std::runtime_error("construction without a group should fail");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+}  // namespace
+}  // namespace ddp
