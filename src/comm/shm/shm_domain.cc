@@ -1,0 +1,851 @@
+#include "comm/shm/shm_domain.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "comm/reduce_kernels.h"
+#include "ddp/error.h"
+
+namespace ddp::comm::shm {
+namespace {
+
+constexpr std::uint64_t kSegmentMagic = 0x4d48535044445044ULL;  // "DPDDPSHM" in memory
+constexpr std::uint32_t kSegmentVersion = 1;
+constexpr std::size_t kCacheLine = 64;
+constexpr std::size_t kAbortReasonBytes = 512;
+
+std::size_t round_up(std::size_t value, std::size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+std::string errno_text(int err) {
+  return std::strerror(err);
+}
+
+// Futexes on the shared mapping: no FUTEX_PRIVATE_FLAG, the waiters live in other processes.
+// A spurious or early return is harmless: every caller re-checks its condition.
+void futex_wait(std::uint32_t* word, std::uint32_t expected, std::chrono::nanoseconds timeout) {
+  if (timeout <= std::chrono::nanoseconds::zero()) return;
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1'000'000'000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1'000'000'000);
+  ::syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::uint32_t* word) {
+  ::syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+std::atomic_ref<std::uint32_t> atomic(std::uint32_t& word) {
+  return std::atomic_ref<std::uint32_t>(word);
+}
+std::atomic_ref<std::int32_t> atomic(std::int32_t& word) {
+  return std::atomic_ref<std::int32_t>(word);
+}
+
+// Wrap-safe "counter has reached target" (counters are 32-bit for the futex).
+bool reached(std::uint32_t counter, std::uint32_t target) {
+  return static_cast<std::int32_t>(counter - target) >= 0;
+}
+
+int open_pidfd(int pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+// A process that exited but was not reaped yet (a zombie) still answers kill(pid, 0), so look at
+// its state in /proc when no pidfd is available.
+bool pid_alive(int pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // cannot tell: assume alive
+  const auto paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size()) return true;
+  const char state = line[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+}  // namespace
+
+// The shared mapping, in this order (each part aligned to a cache line or a page):
+//   SegmentHeader | RankControl x size | inputs: 2 x size x slot_bytes | results: 2 x slot_bytes
+//   | small: 2 x size x small_bytes
+// Every rank writes only its own RankControl, its own input and small slots, and its slice of a
+// result slot; the events counters order those writes (see ShmDomain::run_chunked).
+struct SegmentHeader {
+  std::uint64_t magic;  // written last by rank 0, with release
+  std::uint32_t version;
+  std::int32_t size;
+  std::uint64_t slot_bytes;
+  std::uint64_t small_bytes;
+  std::uint64_t total_bytes;
+  std::uint32_t joined;     // ranks other than 0 that have mapped the segment (futex word)
+  std::int32_t aborted_by;  // -1, or the first rank that failed a call
+  std::uint32_t unlinked;   // set by rank 0 once the name is gone (futex word)
+  // Arrivals at the first event of a call, all ranks together (futex word), on its own line.
+  alignas(kCacheLine) std::uint32_t arrivals;
+  std::uint32_t arrival_sleepers;
+};
+
+struct alignas(kCacheLine) RankControl {
+  // Events this rank has published: the futex word its peers sleep on. Alone on its line.
+  alignas(kCacheLine) std::uint32_t events;
+  // Peers sleeping on `events` (the publisher skips FUTEX_WAKE when there are none).
+  alignas(kCacheLine) std::uint32_t sleepers;
+  std::int32_t pid;
+  // The headers of this rank's calls, by call parity (a fast peer may start call c+1 while a slow
+  // one still reads the header of call c).
+  alignas(kCacheLine) OpHeader headers[2];
+  char abort_reason[kAbortReasonBytes];
+};
+
+struct ShmDomain::Segment {
+  SegmentHeader header;
+  // RankControl x size follows at Layout::control_offset.
+};
+
+namespace {
+
+struct Layout {
+  std::size_t control_offset, inputs_offset, results_offset, small_offset, total;
+};
+
+Layout layout_for(int size, std::size_t slot_bytes, std::size_t small_bytes) {
+  Layout l{};
+  l.control_offset = round_up(sizeof(SegmentHeader), kCacheLine);
+  l.inputs_offset = round_up(l.control_offset + sizeof(RankControl) * size, 4096);
+  l.results_offset = l.inputs_offset + 2 * static_cast<std::size_t>(size) * slot_bytes;
+  l.small_offset = l.results_offset + 2 * slot_bytes;
+  l.total = round_up(l.small_offset + 2 * static_cast<std::size_t>(size) * small_bytes, 4096);
+  return l;
+}
+
+RankControl* controls(ShmDomain::Segment* segment) {
+  return reinterpret_cast<RankControl*>(reinterpret_cast<std::byte*>(segment) +
+                                        round_up(sizeof(SegmentHeader), kCacheLine));
+}
+
+// Unmaps (and on rank 0 unlinks) a half-made segment when create() fails.
+struct SegmentGuard {
+  void* mapping = nullptr;
+  std::size_t bytes = 0;
+  std::string unlink_name;
+  ~SegmentGuard() {
+    if (!unlink_name.empty()) ::shm_unlink(unlink_name.c_str());
+    if (mapping != nullptr) ::munmap(mapping, bytes);
+  }
+};
+
+}  // namespace
+
+ShmDomain::ShmDomain(int rank, int size, ShmOptions options)
+    : rank_(rank), size_(size), options_(std::move(options)) {}
+
+ShmDomain::~ShmDomain() {
+  for (int fd : peer_pidfds_) {
+    if (fd >= 0) ::close(fd);
+  }
+  if (mapping_ != nullptr) ::munmap(mapping_, mapping_bytes_);
+}
+
+std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& key_prefix, int rank,
+                                             int size, ShmOptions options, Deadline deadline) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw ConfigError(fmt::format("ShmDomain: rank {} is not in a group of size {}", rank, size));
+  }
+  if (options.slot_bytes < 4096 || options.slot_bytes % kCacheLine != 0) {
+    throw ConfigError(
+        fmt::format("ShmDomain: slot_bytes {} must be a multiple of {} and at least 4096",
+                    options.slot_bytes, kCacheLine));
+  }
+  if (options.small_bytes > options.slot_bytes || options.small_bytes % kCacheLine != 0) {
+    throw ConfigError(fmt::format(
+        "ShmDomain: small_bytes {} must be a multiple of {} and at most slot_bytes ({})",
+        options.small_bytes, kCacheLine, options.slot_bytes));
+  }
+  std::unique_ptr<ShmDomain> domain(new ShmDomain(rank, size, std::move(options)));
+  const ShmOptions& opts = domain->options_;
+  const Layout layout = layout_for(size, opts.slot_bytes, opts.small_bytes);
+  const std::string name_key = key_prefix + "/name";
+  auto fail = [&](const std::string& what) -> CommError {
+    return CommError(fmt::format("shm group '{}' rank {}: cannot set up the shared-memory "
+                                 "segment: {}",
+                                 opts.group, rank, what),
+                     opts.group, "shm setup", 0, -1);
+  };
+  auto remaining_ms = [&] {
+    const auto left = deadline - net::Clock::now();
+    return std::max(Milliseconds(1), std::chrono::duration_cast<Milliseconds>(left));
+  };
+
+  SegmentGuard guard;
+  int fd = -1;
+  if (rank == 0) {
+    std::random_device random;
+    const std::string name =
+        fmt::format("/{}-{}-{:08x}{:08x}", opts.name_prefix, ::getpid(), random(), random());
+    fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) throw fail(fmt::format("shm_open({}) failed: {}", name, errno_text(errno)));
+    guard.unlink_name = name;
+    // Reserve the memory now: a tmpfs that is too small fails here with ENOSPC instead of
+    // killing a rank with SIGBUS in the middle of a collective.
+    const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(layout.total));
+    if (err != 0) {
+      ::close(fd);
+      throw fail(
+          fmt::format("cannot reserve {} bytes in /dev/shm ({}); make /dev/shm larger "
+                      "or lower ShmOptions::slot_bytes",
+                      layout.total, errno_text(err)));
+    }
+    domain->segment_name_ = name;
+  } else {
+    std::string name;
+    try {
+      name = store.get_string(name_key, remaining_ms());
+    } catch (const TimeoutError&) {
+      throw TimeoutError(
+          fmt::format("shm group '{}' rank {}: rank 0 did not publish the segment "
+                      "name under '{}' before the deadline",
+                      opts.group, rank, name_key));
+    }
+    fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+      throw fail(
+          fmt::format("shm_open({}) failed: {} (did rank 0 give up, or is '{}' a stale "
+                      "key from an earlier group?)",
+                      name, errno_text(errno), name_key));
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != layout.total) {
+      ::close(fd);
+      throw fail(
+          fmt::format("segment {} has {} bytes, this rank expects {}: the ranks were "
+                      "given different ShmOptions (slot_bytes, small_bytes) or sizes",
+                      name, static_cast<long long>(st.st_size), layout.total));
+    }
+    domain->segment_name_ = name;
+  }
+  void* mapping = ::mmap(nullptr, layout.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int mmap_errno = errno;
+  ::close(fd);
+  if (mapping == MAP_FAILED) throw fail(fmt::format("mmap failed: {}", errno_text(mmap_errno)));
+  guard.mapping = mapping;
+  guard.bytes = layout.total;
+  auto* segment = static_cast<Segment*>(mapping);
+  SegmentHeader& header = segment->header;
+  RankControl* control = controls(segment);
+
+  if (rank == 0) {
+    header.version = kSegmentVersion;
+    header.size = size;
+    header.slot_bytes = opts.slot_bytes;
+    header.small_bytes = opts.small_bytes;
+    header.total_bytes = layout.total;
+    header.aborted_by = -1;
+    control[0].pid = ::getpid();
+    std::atomic_ref<std::uint64_t>(header.magic).store(kSegmentMagic, std::memory_order_release);
+    store.set(name_key, domain->segment_name_);
+  } else {
+    if (std::atomic_ref<std::uint64_t>(header.magic).load(std::memory_order_acquire) !=
+            kSegmentMagic ||
+        header.version != kSegmentVersion || header.size != size ||
+        header.slot_bytes != opts.slot_bytes || header.small_bytes != opts.small_bytes) {
+      throw fail(
+          fmt::format("segment {} was made for another group (size {}, slot_bytes {}, "
+                      "small_bytes {}; this rank has size {}, {}, {})",
+                      domain->segment_name_, header.size, header.slot_bytes, header.small_bytes,
+                      size, opts.slot_bytes, opts.small_bytes));
+    }
+    atomic(control[rank].pid).store(::getpid(), std::memory_order_relaxed);
+    atomic(header.joined).fetch_add(1, std::memory_order_acq_rel);
+    futex_wake_all(&header.joined);
+  }
+
+  // Everyone waits until all have joined, so that every pid is known before the first call.
+  for (;;) {
+    const std::uint32_t joined = atomic(header.joined).load(std::memory_order_acquire);
+    if (static_cast<int>(joined) >= size - 1) break;
+    const auto now = net::Clock::now();
+    if (now >= deadline) {
+      std::string missing;
+      for (int r = 1; r < size; ++r) {
+        if (atomic(control[r].pid).load(std::memory_order_relaxed) == 0) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+      }
+      throw TimeoutError(
+          fmt::format("shm group '{}' rank {}: ranks {} did not join segment {} "
+                      "before the deadline",
+                      opts.group, rank, missing, domain->segment_name_));
+    }
+    futex_wait(&header.joined, joined,
+               std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(10)));
+  }
+  // Nobody returns before the name is gone, so that from then on no segment can outlive us.
+  if (rank == 0) {
+    ::shm_unlink(domain->segment_name_.c_str());
+    guard.unlink_name.clear();
+    atomic(header.unlinked).store(1, std::memory_order_release);
+    futex_wake_all(&header.unlinked);
+  } else {
+    while (atomic(header.unlinked).load(std::memory_order_acquire) == 0) {
+      const auto now = net::Clock::now();
+      if (now >= deadline) {
+        throw TimeoutError(
+            fmt::format("shm group '{}' rank {}: rank 0 did not release segment "
+                        "{} before the deadline",
+                        opts.group, rank, domain->segment_name_));
+      }
+      futex_wait(&header.unlinked, 0,
+                 std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(10)));
+    }
+  }
+  guard.mapping = nullptr;
+
+  domain->mapping_ = mapping;
+  domain->mapping_bytes_ = layout.total;
+  domain->segment_ = segment;
+  domain->data_ = static_cast<std::byte*>(mapping);
+  // Spinning only pays when every rank has a core of its own.
+  cpu_set_t cpus;
+  const int cores = ::sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  domain->spin_ = size <= cores ? opts.spin : std::chrono::microseconds(0);
+  domain->peer_pids_.assign(size, 0);
+  domain->peer_pidfds_.assign(size, -1);
+  for (int r = 0; r < size; ++r) {
+    domain->peer_pids_[r] = atomic(control[r].pid).load(std::memory_order_relaxed);
+    if (r != rank) domain->peer_pidfds_[r] = open_pidfd(domain->peer_pids_[r]);
+  }
+  return domain;
+}
+
+std::byte* ShmDomain::input_slot(int rank, int parity) const {
+  const Layout l = layout_for(size_, options_.slot_bytes, options_.small_bytes);
+  return data_ + l.inputs_offset +
+         (static_cast<std::size_t>(parity) * size_ + rank) * options_.slot_bytes;
+}
+
+std::byte* ShmDomain::result_slot(int parity) const {
+  const Layout l = layout_for(size_, options_.slot_bytes, options_.small_bytes);
+  return data_ + l.results_offset + static_cast<std::size_t>(parity) * options_.slot_bytes;
+}
+
+std::byte* ShmDomain::small_slot(int rank, int parity) const {
+  const Layout l = layout_for(size_, options_.slot_bytes, options_.small_bytes);
+  return data_ + l.small_offset +
+         (static_cast<std::size_t>(parity) * size_ + rank) * options_.small_bytes;
+}
+
+// ---- synchronisation -------------------------------------------------------------------------
+
+void ShmDomain::fail(const std::string& what, int peer, bool peer_error) const {
+  const std::string op = describe(header_);
+  const std::string message =
+      fmt::format("shm group '{}' rank {}: {} failed: {}", options_.group, rank_, op, what);
+  if (peer_error) throw ShmPeerError(message, options_.group, op, header_.sequence, peer);
+  throw CommError(message, options_.group, op, header_.sequence, peer);
+}
+
+int ShmDomain::aborted_peer() const {
+  const int by = atomic(segment_->header.aborted_by).load(std::memory_order_acquire);
+  return by == rank_ ? -1 : by;
+}
+
+void ShmDomain::fail_aborted(int by) const {
+  const RankControl& c = controls(segment_)[by];
+  std::string reason(c.abort_reason, strnlen(c.abort_reason, sizeof c.abort_reason));
+  fail(fmt::format("rank {} aborted the group: {}", by, reason), by, true);
+}
+
+int ShmDomain::dead_peer() const {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    bool alive = true;
+    if (peer_pidfds_[r] >= 0) {
+      pollfd p{peer_pidfds_[r], POLLIN, 0};
+      alive = !(::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP)) != 0);
+    } else {
+      alive = pid_alive(peer_pids_[r]);
+    }
+    if (!alive) return r;
+  }
+  return -1;
+}
+
+void ShmDomain::fail_dead(int peer) const {
+  fail(fmt::format("rank {} (pid {}) exited or was killed", peer, peer_pids_[peer]), peer, true);
+}
+
+void ShmDomain::publish() {
+  RankControl& me = controls(segment_)[rank_];
+  ++events_;
+  // seq_cst on both sides (this store, the sleeper's increment and re-check) so that either the
+  // sleeper sees the new value or the publisher sees the sleeper.
+  atomic(me.events).store(events_, std::memory_order_seq_cst);
+  if (atomic(me.sleepers).load(std::memory_order_seq_cst) != 0) futex_wake_all(&me.events);
+}
+
+// Waits until `word` reaches `target`: spins for spin_ (zero when there are more ranks than
+// cores, where a spinning rank only delays the peer it waits for), then sleeps on the futex in
+// naps of liveness_interval, checking between naps that no peer died or aborted and that the
+// deadline has not passed. `blame()` names the rank we are waiting for, for the error.
+template <typename Blame>
+void ShmDomain::wait_word(std::uint32_t& word, std::uint32_t& sleepers_word, std::uint32_t target,
+                          Blame&& blame) {
+  auto value = atomic(word);
+  if (reached(value.load(std::memory_order_acquire), target)) return;
+  const auto start = net::Clock::now();
+  if (spin_.count() > 0) {
+    for (int i = 1;; ++i) {
+      if (reached(value.load(std::memory_order_acquire), target)) return;
+      cpu_relax();
+      if (i % 64 == 0) {
+        if (net::Clock::now() - start >= spin_) break;
+        // The peer may be waiting for this very core (ranks are not pinned): let it run.
+        ::sched_yield();
+      }
+    }
+  }
+  while (net::Clock::now() - start < options_.yield) {
+    if (reached(value.load(std::memory_order_acquire), target)) return;
+    ::sched_yield();
+  }
+  auto sleepers = atomic(sleepers_word);
+  for (;;) {
+    // Look at the peers before the condition: a peer that finished the call (so the condition
+    // holds) may exit at once, and must not be blamed for it.
+    const int aborted = aborted_peer();
+    const int dead = dead_peer();
+    if (reached(value.load(std::memory_order_acquire), target)) return;
+    if (aborted >= 0) fail_aborted(aborted);
+    if (dead >= 0) fail_dead(dead);
+    const auto now = net::Clock::now();
+    if (now >= deadline_) {
+      const int peer = blame();
+      fail(fmt::format("timed out waiting for rank {} (it is alive but did not reach this step of "
+                       "the call: stopped, or busy elsewhere?)",
+                       peer),
+           peer);
+    }
+    const auto nap =
+        std::min<std::chrono::nanoseconds>(deadline_ - now, options_.liveness_interval);
+    // seq_cst pairs with publish(): either we see the new value or the publisher sees us.
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const std::uint32_t seen = value.load(std::memory_order_seq_cst);
+    if (!reached(seen, target)) futex_wait(&word, seen, nap);
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached(value.load(std::memory_order_acquire), target)) return;
+  }
+}
+
+void ShmDomain::wait_for(int peer, std::uint32_t target) {
+  RankControl& c = controls(segment_)[peer];
+  wait_word(c.events, c.sleepers, target, [peer] { return peer; });
+}
+
+// Every rank counts itself in once per call, at its first event; the last one wakes the rest, so
+// that a call's first synchronisation costs at most one futex wake-up per rank. No rank can count
+// itself into call c+1 before all have counted into call c, so the count is exact.
+void ShmDomain::arrive() {
+  SegmentHeader& h = segment_->header;
+  const std::uint32_t target = static_cast<std::uint32_t>((calls_ + 1) * size_);
+  const std::uint32_t now = atomic(h.arrivals).fetch_add(1, std::memory_order_seq_cst) + 1;
+  if (now == target && atomic(h.arrival_sleepers).load(std::memory_order_seq_cst) != 0) {
+    futex_wake_all(&h.arrivals);
+  }
+}
+
+void ShmDomain::wait_all_arrived() {
+  SegmentHeader& h = segment_->header;
+  const std::uint32_t target = static_cast<std::uint32_t>((calls_ + 1) * size_);
+  wait_word(h.arrivals, h.arrival_sleepers, target, [this] {
+    for (int r = 0; r < size_; ++r) {
+      if (!reached(atomic(controls(segment_)[r].events).load(std::memory_order_acquire), events_)) {
+        return r;
+      }
+    }
+    return -1;
+  });
+}
+
+void ShmDomain::wait_all(std::uint32_t target) {
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) wait_for(r, target);
+  }
+}
+
+void ShmDomain::abort_domain(const std::string& reason) noexcept {
+  if (segment_ == nullptr) return;
+  RankControl* control = controls(segment_);
+  std::int32_t expected = -1;
+  // Write the reason before claiming the flag, so a peer that sees the flag reads a whole reason.
+  const std::size_t n = std::min(reason.size(), kAbortReasonBytes - 1);
+  std::memcpy(control[rank_].abort_reason, reason.data(), n);
+  control[rank_].abort_reason[n] = '\0';
+  atomic(segment_->header.aborted_by)
+      .compare_exchange_strong(expected, rank_, std::memory_order_acq_rel);
+  for (int r = 0; r < size_; ++r)
+    futex_wake_all(&control[r].events);
+}
+
+// The first synchronisation of a call: this rank's header (written before the event, so the
+// release of publish() covers it) is compared with every peer's once all have arrived.
+void ShmDomain::announce_and_check() {
+  RankControl* control = controls(segment_);
+  const int parity = static_cast<int>(calls_ & 1);
+  wait_all_arrived();
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const OpHeader& theirs = control[r].headers[parity];
+    if (!(theirs == header_)) {
+      fail(fmt::format("ranks issued different collectives: rank {} called {}, rank {} called {}",
+                       rank_, describe(header_), r, describe(theirs)),
+           r);
+    }
+  }
+}
+
+template <typename Fn>
+void ShmDomain::guarded(const OpHeader& header, Deadline deadline, Fn&& body) {
+  if (error_) {
+    if (error_is_peer_) {
+      throw ShmPeerError(error_->what(), error_->group(), error_->op(), error_->sequence(),
+                         error_->peer());
+    }
+    throw CommError(*error_);
+  }
+  header_ = header;
+  deadline_ = deadline;
+  try {
+    body();
+  } catch (const ShmPeerError& e) {
+    error_ = e;
+    error_is_peer_ = true;
+    abort_domain(e.what());
+    throw;
+  } catch (const CommError& e) {
+    error_ = e;
+    abort_domain(e.what());
+    throw;
+  }
+  ++calls_;
+}
+
+// A chunked collective, for each chunk i (elements [first, first + len), buffers of parity i%2):
+//
+//   copy_in(i)  write this rank's input slot            -> event A_i (A_0: also arrive())
+//   wait for A_i of every rank (chunk 0: all arrived; compare the call headers)
+//   compute(i)  read peers' input slots, write own output -> event B_i
+//   copy_in(i+1)                                         -> event A_{i+1}
+//   wait for B_i of every rank
+//   copy_out(i) read the result slot
+//
+// Buffer reuse is safe with two parities: a rank overwrites its input slot of parity p (chunk
+// i+2) only after it saw every B_i, and peers read that slot before publishing B_i; a rank
+// writes its slice of the result slot p (chunk i+2) only after it saw every A_{i+2}, which each
+// peer publishes after its copy_out(i). Two events per chunk; copy_in(i+1) overlaps the wait for
+// B_i. A call with count 0 only publishes A_0, which checks the headers.
+template <typename CopyIn, typename Compute, typename CopyOut>
+void ShmDomain::run_chunked(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in,
+                            Compute&& compute, CopyOut&& copy_out) {
+  const std::size_t chunks = (count + chunk_elems - 1) / chunk_elems;
+  auto len_of = [&](std::size_t i) { return std::min(chunk_elems, count - i * chunk_elems); };
+  const int parity = static_cast<int>(calls_ & 1);
+  controls(segment_)[rank_].headers[parity] = header_;
+  if (count > 0) copy_in(std::size_t{0}, len_of(0), 0);
+  publish();
+  arrive();
+  if (count == 0) {  // nothing to move; the headers still have to agree
+    announce_and_check();
+    return;
+  }
+  const std::uint32_t base = events_ - 1;
+  for (std::size_t i = 0; i < chunks; ++i) {
+    const std::size_t first = i * chunk_elems;
+    const std::size_t len = len_of(i);
+    const int p = static_cast<int>(i & 1);
+    const auto a_i = static_cast<std::uint32_t>(base + 2 * i + 1);
+    if (i == 0) {
+      announce_and_check();
+    } else {
+      wait_all(a_i);
+    }
+    compute(first, len, p);
+    publish();
+    if (i + 1 < chunks) {
+      copy_in(first + chunk_elems, len_of(i + 1), 1 - p);
+      publish();
+    }
+    wait_all(a_i + 1);
+    copy_out(first, len, p);
+  }
+}
+
+// Slice of a chunk of `len` elements that `rank` reduces: equal parts rounded up to a cache line,
+// so that no two ranks write the same line; the last ranks may get less or nothing.
+static std::pair<std::size_t, std::size_t> slice_of(std::size_t len, int rank, int size,
+                                                    std::size_t element_size) {
+  const std::size_t per_line = std::max<std::size_t>(1, kCacheLine / element_size);
+  const std::size_t part = round_up((len + size - 1) / size, per_line);
+  const std::size_t begin = std::min(len, part * rank);
+  const std::size_t end = std::min(len, begin + part);
+  return {begin, end - begin};
+}
+
+// Reduces `inputs(r) + offset` over every rank r in rank order into dst (bytes, count elements);
+// the average divides once, at the last step.
+template <typename InputOf>
+static void reduce_in_rank_order(std::byte* dst, InputOf&& input_of, std::size_t count, DType dtype,
+                                 ReduceOp op, int size) {
+  const std::size_t bytes = count * dtype_size(dtype);
+  if (count == 0) return;
+  if (size == 1) {
+    if (dst != input_of(0)) std::memmove(dst, input_of(0), bytes);
+    return;
+  }
+  const int divisor = op == ReduceOp::kAvg ? size : 0;
+  reduce(dst, input_of(0), input_of(1), count, dtype, op, size == 2 ? divisor : 0);
+  for (int r = 2; r < size; ++r) {
+    reduce(dst, dst, input_of(r), count, dtype, op, r == size - 1 ? divisor : 0);
+  }
+}
+
+// ---- collectives -----------------------------------------------------------------------------
+
+namespace {
+
+void check_header(const OpHeader& header, OpKind kind, std::size_t count, DType dtype, int root,
+                  int size) {
+  if (header.kind != kind || header.count != count ||
+      (kind != OpKind::kBarrier && header.dtype != static_cast<std::uint8_t>(dtype))) {
+    throw ConfigError(fmt::format("ShmDomain: the header {} does not describe the call {}({} x {})",
+                                  describe(header), to_string(kind), to_string(dtype), count));
+  }
+  const bool rooted = kind == OpKind::kBroadcast || kind == OpKind::kReduce;
+  if (root >= size || (rooted && root < 0)) {
+    throw ConfigError(
+        fmt::format("ShmDomain: root {} is not a rank of a group of size {}", root, size));
+  }
+}
+
+void check_buffer(const void* p, std::size_t count, const char* what) {
+  if (p == nullptr && count != 0) {
+    throw ConfigError(fmt::format("ShmDomain: {} is null for {} elements", what, count));
+  }
+}
+
+}  // namespace
+
+void ShmDomain::run_small_allreduce(const void* send, void* recv, std::size_t count, DType dtype,
+                                    ReduceOp op) {
+  const int parity = static_cast<int>(calls_ & 1);
+  const std::size_t bytes = count * dtype_size(dtype);
+  controls(segment_)[rank_].headers[parity] = header_;
+  std::memcpy(small_slot(rank_, parity), send, bytes);
+  publish();
+  arrive();
+  announce_and_check();
+  reduce_in_rank_order(
+      static_cast<std::byte*>(recv), [&](int r) { return small_slot(r, parity); }, count, dtype, op,
+      size_);
+}
+
+void ShmDomain::allreduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
+                          const OpHeader& header, Deadline deadline) {
+  check_header(header, OpKind::kAllreduce, count, dtype, -1, size_);
+  check_buffer(send, count, "send");
+  check_buffer(recv, count, "recv");
+  const std::size_t esize = dtype_size(dtype);
+  guarded(header, deadline, [&] {
+    if (count * esize <= options_.small_bytes && count > 0) {
+      run_small_allreduce(send, recv, count, dtype, op);
+      return;
+    }
+    const auto* in = static_cast<const std::byte*>(send);
+    auto* out = static_cast<std::byte*>(recv);
+    // Nobody else reads this rank's slice of its input, so it stays in `send` (saves 1/N of the
+    // copy-in) and the reduction reads it from there.
+    auto copy_in_but_own_slice = [&](std::size_t first, std::size_t len, int p) {
+      const auto [begin, n] = slice_of(len, rank_, size_, esize);
+      std::byte* slot = input_slot(rank_, p);
+      std::memcpy(slot, in + first * esize, begin * esize);
+      std::memcpy(slot + (begin + n) * esize, in + (first + begin + n) * esize,
+                  (len - begin - n) * esize);
+    };
+    auto reduce_own_slice = [&](std::size_t first, std::size_t len, int p) {
+      const auto [begin, n] = slice_of(len, rank_, size_, esize);
+      const std::size_t offset = begin * esize;
+      reduce_in_rank_order(
+          result_slot(p) + offset,
+          [&](int r) {
+            return r == rank_ ? in + (first + begin) * esize : input_slot(r, p) + offset;
+          },
+          n, dtype, op, size_);
+    };
+    run_chunked(
+        count, options_.slot_bytes / esize,
+        [&](std::size_t first, std::size_t len, int p) { copy_in_but_own_slice(first, len, p); },
+        [&](std::size_t first, std::size_t len, int p) { reduce_own_slice(first, len, p); },
+        [&](std::size_t first, std::size_t len, int p) {
+          std::memcpy(out + first * esize, result_slot(p), len * esize);
+        });
+  });
+}
+
+void ShmDomain::reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
+                       int root, const OpHeader& header, Deadline deadline) {
+  check_header(header, OpKind::kReduce, count, dtype, root, size_);
+  check_buffer(send, count, "send");
+  if (rank_ == root) check_buffer(recv, count, "recv");
+  const std::size_t esize = dtype_size(dtype);
+  guarded(header, deadline, [&] {
+    const auto* in = static_cast<const std::byte*>(send);
+    auto* out = static_cast<std::byte*>(recv);
+    // Nobody else reads this rank's slice of its input, so it stays in `send` (saves 1/N of the
+    // copy-in) and the reduction reads it from there.
+    auto copy_in_but_own_slice = [&](std::size_t first, std::size_t len, int p) {
+      const auto [begin, n] = slice_of(len, rank_, size_, esize);
+      std::byte* slot = input_slot(rank_, p);
+      std::memcpy(slot, in + first * esize, begin * esize);
+      std::memcpy(slot + (begin + n) * esize, in + (first + begin + n) * esize,
+                  (len - begin - n) * esize);
+    };
+    auto reduce_own_slice = [&](std::size_t first, std::size_t len, int p) {
+      const auto [begin, n] = slice_of(len, rank_, size_, esize);
+      const std::size_t offset = begin * esize;
+      reduce_in_rank_order(
+          result_slot(p) + offset,
+          [&](int r) {
+            return r == rank_ ? in + (first + begin) * esize : input_slot(r, p) + offset;
+          },
+          n, dtype, op, size_);
+    };
+    run_chunked(
+        count, options_.slot_bytes / esize,
+        [&](std::size_t first, std::size_t len, int p) { copy_in_but_own_slice(first, len, p); },
+        [&](std::size_t first, std::size_t len, int p) { reduce_own_slice(first, len, p); },
+        [&](std::size_t first, std::size_t len, int p) {
+          if (rank_ == root) std::memcpy(out + first * esize, result_slot(p), len * esize);
+        });
+  });
+}
+
+void ShmDomain::broadcast(void* buf, std::size_t count, DType dtype, int root,
+                          const OpHeader& header, Deadline deadline) {
+  check_header(header, OpKind::kBroadcast, count, dtype, root, size_);
+  check_buffer(buf, count, "buf");
+  const std::size_t esize = dtype_size(dtype);
+  guarded(header, deadline, [&] {
+    auto* data = static_cast<std::byte*>(buf);
+    run_chunked(
+        count, options_.slot_bytes / esize,
+        [&](std::size_t first, std::size_t len, int p) {
+          if (rank_ == root) std::memcpy(input_slot(rank_, p), data + first * esize, len * esize);
+        },
+        [&](std::size_t first, std::size_t len, int p) {
+          if (rank_ != root) std::memcpy(data + first * esize, input_slot(root, p), len * esize);
+        },
+        [](std::size_t, std::size_t, int) {});
+  });
+}
+
+void ShmDomain::allgather(const void* send, void* recv, std::size_t count_per_rank, DType dtype,
+                          const OpHeader& header, Deadline deadline) {
+  check_header(header, OpKind::kAllgather, count_per_rank, dtype, -1, size_);
+  check_buffer(send, count_per_rank, "send");
+  check_buffer(recv, count_per_rank, "recv");
+  const std::size_t esize = dtype_size(dtype);
+  guarded(header, deadline, [&] {
+    const auto* in = static_cast<const std::byte*>(send);
+    auto* out = static_cast<std::byte*>(recv);
+    run_chunked(
+        count_per_rank, options_.slot_bytes / esize,
+        [&](std::size_t first, std::size_t len, int p) {
+          std::memcpy(input_slot(rank_, p), in + first * esize, len * esize);
+        },
+        [&](std::size_t first, std::size_t len, int p) {
+          for (int r = 0; r < size_; ++r) {
+            std::memmove(out + (r * count_per_rank + first) * esize, input_slot(r, p), len * esize);
+          }
+        },
+        [](std::size_t, std::size_t, int) {});
+  });
+}
+
+void ShmDomain::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank,
+                               DType dtype, ReduceOp op, const OpHeader& header,
+                               Deadline deadline) {
+  check_header(header, OpKind::kReduceScatter, count_per_rank, dtype, -1, size_);
+  check_buffer(send, count_per_rank, "send");
+  check_buffer(recv, count_per_rank, "recv");
+  const std::size_t esize = dtype_size(dtype);
+  // A chunk carries `len` elements of each of the size_ blocks, so it is 1/size_ as long.
+  const std::size_t chunk =
+      std::max<std::size_t>(1, options_.slot_bytes / (esize * static_cast<std::size_t>(size_)));
+  guarded(header, deadline, [&] {
+    const auto* in = static_cast<const std::byte*>(send);
+    auto* out = static_cast<std::byte*>(recv);
+    run_chunked(
+        count_per_rank, chunk,
+        [&](std::size_t first, std::size_t len, int p) {
+          std::byte* slot = input_slot(rank_, p);
+          for (int block = 0; block < size_; ++block) {
+            std::memcpy(slot + block * len * esize, in + (block * count_per_rank + first) * esize,
+                        len * esize);
+          }
+        },
+        [&](std::size_t first, std::size_t len, int p) {
+          const std::size_t offset = rank_ * len * esize;
+          reduce_in_rank_order(
+              out + first * esize, [&](int r) { return input_slot(r, p) + offset; }, len, dtype, op,
+              size_);
+        },
+        [](std::size_t, std::size_t, int) {});
+  });
+}
+
+void ShmDomain::barrier(const OpHeader& header, Deadline deadline) {
+  check_header(header, OpKind::kBarrier, header.count, DType::kFloat32, -1, size_);
+  guarded(header, deadline, [&] {
+    const int parity = static_cast<int>(calls_ & 1);
+    controls(segment_)[rank_].headers[parity] = header_;
+    publish();
+    arrive();
+    announce_and_check();
+  });
+}
+
+}  // namespace ddp::comm::shm

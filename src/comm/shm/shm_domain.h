@@ -1,0 +1,176 @@
+// ShmDomain: collectives among the ranks of one group that share a host, through one POSIX
+// shared-memory segment instead of loopback TCP (internal to the ring backend).
+//
+//   auto domain = ShmDomain::create(store, "pg0/shm", rank, size, {}, deadline_after(30s));
+//   OpHeader h{.kind = OpKind::kAllreduce, .dtype = uint8_t(DType::kFloat32), .reduce_op = 0,
+//              .sequence = seq++, .count = n};
+//   domain->allreduce(send, recv, n, DType::kFloat32, ReduceOp::kSum, h, deadline_after(60s));
+//
+// Every rank of the domain must call the same collectives in the same order (like any group).
+// Each call's OpHeader travels with the first synchronisation of the call and is compared on every
+// rank, so ranks that issue different calls throw a CommError naming both calls and both ranks
+// instead of exchanging wrong bytes. Algorithms and their memory traffic: docs/shared-memory.md.
+//
+// Threads: one ShmDomain is used by ONE thread at a time (the group's worker thread). It is not
+// fork-safe: a child of a rank must not use its parent's domain.
+//
+// Errors: CommError (or its subclass ShmPeerError when a peer died or aborted) when a peer exits,
+// a peer aborts, the deadline passes, or the calls of the ranks differ; once a call has failed the
+// domain is poisoned and every later call rethrows that first error at once. create() throws
+// CommError when the segment cannot be made or joined, TimeoutError when the store does not
+// answer in time, and ConfigError for arguments out of range. Calls with bad arguments (a header
+// that does not describe the call) throw ConfigError without touching the domain; the peers then
+// wait for this rank until their deadline, so validate arguments before calling.
+//
+// Assumes the ranks share a pid namespace (a dead peer is found by its pid, through a pidfd).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/wire.h"
+#include "ddp/comm_error.h"
+#include "ddp/store.h"
+#include "ddp/types.h"
+#include "net/socket.h"
+
+namespace ddp::comm::shm {
+
+using Deadline = net::Deadline;
+
+// A peer of the domain exited, was killed, or aborted its call (peer() names it).
+class ShmPeerError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+struct ShmOptions {
+  // How a rank waits for a peer: busy-wait (pause) for `spin`, then poll with sched_yield()
+  // between checks until `yield` after the wait began, then sleep on a futex (woken by the
+  // peer's FUTEX_WAKE, or every liveness_interval). Ranks are not pinned, so a peer is often
+  // runnable on this very core: yielding hands it the core at once, where pause-spinning keeps
+  // it off (measured on 2 loaded cores: 1 KiB allreduce, world 2, 2.3 µs with spin 0, 4.3 µs
+  // with spin 2 µs, 100 µs with spin 50 µs; world 4, 5.4 µs with yield 100 µs, 15 µs with
+  // futex only). `spin` is ignored when ranks outnumber the cores this process may use.
+  std::chrono::microseconds spin{0};
+  std::chrono::microseconds yield{100};
+  // Bytes of one chunk of a large collective (per rank and per buffer; two buffers per rank for
+  // double buffering). Larger messages stream through the segment chunk by chunk.
+  std::size_t slot_bytes = std::size_t{1} << 20;
+  // Allreduces up to this many bytes take the one-synchronisation path (every rank reduces all
+  // inputs itself). Must not exceed slot_bytes.
+  std::size_t small_bytes = 16 * 1024;
+  // How often a sleeping rank wakes to check that its peers are alive and the deadline.
+  std::chrono::milliseconds liveness_interval{10};
+  // Name of the group, for error messages.
+  std::string group = "shm";
+  // Prefix of the segment's name in /dev/shm (the full name adds the pid and a random suffix).
+  std::string name_prefix = "ddp-shm";
+};
+
+class ShmDomain {
+ public:
+  // Collective over the `size` local ranks: rank 0 creates a segment with a unique name and
+  // publishes the name in `store` under `key_prefix`/name; the others open it and announce
+  // themselves in the segment; as soon as every rank has it mapped, rank 0 shm_unlink()s it, so
+  // no segment outlives the processes whatever happens to them later. Bounded by `deadline`.
+  static std::unique_ptr<ShmDomain> create(Store& store, const std::string& key_prefix, int rank,
+                                           int size, ShmOptions options, Deadline deadline);
+
+  ~ShmDomain();
+  ShmDomain(const ShmDomain&) = delete;
+  ShmDomain& operator=(const ShmDomain&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const ShmOptions& options() const { return options_; }
+  // Name the segment had (it is unlinked once every rank has joined), for tests and logs.
+  const std::string& segment_name() const { return segment_name_; }
+
+  // Blocking collectives on raw buffers. `header` describes the call (kind, dtype, reduce op,
+  // count, root, sequence) and must match the arguments; send may equal recv (in place) for
+  // allreduce and reduce. Results are bit-identical on every rank: each element is reduced once,
+  // in rank order, or by every rank in the same order.
+  void allreduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
+                 const OpHeader& header, Deadline deadline);
+  void broadcast(void* buf, std::size_t count, DType dtype, int root, const OpHeader& header,
+                 Deadline deadline);
+  // recv is written on `root` only (may be null elsewhere).
+  void reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, int root,
+              const OpHeader& header, Deadline deadline);
+  // recv holds size() * count_per_rank elements, rank r's contribution at r * count_per_rank.
+  void allgather(const void* send, void* recv, std::size_t count_per_rank, DType dtype,
+                 const OpHeader& header, Deadline deadline);
+  // send holds size() * count_per_rank elements; rank r receives the reduction of block r.
+  // recv must not overlap send.
+  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DType dtype,
+                      ReduceOp op, const OpHeader& header, Deadline deadline);
+  void barrier(const OpHeader& header, Deadline deadline);
+
+  // True once a call failed; every later call throws the same error.
+  bool poisoned() const { return static_cast<bool>(error_); }
+
+  struct Segment;  // the layout of the shared mapping (shm_domain.cc)
+
+ private:
+  ShmDomain(int rank, int size, ShmOptions options);
+
+  // One chunked collective; the three steps are called with (first element, elements, buffer
+  // parity) of each chunk (see shm_domain.cc).
+  template <typename CopyIn, typename Compute, typename CopyOut>
+  void run_chunked(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in, Compute&& compute,
+                   CopyOut&& copy_out);
+  void run_small_allreduce(const void* send, void* recv, std::size_t count, DType dtype,
+                           ReduceOp op);
+
+  template <typename Fn>
+  void guarded(const OpHeader& header, Deadline deadline, Fn&& body);
+
+  void announce_and_check();
+  void publish();
+  void arrive();
+  void wait_all_arrived();
+  void wait_all(std::uint32_t target);
+  void wait_for(int peer, std::uint32_t target);
+  template <typename Blame>
+  void wait_word(std::uint32_t& word, std::uint32_t& sleepers, std::uint32_t target, Blame&& blame);
+  int dead_peer() const;     // a peer that exited, or -1
+  int aborted_peer() const;  // the peer that aborted the domain, or -1
+  [[noreturn]] void fail_dead(int peer) const;
+  [[noreturn]] void fail_aborted(int peer) const;
+  [[noreturn]] void fail(const std::string& what, int peer, bool peer_error = false) const;
+  void abort_domain(const std::string& reason) noexcept;
+
+  std::byte* input_slot(int rank, int parity) const;
+  std::byte* result_slot(int parity) const;
+  std::byte* small_slot(int rank, int parity) const;
+
+  int rank_;
+  int size_;
+  ShmOptions options_;
+  std::string segment_name_;
+  void* mapping_ = nullptr;
+  std::size_t mapping_bytes_ = 0;
+  Segment* segment_ = nullptr;
+  std::byte* data_ = nullptr;
+  std::vector<int> peer_pidfds_;  // -1 for this rank or when pidfd_open is unavailable
+  std::vector<int> peer_pids_;
+  std::chrono::microseconds spin_{0};  // options_.spin, or 0 when ranks outnumber cores
+
+  // State of the call in progress.
+  OpHeader header_{};
+  std::string op_text_;
+  Deadline deadline_{};
+  std::uint32_t events_ = 0;  // events this rank has published (mirrors its shared counter)
+  std::uint64_t calls_ = 0;   // calls made (their parity picks the header and small buffers)
+
+  std::optional<CommError> error_;
+  bool error_is_peer_ = false;
+};
+
+}  // namespace ddp::comm::shm
