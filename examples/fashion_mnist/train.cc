@@ -1,0 +1,333 @@
+// train-fashion-mnist: the main job. Trains a small CNN (or a wide MLP) on Fashion-MNIST with
+// DistributedDataParallel, one process per rank:
+//
+//   ddprun --standalone --nproc-per-node 2 train-fashion-mnist             # defaults: >= 0.91
+//   ddprun --standalone --nproc-per-node 2 train-fashion-mnist --model mlp --epochs 5
+//
+// Every rank loads the whole dataset (about 200 MB as floats), trains on its DistributedSampler
+// share, and averages gradients through DDP. Rank 0 alone evaluates on the full test set after
+// each epoch (no collectives there, so no rank can wait on an evaluation that others skip),
+// prints the progress, and writes the checkpoint. The last line rank 0 prints starts with
+// "final test_accuracy=". Exit status 0 on success, 1 on any error (the message says what).
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <CLI/CLI.hpp>
+
+#include "ddp/error.h"
+#include "ddp/init.h"
+#include "ddp/torch/checkpoint.h"
+#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/distributed_sampler.h"
+#include "idx_reader.h"
+
+namespace {
+
+// Fashion-MNIST's pixel mean and standard deviation (of x / 255, over the training set).
+constexpr double kPixelMean = 0.2860;
+constexpr double kPixelStd = 0.3530;
+
+struct Options {
+  std::string model = "cnn";
+  int epochs = 4;
+  int batch_size = 64;  // per rank
+  double lr = 0.05;
+  double momentum = 0.9;
+  double weight_decay = 5e-4;
+  std::string schedule = "cosine";  // of the learning rate: cosine (to 0 at the end) or constant
+  std::uint64_t seed = 42;
+  std::string data_dir = fmnist::kDefaultDataDir;
+  std::string checkpoint;
+  bool resume = false;
+  int threads = 0;              // 0 = OMP_NUM_THREADS, else 1
+  std::size_t limit_train = 0;  // 0 = all
+  int log_every = 100;          // batches; 0 = no progress lines
+};
+
+int default_threads() {
+  if (const char* value = std::getenv("OMP_NUM_THREADS")) {
+    try {
+      const int threads = std::stoi(value);
+      if (threads >= 1) return threads;
+    } catch (const std::exception&) {
+    }
+  }
+  return 1;
+}
+
+// The network: one type for both architectures so that one DDP instantiation serves both.
+class NetImpl : public torch::nn::Module {
+ public:
+  explicit NetImpl(const std::string& kind) {
+    namespace nn = torch::nn;
+    if (kind == "cnn") {
+      // Conv biases are left out: the BatchNorm that follows each conv has its own shift.
+      layers_ = nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 32, 3).padding(1).bias(false)),
+                               nn::BatchNorm2d(32), nn::ReLU(), nn::MaxPool2d(2),
+                               nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1).bias(false)),
+                               nn::BatchNorm2d(64), nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(),
+                               nn::Linear(64 * 7 * 7, 128), nn::ReLU(), nn::Linear(128, 10));
+    } else if (kind == "mlp") {
+      layers_ = nn::Sequential(nn::Flatten(), nn::Linear(784, 4096), nn::ReLU(),
+                               nn::Linear(4096, 4096), nn::ReLU(), nn::Linear(4096, 10));
+    } else {
+      throw ddp::ConfigError(fmt::format("--model {}: unknown model; use cnn or mlp", kind));
+    }
+    register_module("layers", layers_);
+  }
+
+  torch::Tensor forward(torch::Tensor x) { return layers_->forward(x); }
+
+ private:
+  torch::nn::Sequential layers_{nullptr};
+};
+TORCH_MODULE(Net);
+
+// Images as normalised float tensors [N, 1, 28, 28] and labels as int64 [N].
+struct TensorSplit {
+  torch::Tensor images;
+  torch::Tensor labels;
+  std::int64_t size() const { return labels.size(0); }
+};
+
+TensorSplit to_tensors(fmnist::Split& split, std::size_t limit) {
+  const auto count =
+      static_cast<std::int64_t>(limit == 0 ? split.count : std::min(limit, split.count));
+  const auto rows = static_cast<std::int64_t>(fmnist::kRows);
+  const auto cols = static_cast<std::int64_t>(fmnist::kCols);
+  auto images = torch::from_blob(split.pixels.data(), {count, 1, rows, cols}, torch::kUInt8)
+                    .to(torch::kFloat32)
+                    .div_(255.0)
+                    .sub_(kPixelMean)
+                    .div_(kPixelStd);
+  auto labels = torch::from_blob(split.labels.data(), {count}, torch::kUInt8).to(torch::kInt64);
+  return {images, labels};
+}
+
+double evaluate(Net& net, const TensorSplit& test) {
+  torch::NoGradGuard no_grad;
+  net->eval();
+  std::int64_t correct = 0;
+  constexpr std::int64_t kEvalBatch = 1000;
+  for (std::int64_t start = 0; start < test.size(); start += kEvalBatch) {
+    const auto length = std::min(kEvalBatch, test.size() - start);
+    const auto logits = net->forward(test.images.narrow(0, start, length));
+    correct += logits.argmax(1).eq(test.labels.narrow(0, start, length)).sum().item<std::int64_t>();
+  }
+  net->train();
+  return static_cast<double>(correct) / static_cast<double>(test.size());
+}
+
+// The learning rate of step `step` of `total_steps` (both counted over the whole run, so a resumed
+// run continues the same curve). Annealing to zero over the run is what lets a few epochs reach
+// the accuracy of many at a constant rate.
+double learning_rate(const Options& options, std::int64_t step, std::int64_t total_steps) {
+  if (options.schedule == "constant" || total_steps <= 0) return options.lr;
+  constexpr double kPi = 3.14159265358979323846;
+  const double progress = static_cast<double>(step) / static_cast<double>(total_steps);
+  return options.lr * 0.5 * (1.0 + std::cos(kPi * progress));
+}
+
+void set_learning_rate(torch::optim::SGD& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) {
+    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int run(const Options& options) {
+  const auto job_start = std::chrono::steady_clock::now();
+  if (options.resume && options.checkpoint.empty()) {
+    throw ddp::ConfigError("--resume needs --checkpoint PATH (the file to resume from)");
+  }
+  torch::set_num_threads(options.threads > 0 ? options.threads : default_threads());
+  torch::manual_seed(options.seed);
+
+  // Load (and validate) the data before joining the job: a wrong --data-dir fails at once.
+  auto dataset = fmnist::load_dataset(options.data_dir);
+  if (options.limit_train > dataset.train.count) {
+    throw ddp::ConfigError(fmt::format("--limit-train {} exceeds the {} training samples",
+                                       options.limit_train, dataset.train.count));
+  }
+  const TensorSplit train = to_tensors(dataset.train, options.limit_train);
+  const TensorSplit test = to_tensors(dataset.test, 0);
+  dataset = {};  // the tensors own copies; free the bytes
+
+  auto group = ddp::init_process_group();
+  const int rank = group->rank();
+  const int world_size = group->size();
+  const bool leader = rank == 0;
+
+  Net net(options.model);
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(options.lr)
+                                                     .momentum(options.momentum)
+                                                     .weight_decay(options.weight_decay));
+
+  int first_epoch = 1;
+  if (options.resume) {
+    // Every rank loads the same file, so ranks agree before DDP's broadcast makes sure of it.
+    const auto info = ddp::load_checkpoint(options.checkpoint, *net, optimizer, options.model);
+    first_epoch = static_cast<int>(info.epoch) + 1;
+    if (leader) {
+      fmt::print("resumed from {} after epoch {}; continuing at epoch {}\n", options.checkpoint,
+                 info.epoch, first_epoch);
+    }
+  }
+  auto model = ddp::DistributedDataParallel(net.ptr(), group);
+
+  ddp::DistributedSampler sampler(static_cast<std::size_t>(train.size()), *group,
+                                  {.shuffle = true, .seed = options.seed});
+  const auto batch = static_cast<std::int64_t>(options.batch_size);
+  const auto per_rank = static_cast<std::int64_t>(sampler.size());
+  const std::int64_t batches = (per_rank + batch - 1) / batch;
+  const std::int64_t total_steps = batches * options.epochs;
+  if (leader) {
+    fmt::print(
+        "training {} on {} samples ({} per rank, {} batches of {} per rank and epoch), "
+        "{} ranks, {} thread(s) each, lr {} ({}) momentum {} weight decay {}\n",
+        options.model, train.size(), per_rank, batches, batch, world_size, torch::get_num_threads(),
+        options.lr, options.schedule, options.momentum, options.weight_decay);
+    std::fflush(stdout);
+  }
+
+  double accuracy = 0.0;
+  bool evaluated = false;
+  for (int epoch = first_epoch; epoch <= options.epochs; ++epoch) {
+    const auto epoch_start = std::chrono::steady_clock::now();
+    sampler.set_epoch(static_cast<std::uint64_t>(epoch - 1));
+    const auto indices_vector = sampler.indices();
+    const auto indices = torch::tensor(indices_vector, torch::kInt64);
+
+    double loss_sum = 0.0;
+    double window_loss = 0.0;
+    std::int64_t window_batches = 0;
+    for (std::int64_t b = 0; b < batches; ++b) {
+      const auto start = b * batch;
+      const auto rows = indices.narrow(0, start, std::min(batch, per_rank - start));
+      const auto x = train.images.index_select(0, rows);
+      const auto y = train.labels.index_select(0, rows);
+      set_learning_rate(optimizer, learning_rate(options, (epoch - 1) * batches + b, total_steps));
+      optimizer.zero_grad();
+      const auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      loss.backward();
+      optimizer.step();
+
+      const double value = loss.item<double>();
+      loss_sum += value;
+      window_loss += value;
+      ++window_batches;
+      if (leader && options.log_every > 0 && (b + 1) % options.log_every == 0) {
+        const auto seen = std::min<std::int64_t>((b + 1) * batch, per_rank) * world_size;
+        fmt::print("epoch {} [{}/{}] loss {:.4f}\n", epoch, seen, sampler.total_size(),
+                   window_loss / static_cast<double>(window_batches));
+        std::fflush(stdout);
+        window_loss = 0.0;
+        window_batches = 0;
+      }
+    }
+    const double train_seconds = seconds_since(epoch_start);
+
+    if (leader) {
+      accuracy = evaluate(net, test);
+      evaluated = true;
+      if (!options.checkpoint.empty()) {
+        ddp::save_checkpoint(options.checkpoint, *net, optimizer,
+                             {.epoch = epoch, .tag = options.model});
+      }
+      // loss: the mean over rank 0's batches (a loss averaged over ranks would cost a
+      // collective per epoch for a number only printed).
+      fmt::print("epoch {} loss {:.4f} test_accuracy {:.4f} samples_per_s {:.0f} time {:.1f}\n",
+                 epoch, loss_sum / static_cast<double>(std::max<std::int64_t>(batches, 1)),
+                 accuracy, static_cast<double>(sampler.total_size()) / train_seconds,
+                 seconds_since(epoch_start));
+      std::fflush(stdout);
+    }
+  }
+  if (leader && !evaluated) accuracy = evaluate(net, test);  // resumed with nothing left to do
+
+  // Leave together: rank 0 hosts the rendezvous store, and the others may still be in their
+  // last collective when rank 0 finishes evaluating.
+  group->barrier()->wait();
+  if (leader) {
+    fmt::print(
+        "final test_accuracy={:.4f} epochs={} world_size={} model={} batch_size={} "
+        "lr={} train_samples={} time_s={:.1f}\n",
+        accuracy, options.epochs, world_size, options.model, options.batch_size, options.lr,
+        train.size(), seconds_since(job_start));
+    std::fflush(stdout);
+  }
+  ddp::destroy_process_group();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  CLI::App app{
+      "Train a CNN or MLP on Fashion-MNIST with ddp::DistributedDataParallel. Run one "
+      "process per rank, e.g. ddprun --standalone --nproc-per-node 2 "
+      "train-fashion-mnist",
+      "train-fashion-mnist"};
+  app.add_option("--model", options.model, "cnn or mlp")
+      ->check(CLI::IsMember({"cnn", "mlp"}))
+      ->capture_default_str();
+  app.add_option("--epochs", options.epochs, "epochs to train (in all, counting resumed ones)")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("--batch-size", options.batch_size, "samples per batch and rank")
+      ->check(CLI::Range(1, 60000))
+      ->capture_default_str();
+  app.add_option("--lr", options.lr, "SGD learning rate")
+      ->check(CLI::Range(1e-6, 10.0))
+      ->capture_default_str();
+  app.add_option("--momentum", options.momentum, "SGD momentum")
+      ->check(CLI::Range(0.0, 0.999))
+      ->capture_default_str();
+  app.add_option("--weight-decay", options.weight_decay, "SGD weight decay (L2)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--lr-schedule", options.schedule,
+                 "cosine (anneal to 0 over all epochs, per step) or constant")
+      ->check(CLI::IsMember({"cosine", "constant"}))
+      ->capture_default_str();
+  app.add_option("--seed", options.seed, "seed of the model's initialisation and the shuffling")
+      ->capture_default_str();
+  app.add_option("--data-dir", options.data_dir,
+                 "folder with the four *-ubyte.gz files of Fashion-MNIST")
+      ->capture_default_str();
+  app.add_option("--checkpoint", options.checkpoint,
+                 "rank 0 writes model, optimizer and epoch here after every epoch (atomically)");
+  app.add_flag("--resume", options.resume,
+               "continue from --checkpoint (every rank loads it) at the epoch after it");
+  app.add_option("--threads", options.threads,
+                 "torch threads per rank (default: OMP_NUM_THREADS, else 1)")
+      ->check(CLI::Range(1, 256));
+  app.add_option("--limit-train", options.limit_train,
+                 "train on the first N training samples only (for quick tests)")
+      ->check(CLI::Range(std::size_t{1}, fmnist::kTrainCount));
+  app.add_option("--log-every", options.log_every,
+                 "rank 0 prints the loss every N batches (0: only once per epoch)")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    return run(options);
+  } catch (const std::exception& e) {
+    std::cerr << "train-fashion-mnist: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,54 @@
+// Checkpoints that survive a crash: a training run's model, optimizer and progress in one file
+// that is either the old complete version or the new complete version, never a torn mixture.
+//
+//   if (pg->rank() == 0) {
+//     ddp::save_checkpoint(path, *model->module(), optimizer, {.epoch = epoch});
+//   }
+//   ...
+//   ddp::CheckpointInfo info = ddp::load_checkpoint(path, *net, optimizer);   // every rank
+//   start_epoch = info.epoch + 1;
+//
+// Writing: the archive goes to PATH.tmp, the file is fsync'ed, renamed over PATH, and the folder
+// is fsync'ed so the rename itself is durable (the usual write-rename protocol). A crash leaves
+// PATH as it was, plus at worst a stale PATH.tmp that the next save overwrites.
+//
+// Save the unwrapped module (DistributedDataParallel's module()) so the names carry no "module."
+// prefix and the file loads without ddp. The optimizer's state is matched to parameters by
+// position, so load into a model and optimizer built the same way as the saved ones.
+//
+// Threads: each call is independent; callers must not write the same path from two threads or
+// processes at once (in a job, let one rank save). Throws ddp::Error naming the path and the
+// cause: the file is missing or unreadable (ConfigError), not a checkpoint or corrupt, or does
+// not fit the model or optimizer; and for I/O failures while writing.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include <torch/torch.h>
+
+namespace ddp {
+
+struct CheckpointInfo {
+  std::int64_t epoch = 0;  // the last completed epoch
+  std::string tag;         // free text, e.g. the model's name; checked on load when non-empty
+};
+
+// Writes `archive` to `path` atomically (see above).
+void save_archive_atomically(torch::serialize::OutputArchive& archive,
+                             const std::filesystem::path& path);
+
+// Reads an archive written by save_archive_atomically (or torch::save).
+torch::serialize::InputArchive load_archive(const std::filesystem::path& path);
+
+void save_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
+                     const torch::optim::Optimizer& optimizer, const CheckpointInfo& info);
+
+// Loads model parameters and buffers and optimizer state in place and returns the stored info.
+// When `expected_tag` is non-empty it must equal the stored tag (else Error naming both).
+CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Module& model,
+                               torch::optim::Optimizer& optimizer,
+                               const std::string& expected_tag = {});
+
+}  // namespace ddp

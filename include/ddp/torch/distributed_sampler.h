@@ -1,0 +1,70 @@
+// DistributedSampler: which samples of a dataset this rank trains on in each epoch.
+//
+//   ddp::DistributedSampler sampler(dataset_size, *pg, {.shuffle = true, .seed = 42});
+//   for (int epoch = 0; epoch < epochs; ++epoch) {
+//     sampler.set_epoch(epoch);
+//     for (std::int64_t index : sampler.indices()) { ... }
+//   }
+//
+// Same semantics as PyTorch's torch.utils.data.distributed.DistributedSampler, index for index:
+// - The epoch's order is 0..N-1, or with `shuffle` a permutation drawn by torch::randperm from a
+//   CPU generator seeded with seed + epoch, so every rank draws the same permutation.
+// - Without drop_last every rank gets ceil(N / world_size) indices; the list is padded to
+//   world_size times that by repeating it from its start (as often as needed when N < world_size).
+//   With drop_last every rank gets floor(N / world_size) indices and the tail is dropped.
+// - Rank r takes positions r, r + world_size, r + 2 * world_size, ... of that list.
+// Every rank therefore gets the same number of indices, so ranks run the same number of steps.
+//
+// Threads: a sampler is a small value; use each object from one thread at a time. Throws
+// ConfigError for world_size < 1 or a rank outside [0, world_size), naming the value.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ddp {
+
+class ProcessGroup;
+
+struct SamplerOptions {
+  bool shuffle = true;
+  std::uint64_t seed = 0;  // must be the same on every rank
+  bool drop_last = false;
+};
+
+class DistributedSampler {
+ public:
+  DistributedSampler(std::size_t dataset_size, int rank, int world_size,
+                     SamplerOptions options = {});
+  // Rank and world size from the group.
+  DistributedSampler(std::size_t dataset_size, const ProcessGroup& group,
+                     SamplerOptions options = {});
+
+  // Selects the epoch's order; call it at the start of every epoch (with shuffle, forgetting it
+  // repeats the first epoch's order every time).
+  void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
+  std::uint64_t epoch() const { return epoch_; }
+
+  // This rank's indices for the current epoch, in training order; size() of them.
+  std::vector<std::int64_t> indices() const;
+
+  // Indices per rank and epoch (PyTorch's num_samples).
+  std::size_t size() const { return num_samples_; }
+  // Indices of all ranks together: size() * world_size (PyTorch's total_size).
+  std::size_t total_size() const { return num_samples_ * static_cast<std::size_t>(world_size_); }
+  std::size_t dataset_size() const { return dataset_size_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  const SamplerOptions& options() const { return options_; }
+
+ private:
+  std::size_t dataset_size_;
+  int rank_;
+  int world_size_;
+  SamplerOptions options_;
+  std::size_t num_samples_;
+  std::uint64_t epoch_ = 0;
+};
+
+}  // namespace ddp

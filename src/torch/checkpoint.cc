@@ -1,0 +1,196 @@
+#include "ddp/torch/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <system_error>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "ddp/error.h"
+
+namespace ddp {
+namespace {
+
+constexpr std::int64_t kCheckpointFormat = 1;
+
+std::string errno_text(int error) {
+  return std::generic_category().message(error);
+}
+
+void write_all(int fd, const char* data, std::size_t size, const std::filesystem::path& path) {
+  while (size > 0) {
+    const ssize_t written = ::write(fd, data, size);
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      throw Error(
+          fmt::format("checkpoint: writing {} failed: {}", path.string(), errno_text(errno)));
+    }
+    data += written;
+    size -= static_cast<std::size_t>(written);
+  }
+}
+
+void fsync_or_throw(int fd, const std::filesystem::path& path) {
+  if (::fsync(fd) != 0) {
+    throw Error(
+        fmt::format("checkpoint: fsync of {} failed: {}", path.string(), errno_text(errno)));
+  }
+}
+
+std::string shapes_text(const torch::Tensor& tensor) {
+  return tensor.defined() ? fmt::format("[{}]", fmt::join(tensor.sizes(), ", ")) : "undefined";
+}
+
+}  // namespace
+
+void save_archive_atomically(torch::serialize::OutputArchive& archive,
+                             const std::filesystem::path& path) {
+  const std::filesystem::path temporary = path.string() + ".tmp";
+  const int raw_fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (raw_fd < 0) {
+    throw Error(
+        fmt::format("checkpoint: cannot create {}: {} (does the folder exist and is it "
+                    "writable?)",
+                    temporary.string(), errno_text(errno)));
+  }
+  {
+    // Closes the file on the error paths; the normal path closes it itself to see close's error.
+    struct Closer {
+      int fd;
+      bool closed = false;
+      ~Closer() {
+        if (!closed) ::close(fd);
+      }
+    } closer{raw_fd};
+    archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
+      write_all(raw_fd, static_cast<const char*>(data), size, temporary);
+      return size;
+    });
+    fsync_or_throw(raw_fd, temporary);
+    closer.closed = true;
+    if (::close(raw_fd) != 0) {
+      throw Error(
+          fmt::format("checkpoint: closing {} failed: {}", temporary.string(), errno_text(errno)));
+    }
+  }
+  if (::rename(temporary.c_str(), path.c_str()) != 0) {
+    throw Error(fmt::format("checkpoint: renaming {} to {} failed: {}", temporary.string(),
+                            path.string(), errno_text(errno)));
+  }
+  // The rename lives in the folder's entries: without this fsync a crash may forget it.
+  auto folder = path.parent_path();
+  if (folder.empty()) folder = ".";
+  const int dir_fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0) {
+    throw Error(fmt::format("checkpoint: cannot open folder {} to sync it: {}", folder.string(),
+                            errno_text(errno)));
+  }
+  const int sync_result = ::fsync(dir_fd);
+  const int sync_errno = errno;
+  ::close(dir_fd);
+  if (sync_result != 0) {
+    throw Error(fmt::format("checkpoint: fsync of folder {} failed: {}", folder.string(),
+                            errno_text(sync_errno)));
+  }
+}
+
+torch::serialize::InputArchive load_archive(const std::filesystem::path& path) {
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) {
+    throw ConfigError(
+        fmt::format("checkpoint: {} does not exist or is not a regular file", path.string()));
+  }
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path.string());
+  } catch (const c10::Error& e) {
+    throw Error(
+        fmt::format("checkpoint: {} is not a readable torch archive (corrupt or "
+                    "truncated?): {}",
+                    path.string(), e.what_without_backtrace()));
+  }
+  return archive;
+}
+
+void save_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
+                     const torch::optim::Optimizer& optimizer, const CheckpointInfo& info) {
+  torch::serialize::OutputArchive archive;
+  archive.write("ddp_checkpoint_format", c10::IValue(kCheckpointFormat));
+  archive.write("epoch", c10::IValue(info.epoch));
+  archive.write("tag", c10::IValue(info.tag));
+  // Nested archives share the outer one's compilation unit, as Module::save does for children.
+  torch::serialize::OutputArchive model_archive(archive.compilation_unit());
+  model.save(model_archive);
+  archive.write("model", model_archive);
+  torch::serialize::OutputArchive optimizer_archive(archive.compilation_unit());
+  optimizer.save(optimizer_archive);
+  archive.write("optimizer", optimizer_archive);
+  save_archive_atomically(archive, path);
+}
+
+CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Module& model,
+                               torch::optim::Optimizer& optimizer,
+                               const std::string& expected_tag) {
+  auto archive = load_archive(path);
+  const auto fail = [&](const std::string& what) {
+    return Error(fmt::format("checkpoint: {}: {}", path.string(), what));
+  };
+
+  CheckpointInfo info;
+  try {
+    c10::IValue format;
+    if (!archive.try_read("ddp_checkpoint_format", format) || !format.isInt()) {
+      throw fail("not a ddp checkpoint (no ddp_checkpoint_format entry)");
+    }
+    if (format.toInt() != kCheckpointFormat) {
+      throw fail(fmt::format("checkpoint format {} is not supported (this build reads {})",
+                             format.toInt(), kCheckpointFormat));
+    }
+    c10::IValue epoch;
+    c10::IValue tag;
+    if (!archive.try_read("epoch", epoch) || !epoch.isInt() || !archive.try_read("tag", tag) ||
+        !tag.isString()) {
+      throw fail("the epoch or tag entry is missing or has the wrong type");
+    }
+    info.epoch = epoch.toInt();
+    info.tag = tag.toStringRef();
+    if (!expected_tag.empty() && info.tag != expected_tag) {
+      throw fail(
+          fmt::format("it was saved for '{}', but this run uses '{}'", info.tag, expected_tag));
+    }
+
+    // Module::load replaces each tensor's storage and shape with the stored one, so a
+    // checkpoint of a differently shaped model would load silently: compare shapes afterwards.
+    std::vector<std::pair<std::string, torch::Tensor>> before;
+    for (const auto& item : model.named_parameters())
+      before.emplace_back(item.key(), item.value());
+    for (const auto& item : model.named_buffers())
+      before.emplace_back(item.key(), item.value());
+    std::vector<std::vector<std::int64_t>> shapes;
+    for (const auto& [name, tensor] : before)
+      shapes.push_back(tensor.sizes().vec());
+
+    torch::serialize::InputArchive model_archive;
+    if (!archive.try_read("model", model_archive)) throw fail("it holds no model");
+    model.load(model_archive);
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      if (before[i].second.sizes().vec() != shapes[i]) {
+        throw fail(fmt::format("tensor '{}' has shape {} in the checkpoint but [{}] in the model",
+                               before[i].first, shapes_text(before[i].second),
+                               fmt::join(shapes[i], ", ")));
+      }
+    }
+    torch::serialize::InputArchive optimizer_archive;
+    if (!archive.try_read("optimizer", optimizer_archive)) throw fail("it holds no optimizer");
+    optimizer.load(optimizer_archive);
+  } catch (const c10::Error& e) {
+    throw fail(fmt::format("does not fit this model or optimizer: {}", e.what_without_backtrace()));
+  }
+  return info;
+}
+
+}  // namespace ddp

@@ -1,0 +1,73 @@
+#include "ddp/torch/distributed_sampler.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+
+#include "ddp/error.h"
+#include "ddp/process_group.h"
+
+namespace ddp {
+namespace {
+
+std::size_t samples_per_rank(std::size_t dataset_size, int rank, int world_size, bool drop_last) {
+  if (world_size < 1) {
+    throw ConfigError(
+        fmt::format("DistributedSampler: world_size is {}; it must be at least 1", world_size));
+  }
+  if (rank < 0 || rank >= world_size) {
+    throw ConfigError(
+        fmt::format("DistributedSampler: rank is {}; it must lie in [0, {}) for world_size {}",
+                    rank, world_size, world_size));
+  }
+  const auto world = static_cast<std::size_t>(world_size);
+  // PyTorch: with drop_last, ceil((N - world) / world) when N is not a multiple, which is
+  // floor(N / world); without it, ceil(N / world).
+  return drop_last ? dataset_size / world : (dataset_size + world - 1) / world;
+}
+
+}  // namespace
+
+DistributedSampler::DistributedSampler(std::size_t dataset_size, int rank, int world_size,
+                                       SamplerOptions options)
+    : dataset_size_(dataset_size),
+      rank_(rank),
+      world_size_(world_size),
+      options_(options),
+      num_samples_(samples_per_rank(dataset_size, rank, world_size, options.drop_last)) {}
+
+DistributedSampler::DistributedSampler(std::size_t dataset_size, const ProcessGroup& group,
+                                       SamplerOptions options)
+    : DistributedSampler(dataset_size, group.rank(), group.size(), options) {}
+
+std::vector<std::int64_t> DistributedSampler::indices() const {
+  const auto n = static_cast<std::int64_t>(dataset_size_);
+  std::vector<std::int64_t> order(dataset_size_);
+  if (options_.shuffle && n > 0) {
+    // The same generator and call as PyTorch's sampler (torch.Generator().manual_seed(seed +
+    // epoch); torch.randperm(n, generator=g)), so the order is the one Python would draw.
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.seed + epoch_);
+    const auto permutation =
+        torch::randperm(n, generator, torch::TensorOptions().dtype(torch::kInt64)).contiguous();
+    const auto* values = permutation.data_ptr<std::int64_t>();
+    order.assign(values, values + n);
+  } else {
+    for (std::int64_t i = 0; i < n; ++i)
+      order[static_cast<std::size_t>(i)] = i;
+  }
+
+  // Rank r reads positions r, r + world, ... of the order, padded by repeating it from the start
+  // (drop_last instead cuts total_size() short of N, so no padding is needed then).
+  const std::size_t total = total_size();
+  const auto world = static_cast<std::size_t>(world_size_);
+  std::vector<std::int64_t> mine;
+  mine.reserve(num_samples_);
+  for (std::size_t position = static_cast<std::size_t>(rank_); position < total;
+       position += world) {
+    mine.push_back(order[position % dataset_size_]);
+  }
+  return mine;
+}
+
+}  // namespace ddp

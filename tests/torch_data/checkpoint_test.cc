@@ -1,0 +1,202 @@
+// Checkpoints: a round trip restores model and optimizer exactly; writes are atomic; every bad
+// file is an error naming the path.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "ddp/error.h"
+#include "ddp/torch/checkpoint.h"
+
+namespace ddp::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "ddp-checkpoint-test-XXXXXX").string();
+    path_ = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+struct Model {
+  torch::nn::Sequential net;
+  std::unique_ptr<torch::optim::SGD> optimizer;
+
+  explicit Model(int inputs = 4) {
+    net = torch::nn::Sequential(torch::nn::Linear(inputs, 8), torch::nn::BatchNorm1d(8),
+                                torch::nn::ReLU(), torch::nn::Linear(8, 3));
+    optimizer = std::make_unique<torch::optim::SGD>(net->parameters(),
+                                                    torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  // One SGD step on fixed data; creates momentum buffers and moves BatchNorm's running stats.
+  void step(std::int64_t seed) {
+    torch::manual_seed(seed);
+    const auto x = torch::randn({16, 4});
+    const auto y = torch::randint(0, 3, {16});
+    optimizer->zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    optimizer->step();
+  }
+};
+
+void expect_same_state(const torch::nn::Module& a, const torch::nn::Module& b) {
+  const auto pa = a.named_parameters();
+  const auto pb = b.named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& item : pa) {
+    EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << "parameter " << item.key();
+  }
+  const auto ba = a.named_buffers();
+  const auto bb = b.named_buffers();
+  ASSERT_EQ(ba.size(), bb.size());
+  for (const auto& item : ba) {
+    EXPECT_TRUE(torch::equal(item.value(), bb[item.key()])) << "buffer " << item.key();
+  }
+}
+
+TEST(CheckpointTest, RoundTripRestoresModelOptimizerAndInfo) {
+  torch::set_num_threads(1);
+  TempDir dir;
+  const auto path = dir.path() / "run.pt";
+  torch::manual_seed(1);
+  Model saved;
+  saved.step(10);
+  saved.step(11);
+  save_checkpoint(path, *saved.net, *saved.optimizer, {.epoch = 7, .tag = "cnn"});
+  EXPECT_TRUE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "run.pt.tmp"));
+
+  torch::manual_seed(2);  // different initial values, overwritten by the load
+  Model loaded;
+  const auto info = load_checkpoint(path, *loaded.net, *loaded.optimizer, "cnn");
+  EXPECT_EQ(info.epoch, 7);
+  EXPECT_EQ(info.tag, "cnn");
+  expect_same_state(*saved.net, *loaded.net);
+
+  // The momentum buffers came back too: the same next step gives the same parameters.
+  saved.step(12);
+  loaded.step(12);
+  expect_same_state(*saved.net, *loaded.net);
+}
+
+TEST(CheckpointTest, SaveReplacesTheOldFileAndIgnoresAStaleTemporary) {
+  TempDir dir;
+  const auto path = dir.path() / "run.pt";
+  {
+    std::ofstream stale(dir.path() / "run.pt.tmp");
+    stale << "left over from a crash";
+  }
+  Model model;
+  save_checkpoint(path, *model.net, *model.optimizer, {.epoch = 1});
+  save_checkpoint(path, *model.net, *model.optimizer, {.epoch = 2});
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "run.pt.tmp"));
+  Model loaded;
+  EXPECT_EQ(load_checkpoint(path, *loaded.net, *loaded.optimizer).epoch, 2);
+}
+
+TEST(CheckpointTest, MissingFileIsAConfigErrorNamingThePath) {
+  TempDir dir;
+  const auto path = dir.path() / "absent.pt";
+  Model model;
+  try {
+    load_checkpoint(path, *model.net, *model.optimizer);
+    FAIL() << "loaded a missing file";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(path.string()));
+    EXPECT_THAT(e.what(), HasSubstr("does not exist"));
+  }
+}
+
+TEST(CheckpointTest, CorruptOrTruncatedFileIsAnErrorNamingThePath) {
+  TempDir dir;
+  const auto garbage = dir.path() / "garbage.pt";
+  {
+    std::ofstream out(garbage, std::ios::binary);
+    out << "this is not a zip archive at all";
+  }
+  Model model;
+  try {
+    load_checkpoint(garbage, *model.net, *model.optimizer);
+    FAIL() << "loaded garbage";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr(garbage.string()));
+  }
+
+  const auto good = dir.path() / "good.pt";
+  save_checkpoint(good, *model.net, *model.optimizer, {.epoch = 1});
+  const auto truncated = dir.path() / "truncated.pt";
+  std::filesystem::copy_file(good, truncated);
+  std::filesystem::resize_file(truncated, std::filesystem::file_size(good) / 2);
+  try {
+    load_checkpoint(truncated, *model.net, *model.optimizer);
+    FAIL() << "loaded a truncated file";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr(truncated.string()));
+  }
+}
+
+TEST(CheckpointTest, ArchiveWithoutCheckpointEntriesIsRejected) {
+  TempDir dir;
+  const auto path = dir.path() / "plain.pt";
+  torch::nn::Linear linear(2, 2);
+  torch::save(linear, path.string());
+  Model model;
+  try {
+    load_checkpoint(path, *model.net, *model.optimizer);
+    FAIL() << "loaded a plain module archive as a checkpoint";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not a ddp checkpoint"));
+  }
+}
+
+TEST(CheckpointTest, WrongTagOrShapeIsAnErrorNamingWhatDiffers) {
+  TempDir dir;
+  const auto path = dir.path() / "run.pt";
+  Model four_inputs(4);
+  save_checkpoint(path, *four_inputs.net, *four_inputs.optimizer, {.epoch = 1, .tag = "mlp"});
+  try {
+    load_checkpoint(path, *four_inputs.net, *four_inputs.optimizer, "cnn");
+    FAIL() << "loaded an mlp checkpoint as cnn";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("'mlp'"));
+    EXPECT_THAT(e.what(), HasSubstr("'cnn'"));
+  }
+  Model five_inputs(5);
+  try {
+    load_checkpoint(path, *five_inputs.net, *five_inputs.optimizer);
+    FAIL() << "loaded weights of the wrong shape";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("0.weight"));
+    EXPECT_THAT(e.what(), HasSubstr(path.string()));
+  }
+}
+
+TEST(CheckpointTest, UnwritableLocationIsAnErrorNamingThePath) {
+  Model model;
+  const std::filesystem::path path = "/nonexistent-ddp-folder/run.pt";
+  try {
+    save_checkpoint(path, *model.net, *model.optimizer, {.epoch = 1});
+    FAIL() << "saved into a missing folder";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("/nonexistent-ddp-folder/run.pt.tmp"));
+  }
+}
+
+}  // namespace
+}  // namespace ddp::test

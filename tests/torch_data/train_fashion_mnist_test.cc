@@ -1,0 +1,172 @@
+// train-fashion-mnist as users run it: under ddprun with two real rank processes, on the
+// Fashion-MNIST files Debian installs. Small runs (--limit-train) so the whole file takes well
+// under two minutes on two cores.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "support/subprocess.h"
+
+namespace ddp::test {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+const std::filesystem::path kDataDir = DDP_FMNIST_DEFAULT_DIR;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "ddp-fmnist-test-XXXXXX").string();
+    path_ = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+class TrainFashionMnistTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(kDataDir / "train-images-idx3-ubyte.gz")) {
+      GTEST_SKIP() << kDataDir << " has no Fashion-MNIST files; install Debian's "
+                   << "dataset-fashion-mnist to run the training tests";
+    }
+  }
+
+  // ddprun --standalone --nproc-per-node 2 train-fashion-mnist ARGS, with one thread per rank
+  // and a bounded rendezvous, so that a broken run fails instead of waiting.
+  static ExitStatus train(const std::vector<std::string>& args,
+                          std::chrono::milliseconds timeout = 150s) {
+    std::vector<std::string> argv{built_program("ddprun"), "--standalone", "--nproc-per-node", "2",
+                                  built_program("train-fashion-mnist")};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto process = Subprocess::start(argv, {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "120"}});
+    auto result = process.wait(timeout);
+    EXPECT_FALSE(result.timed_out) << "train-fashion-mnist did not finish:\n" << result.output;
+    return result;
+  }
+
+  // Rank 0's lines, without ddprun's "[0] " prefix.
+  static std::vector<std::string> rank0_lines(const std::string& output) {
+    std::vector<std::string> lines;
+    std::istringstream in(output);
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("[0] ", 0) == 0) lines.push_back(line.substr(4));
+    }
+    return lines;
+  }
+
+  // The accuracy on rank 0's last line, which must be the "final" line.
+  static double final_accuracy(const std::string& output) {
+    const auto lines = rank0_lines(output);
+    if (lines.empty()) {
+      ADD_FAILURE() << "rank 0 printed nothing:\n" << output;
+      return -1;
+    }
+    std::smatch match;
+    static const std::regex final_line(R"(^final test_accuracy=([0-9.]+) epochs=(\d+) )");
+    if (!std::regex_search(lines.back(), match, final_line)) {
+      ADD_FAILURE() << "rank 0's last line is not the final line: '" << lines.back() << "'\n"
+                    << output;
+      return -1;
+    }
+    return std::stod(match[1].str());
+  }
+};
+
+TEST_F(TrainFashionMnistTest, OneShortEpochLearnsWellAboveChance) {
+  const auto result =
+      train({"--epochs", "1", "--limit-train", "2048", "--batch-size", "64", "--log-every", "8"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  // Progress during the epoch, then the epoch's summary line, then the final line.
+  EXPECT_THAT(result.output, HasSubstr("[0] epoch 1 [1024/2048] loss "));
+  EXPECT_THAT(result.output, HasSubstr("[0] epoch 1 loss "));
+  EXPECT_THAT(result.output, HasSubstr(" samples_per_s "));
+  EXPECT_THAT(result.output, HasSubstr("world_size=2 "));
+  // Rank 1 trains silently.
+  EXPECT_THAT(result.output, Not(HasSubstr("[1] epoch")));
+  const double accuracy = final_accuracy(result.output);
+  EXPECT_GT(accuracy, 0.5) << result.output;  // chance is 0.1
+  EXPECT_LE(accuracy, 1.0);
+}
+
+TEST_F(TrainFashionMnistTest, ResumeContinuesFromTheCheckpointAtTheNextEpoch) {
+  TempDir dir;
+  const auto checkpoint = (dir.path() / "fmnist.pt").string();
+  const std::vector<std::string> common{"--limit-train", "1024", "--batch-size", "64",
+                                        "--log-every",   "0",    "--checkpoint", checkpoint};
+  auto args = common;
+  args.insert(args.end(), {"--epochs", "1"});
+  const auto first = train(args);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_TRUE(std::filesystem::exists(checkpoint)) << first.output;
+  EXPECT_FALSE(std::filesystem::exists(checkpoint + ".tmp"));
+  const double first_accuracy = final_accuracy(first.output);
+
+  args = common;
+  args.insert(args.end(), {"--epochs", "2", "--resume"});
+  const auto second = train(args);
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_THAT(second.output, HasSubstr("after epoch 1; continuing at epoch 2"));
+  EXPECT_THAT(second.output, HasSubstr("[0] epoch 2 loss "));
+  EXPECT_THAT(second.output, Not(HasSubstr("[0] epoch 1 loss ")));
+  const double second_accuracy = final_accuracy(second.output);
+  // Resuming starts from the trained weights, not from scratch: after a second epoch the model
+  // is at least about as good as after the first.
+  EXPECT_GT(second_accuracy, first_accuracy - 0.05) << first.output << second.output;
+}
+
+TEST_F(TrainFashionMnistTest, ResumeFromAMissingOrCorruptCheckpointFailsClearly) {
+  TempDir dir;
+  const auto missing = (dir.path() / "absent.pt").string();
+  auto result =
+      train({"--epochs", "2", "--limit-train", "256", "--checkpoint", missing, "--resume"});
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr(missing + " does not exist"));
+
+  const auto corrupt = (dir.path() / "corrupt.pt").string();
+  std::ofstream(corrupt) << "not a checkpoint";
+  result = train({"--epochs", "2", "--limit-train", "256", "--checkpoint", corrupt, "--resume"});
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr(corrupt + " is not a readable torch archive"));
+}
+
+TEST_F(TrainFashionMnistTest, MissingDataFolderFailsNamingThePath) {
+  const auto result = train({"--data-dir", "/nonexistent/fmnist-data"}, 60s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("/nonexistent/fmnist-data does not exist"));
+}
+
+TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--model", "resnet"},
+                                               {"--epochs", "0"},
+                                               {"--lr", "-1"},
+                                               {"--resume"}}) {
+    std::vector<std::string> argv{built_program("train-fashion-mnist")};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto process = Subprocess::start(argv);
+    const auto result = process.wait(30s);
+    EXPECT_NE(result.exit_code, 0) << args[0] << ": " << result.output;
+    EXPECT_THAT(result.output, HasSubstr(args[0])) << result.output;
+  }
+}
+
+}  // namespace
+}  // namespace ddp::test
