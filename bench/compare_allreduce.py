@@ -1,0 +1,378 @@
+#!/usr/bin/python3
+"""Side-by-side allreduce (float32, sum) of ddp and its peers on this machine, in one run.
+
+    bench/compare_allreduce.py [WORLD_SIZE] [--build-dir build] [--sizes 1K,64K,1M,16M,64M]
+                               [--iters 20] [--warmup 5] [--rounds 3] [--json-out FILE]
+
+Measures, for the same sizes and world size (default 2, all ranks on this host):
+  ddp-ring         ddp-bench --backend ring under ddprun, loopback TCP (DDP_TRANSPORT=tcp)
+  ddp-mpi          ddp-bench --backend mpi under mpirun (when this build has the mpi backend)
+  gloo             torch.distributed's gloo (bench/gloo_allreduce.py, Debian's python3-torch,
+                   run by /usr/bin/python3; the processes are started here, not by torchrun)
+  openmpi-tcp      OpenMPI's MPI_Allreduce (bench/mpi_allreduce.c), --mca pml ob1 --mca btl
+                   tcp,self: TCP over loopback only
+  openmpi          the same with OpenMPI's default transports (shared memory)
+Every program times the same way: a barrier before each iteration (not timed), each rank times
+its own call, the slowest rank's time counts, the median over --iters iterations is reported.
+ddp-bench's timed runs do nothing between iterations but the barrier, like the peers; a separate
+short ddp-bench --check run verifies ddp's results first (the peers check their last iteration).
+OMP_NUM_THREADS=1 and one compute thread per rank everywhere. mpirun runs with --bind-to none, so
+that no peer gets pinned cores the others lack (--mpi-bind-to core restores OpenMPI's default).
+The peers run one after the other, --rounds times interleaved; the first table shows, per peer
+and size, the median over rounds of those medians (the lower middle one for an even count), the
+second the lowest of them (the least disturbed round).
+Prints the machine (CPUs, model, load), the date and the tables as Markdown; exit 0 when every
+measurement ran, 1 when one failed (the table marks it), 2 for bad arguments.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SYSTEM_PYTHON = "/usr/bin/python3"  # sees Debian's python3-torch; a pyenv python3 may not
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+PEERS = ["ddp-ring", "ddp-mpi", "gloo", "openmpi-tcp", "openmpi"]
+
+
+def parse_size(text):
+    match = re.fullmatch(r"(\d+)([kmg]?)(i?b)?", text.strip().lower())
+    if not match or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a byte size (e.g. 1K, 64K, 1M)")
+    return int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[match.group(2)]
+
+
+def human(nbytes):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(argv, env, timeout):
+    """Runs argv in its own process group; returns (exit code, output). Never outlives timeout."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return 124, output + f"\n(killed after {timeout} s)"
+
+
+def json_rows(output):
+    """JSON objects in the output, one per line, after ddprun's '[rank] ' prefix if any."""
+    rows = []
+    for line in output.splitlines():
+        line = re.sub(r"^\[\d+\] ", "", line.strip())
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+    return rows
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.bin = Path(args.build_dir).resolve() / "bin"
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", DDP_TRANSPORT="tcp")
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                     "DDP_BACKEND"):
+            self.env.pop(name, None)
+        self.mpirun = [*MPIRUN, "--bind-to", args.mpi_bind_to]
+        self.sizes = ",".join(str(s) for s in args.sizes)
+        self.common = ["--sizes", self.sizes, "--iters", str(args.iters),
+                       "--warmup", str(args.warmup)]
+
+    def ddp_bench(self, backend, check=False):
+        bench = str(self.bin / "ddp-bench")
+        # Timed runs do nothing between iterations but the barrier, like the peers; correctness
+        # is checked in a separate short run (check=True), where every iteration is verified.
+        common = ["--sizes", self.sizes, "--iters", "2", "--warmup", "0", "--check"] if check \
+            else self.common
+        args = ["--backend", backend, "--op", "allreduce", "--dtype", "float32", "--reduce-op",
+                "sum", "--json", *common]
+        if backend == "ring":
+            argv = [str(self.bin / "ddprun"), "--standalone", "--nproc-per-node",
+                    str(self.args.world_size), bench, *args]
+            env = self.env
+        else:
+            # The rendezvous store still needs a port; a free one, not the default 29500.
+            env = dict(self.env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            argv = [*self.mpirun, "-np", str(self.args.world_size), "-x", "OMP_NUM_THREADS",
+                    "-x", "DDP_TRANSPORT", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", bench, *args]
+        code, output = run(argv, env, self.args.timeout)
+        if backend == "mpi" and code == 2 and "not available" in output:
+            return None, "not built (no mpi backend in this build)"
+        return self.finish(code, output)
+
+    def gloo(self):
+        port = free_port()
+        procs = []
+        for rank in range(self.args.world_size):
+            env = dict(self.env, RANK=str(rank), LOCAL_RANK=str(rank),
+                       WORLD_SIZE=str(self.args.world_size), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            procs.append(subprocess.Popen(
+                [SYSTEM_PYTHON, str(REPO / "bench" / "gloo_allreduce.py"), *self.common,
+                 "--timeout", str(self.args.timeout)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True))
+        outputs, code = [], 0
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=self.args.timeout)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+                out += f"\n(killed after {self.args.timeout} s)"
+            outputs.append(out)
+            code = code or proc.returncode
+        return self.finish(code, outputs[0] + "".join(outputs[1:]))
+
+    def openmpi(self, tcp_only):
+        program = self.bin / "mpi_allreduce"
+        if not program.exists():
+            return None, f"not built: {program} (needs OpenMPI's libopenmpi-dev)"
+        transports = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                      "--mca", "btl_tcp_if_include", "lo"] if tcp_only else []
+        argv = [*self.mpirun, "-np", str(self.args.world_size), "-x", "OMP_NUM_THREADS",
+                *transports,
+                str(program), *self.common, "--label", "openmpi-tcp" if tcp_only else "openmpi"]
+        return self.finish(*run(argv, self.env, self.args.timeout))
+
+    def finish(self, code, output):
+        rows = json_rows(output)
+        if code != 0 or len(rows) != len(self.args.sizes):
+            tail = "\n".join(output.strip().splitlines()[-5:])
+            return None, f"failed (exit {code}): {tail}"
+        return {row["bytes"]: row for row in rows}, None
+
+    def measure(self, peer, check=False):
+        if peer == "ddp-ring":
+            return self.ddp_bench("ring", check)
+        if peer == "ddp-mpi":
+            return self.ddp_bench("mpi", check)
+        if peer == "gloo":
+            return self.gloo()
+        return self.openmpi(tcp_only=peer == "openmpi-tcp")
+
+
+def machine_description():
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return model
+
+
+def load_average():
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def tool_version(argv):
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
+        return out.splitlines()[0] if out else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def fmt_time(row):
+    return f"{row['time_us']:.1f}" if row else "–"
+
+
+def fmt_bw(row):
+    return f"{row['busbw_gbps']:.3f}" if row else "–"
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
+    parser.add_argument("world_size", nargs="?", type=int, default=2,
+                        help="ranks, all on this host (default 2)")
+    parser.add_argument("--build-dir", default=os.environ.get("DDP_BUILD_DIR", str(REPO / "build")),
+                        help="CMake build tree with bin/ddp-bench, bin/ddprun, bin/mpi_allreduce "
+                             "(default $DDP_BUILD_DIR, else build/)")
+    parser.add_argument("--sizes", default="1K,64K,1M,16M,64M",
+                        type=lambda t: [parse_size(w) for w in t.split(",")])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times every peer is measured, interleaved (default 3)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per program run")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma-separated subset of {','.join(PEERS)}")
+    parser.add_argument("--mpi-bind-to", default="none",
+                        help="mpirun's --bind-to (default none: ddprun and the gloo processes are "
+                             "not pinned either; OpenMPI's own default is core)")
+    parser.add_argument("--json-out", help="also write every measurement to this file")
+    args = parser.parse_args()
+    peers = args.peers.split(",")
+    for value, name, low in ((args.world_size, "WORLD_SIZE", 1), (args.iters, "--iters", 1),
+                             (args.warmup, "--warmup", 0), (args.rounds, "--rounds", 1)):
+        if value < low:
+            parser.error(f"{name} must be at least {low}, got {value}")
+    if unknown := [p for p in peers if p not in PEERS]:
+        parser.error(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    for program in ("ddp-bench", "ddprun"):
+        if not (Path(args.build_dir) / "bin" / program).exists():
+            parser.error(f"{args.build_dir}/bin/{program} does not exist: build it first "
+                         f"(cmake --build {args.build_dir} --target ddp-bench ddprun "
+                         f"mpi_allreduce) or pass --build-dir")
+    if not os.path.exists(SYSTEM_PYTHON):
+        parser.error(f"{SYSTEM_PYTHON} (with Debian's python3-torch) is needed for gloo")
+    sizes = [max(1, s // 4) * 4 for s in args.sizes]  # what every program actually moves
+
+    measured = {peer: [] for peer in peers}  # peer -> list of {bytes: row}, one per round
+    errors = {}
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = load_average()
+    runner = Runner(args)
+    checked = {}  # ddp peer -> wrong elements in its checked run
+    for peer in [p for p in peers if p.startswith("ddp-")]:
+        print(f"# correctness: {peer} --check ...", file=sys.stderr, flush=True)
+        rows, error = runner.measure(peer, check=True)
+        if error:
+            errors[peer] = error
+        else:
+            checked[peer] = sum(r["wrong"] for r in rows.values())
+    for round_index in range(args.rounds):
+        for peer in peers:
+            if peer in errors:
+                continue
+            print(f"# round {round_index + 1}/{args.rounds}: {peer} ...", file=sys.stderr,
+                  flush=True)
+            rows, error = runner.measure(peer)
+            if error:
+                errors[peer] = error
+            else:
+                measured[peer].append(rows)
+    load_after = load_average()
+
+    # Per peer and size: the median over rounds of each round's median time.
+    table = {}
+    for peer in peers:
+        table[peer] = {}
+        for nbytes in sizes:
+            rounds = [r[nbytes] for r in measured[peer] if nbytes in r]
+            if not rounds:
+                continue
+            mid = sorted(rounds, key=lambda r: r["time_us"])[(len(rounds) - 1) // 2]
+            table[peer][nbytes] = dict(mid, rounds_time_us=[r["time_us"] for r in rounds],
+                                       wrong_total=sum(r["wrong"] or 0 for r in rounds))
+
+    lines = []
+    lines.append(f"# Allreduce float32 sum, world size {args.world_size}, one host")
+    lines.append("")
+    lines.append(f"- date: {started:%Y-%m-%d %H:%M} UTC; host {platform.node()}")
+    lines.append(f"- machine: {os.cpu_count()} CPUs ({machine_description()}), "
+                 f"load average {load_before} before, {load_after} after")
+    torch_version = tool_version([SYSTEM_PYTHON, "-c", "import torch; print(torch.__version__)"])
+    commit = tool_version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    lines.append(f"- peers: gloo from torch {torch_version}; {tool_version(['mpirun', '--version'])}"
+                 f"; ddp {commit} (+ working tree)")
+    lines.append(f"- method: median of {args.iters} iterations after {args.warmup} warm-up, each "
+                 f"started after a barrier, slowest rank's time; median of {args.rounds} "
+                 f"interleaved rounds; mpirun --bind-to {args.mpi_bind_to}. "
+                 "busbw = 2(N-1)/N · bytes / time (GB/s). "
+                 "ring vs X = X's time / ddp-ring's time (> 1: ddp-ring is faster).")
+    lines.append("")
+    header = ["size"]
+    for peer in peers:
+        header += [f"{peer} µs", f"{peer} busbw"]
+    if "ddp-ring" in peers:
+        header += [f"ring vs {p}" for p in ("gloo", "openmpi-tcp") if p in peers]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join("---:" for _ in header) + "|")
+    ring = table.get("ddp-ring", {})
+    for nbytes in sizes:
+        cells = [human(nbytes)]
+        for peer in peers:
+            row = table[peer].get(nbytes)
+            cells += [fmt_time(row), fmt_bw(row)]
+        if "ddp-ring" in peers:
+            for p in ("gloo", "openmpi-tcp"):
+                if p not in peers:
+                    continue
+                a, b = ring.get(nbytes), table[p].get(nbytes)
+                cells.append(f"{b['time_us'] / a['time_us']:.2f}×" if a and b else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    if args.rounds > 1:
+        lines.append("")
+        lines.append(f"Least disturbed round (the lowest of the {args.rounds} medians), µs:")
+        lines.append("")
+        lines.append("| size | " + " | ".join(peers) + " |")
+        lines.append("|" + "|".join("---:" for _ in range(len(peers) + 1)) + "|")
+        for nbytes in sizes:
+            cells = [human(nbytes)]
+            for peer in peers:
+                row = table[peer].get(nbytes)
+                cells.append(f"{min(row['rounds_time_us']):.1f}" if row else "–")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    wrong = {p: sum(r["wrong_total"] for r in table[p].values()) for p in peers if table[p]}
+    wrong.update(checked)
+    lines.append("- wrong elements: " + ", ".join(f"{p} {w}" for p, w in wrong.items()) +
+                 " (ddp: a separate ddp-bench --check run verifying every iteration; the peers: "
+                 "the last iteration of every size of every round)")
+    for peer, error in errors.items():
+        lines.append(f"- {peer}: {error}")
+
+    # The engine's targets (world 2, loopback TCP): (size, peer, minimum speed-up, wording).
+    targets = [(1024, "gloo", 20.0, "1 KiB: ddp-ring {x:.1f}× faster than gloo (target ≥ 20×)"),
+               (1024, "openmpi-tcp", 1.0,
+                "1 KiB: ddp-ring {x:.2f}× OpenMPI-TCP's speed (target ≥ 1×)"),
+               (64 << 20, "gloo", 1.5, "64 MiB: ddp-ring busbw {x:.2f}× gloo's (target ≥ 1.5×)"),
+               (64 << 20, "openmpi-tcp", 1.0,
+                "64 MiB: ddp-ring busbw {x:.2f}× OpenMPI-TCP's (target ≥ 1×)")]
+    checks = []
+    for nbytes, peer, minimum, wording in targets:
+        if nbytes in ring and nbytes in table.get(peer, {}):
+            # Same bytes and factor: the busbw ratio equals the time ratio.
+            x = table[peer][nbytes]["time_us"] / ring[nbytes]["time_us"]
+            checks.append(wording.format(x=x) + (": PASS" if x >= minimum else ": FAIL"))
+    if checks:
+        lines.append("")
+        scope = "" if args.world_size == 2 else " (defined for world size 2)"
+        lines.append(f"Targets{scope}:")
+        lines += [f"- {c}" for c in checks]
+    print("\n".join(lines), flush=True)
+
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"date": started.isoformat(), "world_size": args.world_size, "cpus": os.cpu_count(),
+             "cpu_model": machine_description(), "load_before": load_before,
+             "load_after": load_after, "measured": measured, "errors": errors}, indent=1))
+    real_errors = {p: e for p, e in errors.items() if not e.startswith("not built")}
+    return 1 if real_errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

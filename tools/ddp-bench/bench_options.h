@@ -1,0 +1,81 @@
+// BenchOptions: what `ddp-bench` was asked to measure, parsed and checked before any rank connects.
+//
+//   std::optional<BenchOptions> options = parse_command_line(args, std::cout);
+//   if (!options) return 0;                        // --help was printed
+//   for (std::size_t bytes : options->byte_sizes()) ...
+//
+// Plain functions and values without shared state: any thread may call them.
+// Errors: UsageError (a ConfigError) whose message names the option, the bad value and the
+// accepted ones; ddp-bench prints it on one line and exits with kUsageExitCode.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ddp/error.h"
+#include "ddp/types.h"
+
+namespace ddp::bench {
+
+// Exit code for bad command lines (the shell convention for usage errors, as ddprun).
+inline constexpr int kUsageExitCode = 2;
+
+class UsageError : public ConfigError {
+ public:
+  using ConfigError::ConfigError;
+};
+
+enum class Collective {
+  kAllreduce,
+  kBroadcast,
+  kReduce,
+  kAllgather,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAlltoall,
+  kBarrier,
+};
+
+// "allreduce", "reduce_scatter", ...
+std::string_view to_string(Collective collective);
+// Every collective, in the order `--op all` runs them.
+const std::vector<Collective>& all_collectives();
+
+struct BenchOptions {
+  std::string backend = "ring";
+  std::vector<Collective> collectives{Collective::kAllreduce};
+  DType dtype = DType::kFloat32;
+  ReduceOp reduce_op = ReduceOp::kSum;
+  std::size_t min_bytes = 8;
+  std::size_t max_bytes = std::size_t{64} << 20;
+  std::size_t step_factor = 2;
+  // Explicit sizes (--sizes); when not empty they replace min/max/step.
+  std::vector<std::size_t> sizes;
+  int iters = 20;
+  int warmup = 5;
+  int root = 0;
+  bool check = false;
+  bool json = false;
+  // Deadline of the rendezvous and of every collective; unset = DDP_TIMEOUT, else 300 s.
+  std::optional<std::chrono::milliseconds> timeout;
+
+  // The message sizes to measure, in bytes, ascending as given.
+  std::vector<std::size_t> byte_sizes() const;
+};
+
+// "8", "64K", "1M", "2G", "16KiB", "512B" (binary multiples, case-insensitive). Throws UsageError
+// naming `option` for anything else, and for values that do not fit in size_t.
+std::size_t parse_byte_size(std::string_view text, std::string_view option = "size");
+
+// Parses ddp-bench's arguments (without argv[0]). Returns std::nullopt after printing help to
+// `help_out`. Throws UsageError.
+std::optional<BenchOptions> parse_command_line(const std::vector<std::string>& args,
+                                               std::ostream& help_out);
+
+}  // namespace ddp::bench

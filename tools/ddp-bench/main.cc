@@ -1,0 +1,95 @@
+// ddp-bench: measures ddp's collectives, one process per rank, under any launcher (ddprun,
+// torchrun's environment, mpirun, srun). See docs/benchmarks.md and bench_runner.h for what is
+// measured. Exit codes: 0 success, 1 a failure while running, 2 bad options.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <exception>
+#include <iostream>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "ddp-bench/bench_options.h"
+#include "ddp-bench/bench_runner.h"
+#include "ddp-bench/report.h"
+#include "ddp/init.h"
+
+namespace {
+
+constexpr int kFailureExitCode = 1;
+
+int usage_error(const std::string& message) {
+  std::cerr << fmt::format("ddp-bench: error: {} (see 'ddp-bench --help')\n", message);
+  return ddp::bench::kUsageExitCode;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace ddp::bench;
+  BenchOptions options;
+  try {
+    auto parsed = parse_command_line(std::vector<std::string>(argv + 1, argv + argc), std::cout);
+    if (!parsed) return 0;
+    options = std::move(*parsed);
+  } catch (const UsageError& e) {
+    return usage_error(e.what());
+  }
+
+  const auto backends = ddp::available_backends();
+  if (std::find(backends.begin(), backends.end(), options.backend) == backends.end()) {
+    return usage_error(fmt::format(
+        "--backend {} is not available in this build of ddp (it has: {}); the mpi backend needs "
+        "OpenMPI (libopenmpi-dev) at configure time and -DDDP_WITH_MPI=ON",
+        options.backend, fmt::join(backends, ", ")));
+  }
+
+  int rank = -1;
+  try {
+    auto group = ddp::init_process_group({.backend = options.backend, .timeout = options.timeout});
+    rank = group->rank();
+    const bool rooted =
+        std::any_of(options.collectives.begin(), options.collectives.end(), [](Collective c) {
+          return c == Collective::kBroadcast || c == Collective::kReduce ||
+                 c == Collective::kGather || c == Collective::kScatter;
+        });
+    if (rooted && options.root >= group->size()) {
+      if (rank == 0) {
+        usage_error(fmt::format("--root {} is not a rank of this job of {} ranks", options.root,
+                                group->size()));
+      }
+      return kUsageExitCode;
+    }
+    BenchRunner runner(*group, options);
+    if (rank == 0 && !options.json) {
+      std::cout << table_header(options, group->size(), group->backend()) << std::flush;
+    }
+    for (Collective collective : options.collectives) {
+      // A barrier carries no data: one row, whatever the sizes.
+      const std::vector<std::size_t> sizes =
+          collective == Collective::kBarrier ? std::vector<std::size_t>{0} : options.byte_sizes();
+      for (std::size_t bytes : sizes) {
+        const BenchRow row = runner.run(collective, bytes);
+        if (rank != 0) continue;
+        if (options.json) {
+          std::cout << to_json(row).dump() << '\n' << std::flush;
+        } else {
+          std::cout << table_row(row) << std::flush;
+        }
+      }
+    }
+    // Nobody tears down its connections while a peer still needs them.
+    group->barrier()->wait();
+    ddp::destroy_process_group();
+    return 0;
+  } catch (const std::bad_alloc&) {
+    std::cerr << fmt::format(
+        "ddp-bench: rank {}: error: out of memory allocating the buffers (two of up to --max-bytes "
+        "each); lower --max-bytes\n",
+        rank);
+  } catch (const std::exception& e) {
+    std::cerr << fmt::format("ddp-bench: rank {}: error: {}\n", rank, e.what());
+  }
+  return kFailureExitCode;
+}

@@ -1,0 +1,63 @@
+#include "ddp-bench/report.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdlib>
+#include <vector>
+
+namespace ddp::bench {
+
+std::string table_header(const BenchOptions& options, int world_size, std::string_view backend) {
+  std::vector<std::string> ops;
+  for (Collective c : options.collectives)
+    ops.emplace_back(to_string(c));
+  const char* transport = std::getenv("DDP_TRANSPORT");
+  std::string out = fmt::format(
+      "# ddp-bench: backend {}, world size {}, op {}, dtype {}, reduce-op {}, root {}\n"
+      "# iters {}, warmup {}, check {}{}\n",
+      backend, world_size, fmt::join(ops, ","), to_string(options.dtype),
+      to_string(options.reduce_op), options.root, options.iters, options.warmup,
+      options.check ? "on" : "off",
+      transport != nullptr ? fmt::format(", DDP_TRANSPORT={}", transport) : std::string());
+  out +=
+      "# time_us: median over iterations; each iteration starts after a barrier and counts the\n"
+      "#   slowest rank's time from issuing the call to Work::wait() returning\n"
+      "# algbw = bytes / time (GB/s = 1e9 B/s); busbw = algbw * 2(N-1)/N (allreduce),\n"
+      "#   (N-1)/N (reduce_scatter, allgather, gather, scatter, alltoall), 1 (broadcast, reduce)\n"
+      "# wrong: elements that differ from the reference, summed over ranks and iterations\n"
+      "#\n";
+  out += fmt::format("# {:>14} {:>12} {:>11} {:>9} {:>12} {:>11} {:>11} {:>7}\n", "op", "bytes",
+                     "count", "dtype", "time_us", "algbw_GB/s", "busbw_GB/s", "wrong");
+  return out;
+}
+
+std::string table_row(const BenchRow& row) {
+  return fmt::format("  {:>14} {:>12} {:>11} {:>9} {:>12.2f} {:>11.3f} {:>11.3f} {:>7}\n",
+                     to_string(row.collective), row.layout.bytes, row.layout.total_count,
+                     to_string(row.dtype), row.time_us, row.algbw_gbps, row.busbw_gbps,
+                     row.wrong ? fmt::format("{}", *row.wrong) : std::string("N/A"));
+}
+
+nlohmann::json to_json(const BenchRow& row) {
+  nlohmann::json j;
+  j["op"] = std::string(to_string(row.collective));
+  j["bytes"] = row.layout.bytes;
+  j["count"] = row.layout.total_count;
+  j["dtype"] = std::string(to_string(row.dtype));
+  j["reduce_op"] = std::string(to_string(row.reduce_op));
+  j["root"] = row.root;
+  j["time_us"] = row.time_us;
+  j["time_min_us"] = row.time_min_us;
+  j["time_max_us"] = row.time_max_us;
+  j["algbw_gbps"] = row.algbw_gbps;
+  j["busbw_gbps"] = row.busbw_gbps;
+  j["wrong"] = row.wrong ? nlohmann::json(*row.wrong) : nlohmann::json(nullptr);
+  j["iters"] = row.iters;
+  j["warmup"] = row.warmup;
+  j["world_size"] = row.world_size;
+  j["backend"] = row.backend;
+  return j;
+}
+
+}  // namespace ddp::bench
