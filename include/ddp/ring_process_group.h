@@ -1,4 +1,4 @@
-// The `ring` backend: ddp's own collective engine over TCP.
+// The `ring` backend: ddp's own collective engine: TCP between hosts, shared memory inside one.
 //
 // Ranks find each other through a Store (each publishes host:port under a key prefixed with the
 // group name), connect as a full mesh with a checked handshake, and then run collectives on one
@@ -15,17 +15,31 @@
 // Timeout precedence (first that applies): CallOptions::timeout of the call; RingOptions::timeout
 // when non-zero; the DDP_TIMEOUT environment variable (seconds, may be fractional) read here;
 // kDefaultTimeout (300 s). The same timeout bounds the connection set-up.
+//
+// Transport (RingOptions::transport, else the DDP_TRANSPORT environment variable, else auto): at
+// creation every rank publishes a host identity (host name, kernel boot id, network namespace).
+// With `auto`, a group whose ranks all share a host runs allreduce, broadcast, reduce, allgather,
+// reduce_scatter and barrier through one shared-memory segment (src/comm/shm); a group spanning
+// hosts with several ranks on some host runs allreduce hierarchically (inside each host over
+// shared memory, across hosts over TCP). `tcp` uses TCP for everything. Every rank must choose
+// the same transport (a difference is a ConfigError at creation on every rank).
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "ddp/process_group.h"
 #include "ddp/store.h"
 
 namespace ddp {
+
+enum class Transport {
+  kAuto,  // shared memory among the ranks of a host, TCP between hosts
+  kTcp,   // TCP (loopback on one host) for everything
+};
 
 struct RingOptions {
   // 0 = DDP_TIMEOUT if set, else kDefaultTimeout. See the precedence above.
@@ -47,9 +61,19 @@ struct RingOptions {
   // 0 disables spinning; negative = automatic: 50 us when the group has no more ranks than this
   // host has cores, else 0.
   std::chrono::microseconds spin{-1};
+  // Unset = the DDP_TRANSPORT environment variable ("auto" or "tcp") if set, else kAuto. Must be
+  // equal on every rank.
+  std::optional<Transport> transport;
+  // Bytes of one shared-memory chunk per rank (0 = the engine's default, 1 MiB); larger messages
+  // stream through the segment chunk by chunk. Must be equal on the ranks of a host.
+  std::size_t shm_slot_bytes = 0;
 };
 
 std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> store, int rank,
                                                       int size, RingOptions options = {});
+
+// How a group made by make_ring_process_group moves data, for logs and tests: "tcp", "shm" (one
+// host, shared memory), or "hierarchical(H hosts, ...)"; "" for groups of other backends.
+std::string ring_transport_of(const ProcessGroup& group);
 
 }  // namespace ddp

@@ -295,8 +295,11 @@ void Exchange::run(net::Deadline deadline, std::chrono::microseconds spin,
         polled_idle_peers_.push_back(peer);
       }
     }
-    const int rc = ::poll(pollfds_.data(), pollfds_.size(), net::poll_timeout_ms(deadline));
+    int timeout_ms = net::poll_timeout_ms(deadline);
+    if (context_.idle_check != nullptr && (timeout_ms < 0 || timeout_ms > 10)) timeout_ms = 10;
+    const int rc = ::poll(pollfds_.data(), pollfds_.size(), timeout_ms);
     if (rc < 0 && errno != EINTR) fail_io(-1, errno, "polling");
+    if (rc == 0 && context_.idle_check != nullptr) (*context_.idle_check)();
     for (std::size_t i = stream_polls; rc > 0 && i < pollfds_.size(); ++i) {
       if (pollfds_[i].revents != 0) peek_idle_peer(polled_idle_peers_[i - stream_polls]);
     }

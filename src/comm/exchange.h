@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,9 @@ struct ExchangeContext {
   // with the same sequence number (e.g. another root) is reported instead of awaited.
   const int* peer_fds = nullptr;
   int size = 0;
+  // Called at least every 10 ms while the step sleeps (null: never); may throw CommError. The
+  // ring backend uses it to notice a peer that runs a different call over shared memory.
+  const std::function<void()>* idle_check = nullptr;
 };
 
 class Exchange {

@@ -3,6 +3,7 @@
 #include "ddp/ring_process_group.h"
 
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -11,6 +12,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -19,6 +23,7 @@
 
 #include "comm/exchange.h"
 #include "comm/reduce_kernels.h"
+#include "comm/shm/shm_domain.h"
 #include "comm/wire.h"
 #include "ddp/error.h"
 #include "net/socket.h"
@@ -51,6 +56,54 @@ milliseconds resolve_group_timeout(milliseconds configured) {
   return kDefaultTimeout;
 }
 
+Transport resolve_transport(const RingOptions& options) {
+  if (options.transport) {
+    if (*options.transport != Transport::kAuto && *options.transport != Transport::kTcp) {
+      throw ConfigError(
+          fmt::format("RingOptions::transport has an invalid value {}; use "
+                      "Transport::kAuto or Transport::kTcp",
+                      static_cast<int>(*options.transport)));
+    }
+    return *options.transport;
+  }
+  if (const char* env = std::getenv("DDP_TRANSPORT"); env != nullptr && *env != '\0') {
+    const std::string value = env;
+    if (value == "auto") return Transport::kAuto;
+    if (value == "tcp") return Transport::kTcp;
+    throw ConfigError(fmt::format(
+        "DDP_TRANSPORT='{}' is not a transport; use DDP_TRANSPORT=auto (shared memory inside a "
+        "host, TCP between hosts) or DDP_TRANSPORT=tcp (TCP only)",
+        value));
+  }
+  return Transport::kAuto;
+}
+
+std::string_view transport_name(Transport t) {
+  return t == Transport::kTcp ? "tcp" : "auto";
+}
+
+std::string first_line_of(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// What makes two ranks "on one host": the same kernel (boot id; the host name alone can repeat
+// across containers) and the same network namespace, so that namespaces on one kernel, used as
+// hosts by tests and some container setups, count as different hosts.
+std::string host_identity() {
+  // An explicit identity wins: for setups where the detection is wrong, and for tests that give
+  // ranks of one machine different "hosts" to run the hierarchical path.
+  if (const char* env = std::getenv("DDP_HOST_ID"); env != nullptr && *env != '\0') {
+    return fmt::format("DDP_HOST_ID={}", env);
+  }
+  char netns[256] = {};
+  const ssize_t n = ::readlink("/proc/self/ns/net", netns, sizeof netns - 1);
+  return fmt::format("{}|{}|{}", net::host_name(), first_line_of("/proc/sys/kernel/random/boot_id"),
+                     n > 0 ? std::string(netns, static_cast<std::size_t>(n)) : std::string("?"));
+}
+
 std::string advertise_host(const RingOptions& options) {
   if (!options.advertise_host.empty()) return options.advertise_host;
   if (const char* env = std::getenv("DDP_ADVERTISE_ADDR"); env != nullptr && *env != '\0') {
@@ -81,6 +134,7 @@ struct OpArgs {
   int root = 0;
   int peer = -1;  // p2p
   bool is_recv = false;
+  int avg_divisor = 0;  // avg: divide by this instead of the group size (hierarchical steps)
   milliseconds timeout{0};
   OpHeader header;    // sent (and for collectives, expected)
   OpHeader expected;  // p2p recv: what the sender's header must be
@@ -111,6 +165,10 @@ class RingProcessGroup final : public ProcessGroup,
     worker_ = std::thread([this] { worker_loop(); });
   }
   void connect_mesh();
+  // Poisons this group from its parent (a hierarchical step failed elsewhere): leaves `reason`
+  // in the store and shuts the connections, so the peers fail now. Executor thread only.
+  void abort_from_parent(const std::string& reason);
+  std::string transport_description() const { return transport_text_; }
 
   std::string_view backend() const override { return "ring"; }
   using ProcessGroup::allreduce;
@@ -119,13 +177,11 @@ class RingProcessGroup final : public ProcessGroup,
                                   ReduceOp op, CallOptions options) override {
     check_buffer(send, count, "allreduce", "send");
     check_buffer(recv, count, "allreduce", "recv");
-    // With two ranks both algorithms move the same bytes and the ring only wins once splitting
-    // the reduction pays for its extra step (measured: docs/algorithms.md), hence 2x there.
-    const std::size_t small_limit = options_.small_message_bytes * (size() == 2 ? 2 : 1);
-    const Algorithm algorithm = bytes_of(count, dtype, "allreduce") <= small_limit ||
-                                        count < static_cast<std::size_t>(size())
-                                    ? Algorithm::kRecursiveDoubling
-                                    : Algorithm::kRing;
+    const Algorithm algorithm =
+        mode_ == Mode::kShm ? Algorithm::kSharedMemory
+        : mode_ == Mode::kHierarchical
+            ? Algorithm::kHierarchical
+            : tcp_allreduce_algorithm(bytes_of(count, dtype, "allreduce"), count);
     return enqueue(make_args(OpKind::kAllreduce, send, recv, count, dtype, op, -1, algorithm),
                    options);
   }
@@ -134,9 +190,11 @@ class RingProcessGroup final : public ProcessGroup,
                                   CallOptions options) override {
     check_buffer(buf, count, "broadcast", "buf");
     check_rank(root, "broadcast", "root");
-    const Algorithm algorithm = bytes_of(count, dtype, "broadcast") <= options_.small_message_bytes
-                                    ? Algorithm::kBinomialTree
-                                    : Algorithm::kChain;
+    const Algorithm algorithm =
+        mode_ == Mode::kShm ? Algorithm::kSharedMemory
+        : bytes_of(count, dtype, "broadcast") <= options_.small_message_bytes
+            ? Algorithm::kBinomialTree
+            : Algorithm::kChain;
     return enqueue(
         make_args(OpKind::kBroadcast, buf, buf, count, dtype, std::nullopt, root, algorithm),
         options);
@@ -148,7 +206,8 @@ class RingProcessGroup final : public ProcessGroup,
     check_buffer(send, count, "reduce", "send");
     if (rank() == root) check_buffer(recv, count, "reduce", "recv (at the root)");
     return enqueue(
-        make_args(OpKind::kReduce, send, recv, count, dtype, op, root, Algorithm::kChain), options);
+        make_args(OpKind::kReduce, send, recv, count, dtype, op, root, shm_or(Algorithm::kChain)),
+        options);
   }
 
   std::shared_ptr<Work> allgather(const void* send, void* recv, std::size_t count_per_rank,
@@ -156,7 +215,7 @@ class RingProcessGroup final : public ProcessGroup,
     check_buffer(send, count_per_rank, "allgather", "send");
     check_buffer(recv, count_per_rank, "allgather", "recv");
     return enqueue(make_args(OpKind::kAllgather, send, recv, count_per_rank, dtype, std::nullopt,
-                             -1, Algorithm::kRing),
+                             -1, shm_or(Algorithm::kRing)),
                    options);
   }
 
@@ -185,7 +244,7 @@ class RingProcessGroup final : public ProcessGroup,
     check_buffer(send, count_per_rank, "reduce_scatter", "send");
     check_buffer(recv, count_per_rank, "reduce_scatter", "recv");
     return enqueue(make_args(OpKind::kReduceScatter, send, recv, count_per_rank, dtype, op, -1,
-                             Algorithm::kRing),
+                             shm_or(Algorithm::kRing)),
                    options);
   }
 
@@ -200,7 +259,7 @@ class RingProcessGroup final : public ProcessGroup,
 
   std::shared_ptr<Work> barrier(CallOptions options) override {
     return enqueue(make_args(OpKind::kBarrier, nullptr, nullptr, 0, DType::kUInt8, std::nullopt, -1,
-                             Algorithm::kRecursiveDoubling),
+                             shm_or(Algorithm::kRecursiveDoubling)),
                    options);
   }
 
@@ -232,6 +291,27 @@ class RingProcessGroup final : public ProcessGroup,
   void run_inline_until(RingWork& work);
 
  private:
+  enum class Mode {
+    kTcp,           // everything over TCP
+    kShm,           // one host: the shared-memory domain runs the collectives it has
+    kHierarchical,  // several hosts, several ranks on some: allreduce inside hosts, then across
+  };
+  Algorithm shm_or(Algorithm tcp) const {
+    return mode_ == Mode::kShm ? Algorithm::kSharedMemory : tcp;
+  }
+  Algorithm tcp_allreduce_algorithm(std::size_t bytes, std::size_t count) const {
+    // With two ranks both algorithms move the same bytes and the ring only wins once splitting
+    // the reduction pays for its extra step (measured: docs/algorithms.md), hence 2x there.
+    const std::size_t small_limit = options_.small_message_bytes * (size() == 2 ? 2 : 1);
+    return bytes <= small_limit || count < static_cast<std::size_t>(size())
+               ? Algorithm::kRecursiveDoubling
+               : Algorithm::kRing;
+  }
+  void set_up_locality(Transport transport, net::Deadline deadline);
+  void run_shm(const OpArgs& a, net::Deadline deadline);
+  void allreduce_hierarchical(const OpArgs& a, net::Deadline deadline);
+  void cross_host_allreduce(std::byte* buf, std::size_t count, const OpArgs& a,
+                            net::Deadline deadline);
   OpArgs make_args(OpKind kind, const void* send, void* recv, std::size_t count, DType dtype,
                    std::optional<ReduceOp> op, int root, Algorithm algorithm) const;
   std::shared_ptr<Work> enqueue(OpArgs args, CallOptions options);
@@ -264,9 +344,16 @@ class RingProcessGroup final : public ProcessGroup,
   void point_to_point(const OpArgs& a, net::Deadline deadline);
 
   void begin(const OpArgs& a) {
-    exchange_.reset(a.header, a.dtype,
-                    comm::ExchangeContext{&name_, rank(), a.description, peer_fds_.data(), size()});
+    exchange_.reset(
+        a.header, a.dtype,
+        comm::ExchangeContext{&name_, rank(), a.description, peer_fds_.data(), size(),
+                              domain_ && a.kind != OpKind::kSend ? &idle_check_ : nullptr});
   }
+  // A call that one rank runs over shared memory and another over TCP is invisible to both
+  // transports' own checks; these two look across (see docs/algorithms.md, "Transports").
+  void check_domain_for_other_call();
+  void check_sockets_for_other_call();
+  [[noreturn]] void fail_cross_transport_mismatch(int peer, const OpHeader& theirs);
   void finish(const OpArgs& a, net::Deadline deadline) {
     exchange_.run(deadline, spin_, a.timeout);
   }
@@ -310,6 +397,28 @@ class RingProcessGroup final : public ProcessGroup,
   std::vector<std::byte> chunk_;
   std::vector<std::byte> temp_a_;
   std::vector<std::byte> temp_b_;
+  std::vector<std::byte> temp_hier_;
+
+  // Locality (fixed at creation). hosts_: the ranks of each host, sorted, hosts ordered by their
+  // lowest rank (the host's leader); local_: this rank's host.
+  Mode mode_ = Mode::kTcp;
+  std::string transport_text_ = "tcp";
+  std::vector<std::vector<int>> hosts_;
+  std::vector<int> local_;
+  int local_rank_ = 0;
+  // The ranks of this host that share memory (kShm: all; kHierarchical: local_), or null.
+  std::unique_ptr<comm::shm::ShmDomain> domain_;
+  // kHierarchical, equal ranks per host: every local rank i allreduces 1/N_local of the data
+  // with the ranks of local index i on the other hosts; otherwise only the leaders do.
+  bool slices_ = false;
+  // kHierarchical: this rank's cross-host group (no worker thread of its own: its algorithms
+  // run on this group's executor), and the ranks of this group it holds, by its rank.
+  std::shared_ptr<RingProcessGroup> cross_;
+  std::vector<int> cross_members_;
+  // The operation the executor is running (for the cross-transport checks), and the check the
+  // TCP steps call while they sleep.
+  const OpArgs* current_ = nullptr;
+  std::function<void()> idle_check_;
 };
 
 void RingWork::help_until_completed() {
@@ -355,7 +464,13 @@ void RingProcessGroup::connect_mesh() {
   const auto deadline = net::deadline_after(timeout_);
   const std::int64_t joined = store_->add(fmt::format("ring/{}/joins", name_), 1);
   prefix_ = fmt::format("ring/{}/{}/", name_, (joined - 1) / size());
-  if (size() == 1) return;
+  const Transport transport = resolve_transport(options_);
+  if (size() == 1) {
+    transport_text_ = "none (1 rank)";
+    return;
+  }
+  store_->set(fmt::format("{}host/{}", prefix_, rank()),
+              fmt::format("{}\n{}", transport_name(transport), host_identity()));
 
   net::Socket listener = net::listen_tcp("", 0);
   listener.set_buffer_sizes(options_.socket_buffer_bytes);
@@ -475,6 +590,139 @@ void RingProcessGroup::connect_mesh() {
   }
   for (const auto& socket : peers_)
     peer_fds_.push_back(socket.valid() ? socket.fd() : -1);
+  set_up_locality(transport, deadline);
+}
+
+// Reads every rank's host identity and transport, groups the ranks by host and, with `auto`,
+// sets up the shared-memory domain (one host) or the hierarchical allreduce (several hosts).
+void RingProcessGroup::set_up_locality(Transport transport, net::Deadline deadline) {
+  std::map<std::string, std::vector<int>> by_identity;
+  std::vector<std::string> identity_of(static_cast<std::size_t>(size()));
+  for (int r = 0; r < size(); ++r) {
+    const std::string key = fmt::format("{}host/{}", prefix_, r);
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - net::Clock::now());
+    const std::string value = store_->get_string(key, std::max(left, milliseconds(1)));
+    const auto newline = value.find('\n');
+    const std::string theirs = value.substr(0, newline);
+    if (theirs != transport_name(transport)) {
+      throw ConfigError(
+          fmt::format("group '{}': rank {} uses transport '{}' but rank {} uses '{}'; set "
+                      "RingOptions::transport or DDP_TRANSPORT to the same value on every rank",
+                      name_, rank(), transport_name(transport), r, theirs));
+    }
+    identity_of[static_cast<std::size_t>(r)] =
+        newline == std::string::npos ? std::string() : value.substr(newline + 1);
+    by_identity[identity_of[static_cast<std::size_t>(r)]].push_back(r);
+  }
+  for (auto& [identity, ranks] : by_identity)
+    hosts_.push_back(ranks);
+  std::sort(hosts_.begin(), hosts_.end());  // by leader (each list is sorted already)
+  local_ = by_identity[identity_of[static_cast<std::size_t>(rank())]];
+  local_rank_ = static_cast<int>(std::find(local_.begin(), local_.end(), rank()) - local_.begin());
+  std::size_t largest = 0;
+  bool equal = true;
+  for (const auto& h : hosts_) {
+    largest = std::max(largest, h.size());
+    equal = equal && h.size() == hosts_.front().size();
+  }
+  if (transport == Transport::kTcp || largest == 1) {
+    transport_text_ = hosts_.size() == 1 ? "tcp" : fmt::format("tcp ({} hosts)", hosts_.size());
+    return;
+  }
+  comm::shm::ShmOptions shm{.group = name_};
+  shm.on_nap = [this] { check_sockets_for_other_call(); };
+  idle_check_ = [this] { check_domain_for_other_call(); };
+  if (options_.shm_slot_bytes != 0) {
+    shm.slot_bytes = options_.shm_slot_bytes;
+    shm.small_bytes = std::min(shm.small_bytes, shm.slot_bytes);
+  }
+  if (hosts_.size() == 1) {
+    domain_ = comm::shm::ShmDomain::create(*store_, prefix_ + "shm", rank(), size(), shm, deadline);
+    mode_ = Mode::kShm;
+    transport_text_ = "shm";
+    return;
+  }
+  mode_ = Mode::kHierarchical;
+  slices_ = equal;
+  if (local_.size() > 1) {
+    domain_ =
+        comm::shm::ShmDomain::create(*store_, fmt::format("{}shm/host{}", prefix_, local_[0]),
+                                     local_rank_, static_cast<int>(local_.size()), shm, deadline);
+  }
+  // Cross-host group: the ranks with this rank's local index (slices), or the leaders.
+  if (slices_ || local_rank_ == 0) {
+    for (const auto& h : hosts_)
+      cross_members_.push_back(h[static_cast<std::size_t>(local_rank_)]);
+    RingOptions cross_options = options_;
+    cross_options.timeout = timeout_;
+    cross_options.transport = Transport::kTcp;
+    cross_options.group_name = fmt::format("{}/cross{}", name_, local_rank_);
+    const int index = static_cast<int>(
+        std::find(cross_members_.begin(), cross_members_.end(), rank()) - cross_members_.begin());
+    cross_ = std::make_shared<RingProcessGroup>(
+        store_, index, static_cast<int>(cross_members_.size()), std::move(cross_options));
+    cross_->connect_mesh();
+  }
+  std::string sizes;
+  for (const auto& h : hosts_)
+    sizes += fmt::format("{}{}", sizes.empty() ? "" : "+", h.size());
+  transport_text_ = fmt::format("hierarchical({} hosts, {} ranks, {})", hosts_.size(), sizes,
+                                slices_ ? "slices" : "leaders");
+}
+
+void RingProcessGroup::fail_cross_transport_mismatch(int peer, const OpHeader& theirs) {
+  const OpHeader& mine = current_->header;
+  throw CommError(
+      fmt::format("collective mismatch in group '{}': rank {} called {} [{}] but rank {} called "
+                  "{} [{}]; every rank must issue the same collectives in the same order with "
+                  "the same count, dtype, op and root",
+                  name_, rank(), comm::describe(mine), comm::to_string(mine.algorithm), peer,
+                  comm::describe(theirs), comm::to_string(theirs.algorithm)),
+      name_, current_->description, mine.sequence, peer);
+}
+
+// This rank runs a TCP step of a collective: a local peer in a shared-memory call with the same
+// sequence number runs a different collective (it would never send what this step waits for).
+void RingProcessGroup::check_domain_for_other_call() {
+  if (current_ == nullptr || !domain_) return;
+  OpHeader theirs;
+  const int local_peer = domain_->peer_with_other_call(current_->header, theirs);
+  if (local_peer >= 0) {
+    fail_cross_transport_mismatch(local_[static_cast<std::size_t>(local_peer)], theirs);
+  }
+}
+
+// This rank waits in a shared-memory call: a peer that sent this group a header with the same
+// sequence number over TCP runs a different collective.
+void RingProcessGroup::check_sockets_for_other_call() {
+  if (current_ == nullptr) return;
+  for (int peer = 0; peer < size(); ++peer) {
+    const int fd = peer_fds_.empty() ? -1 : peer_fds_[static_cast<std::size_t>(peer)];
+    if (fd < 0) continue;
+    OpHeader got;
+    const ssize_t n = ::recv(fd, &got, sizeof got, MSG_PEEK | MSG_DONTWAIT);
+    if (n == static_cast<ssize_t>(sizeof got) && got.magic == comm::kHeaderMagic &&
+        got.kind != OpKind::kSend && got.sequence == current_->header.sequence &&
+        !(got == current_->header)) {
+      fail_cross_transport_mismatch(peer, got);
+    }
+  }
+}
+
+void RingProcessGroup::abort_from_parent(const std::string& reason) {
+  {
+    std::lock_guard lock(poison_mutex_);
+    if (!poison_) poison_ = std::make_exception_ptr(CommError(reason, name_, "abort", 0, -1));
+  }
+  poisoned_.store(true, std::memory_order_release);
+  try {
+    store_->set(fmt::format("{}abort/{}", prefix_, rank()), reason);
+  } catch (const std::exception&) {
+    // Best effort, as in fail().
+  }
+  for (auto& socket : peers_) {
+    if (socket.valid()) ::shutdown(socket.fd(), SHUT_RDWR);
+  }
 }
 
 void RingProcessGroup::check_buffer(const void* p, std::size_t count, const char* op,
@@ -651,8 +899,23 @@ void RingProcessGroup::execute(RingWork& work) {
     return;
   }
   const OpArgs& args = work.args();
+  current_ = &args;
+  struct ClearCurrent {
+    const OpArgs*& current;
+    ~ClearCurrent() { current = nullptr; }
+  } clear_current{current_};
   try {
     run_op(args, net::deadline_after(args.timeout));
+  } catch (const comm::shm::ShmPeerError& e) {
+    // A local peer died or aborted: the domain's message names it; add the reason it left in the
+    // store when the text does not carry it already.
+    std::string message = e.what();
+    const std::string reason =
+        message.find("aborted the group") == std::string::npos ? abort_reason_of(e.peer()) : "";
+    if (!reason.empty()) message += fmt::format("; rank {} reported: {}", e.peer(), reason);
+    fail(work,
+         std::make_exception_ptr(CommError(message, e.group(), e.op(), e.sequence(), e.peer())));
+    return;
   } catch (const comm::PeerClosedError& e) {
     const std::string reason = abort_reason_of(e.peer());
     std::string message = e.what();
@@ -706,9 +969,14 @@ void RingProcessGroup::fail(RingWork& work, std::exception_ptr error) {
   for (auto& socket : peers_) {
     if (socket.valid()) ::shutdown(socket.fd(), SHUT_RDWR);
   }
+  // Local peers waiting in the segment, and remote ones waiting in the cross-host ring, fail now.
+  if (domain_) domain_->abort(text);
+  if (cross_) cross_->abort_from_parent(text);
 }
 
 void RingProcessGroup::run_op(const OpArgs& a, net::Deadline deadline) {
+  if (a.header.algorithm == Algorithm::kSharedMemory) return run_shm(a, deadline);
+  if (a.header.algorithm == Algorithm::kHierarchical) return allreduce_hierarchical(a, deadline);
   switch (a.kind) {
     case OpKind::kAllreduce:
       if (size() == 1) {
@@ -764,6 +1032,7 @@ void RingProcessGroup::allreduce_ring(const OpArgs& a, net::Deadline deadline) {
   };
   const int next = (r + 1) % n;
   const int prev = (r + n - 1) % n;
+  const int avg_n = a.avg_divisor > 0 ? a.avg_divisor : n;
   begin(a);
   exchange_.add_send_stream(next, fd(next));
   exchange_.add_send_piece(a.send + seg_offset(r), seg_bytes(r));
@@ -774,7 +1043,7 @@ void RingProcessGroup::allreduce_ring(const OpArgs& a, net::Deadline deadline) {
   exchange_.add_recv_stream(prev, fd(prev), chunk_.data(), chunk_.size());
   for (int k = 0; k <= n - 2; ++k) {
     const int s = seg(r - k - 1);
-    const int divisor = (k == n - 2 && a.op == ReduceOp::kAvg) ? n : 0;
+    const int divisor = (k == n - 2 && a.op == ReduceOp::kAvg) ? avg_n : 0;
     exchange_.add_recv_reduce(a.recv + seg_offset(s), a.send + seg_offset(s), seg_bytes(s), a.op,
                               divisor);
   }
@@ -832,7 +1101,9 @@ void RingProcessGroup::allreduce_recursive_doubling(const OpArgs& a, net::Deadli
     exchange_.add_send_stream(partner, fd(partner));
     exchange_.add_send_piece(cur, bytes);
     exchange_.add_recv_stream(partner, fd(partner), chunk_.data(), chunk_.size());
-    exchange_.add_recv_reduce(out, cur, bytes, a.op, last && a.op == ReduceOp::kAvg ? n : 0);
+    exchange_.add_recv_reduce(
+        out, cur, bytes, a.op,
+        last && a.op == ReduceOp::kAvg ? (a.avg_divisor > 0 ? a.avg_divisor : n) : 0);
     finish(a, deadline);
     cur = out;
   }
@@ -842,6 +1113,116 @@ void RingProcessGroup::allreduce_recursive_doubling(const OpArgs& a, net::Deadli
     exchange_.add_send_piece(a.recv, bytes);
     finish(a, deadline);
   }
+}
+
+// The collectives of a one-host group, through the shared-memory domain (docs/shared-memory.md).
+void RingProcessGroup::run_shm(const OpArgs& a, net::Deadline deadline) {
+  auto& d = *domain_;
+  switch (a.kind) {
+    case OpKind::kAllreduce:
+      return d.allreduce(a.send, a.recv, a.count, a.dtype, a.op, a.header, deadline);
+    case OpKind::kBroadcast:
+      return d.broadcast(a.recv, a.count, a.dtype, a.root, a.header, deadline);
+    case OpKind::kReduce:
+      return d.reduce(a.send, a.recv, a.count, a.dtype, a.op, a.root, a.header, deadline);
+    case OpKind::kAllgather:
+      return d.allgather(a.send, a.recv, a.count, a.dtype, a.header, deadline);
+    case OpKind::kReduceScatter: {
+      // The domain reads every block of `send` until the end: an overlapping recv goes through a
+      // pooled temporary.
+      const std::size_t block = a.count * dtype_size(a.dtype);
+      const std::byte* send_end = a.send + block * static_cast<std::size_t>(size());
+      const bool overlaps = a.recv < send_end && a.send < a.recv + block;
+      if (!overlaps) {
+        return d.reduce_scatter(a.send, a.recv, a.count, a.dtype, a.op, a.header, deadline);
+      }
+      std::byte* temp = scratch(temp_a_, block);
+      d.reduce_scatter(a.send, temp, a.count, a.dtype, a.op, a.header, deadline);
+      std::memcpy(a.recv, temp, block);
+      return;
+    }
+    case OpKind::kBarrier:
+      return d.barrier(a.header, deadline);
+    default:
+      throw CommError(fmt::format("rank {}: {} has no shared-memory path", rank(), a.description),
+                      name_, a.description, a.header.sequence, -1);
+  }
+}
+
+// Allreduce of the cross-host group on `buf` (in place), with this operation's sequence number;
+// an average divides by the whole group's size. Errors name this group's ranks.
+void RingProcessGroup::cross_host_allreduce(std::byte* buf, std::size_t count, const OpArgs& a,
+                                            net::Deadline deadline) {
+  OpArgs x;
+  x.kind = OpKind::kAllreduce;
+  x.send = buf;
+  x.recv = buf;
+  x.count = count;
+  x.dtype = a.dtype;
+  x.op = a.op;
+  x.avg_divisor = size();
+  x.timeout = a.timeout;
+  x.header = a.header;
+  x.header.count = count;
+  x.header.algorithm = cross_->tcp_allreduce_algorithm(count * dtype_size(a.dtype), count);
+  x.description = fmt::format("{} (step across hosts, group '{}')", a.description, cross_->name_);
+  try {
+    cross_->run_op(x, deadline);
+  } catch (const comm::PeerClosedError& e) {
+    const int peer = e.peer() >= 0 ? cross_members_[static_cast<std::size_t>(e.peer())] : -1;
+    throw comm::PeerClosedError(fmt::format("{} [rank {} of '{}' is rank {} of '{}']", e.what(),
+                                            e.peer(), cross_->name_, peer, name_),
+                                name_, a.description, a.header.sequence, peer);
+  }
+}
+
+// Hierarchical allreduce for groups spanning hosts (costs in docs/algorithms.md):
+//  - leaders: reduce inside each host to its leader over shared memory, allreduce among the
+//    leaders over TCP, broadcast inside each host;
+//  - slices (every host has the same number L of ranks, message above the small-message size):
+//    reduce_scatter inside each host so that local rank i holds the host's sum of slice i,
+//    allreduce slice i with the ranks of local index i on the other hosts (L rings at once, each
+//    carrying 1/L of the data), allgather inside each host; the count % L elements left over
+//    take the leaders' path.
+// Each element is reduced in one fixed order (local ranks in rank order, then hosts by the
+// cross-host algorithm, which gives the same bits to all of its ranks) and then copied, so every
+// rank gets bit-identical results. avg sums and divides once, by the whole group's size.
+void RingProcessGroup::allreduce_hierarchical(const OpArgs& a, net::Deadline deadline) {
+  const std::size_t esz = dtype_size(a.dtype);
+  const ReduceOp local_op = a.op == ReduceOp::kAvg ? ReduceOp::kSum : a.op;
+  const auto local_size = local_.size();
+  auto header = [&](OpKind kind, std::size_t count, int root) {
+    OpHeader h = a.header;
+    h.kind = kind;
+    h.count = count;
+    h.root = root;
+    return h;
+  };
+  auto leaders_path = [&](std::size_t first, std::size_t count) {
+    const std::byte* in = a.send + first * esz;
+    std::byte* out = a.recv + first * esz;
+    if (domain_) {
+      domain_->reduce(in, out, count, a.dtype, local_op, 0, header(OpKind::kReduce, count, 0),
+                      deadline);
+    } else if (in != out && count > 0) {
+      std::memcpy(out, in, count * esz);
+    }
+    if (local_rank_ == 0) cross_host_allreduce(out, count, a, deadline);
+    if (domain_) {
+      domain_->broadcast(out, count, a.dtype, 0, header(OpKind::kBroadcast, count, 0), deadline);
+    }
+  };
+  const std::size_t per = a.count / local_size;
+  if (!slices_ || local_size == 1 || a.count * esz <= options_.small_message_bytes || per == 0) {
+    return leaders_path(0, a.count);
+  }
+  std::byte* slice = scratch(temp_hier_, per * esz);
+  domain_->reduce_scatter(a.send, slice, per, a.dtype, local_op,
+                          header(OpKind::kReduceScatter, per, -1), deadline);
+  cross_host_allreduce(slice, per, a, deadline);
+  domain_->allgather(slice, a.recv, per, a.dtype, header(OpKind::kAllgather, per, -1), deadline);
+  const std::size_t tail = a.count - per * local_size;
+  if (tail > 0) leaders_path(per * local_size, tail);
 }
 
 // Broadcast down a tree rooted at `root`, forwarding each chunk as soon as it arrives: a chain
@@ -1083,6 +1464,11 @@ std::shared_ptr<ProcessGroup> RingProcessGroup::new_group(std::vector<int> ranks
 }
 
 }  // namespace
+
+std::string ring_transport_of(const ProcessGroup& group) {
+  const auto* ring = dynamic_cast<const RingProcessGroup*>(&group);
+  return ring != nullptr ? ring->transport_description() : std::string();
+}
 
 std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> store, int rank,
                                                       int size, RingOptions options) {

@@ -44,6 +44,10 @@ std::string_view to_string(Algorithm algorithm) {
       return "binomial-tree";
     case Algorithm::kDirect:
       return "direct";
+    case Algorithm::kSharedMemory:
+      return "shared-memory";
+    case Algorithm::kHierarchical:
+      return "hierarchical";
   }
   return "unknown-algorithm";
 }

@@ -39,6 +39,8 @@ enum class Algorithm : std::uint8_t {
   kChain,              // pipelined chain (broadcast, reduce)
   kBinomialTree,       // binomial tree (broadcast)
   kDirect,             // every rank talks to its peers directly (gather, scatter, alltoall, p2p)
+  kSharedMemory,       // through the host's shared-memory segment (src/comm/shm)
+  kHierarchical,       // inside each host over shared memory, across hosts over TCP
 };
 
 inline constexpr std::uint8_t kNoReduceOp = 0xff;

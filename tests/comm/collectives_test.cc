@@ -15,17 +15,26 @@ namespace {
 
 using namespace std::chrono_literals;
 
-class Collectives : public ::testing::TestWithParam<int> {};
+class Collectives : public ::testing::TestWithParam<std::tuple<int, Mode>> {
+ protected:
+  int world() const { return std::get<0>(GetParam()); }
+  Mode mode() const { return std::get<1>(GetParam()); }
+  std::shared_ptr<ProcessGroup> group(const std::filesystem::path& dir, int rank) const {
+    auto pg = make_group(dir, rank, world(), apply_mode(mode(), rank, world()));
+    expect_transport(mode(), *pg);
+    return pg;
+  }
+};
 
 std::string name(DType d, ReduceOp op, std::size_t count) {
   return fmt::format("{} {} x {}", to_string(d), to_string(op), count);
 }
 
 TEST_P(Collectives, AllreduceEveryDtypeAndOp) {
-  const int size = GetParam();
+  const int size = world();
   TempDir dir;
   auto results = run_ranks(size, [&](int rank) {
-    auto pg = make_group(dir.path(), rank, size);
+    auto pg = group(dir.path(), rank);
     int salt = 0;
     // 1009: prime; 40009 x 4 bytes: past the 128 KiB switch (ring from world 3 on); 70001 x 4
     // bytes: past the 256 KiB switch of world 2 as well.
@@ -54,10 +63,10 @@ TEST_P(Collectives, AllreduceEveryDtypeAndOp) {
 }
 
 TEST_P(Collectives, EveryOtherCollective) {
-  const int size = GetParam();
+  const int size = world();
   TempDir dir;
   auto results = run_ranks(size, [&](int rank) {
-    auto pg = make_group(dir.path(), rank, size);
+    auto pg = group(dir.path(), rank);
     const DType dtype = DType::kFloat32;
     int salt = 100;
     for (std::size_t count :
@@ -177,14 +186,42 @@ TEST_P(Collectives, EveryOtherCollective) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4, 5, 8),
-                         [](const auto& info) { return "world" + std::to_string(info.param); });
+std::string param_name(const ::testing::TestParamInfo<std::tuple<int, Mode>>& info) {
+  return mode_name(std::get<1>(info.param)) + "_world" + std::to_string(std::get<0>(info.param));
+}
 
-TEST(RingGroup, ManyAsyncCallsInFlightCompleteInOrderWithCallbacks) {
+INSTANTIATE_TEST_SUITE_P(Tcp, Collectives,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
+                                            ::testing::Values(Mode::kTcp)),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(Shm, Collectives,
+                         ::testing::Combine(::testing::Values(2, 3, 4, 5, 8),
+                                            ::testing::Values(Mode::kShm)),
+                         param_name);
+// Two pretend hosts: 2+2 and 3+3 (slices), 2+3 (leaders), 1+3 and 1+4 (leaders, a host alone).
+INSTANTIATE_TEST_SUITE_P(Hierarchical, Collectives,
+                         ::testing::Combine(::testing::Values(4, 5, 6),
+                                            ::testing::Values(Mode::kHierEqual)),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(HierarchicalUneven, Collectives,
+                         ::testing::Combine(::testing::Values(4, 5),
+                                            ::testing::Values(Mode::kHierUneven)),
+                         param_name);
+
+// The engine's queue, threads and groups, over TCP and over shared memory (one host).
+class RingGroup : public ::testing::TestWithParam<Mode> {
+ protected:
+  RingOptions options(RingOptions o = {}) const {
+    o.transport = GetParam() == Mode::kTcp ? Transport::kTcp : Transport::kAuto;
+    return o;
+  }
+};
+
+TEST_P(RingGroup, ManyAsyncCallsInFlightCompleteInOrderWithCallbacks) {
   const int size = 3;
   TempDir dir;
   auto results = run_ranks(size, [&](int rank) {
-    auto pg = make_group(dir.path(), rank, size);
+    auto pg = make_group(dir.path(), rank, size, options());
     constexpr int kCalls = 50;
     std::vector<std::vector<std::byte>> bufs;
     std::vector<std::shared_ptr<Work>> works;
@@ -222,12 +259,12 @@ TEST(RingGroup, ManyAsyncCallsInFlightCompleteInOrderWithCallbacks) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-TEST(RingGroup, TwoGroupsAndSubgroupsUsedAtOnce) {
+TEST_P(RingGroup, TwoGroupsAndSubgroupsUsedAtOnce) {
   const int size = 4;
   TempDir dir;
   auto results = run_ranks(size, [&](int rank) {
-    auto a = make_group(dir.path(), rank, size, {.group_name = "a"});
-    auto b = make_group(dir.path(), rank, size, {.group_name = "b"});
+    auto a = make_group(dir.path(), rank, size, options({.group_name = "a"}));
+    auto b = make_group(dir.path(), rank, size, options({.group_name = "b"}));
     auto odd = a->new_group({1, 3});
     auto first3 = a->new_group({0, 1, 2});
     if ((odd != nullptr) != (rank % 2 == 1)) throw std::runtime_error("new_group membership");
@@ -267,13 +304,13 @@ TEST(RingGroup, TwoGroupsAndSubgroupsUsedAtOnce) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-TEST(RingGroup, CallsFromSeveralThreadsRunInIssueOrder) {
+TEST_P(RingGroup, CallsFromSeveralThreadsRunInIssueOrder) {
   // Two threads issue on one rank while the other rank issues the same sequence from one thread:
   // the group must run them in the order they were issued (a mutex makes that order the same).
   const int size = 2;
   TempDir dir;
   auto results = run_ranks(size, [&](int rank) {
-    auto pg = make_group(dir.path(), rank, size);
+    auto pg = make_group(dir.path(), rank, size, options());
     std::mutex issue_mutex;
     std::vector<std::vector<std::byte>> bufs(40);
     std::vector<std::shared_ptr<Work>> works(40);
@@ -300,11 +337,11 @@ TEST(RingGroup, CallsFromSeveralThreadsRunInIssueOrder) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-TEST(RingGroup, DroppingTheGroupStillRunsQueuedWorkAndWaitersOnManyThreadsWake) {
+TEST_P(RingGroup, DroppingTheGroupStillRunsQueuedWorkAndWaitersOnManyThreadsWake) {
   const int size = 2;
   TempDir dir;
   auto results = run_ranks(size, [&](int rank) {
-    auto pg = make_group(dir.path(), rank, size);
+    auto pg = make_group(dir.path(), rank, size, options());
     std::vector<std::vector<std::byte>> bufs;
     std::vector<std::shared_ptr<Work>> works;
     for (int i = 0; i < 6; ++i) {
@@ -331,14 +368,15 @@ TEST(RingGroup, DroppingTheGroupStillRunsQueuedWorkAndWaitersOnManyThreadsWake) 
   EXPECT_ALL_RANKS_OK(results);
 }
 
-TEST(RingGroup, BootstrapsOverTcpStore) {
+TEST_P(RingGroup, BootstrapsOverTcpStore) {
   const int size = 3;
   const auto port = static_cast<std::uint16_t>(free_port());
   auto results = run_ranks(size, [&](int rank) {
     auto store = std::make_shared<TcpStore>(
         "127.0.0.1", port, TcpStoreOptions{.is_server = rank == 0, .timeout = 30s});
-    auto pg =
-        make_ring_process_group(store, rank, size, {.timeout = 30s, .advertise_host = "127.0.0.1"});
+    auto pg = make_ring_process_group(store, rank, size,
+                                      options({.timeout = 30s, .advertise_host = "127.0.0.1"}));
+    expect_transport(GetParam(), *pg);
     auto buf = make_input(DType::kFloat32, 100'000, rank, 1);
     pg->allreduce(buf.data(), 100'000, DType::kFloat32, ReduceOp::kAvg)->wait();
     expect_bytes(buf, expected_reduction(DType::kFloat32, ReduceOp::kAvg, 100'000, size, 1),
@@ -347,6 +385,9 @@ TEST(RingGroup, BootstrapsOverTcpStore) {
   });
   EXPECT_ALL_RANKS_OK(results);
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, RingGroup, ::testing::Values(Mode::kTcp, Mode::kShm),
+                         [](const auto& info) { return mode_name(info.param); });
 
 }  // namespace
 }  // namespace ddp::test

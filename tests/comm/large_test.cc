@@ -1,5 +1,6 @@
 // One 64 MiB allreduce (many pipelined chunks per segment) in real processes, checked element by
-// element, for world sizes 2 and 3 (3 does not divide the element count evenly).
+// element, for world sizes 2 and 3 (3 does not divide the element count evenly), over TCP, over
+// shared memory (default 1 MiB chunks), and hierarchically over two pretend hosts (2+2).
 #include <gtest/gtest.h>
 
 #include "comm/comm_test_util.h"
@@ -10,15 +11,19 @@ namespace {
 
 using namespace std::chrono_literals;
 
-class LargeAllreduce : public ::testing::TestWithParam<int> {};
+class LargeAllreduce : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
 
 TEST_P(LargeAllreduce, SixtyFourMiBFloat32SumAndAvg) {
-  const int size = GetParam();
+  const int size = std::get<0>(GetParam());
+  const Mode mode = std::get<1>(GetParam());
   TempDir dir;
   auto results = run_ranks(
       size,
       [&](int rank) {
-        auto pg = make_group(dir.path(), rank, size, {.timeout = 60s});
+        RingOptions options = apply_mode(mode, rank, size, {.timeout = 60s});
+        options.shm_slot_bytes = 0;  // the default chunk size, at this size
+        auto pg = make_group(dir.path(), rank, size, options);
+        expect_transport(mode, *pg);
         constexpr std::size_t kCount = (64u << 20) / 4 + 1;  // 64 MiB and one element
         for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
           auto buf = make_input(DType::kFloat32, kCount, rank, 3);
@@ -31,8 +36,15 @@ TEST_P(LargeAllreduce, SixtyFourMiBFloat32SumAndAvg) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, LargeAllreduce, ::testing::Values(2, 3),
-                         [](const auto& info) { return "world" + std::to_string(info.param); });
+std::string param_name(const ::testing::TestParamInfo<std::tuple<int, Mode>>& info) {
+  return mode_name(std::get<1>(info.param)) + "_world" + std::to_string(std::get<0>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, LargeAllreduce,
+                         ::testing::Values(std::tuple{2, Mode::kTcp}, std::tuple{3, Mode::kTcp},
+                                           std::tuple{2, Mode::kShm}, std::tuple{3, Mode::kShm},
+                                           std::tuple{4, Mode::kHierEqual}),
+                         param_name);
 
 }  // namespace
 }  // namespace ddp::test

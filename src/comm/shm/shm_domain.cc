@@ -452,13 +452,16 @@ void ShmDomain::wait_word(std::uint32_t& word, std::uint32_t& sleepers_word, std
     if (reached(value.load(std::memory_order_acquire), target)) return;
     if (aborted >= 0) fail_aborted(aborted);
     if (dead >= 0) fail_dead(dead);
+    if (options_.on_nap) options_.on_nap();
     const auto now = net::Clock::now();
     if (now >= deadline_) {
       const int peer = blame();
-      fail(fmt::format("timed out waiting for rank {} (it is alive but did not reach this step of "
-                       "the call: stopped, or busy elsewhere?)",
-                       peer),
-           peer);
+      fail(
+          fmt::format(
+              "timed out after {} ms waiting for rank {} (it is alive but did not "
+              "reach this step of the call: stopped, or busy elsewhere?)",
+              std::chrono::round<std::chrono::milliseconds>(deadline_ - call_start_).count(), peer),
+          peer);
     }
     const auto nap =
         std::min<std::chrono::nanoseconds>(deadline_ - now, options_.liveness_interval);
@@ -507,6 +510,37 @@ void ShmDomain::wait_all(std::uint32_t target) {
   }
 }
 
+int ShmDomain::peer_with_other_call(const OpHeader& mine, OpHeader& theirs) const {
+  RankControl* control = controls(segment_);
+  auto read = [&](int r, int parity) {
+    OpHeader h;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::memcpy(&h, &control[r].headers[parity], sizeof h);
+    return h;
+  };
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    for (int parity = 0; parity < 2; ++parity) {
+      const OpHeader first = read(r, parity);
+      if (first.magic != kHeaderMagic || first.sequence != mine.sequence || first == mine) {
+        continue;
+      }
+      ::sched_yield();
+      if (read(r, parity) == first) {
+        theirs = first;
+        return r;
+      }
+    }
+  }
+  return -1;
+}
+
+void ShmDomain::abort(const std::string& reason) noexcept {
+  if (error_) return;
+  error_.emplace(reason, options_.group, "abort", header_.sequence, rank_);
+  abort_domain(reason);
+}
+
 void ShmDomain::abort_domain(const std::string& reason) noexcept {
   if (segment_ == nullptr) return;
   RankControl* control = controls(segment_);
@@ -531,8 +565,17 @@ void ShmDomain::announce_and_check() {
     if (r == rank_) continue;
     const OpHeader& theirs = control[r].headers[parity];
     if (!(theirs == header_)) {
-      fail(fmt::format("ranks issued different collectives: rank {} called {}, rank {} called {}",
-                       rank_, describe(header_), r, describe(theirs)),
+      std::string mine_text = describe(header_);
+      std::string theirs_text = describe(theirs);
+      if (mine_text == theirs_text) {
+        mine_text += fmt::format(" [algorithm {}]", to_string(header_.algorithm));
+        theirs_text += fmt::format(" [algorithm {}]", to_string(theirs.algorithm));
+      }
+      // Worded like the TCP engine's mismatch (comm/exchange.cc), so users see one message.
+      fail(fmt::format("collective mismatch in group '{}': rank {} called {} but rank {} called "
+                       "{}; every rank must issue the same collectives in the same order with "
+                       "the same count, dtype, op and root",
+                       options_.group, rank_, mine_text, r, theirs_text),
            r);
     }
   }
@@ -549,6 +592,7 @@ void ShmDomain::guarded(const OpHeader& header, Deadline deadline, Fn&& body) {
   }
   header_ = header;
   deadline_ = deadline;
+  call_start_ = net::Clock::now();
   try {
     body();
   } catch (const ShmPeerError& e) {

@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -71,6 +72,10 @@ struct ShmOptions {
   std::string group = "shm";
   // Prefix of the segment's name in /dev/shm (the full name adds the pid and a random suffix).
   std::string name_prefix = "ddp-shm";
+  // Called between naps (every liveness_interval) while a call waits; may throw CommError, which
+  // fails the call like any error of the domain. The ring backend uses it to notice a peer that
+  // runs a different call over TCP.
+  std::function<void()> on_nap;
 };
 
 class ShmDomain {
@@ -112,8 +117,21 @@ class ShmDomain {
                       ReduceOp op, const OpHeader& header, Deadline deadline);
   void barrier(const OpHeader& header, Deadline deadline);
 
+  // For a rank that is NOT in a call of this domain (it runs another transport's operation with
+  // the same sequence number): a peer whose current call has mine.sequence but another header,
+  // or -1. `theirs` gets that call's header. Reads each header twice, so a header being written
+  // is not mistaken for a different call.
+  int peer_with_other_call(const OpHeader& mine, OpHeader& theirs) const;
+
   // True once a call failed; every later call throws the same error.
   bool poisoned() const { return static_cast<bool>(error_); }
+
+  // Poisons the domain from outside a call (the owner failed for another reason, e.g. a TCP
+  // peer): sets the shared abort flag with `reason`, so local peers waiting in a call fail now
+  // with "rank R aborted the group: <reason>" instead of at their deadline. Later calls throw
+  // CommError(reason). Does nothing when the domain is already poisoned. Same thread rules as the
+  // calls.
+  void abort(const std::string& reason) noexcept;
 
   struct Segment;  // the layout of the shared mapping (shm_domain.cc)
 
@@ -166,6 +184,7 @@ class ShmDomain {
   OpHeader header_{};
   std::string op_text_;
   Deadline deadline_{};
+  net::Clock::time_point call_start_{};  // for "timed out after N ms"
   std::uint32_t events_ = 0;  // events this rank has published (mirrors its shared counter)
   std::uint64_t calls_ = 0;   // calls made (their parity picks the header and small buffers)
 
