@@ -36,11 +36,15 @@ def parse(output, what):
     raise SystemExit(f"{what} printed no step_ms line:\n{output}")
 
 
+def view_flag(args):
+    return ["--gradient-as-bucket-view"] if args.gradient_as_bucket_view else []
+
+
 def run_ddp(build, model, world, args):
     cmd = [os.path.join(build, "bin", "ddprun"), "--standalone", "--nproc-per-node", str(world),
            os.path.join(build, "bin", "ddp-train-bench"), "--model", model,
            "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch-size", str(args.batch_size)] + args.ddp_args
+           "--batch-size", str(args.batch_size)] + view_flag(args) + args.ddp_args
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -57,7 +61,7 @@ def run_pytorch(model, world, args):
         procs.append(subprocess.Popen(
             ["/usr/bin/python3", os.path.join(HERE, "pytorch_ddp_bench.py"), "--model", model,
              "--steps", str(args.steps), "--warmup", str(args.warmup),
-             "--batch-size", str(args.batch_size)],
+             "--batch-size", str(args.batch_size)] + view_flag(args),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=1800) for p in procs]
     if any(p.returncode != 0 for p in procs):
@@ -75,6 +79,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gradient-as-bucket-view", action="store_true",
+                        help="pass gradient_as_bucket_view to both sides")
     parser.add_argument("--ddp-args", nargs=argparse.REMAINDER, default=[],
                         help="extra options for ddp-train-bench (last)")
     args = parser.parse_args()
@@ -83,7 +89,8 @@ def main():
                 if l.startswith("model name")), platform.processor())
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  nproc={os.cpu_count()}  cpu={cpu}")
     print(f"# batch {args.batch_size}/rank, {args.steps} timed steps after {args.warmup} warm-up, "
-          f"median of each run, median of {args.repeats} alternating runs, 1 thread per rank; "
+          f"median of each run, median of {args.repeats} alternating runs, 1 thread per rank, "
+          f"gradient_as_bucket_view={args.gradient_as_bucket_view}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
     header = (f"{'model':5} {'world':>5} {'ddp step ms':>12} {'ddp samples/s':>14} "
               f"{'torch step ms':>14} {'torch samples/s':>16} {'ddp/torch':>10}")

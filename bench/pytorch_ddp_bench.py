@@ -37,6 +37,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gradient-as-bucket-view", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -47,7 +48,8 @@ def main():
     model = make_model(args.model)
     if distributed:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=args.gradient_as_bucket_view)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(100 + rank)
     x = torch.randn(args.batch_size, 1, 28, 28)

@@ -61,6 +61,9 @@ struct RingOptions {
   // 0 disables spinning; negative = automatic: 50 us when the group has no more ranks than this
   // host has cores, else 0.
   std::chrono::microseconds spin{-1};
+  // How long the group's worker thread stays awake (yielding the core) after its last operation,
+  // so that back-to-back calls need no thread wake-up. 0 = sleep at once.
+  std::chrono::microseconds worker_linger{200};
   // Unset = the DDP_TRANSPORT environment variable ("auto" or "tcp") if set, else kAuto. Must be
   // equal on every rank.
   std::optional<Transport> transport;

@@ -2,6 +2,7 @@
 // algorithms (prose and costs in docs/algorithms.md).
 #include "ddp/ring_process_group.h"
 
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -316,6 +317,7 @@ class RingProcessGroup final : public ProcessGroup,
                    std::optional<ReduceOp> op, int root, Algorithm algorithm) const;
   std::shared_ptr<Work> enqueue(OpArgs args, CallOptions options);
   void worker_loop();
+  void linger(std::unique_lock<std::mutex>& lock);
   void execute(RingWork& work);
   void fail(RingWork& work, std::exception_ptr error);
   std::string abort_reason_of(int peer);
@@ -385,6 +387,7 @@ class RingProcessGroup final : public ProcessGroup,
   // Whether a thread (the worker, or a waiter, see Work::wait) is running operations. Guarded by
   // queue_mutex_.
   bool executing_ = false;
+  bool worker_lingering_ = false;  // the worker polls the queue for a moment after its last work
   std::thread worker_;
 
   std::atomic<bool> poisoned_{false};
@@ -808,7 +811,7 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(OpArgs args, CallOptions options
     if (!poisoned_.load(std::memory_order_acquire)) {
       queue_.push_back(work);
       queued = true;
-      wake_worker = !executing_;
+      wake_worker = !executing_ && !worker_lingering_;
     }
   }
   if (queued) {
@@ -843,7 +846,34 @@ void RingProcessGroup::worker_loop() {
       lock.lock();
     }
     executing_ = false;
+    linger(lock);
   }
+}
+
+// After its last work the worker stays awake for RingOptions::worker_linger, yielding the core, so that
+// back-to-back calls (a training step's buckets, a benchmark loop) need no futex wake-up: on a
+// busy two-core host the wake-up and its context switch cost more than a small collective. New
+// work is left for a moment to a caller that waits for it at once (it runs it inline, without a
+// hand-off); the worker takes it only if nobody has.
+void RingProcessGroup::linger(std::unique_lock<std::mutex>& lock) {
+  constexpr auto kLeaveToCaller = std::chrono::microseconds(20);
+  if (options_.worker_linger.count() <= 0) return;
+  worker_lingering_ = true;
+  const auto until = net::Clock::now() + options_.worker_linger;
+  std::optional<net::Clock::time_point> work_seen;
+  while (!stopping_ && !executing_) {
+    const auto now = net::Clock::now();
+    if (!queue_.empty()) {
+      if (!work_seen) work_seen = now;
+      if (now - *work_seen >= kLeaveToCaller) break;
+    } else if (now >= until) {
+      break;
+    }
+    lock.unlock();
+    sched_yield();
+    lock.lock();
+  }
+  worker_lingering_ = false;
 }
 
 void RingProcessGroup::run_inline_until(RingWork& work) {
