@@ -12,9 +12,9 @@
 #include <cstdio>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include "ddp/error.h"
 #include "ddp/init.h"
@@ -29,11 +29,11 @@ torch::nn::Sequential make_model(const std::string& name) {
     return nn::Sequential(nn::Flatten(), nn::Linear(784, 4096), nn::ReLU(), nn::Linear(4096, 4096),
                           nn::ReLU(), nn::Linear(4096, 10));
   }
-  return nn::Sequential(
-      nn::Conv2d(nn::Conv2dOptions(1, 32, 3).padding(1)), nn::BatchNorm2d(32), nn::ReLU(),
-      nn::MaxPool2d(2), nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1)), nn::BatchNorm2d(64),
-      nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(3136, 128), nn::ReLU(),
-      nn::Linear(128, 10));
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 32, 3).padding(1)), nn::BatchNorm2d(32),
+                        nn::ReLU(), nn::MaxPool2d(2),
+                        nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1)), nn::BatchNorm2d(64),
+                        nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(3136, 128),
+                        nn::ReLU(), nn::Linear(128, 10));
 }
 
 double median(std::vector<double> values) {
@@ -45,7 +45,8 @@ double median(std::vector<double> values) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Median DistributedDataParallel training-step time (peer: bench/pytorch_ddp_bench.py)"};
+  CLI::App app{
+      "Median DistributedDataParallel training-step time (peer: bench/pytorch_ddp_bench.py)"};
   std::string model_name = "mlp";
   int steps = 30;
   int warmup = 5;
@@ -79,9 +80,10 @@ int main(int argc, char** argv) {
     auto net = make_model(model_name);
     std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
     if (world > 1) {
-      ddp_model = ddp::DistributedDataParallel(
-                      net, group, {.bucket_cap_mb = bucket_cap_mb, .gradient_as_bucket_view = as_view})
-                      .ptr();
+      ddp_model =
+          ddp::DistributedDataParallel(
+              net, group, {.bucket_cap_mb = bucket_cap_mb, .gradient_as_bucket_view = as_view})
+              .ptr();
       if (hook == "fp16") ddp_model->register_comm_hook(ddp::fp16_compress_hook());
       if (hook == "bf16") ddp_model->register_comm_hook(ddp::bf16_compress_hook());
     }

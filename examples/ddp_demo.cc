@@ -39,13 +39,15 @@ int main() {
 
     // Wait for everybody's contribution, then check the sum 0 + 1 + ... + (size - 1).
     std::vector<std::string> hosts;
-    for (int r = 0; r < size; ++r) hosts.push_back(fmt::format("demo/host/{}", r));
+    for (int r = 0; r < size; ++r)
+      hosts.push_back(fmt::format("demo/host/{}", r));
     store.wait(hosts);
     const auto final_sum = store.add("demo/rank_sum", 0);
     const auto expected = static_cast<std::int64_t>(size) * (size - 1) / 2;
-    fmt::print("rank {}/{} (local {}/{}) on {}: joined via {}, running sum {} -> {} (expected {})\n",
-               rank, size, world.local_rank(), world.local_size(), host_name(),
-               world.environment.launcher, total, final_sum, expected);
+    fmt::print(
+        "rank {}/{} (local {}/{}) on {}: joined via {}, running sum {} -> {} (expected {})\n", rank,
+        size, world.local_rank(), world.local_size(), host_name(), world.environment.launcher,
+        total, final_sum, expected);
     std::fflush(stdout);
     if (final_sum != expected) return 1;
 

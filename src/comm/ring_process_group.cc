@@ -850,8 +850,8 @@ void RingProcessGroup::worker_loop() {
   }
 }
 
-// After its last work the worker stays awake for RingOptions::worker_linger, yielding the core, so that
-// back-to-back calls (a training step's buckets, a benchmark loop) need no futex wake-up: on a
+// After its last work the worker stays awake for RingOptions::worker_linger, yielding the core, so
+// that back-to-back calls (a training step's buckets, a benchmark loop) need no futex wake-up: on a
 // busy two-core host the wake-up and its context switch cost more than a small collective. New
 // work is left for a moment to a caller that waits for it at once (it runs it inline, without a
 // hand-off); the worker takes it only if nobody has.

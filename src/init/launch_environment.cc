@@ -24,10 +24,10 @@ long long parse_integer(const std::string& name, const std::string& text, const 
   const char* end = begin + text.size();
   const auto [ptr, ec] = std::from_chars(begin, end, value);
   if (text.empty() || ec != std::errc() || ptr != end) {
-    throw ConfigError(fmt::format(
-        "{}='{}' is not an integer: it must be {}; check how the job was launched "
-        "(ddprun/torchrun, mpirun or srun set it)",
-        name, text, meaning));
+    throw ConfigError(
+        fmt::format("{}='{}' is not an integer: it must be {}; check how the job was launched "
+                    "(ddprun/torchrun, mpirun or srun set it)",
+                    name, text, meaning));
   }
   return value;
 }
@@ -162,18 +162,18 @@ LaunchEnvironment resolve_launch_environment(const LaunchOptions& options,
   const long long world_size = world.value.value_or(1);
   const long long my_rank = rank.value.value_or(0);
   if (world_size < 1) {
-    throw ConfigError(fmt::format("{}={} but the world needs at least one process; launch with "
-                                  "a positive number of processes",
-                                  world.source, world_size));
+    throw ConfigError(
+        fmt::format("{}={} but the world needs at least one process; launch with "
+                    "a positive number of processes",
+                    world.source, world_size));
   }
   if (world_size > 1'000'000) {
-    throw ConfigError(fmt::format("{}={} is not a plausible number of processes", world.source,
-                                  world_size));
+    throw ConfigError(
+        fmt::format("{}={} is not a plausible number of processes", world.source, world_size));
   }
   if (my_rank < 0 || my_rank >= world_size) {
     throw ConfigError(fmt::format("{}={} is outside the world: with {}={} ranks run from 0 to {}",
-                                  rank.source, my_rank, world.source, world_size,
-                                  world_size - 1));
+                                  rank.source, my_rank, world.source, world_size, world_size - 1));
   }
 
   // Without local information, assume one host: that is the only safe reading for a
@@ -186,10 +186,10 @@ LaunchEnvironment resolve_launch_environment(const LaunchOptions& options,
                                   my_local_world, world.source, world_size));
   }
   if (my_local_rank < 0 || my_local_rank >= my_local_world) {
-    throw ConfigError(fmt::format("{}={} is outside this host's processes: with {}={} it must be "
-                                  "between 0 and {}",
-                                  local_rank.source, my_local_rank, local_world.source,
-                                  my_local_world, my_local_world - 1));
+    throw ConfigError(fmt::format(
+        "{}={} is outside this host's processes: with {}={} it must be "
+        "between 0 and {}",
+        local_rank.source, my_local_rank, local_world.source, my_local_world, my_local_world - 1));
   }
   one_node_known = one_node_known && my_local_world == world_size;
 
@@ -197,11 +197,9 @@ LaunchEnvironment resolve_launch_environment(const LaunchOptions& options,
   const auto addr_env = env.text("MASTER_ADDR");
   const Field port_env =
       env.integer("MASTER_PORT", "the TCP port of the rendezvous store on the master (1-65535)");
-  std::optional<std::string> addr =
-      options.master_addr ? options.master_addr : addr_env;
+  std::optional<std::string> addr = options.master_addr ? options.master_addr : addr_env;
   Field port = options.master_port ? Field{*options.master_port, "options.master_port"} : port_env;
-  if (world_size > 1 && (!addr || !port.value) && !one_node_known &&
-      result.launcher != "options") {
+  if (world_size > 1 && (!addr || !port.value) && !one_node_known && result.launcher != "options") {
     const char* missing = !addr ? "MASTER_ADDR" : "MASTER_PORT";
     throw ConfigError(fmt::format(
         "{} is not set: a job of {} processes launched by {} needs MASTER_ADDR (the host of rank "
@@ -218,8 +216,8 @@ LaunchEnvironment resolve_launch_environment(const LaunchOptions& options,
   const long long default_port = world_size == 1 ? 0 : 29500;
   const long long master_port = port.value.value_or(default_port);
   if (master_port < 0 || master_port > 65535) {
-    throw ConfigError(fmt::format("{}={} is not a TCP port: use 1-65535", port.source,
-                                  master_port));
+    throw ConfigError(
+        fmt::format("{}={} is not a TCP port: use 1-65535", port.source, master_port));
   }
   if (master_port == 0 && world_size > 1) {
     throw ConfigError(fmt::format(

@@ -30,7 +30,9 @@ std::string process_token() {
 // Marks an error value that is a timeout (others are configuration errors).
 constexpr std::string_view kTimeoutTag = "timeout: ";
 
-std::string to_string(const Bytes& bytes) { return {bytes.begin(), bytes.end()}; }
+std::string to_string(const Bytes& bytes) {
+  return {bytes.begin(), bytes.end()};
+}
 
 // The keys one rendezvous attempt uses. Restarted jobs get a fresh generation.
 struct Keys {
@@ -50,8 +52,8 @@ std::shared_ptr<Store> connect_store(const LaunchEnvironment& env, Milliseconds 
         TcpStoreOptions{.is_server = is_server, .timeout = timeout, .connect_timeout = timeout});
   } catch (const ConfigError& e) {
     if (is_server) {
-      throw ConfigError(fmt::format(
-          "rank 0 cannot start the rendezvous store on port {}: {}", env.master_port, e.what()));
+      throw ConfigError(fmt::format("rank 0 cannot start the rendezvous store on port {}: {}",
+                                    env.master_port, e.what()));
     }
     throw;
   } catch (const TimeoutError& e) {

@@ -22,13 +22,14 @@
 namespace ddp::net {
 namespace {
 
-std::string errno_text(int err) { return fmt::format("{} (errno {})", std::strerror(err), err); }
+std::string errno_text(int err) {
+  return fmt::format("{} (errno {})", std::strerror(err), err);
+}
 
 std::string address_text(const sockaddr* addr) {
   char host[NI_MAXHOST] = {};
   char port[NI_MAXSERV] = {};
-  const socklen_t len =
-      addr->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+  const socklen_t len = addr->sa_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
   if (getnameinfo(addr, len, host, sizeof host, port, sizeof port,
                   NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
     return "?";
@@ -93,7 +94,9 @@ Socket& Socket::operator=(Socket&& other) noexcept {
   return *this;
 }
 
-Socket::~Socket() { close(); }
+Socket::~Socket() {
+  close();
+}
 
 void Socket::close() {
   if (fd_ >= 0) {

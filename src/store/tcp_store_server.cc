@@ -709,7 +709,9 @@ void TcpStoreServer::stop() {
   impl_->stop(std::chrono::milliseconds(0));
 }
 
-void TcpStoreServer::stop(std::chrono::milliseconds drain) { impl_->stop(drain); }
+void TcpStoreServer::stop(std::chrono::milliseconds drain) {
+  impl_->stop(drain);
+}
 std::size_t TcpStoreServer::num_connections() const {
   return impl_->num_connections();
 }

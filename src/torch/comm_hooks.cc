@@ -26,8 +26,12 @@ CommHook allreduce_hook() {
   };
 }
 
-CommHook fp16_compress_hook() { return compress_hook(torch::kHalf); }
+CommHook fp16_compress_hook() {
+  return compress_hook(torch::kHalf);
+}
 
-CommHook bf16_compress_hook() { return compress_hook(torch::kBFloat16); }
+CommHook bf16_compress_hook() {
+  return compress_hook(torch::kBFloat16);
+}
 
 }  // namespace ddp

@@ -15,8 +15,8 @@ namespace {
 
 std::size_t megabytes_to_bytes(double mb, const char* option) {
   if (!std::isfinite(mb) || mb <= 0) {
-    throw ConfigError(fmt::format("DdpOptions::{} = {} must be a positive number of MiB", option,
-                                  mb));
+    throw ConfigError(
+        fmt::format("DdpOptions::{} = {} must be a positive number of MiB", option, mb));
   }
   return static_cast<std::size_t>(std::max(1.0, mb * 1024.0 * 1024.0));
 }
@@ -33,7 +33,8 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
   for (const auto& p : params) {
     mine.push_back(static_cast<std::int64_t>(p.scalar_type()));
     mine.push_back(p.dim());
-    for (const auto d : p.sizes()) mine.push_back(d);
+    for (const auto d : p.sizes())
+      mine.push_back(d);
   }
   std::int64_t length = static_cast<std::int64_t>(mine.size());
   group.broadcast(&length, 1, DType::kInt64, 0)->wait();
@@ -63,9 +64,8 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
           for (std::size_t d = 0; d < ref_dims && pos + 2 + d < reference.size(); ++d) {
             ref_sizes.push_back(reference[pos + 2 + d]);
           }
-          reference_text = fmt::format(
-              "[{}] {}", fmt::join(ref_sizes, ", "),
-              c10::toString(static_cast<c10::ScalarType>(reference[pos])));
+          reference_text = fmt::format("[{}] {}", fmt::join(ref_sizes, ", "),
+                                       c10::toString(static_cast<c10::ScalarType>(reference[pos])));
         }
         break;
       }
@@ -85,9 +85,10 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
                          reference.empty() ? 0 : reference[0]);
   } else if (first_difference >= 0) {
     const auto i = static_cast<std::size_t>(first_difference);
-    detail = fmt::format(" Here the first difference is parameter '{}': {} on this rank, {} on "
-                         "rank 0.",
-                         names[i], shape_text(params[i]), reference_text);
+    detail = fmt::format(
+        " Here the first difference is parameter '{}': {} on this rank, {} on "
+        "rank 0.",
+        names[i], shape_text(params[i]), reference_text);
   }
   throw Error(fmt::format(
       "DistributedDataParallel: the model differs across ranks: rank(s) {} have parameters "
@@ -97,8 +98,7 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
 
 }  // namespace
 
-NoSyncGuard::NoSyncGuard(Reducer& reducer)
-    : reducer_(&reducer), previous_(reducer.require_sync()) {
+NoSyncGuard::NoSyncGuard(Reducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
   reducer_->set_require_sync(false);
 }
 
@@ -115,8 +115,9 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
     : group_(group ? std::move(group) : default_process_group()), options_(options) {
   if (!module) throw ConfigError("DistributedDataParallel: the module is null");
   if (!group_) {
-    throw ConfigError("DistributedDataParallel: no process group; call ddp::init_process_group() "
-                      "first or pass a group");
+    throw ConfigError(
+        "DistributedDataParallel: no process group; call ddp::init_process_group() "
+        "first or pass a group");
   }
   const ReducerOptions reducer_options{
       .bucket_cap_bytes = megabytes_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"),
@@ -137,17 +138,19 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
     params.push_back(item.value());
     names.push_back(item.key());
   }
-  for (const auto& buffer : module->buffers(/*recurse=*/true)) buffers_.push_back(buffer);
+  for (const auto& buffer : module->buffers(/*recurse=*/true))
+    buffers_.push_back(buffer);
 
   verify_same_parameters(*group_, names, params);
   // Every rank starts from rank 0's state.
   std::vector<torch::Tensor> state;
-  for (const auto& p : module->parameters(/*recurse=*/true)) state.push_back(p);
+  for (const auto& p : module->parameters(/*recurse=*/true))
+    state.push_back(p);
   state.insert(state.end(), buffers_.begin(), buffers_.end());
   if (group_->size() > 1) broadcast_coalesced(*group_, state, /*root=*/0);
 
-  reducer_ = std::make_unique<Reducer>(std::move(params), std::move(names), group_,
-                                       reducer_options);
+  reducer_ =
+      std::make_unique<Reducer>(std::move(params), std::move(names), group_, reducer_options);
 }
 
 void DistributedDataParallelBase::pre_forward() {

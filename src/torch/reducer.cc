@@ -41,7 +41,8 @@ torch::Tensor alias_of(const torch::Tensor& contents, std::int64_t offset,
   torch::NoGradGuard no_grad;
   const auto sizes = like.sizes();
   std::vector<std::int64_t> strides(sizes.size(), 1);
-  for (std::size_t d = sizes.size(); d-- > 1;) strides[d - 1] = strides[d] * sizes[d];
+  for (std::size_t d = sizes.size(); d-- > 1;)
+    strides[d - 1] = strides[d] * sizes[d];
   return torch::empty({0}, contents.options())
       .set_(contents.storage(), contents.storage_offset() + offset, sizes, strides);
 }
@@ -77,8 +78,8 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
     const auto& p = parameters_[i];
     check_collective_tensor(p, fmt::format("parameter '{}'", names_[i]));
     if (!p.requires_grad() || !p.is_leaf()) {
-      throw ConfigError(fmt::format("parameter '{}' must be a leaf tensor that requires grad",
-                                    names_[i]));
+      throw ConfigError(
+          fmt::format("parameter '{}' must be a leaf tensor that requires grad", names_[i]));
     }
   }
   ready_.assign(parameters_.size(), false);
@@ -92,8 +93,8 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
   // stay attached for the Reducer's lifetime.
   for (std::size_t i = 0; i < parameters_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[i]);
-    const auto key = accumulator->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+    const auto key =
+        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [this, i](const torch::autograd::variable_list& outputs,
                       const torch::autograd::variable_list& /*inputs*/) {
               autograd_hook(i);
@@ -138,7 +139,8 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
   }
   // Launch order: by the position of each bucket's first parameter in `order`.
   std::vector<std::size_t> position(parameters_.size());
-  for (std::size_t k = 0; k < order.size(); ++k) position[order[k]] = k;
+  for (std::size_t k = 0; k < order.size(); ++k)
+    position[order[k]] = k;
   std::sort(closed.begin(), closed.end(), [&](const auto& a, const auto& b) {
     return position[a.front()] < position[b.front()];
   });
@@ -153,8 +155,8 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
       bucket.offsets.push_back(total);
       total += parameters_[i].numel();
     }
-    bucket.contents = torch::zeros({total}, parameters_[bucket.params.front()].options()
-                                                .requires_grad(false));
+    bucket.contents =
+        torch::zeros({total}, parameters_[bucket.params.front()].options().requires_grad(false));
     for (std::size_t k = 0; k < bucket.params.size(); ++k) {
       const auto i = bucket.params[k];
       bucket.views.push_back(alias_of(bucket.contents, bucket.offsets[k], parameters_[i]));
@@ -202,7 +204,8 @@ void Reducer::autograd_hook(std::size_t param) {
   if (!unused_marked_) {
     // Parameters this pass does not use still have to fill their buckets (with zeros).
     unused_marked_ = true;
-    for (const auto i : unused_) mark_ready(i, /*has_grad=*/false);
+    for (const auto i : unused_)
+      mark_ready(i, /*has_grad=*/false);
   }
   mark_ready(param, /*has_grad=*/true);
 }
@@ -215,8 +218,9 @@ void Reducer::mark_ready(std::size_t param, bool has_grad) {
         "Each parameter may take part in one backward pass per iteration; for gradient "
         "accumulation over several backward passes use no_sync(){}",
         names_[param],
-        options_.find_unused_parameters ? "" : ", and if it was reported unused, check "
-                                               "find_unused_parameters"));
+        options_.find_unused_parameters ? ""
+                                        : ", and if it was reported unused, check "
+                                          "find_unused_parameters"));
   }
   ready_[param] = true;
   if (record_ready_order_ && has_grad) ready_order_.push_back(param);
@@ -228,11 +232,11 @@ void Reducer::mark_ready(std::size_t param, bool has_grad) {
   if (has_grad && grad.defined()) {
     if (!is_bucket_view(param, grad)) {
       if (grad.sizes() != view.sizes() || grad.scalar_type() != view.scalar_type()) {
-        throw Error(fmt::format("DistributedDataParallel: the gradient of '{}' has shape {} and "
-                                "dtype {}, but the parameter has {} and {}",
-                                names_[param], fmt::join(grad.sizes(), "x"),
-                                c10::toString(grad.scalar_type()), fmt::join(view.sizes(), "x"),
-                                c10::toString(view.scalar_type())));
+        throw Error(fmt::format(
+            "DistributedDataParallel: the gradient of '{}' has shape {} and "
+            "dtype {}, but the parameter has {} and {}",
+            names_[param], fmt::join(grad.sizes(), "x"), c10::toString(grad.scalar_type()),
+            fmt::join(view.sizes(), "x"), c10::toString(view.scalar_type())));
       }
       view.copy_(grad);
       if (options_.gradient_as_bucket_view) grad = slot_view(param);
@@ -253,7 +257,8 @@ void Reducer::launch_ready_buckets() {
                            .buffer = bucket.contents,
                            .gradients = bucket.views,
                            .is_last = b + 1 == buckets_.size()};
-    for (const auto i : bucket.params) grad_bucket.parameter_names.push_back(names_[i]);
+    for (const auto i : bucket.params)
+      grad_bucket.parameter_names.push_back(names_[i]);
     timeline_.bucket_launched[b] = Clock::now();
     bucket.reduction = comm_hook_(*group_, grad_bucket);
     bucket.launched = true;
@@ -314,7 +319,8 @@ void Reducer::finalize_backward() {
     std::vector<std::int32_t> used_anywhere;
     if (options_.find_unused_parameters || options_.static_graph) {
       used_anywhere.assign(parameters_.size(), 0);
-      for (std::size_t i = 0; i < parameters_.size(); ++i) used_anywhere[i] = used_[i] ? 1 : 0;
+      for (std::size_t i = 0; i < parameters_.size(); ++i)
+        used_anywhere[i] = used_[i] ? 1 : 0;
     }
     std::shared_ptr<Work> used_work;
     if (!used_anywhere.empty()) {
@@ -389,8 +395,9 @@ void Reducer::rebuild_buckets() {
   std::vector<bool> seen(n, false);
   for (const auto i : order) {
     if (i < 0 || static_cast<std::size_t>(i) >= n || seen[static_cast<std::size_t>(i)]) {
-      throw Error("DistributedDataParallel: rank 0 broadcast an invalid bucket order; do all "
-                  "ranks wrap the same model?");
+      throw Error(
+          "DistributedDataParallel: rank 0 broadcast an invalid bucket order; do all "
+          "ranks wrap the same model?");
     }
     seen[static_cast<std::size_t>(i)] = true;
     new_order.push_back(static_cast<std::size_t>(i));
@@ -428,8 +435,8 @@ void Reducer::find_unused(const std::vector<torch::Tensor>& outputs) {
   for (const auto& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
     auto fn = output.grad_fn();
-    torch::autograd::Node* node = fn ? fn.get()
-                                     : torch::autograd::impl::try_get_grad_accumulator(output).get();
+    torch::autograd::Node* node =
+        fn ? fn.get() : torch::autograd::impl::try_get_grad_accumulator(output).get();
     if (node != nullptr && seen.insert(node).second) stack.push_back(node);
   }
   while (!stack.empty()) {
@@ -465,7 +472,8 @@ void Reducer::register_comm_hook(CommHook hook) {
 std::vector<std::vector<std::size_t>> Reducer::bucket_assignment() const {
   std::lock_guard lock(mutex_);
   std::vector<std::vector<std::size_t>> result;
-  for (const auto& bucket : buckets_) result.push_back(bucket.params);
+  for (const auto& bucket : buckets_)
+    result.push_back(bucket.params);
   return result;
 }
 

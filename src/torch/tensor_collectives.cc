@@ -12,14 +12,22 @@ namespace ddp {
 
 DType to_dtype(c10::ScalarType type) {
   switch (type) {
-    case c10::ScalarType::Float: return DType::kFloat32;
-    case c10::ScalarType::Double: return DType::kFloat64;
-    case c10::ScalarType::Half: return DType::kFloat16;
-    case c10::ScalarType::BFloat16: return DType::kBFloat16;
-    case c10::ScalarType::Char: return DType::kInt8;
-    case c10::ScalarType::Byte: return DType::kUInt8;
-    case c10::ScalarType::Int: return DType::kInt32;
-    case c10::ScalarType::Long: return DType::kInt64;
+    case c10::ScalarType::Float:
+      return DType::kFloat32;
+    case c10::ScalarType::Double:
+      return DType::kFloat64;
+    case c10::ScalarType::Half:
+      return DType::kFloat16;
+    case c10::ScalarType::BFloat16:
+      return DType::kBFloat16;
+    case c10::ScalarType::Char:
+      return DType::kInt8;
+    case c10::ScalarType::Byte:
+      return DType::kUInt8;
+    case c10::ScalarType::Int:
+      return DType::kInt32;
+    case c10::ScalarType::Long:
+      return DType::kInt64;
     default:
       throw ConfigError(fmt::format(
           "tensors of dtype {} cannot be communicated; use float32/64, float16, bfloat16, "
@@ -34,8 +42,8 @@ void check_collective_tensor(const torch::Tensor& tensor, const std::string& wha
     throw ConfigError(fmt::format("{} is not a dense tensor; ddp moves dense tensors only", what));
   }
   if (!tensor.device().is_cpu()) {
-    throw ConfigError(fmt::format("{} is on {}; ddp moves CPU tensors only", what,
-                                  tensor.device().str()));
+    throw ConfigError(
+        fmt::format("{} is on {}; ddp moves CPU tensors only", what, tensor.device().str()));
   }
   to_dtype(tensor.scalar_type());
 }
@@ -70,7 +78,8 @@ void broadcast_coalesced(ProcessGroup& group, std::vector<torch::Tensor> tensors
       const std::vector<torch::Tensor> chunk(list.begin() + static_cast<std::ptrdiff_t>(start),
                                              list.begin() + static_cast<std::ptrdiff_t>(end));
       torch::Tensor flat = torch::utils::flatten_dense_tensors(chunk);
-      group.broadcast(flat.data_ptr(), static_cast<std::size_t>(flat.numel()), to_dtype(type), root)
+      group
+          .broadcast(flat.data_ptr(), static_cast<std::size_t>(flat.numel()), to_dtype(type), root)
           ->wait();
       if (group.rank() != root) {
         const auto pieces = torch::utils::unflatten_dense_tensors(flat, chunk);

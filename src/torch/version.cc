@@ -4,6 +4,8 @@
 
 namespace ddp {
 
-std::string libtorch_version() { return TORCH_VERSION; }
+std::string libtorch_version() {
+  return TORCH_VERSION;
+}
 
 }  // namespace ddp

@@ -17,20 +17,23 @@ class RingConformance : public ::testing::TestWithParam<int> {};
 TEST_P(RingConformance, AllChecks) {
   const int size = GetParam();
   const int port = free_port();
-  const auto results = run_ranks(size, [&](int rank) {
-    auto store = std::make_shared<TcpStore>(
-        "127.0.0.1", static_cast<std::uint16_t>(port),
-        TcpStoreOptions{.is_server = rank == 0, .timeout = 60s, .connect_timeout = 60s});
-    auto group = make_ring_process_group(store, rank, size, {.timeout = 60s});
-    for (const auto& check : conformance::all_checks()) {
-      try {
-        check.run(*group);
-      } catch (const std::exception& e) {
-        throw std::runtime_error("check " + check.name + ": " + e.what());
-      }
-    }
-    group->barrier()->wait();
-  }, 300s);
+  const auto results = run_ranks(
+      size,
+      [&](int rank) {
+        auto store = std::make_shared<TcpStore>(
+            "127.0.0.1", static_cast<std::uint16_t>(port),
+            TcpStoreOptions{.is_server = rank == 0, .timeout = 60s, .connect_timeout = 60s});
+        auto group = make_ring_process_group(store, rank, size, {.timeout = 60s});
+        for (const auto& check : conformance::all_checks()) {
+          try {
+            check.run(*group);
+          } catch (const std::exception& e) {
+            throw std::runtime_error("check " + check.name + ": " + e.what());
+          }
+        }
+        group->barrier()->wait();
+      },
+      300s);
   EXPECT_ALL_RANKS_OK(results);
 }
 

@@ -14,11 +14,12 @@ using ::testing::HasSubstr;
 using Env = std::map<std::string, std::string>;
 
 LaunchEnvironment resolve(const Env& env, const LaunchOptions& options = {}) {
-  return resolve_launch_environment(options, [&](const std::string& name) -> std::optional<std::string> {
-    const auto it = env.find(name);
-    if (it == env.end()) return std::nullopt;
-    return it->second;
-  });
+  return resolve_launch_environment(options,
+                                    [&](const std::string& name) -> std::optional<std::string> {
+                                      const auto it = env.find(name);
+                                      if (it == env.end()) return std::nullopt;
+                                      return it->second;
+                                    });
 }
 
 // Expects ConfigError whose message contains every fragment.
@@ -28,13 +29,17 @@ void expect_config_error(const Env& env, std::initializer_list<const char*> frag
     resolve(env, options);
     ADD_FAILURE() << "expected a ConfigError";
   } catch (const ConfigError& e) {
-    for (const char* fragment : fragments) EXPECT_THAT(e.what(), HasSubstr(fragment));
+    for (const char* fragment : fragments)
+      EXPECT_THAT(e.what(), HasSubstr(fragment));
   }
 }
 
-const Env kTorchrun = {{"RANK", "3"},          {"WORLD_SIZE", "8"},
-                       {"LOCAL_RANK", "1"},    {"LOCAL_WORLD_SIZE", "2"},
-                       {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29400"},
+const Env kTorchrun = {{"RANK", "3"},
+                       {"WORLD_SIZE", "8"},
+                       {"LOCAL_RANK", "1"},
+                       {"LOCAL_WORLD_SIZE", "2"},
+                       {"MASTER_ADDR", "node0"},
+                       {"MASTER_PORT", "29400"},
                        {"TORCHELASTIC_RESTART_COUNT", "2"}};
 
 TEST(LaunchEnvironment, NoLauncherIsAJobOfOne) {
@@ -136,8 +141,11 @@ TEST(LaunchEnvironment, TorchrunTakesPrecedenceOverMpiAndSlurm) {
 }
 
 TEST(LaunchEnvironment, ExplicitOptionsOverrideTheEnvironment) {
-  const auto e = resolve(kTorchrun, {.rank = 0, .world_size = 2, .local_rank = 0,
-                                     .local_world_size = 2, .master_addr = "127.0.0.1",
+  const auto e = resolve(kTorchrun, {.rank = 0,
+                                     .world_size = 2,
+                                     .local_rank = 0,
+                                     .local_world_size = 2,
+                                     .master_addr = "127.0.0.1",
                                      .master_port = 1234});
   EXPECT_EQ(e.rank, 0);
   EXPECT_EQ(e.world_size, 2);
@@ -223,8 +231,8 @@ TEST(LaunchEnvironment, EmptyMasterAddrIsRejected) {
 }
 
 TEST(LaunchEnvironment, MissingLocalVariablesAssumeOneHost) {
-  const auto e = resolve({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
-                          {"MASTER_PORT", "1"}});
+  const auto e =
+      resolve({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
   EXPECT_EQ(e.local_rank, 1);
   EXPECT_EQ(e.local_world_size, 2);
 }

@@ -14,29 +14,35 @@ namespace ddp {
 namespace {
 
 using namespace std::chrono_literals;
-using ::testing::HasSubstr;
 using test::run_ranks;
+using ::testing::HasSubstr;
 
 InitOptions options_for(int rank, int world_size, int port, Milliseconds timeout = 20s) {
-  return {.launch = {.rank = rank, .world_size = world_size, .master_addr = "127.0.0.1",
+  return {.launch = {.rank = rank,
+                     .world_size = world_size,
+                     .master_addr = "127.0.0.1",
                      .master_port = port},
           .timeout = timeout};
 }
 
 TEST(Rendezvous, RanksMeetAndShareOneStore) {
   const int port = test::free_port();
-  const auto results = run_ranks(4, [&](int rank) {
-    World world = rendezvous(options_for(rank, 4, port));
-    if (world.rank() != rank || world.size() != 4) throw std::runtime_error("wrong rank/size");
-    world.store->set("greeting/" + std::to_string(rank), "hello from " + std::to_string(rank));
-    for (int peer = 0; peer < 4; ++peer) {
-      const auto text = world.store->get_string("greeting/" + std::to_string(peer));
-      if (text != "hello from " + std::to_string(peer)) throw std::runtime_error("bad: " + text);
-    }
-    // Keep rank 0 (the server) alive until everybody has read.
-    if (world.store->add("done", 1) == 4) world.store->set("all-done", "1");
-    world.store->wait(std::vector<std::string>{"all-done"}, 10s);
-  }, 60s);
+  const auto results = run_ranks(
+      4,
+      [&](int rank) {
+        World world = rendezvous(options_for(rank, 4, port));
+        if (world.rank() != rank || world.size() != 4) throw std::runtime_error("wrong rank/size");
+        world.store->set("greeting/" + std::to_string(rank), "hello from " + std::to_string(rank));
+        for (int peer = 0; peer < 4; ++peer) {
+          const auto text = world.store->get_string("greeting/" + std::to_string(peer));
+          if (text != "hello from " + std::to_string(peer))
+            throw std::runtime_error("bad: " + text);
+        }
+        // Keep rank 0 (the server) alive until everybody has read.
+        if (world.store->add("done", 1) == 4) world.store->set("all-done", "1");
+        world.store->wait(std::vector<std::string>{"all-done"}, 10s);
+      },
+      60s);
   EXPECT_EQ(results.size(), 4u);
   EXPECT_ALL_RANKS_OK(results);
 }
@@ -91,12 +97,15 @@ TEST(Rendezvous, PortInUseOnRankZeroIsNamed) {
 TEST(Rendezvous, TwoProcessesClaimingOneRankAreNamed) {
   const int port = test::free_port();
   // Processes 0, 1, 2 claim ranks 0, 1, 1 of a world of two.
-  const auto results = run_ranks(3, [&](int process) {
-    const int rank = process == 0 ? 0 : 1;
-    World world = rendezvous(options_for(rank, 2, port, 8s));
-    // Winners keep the server up a little so the loser can reach it.
-    std::this_thread::sleep_for(1s);
-  }, 30s);
+  const auto results = run_ranks(
+      3,
+      [&](int process) {
+        const int rank = process == 0 ? 0 : 1;
+        World world = rendezvous(options_for(rank, 2, port, 8s));
+        // Winners keep the server up a little so the loser can reach it.
+        std::this_thread::sleep_for(1s);
+      },
+      30s);
   int named = 0;
   for (const auto& r : results) {
     EXPECT_FALSE(r.timed_out) << test::describe(results);
@@ -107,9 +116,8 @@ TEST(Rendezvous, TwoProcessesClaimingOneRankAreNamed) {
 
 TEST(Rendezvous, DisagreeingWorldSizesAreNamed) {
   const int port = test::free_port();
-  const auto results = run_ranks(2, [&](int rank) {
-    rendezvous(options_for(rank, rank == 0 ? 2 : 3, port, 8s));
-  }, 30s);
+  const auto results = run_ranks(
+      2, [&](int rank) { rendezvous(options_for(rank, rank == 0 ? 2 : 3, port, 8s)); }, 30s);
   int named = 0;
   for (const auto& r : results) {
     EXPECT_FALSE(r.ok()) << test::describe(results);
@@ -120,9 +128,12 @@ TEST(Rendezvous, DisagreeingWorldSizesAreNamed) {
 
 TEST(Rendezvous, MissingRanksAreNamedAfterTheDeadline) {
   const int port = test::free_port();
-  const auto results = run_ranks(2, [&](int rank) {
-    rendezvous(options_for(rank, 3, port, 1500ms));  // rank 2 never comes
-  }, 30s);
+  const auto results = run_ranks(
+      2,
+      [&](int rank) {
+        rendezvous(options_for(rank, 3, port, 1500ms));  // rank 2 never comes
+      },
+      30s);
   for (const auto& r : results) {
     EXPECT_EQ(r.exit_code, 1) << test::describe(results);
     EXPECT_THAT(r.error, HasSubstr("missing rank(s): 2")) << test::describe(results);

@@ -104,7 +104,8 @@ std::vector<RankResult> run_ranks(int world_size, const std::function<void(int r
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  for (int fd : error_fds) ::close(fd);
+  for (int fd : error_fds)
+    ::close(fd);
   return results;
 }
 
@@ -124,6 +125,8 @@ std::string describe(const std::vector<RankResult>& results) {
   return out.str();
 }
 
-int free_port() { return ddp::net::pick_free_port(); }
+int free_port() {
+  return ddp::net::pick_free_port();
+}
 
 }  // namespace ddp::test

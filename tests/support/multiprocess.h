@@ -23,7 +23,7 @@ struct RankResult {
   int exit_code = -1;  // 0: fn returned; 1: fn threw; -1: killed by a signal
   int signal = 0;
   bool timed_out = false;
-  std::string error;   // the exception's message, when fn threw
+  std::string error;  // the exception's message, when fn threw
   bool ok() const { return exit_code == 0 && !timed_out; }
 };
 
@@ -38,7 +38,7 @@ int free_port();
 
 }  // namespace ddp::test
 
-#define EXPECT_ALL_RANKS_OK(results)                                               \
-  for (const auto& r_ : (results)) {                                               \
+#define EXPECT_ALL_RANKS_OK(results)                                                      \
+  for (const auto& r_ : (results)) {                                                      \
     EXPECT_TRUE(r_.ok()) << "rank " << r_.rank << ": " << ::ddp::test::describe(results); \
   }

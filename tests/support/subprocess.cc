@@ -24,7 +24,8 @@ Subprocess Subprocess::start(const std::vector<std::string>& argv,
 
   // Build argv and envp before fork: the child may only call async-signal-safe functions.
   std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  for (const auto& a : argv)
+    args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   std::map<std::string, std::string> merged;
   for (char** e = environ; *e != nullptr; ++e) {
@@ -40,9 +41,11 @@ Subprocess Subprocess::start(const std::vector<std::string>& argv,
     }
   }
   std::vector<std::string> env_strings;
-  for (const auto& [key, value] : merged) env_strings.push_back(key + "=" + value);
+  for (const auto& [key, value] : merged)
+    env_strings.push_back(key + "=" + value);
   std::vector<char*> envp;
-  for (auto& s : env_strings) envp.push_back(s.data());
+  for (auto& s : env_strings)
+    envp.push_back(s.data());
   envp.push_back(nullptr);
 
   const pid_t pid = ::fork();
@@ -127,7 +130,8 @@ ExitStatus Subprocess::wait(std::chrono::milliseconds timeout) {
   reaped_ = true;
   // Collect what is left in the pipe; grandchildren that still hold it must not block us.
   const auto drain_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (output_fd_ >= 0 && std::chrono::steady_clock::now() < drain_deadline) drain(20);
+  while (output_fd_ >= 0 && std::chrono::steady_clock::now() < drain_deadline)
+    drain(20);
   if (WIFEXITED(wstatus)) {
     status.exit_code = WEXITSTATUS(wstatus);
   } else if (WIFSIGNALED(wstatus)) {

@@ -19,10 +19,10 @@
 namespace ddp::test {
 
 struct ExitStatus {
-  int exit_code = -1;    // -1 when killed by a signal
-  int signal = 0;        // the signal that killed it, 0 otherwise
+  int exit_code = -1;  // -1 when killed by a signal
+  int signal = 0;      // the signal that killed it, 0 otherwise
   bool timed_out = false;
-  std::string output;    // stdout and stderr, merged
+  std::string output;  // stdout and stderr, merged
 };
 
 class Subprocess {

@@ -17,9 +17,8 @@
 
 namespace ddp::test {
 
-inline std::shared_ptr<ProcessGroup> join_group(int rank, int size, int port,
-                                                std::chrono::milliseconds timeout =
-                                                    std::chrono::seconds(30)) {
+inline std::shared_ptr<ProcessGroup> join_group(
+    int rank, int size, int port, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   torch::set_num_threads(1);
   return init_process_group({.launch = {.rank = rank,
                                         .world_size = size,
@@ -36,8 +35,8 @@ inline void expect_close(const torch::Tensor& actual, const torch::Tensor& expec
   }
   if (!torch::allclose(actual, expected, rel, abs)) {
     const auto diff = (actual - expected).abs().max().item<double>();
-    throw std::runtime_error(fmt::format("{}: max abs difference {:g} exceeds rtol {:g}", what,
-                                         diff, rel));
+    throw std::runtime_error(
+        fmt::format("{}: max abs difference {:g} exceeds rtol {:g}", what, diff, rel));
   }
 }
 

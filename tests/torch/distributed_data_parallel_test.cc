@@ -22,9 +22,7 @@ struct MlpImpl : torch::nn::Module {
     fc2 = register_module("fc2", torch::nn::Linear(hidden, 16));
     fc3 = register_module("fc3", torch::nn::Linear(16, 4));
   }
-  torch::Tensor forward(torch::Tensor x) {
-    return fc3(torch::relu(fc2(torch::relu(fc1(x)))));
-  }
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
 };
 TORCH_MODULE(Mlp);
@@ -32,8 +30,10 @@ TORCH_MODULE(Mlp);
 // The cnn without BatchNorm, scaled down to 12x12 inputs.
 struct SmallCnnImpl : torch::nn::Module {
   SmallCnnImpl() {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 8, 3).padding(1)));
+    conv1 =
+        register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)));
+    conv2 =
+        register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 8, 3).padding(1)));
     fc1 = register_module("fc1", torch::nn::Linear(8 * 3 * 3, 16));
     fc2 = register_module("fc2", torch::nn::Linear(16, 4));
   }
@@ -67,10 +67,10 @@ torch::optim::SGD make_sgd(std::vector<torch::Tensor> params) {
 // every step, that all ranks hold bit-identical parameters, and at the end (on rank 0) that they
 // equal one process trained on the combined batches.
 template <typename Model>
-void check_equivalence(int world, int batch, std::vector<std::int64_t> sample_shape,
-                       DdpOptions options, double tolerance = 1e-5,
-                       std::function<void(DistributedDataParallel<typename Model::ContainedType>&)>
-                           setup = nullptr) {
+void check_equivalence(
+    int world, int batch, std::vector<std::int64_t> sample_shape, DdpOptions options,
+    double tolerance = 1e-5,
+    std::function<void(DistributedDataParallel<typename Model::ContainedType>&)> setup = nullptr) {
   const int port = test::free_port();
   const int steps = 5;
   const auto results = run_ranks(world, [&](int rank) {
@@ -184,7 +184,9 @@ TEST(DistributedDataParallel, NoSyncMicroStepsEqualOneStepOnTheCombinedBatch) {
   check_no_sync(/*as_view=*/false);
 }
 
-TEST(DistributedDataParallel, NoSyncWithGradientAsBucketView) { check_no_sync(/*as_view=*/true); }
+TEST(DistributedDataParallel, NoSyncWithGradientAsBucketView) {
+  check_no_sync(/*as_view=*/true);
+}
 
 // fc_unused is registered but never used in forward.
 struct WithUnusedImpl : torch::nn::Module {
@@ -224,45 +226,51 @@ TEST(DistributedDataParallel, UnusedParametersTrainWithFindUnusedParameters) {
 
 TEST(DistributedDataParallel, UnusedParametersWithoutTheOptionNameTheParameterAndNeverHang) {
   const int port = test::free_port();
-  const auto results = run_ranks(2, [&](int rank) {
-    auto pg = join_group(rank, 2, port, 10s);
-    WithUnused net;
-    DistributedDataParallel model(net.ptr(), pg);
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      try {
-        model->forward(torch::randn({4, 20})).sum().backward();
-        throw std::runtime_error("backward should have failed");
-      } catch (const ddp::Error& e) {
-        const std::string message = e.what();
-        if (message.find("fc_unused.weight") == std::string::npos ||
-            message.find("find_unused_parameters") == std::string::npos) {
-          throw std::runtime_error("unhelpful message: " + message);
+  const auto results = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg = join_group(rank, 2, port, 10s);
+        WithUnused net;
+        DistributedDataParallel model(net.ptr(), pg);
+        for (int attempt = 0; attempt < 2; ++attempt) {
+          try {
+            model->forward(torch::randn({4, 20})).sum().backward();
+            throw std::runtime_error("backward should have failed");
+          } catch (const ddp::Error& e) {
+            const std::string message = e.what();
+            if (message.find("fc_unused.weight") == std::string::npos ||
+                message.find("find_unused_parameters") == std::string::npos) {
+              throw std::runtime_error("unhelpful message: " + message);
+            }
+          }
         }
-      }
-    }
-  }, 60s);
+      },
+      60s);
   EXPECT_ALL_RANKS_OK(results);
 }
 
 TEST(DistributedDataParallel, DifferentModelsAcrossRanksAreNamedAtConstruction) {
   const int port = test::free_port();
-  const auto results = run_ranks(2, [&](int rank) {
-    auto pg = join_group(rank, 2, port, 10s);
-    Mlp net(rank == 0 ? 32 : 33);
-    try {
-      DistributedDataParallel model(net.ptr(), pg);
-    } catch (const ddp::Error& e) {
-      const std::string message = e.what();
-      if (message.find("rank(s) 1") == std::string::npos) {
-        throw std::runtime_error("message does not name rank 1: " + message);
-      }
-      if (rank == 1 && message.find("'fc1.weight'") == std::string::npos) {
-        throw std::runtime_error("message does not name the parameter: " + message);
-      }
-      return;
-    }
-    throw std::runtime_error("construction should have failed");
-  }, 60s);
+  const auto results = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg = join_group(rank, 2, port, 10s);
+        Mlp net(rank == 0 ? 32 : 33);
+        try {
+          DistributedDataParallel model(net.ptr(), pg);
+        } catch (const ddp::Error& e) {
+          const std::string message = e.what();
+          if (message.find("rank(s) 1") == std::string::npos) {
+            throw std::runtime_error("message does not name rank 1: " + message);
+          }
+          if (rank == 1 && message.find("'fc1.weight'") == std::string::npos) {
+            throw std::runtime_error("message does not name the parameter: " + message);
+          }
+          return;
+        }
+        throw std::runtime_error("construction should have failed");
+      },
+      60s);
   EXPECT_ALL_RANKS_OK(results);
 }
 
@@ -306,7 +314,8 @@ struct DeepImpl : torch::nn::Module {
     }
   }
   torch::Tensor forward(torch::Tensor x) {
-    for (auto& layer : layers) x = torch::relu(layer(x));
+    for (auto& layer : layers)
+      x = torch::relu(layer(x));
     return x;
   }
   std::vector<torch::nn::Linear> layers;
@@ -356,7 +365,8 @@ struct TiedImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     auto h = torch::relu(a(torch::relu(a(x))));
-    return b(h) + torch::nn::functional::linear(h.square(), head->named_parameters()["tied_weight"]);
+    return b(h) +
+           torch::nn::functional::linear(h.square(), head->named_parameters()["tied_weight"]);
   }
   torch::nn::Linear a{nullptr}, b{nullptr};
   std::shared_ptr<torch::nn::Module> head;

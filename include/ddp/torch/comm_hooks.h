@@ -26,16 +26,16 @@
 namespace ddp {
 
 struct GradBucket {
-  std::size_t index = 0;              // position in launch order (0 = first reduced)
-  torch::Tensor buffer;               // flat, contiguous; reduce it in place (or via finish)
+  std::size_t index = 0;                 // position in launch order (0 = first reduced)
+  torch::Tensor buffer;                  // flat, contiguous; reduce it in place (or via finish)
   std::vector<torch::Tensor> gradients;  // views of buffer, one per parameter, in bucket order
   std::vector<std::string> parameter_names;
-  bool is_last = false;               // the last bucket of this backward pass
+  bool is_last = false;  // the last bucket of this backward pass
 };
 
 struct BucketReduction {
-  std::shared_ptr<Work> work;   // may be null: then nothing is waited for
-  std::function<void()> finish; // may be empty; runs after work completed successfully
+  std::shared_ptr<Work> work;    // may be null: then nothing is waited for
+  std::function<void()> finish;  // may be empty; runs after work completed successfully
 };
 
 using CommHook = std::function<BucketReduction(ProcessGroup& group, GradBucket& bucket)>;
