@@ -22,6 +22,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/argument_checks.h"
 #include "comm/exchange.h"
 #include "comm/reduce_kernels.h"
 #include "comm/shm/shm_domain.h"
@@ -730,29 +731,15 @@ void RingProcessGroup::abort_from_parent(const std::string& reason) {
 
 void RingProcessGroup::check_buffer(const void* p, std::size_t count, const char* op,
                                     const char* name) const {
-  if (p == nullptr && count > 0) {
-    throw ConfigError(
-        fmt::format("{}: the {} buffer is null but count is {}; pass a buffer of "
-                    "at least count elements",
-                    op, name, count));
-  }
+  comm::check_buffer(p, count, op, name);
 }
 
 void RingProcessGroup::check_rank(int r, const char* op, const char* name) const {
-  if (r < 0 || r >= size()) {
-    throw ConfigError(fmt::format("{}: {} {} is not a rank of group '{}' (ranks 0..{})", op, name,
-                                  r, name_, size() - 1));
-  }
+  comm::check_rank(r, size(), name_, op, name);
 }
 
 void RingProcessGroup::check_peer(int r, const char* op, const char* name) const {
-  check_rank(r, op, name);
-  if (r == rank()) {
-    throw ConfigError(
-        fmt::format("{}: {} {} is this rank itself; point-to-point needs another "
-                    "rank",
-                    op, name, r));
-  }
+  comm::check_peer(r, rank(), size(), name_, op, name);
 }
 
 OpArgs RingProcessGroup::make_args(OpKind kind, const void* send, void* recv, std::size_t count,

@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "comm/argument_checks.h"
 #include "comm/mpi/mpi_runtime.h"
 #include "comm/reduce_kernels.h"
 #include "comm/wire.h"
@@ -293,12 +294,7 @@ MpiProcessGroup::~MpiProcessGroup() {
 
 void MpiProcessGroup::check_buffer(const void* p, std::size_t count, const char* op,
                                    const char* name) const {
-  if (p == nullptr && count > 0) {
-    throw ConfigError(
-        fmt::format("{}: the {} buffer is null but count is {}; pass a buffer of "
-                    "at least count elements",
-                    op, name, count));
-  }
+  comm::check_buffer(p, count, op, name);
   if (count > static_cast<std::size_t>(INT_MAX)) {
     throw ConfigError(
         fmt::format("{}: count {} is above {} elements, the most one MPI call "
@@ -308,20 +304,11 @@ void MpiProcessGroup::check_buffer(const void* p, std::size_t count, const char*
 }
 
 void MpiProcessGroup::check_rank(int r, const char* op, const char* name) const {
-  if (r < 0 || r >= size()) {
-    throw ConfigError(fmt::format("{}: {} {} is not a rank of group '{}' (ranks 0..{})", op, name,
-                                  r, name_, size() - 1));
-  }
+  comm::check_rank(r, size(), name_, op, name);
 }
 
 void MpiProcessGroup::check_peer(int r, const char* op, const char* name) const {
-  check_rank(r, op, name);
-  if (r == rank()) {
-    throw ConfigError(
-        fmt::format("{}: {} {} is this rank itself; point-to-point needs another "
-                    "rank",
-                    op, name, r));
-  }
+  comm::check_peer(r, rank(), size(), name_, op, name);
 }
 
 void MpiProcessGroup::check_tag(int tag, const char* op) const {
