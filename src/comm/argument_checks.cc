@@ -1,5 +1,7 @@
 #include "comm/argument_checks.h"
 
+#include <cstdint>
+
 #include <fmt/format.h>
 
 #include "ddp/error.h"
@@ -27,6 +29,15 @@ void check_peer(int r, int self, int size, const std::string& group, const char*
   if (r == self) {
     throw ConfigError(fmt::format(
         "{}: {} {} is this rank itself; point-to-point needs another rank", op, name, r));
+  }
+}
+
+void check_enums(const char* op_name, DType dtype, std::optional<ReduceOp> op) {
+  if (static_cast<std::uint8_t>(dtype) > static_cast<std::uint8_t>(DType::kInt64)) {
+    throw ConfigError(fmt::format("{}: invalid DType value {}", op_name, static_cast<int>(dtype)));
+  }
+  if (op && static_cast<std::uint8_t>(*op) > static_cast<std::uint8_t>(ReduceOp::kProduct)) {
+    throw ConfigError(fmt::format("{}: invalid ReduceOp value {}", op_name, static_cast<int>(*op)));
   }
 }
 

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string>
+
+#include "ddp/types.h"
 
 namespace ddp::comm {
 
@@ -14,5 +17,8 @@ void check_rank(int r, int size, const std::string& group, const char* op, const
 // As check_rank, and `r` must not be `self` (point to point needs another rank).
 void check_peer(int r, int self, int size, const std::string& group, const char* op,
                 const char* name);
+
+// `dtype` and `op` must be values of their enums (a cast from a bad integer is caught here).
+void check_enums(const char* op_name, DType dtype, std::optional<ReduceOp> op);
 
 }  // namespace ddp::comm

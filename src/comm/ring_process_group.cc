@@ -28,6 +28,7 @@
 #include "comm/shm/shm_domain.h"
 #include "comm/wire.h"
 #include "ddp/error.h"
+#include "ddp/rendezvous.h"
 #include "net/socket.h"
 
 namespace ddp {
@@ -46,16 +47,7 @@ milliseconds resolve_group_timeout(milliseconds configured) {
                     "value, or 0 for DDP_TIMEOUT / the default",
                     configured.count()));
   }
-  if (const char* env = std::getenv("DDP_TIMEOUT"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const double seconds = std::strtod(env, &end);
-    if (end == env || *end != '\0' || !(seconds > 0) || seconds > 1e9) {
-      throw ConfigError(fmt::format(
-          "DDP_TIMEOUT='{}' is not a positive number of seconds (e.g. DDP_TIMEOUT=60)", env));
-    }
-    return milliseconds(static_cast<long long>(seconds * 1000.0 + 0.5));
-  }
-  return kDefaultTimeout;
+  return resolve_timeout(std::nullopt);  // DDP_TIMEOUT, else the default (rendezvous.h)
 }
 
 Transport resolve_transport(const RingOptions& options) {
@@ -745,14 +737,7 @@ void RingProcessGroup::check_peer(int r, const char* op, const char* name) const
 OpArgs RingProcessGroup::make_args(OpKind kind, const void* send, void* recv, std::size_t count,
                                    DType dtype, std::optional<ReduceOp> op, int root,
                                    Algorithm algorithm) const {
-  if (static_cast<std::uint8_t>(dtype) > static_cast<std::uint8_t>(DType::kInt64)) {
-    throw ConfigError(
-        fmt::format("{}: invalid DType value {}", comm::to_string(kind), static_cast<int>(dtype)));
-  }
-  if (op && static_cast<std::uint8_t>(*op) > static_cast<std::uint8_t>(ReduceOp::kProduct)) {
-    throw ConfigError(
-        fmt::format("{}: invalid ReduceOp value {}", comm::to_string(kind), static_cast<int>(*op)));
-  }
+  comm::check_enums(std::string(comm::to_string(kind)).c_str(), dtype, op);
   OpArgs args;
   args.kind = kind;
   args.send = static_cast<const std::byte*>(send);

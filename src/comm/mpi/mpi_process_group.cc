@@ -321,14 +321,7 @@ void MpiProcessGroup::check_tag(int tag, const char* op) const {
 
 MpiOp MpiProcessGroup::make_op(OpKind kind, const void* send, void* recv, std::size_t count,
                                DType dtype, std::optional<ReduceOp> op, int root) const {
-  if (static_cast<std::uint8_t>(dtype) > static_cast<std::uint8_t>(DType::kInt64)) {
-    throw ConfigError(
-        fmt::format("{}: invalid DType value {}", comm::to_string(kind), static_cast<int>(dtype)));
-  }
-  if (op && static_cast<std::uint8_t>(*op) > static_cast<std::uint8_t>(ReduceOp::kProduct)) {
-    throw ConfigError(
-        fmt::format("{}: invalid ReduceOp value {}", comm::to_string(kind), static_cast<int>(*op)));
-  }
+  comm::check_enums(std::string(comm::to_string(kind)).c_str(), dtype, op);
   MpiOp result;
   result.kind = kind;
   result.send = static_cast<const std::byte*>(send);
