@@ -30,7 +30,7 @@ namespace ddp {
 
 class Work {
  public:
-  // `description` names the operation for timeout messages; `timeout` bounds wait().
+  // `description` names the operation for messages; `timeout` bounds wait().
   Work(std::string description, std::chrono::milliseconds timeout);
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
@@ -54,7 +54,8 @@ class Work {
   // Runs `callback` once the operation has completed: at once on this thread if it already has.
   void then(std::function<void(Work&)> callback);
 
-  const std::string& description() const { return description_; }
+  // Names the operation (e.g. "allreduce #7 (256 x float32, sum)"), for messages.
+  virtual std::string description() const { return description_; }
 
   // For implementations: marks the operation done (with `error`, or successful when null), wakes
   // waiters, runs callbacks. Called exactly once.
@@ -64,9 +65,12 @@ class Work {
   // Hook for implementations: called by wait()/wait_for() before they block, so the group may run
   // the operation on the waiting thread. Returns without blocking when it cannot.
   virtual void help_until_completed() {}
+  // For implementations that override description() (formatting it only when asked).
+  explicit Work(std::chrono::milliseconds timeout) : timeout_(timeout) {}
 
  private:
-  bool wait_until(std::chrono::steady_clock::time_point deadline, bool help);
+  bool finished_or_own_callback() const;
+  bool wait_until(std::chrono::steady_clock::time_point deadline);
 
   const std::string description_;
   const std::chrono::milliseconds timeout_;

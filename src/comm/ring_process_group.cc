@@ -34,6 +34,13 @@
 namespace ddp {
 namespace {
 
+// Lazy wake-up of the worker (RingProcessGroup::worker_idle_wait).
+constexpr auto kPromptWait = std::chrono::microseconds(50);  // waited "at once"
+constexpr int kPromptWaitsForLazyWake = 2;
+constexpr std::size_t kLazyWakeMaxBytes = std::size_t{1} << 20;
+constexpr auto kLazyWakePoll = std::chrono::microseconds(500);
+constexpr auto kLazyWakeIdle = std::chrono::milliseconds(50);
+
 using comm::Algorithm;
 using comm::OpHeader;
 using comm::OpKind;
@@ -132,14 +139,25 @@ struct OpArgs {
   milliseconds timeout{0};
   OpHeader header;    // sent (and for collectives, expected)
   OpHeader expected;  // p2p recv: what the sender's header must be
-  std::string description;
+  std::string label;  // replaces the description (the steps of a hierarchical allreduce)
+
+  // Formatted when needed (errors, TCP steps), not on every call: it allocates.
+  std::string description() const {
+    if (!label.empty()) return label;
+    return kind == OpKind::kSend ? comm::describe(header, peer, is_recv) : comm::describe(header);
+  }
 };
 
 class RingWork final : public Work {
  public:
   RingWork(OpArgs args, std::weak_ptr<RingProcessGroup> group)
-      : Work(args.description, args.timeout), args_(std::move(args)), group_(std::move(group)) {}
+      : Work(args.timeout),
+        args_(std::move(args)),
+        group_(std::move(group)),
+        enqueued_at_(net::Clock::now()) {}
   const OpArgs& args() const { return args_; }
+  std::string description() const override { return args_.description(); }
+  net::Clock::time_point enqueued_at() const { return enqueued_at_; }
 
  protected:
   void help_until_completed() override;
@@ -147,6 +165,7 @@ class RingWork final : public Work {
  private:
   OpArgs args_;
   std::weak_ptr<RingProcessGroup> group_;
+  net::Clock::time_point enqueued_at_;
 };
 
 class RingProcessGroup final : public ProcessGroup,
@@ -310,6 +329,8 @@ class RingProcessGroup final : public ProcessGroup,
                    std::optional<ReduceOp> op, int root, Algorithm algorithm) const;
   std::shared_ptr<Work> enqueue(OpArgs args, CallOptions options);
   void worker_loop();
+  bool worker_should_run(net::Clock::time_point now) const;
+  void worker_idle_wait(std::unique_lock<std::mutex>& lock);
   void linger(std::unique_lock<std::mutex>& lock);
   void execute(RingWork& work);
   void fail(RingWork& work, std::exception_ptr error);
@@ -341,7 +362,7 @@ class RingProcessGroup final : public ProcessGroup,
   void begin(const OpArgs& a) {
     exchange_.reset(
         a.header, a.dtype,
-        comm::ExchangeContext{&name_, rank(), a.description, peer_fds_.data(), size(),
+        comm::ExchangeContext{&name_, rank(), op_text_ = a.description(), peer_fds_.data(), size(),
                               domain_ && a.kind != OpKind::kSend ? &idle_check_ : nullptr});
   }
   // A call that one rank runs over shared memory and another over TCP is invisible to both
@@ -381,6 +402,13 @@ class RingProcessGroup final : public ProcessGroup,
   // queue_mutex_.
   bool executing_ = false;
   bool worker_lingering_ = false;  // the worker polls the queue for a moment after its last work
+  // Lazy wake-up (see worker_idle_wait): how many operations in a row a caller waited for at once
+  // and ran itself; whether the idle worker polls the queue instead of sleeping until notified;
+  // whether queued work was left to its caller without notifying the worker.
+  int prompt_waits_ = 0;
+  bool worker_polling_ = false;
+  bool work_left_to_caller_ = false;
+  net::Clock::time_point last_enqueue_{};
   std::thread worker_;
 
   std::atomic<bool> poisoned_{false};
@@ -414,6 +442,7 @@ class RingProcessGroup final : public ProcessGroup,
   // The operation the executor is running (for the cross-transport checks), and the check the
   // TCP steps call while they sleep.
   const OpArgs* current_ = nullptr;
+  std::string op_text_;  // the description of the TCP step running (the exchange refers to it)
   std::function<void()> idle_check_;
 };
 
@@ -674,7 +703,7 @@ void RingProcessGroup::fail_cross_transport_mismatch(int peer, const OpHeader& t
                   "the same count, dtype, op and root",
                   name_, rank(), comm::describe(mine), comm::to_string(mine.algorithm), peer,
                   comm::describe(theirs), comm::to_string(theirs.algorithm)),
-      name_, current_->description, mine.sequence, peer);
+      name_, current_->description(), mine.sequence, peer);
 }
 
 // This rank runs a TCP step of a collective: a local peer in a shared-memory call with the same
@@ -774,16 +803,24 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(OpArgs args, CallOptions options
       } else {
         args.header.sequence = send_sequence_[peer]++;
       }
-      args.description = comm::describe(args.header, args.peer, args.is_recv);
     } else {
       args.header.sequence = next_sequence_++;
-      args.description = comm::describe(args.header);
     }
+    const std::size_t bytes = args.count * dtype_size(args.dtype);
     work = std::make_shared<RingWork>(std::move(args), weak_from_this());
     if (!poisoned_.load(std::memory_order_acquire)) {
+      const bool idle = queue_.empty() && !executing_ && !worker_lingering_;
       queue_.push_back(work);
       queued = true;
-      wake_worker = !executing_ && !worker_lingering_;
+      last_enqueue_ = work->enqueued_at();
+      if (idle && worker_polling_ && prompt_waits_ >= kPromptWaitsForLazyWake &&
+          bytes <= kLazyWakeMaxBytes) {
+        work_left_to_caller_ = true;  // the polling worker takes it if the caller does not
+      } else {
+        // A second operation behind one left to its caller means the caller is not waiting.
+        wake_worker = idle || (work_left_to_caller_ && !executing_);
+        work_left_to_caller_ = false;
+      }
     }
   }
   if (queued) {
@@ -806,8 +843,14 @@ std::shared_ptr<Work> RingProcessGroup::enqueue(OpArgs args, CallOptions options
 void RingProcessGroup::worker_loop() {
   std::unique_lock lock(queue_mutex_);
   for (;;) {
-    queue_cv_.wait(lock, [&] { return (!queue_.empty() || stopping_) && !executing_; });
+    worker_idle_wait(lock);
     if (queue_.empty()) return;  // stopping, and nothing left to run
+    if (work_left_to_caller_) {
+      // Its caller did not come for it within the poll interval: stop guessing that callers wait
+      // at once, until they show it again.
+      work_left_to_caller_ = false;
+      prompt_waits_ = 0;
+    }
     executing_ = true;
     while (!queue_.empty()) {
       std::shared_ptr<RingWork> next = std::move(queue_.front());
@@ -819,6 +862,38 @@ void RingProcessGroup::worker_loop() {
     }
     executing_ = false;
     linger(lock);
+  }
+}
+
+bool RingProcessGroup::worker_should_run(net::Clock::time_point now) const {
+  if (executing_) return false;
+  if (queue_.empty() || stopping_) return stopping_ || !queue_.empty();
+  return !work_left_to_caller_ || now - queue_.front()->enqueued_at() >= kLazyWakePoll;
+}
+
+// Waking the idle worker for every operation costs a futex wake-up and a context switch, and on a
+// busy host a thread that competes with the peers for the cores: for a caller that waits at once
+// (allreduce(...)->wait()), and so runs the operation itself (run_inline_until), that is pure
+// overhead, 60 µs of a 1 MiB shared-memory allreduce and most of a 64 KiB one (docs/benchmarks.md).
+// So once kPromptWaitsForLazyWake operations in a row were waited for at once, enqueue leaves new
+// work of up to kLazyWakeMaxBytes on an idle group to its caller, and the idle worker polls the
+// queue every kLazyWakePoll instead of sleeping until notified: work nobody came for by then is
+// the worker's, and the guess is dropped. A group idle for kLazyWakeIdle stops polling (its next
+// operation wakes the worker as before).
+void RingProcessGroup::worker_idle_wait(std::unique_lock<std::mutex>& lock) {
+  for (;;) {
+    const auto now = net::Clock::now();
+    if (worker_should_run(now)) return;
+    const bool poll = prompt_waits_ >= kPromptWaitsForLazyWake && !stopping_ &&
+                      (work_left_to_caller_ || now - last_enqueue_ < kLazyWakeIdle);
+    if (!poll) {
+      worker_polling_ = false;
+      queue_cv_.wait(lock);
+      continue;
+    }
+    worker_polling_ = true;
+    queue_cv_.wait_for(lock, kLazyWakePoll);
+    worker_polling_ = false;
   }
 }
 
@@ -849,33 +924,34 @@ void RingProcessGroup::linger(std::unique_lock<std::mutex>& lock) {
 }
 
 void RingProcessGroup::run_inline_until(RingWork& work) {
-  {
-    std::unique_lock lock(queue_mutex_);
-    if (executing_ || work.is_completed()) {
-      lock.unlock();
-      // Another thread runs it: poll briefly for completion before the caller sleeps.
-      const auto until = net::Clock::now() + spin_;
-      while (!work.is_completed() && net::Clock::now() < until) {
-      }
-      return;
+  std::unique_lock lock(queue_mutex_);
+  if (executing_ || work.is_completed()) {
+    lock.unlock();
+    // Another thread runs it: poll briefly for completion before the caller sleeps.
+    const auto until = net::Clock::now() + spin_;
+    while (!work.is_completed() && net::Clock::now() < until) {
     }
-    executing_ = true;
+    return;
   }
-  for (;;) {
-    std::shared_ptr<RingWork> next;
-    {
-      std::lock_guard lock(queue_mutex_);
-      if (work.is_completed() || queue_.empty()) {
-        executing_ = false;
-        // Whatever was queued behind this work is the worker's again.
-        if (!queue_.empty() || stopping_) queue_cv_.notify_one();
-        return;
-      }
-      next = std::move(queue_.front());
-      queue_.pop_front();
-    }
+  executing_ = true;
+  work_left_to_caller_ = false;  // whatever this thread leaves queued is the worker's
+  // A caller that comes for its work at once can be left to run the next ones itself.
+  if (net::Clock::now() - work.enqueued_at() < kPromptWait) {
+    if (prompt_waits_ < kPromptWaitsForLazyWake) ++prompt_waits_;
+  } else {
+    prompt_waits_ = 0;
+  }
+  while (!work.is_completed() && !queue_.empty()) {
+    std::shared_ptr<RingWork> next = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
     execute(*next);
+    next.reset();  // callbacks may hold the last references; drop them outside the lock
+    lock.lock();
   }
+  executing_ = false;
+  // Whatever was queued behind this work is the worker's again.
+  if (!queue_.empty() || stopping_) queue_cv_.notify_one();
 }
 
 std::string RingProcessGroup::abort_reason_of(int peer) {
@@ -932,8 +1008,8 @@ void RingProcessGroup::execute(RingWork& work) {
   } catch (const std::exception& e) {
     fail(work,
          std::make_exception_ptr(CommError(fmt::format("rank {}: {} in group '{}' failed: {}",
-                                                       rank(), args.description, name_, e.what()),
-                                           name_, args.description, args.header.sequence, -1)));
+                                                       rank(), args.description(), name_, e.what()),
+                                           name_, args.description(), args.header.sequence, -1)));
     return;
   }
   work.complete();
@@ -1146,8 +1222,8 @@ void RingProcessGroup::run_shm(const OpArgs& a, net::Deadline deadline) {
     case OpKind::kBarrier:
       return d.barrier(a.header, deadline);
     default:
-      throw CommError(fmt::format("rank {}: {} has no shared-memory path", rank(), a.description),
-                      name_, a.description, a.header.sequence, -1);
+      throw CommError(fmt::format("rank {}: {} has no shared-memory path", rank(), a.description()),
+                      name_, a.description(), a.header.sequence, -1);
   }
 }
 
@@ -1167,14 +1243,14 @@ void RingProcessGroup::cross_host_allreduce(std::byte* buf, std::size_t count, c
   x.header = a.header;
   x.header.count = count;
   x.header.algorithm = cross_->tcp_allreduce_algorithm(count * dtype_size(a.dtype), count);
-  x.description = fmt::format("{} (step across hosts, group '{}')", a.description, cross_->name_);
+  x.label = fmt::format("{} (step across hosts, group '{}')", a.description(), cross_->name_);
   try {
     cross_->run_op(x, deadline);
   } catch (const comm::PeerClosedError& e) {
     const int peer = e.peer() >= 0 ? cross_members_[static_cast<std::size_t>(e.peer())] : -1;
     throw comm::PeerClosedError(fmt::format("{} [rank {} of '{}' is rank {} of '{}']", e.what(),
                                             e.peer(), cross_->name_, peer, name_),
-                                name_, a.description, a.header.sequence, peer);
+                                name_, a.description(), a.header.sequence, peer);
   }
 }
 
