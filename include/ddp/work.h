@@ -79,7 +79,8 @@ class Work {
   std::condition_variable done_cv_;
   std::exception_ptr error_;
   std::vector<std::function<void(Work&)>> callbacks_;
-  bool finished_ = false;  // completed and the callbacks registered before have run
+  // Completed and the callbacks registered before have run (set under mutex_, read without).
+  std::atomic<bool> finished_{false};
   std::thread::id completing_thread_;
 };
 

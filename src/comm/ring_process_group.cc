@@ -38,7 +38,7 @@ namespace {
 constexpr auto kPromptWait = std::chrono::microseconds(50);  // waited "at once"
 constexpr int kPromptWaitsForLazyWake = 2;
 constexpr std::size_t kLazyWakeMaxBytes = std::size_t{1} << 20;
-constexpr auto kLazyWakePoll = std::chrono::microseconds(500);
+constexpr auto kLazyWakePoll = std::chrono::milliseconds(1);
 constexpr auto kLazyWakeIdle = std::chrono::milliseconds(50);
 
 using comm::Algorithm;
@@ -332,7 +332,8 @@ class RingProcessGroup final : public ProcessGroup,
   bool worker_should_run(net::Clock::time_point now) const;
   void worker_idle_wait(std::unique_lock<std::mutex>& lock);
   void linger(std::unique_lock<std::mutex>& lock);
-  void execute(RingWork& work);
+  // Runs `work` on this thread; its deadline counts from `start` (now, or just before).
+  void execute(RingWork& work, net::Clock::time_point start = net::Clock::now());
   void fail(RingWork& work, std::exception_ptr error);
   std::string abort_reason_of(int peer);
 
@@ -936,7 +937,8 @@ void RingProcessGroup::run_inline_until(RingWork& work) {
   executing_ = true;
   work_left_to_caller_ = false;  // whatever this thread leaves queued is the worker's
   // A caller that comes for its work at once can be left to run the next ones itself.
-  if (net::Clock::now() - work.enqueued_at() < kPromptWait) {
+  auto now = net::Clock::now();
+  if (now - work.enqueued_at() < kPromptWait) {
     if (prompt_waits_ < kPromptWaitsForLazyWake) ++prompt_waits_;
   } else {
     prompt_waits_ = 0;
@@ -945,9 +947,10 @@ void RingProcessGroup::run_inline_until(RingWork& work) {
     std::shared_ptr<RingWork> next = std::move(queue_.front());
     queue_.pop_front();
     lock.unlock();
-    execute(*next);
+    execute(*next, now);
     next.reset();  // callbacks may hold the last references; drop them outside the lock
     lock.lock();
+    now = net::Clock::now();
   }
   executing_ = false;
   // Whatever was queued behind this work is the worker's again.
@@ -966,7 +969,7 @@ std::string RingProcessGroup::abort_reason_of(int peer) {
   }
 }
 
-void RingProcessGroup::execute(RingWork& work) {
+void RingProcessGroup::execute(RingWork& work, net::Clock::time_point start) {
   if (poisoned_.load(std::memory_order_acquire)) {
     std::exception_ptr error;
     {
@@ -983,7 +986,7 @@ void RingProcessGroup::execute(RingWork& work) {
     ~ClearCurrent() { current = nullptr; }
   } clear_current{current_};
   try {
-    run_op(args, net::deadline_after(args.timeout));
+    run_op(args, net::deadline_after(args.timeout, start));
   } catch (const comm::shm::ShmPeerError& e) {
     // A local peer died or aborted: the domain's message names it; add the reason it left in the
     // store when the text does not carry it already.

@@ -37,21 +37,21 @@ void Work::complete(std::exception_ptr error) {
     callbacks.swap(callbacks_);
     // Without callbacks the operation is finished at once (one lock instead of two: this is on the
     // path of every small collective).
-    if (callbacks.empty()) finished_ = true;
+    if (callbacks.empty()) finished_.store(true, std::memory_order_release);
   }
   if (!callbacks.empty()) {
     for (const auto& callback : callbacks)
       run_callback(callback, *this);
     // Waiters wake only now, so that wait() returning means the callbacks have run.
     std::lock_guard lock(mutex_);
-    finished_ = true;
+    finished_.store(true, std::memory_order_release);
   }
   done_cv_.notify_all();
 }
 
 std::exception_ptr Work::error() const {
   if (!is_completed()) return nullptr;
-  std::lock_guard lock(mutex_);
+  // error_ is written once, before completed_ is released, and never again.
   return error_;
 }
 
@@ -67,15 +67,18 @@ void Work::then(std::function<void(Work&)> callback) {
 }
 
 bool Work::finished_or_own_callback() const {
-  std::lock_guard lock(mutex_);
+  if (finished_.load(std::memory_order_acquire)) return true;
+  if (!is_completed()) return false;
   // A callback waiting for its own Work must not wait for the callbacks to finish.
-  return finished_ || (is_completed() && completing_thread_ == std::this_thread::get_id());
+  std::lock_guard lock(mutex_);
+  return completing_thread_ == std::this_thread::get_id();
 }
 
 bool Work::wait_until(std::chrono::steady_clock::time_point deadline) {
   if (finished_or_own_callback()) return true;
   std::unique_lock lock(mutex_);
-  return done_cv_.wait_until(lock, deadline, [&] { return finished_; });
+  return done_cv_.wait_until(lock, deadline,
+                             [&] { return finished_.load(std::memory_order_relaxed); });
 }
 
 void Work::wait() {

@@ -18,13 +18,16 @@ namespace ddp::net {
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
-inline Deadline deadline_after(std::chrono::milliseconds timeout) {
+inline Deadline deadline_after(std::chrono::milliseconds timeout, Clock::time_point now) {
   // Saturate so that "wait a very long time" cannot overflow the clock.
-  const auto now = Clock::now();
   if (timeout > std::chrono::duration_cast<std::chrono::milliseconds>(Deadline::max() - now)) {
     return Deadline::max();
   }
   return now + timeout;
+}
+
+inline Deadline deadline_after(std::chrono::milliseconds timeout) {
+  return deadline_after(timeout, Clock::now());
 }
 
 // Milliseconds left until `deadline` (0 when passed), clamped to fit poll()'s int argument.

@@ -304,6 +304,52 @@ TEST_P(RingGroup, TwoGroupsAndSubgroupsUsedAtOnce) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// After calls that were waited for at once, the group leaves new small work to its caller instead
+// of waking the worker (ring_process_group.cc, worker_idle_wait). A caller that then does NOT
+// wait must still see its operation run, and a peer blocked on it must not wait for the deadline:
+// rank 0 leaves an allreduce of group `a` unwaited and blocks in group `b`, which rank 1 only
+// enters after that allreduce of `a` completed.
+TEST_P(RingGroup, WorkNotWaitedForRunsAfterCallsThatWereWaitedAtOnce) {
+  const int size = 2;
+  TempDir dir;
+  auto results = run_ranks(size, [&](int rank) {
+    auto a = make_group(dir.path(), rank, size, options({.timeout = 20s, .group_name = "a"}));
+    auto b = make_group(dir.path(), rank, size, options({.timeout = 20s, .group_name = "b"}));
+    for (int round = 0; round < 3; ++round) {
+      for (int i = 0; i < 10; ++i) {  // waited at once: builds the guess
+        auto buf = make_input(DType::kFloat32, 256, rank, i);
+        a->allreduce(buf.data(), 256, DType::kFloat32, ReduceOp::kSum)->wait();
+        expect_bytes(buf, expected_reduction(DType::kFloat32, ReduceOp::kSum, 256, size, i),
+                     DType::kFloat32, fmt::format("round {} call {}", round, i));
+      }
+      auto left = make_input(DType::kFloat32, 256, rank, 50 + round);
+      auto through_b = make_input(DType::kFloat32, 256, rank, 60 + round);
+      const auto start = std::chrono::steady_clock::now();
+      if (rank == 0) {
+        auto unwaited = a->allreduce(left.data(), 256, DType::kFloat32, ReduceOp::kSum);
+        b->allreduce(through_b.data(), 256, DType::kFloat32, ReduceOp::kSum)->wait();
+        // Not wait(): that would run it here. Only the worker can have run it.
+        if (!unwaited->wait_for(5s)) throw std::runtime_error("unwaited allreduce never ran");
+      } else {
+        a->allreduce(left.data(), 256, DType::kFloat32, ReduceOp::kSum)->wait();
+        b->allreduce(through_b.data(), 256, DType::kFloat32, ReduceOp::kSum)->wait();
+      }
+      const auto elapsed = std::chrono::steady_clock::now() - start;
+      if (elapsed > 2s) {
+        throw std::runtime_error(
+            fmt::format("round {}: {} ms for two small allreduces", round,
+                        std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count()));
+      }
+      expect_bytes(left, expected_reduction(DType::kFloat32, ReduceOp::kSum, 256, size, 50 + round),
+                   DType::kFloat32, "unwaited allreduce");
+      expect_bytes(through_b,
+                   expected_reduction(DType::kFloat32, ReduceOp::kSum, 256, size, 60 + round),
+                   DType::kFloat32, "allreduce of b");
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST_P(RingGroup, CallsFromSeveralThreadsRunInIssueOrder) {
   // Two threads issue on one rank while the other rank issues the same sequence from one thread:
   // the group must run them in the order they were issued (a mutex makes that order the same).

@@ -428,6 +428,7 @@ void ShmDomain::wait_word(std::uint32_t& word, std::uint32_t& sleepers_word, std
   auto value = atomic(word);
   if (reached(value.load(std::memory_order_acquire), target)) return;
   const auto start = net::Clock::now();
+  if (call_start_ == net::Clock::time_point{}) call_start_ = start;
   if (spin_.count() > 0) {
     for (int i = 1;; ++i) {
       if (reached(value.load(std::memory_order_acquire), target)) return;
@@ -592,7 +593,7 @@ void ShmDomain::guarded(const OpHeader& header, Deadline deadline, Fn&& body) {
   }
   header_ = header;
   deadline_ = deadline;
-  call_start_ = net::Clock::now();
+  call_start_ = {};  // set by the first wait of the call (a clock read saved per small call)
   try {
     body();
   } catch (const ShmPeerError& e) {

@@ -184,7 +184,7 @@ class ShmDomain {
   OpHeader header_{};
   std::string op_text_;
   Deadline deadline_{};
-  net::Clock::time_point call_start_{};  // for "timed out after N ms"
+  net::Clock::time_point call_start_{};  // first wait of the call, for "timed out after N ms"
   std::uint32_t events_ = 0;  // events this rank has published (mirrors its shared counter)
   std::uint64_t calls_ = 0;   // calls made (their parity picks the header and small buffers)
 
