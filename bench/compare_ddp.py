@@ -1,10 +1,12 @@
 #!/usr/bin/python3
 """Side by side: ddp's DistributedDataParallel against PyTorch's DDP (gloo), in one run.
 
-For each model and world size, runs ddp-train-bench under ddprun and bench/pytorch_ddp_bench.py
-(one process per rank, started here with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), alternating
-the two `--repeats` times, and prints the median samples/s of each and their ratio.
-One torch thread per rank on both sides (OMP_NUM_THREADS=1).
+For each model and world size, runs ddp-train-bench and bench/pytorch_ddp_bench.py, both under
+ddprun (so both get the same environment, including ddprun's environment tuning: glibc malloc
+keeps freed memory, and OpenBLAS gets its AVX kernels on CPUs it does not know; docs/ddprun.md),
+alternating the two `--repeats` times, and prints the median samples/s of each and their ratio.
+`--no-env-tuning` runs both without that tuning. One torch thread per rank on both sides
+(OMP_NUM_THREADS=1).
 
   bench/compare_ddp.py --build build --models mlp cnn --worlds 1 2
 """
@@ -12,7 +14,6 @@ import argparse
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,12 +21,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAST_LINE = re.compile(r"step_ms=([0-9.]+) samples_per_s=([0-9.]+)")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse(output, what):
@@ -40,8 +35,14 @@ def view_flag(args):
     return ["--gradient-as-bucket-view"] if args.gradient_as_bucket_view else []
 
 
+def ddprun(build, world, args):
+    tuning = ["--no-env-tuning"] if args.no_env_tuning else []
+    return [os.path.join(build, "bin", "ddprun"), "--standalone", "--nproc-per-node",
+            str(world)] + tuning
+
+
 def run_ddp(build, model, world, args):
-    cmd = [os.path.join(build, "bin", "ddprun"), "--standalone", "--nproc-per-node", str(world),
+    cmd = ddprun(build, world, args) + [
            os.path.join(build, "bin", "ddp-train-bench"), "--model", model,
            "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--batch-size", str(args.batch_size)] + view_flag(args) + args.ddp_args
@@ -52,21 +53,16 @@ def run_ddp(build, model, world, args):
     return parse(out.stdout, "ddp-train-bench")
 
 
-def run_pytorch(model, world, args):
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
-            ["/usr/bin/python3", os.path.join(HERE, "pytorch_ddp_bench.py"), "--model", model,
-             "--steps", str(args.steps), "--warmup", str(args.warmup),
-             "--batch-size", str(args.batch_size)] + view_flag(args),
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=1800) for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise SystemExit("pytorch_ddp_bench failed:\n" + "\n".join(o + e for o, e in outputs))
-    return parse(outputs[0][0], "pytorch_ddp_bench")
+def run_pytorch(build, model, world, args):
+    cmd = ddprun(build, world, args) + [
+        "/usr/bin/python3", os.path.join(HERE, "pytorch_ddp_bench.py"), "--model", model,
+        "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--batch-size", str(args.batch_size)] + view_flag(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"pytorch_ddp_bench failed:\n{out.stdout}\n{out.stderr}")
+    return parse(out.stdout, "pytorch_ddp_bench")
 
 
 def main():
@@ -81,6 +77,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="pass gradient_as_bucket_view to both sides")
+    parser.add_argument("--no-env-tuning", action="store_true",
+                        help="run both sides with ddprun --no-env-tuning")
     parser.add_argument("--ddp-args", nargs=argparse.REMAINDER, default=[],
                         help="extra options for ddp-train-bench (last)")
     args = parser.parse_args()
@@ -90,7 +88,8 @@ def main():
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  nproc={os.cpu_count()}  cpu={cpu}")
     print(f"# batch {args.batch_size}/rank, {args.steps} timed steps after {args.warmup} warm-up, "
           f"median of each run, median of {args.repeats} alternating runs, 1 thread per rank, "
-          f"gradient_as_bucket_view={args.gradient_as_bucket_view}; "
+          f"gradient_as_bucket_view={args.gradient_as_bucket_view}, "
+          f"env tuning {'off' if args.no_env_tuning else 'on'} (both sides); "
           f"load average at start {os.getloadavg()[0]:.2f}")
     header = (f"{'model':5} {'world':>5} {'ddp step ms':>12} {'ddp samples/s':>14} "
               f"{'torch step ms':>14} {'torch samples/s':>16} {'ddp/torch':>10}")
@@ -102,7 +101,7 @@ def main():
             ours, theirs = [], []
             for _ in range(args.repeats):
                 ours.append(run_ddp(args.build, model, world, args))
-                theirs.append(run_pytorch(model, world, args))
+                theirs.append(run_pytorch(args.build, model, world, args))
             ours_ms = statistics.median(o[0] for o in ours)
             ours_sps = statistics.median(o[1] for o in ours)
             theirs_ms = statistics.median(t[0] for t in theirs)

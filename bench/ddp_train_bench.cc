@@ -53,8 +53,10 @@ int main(int argc, char** argv) {
   int batch_size = 64;
   int threads = 1;
   double bucket_cap_mb = 25.0;
+  double first_bucket_cap_mb = 1.0;
   bool as_view = false;
   std::string hook = "none";
+  bool phases = false;
   app.add_option("--model", model_name, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}));
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
@@ -62,9 +64,14 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "torch threads per rank")->check(CLI::PositiveNumber);
   app.add_option("--bucket-cap-mb", bucket_cap_mb, "DDP bucket cap")->check(CLI::PositiveNumber);
+  app.add_option("--first-bucket-cap-mb", first_bucket_cap_mb, "DDP cap of the first bucket")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--gradient-as-bucket-view", as_view, "gradients are views of the buckets");
   app.add_option("--comm-hook", hook, "none, fp16 or bf16")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}));
+  app.add_flag("--phases", phases,
+               "also print each rank's median time per phase of a step (zero_grad, forward, "
+               "backward until autograd finished, waiting for the last bucket, optimizer step)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -82,7 +89,10 @@ int main(int argc, char** argv) {
     if (world > 1) {
       ddp_model =
           ddp::DistributedDataParallel(
-              net, group, {.bucket_cap_mb = bucket_cap_mb, .gradient_as_bucket_view = as_view})
+              net, group,
+              {.bucket_cap_mb = bucket_cap_mb,
+               .first_bucket_cap_mb = first_bucket_cap_mb,
+               .gradient_as_bucket_view = as_view})
               .ptr();
       if (hook == "fp16") ddp_model->register_comm_hook(ddp::fp16_compress_hook());
       if (hook == "bf16") ddp_model->register_comm_hook(ddp::bf16_compress_hook());
@@ -92,15 +102,39 @@ int main(int argc, char** argv) {
     const auto x = torch::randn({batch_size, 1, 28, 28});
     const auto y = torch::randint(0, 10, {batch_size});
 
+    using Clock = std::chrono::steady_clock;
+    auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
     std::vector<double> step_seconds;
+    // zero_grad, forward, backward compute, waiting for the reductions, optimizer step (ms).
+    std::vector<std::vector<double>> phase_ms(5);
     for (int step = 0; step < warmup + steps; ++step) {
-      const auto start = std::chrono::steady_clock::now();
+      const auto start = Clock::now();
       opt.zero_grad();
+      const auto zeroed = Clock::now();
       auto logits = ddp_model ? ddp_model->forward(x) : net->forward(x);
+      const auto forwarded = Clock::now();
       torch::nn::functional::cross_entropy(logits, y).backward();
+      const auto backward_returned = Clock::now();
       opt.step();
-      const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-      if (step >= warmup) step_seconds.push_back(elapsed.count());
+      const auto stop = Clock::now();
+      const std::chrono::duration<double> elapsed = stop - start;
+      if (step < warmup) continue;
+      step_seconds.push_back(elapsed.count());
+      const auto computed =
+          ddp_model ? ddp_model->reducer().last_timeline().backward_finished : backward_returned;
+      phase_ms[0].push_back(ms(zeroed - start));
+      phase_ms[1].push_back(ms(forwarded - zeroed));
+      phase_ms[2].push_back(ms(computed - forwarded));
+      phase_ms[3].push_back(ms(backward_returned - computed));
+      phase_ms[4].push_back(ms(stop - backward_returned));
+    }
+    if (phases) {
+      fmt::print(
+          "rank {} phases_ms zero_grad={:.2f} forward={:.2f} backward={:.2f} sync_wait={:.2f} "
+          "step={:.2f} total={:.2f}\n",
+          rank, median(phase_ms[0]), median(phase_ms[1]), median(phase_ms[2]),
+          median(phase_ms[3]), median(phase_ms[4]), 1e3 * median(step_seconds));
+      std::fflush(stdout);
     }
     double step_s = median(step_seconds);
     group->allreduce(&step_s, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "ddprun/env_tuning.h"
 #include "support/subprocess.h"
 
 namespace ddp::test {
@@ -198,6 +199,36 @@ TEST(Ddprun, PresetOmpNumThreadsIsLeftAlone) {
   ASSERT_EQ(envs.size(), 2u) << r.output;
   for (const auto& [rank, env] : envs)
     EXPECT_EQ(env.at("OMP_NUM_THREADS"), "7") << rank;
+}
+
+TEST(Ddprun, WorkersGetMallocTuningUnlessSetOrTurnedOff) {
+  const auto tuned =
+      run_ddprun({"--nproc-per-node", "2", "/usr/bin/env"}, {{"GLIBC_TUNABLES", std::nullopt}});
+  ASSERT_EQ(tuned.exit_code, 0) << tuned.output;
+  auto envs = env_by_rank(tuned.output);
+  ASSERT_EQ(envs.size(), 2u) << tuned.output;
+  for (const auto& [rank, env] : envs)
+    EXPECT_EQ(env.at("GLIBC_TUNABLES"), ddp::ddprun::kMallocTunables) << rank;
+
+  const auto preset = run_ddprun(
+      {"--nproc-per-node", "2", "/usr/bin/env"},
+      {{"GLIBC_TUNABLES", "glibc.malloc.arena_max=2"}, {"OPENBLAS_CORETYPE", "Haswell"}});
+  ASSERT_EQ(preset.exit_code, 0) << preset.output;
+  for (const auto& [rank, env] : env_by_rank(preset.output)) {
+    EXPECT_EQ(env.at("GLIBC_TUNABLES"), "glibc.malloc.arena_max=2") << rank;
+    EXPECT_EQ(env.at("OPENBLAS_CORETYPE"), "Haswell") << rank;
+  }
+
+  const auto off =
+      run_ddprun({"--no-env-tuning", "--nproc-per-node", "2", "/usr/bin/env"},
+                 {{"GLIBC_TUNABLES", std::nullopt}, {"OPENBLAS_CORETYPE", std::nullopt}});
+  ASSERT_EQ(off.exit_code, 0) << off.output;
+  envs = env_by_rank(off.output);
+  ASSERT_EQ(envs.size(), 2u) << off.output;
+  for (const auto& [rank, env] : envs) {
+    EXPECT_FALSE(env.contains("GLIBC_TUNABLES")) << rank;
+    EXPECT_FALSE(env.contains("OPENBLAS_CORETYPE")) << rank;
+  }
 }
 
 TEST(Ddprun, StandalonePicksAFreePortForAllWorkers) {

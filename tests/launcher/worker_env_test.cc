@@ -1,8 +1,11 @@
 #include "ddprun/worker_env.h"
 
+#include "ddprun/env_tuning.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 
 namespace ddp::ddprun {
 namespace {
@@ -71,6 +74,38 @@ TEST(WorkerEnvironment, OmpNumThreadsIsAtLeastOneAndUserChoiceWins) {
 TEST(WorkerEnvironment, EnvpStringsAreKeyEqualsValue) {
   const auto strings = to_envp_strings({{"A", "1"}, {"B", "x=y"}});
   EXPECT_EQ(strings, (std::vector<std::string>{"A=1", "B=x=y"}));
+}
+
+TEST(EnvTuning, OpenBlasCoreTypeOnlyReplacesTheGenericFallback) {
+  EXPECT_EQ(openblas_coretype_for("Prescott", true, true), "SkylakeX");
+  EXPECT_EQ(openblas_coretype_for("prescott", false, true), "Haswell");
+  EXPECT_EQ(openblas_coretype_for("Prescott", false, false), "");  // nothing better to offer
+  EXPECT_EQ(openblas_coretype_for("Cooperlake", true, true), "");  // OpenBLAS knows the CPU
+  EXPECT_EQ(openblas_coretype_for("Haswell", true, true), "");
+  EXPECT_EQ(openblas_coretype_for("", true, true), "");  // no OpenBLAS
+}
+
+TEST(EnvTuning, AddsMallocTunablesAndLeavesVariablesTheUserSet) {
+  const Environment tuning = choose_env_tuning({{"PATH", "/bin"}});
+  ASSERT_TRUE(tuning.contains("GLIBC_TUNABLES"));
+  EXPECT_EQ(tuning.at("GLIBC_TUNABLES"), kMallocTunables);
+  EXPECT_FALSE(tuning.contains("PATH"));
+  // Whatever the probe found, a forced core type is one of the two ddprun knows.
+  if (tuning.contains("OPENBLAS_CORETYPE")) {
+    EXPECT_TRUE(tuning.at("OPENBLAS_CORETYPE") == "SkylakeX" ||
+                tuning.at("OPENBLAS_CORETYPE") == "Haswell");
+  }
+  const Environment preset = choose_env_tuning(
+      {{"GLIBC_TUNABLES", "glibc.malloc.arena_max=1"}, {"OPENBLAS_CORETYPE", "Zen"}});
+  EXPECT_TRUE(preset.empty());
+}
+
+TEST(EnvTuning, ProbeAnswersWithinASecond) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string core = probe_openblas_core();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  // The test machines install OpenBLAS (scripts/install-deps.sh): it must answer with a name.
+  EXPECT_FALSE(core.empty());
 }
 
 }  // namespace

@@ -59,7 +59,9 @@ Workers get torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
 TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=False, DDP_RESTART_COUNT, and
-OMP_NUM_THREADS (CPUs / local workers) unless it is already set.
+OMP_NUM_THREADS (CPUs / local workers) unless it is already set. Unless --no-env-tuning,
+they also get GLIBC_TUNABLES (malloc keeps freed memory) and, when OpenBLAS does not know
+this CPU, OPENBLAS_CORETYPE, each only where not already set (docs/ddprun.md).
 Output lines are prefixed with the global rank: "[3] text".
 If a worker fails, the others are stopped and ddprun exits with 1 (after --max-restarts
 restarts of the whole local group). Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to
@@ -148,6 +150,10 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
       ->check(whole_number(0, 65535));
   app.add_flag("--standalone", options.standalone,
                "Single-node job on a free local port (implies --nnodes 1 --master-port 0)");
+  bool no_env_tuning = false;
+  app.add_flag("--no-env-tuning", no_env_tuning,
+               "Do not add GLIBC_TUNABLES (malloc keeps freed memory) and OPENBLAS_CORETYPE (when "
+               "OpenBLAS does not know this CPU) to the workers' environment");
   app.add_option("--max-restarts,--max_restarts", options.max_restarts,
                  "Restart the whole local group up to this many times after a failure (default 0)")
       ->check(whole_number(0, 1000000));
@@ -221,6 +227,7 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   options.program = command.front();
   options.program_path = resolve_program(options.program, std::getenv("PATH"));
   options.args.assign(command.begin() + 1, command.end());
+  options.env_tuning = !no_env_tuning;
   return options;
 }
 

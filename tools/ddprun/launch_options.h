@@ -38,6 +38,8 @@ struct LaunchOptions {
   int master_port = 29500;
   bool standalone = false;
   int max_restarts = 0;
+  // Add the variables of env_tuning.h to the workers' environment (--no-env-tuning: don't).
+  bool env_tuning = true;
   // How long stopping workers get between SIGTERM (or the forwarded signal) and SIGKILL.
   std::chrono::milliseconds grace_period{5000};
   std::string program;            // as the user wrote it; becomes the workers' argv[0]

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ddp/error.h"
+#include "ddprun/env_tuning.h"
 #include "ddprun/line_assembler.h"
 #include "ddprun/worker_env.h"
 #include "net/socket.h"
@@ -142,6 +143,7 @@ class Supervisor {
   int master_port_ = 0;
   int cpu_count_ = 1;
   Environment base_env_;
+  Environment tuning_;  // added to every worker's environment (env_tuning.h)
   sigset_t original_mask_{};
   sigset_t handled_{};
   struct sigaction original_sigpipe_ {};
@@ -157,6 +159,7 @@ class Supervisor {
 Supervisor::Supervisor(const LaunchOptions& options) : options_(options) {
   cpu_count_ = usable_cpu_count();
   base_env_ = current_environment();
+  if (options.env_tuning) tuning_ = choose_env_tuning(base_env_);
   master_port_ = options.master_port != 0 ? options.master_port : net::pick_free_port();
 
   sigemptyset(&handled_);
@@ -297,6 +300,7 @@ bool Supervisor::start_workers(int restart_count) {
                             .restart_count = restart_count,
                             .master_port = master_port_,
                             .cpu_count = cpu_count_});
+    env.insert(tuning_.begin(), tuning_.end());  // never replaces a variable already there
     if (spawn(worker, to_envp_strings(env)) < 0) return false;
   }
   return true;
