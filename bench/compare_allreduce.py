@@ -6,6 +6,7 @@
 
 Measures, for the same sizes and world size (default 2, all ranks on this host):
   ddp-ring         ddp-bench --backend ring under ddprun, loopback TCP (DDP_TRANSPORT=tcp)
+  ddp-shm          the same with DDP_TRANSPORT=auto: the ranks share memory (src/comm/shm)
   ddp-mpi          ddp-bench --backend mpi under mpirun (when this build has the mpi backend)
   gloo             torch.distributed's gloo (bench/gloo_allreduce.py, Debian's python3-torch,
                    run by /usr/bin/python3; the processes are started here, not by torchrun)
@@ -41,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = "/usr/bin/python3"  # sees Debian's python3-torch; a pyenv python3 may not
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
-PEERS = ["ddp-ring", "ddp-mpi", "gloo", "openmpi-tcp", "openmpi"]
+PEERS = ["ddp-ring", "ddp-shm", "ddp-mpi", "gloo", "openmpi-tcp", "openmpi"]
 
 
 def parse_size(text):
@@ -100,7 +101,7 @@ class Runner:
         self.common = ["--sizes", self.sizes, "--iters", str(args.iters),
                        "--warmup", str(args.warmup)]
 
-    def ddp_bench(self, backend, check=False):
+    def ddp_bench(self, backend, check=False, transport="tcp"):
         bench = str(self.bin / "ddp-bench")
         # Timed runs do nothing between iterations but the barrier, like the peers; correctness
         # is checked in a separate short run (check=True), where every iteration is verified.
@@ -111,7 +112,7 @@ class Runner:
         if backend == "ring":
             argv = [str(self.bin / "ddprun"), "--standalone", "--nproc-per-node",
                     str(self.args.world_size), bench, *args]
-            env = self.env
+            env = dict(self.env, DDP_TRANSPORT=transport)
         else:
             # The rendezvous store still needs a port; a free one, not the default 29500.
             env = dict(self.env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -169,6 +170,8 @@ class Runner:
     def measure(self, peer, check=False):
         if peer == "ddp-ring":
             return self.ddp_bench("ring", check)
+        if peer == "ddp-shm":
+            return self.ddp_bench("ring", check, transport="auto")
         if peer == "ddp-mpi":
             return self.ddp_bench("mpi", check)
         if peer == "gloo":
@@ -363,6 +366,21 @@ def main():
         scope = "" if args.world_size == 2 else " (defined for world size 2)"
         lines.append(f"Targets{scope}:")
         lines += [f"- {c}" for c in checks]
+    # Shared memory against OpenMPI's (world sizes 2 and 4): x = OpenMPI's time / ddp-shm's.
+    shm, ompi = table.get("ddp-shm", {}), table.get("openmpi", {})
+    shm_checks = []
+    for nbytes, minimum, wording in (
+            (1024, 1 / 1.5, "1 KiB: ddp-shm latency {t:.2f}× OpenMPI's (target ≤ 1.5×)"),
+            (1 << 20, 1.0, "1 MiB: ddp-shm busbw {x:.2f}× OpenMPI's (target ≥ 1×)"),
+            (64 << 20, 1.0, "64 MiB: ddp-shm busbw {x:.2f}× OpenMPI's (target ≥ 1×)")):
+        if nbytes in shm and nbytes in ompi:
+            x = ompi[nbytes]["time_us"] / shm[nbytes]["time_us"]
+            shm_checks.append(wording.format(x=x, t=1 / x) + (": PASS" if x >= minimum else
+                                                               ": FAIL"))
+    if shm_checks:
+        lines.append("")
+        lines.append("Shared-memory targets (against OpenMPI's default transports):")
+        lines += [f"- {c}" for c in shm_checks]
     print("\n".join(lines), flush=True)
 
     if args.json_out:

@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
   bool as_view = false;
   std::string hook = "none";
   bool phases = false;
+  bool broadcast_buffers = true;
   app.add_option("--model", model_name, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}));
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
@@ -69,6 +70,9 @@ int main(int argc, char** argv) {
   app.add_flag("--gradient-as-bucket-view", as_view, "gradients are views of the buckets");
   app.add_option("--comm-hook", hook, "none, fp16 or bf16")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}));
+  app.add_flag(
+      "!--no-broadcast-buffers", broadcast_buffers,
+      "DDP option broadcast_buffers = false (rank 0's buffers are not broadcast in forward)");
   app.add_flag("--phases", phases,
                "also print each rank's median time per phase of a step (zero_grad, forward, "
                "backward until autograd finished, waiting for the last bucket, optimizer step)");
@@ -87,13 +91,12 @@ int main(int argc, char** argv) {
     auto net = make_model(model_name);
     std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
     if (world > 1) {
-      ddp_model =
-          ddp::DistributedDataParallel(
-              net, group,
-              {.bucket_cap_mb = bucket_cap_mb,
-               .first_bucket_cap_mb = first_bucket_cap_mb,
-               .gradient_as_bucket_view = as_view})
-              .ptr();
+      ddp_model = ddp::DistributedDataParallel(net, group,
+                                               {.bucket_cap_mb = bucket_cap_mb,
+                                                .first_bucket_cap_mb = first_bucket_cap_mb,
+                                                .broadcast_buffers = broadcast_buffers,
+                                                .gradient_as_bucket_view = as_view})
+                      .ptr();
       if (hook == "fp16") ddp_model->register_comm_hook(ddp::fp16_compress_hook());
       if (hook == "bf16") ddp_model->register_comm_hook(ddp::bf16_compress_hook());
     }
@@ -103,7 +106,9 @@ int main(int argc, char** argv) {
     const auto y = torch::randint(0, 10, {batch_size});
 
     using Clock = std::chrono::steady_clock;
-    auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+    auto ms = [](Clock::duration d) {
+      return std::chrono::duration<double, std::milli>(d).count();
+    };
     std::vector<double> step_seconds;
     // zero_grad, forward, backward compute, waiting for the reductions, optimizer step (ms).
     std::vector<std::vector<double>> phase_ms(5);
@@ -132,8 +137,8 @@ int main(int argc, char** argv) {
       fmt::print(
           "rank {} phases_ms zero_grad={:.2f} forward={:.2f} backward={:.2f} sync_wait={:.2f} "
           "step={:.2f} total={:.2f}\n",
-          rank, median(phase_ms[0]), median(phase_ms[1]), median(phase_ms[2]),
-          median(phase_ms[3]), median(phase_ms[4]), 1e3 * median(step_seconds));
+          rank, median(phase_ms[0]), median(phase_ms[1]), median(phase_ms[2]), median(phase_ms[3]),
+          median(phase_ms[4]), 1e3 * median(step_seconds));
       std::fflush(stdout);
     }
     double step_s = median(step_seconds);

@@ -905,7 +905,10 @@ void RingProcessGroup::worker_idle_wait(std::unique_lock<std::mutex>& lock) {
 // hand-off); the worker takes it only if nobody has.
 void RingProcessGroup::linger(std::unique_lock<std::mutex>& lock) {
   constexpr auto kLeaveToCaller = std::chrono::microseconds(20);
-  if (options_.worker_linger.count() <= 0) return;
+  // Callers that wait at once run their work themselves: a lingering worker would only compete
+  // with them for the cores (and, having taken one operation, go on taking the next ones, each a
+  // hand-off: 1 KiB over shared memory took 54 µs instead of 1.3 in that state).
+  if (options_.worker_linger.count() <= 0 || prompt_waits_ >= kPromptWaitsForLazyWake) return;
   worker_lingering_ = true;
   const auto until = net::Clock::now() + options_.worker_linger;
   std::optional<net::Clock::time_point> work_seen;
@@ -926,6 +929,14 @@ void RingProcessGroup::linger(std::unique_lock<std::mutex>& lock) {
 
 void RingProcessGroup::run_inline_until(RingWork& work) {
   std::unique_lock lock(queue_mutex_);
+  // A caller that comes for its work at once can be left to run the next ones itself (also when
+  // the worker got to this one first).
+  auto now = net::Clock::now();
+  if (now - work.enqueued_at() < kPromptWait) {
+    if (prompt_waits_ < kPromptWaitsForLazyWake) ++prompt_waits_;
+  } else {
+    prompt_waits_ = 0;
+  }
   if (executing_ || work.is_completed()) {
     lock.unlock();
     // Another thread runs it: poll briefly for completion before the caller sleeps.
@@ -936,13 +947,6 @@ void RingProcessGroup::run_inline_until(RingWork& work) {
   }
   executing_ = true;
   work_left_to_caller_ = false;  // whatever this thread leaves queued is the worker's
-  // A caller that comes for its work at once can be left to run the next ones itself.
-  auto now = net::Clock::now();
-  if (now - work.enqueued_at() < kPromptWait) {
-    if (prompt_waits_ < kPromptWaitsForLazyWake) ++prompt_waits_;
-  } else {
-    prompt_waits_ = 0;
-  }
   while (!work.is_completed() && !queue_.empty()) {
     std::shared_ptr<RingWork> next = std::move(queue_.front());
     queue_.pop_front();
