@@ -35,6 +35,13 @@ struct CallOptions {
   std::chrono::milliseconds timeout{0};
 };
 
+// One piece of a buffer made of several (see ProcessGroup::allreduce_segments): `count` elements
+// at `data`.
+struct BufferSegment {
+  void* data = nullptr;
+  std::size_t count = 0;
+};
+
 class ProcessGroup {
  public:
   ProcessGroup(int rank, int size) : rank_(rank), size_(size) {}
@@ -54,6 +61,14 @@ class ProcessGroup {
                                   CallOptions options = {}) {
     return allreduce(buf, buf, count, dtype, op, options);
   }
+
+  // In-place allreduce of the concatenation of `segments` (elements of `dtype`): the same
+  // collective as allreduce() of their total count, so ranks may mix the two calls. A backend that
+  // can read and write the pieces where they lie (ring over shared memory) does so; the others
+  // pack them into a temporary buffer and unpack it when the operation completes (before wait()
+  // returns). The pieces must not overlap and must stay valid until the Work completes.
+  virtual std::shared_ptr<Work> allreduce_segments(std::vector<BufferSegment> segments, DType dtype,
+                                                   ReduceOp op, CallOptions options = {});
 
   // buf on every rank = buf on `root`.
   virtual std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,

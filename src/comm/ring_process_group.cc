@@ -140,6 +140,7 @@ struct OpArgs {
   OpHeader header;    // sent (and for collectives, expected)
   OpHeader expected;  // p2p recv: what the sender's header must be
   std::string label;  // replaces the description (the steps of a hierarchical allreduce)
+  std::vector<BufferSegment> segments;  // allreduce_segments over shared memory (send/recv null)
 
   // Formatted when needed (errors, TCP steps), not on every call: it allocates.
   std::string description() const {
@@ -197,6 +198,24 @@ class RingProcessGroup final : public ProcessGroup,
             : tcp_allreduce_algorithm(bytes_of(count, dtype, "allreduce"), count);
     return enqueue(make_args(OpKind::kAllreduce, send, recv, count, dtype, op, -1, algorithm),
                    options);
+  }
+
+  std::shared_ptr<Work> allreduce_segments(std::vector<BufferSegment> segments, DType dtype,
+                                           ReduceOp op, CallOptions options) override {
+    // Only the shared-memory domain reads and writes the pieces where they lie; the TCP and
+    // hierarchical algorithms work on one buffer, packed by the base class.
+    if (mode_ != Mode::kShm) {
+      return ProcessGroup::allreduce_segments(std::move(segments), dtype, op, options);
+    }
+    std::size_t count = 0;
+    for (const auto& segment : segments) {
+      check_buffer(segment.data, segment.count, "allreduce_segments", "segment");
+      count += segment.count;
+    }
+    OpArgs args = make_args(OpKind::kAllreduce, nullptr, nullptr, count, dtype, op, -1,
+                            Algorithm::kSharedMemory);
+    args.segments = std::move(segments);
+    return enqueue(std::move(args), options);
   }
 
   std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,
@@ -1205,6 +1224,9 @@ void RingProcessGroup::run_shm(const OpArgs& a, net::Deadline deadline) {
   auto& d = *domain_;
   switch (a.kind) {
     case OpKind::kAllreduce:
+      if (!a.segments.empty()) {
+        return d.allreduce_segments(a.segments, a.dtype, a.op, a.header, deadline);
+      }
       return d.allreduce(a.send, a.recv, a.count, a.dtype, a.op, a.header, deadline);
     case OpKind::kBroadcast:
       return d.broadcast(a.recv, a.count, a.dtype, a.root, a.header, deadline);

@@ -26,6 +26,11 @@ struct Reducer::Bucket {
   std::size_t pending = 0;            // parameters not yet ready in this pass
   BucketReduction reduction;          // the reduction in flight, once launched
   bool launched = false;
+  // Per parameter of this pass: its gradient was left where it is (not copied into `views`), to
+  // be reduced in place if the whole bucket can be (see mark_ready). Set once reduced that way.
+  std::vector<char> left_in_place;
+  std::size_t left_in_place_count = 0;
+  bool reduced_in_place = false;
   // Set by the Work's completion callback (any thread): steady-clock nanoseconds, 0 = not yet.
   std::shared_ptr<std::atomic<std::int64_t>> completed_ns;
 };
@@ -163,6 +168,7 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
       slots_[i] = Slot{b, k};
     }
     bucket.pending = bucket.params.size();
+    bucket.left_in_place.assign(bucket.params.size(), 0);
   }
   buckets_ = std::move(buckets);
 
@@ -199,6 +205,7 @@ void Reducer::autograd_hook(std::size_t param) {
     timeline_ = BackwardTimeline{};
     timeline_.bucket_launched.resize(buckets_.size());
     timeline_.bucket_completed.resize(buckets_.size());
+    timeline_.bucket_in_place.resize(buckets_.size());
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
   }
   if (!unused_marked_) {
@@ -238,8 +245,16 @@ void Reducer::mark_ready(std::size_t param, bool has_grad) {
             names_[param], fmt::join(grad.sizes(), "x"), c10::toString(grad.scalar_type()),
             fmt::join(view.sizes(), "x"), c10::toString(view.scalar_type())));
       }
-      view.copy_(grad);
-      if (options_.gradient_as_bucket_view) grad = slot_view(param);
+      if (can_reduce_in_place(grad)) {
+        // Copied (or not at all) only when the bucket is launched: if every gradient of the
+        // bucket qualifies, the engine reduces them where they are, without the round trip
+        // through the bucket (for a large model the copies cost as much as the reduction).
+        bucket.left_in_place[slot.index] = 1;
+        ++bucket.left_in_place_count;
+      } else {
+        view.copy_(grad);
+        if (options_.gradient_as_bucket_view) grad = slot_view(param);
+      }
     }
   } else {
     view.zero_();
@@ -253,21 +268,62 @@ void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     const std::size_t b = next_bucket_++;
     auto& bucket = buckets_[b];
+    timeline_.bucket_launched[b] = Clock::now();
+    bucket.launched = true;
+    bucket.completed_ns = std::make_shared<std::atomic<std::int64_t>>(0);
+    if (bucket.left_in_place_count == bucket.params.size()) {
+      reduce_in_place(bucket);
+      timeline_.bucket_in_place[b] = true;
+    } else {
+      launch_through_hook(b);
+    }
+    if (bucket.reduction.work) {
+      bucket.reduction.work->then([done = bucket.completed_ns](Work&) {
+        done->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+      });
+    }
+  }
+}
+
+bool Reducer::can_reduce_in_place(const torch::Tensor& grad) const {
+  return !custom_hook_ && !options_.gradient_as_bucket_view && grad.is_contiguous() &&
+         grad.device().is_cpu() && !grad.is_sparse();
+}
+
+void Reducer::reduce_in_place(Bucket& bucket) {
+  std::vector<BufferSegment> segments;
+  segments.reserve(bucket.params.size());
+  for (const auto i : bucket.params) {
+    torch::Tensor& grad = parameters_[i].mutable_grad();
+    segments.push_back({grad.data_ptr(), static_cast<std::size_t>(grad.numel())});
+  }
+  bucket.reduction = {
+      group_->allreduce_segments(std::move(segments), to_dtype(bucket.contents.scalar_type()),
+                                 ReduceOp::kAvg),
+      {}};
+  bucket.reduced_in_place = true;
+}
+
+void Reducer::launch_through_hook(std::size_t b) {
+  auto& bucket = buckets_[b];
+  {
+    torch::NoGradGuard no_grad;
+    // Gradients left in place for a reduction that this bucket cannot do: into the bucket now.
+    for (std::size_t k = 0; k < bucket.params.size() && bucket.left_in_place_count > 0; ++k) {
+      if (!bucket.left_in_place[k]) continue;
+      bucket.views[k].copy_(parameters_[bucket.params[k]].mutable_grad());
+      bucket.left_in_place[k] = 0;
+      --bucket.left_in_place_count;
+    }
+  }
+  {
     GradBucket grad_bucket{.index = b,
                            .buffer = bucket.contents,
                            .gradients = bucket.views,
                            .is_last = b + 1 == buckets_.size()};
     for (const auto i : bucket.params)
       grad_bucket.parameter_names.push_back(names_[i]);
-    timeline_.bucket_launched[b] = Clock::now();
     bucket.reduction = comm_hook_(*group_, grad_bucket);
-    bucket.launched = true;
-    bucket.completed_ns = std::make_shared<std::atomic<std::int64_t>>(0);
-    if (bucket.reduction.work) {
-      bucket.reduction.work->then([done = bucket.completed_ns](Work&) {
-        done->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
-      });
-    }
   }
 }
 
@@ -289,6 +345,9 @@ void Reducer::reset_iteration() {
     bucket.pending = bucket.params.size();
     bucket.reduction = {};
     bucket.launched = false;
+    std::fill(bucket.left_in_place.begin(), bucket.left_in_place.end(), 0);
+    bucket.left_in_place_count = 0;
+    bucket.reduced_in_place = false;
   }
   next_bucket_ = 0;
   callback_queued_ = false;
@@ -341,6 +400,7 @@ void Reducer::finalize_backward() {
     for (std::size_t i = 0; i < parameters_.size(); ++i) {
       if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
       torch::Tensor& grad = parameters_[i].mutable_grad();
+      if (buckets_[slots_[i].bucket].reduced_in_place) continue;  // averaged where it lies
       if (is_bucket_view(i, grad)) continue;  // gradient_as_bucket_view: already in place
       const auto& view = buckets_[slots_[i].bucket].views[slots_[i].index];
       if (options_.gradient_as_bucket_view) {
@@ -467,6 +527,7 @@ void Reducer::register_comm_hook(CommHook hook) {
   if (!hook) throw ConfigError("register_comm_hook: the hook is empty");
   std::lock_guard lock(mutex_);
   comm_hook_ = std::move(hook);
+  custom_hook_ = true;
 }
 
 std::vector<std::vector<std::size_t>> Reducer::bucket_assignment() const {

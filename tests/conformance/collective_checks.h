@@ -27,6 +27,8 @@
 namespace ddp::conformance {
 
 void check_allreduce(ProcessGroup& pg);
+// allreduce_segments, mixed with plain allreduce of the same count on odd ranks.
+void check_allreduce_segments(ProcessGroup& pg);
 void check_broadcast(ProcessGroup& pg);
 void check_reduce(ProcessGroup& pg);
 void check_allgather(ProcessGroup& pg);

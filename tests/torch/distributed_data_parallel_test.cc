@@ -355,6 +355,51 @@ TEST(DistributedDataParallel, BucketReductionsStartBeforeBackwardEnds) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// With the default hook and gradient_as_bucket_view off, every bucket's gradients are averaged
+// where they lie (no copy through the bucket) over both transports; a registered hook, even the
+// default allreduce_hook(), takes the bucket path. The equivalence tests check the values.
+TEST(DistributedDataParallel, GradientsAreAveragedInPlaceUnlessAHookIsRegistered) {
+  for (const char* transport : {"auto", "tcp"}) {
+    for (const bool with_hook : {false, true}) {
+      const int port = test::free_port();
+      const auto results = run_ranks(2, [&](int rank) {
+        ::setenv("DDP_TRANSPORT", transport, 1);
+        auto pg = join_group(rank, 2, port);
+        Mlp net;
+        DistributedDataParallel model(net.ptr(), pg,
+                                      {.bucket_cap_mb = 0.001, .first_bucket_cap_mb = 0.001});
+        if (with_hook) model->register_comm_hook(allreduce_hook());
+        torch::manual_seed(rank);
+        for (int step = 0; step < 3; ++step) {
+          model->zero_grad();
+          model->forward(torch::randn({8, 20})).square().mean().backward();
+          const auto in_place = model->reducer().last_timeline().bucket_in_place;
+          if (in_place.size() < 2) throw std::runtime_error("expected several buckets");
+          for (std::size_t b = 0; b < in_place.size(); ++b) {
+            if (in_place[b] == with_hook) {
+              throw std::runtime_error(
+                  fmt::format("transport {}, {}: bucket {} {} reduced in place at step {}",
+                              transport, with_hook ? "hook registered" : "default hook", b,
+                              in_place[b] ? "was" : "was not", step));
+            }
+          }
+          expect_identical_across_ranks(
+              *pg,
+              [&] {
+                std::vector<torch::Tensor> grads;
+                for (const auto& p : model->parameters())
+                  grads.push_back(p.grad());
+                return grads;
+              }(),
+              fmt::format("gradients after step {}", step));
+        }
+      });
+      SCOPED_TRACE(fmt::format("transport {}, {}", transport, with_hook ? "hook" : "default"));
+      EXPECT_ALL_RANKS_OK(results);
+    }
+  }
+}
+
 // One Linear applied twice, and a second module registering the first one's weight again.
 struct TiedImpl : torch::nn::Module {
   TiedImpl() {

@@ -51,8 +51,12 @@ struct BackwardTimeline {
   using TimePoint = std::chrono::steady_clock::time_point;
   std::vector<TimePoint> bucket_launched;   // per bucket, when its reduction started
   std::vector<TimePoint> bucket_completed;  // per bucket, when its reduction finished
-  TimePoint backward_finished{};            // when autograd finished computing (final callback)
-  TimePoint synchronised{};                 // when every average was in place
+  // Per bucket: its gradients were averaged where they lie (ProcessGroup::allreduce_segments)
+  // instead of through the bucket's flat buffer and the comm hook. Happens with the default hook,
+  // gradient_as_bucket_view off and contiguous gradients.
+  std::vector<bool> bucket_in_place;
+  TimePoint backward_finished{};  // when autograd finished computing (final callback)
+  TimePoint synchronised{};       // when every average was in place
 };
 
 class Reducer {
@@ -97,6 +101,9 @@ class Reducer {
   void autograd_hook(std::size_t param);
   void mark_ready(std::size_t param, bool has_grad);
   void launch_ready_buckets();
+  bool can_reduce_in_place(const torch::Tensor& grad) const;
+  void reduce_in_place(Bucket& bucket);
+  void launch_through_hook(std::size_t bucket);
   void finalize_backward();
   void wait_for_launched_buckets() noexcept;
   void reset_iteration();
@@ -108,6 +115,7 @@ class Reducer {
   std::shared_ptr<ProcessGroup> group_;
   ReducerOptions options_;
   CommHook comm_hook_;
+  bool custom_hook_ = false;  // register_comm_hook was called: buckets go through comm_hook_
 
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::vector<std::uintptr_t> hook_keys_;

@@ -714,18 +714,66 @@ void check_buffer(const void* p, std::size_t count, const char* what) {
 
 }  // namespace
 
-void ShmDomain::run_small_allreduce(const void* send, void* recv, std::size_t count, DType dtype,
-                                    ReduceOp op) {
+// A buffer as the allreduce sees it: one contiguous range, or the segments of allreduce_segments
+// one after the other. for_each(first, n, fn) calls fn(piece, at, len) for each contiguous piece
+// of elements [first, first + n): `piece` points at element first + at, `len` elements long.
+class ShmDomain::Pieces {
+ public:
+  Pieces(const void* data, std::size_t count, std::size_t element_bytes)
+      : element_bytes_(element_bytes) {
+    segments_.push_back({const_cast<void*>(data), count});
+    ends_.push_back(count);
+  }
+  Pieces(std::span<const BufferSegment> segments, std::size_t element_bytes)
+      : element_bytes_(element_bytes) {
+    std::size_t end = 0;
+    for (const auto& segment : segments) {
+      if (segment.count == 0) continue;
+      end += segment.count;
+      segments_.push_back(segment);
+      ends_.push_back(end);
+    }
+  }
+
+  template <typename Fn>
+  void for_each(std::size_t first, std::size_t n, Fn&& fn) const {
+    if (n == 0) return;
+    // The first segment that ends after `first`.
+    auto k = static_cast<std::size_t>(std::upper_bound(ends_.begin(), ends_.end(), first) -
+                                      ends_.begin());
+    std::size_t at = 0;
+    while (at < n) {
+      const std::size_t begin = ends_[k] - segments_[k].count;
+      const std::size_t offset = first + at - begin;
+      const std::size_t len = std::min(n - at, segments_[k].count - offset);
+      fn(static_cast<std::byte*>(segments_[k].data) + offset * element_bytes_, at, len);
+      at += len;
+      ++k;
+    }
+  }
+
+ private:
+  std::size_t element_bytes_;
+  std::vector<BufferSegment> segments_;
+  std::vector<std::size_t> ends_;  // element index after each segment
+};
+
+void ShmDomain::run_small_allreduce(const Pieces& in, const Pieces& out, std::size_t count,
+                                    DType dtype, ReduceOp op) {
   const int parity = static_cast<int>(calls_ & 1);
-  const std::size_t bytes = count * dtype_size(dtype);
+  const std::size_t esize = dtype_size(dtype);
   controls(segment_)[rank_].headers[parity] = header_;
-  std::memcpy(small_slot(rank_, parity), send, bytes);
+  std::byte* mine = small_slot(rank_, parity);
+  in.for_each(0, count, [&](const std::byte* piece, std::size_t at, std::size_t len) {
+    std::memcpy(mine + at * esize, piece, len * esize);
+  });
   publish();
   arrive();
   announce_and_check();
-  reduce_in_rank_order(
-      static_cast<std::byte*>(recv), [&](int r) { return small_slot(r, parity); }, count, dtype, op,
-      size_);
+  out.for_each(0, count, [&](std::byte* piece, std::size_t at, std::size_t len) {
+    reduce_in_rank_order(
+        piece, [&](int r) { return small_slot(r, parity) + at * esize; }, len, dtype, op, size_);
+  });
 }
 
 void ShmDomain::allreduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
@@ -734,38 +782,62 @@ void ShmDomain::allreduce(const void* send, void* recv, std::size_t count, DType
   check_buffer(send, count, "send");
   check_buffer(recv, count, "recv");
   const std::size_t esize = dtype_size(dtype);
+  run_allreduce(Pieces(send, count, esize), Pieces(recv, count, esize), count, dtype, op, header,
+                deadline);
+}
+
+void ShmDomain::allreduce_segments(std::span<const BufferSegment> segments, DType dtype,
+                                   ReduceOp op, const OpHeader& header, Deadline deadline) {
+  std::size_t count = 0;
+  for (const auto& segment : segments) {
+    check_buffer(segment.data, segment.count, "a segment");
+    count += segment.count;
+  }
+  check_header(header, OpKind::kAllreduce, count, dtype, -1, size_);
+  const Pieces buffer(segments, dtype_size(dtype));
+  run_allreduce(buffer, buffer, count, dtype, op, header, deadline);
+}
+
+void ShmDomain::run_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
+                              ReduceOp op, const OpHeader& header, Deadline deadline) {
+  const std::size_t esize = dtype_size(dtype);
   guarded(header, deadline, [&] {
     if (count * esize <= options_.small_bytes && count > 0) {
-      run_small_allreduce(send, recv, count, dtype, op);
+      run_small_allreduce(in, out, count, dtype, op);
       return;
     }
-    const auto* in = static_cast<const std::byte*>(send);
-    auto* out = static_cast<std::byte*>(recv);
-    // Nobody else reads this rank's slice of its input, so it stays in `send` (saves 1/N of the
-    // copy-in) and the reduction reads it from there.
+    // Nobody else reads this rank's slice of its input, so it stays where it is (saves 1/N of
+    // the copy-in) and the reduction reads it from there.
     auto copy_in_but_own_slice = [&](std::size_t first, std::size_t len, int p) {
       const auto [begin, n] = slice_of(len, rank_, size_, esize);
       std::byte* slot = input_slot(rank_, p);
-      std::memcpy(slot, in + first * esize, begin * esize);
-      std::memcpy(slot + (begin + n) * esize, in + (first + begin + n) * esize,
-                  (len - begin - n) * esize);
+      auto copy_at = [&](std::size_t from) {
+        return [&, from](const std::byte* piece, std::size_t at, std::size_t m) {
+          std::memcpy(slot + (from + at) * esize, piece, m * esize);
+        };
+      };
+      in.for_each(first, begin, copy_at(0));
+      in.for_each(first + begin + n, len - begin - n, copy_at(begin + n));
     };
     auto reduce_own_slice = [&](std::size_t first, std::size_t len, int p) {
       const auto [begin, n] = slice_of(len, rank_, size_, esize);
-      const std::size_t offset = begin * esize;
-      reduce_in_rank_order(
-          result_slot(p) + offset,
-          [&](int r) {
-            return r == rank_ ? in + (first + begin) * esize : input_slot(r, p) + offset;
-          },
-          n, dtype, op, size_);
+      in.for_each(first + begin, n, [&](const std::byte* piece, std::size_t at, std::size_t m) {
+        const std::size_t offset = (begin + at) * esize;
+        reduce_in_rank_order(
+            result_slot(p) + offset,
+            [&](int r) { return r == rank_ ? piece : input_slot(r, p) + offset; }, m, dtype, op,
+            size_);
+      });
     };
     run_chunked(
         count, options_.slot_bytes / esize,
         [&](std::size_t first, std::size_t len, int p) { copy_in_but_own_slice(first, len, p); },
         [&](std::size_t first, std::size_t len, int p) { reduce_own_slice(first, len, p); },
         [&](std::size_t first, std::size_t len, int p) {
-          std::memcpy(out + first * esize, result_slot(p), len * esize);
+          const std::byte* result = result_slot(p);
+          out.for_each(first, len, [&](std::byte* piece, std::size_t at, std::size_t m) {
+            std::memcpy(piece, result + at * esize, m * esize);
+          });
         });
   });
 }

@@ -31,11 +31,13 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "comm/wire.h"
 #include "ddp/comm_error.h"
+#include "ddp/process_group.h"
 #include "ddp/store.h"
 #include "ddp/types.h"
 #include "net/socket.h"
@@ -103,6 +105,10 @@ class ShmDomain {
   // in rank order, or by every rank in the same order.
   void allreduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
                  const OpHeader& header, Deadline deadline);
+  // In place over the concatenation of `segments` (ProcessGroup::allreduce_segments): the same
+  // call as allreduce() of their total count, reading and writing the pieces where they lie.
+  void allreduce_segments(std::span<const BufferSegment> segments, DType dtype, ReduceOp op,
+                          const OpHeader& header, Deadline deadline);
   void broadcast(void* buf, std::size_t count, DType dtype, int root, const OpHeader& header,
                  Deadline deadline);
   // recv is written on `root` only (may be null elsewhere).
@@ -143,7 +149,10 @@ class ShmDomain {
   template <typename CopyIn, typename Compute, typename CopyOut>
   void run_chunked(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in, Compute&& compute,
                    CopyOut&& copy_out);
-  void run_small_allreduce(const void* send, void* recv, std::size_t count, DType dtype,
+  class Pieces;  // a contiguous buffer or several segments (shm_domain.cc)
+  void run_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
+                     ReduceOp op, const OpHeader& header, Deadline deadline);
+  void run_small_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
                            ReduceOp op);
 
   template <typename Fn>

@@ -1,0 +1,41 @@
+#include "ddp/process_group.h"
+
+#include <cstring>
+
+#include "comm/argument_checks.h"
+
+namespace ddp {
+
+// The portable allreduce_segments: pack, allreduce the packed buffer, unpack on success. The
+// unpacking is a completion callback, so it has run when wait() returns.
+std::shared_ptr<Work> ProcessGroup::allreduce_segments(std::vector<BufferSegment> segments,
+                                                       DType dtype, ReduceOp op,
+                                                       CallOptions options) {
+  comm::check_enums("allreduce_segments", dtype, op);
+  std::size_t total = 0;
+  for (const auto& segment : segments) {
+    comm::check_buffer(segment.data, segment.count, "allreduce_segments", "segment");
+    total += segment.count;
+  }
+  const std::size_t element_bytes = dtype_size(dtype);
+  auto packed = std::make_shared<std::vector<std::byte>>(total * element_bytes);
+  std::size_t offset = 0;
+  for (const auto& segment : segments) {
+    if (segment.count == 0) continue;
+    std::memcpy(packed->data() + offset, segment.data, segment.count * element_bytes);
+    offset += segment.count * element_bytes;
+  }
+  auto work = allreduce(packed->data(), total, dtype, op, options);
+  work->then([packed, segments = std::move(segments), element_bytes](Work& done) {
+    if (done.error()) return;
+    std::size_t at = 0;
+    for (const auto& segment : segments) {
+      if (segment.count == 0) continue;
+      std::memcpy(segment.data, packed->data() + at, segment.count * element_bytes);
+      at += segment.count * element_bytes;
+    }
+  });
+  return work;
+}
+
+}  // namespace ddp
