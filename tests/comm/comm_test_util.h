@@ -1,9 +1,5 @@
-// Helpers for the collective tests: a group per rank on a FileStore, deterministic per-rank
-// inputs for every dtype, and locally computed expected results.
-//
-// Inputs are small integers (-2..2, or 0..4 for uint8), so sums and products over up to 8 ranks
-// are exact in every float type and the reference is independent of reduction order; an average
-// is one division of the exact sum, rounded once, as the engine does.
+// Helpers for the collective tests: a group per rank on a FileStore, the transports the suites
+// run over, and byte comparisons. Inputs and expected results: support/reference_values.h.
 #pragma once
 
 #include <stdlib.h>
@@ -21,6 +17,7 @@
 #include "comm/file_store.h"
 #include "comm/reduce_kernels.h"
 #include "ddp/ring_process_group.h"
+#include "support/reference_values.h"
 
 namespace ddp::test {
 
@@ -98,123 +95,6 @@ inline const DType kAllDTypes[] = {DType::kFloat32,  DType::kFloat64, DType::kFl
                                    DType::kInt32,    DType::kInt64};
 inline const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
                                    ReduceOp::kProduct};
-
-// The input value of element i on `rank` (salt varies it between calls).
-inline long long input_value(DType dtype, int rank, std::size_t i, int salt) {
-  const long long v = static_cast<long long>((static_cast<std::size_t>(rank) * 7 + i * 3 +
-                                              static_cast<std::size_t>(salt) * 11 + 1) %
-                                             5) -
-                      2;
-  return dtype == DType::kUInt8 ? v + 2 : v;
-}
-
-inline void store_value(DType dtype, std::byte* p, double value) {
-  switch (dtype) {
-    case DType::kFloat32: {
-      const auto v = static_cast<float>(value);
-      std::memcpy(p, &v, 4);
-      return;
-    }
-    case DType::kFloat64:
-      std::memcpy(p, &value, 8);
-      return;
-    case DType::kFloat16: {
-      const auto v = comm::float_to_half(static_cast<float>(value));
-      std::memcpy(p, &v, 2);
-      return;
-    }
-    case DType::kBFloat16: {
-      const auto v = comm::float_to_bfloat16(static_cast<float>(value));
-      std::memcpy(p, &v, 2);
-      return;
-    }
-    case DType::kInt8: {
-      const auto v = static_cast<std::int8_t>(static_cast<long long>(value));
-      std::memcpy(p, &v, 1);
-      return;
-    }
-    case DType::kUInt8: {
-      const auto v = static_cast<std::uint8_t>(static_cast<long long>(value));
-      std::memcpy(p, &v, 1);
-      return;
-    }
-    case DType::kInt32: {
-      const auto v = static_cast<std::int32_t>(static_cast<long long>(value));
-      std::memcpy(p, &v, 4);
-      return;
-    }
-    case DType::kInt64: {
-      const auto v = static_cast<std::int64_t>(value);
-      std::memcpy(p, &v, 8);
-      return;
-    }
-  }
-}
-
-inline std::vector<std::byte> make_input(DType dtype, std::size_t count, int rank, int salt) {
-  const std::size_t esz = dtype_size(dtype);
-  std::vector<std::byte> buf(count * esz);
-  for (std::size_t i = 0; i < count; ++i) {
-    store_value(dtype, buf.data() + i * esz,
-                static_cast<double>(input_value(dtype, rank, i, salt)));
-  }
-  return buf;
-}
-
-inline bool is_float(DType d) {
-  return d == DType::kFloat32 || d == DType::kFloat64 || d == DType::kFloat16 ||
-         d == DType::kBFloat16;
-}
-
-// Element-wise reduction over ranks 0..size-1 of make_input(...).
-inline std::vector<std::byte> expected_reduction(DType dtype, ReduceOp op, std::size_t count,
-                                                 int size, int salt) {
-  const std::size_t esz = dtype_size(dtype);
-  std::vector<std::byte> out(count * esz);
-  for (std::size_t i = 0; i < count; ++i) {
-    // Floats reduce in double (exact here, and keeps the sign of -2 * 0 = -0), integers in int64.
-    double facc = static_cast<double>(input_value(dtype, 0, i, salt));
-    long long acc = input_value(dtype, 0, i, salt);
-    for (int r = 1; r < size; ++r) {
-      const long long v = input_value(dtype, r, i, salt);
-      const double fv = static_cast<double>(v);
-      switch (op) {
-        case ReduceOp::kSum:
-        case ReduceOp::kAvg:
-          acc += v;
-          facc += fv;
-          break;
-        case ReduceOp::kMin:
-          acc = std::min(acc, v);
-          facc = std::min(facc, fv);
-          break;
-        case ReduceOp::kMax:
-          acc = std::max(acc, v);
-          facc = std::max(facc, fv);
-          break;
-        case ReduceOp::kProduct:
-          acc *= v;
-          facc *= fv;
-          break;
-      }
-    }
-    std::byte* p = out.data() + i * esz;
-    if (is_float(dtype)) {
-      if (op != ReduceOp::kAvg) {
-        store_value(dtype, p, facc);
-      } else if (dtype == DType::kFloat64) {
-        store_value(dtype, p, facc / size);
-      } else {
-        // One float32 division, then one rounding to the storage type (as the engine does).
-        store_value(dtype, p,
-                    static_cast<double>(static_cast<float>(facc) / static_cast<float>(size)));
-      }
-    } else {
-      store_value(dtype, p, static_cast<double>(op == ReduceOp::kAvg ? acc / size : acc));
-    }
-  }
-  return out;
-}
 
 // Throws naming the first differing element.
 inline void expect_bytes(const std::vector<std::byte>& got, const std::vector<std::byte>& want,

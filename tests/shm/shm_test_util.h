@@ -21,6 +21,7 @@
 #include "comm/reduce_kernels.h"
 #include "comm/shm/shm_domain.h"
 #include "comm/wire.h"
+#include "support/reference_values.h"
 
 namespace ddp::test::shm {
 
@@ -106,60 +107,13 @@ inline double input_value(ReduceOp op, DType dtype, int rank, std::size_t i) {
   return dtype == DType::kUInt8 ? v : v - 5;
 }
 
+// Element i of a buffer of `dtype`, through the shared reference helpers.
 inline void store_value(void* buf, std::size_t i, DType dtype, double v) {
-  switch (dtype) {
-    case DType::kFloat32:
-      static_cast<float*>(buf)[i] = static_cast<float>(v);
-      break;
-    case DType::kFloat64:
-      static_cast<double*>(buf)[i] = v;
-      break;
-    case DType::kFloat16:
-      static_cast<std::uint16_t*>(buf)[i] = comm::float_to_half(static_cast<float>(v));
-      break;
-    case DType::kBFloat16:
-      static_cast<std::uint16_t*>(buf)[i] = comm::float_to_bfloat16(static_cast<float>(v));
-      break;
-    case DType::kInt8:
-      static_cast<std::int8_t*>(buf)[i] = static_cast<std::int8_t>(static_cast<std::int64_t>(v));
-      break;
-    case DType::kUInt8:
-      static_cast<std::uint8_t*>(buf)[i] = static_cast<std::uint8_t>(static_cast<std::int64_t>(v));
-      break;
-    case DType::kInt32:
-      static_cast<std::int32_t*>(buf)[i] = static_cast<std::int32_t>(v);
-      break;
-    case DType::kInt64:
-      static_cast<std::int64_t*>(buf)[i] = static_cast<std::int64_t>(v);
-      break;
-  }
+  test::store_value(dtype, static_cast<std::byte*>(buf) + i * dtype_size(dtype), v);
 }
 
 inline double load_value(const void* buf, std::size_t i, DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(buf)[i];
-    case DType::kFloat64:
-      return static_cast<const double*>(buf)[i];
-    case DType::kFloat16:
-      return comm::half_to_float(static_cast<const std::uint16_t*>(buf)[i]);
-    case DType::kBFloat16:
-      return comm::bfloat16_to_float(static_cast<const std::uint16_t*>(buf)[i]);
-    case DType::kInt8:
-      return static_cast<const std::int8_t*>(buf)[i];
-    case DType::kUInt8:
-      return static_cast<const std::uint8_t*>(buf)[i];
-    case DType::kInt32:
-      return static_cast<const std::int32_t*>(buf)[i];
-    case DType::kInt64:
-      return static_cast<double>(static_cast<const std::int64_t*>(buf)[i]);
-  }
-  return 0;
-}
-
-inline bool is_float(DType dtype) {
-  return dtype == DType::kFloat32 || dtype == DType::kFloat64 || dtype == DType::kFloat16 ||
-         dtype == DType::kBFloat16;
+  return test::load_value(dtype, static_cast<const std::byte*>(buf) + i * dtype_size(dtype));
 }
 
 // The reduction of element i over `size` ranks, computed independently of the kernels: in
