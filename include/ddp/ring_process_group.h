@@ -62,7 +62,9 @@ struct RingOptions {
   // host has cores, else 0.
   std::chrono::microseconds spin{-1};
   // How long the group's worker thread stays awake (yielding the core) after its last operation,
-  // so that back-to-back calls need no thread wake-up. 0 = sleep at once.
+  // so that back-to-back calls need no thread wake-up. 0 = sleep at once. Not while callers wait
+  // for their operations at once: then operations of up to 1 MiB run on the waiting thread and
+  // the idle worker only polls the queue every 1 ms (docs/algorithms.md, "Lazy wake-up").
   std::chrono::microseconds worker_linger{200};
   // Unset = the DDP_TRANSPORT environment variable ("auto" or "tcp") if set, else kAuto. Must be
   // equal on every rank.
