@@ -21,6 +21,7 @@
 
 #include "ddp/ring_process_group.h"
 #include "ddp/tcp_store.h"
+#include "forked_ranks.h"
 #include "net/socket.h"
 
 namespace {
@@ -128,33 +129,10 @@ int main(int argc, char** argv) {
   try {
     const Args args = parse(argc, argv);
     const std::uint16_t port = ddp::net::pick_free_port();
-    std::vector<pid_t> children;
-    for (int rank = 1; rank < args.world; ++rank) {
-      const pid_t pid = ::fork();
-      if (pid == 0) {
-        try {
-          run_rank(args, rank, port);
-          ::_exit(0);
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-          ::_exit(1);
-        }
-      }
-      children.push_back(pid);
-    }
-    int failed = 0;
-    try {
-      run_rank(args, 0, port);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "rank 0: %s\n", e.what());
-      failed = 1;
-    }
-    for (pid_t pid : children) {
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
-    }
-    return failed;
+    return run_forked_ranks(args.world, [&](int rank) {
+      run_rank(args, rank, port);
+      return 0;
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "allreduce_latency: %s\n", e.what());
     return 2;

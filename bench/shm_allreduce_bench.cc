@@ -27,6 +27,7 @@
 
 #include "comm/shm/shm_domain.h"
 #include "ddp/tcp_store.h"
+#include "forked_ranks.h"
 #include "net/socket.h"
 
 namespace {
@@ -244,33 +245,8 @@ int main(int argc, char** argv) {
                       static_cast<std::uint16_t>(std::stoi(port)));
     }
     const std::uint16_t port = ddp::net::pick_free_port();
-    std::vector<pid_t> children;
-    for (int rank = 1; rank < args.world; ++rank) {
-      std::fflush(nullptr);
-      const pid_t pid = ::fork();
-      if (pid == 0) {
-        try {
-          ::_exit(run_rank(args, rank, args.world, "127.0.0.1", port));
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-          ::_exit(1);
-        }
-      }
-      children.push_back(pid);
-    }
-    int failed = 0;
-    try {
-      failed = run_rank(args, 0, args.world, "127.0.0.1", port);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "rank 0: %s\n", e.what());
-      failed = 1;
-    }
-    for (pid_t pid : children) {
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
-    }
-    return failed;
+    return run_forked_ranks(
+        args.world, [&](int rank) { return run_rank(args, rank, args.world, "127.0.0.1", port); });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shm_allreduce_bench: %s\n", e.what());
     return 2;

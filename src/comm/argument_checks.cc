@@ -32,6 +32,20 @@ void check_peer(int r, int self, int size, const std::string& group, const char*
   }
 }
 
+void check_subgroup_ranks(const std::vector<int>& ranks, int size, const std::string& group) {
+  if (ranks.empty()) {
+    throw ConfigError(fmt::format("new_group on group '{}': the rank list is empty", group));
+  }
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    check_rank(ranks[i], size, group, "new_group", "rank");
+    if (i > 0 && ranks[i] <= ranks[i - 1]) {
+      throw ConfigError(
+          fmt::format("new_group on group '{}': ranks must be sorted and unique, got {} after {}",
+                      group, ranks[i], ranks[i - 1]));
+    }
+  }
+}
+
 void check_enums(const char* op_name, DType dtype, std::optional<ReduceOp> op) {
   if (static_cast<std::uint8_t>(dtype) > static_cast<std::uint8_t>(DType::kInt64)) {
     throw ConfigError(fmt::format("{}: invalid DType value {}", op_name, static_cast<int>(dtype)));

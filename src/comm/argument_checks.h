@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ddp/types.h"
 
@@ -17,6 +18,9 @@ void check_rank(int r, int size, const std::string& group, const char* op, const
 // As check_rank, and `r` must not be `self` (point to point needs another rank).
 void check_peer(int r, int self, int size, const std::string& group, const char* op,
                 const char* name);
+
+// new_group's rank list: not empty, ranks of the group, sorted and unique.
+void check_subgroup_ranks(const std::vector<int>& ranks, int size, const std::string& group);
 
 // `dtype` and `op` must be values of their enums (a cast from a bad integer is caught here).
 void check_enums(const char* op_name, DType dtype, std::optional<ReduceOp> op);

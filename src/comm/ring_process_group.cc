@@ -1547,18 +1547,7 @@ void RingProcessGroup::point_to_point(const OpArgs& a, net::Deadline deadline) {
 }
 
 std::shared_ptr<ProcessGroup> RingProcessGroup::new_group(std::vector<int> ranks) {
-  if (ranks.empty()) {
-    throw ConfigError(fmt::format("new_group on group '{}': the rank list is empty", name_));
-  }
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    check_rank(ranks[i], "new_group", "rank");
-    if (i > 0 && ranks[i] <= ranks[i - 1]) {
-      throw ConfigError(
-          fmt::format("new_group on group '{}': ranks must be sorted and unique, "
-                      "got {} after {}",
-                      name_, ranks[i], ranks[i - 1]));
-    }
-  }
+  comm::check_subgroup_ranks(ranks, size(), name_);
   int index;
   {
     std::lock_guard lock(queue_mutex_);

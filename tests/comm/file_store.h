@@ -6,6 +6,8 @@
 // across processes. Thread-safe (no shared state but the directory). Test fixture only.
 #pragma once
 
+#include "support/temp_dir.h"
+
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -136,25 +138,6 @@ class FileStore : public Store {
   }
 
   std::filesystem::path dir_;
-};
-
-// A fresh temporary directory for one test's store, removed by the destructor.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "ddp-comm-test-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
 };
 
 }  // namespace ddp::test

@@ -23,6 +23,7 @@
 
 #include "ddprun/env_tuning.h"
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 
 namespace ddp::test {
 namespace {
@@ -43,24 +44,6 @@ ExitStatus run_ddprun(const std::vector<std::string>& args,
   argv.insert(argv.end(), args.begin(), args.end());
   return Subprocess::start(argv, env).wait(timeout);
 }
-
-// A fresh directory for one test's files, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "ddprun-test-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  std::filesystem::path path_;
-};
 
 std::vector<std::string> split_lines(const std::string& text) {
   std::vector<std::string> lines;

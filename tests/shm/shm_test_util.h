@@ -22,6 +22,7 @@
 #include "comm/shm/shm_domain.h"
 #include "comm/wire.h"
 #include "support/reference_values.h"
+#include "support/temp_dir.h"
 
 namespace ddp::test::shm {
 
@@ -38,22 +39,7 @@ inline constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp:
                                        ReduceOp::kMax, ReduceOp::kProduct};
 
 // A fresh directory for a FileStore, removed by the parent at the end of the test.
-class StoreDir {
- public:
-  StoreDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "ddp-shm-test-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~StoreDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
+using StoreDir = ::ddp::test::TempDir;
 
 // A segment name prefix that only this test process uses, so /dev/shm checks see only ours.
 inline std::string unique_prefix(const std::string& what) {
@@ -121,22 +107,7 @@ inline double load_value(const void* buf, std::size_t i, DType dtype) {
 inline double expected_value(ReduceOp op, DType dtype, int size, std::size_t i) {
   double acc = input_value(op, dtype, 0, i);
   for (int r = 1; r < size; ++r) {
-    const double v = input_value(op, dtype, r, i);
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        acc += v;
-        break;
-      case ReduceOp::kMin:
-        acc = std::min(acc, v);
-        break;
-      case ReduceOp::kMax:
-        acc = std::max(acc, v);
-        break;
-      case ReduceOp::kProduct:
-        acc *= v;
-        break;
-    }
+    acc = test::combine(op, acc, input_value(op, dtype, r, i));
   }
   if (op == ReduceOp::kAvg) {
     if (is_float(dtype)) {

@@ -82,6 +82,23 @@ inline double load_value(DType dtype, const std::byte* p) {
   return 0;
 }
 
+// `acc` op `v` (an average accumulates the sum; the caller divides).
+template <class A>
+A combine(ReduceOp op, A acc, A v) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return acc + v;
+    case ReduceOp::kMin:
+      return std::min(acc, v);
+    case ReduceOp::kMax:
+      return std::max(acc, v);
+    case ReduceOp::kProduct:
+      return acc * v;
+  }
+  return acc;
+}
+
 inline std::vector<std::byte> make_input(DType dtype, std::size_t count, int who, int salt) {
   const std::size_t esz = dtype_size(dtype);
   std::vector<std::byte> buf(count * esz);
@@ -103,21 +120,8 @@ inline std::vector<std::byte> expected_reduction(DType dtype, ReduceOp op, std::
     for (int r = 1; r < size; ++r) {
       const long long v = input_value(dtype, r, i, salt);
       const auto fv = static_cast<double>(v);
-      switch (op) {
-        case ReduceOp::kSum:
-        case ReduceOp::kAvg:
-          acc += v, facc += fv;
-          break;
-        case ReduceOp::kMin:
-          acc = std::min(acc, v), facc = std::min(facc, fv);
-          break;
-        case ReduceOp::kMax:
-          acc = std::max(acc, v), facc = std::max(facc, fv);
-          break;
-        case ReduceOp::kProduct:
-          acc *= v, facc *= fv;
-          break;
-      }
+      acc = combine(op, acc, v);
+      facc = combine(op, facc, fv);
     }
     std::byte* p = out.data() + i * esz;
     if (!is_float(dtype)) {

@@ -11,28 +11,12 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint.h"
+#include "support/temp_dir.h"
 
 namespace ddp::test {
 namespace {
 
 using ::testing::HasSubstr;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "ddp-checkpoint-test-XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 struct Model {
   torch::nn::Sequential net;

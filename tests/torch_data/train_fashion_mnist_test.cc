@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 
 namespace ddp::test {
 namespace {
@@ -23,23 +24,6 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 const std::filesystem::path kDataDir = DDP_FMNIST_DEFAULT_DIR;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "ddp-fmnist-test-XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 class TrainFashionMnistTest : public ::testing::Test {
  protected:

@@ -137,51 +137,36 @@ double input_value(const CheckSpec& spec, int rank, std::size_t i) {
 }
 
 // The reduction over ranks of input element `i`, as dtype T computes it.
+// `acc` op `v` (an average accumulates the sum; the caller divides).
+template <class A>
+A combine(ReduceOp op, A acc, A v) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return acc + v;
+    case ReduceOp::kMin:
+      return std::min(acc, v);
+    case ReduceOp::kMax:
+      return std::max(acc, v);
+    case ReduceOp::kProduct:
+      return acc * v;
+  }
+  return acc;
+}
+
 template <class T>
 double reduced_value(const CheckSpec& spec, std::size_t i) {
   const int n = spec.world_size;
   if constexpr (kIsFloat<T>) {
     double acc = input_value(spec, 0, i);
-    for (int r = 1; r < n; ++r) {
-      const double v = input_value(spec, r, i);
-      switch (spec.reduce_op) {
-        case ReduceOp::kSum:
-        case ReduceOp::kAvg:
-          acc += v;
-          break;
-        case ReduceOp::kMin:
-          acc = std::min(acc, v);
-          break;
-        case ReduceOp::kMax:
-          acc = std::max(acc, v);
-          break;
-        case ReduceOp::kProduct:
-          acc *= v;
-          break;
-      }
-    }
+    for (int r = 1; r < n; ++r)
+      acc = combine(spec.reduce_op, acc, input_value(spec, r, i));
     if (spec.reduce_op == ReduceOp::kAvg) acc /= n;
     return acc;
   } else {
     auto acc = static_cast<std::int64_t>(input_value(spec, 0, i));
-    for (int r = 1; r < n; ++r) {
-      const auto v = static_cast<std::int64_t>(input_value(spec, r, i));
-      switch (spec.reduce_op) {
-        case ReduceOp::kSum:
-        case ReduceOp::kAvg:
-          acc += v;
-          break;
-        case ReduceOp::kMin:
-          acc = std::min(acc, v);
-          break;
-        case ReduceOp::kMax:
-          acc = std::max(acc, v);
-          break;
-        case ReduceOp::kProduct:
-          acc *= v;
-          break;
-      }
-    }
+    for (int r = 1; r < n; ++r)
+      acc = combine(spec.reduce_op, acc, static_cast<std::int64_t>(input_value(spec, r, i)));
     // The sum wraps in the dtype first, then is divided once (truncating), as types.h says.
     auto wrapped = static_cast<T>(acc);
     if (spec.reduce_op == ReduceOp::kAvg) wrapped = static_cast<T>(wrapped / n);

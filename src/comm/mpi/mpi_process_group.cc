@@ -511,11 +511,14 @@ int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
     scratch_.assign(op.send, op.send + n);
     return scratch_.data();
   };
+  // The send argument of an operation that may run in place: MPI_IN_PLACE when send is recv.
+  auto input = [&](std::size_t send_bytes, std::size_t recv_bytes) -> const void* {
+    if (op.send == op.recv) return MPI_IN_PLACE;
+    return overlaps(op.send, send_bytes, op.recv, recv_bytes) ? private_copy(send_bytes) : op.send;
+  };
   switch (op.kind) {
     case OpKind::kAllreduce: {
-      const void* in = op.send == op.recv                         ? MPI_IN_PLACE
-                       : overlaps(op.send, bytes, op.recv, bytes) ? private_copy(bytes)
-                                                                  : op.send;
+      const void* in = input(bytes, bytes);
       auto lock = runtime.lock();
       return MPI_Iallreduce(in, op.recv, count, type, reduce_op, comm_, request);
     }
@@ -524,12 +527,7 @@ int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
       return MPI_Ibcast(op.recv, count, type, op.root, comm_, request);
     }
     case OpKind::kReduce: {
-      const void* in = op.send;
-      if (rank() == op.root) {
-        in = op.send == op.recv                         ? MPI_IN_PLACE
-             : overlaps(op.send, bytes, op.recv, bytes) ? private_copy(bytes)
-                                                        : op.send;
-      }
+      const void* in = rank() == op.root ? input(bytes, bytes) : op.send;
       auto lock = runtime.lock();
       return MPI_Ireduce(in, rank() == op.root ? op.recv : nullptr, count, type, reduce_op, op.root,
                          comm_, request);
@@ -562,9 +560,7 @@ int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
       return MPI_Iscatter(nullptr, count, type, op.recv, count, type, op.root, comm_, request);
     }
     case OpKind::kReduceScatter: {
-      const void* in = op.send == op.recv                             ? MPI_IN_PLACE
-                       : overlaps(op.send, all_bytes, op.recv, bytes) ? private_copy(all_bytes)
-                                                                      : op.send;
+      const void* in = input(all_bytes, bytes);
       auto lock = runtime.lock();
       return MPI_Ireduce_scatter_block(in, op.recv, count, type, reduce_op, comm_, request);
     }
@@ -604,18 +600,7 @@ std::uint64_t hash_ranks(const std::vector<int>& ranks) {
 }
 
 std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks) {
-  if (ranks.empty()) {
-    throw ConfigError(fmt::format("new_group on group '{}': the rank list is empty", name_));
-  }
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    check_rank(ranks[i], "new_group", "rank");
-    if (i > 0 && ranks[i] <= ranks[i - 1]) {
-      throw ConfigError(
-          fmt::format("new_group on group '{}': ranks must be sorted and unique, "
-                      "got {} after {}",
-                      name_, ranks[i], ranks[i - 1]));
-    }
-  }
+  comm::check_subgroup_ranks(ranks, size(), name_);
   auto& runtime = MpiRuntime::instance();
   std::lock_guard guard(new_group_mutex_);
   if (control_error_) std::rethrow_exception(control_error_);

@@ -719,26 +719,30 @@ void check_buffer(const void* p, std::size_t count, const char* what) {
 // of elements [first, first + n): `piece` points at element first + at, `len` elements long.
 class ShmDomain::Pieces {
  public:
+  // One contiguous range: no allocation (this is on the path of every allreduce).
   Pieces(const void* data, std::size_t count, std::size_t element_bytes)
-      : element_bytes_(element_bytes) {
-    segments_.push_back({const_cast<void*>(data), count});
-    ends_.push_back(count);
-  }
+      : element_bytes_(element_bytes),
+        single_{const_cast<void*>(data), count},
+        single_end_(count),
+        segments_(&single_, 1),
+        ends_(&single_end_, 1) {}
   Pieces(std::span<const BufferSegment> segments, std::size_t element_bytes)
-      : element_bytes_(element_bytes) {
+      : element_bytes_(element_bytes), segments_(segments) {
+    owned_ends_.reserve(segments.size());
     std::size_t end = 0;
     for (const auto& segment : segments) {
-      if (segment.count == 0) continue;
       end += segment.count;
-      segments_.push_back(segment);
-      ends_.push_back(end);
+      owned_ends_.push_back(end);
     }
+    ends_ = owned_ends_;
   }
+  Pieces(const Pieces&) = delete;
+  Pieces& operator=(const Pieces&) = delete;
 
   template <typename Fn>
   void for_each(std::size_t first, std::size_t n, Fn&& fn) const {
     if (n == 0) return;
-    // The first segment that ends after `first`.
+    // The first segment that ends after `first` (empty segments are passed over).
     auto k = static_cast<std::size_t>(std::upper_bound(ends_.begin(), ends_.end(), first) -
                                       ends_.begin());
     std::size_t at = 0;
@@ -746,7 +750,9 @@ class ShmDomain::Pieces {
       const std::size_t begin = ends_[k] - segments_[k].count;
       const std::size_t offset = first + at - begin;
       const std::size_t len = std::min(n - at, segments_[k].count - offset);
-      fn(static_cast<std::byte*>(segments_[k].data) + offset * element_bytes_, at, len);
+      if (len > 0) {
+        fn(static_cast<std::byte*>(segments_[k].data) + offset * element_bytes_, at, len);
+      }
       at += len;
       ++k;
     }
@@ -754,8 +760,11 @@ class ShmDomain::Pieces {
 
  private:
   std::size_t element_bytes_;
-  std::vector<BufferSegment> segments_;
-  std::vector<std::size_t> ends_;  // element index after each segment
+  BufferSegment single_{};
+  std::size_t single_end_ = 0;
+  std::vector<std::size_t> owned_ends_;
+  std::span<const BufferSegment> segments_;
+  std::span<const std::size_t> ends_;  // element index after each segment
 };
 
 void ShmDomain::run_small_allreduce(const Pieces& in, const Pieces& out, std::size_t count,
