@@ -1,6 +1,10 @@
 #include "ddp/torch/distributed_data_parallel.h"
 
+#include <array>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <unordered_set>
 
 #include <fmt/format.h>
@@ -9,9 +13,76 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "ddp_phase.h"
 
 namespace ddp {
 namespace {
+
+using detail::in_ddp_phase;
+
+// The parameters that train, each once (a parameter shared by two submodules appears twice), in
+// registration order: what the Reducer works on.
+void collect_trainable(const torch::nn::Module& module, std::vector<torch::Tensor>& params,
+                       std::vector<std::string>& names) {
+  params.clear();
+  names.clear();
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    params.push_back(item.value());
+    names.push_back(item.key());
+  }
+}
+
+std::int64_t divergence_interval(std::int64_t option) {
+  if (option < 0) {
+    throw ConfigError(fmt::format(
+        "DdpOptions::divergence_check_every = {} must be 0 (off) or a positive number of forwards",
+        option));
+  }
+  if (option > 0) return option;
+  const char* text = std::getenv("DDP_DIVERGENCE_CHECK_EVERY");
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(text, &end, 10);
+  if (errno != 0 || *end != '\0' || value < 0) {
+    throw ConfigError(fmt::format(
+        "DDP_DIVERGENCE_CHECK_EVERY='{}' is not a number of forwards; use 0 (off) or e.g. 100",
+        text));
+  }
+  return value;
+}
+
+// A 64-bit checksum of a tensor's bytes (four independent lanes of xxHash64's round, so the
+// multiplications overlap): any changed bit changes it.
+std::int64_t checksum(const torch::Tensor& tensor) {
+  const torch::Tensor data = tensor.detach().cpu().contiguous();
+  const auto* bytes = static_cast<const unsigned char*>(data.data_ptr());
+  const std::size_t size = static_cast<std::size_t>(data.numel()) * data.element_size();
+  constexpr std::uint64_t kPrime1 = 11400714785074694791ull;
+  constexpr std::uint64_t kPrime2 = 14029467366897019727ull;
+  const auto round = [](std::uint64_t lane, std::uint64_t word) {
+    lane += word * kPrime2;
+    lane = (lane << 31) | (lane >> 33);
+    return lane * kPrime1;
+  };
+  std::uint64_t lanes[4] = {kPrime1 + kPrime2, kPrime2, 0, ~kPrime1};
+  std::size_t at = 0;
+  for (; at + 32 <= size; at += 32) {
+    std::uint64_t words[4];
+    std::memcpy(words, bytes + at, sizeof words);
+    for (int k = 0; k < 4; ++k)
+      lanes[k] = round(lanes[k], words[k]);
+  }
+  std::uint64_t hash = size;
+  for (const auto lane : lanes)
+    hash = round(hash, lane);
+  for (; at < size; ++at)
+    hash = round(hash, bytes[at]);
+  return static_cast<std::int64_t>(hash);
+}
 
 std::size_t megabytes_to_bytes(double mb, const char* option) {
   if (!std::isfinite(mb) || mb <= 0) {
@@ -98,6 +169,15 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
 
 }  // namespace
 
+// What the ranks do in one training step under Join, agreed by one allreduce (max) in which a
+// joined rank contributes zeros.
+struct DistributedDataParallelBase::StepPlan {
+  bool sync = false;               // gradients of this step are synchronised
+  bool broadcast_buffers = false;  // buffers are broadcast before forward
+  bool rebuild = false;            // buckets are rebuilt before forward
+  int buffer_root = 0;             // the highest rank still training
+};
+
 NoSyncGuard::NoSyncGuard(Reducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
   reducer_->set_require_sync(false);
 }
@@ -112,8 +192,11 @@ NoSyncGuard::~NoSyncGuard() {
 DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                                                          std::shared_ptr<ProcessGroup> group,
                                                          DdpOptions options)
-    : group_(group ? std::move(group) : default_process_group()), options_(options) {
+    : wrapped_(module),
+      group_(group ? std::move(group) : default_process_group()),
+      options_(options) {
   if (!module) throw ConfigError("DistributedDataParallel: the module is null");
+  options_.divergence_check_every = divergence_interval(options_.divergence_check_every);
   if (!group_) {
     throw ConfigError(
         "DistributedDataParallel: no process group; call ddp::init_process_group() "
@@ -128,41 +211,177 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
       .static_graph = options_.static_graph};
   register_module("module", module);
 
-  // Parameters that train, each once (a parameter shared by two submodules appears twice).
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
-    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-    params.push_back(item.value());
-    names.push_back(item.key());
-  }
-  for (const auto& buffer : module->buffers(/*recurse=*/true))
-    buffers_.push_back(buffer);
+  collect_trainable(*module, params, names);
+  buffers_ = module->buffers(/*recurse=*/true);
 
-  verify_same_parameters(*group_, names, params);
+  in_ddp_phase([] { return std::string("parameter check at construction"); },
+               [&] { verify_same_parameters(*group_, names, params); });
   // Every rank starts from rank 0's state.
-  std::vector<torch::Tensor> state;
-  for (const auto& p : module->parameters(/*recurse=*/true))
-    state.push_back(p);
+  std::vector<torch::Tensor> state = module->parameters(/*recurse=*/true);
   state.insert(state.end(), buffers_.begin(), buffers_.end());
-  if (group_->size() > 1) broadcast_coalesced(*group_, state, /*root=*/0);
+  if (group_->size() > 1) {
+    in_ddp_phase([] { return std::string("parameter broadcast at construction"); },
+                 [&] { broadcast_coalesced(*group_, state, /*root=*/0); });
+  }
 
   reducer_ =
       std::make_unique<Reducer>(std::move(params), std::move(names), group_, reducer_options);
 }
 
+std::size_t DistributedDataParallelBase::check_parameters() {
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  collect_trainable(*wrapped_, params, names);
+  return reducer_->check_parameters(params, names);
+}
+
 void DistributedDataParallelBase::pre_forward() {
-  reducer_->prepare_for_forward();
+  check_parameters();
   // Only in training mode: evaluation (often on rank 0 alone) must not wait for other ranks.
-  if (options_.broadcast_buffers && is_training() && !buffers_.empty() && group_->size() > 1) {
-    broadcast_coalesced(*group_, buffers_, /*root=*/0);
+  if (!is_training()) return;
+  buffers_ = wrapped_->buffers(/*recurse=*/true);  // a load may have replaced some
+  const auto& join = join_state();
+  if (join && join->options.enable) {
+    const int nonjoined = in_ddp_phase([] { return std::string("Join notification"); },
+                                       [&] { return Join::notify_join_context(*this); });
+    const StepPlan plan = plan_join_step(/*joined=*/false);
+    reducer_->set_gradient_scale(join->options.divide_by_initial_world_size || nonjoined <= 0
+                                     ? 1.0
+                                     : static_cast<double>(group_->size()) / nonjoined);
+    if (plan.rebuild) reducer_->rebuild_buckets();
+    // With a rank joined, its parameters are stale by design: compare only while all train.
+    ++training_forwards_;
+    if (nonjoined == group_->size()) maybe_check_divergence();
+    if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
+    return;
+  }
+  reducer_->set_gradient_scale(1.0);
+  if (reducer_->rebuild_due()) reducer_->rebuild_buckets();
+  ++training_forwards_;
+  maybe_check_divergence();
+  if (options_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) {
+    broadcast_buffers_from(0);
   }
 }
 
 void DistributedDataParallelBase::post_forward(const std::vector<torch::Tensor>& outputs) {
-  if (is_training()) reducer_->prepare_for_backward(outputs);
+  // As PyTorch: a forward with gradients enabled prepares the synchronised backward, whatever
+  // the mode (a backward after an eval-mode forward is averaged too).
+  if (torch::GradMode::is_enabled()) reducer_->prepare_for_backward(outputs);
+}
+
+void DistributedDataParallelBase::broadcast_buffers_from(int root) {
+  in_ddp_phase(
+      [root] {
+        return root == 0 ? std::string("buffer broadcast before forward")
+                         : fmt::format("buffer broadcast before forward (from rank {})", root);
+      },
+      [&] { broadcast_coalesced(*group_, buffers_, root); });
+}
+
+void DistributedDataParallelBase::sync_buffers() {
+  buffers_ = wrapped_->buffers(/*recurse=*/true);
+  if (buffers_.empty() || group_->size() == 1) return;
+  in_ddp_phase([] { return std::string("sync_buffers()"); },
+               [&] { broadcast_coalesced(*group_, buffers_, /*root=*/0); });
+}
+
+void DistributedDataParallelBase::maybe_check_divergence() {
+  const auto every = options_.divergence_check_every;
+  if (every > 0 && training_forwards_ % every == 0) check_divergence();
+}
+
+void DistributedDataParallelBase::check_divergence() {
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  collect_trainable(*wrapped_, params, names);
+  std::vector<std::int64_t> mine;
+  mine.reserve(params.size());
+  for (const auto& p : params)
+    mine.push_back(checksum(p));
+  const auto world = static_cast<std::size_t>(group_->size());
+  std::vector<std::int64_t> all(mine.size() * world);
+  in_ddp_phase(
+      [] { return std::string("divergence check"); },
+      [&] { group_->allgather(mine.data(), all.data(), mine.size(), DType::kInt64)->wait(); });
+  std::size_t differing_params = 0;
+  std::size_t first = mine.size();
+  std::vector<int> ranks;
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    bool differs = false;
+    for (std::size_t r = 1; r < world; ++r) {
+      if (all[r * mine.size() + i] == all[i]) continue;
+      differs = true;
+      if (first == mine.size() || first == i) ranks.push_back(static_cast<int>(r));
+    }
+    if (!differs) continue;
+    ++differing_params;
+    if (first == mine.size()) first = i;
+  }
+  if (differing_params == 0) return;
+  throw Error(fmt::format(
+      "DistributedDataParallel: the ranks' parameters have drifted apart (divergence check after "
+      "{} training forwards): parameter '{}' differs on rank(s) {} from rank 0's ({} of {} "
+      "parameters differ). Something changed parameters on some ranks only: a checkpoint loaded "
+      "on one rank, an optimizer step skipped or repeated, a forward or backward outside the "
+      "wrapper, or a non-deterministic update. Load checkpoints on every rank and step the "
+      "optimizer on every rank",
+      training_forwards_, names[first], fmt::join(ranks, ", "), differing_params, mine.size()));
+}
+
+DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_step(bool joined) {
+  std::array<std::int32_t, 5> flags{};
+  if (!joined) {
+    const bool sync = reducer_->require_sync();
+    flags = {sync ? 1 : 0, sync ? 0 : 1,
+             options_.broadcast_buffers && !buffers_.empty() && group_->size() > 1 ? 1 : 0,
+             reducer_->rebuild_due() ? 1 : 0, group_->rank() + 1};
+  }
+  in_ddp_phase(
+      [] { return std::string("Join step agreement"); },
+      [&] {
+        group_->allreduce(flags.data(), flags.size(), DType::kInt32, ReduceOp::kMax)->wait();
+      });
+  if (flags[0] != 0 && flags[1] != 0) {
+    throw Error(
+        "DistributedDataParallel under Join: in this step some ranks run inside no_sync() and "
+        "others do not. Every rank still training must synchronise the same steps");
+  }
+  return StepPlan{.sync = flags[0] != 0,
+                  .broadcast_buffers = flags[2] != 0,
+                  .rebuild = flags[3] != 0,
+                  .buffer_root = std::max(0, flags[4] - 1)};
+}
+
+void DistributedDataParallelBase::join_main_hook() {
+  buffers_ = wrapped_->buffers(/*recurse=*/true);
+  const StepPlan plan = plan_join_step(/*joined=*/true);
+  if (plan.rebuild) reducer_->rebuild_buckets();
+  if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
+  if (plan.sync) reducer_->shadow_backward();
+}
+
+void DistributedDataParallelBase::join_post_hook(bool is_last_joiner) {
+  // Ranks that joined early did not step their optimizers while shadowing: every rank takes the
+  // model of the (highest) rank that trained longest.
+  std::int64_t root = is_last_joiner ? group_->rank() : -1;
+  in_ddp_phase([] { return std::string("Join's final model synchronisation"); },
+               [&] {
+                 group_->allreduce(&root, 1, DType::kInt64, ReduceOp::kMax)->wait();
+                 std::vector<torch::Tensor> state = wrapped_->parameters(/*recurse=*/true);
+                 const auto buffers = wrapped_->buffers(/*recurse=*/true);
+                 state.insert(state.end(), buffers.begin(), buffers.end());
+                 broadcast_coalesced(*group_, state, static_cast<int>(root));
+               });
+  reducer_->set_gradient_scale(1.0);
+}
+
+std::string DistributedDataParallelBase::join_description() const {
+  return fmt::format("DistributedDataParallel({} parameters, {} buffers)",
+                     wrapped_->parameters(/*recurse=*/true).size(),
+                     wrapped_->buffers(/*recurse=*/true).size());
 }
 
 }  // namespace ddp

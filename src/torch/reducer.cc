@@ -15,6 +15,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "ddp_phase.h"
 
 namespace ddp {
 
@@ -94,20 +95,77 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
   std::iota(reverse_order.rbegin(), reverse_order.rend(), std::size_t{0});
   assign_buckets(reverse_order);
 
+  grad_accumulators_.resize(parameters_.size());
+  hook_keys_.resize(parameters_.size());
+  for (std::size_t i = 0; i < parameters_.size(); ++i)
+    attach_hook(i);
+}
+
+void Reducer::attach_hook(std::size_t param) {
   // The gradient accumulators are owned weakly by the parameters; keep them alive so the hooks
   // stay attached for the Reducer's lifetime.
-  for (std::size_t i = 0; i < parameters_.size(); ++i) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[i]);
-    const auto key =
-        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, i](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list& /*inputs*/) {
-              autograd_hook(i);
-              return outputs;
-            }));
-    grad_accumulators_.push_back(std::move(accumulator));
-    hook_keys_.push_back(key);
+  auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[param]);
+  hook_keys_[param] =
+      accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, param](const torch::autograd::variable_list& outputs,
+                        const torch::autograd::variable_list& /*inputs*/) {
+            autograd_hook(param);
+            return outputs;
+          }));
+  grad_accumulators_[param] = std::move(accumulator);
+}
+
+std::size_t Reducer::check_parameters(const std::vector<torch::Tensor>& parameters,
+                                      const std::vector<std::string>& names) {
+  std::lock_guard lock(mutex_);
+  if (names != names_) {
+    std::size_t i = 0;
+    while (i < names.size() && i < names_.size() && names[i] == names_[i])
+      ++i;
+    const auto describe = [](const std::vector<std::string>& list, std::size_t k) {
+      return k < list.size() ? fmt::format("'{}'", list[k]) : std::string("none");
+    };
+    throw Error(fmt::format(
+        "DistributedDataParallel: the wrapped module's trainable parameters changed after it was "
+        "wrapped ({} then, {} now; at position {} it was {}, now {}). A parameter was added, "
+        "removed, or its requires_grad changed. Construct a new DistributedDataParallel after "
+        "changing which parameters train",
+        names_.size(), names.size(), i, describe(names_, i), describe(names, i)));
   }
+  std::size_t reattached = 0;
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    const auto& now = parameters[i];
+    const auto& view = buckets_[slots_[i].bucket].views[slots_[i].index];
+    if (now.sizes() != view.sizes() || now.scalar_type() != view.scalar_type() ||
+        now.device() != view.device()) {
+      throw Error(fmt::format(
+          "DistributedDataParallel: parameter '{}' is now [{}] {} on {}, but it was [{}] {} on {} "
+          "when the model was wrapped. Its gradient bucket no longer fits, and the ranks would "
+          "train apart. Change shapes, dtypes and devices (module->to(...), a checkpoint of "
+          "another model) before wrapping, or construct a new DistributedDataParallel afterwards",
+          names_[i], fmt::join(now.sizes(), ", "), c10::toString(now.scalar_type()),
+          now.device().str(), fmt::join(view.sizes(), ", "), c10::toString(view.scalar_type()),
+          view.device().str()));
+    }
+    const bool same_tensor = now.unsafeGetTensorImpl() == parameters_[i].unsafeGetTensorImpl();
+    if (same_tensor &&
+        torch::autograd::impl::try_get_grad_accumulator(now).get() == grad_accumulators_[i].get()) {
+      continue;
+    }
+    if (!now.requires_grad() || !now.is_leaf()) {
+      throw Error(fmt::format(
+          "DistributedDataParallel: parameter '{}' was replaced by a tensor that is not a leaf "
+          "requiring grad; construct a new DistributedDataParallel after replacing parameters",
+          names_[i]));
+    }
+    // A load (Module::load, torch::load) or a replaced tensor: the hook must follow the
+    // parameter to its current accumulator, or its gradients would never be averaged again.
+    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+    parameters_[i] = now;
+    attach_hook(i);
+    ++reattached;
+  }
+  return reattached;
 }
 
 Reducer::~Reducer() {
@@ -199,6 +257,17 @@ bool Reducer::is_bucket_view(std::size_t param, const torch::Tensor& grad) const
 void Reducer::autograd_hook(std::size_t param) {
   std::lock_guard lock(mutex_);
   if (!require_sync_) return;  // no_sync: gradients just accumulate
+  if (!expect_hooks_) {
+    throw Error(fmt::format(
+        "DistributedDataParallel (rank {}): backward reached parameter '{}', but the forward pass "
+        "that produced this loss did not go through the DistributedDataParallel wrapper with "
+        "gradient synchronisation on: the inner module was called directly (model->module()->"
+        "forward(x) instead of model->forward(x)), or the forward ran inside no_sync() or with "
+        "gradients disabled while backward runs outside it. Its gradients would not be averaged "
+        "across ranks. Call the wrapper's forward, or run this backward inside no_sync() if local "
+        "gradients are what you want",
+        group_->rank(), names_[param]));
+  }
   used_[param] = true;
   if (!callback_queued_) {
     callback_queued_ = true;
@@ -351,6 +420,7 @@ void Reducer::reset_iteration() {
   }
   next_bucket_ = 0;
   callback_queued_ = false;
+  expect_hooks_ = false;
   unused_marked_ = false;
   if (record_ready_order_) ready_order_.clear();  // a failed first pass records nothing
   if (!(options_.static_graph && unused_known_)) unused_.clear();
@@ -388,13 +458,19 @@ void Reducer::finalize_backward() {
     }
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       auto& bucket = buckets_[b];
-      if (bucket.reduction.work) bucket.reduction.work->wait();
+      detail::in_ddp_phase([&] { return bucket_phase(b); },
+                           [&] {
+                             if (bucket.reduction.work) bucket.reduction.work->wait();
+                           });
       const auto done = bucket.completed_ns ? bucket.completed_ns->load() : 0;
       timeline_.bucket_completed[b] =
           done != 0 ? Clock::time_point(Clock::duration(done)) : Clock::now();
       if (bucket.reduction.finish) bucket.reduction.finish();
     }
-    if (used_work) used_work->wait();
+    if (used_work) {
+      detail::in_ddp_phase([] { return std::string("unused-parameter map after backward"); },
+                           [&] { used_work->wait(); });
+    }
 
     torch::NoGradGuard no_grad;
     for (std::size_t i = 0; i < parameters_.size(); ++i) {
@@ -411,6 +487,13 @@ void Reducer::finalize_backward() {
         grad = view.clone();
       }
     }
+    if (gradient_scale_ != 1.0) {
+      for (std::size_t i = 0; i < parameters_.size(); ++i) {
+        if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
+        torch::Tensor& grad = parameters_[i].mutable_grad();
+        if (grad.defined()) grad.mul_(gradient_scale_);
+      }
+    }
   } catch (...) {
     wait_for_launched_buckets();
     reset_iteration();
@@ -418,20 +501,89 @@ void Reducer::finalize_backward() {
   }
   timeline_.synchronised = Clock::now();
   last_timeline_ = timeline_;
+  after_synchronised_pass();
+  reset_iteration();
+}
+
+void Reducer::after_synchronised_pass() {
   if (record_ready_order_) {
     record_ready_order_ = false;
     rebuild_due_ = !rebuilt_;
   }
   if (options_.static_graph) unused_known_ = true;
-  reset_iteration();
 }
 
-void Reducer::prepare_for_forward() {
+std::string Reducer::bucket_phase(std::size_t b) const {
+  const auto& params = buckets_[b].params;
+  const std::string names =
+      params.size() == 1 ? names_[params.front()]
+                         : fmt::format("{} {} {}", names_[params.front()],
+                                       params.size() == 2 ? "and" : "…", names_[params.back()]);
+  return fmt::format("gradient bucket {} of {} (parameters {})", b + 1, buckets_.size(), names);
+}
+
+void Reducer::shadow_backward() {
   std::lock_guard lock(mutex_);
-  if (rebuild_due_) rebuild_buckets();
+  torch::NoGradGuard no_grad;
+  // The same collectives, in the same order, as a synchronised backward on a rank that trains:
+  // every bucket through the same path (the default path's allreduce_segments is the same
+  // collective as an allreduce of the bucket), then the unused map. Zeros add nothing.
+  std::vector<BucketReduction> reductions;
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    auto& bucket = buckets_[b];
+    bucket.contents.zero_();
+    GradBucket grad_bucket{.index = b,
+                           .buffer = bucket.contents,
+                           .gradients = bucket.views,
+                           .is_last = b + 1 == buckets_.size()};
+    for (const auto i : bucket.params)
+      grad_bucket.parameter_names.push_back(names_[i]);
+    reductions.push_back(comm_hook_(*group_, grad_bucket));
+  }
+  std::vector<std::int32_t> unused_map;
+  std::shared_ptr<Work> used_work;
+  if (options_.find_unused_parameters || options_.static_graph) {
+    unused_map.assign(parameters_.size(), 0);
+    used_work =
+        group_->allreduce(unused_map.data(), unused_map.size(), DType::kInt32, ReduceOp::kMax);
+  }
+  try {
+    for (std::size_t b = 0; b < reductions.size(); ++b) {
+      detail::in_ddp_phase([&] { return "joined rank shadowing " + bucket_phase(b); },
+                           [&] {
+                             if (reductions[b].work) reductions[b].work->wait();
+                           });
+      if (reductions[b].finish) reductions[b].finish();
+    }
+    if (used_work) {
+      detail::in_ddp_phase([] { return std::string("joined rank shadowing the unused map"); },
+                           [&] { used_work->wait(); });
+    }
+  } catch (...) {
+    for (auto& reduction : reductions) {
+      if (!reduction.work) continue;
+      try {
+        reduction.work->wait();
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  after_synchronised_pass();
+}
+
+void Reducer::set_gradient_scale(double scale) {
+  std::lock_guard lock(mutex_);
+  gradient_scale_ = scale;
+}
+
+bool Reducer::rebuild_due() const {
+  std::lock_guard lock(mutex_);
+  return rebuild_due_;
 }
 
 void Reducer::rebuild_buckets() {
+  std::lock_guard lock(mutex_);
   rebuild_due_ = false;
   rebuilt_ = true;
   // Rank 0's observed order decides; parameters that never became ready go last, in reverse
@@ -450,7 +602,10 @@ void Reducer::rebuild_buckets() {
     if (!placed[i]) order.push_back(static_cast<std::int64_t>(i));
   }
   ready_order_.clear();
-  group_->broadcast(order.data(), order.size(), DType::kInt64, /*root=*/0)->wait();
+  record_ready_order_ = false;
+  detail::in_ddp_phase(
+      [] { return std::string("bucket rebuild before forward"); },
+      [&] { group_->broadcast(order.data(), order.size(), DType::kInt64, /*root=*/0)->wait(); });
   std::vector<std::size_t> new_order;
   std::vector<bool> seen(n, false);
   for (const auto i : order) {
@@ -484,6 +639,7 @@ void Reducer::rebuild_buckets() {
 void Reducer::prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
   std::lock_guard lock(mutex_);
   if (!require_sync_) return;
+  expect_hooks_ = true;
   if (!options_.find_unused_parameters && !options_.static_graph) return;
   if (options_.static_graph && unused_known_) return;
   find_unused(outputs);

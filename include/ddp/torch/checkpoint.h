@@ -47,6 +47,11 @@ void save_checkpoint(const std::filesystem::path& path, const torch::nn::Module&
 
 // Loads model parameters and buffers and optimizer state in place and returns the stored info.
 // When `expected_tag` is non-empty it must equal the stored tag (else Error naming both).
+// In place means copied into the model's existing tensors, after every stored tensor was read and
+// its shape and dtype checked (a checkpoint that does not fit changes nothing). So it is safe in
+// either order with DistributedDataParallel: load into the unwrapped module before wrapping, or
+// into model->module() afterwards; load on every rank (a rank that skips the load keeps its own
+// values, which the DDP divergence check reports).
 CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Module& model,
                                torch::optim::Optimizer& optimizer,
                                const std::string& expected_tag = {});

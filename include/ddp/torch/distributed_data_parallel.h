@@ -7,9 +7,25 @@
 //
 // Construction checks that every rank wraps the same parameters (count, shapes, dtypes; the error
 // names the first parameter that differs and the ranks), then copies rank 0's parameters and
-// buffers to every rank. Each forward first broadcasts rank 0's buffers (broadcast_buffers) and,
-// once, rebuilds the gradient buckets; backward() then returns with every gradient averaged over
-// the ranks, the communication having overlapped backward (see reducer.h).
+// buffers to every rank. Each training-mode forward first broadcasts rank 0's buffers
+// (broadcast_buffers) and, once, rebuilds the gradient buckets; backward() then returns with every
+// gradient averaged over the ranks, the communication having overlapped backward (see reducer.h).
+//
+// Evaluation (a forward in eval mode) communicates nothing, so rank 0 may evaluate alone. Unlike
+// PyTorch, which re-broadcasts rank 0's buffers in the first forward after training whatever the
+// mode, each rank then uses its own buffers (BatchNorm statistics of its own last batches); call
+// sync_buffers() on every rank first to evaluate everywhere with rank 0's.
+//
+// Staying in sync: every forward checks (locally, a few microseconds) that the wrapped module
+// still has the parameters it was wrapped with. A load after wrapping (torch::load,
+// Module::load) or a replaced parameter tensor of the same shape re-attaches the gradient hooks;
+// a changed parameter set, shape, dtype or device is an Error naming the parameter. Loading values
+// on some ranks only cannot be seen that way: ddp::load_checkpoint on every rank, or the opt-in
+// divergence check (DdpOptions::divergence_check_every, or DDP_DIVERGENCE_CHECK_EVERY=N), which
+// compares a checksum of every parameter across ranks every N training forwards and names the
+// first parameter that differs and the ranks.
+//
+// Uneven inputs: DistributedDataParallel is a Joinable; see ddp/torch/join.h.
 //
 // Gradient accumulation: `{ auto guard = model->no_sync(); loss.backward(); }` for the micro-steps,
 // then a normal backward for the last one. Options follow PyTorch's names and defaults.
@@ -31,6 +47,7 @@
 
 #include "ddp/process_group.h"
 #include "ddp/torch/comm_hooks.h"
+#include "ddp/torch/join.h"
 #include "ddp/torch/reducer.h"
 
 namespace ddp {
@@ -42,6 +59,10 @@ struct DdpOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
+  // Every N training-mode forwards, compare a checksum of each parameter across the ranks (one
+  // allgather of 8 bytes per parameter) and throw Error naming the first that differs. 0 = off,
+  // unless the environment sets DDP_DIVERGENCE_CHECK_EVERY=N.
+  std::int64_t divergence_check_every = 0;
 };
 
 // Restores the previous synchronisation mode when it goes out of scope.
@@ -60,7 +81,7 @@ class [[nodiscard]] NoSyncGuard {
 };
 
 // The part of DistributedDataParallel that does not depend on the module's type.
-class DistributedDataParallelBase : public torch::nn::Module {
+class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
  public:
   ProcessGroup& process_group() const { return *group_; }
   Reducer& reducer() const { return *reducer_; }
@@ -70,6 +91,22 @@ class DistributedDataParallelBase : public torch::nn::Module {
   NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
   void register_comm_hook(CommHook hook) { reducer_->register_comm_hook(std::move(hook)); }
 
+  // Copies rank 0's buffers to every rank (collective). E.g. before evaluating on every rank.
+  void sync_buffers();
+  // Compares a checksum of every parameter across the ranks now (collective); throws Error naming
+  // the first parameter that differs and the ranks that differ from rank 0.
+  void check_divergence();
+  // The check that runs before every forward (local): re-attaches the hooks of parameters
+  // replaced by tensors of the same shape, throws Error for other changes. Returns how many
+  // parameters were re-attached.
+  std::size_t check_parameters();
+
+  // Joinable (ddp/torch/join.h).
+  void join_main_hook() override;
+  void join_post_hook(bool is_last_joiner) override;
+  ProcessGroup& join_process_group() override { return *group_; }
+  std::string join_description() const override;
+
  protected:
   // `group` null = default_process_group(). Registers `module` as the submodule "module".
   DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
@@ -78,10 +115,17 @@ class DistributedDataParallelBase : public torch::nn::Module {
   void post_forward(const std::vector<torch::Tensor>& outputs);
 
  private:
+  struct StepPlan;
+  StepPlan plan_join_step(bool joined);
+  void broadcast_buffers_from(int root);
+  void maybe_check_divergence();
+
+  std::shared_ptr<torch::nn::Module> wrapped_;
   std::shared_ptr<ProcessGroup> group_;
   DdpOptions options_;
   std::vector<torch::Tensor> buffers_;
   std::unique_ptr<Reducer> reducer_;
+  std::int64_t training_forwards_ = 0;
 };
 
 namespace detail {

@@ -19,7 +19,15 @@
 // and removes its hooks; it must not be destroyed while a backward pass over its parameters runs.
 // Errors surface from backward(): a parameter that received no gradient without
 // find_unused_parameters (Error naming the parameters and the option), a gradient received twice
-// in one pass, and the group's CommError.
+// in one pass, a backward over a forward that did not go through DistributedDataParallel (or ran
+// inside no_sync), and the group's CommError (its message names the bucket and its parameters).
+//
+// Parameters replaced after construction (Module::load and torch::load assign new storage and may
+// give a parameter a new gradient accumulator; register_parameter puts a new tensor in its place)
+// are found by check_parameters() before every forward: a parameter of the same name, shape, dtype
+// and device is re-attached (the hooks move to its accumulator), anything else is an Error naming
+// the parameter and the fix. Without it the hooks would stay on orphaned accumulators and the ranks
+// would silently train apart.
 #pragma once
 
 #include <chrono>
@@ -68,13 +76,32 @@ class Reducer {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Call at the start of every forward pass: rebuilds the buckets when that is due (a collective:
-  // every rank runs the same forwards).
-  void prepare_for_forward();
+  // Compares the module's current trainable parameters (names and tensors, in registration
+  // order) with the ones the Reducer was built over: re-attaches the hooks of replaced tensors of
+  // the same shape, dtype and device; throws Error for anything else (another parameter set, a
+  // changed shape, dtype or device). Local: no collective. Returns how many were re-attached.
+  std::size_t check_parameters(const std::vector<torch::Tensor>& parameters,
+                               const std::vector<std::string>& names);
+
+  // True once the first synchronised backward has recorded the order in which gradients became
+  // ready: the next training forward must call rebuild_buckets() on every rank.
+  bool rebuild_due() const;
+  // Rebuilds the buckets in rank 0's recorded order (a collective: a broadcast from rank 0).
+  void rebuild_buckets();
   // Call at the end of a forward pass whose gradients will be synchronised, with its outputs:
   // with find_unused_parameters (or static_graph's first pass) walks the autograd graph from them
-  // to find the parameters this pass does not use.
+  // to find the parameters this pass does not use. A backward that reaches the hooks without it
+  // is an error (the forward bypassed DistributedDataParallel).
   void prepare_for_backward(const std::vector<torch::Tensor>& outputs);
+
+  // Multiplies the averaged gradients of the next synchronised backward by `scale` (Join with
+  // divide_by_initial_world_size = false: world size / ranks still training). 1 = plain average.
+  void set_gradient_scale(double scale);
+
+  // For a rank that has run out of data under ddp::Join: makes the collectives of one
+  // synchronised backward pass (every bucket through the comm hook with zeros, the unused map)
+  // so that the ranks still training can complete theirs. Waits for them.
+  void shadow_backward();
 
   // false = gradients accumulate locally (no_sync); true = the next backward synchronises.
   void set_require_sync(bool require_sync);
@@ -107,7 +134,9 @@ class Reducer {
   void finalize_backward();
   void wait_for_launched_buckets() noexcept;
   void reset_iteration();
-  void rebuild_buckets();
+  void attach_hook(std::size_t param);
+  std::string bucket_phase(std::size_t bucket) const;
+  void after_synchronised_pass();
   void find_unused(const std::vector<torch::Tensor>& outputs);
 
   std::vector<torch::Tensor> parameters_;
@@ -130,6 +159,8 @@ class Reducer {
   std::vector<bool> used_;  // got a gradient in this pass (find_unused bookkeeping)
   std::size_t next_bucket_ = 0;
   bool callback_queued_ = false;
+  bool expect_hooks_ = false;  // prepare_for_backward ran since the last synchronised backward
+  double gradient_scale_ = 1.0;
   bool unused_marked_ = false;
   std::vector<std::size_t> unused_;
   bool unused_known_ = false;  // static_graph: unused_ found once
