@@ -251,51 +251,59 @@ TEST(DataPlaneAttack, GarbageAndBadHellosDuringSetUpDoNotKillStartUpWithSecret) 
 // The attacker claims rank 1 without the secret: with the plain hello (as the injection
 // script did), and with the authenticated hello followed by a guessed MAC, and by another
 // secret's MAC; then it tries to send collective data on the refused connection.
-TEST(DataPlaneAttack, ImpostorWithoutTheSecretIsRefused) {
-  run_attack(kSecret, 4, [](const std::string& address, std::vector<net::Socket>&) -> std::string {
-    if (auto f = expect_refused(address, hello_bytes(comm::kHandshakeMagic, "default", 2, 1, 0),
-                                "a plain hello claiming rank 1");
-        !f.empty()) {
-      return f;
-    }
-    for (const std::string& wrong : {std::string(), std::string("not the secret")}) {
-      net::Socket socket = connect_to(address);
-      auto hello = hello_bytes(comm::kAuthHandshakeMagic, "default", 2, 1, 0);
-      const auto nonce = random_bytes(32, 7);
-      hello.insert(hello.end(), nonce.begin(), nonce.end());
-      socket.send_all(hello.data(), hello.size(), net::deadline_after(5s));
-      // Rank 0 answers with its hello, its nonce and its MAC ...
-      std::vector<std::uint8_t> answer(sizeof(comm::Hello) + 7 + 64);
-      socket.recv_all(answer.data(), answer.size(), net::deadline_after(5s));
-      // ... and the attacker answers with a guess, or a MAC under another secret.
-      std::vector<std::uint8_t> mac = random_bytes(32, 9);
-      if (!wrong.empty()) {
-        comm::HandshakeParams p{.group = "default", .size = 2, .rank = 1, .secret = wrong};
-        // The session id is in the store, which an attacker without the secret cannot read;
-        // even with it, the MAC under another secret fails.
-        mac = comm::handshake_mac(p, false, 1, 0, nonce.data(), answer.data() + 31);
-      }
-      socket.send_all(mac.data(), mac.size(), net::deadline_after(5s));
-      // Then it sends what would be an allreduce's header and data.
-      comm::OpHeader header{};
-      header.count = 4096;
-      std::vector<std::uint8_t> payload(sizeof header + 4096 * 4, 0xff);
-      std::memcpy(payload.data(), &header, sizeof header);
-      try {
-        socket.send_all(payload.data(), payload.size(), net::deadline_after(5s));
-      } catch (const Error&) {
-        // A reset while sending is a refusal too.
-      }
-      if (!closed_by_peer(socket, 10s)) return "an authenticated hello with a wrong MAC was kept";
-    }
-    // A connection that claims rank 1 with the authenticated hello and then stays silent.
+std::string impostor_round(const std::string& address, unsigned seed) {
+  if (auto f = expect_refused(address, hello_bytes(comm::kHandshakeMagic, "default", 2, 1, 0),
+                              "a plain hello claiming rank 1");
+      !f.empty()) {
+    return f;
+  }
+  for (const std::string& wrong : {std::string(), std::string("not the secret")}) {
     net::Socket socket = connect_to(address);
     auto hello = hello_bytes(comm::kAuthHandshakeMagic, "default", 2, 1, 0);
-    const auto nonce = random_bytes(32, 3);
+    const auto nonce = random_bytes(32, seed * 4 + 1);
     hello.insert(hello.end(), nonce.begin(), nonce.end());
     socket.send_all(hello.data(), hello.size(), net::deadline_after(5s));
-    socket.close();
-    return "";
+    // Rank 0 answers with its hello, its nonce and its MAC ...
+    std::vector<std::uint8_t> answer(sizeof(comm::Hello) + 7 + 64);
+    socket.recv_all(answer.data(), answer.size(), net::deadline_after(5s));
+    // ... and the attacker answers with a guess, or a MAC under another secret.
+    std::vector<std::uint8_t> mac = random_bytes(32, seed * 4 + 2);
+    if (!wrong.empty()) {
+      comm::HandshakeParams p{.group = "default", .size = 2, .rank = 1, .secret = wrong};
+      // The session id is in the store, which an attacker without the secret cannot read;
+      // even with it, the MAC under another secret fails.
+      mac = comm::handshake_mac(p, false, 1, 0, nonce.data(), answer.data() + 31);
+    }
+    socket.send_all(mac.data(), mac.size(), net::deadline_after(5s));
+    // Then it sends what would be an allreduce's header and data.
+    comm::OpHeader header{};
+    header.count = 4096;
+    std::vector<std::uint8_t> payload(sizeof header + 4096 * 4, 0xff);
+    std::memcpy(payload.data(), &header, sizeof header);
+    try {
+      socket.send_all(payload.data(), payload.size(), net::deadline_after(5s));
+    } catch (const Error&) {
+      // A reset while sending is a refusal too.
+    }
+    if (!closed_by_peer(socket, 10s)) return "an authenticated hello with a wrong MAC was kept";
+  }
+  // A connection that claims rank 1 with the authenticated hello and then stays silent.
+  net::Socket socket = connect_to(address);
+  auto hello = hello_bytes(comm::kAuthHandshakeMagic, "default", 2, 1, 0);
+  const auto nonce = random_bytes(32, seed * 4 + 3);
+  hello.insert(hello.end(), nonce.begin(), nonce.end());
+  socket.send_all(hello.data(), hello.size(), net::deadline_after(5s));
+  socket.close();
+  return "";
+}
+
+// 25 rounds of the four impostors above: 100 attempts, 100 refusals, and the job still runs.
+TEST(DataPlaneAttack, ImpostorWithoutTheSecretIsRefused) {
+  run_attack(kSecret, 100, [](const std::string& address, std::vector<net::Socket>&) {
+    for (unsigned round = 0; round < 25; ++round) {
+      if (auto f = impostor_round(address, round); !f.empty()) return f;
+    }
+    return std::string();
   });
 }
 
