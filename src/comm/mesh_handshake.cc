@@ -2,9 +2,7 @@
 
 #include <poll.h>
 
-#include <algorithm>
 #include <cstring>
-#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
