@@ -9,9 +9,12 @@
 // With none of them set, the process is a job of one (rank 0 of 1, any free port).
 // MASTER_ADDR/MASTER_PORT come from the environment under every launcher; when a one-node job
 // leaves them unset, 127.0.0.1 and 29500 are used. A multi-node mpirun/srun job must export them.
+// The job's secret (DDP_SECRET / DDP_SECRET_FILE, see job_secret.h) and the address rank 0's
+// store listens on (DDP_STORE_LISTEN_ADDR, default: MASTER_ADDR's interface only) are resolved
+// here too, so that nothing below reads the environment.
 //
 // Throws ConfigError naming the variable and the fix: a missing or non-numeric value, a rank
-// outside the world, a world size of 0, a port outside 0..65535.
+// outside the world, a world size of 0, a port outside 0..65535, a bad secret (job_secret.h).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +31,11 @@ struct LaunchOptions {
   std::optional<int> local_world_size;
   std::optional<std::string> master_addr;
   std::optional<int> master_port;
+  // The job's shared secret (wins over DDP_SECRET / DDP_SECRET_FILE); must not be empty.
+  std::optional<std::string> secret;
+  // Address rank 0's store listens on (wins over DDP_STORE_LISTEN_ADDR): "0.0.0.0" = every IPv4
+  // address, "::" = every address. Default: master_addr.
+  std::optional<std::string> store_listen_addr;
 };
 
 struct LaunchEnvironment {
@@ -37,6 +45,12 @@ struct LaunchEnvironment {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   std::uint16_t master_port = 29500;
+  // "" = no secret: the store and the data plane are unauthenticated (trusted network only).
+  // Never print it.
+  std::string secret;
+  // Where rank 0's store listens when asked (options / DDP_STORE_LISTEN_ADDR); unset = the
+  // interface of master_addr (rendezvous.h says how).
+  std::optional<std::string> store_listen_addr;
   int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT, 0 when not restarted
   std::string launcher;   // "ddprun/torchrun", "mpirun", "srun", "options" or "none"
 };

@@ -3,8 +3,12 @@
 //   ddp::World world = ddp::rendezvous();           // reads ddprun/torchrun/mpirun/srun variables
 //   world.store->set("hello/" + std::to_string(world.rank()), "hi");
 //
-// Rank 0 starts the rendezvous store's server on MASTER_PORT (every address); every rank connects
-// to MASTER_ADDR:MASTER_PORT as a client, retrying until the deadline (rank 0 may start last).
+// Rank 0 starts the rendezvous store's server on MASTER_ADDR:MASTER_PORT (that interface only;
+// DDP_STORE_LISTEN_ADDR or LaunchOptions::store_listen_addr choose another, e.g. 0.0.0.0; a job
+// spanning hosts whose MASTER_ADDR resolves to a loopback address on rank 0 listens on every
+// interface); every rank connects to MASTER_ADDR:MASTER_PORT as a client, retrying until the
+// deadline (rank 0 may start last). With a job secret (DDP_SECRET / DDP_SECRET_FILE, job_secret.h)
+// the store admits only processes that prove they know it (docs/security.md).
 // Each rank then claims its rank number and the world size in the store, and all ranks wait until
 // the whole world has arrived. rendezvous() returns only when every rank is there.
 //
@@ -16,7 +20,8 @@
 //                 rank 0, two processes claiming the same rank, ranks that disagree on the world
 //                 size, a malformed DDP_TIMEOUT;
 //   TimeoutError  the master cannot be reached, or not every rank arrived (names the missing
-//   ranks).
+//   ranks);
+//   StoreError    the store refused this process (another secret, or a secret on one side only).
 // Keep the returned World (and so rank 0's store server) alive until every rank is done with the
 // store: destroy it after a final barrier.
 #pragma once

@@ -9,8 +9,10 @@
 //   auto pg = ddp::make_ring_process_group(store, rank, world_size, {.group_name = "default"});
 //
 // make_ring_process_group blocks until every rank has connected, or throws: ConfigError for bad
-// arguments, CommError when the handshake finds a peer of another group/rank/protocol, or when
-// the peers do not show up before the timeout. Call it from one thread per rank.
+// arguments, CommError when a lower rank answers the handshake as a peer of another
+// group/rank/protocol/secret, or when the peers do not show up before the timeout. A connection
+// to this rank's port that fails the handshake (garbage, a bad hello, a wrong or missing secret)
+// is refused and logged, and the wait goes on. Call it from one thread per rank.
 //
 // Timeout precedence (first that applies): CallOptions::timeout of the call; RingOptions::timeout
 // when non-zero; the DDP_TIMEOUT environment variable (seconds, may be fractional) read here;
@@ -27,6 +29,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -72,6 +75,16 @@ struct RingOptions {
   // Bytes of one shared-memory chunk per rank (0 = the engine's default, 1 MiB); larger messages
   // stream through the segment chunk by chunk. Must be equal on the ranks of a host.
   std::size_t shm_slot_bytes = 0;
+  // The job's shared secret ("" = none: trusted network only). When set, every connection of the
+  // group opens with a mutual HMAC-SHA256 challenge-response bound to this group instance, both
+  // ranks and fresh nonces, before it carries a byte of a collective (docs/security.md); a peer
+  // that fails it is refused and logged while the group keeps waiting for the real one. Must be
+  // equal on every rank. init_process_group passes the job's secret (DDP_SECRET). Needs a build
+  // with OpenSSL (ConfigError otherwise).
+  std::string secret;
+  // Receives one line per refused connection (garbage, a bad hello, a failed authentication);
+  // default: stderr. Called on the thread that creates the group.
+  std::function<void(const std::string& line)> log;
 };
 
 std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> store, int rank,

@@ -10,6 +10,7 @@
 #include <bit>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -24,12 +25,14 @@
 
 #include "comm/argument_checks.h"
 #include "comm/exchange.h"
+#include "comm/mesh_handshake.h"
 #include "comm/reduce_kernels.h"
 #include "comm/shm/shm_domain.h"
 #include "comm/wire.h"
 #include "ddp/error.h"
 #include "ddp/rendezvous.h"
 #include "net/socket.h"
+#include "store/auth.h"
 
 namespace ddp {
 namespace {
@@ -112,16 +115,6 @@ std::string advertise_host(const RingOptions& options) {
   }
   return net::host_name();
 }
-
-// The handshake each connection starts with, in both directions.
-struct Hello {
-  std::uint32_t magic = comm::kHandshakeMagic;
-  std::uint32_t version = comm::kProtocolVersion;
-  std::int32_t size = 0;
-  std::int32_t from_rank = 0;
-  std::int32_t to_rank = 0;
-  std::uint32_t name_length = 0;
-};
 
 class RingProcessGroup;
 
@@ -522,67 +515,24 @@ void RingProcessGroup::connect_mesh() {
   const std::string address = fmt::format("{}:{}", advertise_host(options_), listener.local_port());
   store_->set(fmt::format("{}addr/{}", prefix_, rank()), address);
 
-  auto make_hello = [&](int to) {
-    Hello hello;
-    hello.size = size();
-    hello.from_rank = rank();
-    hello.to_rank = to;
-    hello.name_length = static_cast<std::uint32_t>(name_.size());
-    return hello;
-  };
-  auto send_hello = [&](net::Socket& socket, int to) {
-    const Hello hello = make_hello(to);
-    socket.send_all(&hello, sizeof hello, deadline);
-    socket.send_all(name_.data(), name_.size(), deadline);
-  };
-  // Reads the peer's hello and checks it; returns the peer's rank.
-  auto receive_hello = [&](net::Socket& socket, int expected_from) {
-    Hello hello;
-    socket.recv_all(&hello, sizeof hello, deadline);
-    auto fail = [&](const std::string& what) -> CommError {
-      return CommError(fmt::format("rank {} of group '{}': handshake with {} failed: {}", rank(),
-                                   name_, socket.peer(), what),
-                       name_, "connect", 0, expected_from);
-    };
-    if (hello.magic != comm::kHandshakeMagic) {
-      throw fail(
-          fmt::format("the peer does not speak the ddp ring protocol (magic {:#x}, "
-                      "expected {:#x}); is another program using this port?",
-                      hello.magic, comm::kHandshakeMagic));
-    }
-    if (hello.version != comm::kProtocolVersion) {
-      throw fail(
-          fmt::format("protocol version {} but this rank speaks version {}; run the same "
-                      "ddp build on every rank",
-                      hello.version, comm::kProtocolVersion));
-    }
-    if (hello.name_length > 4096) throw fail("group name longer than 4096 bytes");
-    std::string name(hello.name_length, '\0');
-    socket.recv_all(name.data(), name.size(), deadline);
-    if (name != name_) {
-      throw fail(
-          fmt::format("the peer belongs to group '{}', this rank to group '{}'", name, name_));
-    }
-    if (hello.size != size()) {
-      throw fail(
-          fmt::format("the peer's group has {} ranks, this rank's has {}", hello.size, size()));
-    }
-    if (hello.to_rank != rank()) {
-      throw fail(
-          fmt::format("rank {} wanted to reach rank {} but reached rank {} (stale address "
-                      "in the store?)",
-                      hello.from_rank, hello.to_rank, rank()));
-    }
-    if (expected_from >= 0 && hello.from_rank != expected_from) {
-      throw fail(
-          fmt::format("expected rank {} but rank {} answered", expected_from, hello.from_rank));
-    }
-    if (hello.from_rank < 0 || hello.from_rank >= size() || hello.from_rank == rank() ||
-        peers_[static_cast<std::size_t>(hello.from_rank)].valid()) {
-      throw fail(fmt::format("unexpected or duplicate connection from rank {}", hello.from_rank));
-    }
-    return static_cast<int>(hello.from_rank);
-  };
+  comm::HandshakeParams handshake{.group = name_,
+                                  .size = size(),
+                                  .rank = rank(),
+                                  .secret = options_.secret,
+                                  .session = {},
+                                  .log = options_.log};
+  if (!handshake.log) {
+    handshake.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  }
+  if (!options_.secret.empty()) {
+    // The group instance's id, bound into every handshake MAC: the first rank to get here draws
+    // it, the others read it.
+    const auto nonce = store::random_nonce();
+    std::string mine;
+    for (const auto byte : nonce)
+      mine += fmt::format("{:02x}", byte);
+    handshake.session = store_->compare_set(prefix_ + "auth/session", "", mine);
+  }
 
   // Lower ranks accept, higher ranks connect: rank r connects to every rank below it.
   for (int peer = 0; peer < rank(); ++peer) {
@@ -608,30 +558,13 @@ void RingProcessGroup::connect_mesh() {
     }
     socket.set_buffer_sizes(options_.socket_buffer_bytes);
     socket.set_no_delay(true);
-    send_hello(socket, peer);
-    receive_hello(socket, peer);
+    comm::connect_handshake(socket, handshake, peer, deadline);
     peers_[static_cast<std::size_t>(peer)] = std::move(socket);
   }
-  for (int accepted = 0; accepted < size() - 1 - rank(); ++accepted) {
-    net::Socket socket;
-    try {
-      socket = net::accept_tcp(listener, deadline);
-    } catch (const TimeoutError&) {
-      std::string missing;
-      for (int peer = rank() + 1; peer < size(); ++peer) {
-        if (!peers_[static_cast<std::size_t>(peer)].valid()) {
-          missing += fmt::format("{}{}", missing.empty() ? "" : ", ", peer);
-        }
-      }
-      throw CommError(fmt::format("rank {} of group '{}' timed out after {} ms waiting for "
-                                  "ranks {} to connect; did every rank create the group?",
-                                  rank(), name_, timeout_.count(), missing),
-                      name_, "connect", 0, -1);
-    }
-    socket.set_no_delay(true);
-    const int peer = receive_hello(socket, -1);
-    send_hello(socket, peer);
-    peers_[static_cast<std::size_t>(peer)] = std::move(socket);
+  // Garbage, bad hellos and failed authentications are refused there without ending the wait.
+  auto accepted = comm::accept_peers(listener, handshake, deadline, timeout_);
+  for (int peer = rank() + 1; peer < size(); ++peer) {
+    peers_[static_cast<std::size_t>(peer)] = std::move(accepted[static_cast<std::size_t>(peer)]);
   }
   for (const auto& socket : peers_)
     peer_fds_.push_back(socket.valid() ? socket.fd() : -1);
@@ -1583,6 +1516,7 @@ std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> sto
   if (options.group_name.empty()) {
     throw ConfigError("make_ring_process_group: RingOptions::group_name is empty");
   }
+  if (!options.secret.empty()) store::require_auth();
   if (options.chunk_bytes < 64) {
     throw ConfigError(
         fmt::format("RingOptions::chunk_bytes must be at least 64, got {}", options.chunk_bytes));

@@ -47,9 +47,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   std::shared_ptr<ProcessGroup> group;
   if (backend.name == "ring") {
     World world = rendezvous(options);
-    group =
-        make_ring_process_group(std::make_shared<PrefixStore>("ddp/pg", world.store), world.rank(),
-                                world.size(), {.timeout = world.timeout, .group_name = "default"});
+    group = make_ring_process_group(
+        std::make_shared<PrefixStore>("ddp/pg", world.store), world.rank(), world.size(),
+        {.timeout = world.timeout, .group_name = "default", .secret = world.environment.secret});
   } else if (backend.name == "mpi" && mpi_backend_available()) {
     // MPI has its own rendezvous; the launcher's variables are only checked against it.
     group = make_mpi_process_group({.timeout = resolve_timeout(options.timeout)});

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
+#include "ddp/job_secret.h"
 
 namespace ddp {
 namespace {
@@ -234,6 +235,19 @@ LaunchEnvironment resolve_launch_environment(const LaunchOptions& options,
   result.local_world_size = static_cast<int>(my_local_world);
   result.master_port = static_cast<std::uint16_t>(master_port);
   result.restart_count = static_cast<int>(restarts.value.value_or(0));
+
+  // The store listens where rank 0 is reached (MASTER_ADDR), not on every interface, unless
+  // asked to.
+  const auto listen =
+      options.store_listen_addr ? options.store_listen_addr : env.text("DDP_STORE_LISTEN_ADDR");
+  if (listen && listen->empty()) {
+    throw ConfigError(fmt::format(
+        "{} is set but empty: give an address of this host (e.g. 0.0.0.0 for every "
+        "IPv4 address), or unset it to listen on MASTER_ADDR's interface",
+        options.store_listen_addr ? "options.store_listen_addr" : "DDP_STORE_LISTEN_ADDR"));
+  }
+  result.store_listen_addr = listen;
+  result.secret = resolve_job_secret(options.secret, lookup);
   return result;
 }
 

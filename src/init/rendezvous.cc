@@ -44,18 +44,39 @@ struct Keys {
   std::string error() const { return base + "/error"; }
 };
 
+// Where rank 0's store listens: where it was asked to, else MASTER_ADDR's interface. Debian maps
+// a host's own name to 127.0.1.1, so a MASTER_ADDR that names this host can resolve to a loopback
+// address here while the other hosts reach it through the network: a job that spans hosts then
+// listens on every interface instead (the peers could never reach a loopback address).
+std::string store_listen_host(const LaunchEnvironment& env) {
+  if (env.store_listen_addr) return *env.store_listen_addr;
+  const bool spans_hosts = env.local_world_size < env.world_size;
+  if (spans_hosts && net::resolves_only_to_loopback(env.master_addr)) return "";
+  return env.master_addr;
+}
+
 std::shared_ptr<Store> connect_store(const LaunchEnvironment& env, Milliseconds timeout) {
   const bool is_server = env.rank == 0;
   try {
     return std::make_shared<TcpStore>(
         env.master_addr, env.master_port,
-        TcpStoreOptions{.is_server = is_server, .timeout = timeout, .connect_timeout = timeout});
+        TcpStoreOptions{.is_server = is_server,
+                        .timeout = timeout,
+                        .connect_timeout = timeout,
+                        .listen_host = is_server ? store_listen_host(env) : std::string(),
+                        .auth_secret = env.secret});
   } catch (const ConfigError& e) {
     if (is_server) {
-      throw ConfigError(fmt::format("rank 0 cannot start the rendezvous store on port {}: {}",
+      throw ConfigError(fmt::format("rank 0 cannot start the rendezvous store on {}:{}: {}",
+                                    env.store_listen_addr.value_or(env.master_addr),
                                     env.master_port, e.what()));
     }
     throw;
+  } catch (const StoreError& e) {
+    throw StoreError(fmt::format(
+        "rank {} was not let into the rendezvous store at {}:{}: {}; every process of the job "
+        "needs the same DDP_SECRET or DDP_SECRET_FILE (or none of them)",
+        env.rank, env.master_addr, env.master_port, e.what()));
   } catch (const TimeoutError& e) {
     throw TimeoutError(fmt::format(
         "rank {} could not reach the rendezvous store at {}:{} within {}: is rank 0 running, and "

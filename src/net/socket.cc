@@ -286,6 +286,22 @@ std::uint16_t pick_free_port() {
   return sock.local_port();
 }
 
+bool resolves_only_to_loopback(const std::string& host) {
+  const auto info = resolve(host, 0, /*passive=*/false);
+  for (const addrinfo* ai = info.get(); ai != nullptr; ai = ai->ai_next) {
+    if (ai->ai_family == AF_INET) {
+      const auto* in = reinterpret_cast<const sockaddr_in*>(ai->ai_addr);
+      if ((ntohl(in->sin_addr.s_addr) >> 24) != 127) return false;
+    } else if (ai->ai_family == AF_INET6) {
+      const auto* in6 = reinterpret_cast<const sockaddr_in6*>(ai->ai_addr);
+      if (!IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr)) return false;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
 std::string host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) return "localhost";

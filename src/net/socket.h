@@ -86,6 +86,10 @@ Socket connect_tcp(const std::string& host, std::uint16_t port, Deadline deadlin
 // close). Another process may take it before it is used: callers retry or accept the risk.
 std::uint16_t pick_free_port();
 
+// Whether every address `host` resolves to is a loopback address (127.0.0.0/8, ::1). Throws
+// ConfigError when it does not resolve.
+bool resolves_only_to_loopback(const std::string& host);
+
 // This host's name (gethostname).
 std::string host_name();
 

@@ -522,6 +522,54 @@ TEST(Ddprun, WorkersDieWhenDdprunIsKilledOutright) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The job's secret
+
+std::string write_secret_file(const TempDir& dir, const std::string& secret) {
+  const std::string path = dir.file("secret");
+  std::ofstream(path) << secret << "\n";
+  ::chmod(path.c_str(), 0600);
+  return path;
+}
+
+TEST(Ddprun, SecretFileReachesTheWorkersOnNoCommandLine) {
+  TempDir dir;
+  const std::string secret = "ddprun-test-secret-4f1c";
+  const std::string path = write_secret_file(dir, secret);
+  // Each worker prints its environment, its own command line and ddprun's (its parent's).
+  const auto r = run_ddprun({"--secret-file", path, "--nproc-per-node", "2", "/bin/sh", "-c",
+                             "env; echo \"cmdline=$(tr '\\0' ' ' < /proc/$$/cmdline)\"; "
+                             "echo \"parent=$(tr '\\0' ' ' < /proc/$PPID/cmdline)\""},
+                            {{"DDP_SECRET", std::nullopt}, {"DDP_SECRET_FILE", std::nullopt}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr(secret)));
+  EXPECT_THAT(r.output, HasSubstr("[0] DDP_SECRET_FILE=" + path));
+  EXPECT_THAT(r.output, HasSubstr("[1] DDP_SECRET_FILE=" + path));
+  EXPECT_THAT(r.output, HasSubstr("[1] parent=" + ddprun()));  // the check read /proc
+  EXPECT_THAT(r.output, Not(HasSubstr("DDP_SECRET=")));
+}
+
+TEST(Ddprun, WorkersOfAJobWithASecretRunCollectives) {
+  TempDir dir;
+  const std::string path = write_secret_file(dir, "bench secret");
+  const auto r = run_ddprun({"--secret-file", path, "--standalone", "--nproc-per-node", "3",
+                             built_program("ddp-bench"), "--op", "allreduce", "--sizes", "1K,1M",
+                             "--iters", "3", "--warmup", "1", "--check", "--timeout", "30"},
+                            {{"DDP_SECRET", std::nullopt}, {"DDP_SECRET_FILE", std::nullopt}}, 60s);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("refused")));
+}
+
+TEST(Ddprun, BadSecretFileIsAUsageError) {
+  TempDir dir;
+  const std::string path = dir.file("empty");
+  std::ofstream(path) << "";
+  ::chmod(path.c_str(), 0600);
+  const auto r = run_ddprun({"--secret-file", path, "/bin/true"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("is empty"));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Bad command lines
 
 TEST(Ddprun, BadOptionsExitWithTwoBeforeStartingAnything) {

@@ -3,7 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <sstream>
+
+#include <sys/stat.h>
 
 #include <stdlib.h>
 #include <unistd.h>
@@ -128,6 +132,35 @@ TEST(DescribeWaitStatus, SaysHowAProcessEnded) {
   EXPECT_EQ(describe_wait_status(3 << 8), "exited with code 3");
   EXPECT_EQ(describe_wait_status(9), "was killed by signal 9 (Killed)");
   EXPECT_EQ(describe_wait_status(15), "was killed by signal 15 (Terminated)");
+}
+
+TEST(ParseCommandLine, SecretFileIsCheckedAndMadeAbsolute) {
+  char dir_template[] = "/tmp/ddprun-secret-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const auto write = [&](const std::string& name, const std::string& text, mode_t mode) {
+    const std::string path = dir + "/" + name;
+    std::ofstream(path) << text;
+    ::chmod(path.c_str(), mode);
+    return path;
+  };
+  const std::string good = write("good", "s3cret\n", 0600);
+  EXPECT_EQ(parse({"--secret-file", good, "/bin/true"}).secret_file, good);
+  EXPECT_EQ(parse({"/bin/true"}).secret_file, "");
+  // A relative path becomes absolute: the workers may change directory before reading it.
+  const std::string cwd = std::filesystem::current_path().string();
+  std::filesystem::current_path(dir);
+  EXPECT_EQ(parse({"--secret-file", "good", "/bin/true"}).secret_file, good);
+  std::filesystem::current_path(cwd);
+
+  EXPECT_THAT(usage_error({"--secret-file", write("empty", "\n", 0600), "/bin/true"}),
+              HasSubstr("is empty"));
+  EXPECT_THAT(usage_error({"--secret-file", write("open", "s3cret\n", 0644), "/bin/true"}),
+              HasSubstr("chmod 600"));
+  EXPECT_THAT(usage_error({"--secret-file", dir + "/missing", "/bin/true"}),
+              HasSubstr("--secret-file: cannot read the secret file"));
+  EXPECT_THAT(usage_error({"--secret-file", "/dev/null", "/bin/true"}), HasSubstr("empty"));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

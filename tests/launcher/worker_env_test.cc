@@ -108,5 +108,21 @@ TEST(EnvTuning, ProbeAnswersWithinASecond) {
   EXPECT_FALSE(core.empty());
 }
 
+TEST(WorkerEnvironment, SecretFileReachesTheWorkersAsAPathOnly) {
+  LaunchOptions options = two_nodes_of_four();
+  options.secret_file = "/run/job/secret";
+  Environment env{{"DDP_SECRET", "inherited from the shell"}};
+  apply_worker_variables(
+      env, options, {.local_rank = 0, .restart_count = 0, .master_port = 29501, .cpu_count = 1});
+  EXPECT_EQ(env["DDP_SECRET_FILE"], "/run/job/secret");
+  EXPECT_FALSE(env.contains("DDP_SECRET"));  // the flag wins over the inherited variable
+
+  Environment untouched{{"DDP_SECRET", "from the shell"}};
+  apply_worker_variables(untouched, two_nodes_of_four(),
+                         {.local_rank = 0, .restart_count = 0, .master_port = 1, .cpu_count = 1});
+  EXPECT_EQ(untouched["DDP_SECRET"], "from the shell");  // no flag: inherited as it is
+  EXPECT_FALSE(untouched.contains("DDP_SECRET_FILE"));
+}
+
 }  // namespace
 }  // namespace ddp::ddprun

@@ -72,5 +72,15 @@ TEST(Socket, UnresolvableHostIsAConfigError) {
   EXPECT_THROW(connect_tcp("no-such-host.invalid", 1, deadline_after(1s)), ConfigError);
 }
 
+TEST(Socket, LoopbackNamesAreRecognised) {
+  EXPECT_TRUE(net::resolves_only_to_loopback("127.0.0.1"));
+  EXPECT_TRUE(net::resolves_only_to_loopback("127.0.1.1"));
+  EXPECT_TRUE(net::resolves_only_to_loopback("::1"));
+  EXPECT_TRUE(net::resolves_only_to_loopback("localhost"));
+  EXPECT_FALSE(net::resolves_only_to_loopback("10.1.2.3"));
+  EXPECT_FALSE(net::resolves_only_to_loopback("0.0.0.0"));
+  EXPECT_THROW(net::resolves_only_to_loopback("no-such-host.invalid"), ConfigError);
+}
+
 }  // namespace
 }  // namespace ddp::net

@@ -1,5 +1,7 @@
 #include "ddprun/launch_options.h"
 
+#include "ddp/job_secret.h"
+
 #include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -7,6 +9,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 #include <cmath>
+#include <filesystem>
 #include <ostream>
 #include <string_view>
 #include <thread>
@@ -59,7 +62,8 @@ Workers get torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
 TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=False, DDP_RESTART_COUNT, and
-OMP_NUM_THREADS (CPUs / local workers) unless it is already set. Unless --no-env-tuning,
+OMP_NUM_THREADS (CPUs / local workers) unless it is already set; with --secret-file,
+DDP_SECRET_FILE (its absolute path; an inherited DDP_SECRET is removed). Unless --no-env-tuning,
 they also get GLIBC_TUNABLES (malloc keeps freed memory) and, when OpenBLAS does not know
 this CPU, OPENBLAS_CORETYPE, each only where not already set (docs/ddprun.md).
 Output lines are prefixed with the global rank: "[3] text".
@@ -154,6 +158,10 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   app.add_flag("--no-env-tuning", no_env_tuning,
                "Do not add GLIBC_TUNABLES (malloc keeps freed memory) and OPENBLAS_CORETYPE (when "
                "OpenBLAS does not know this CPU) to the workers' environment");
+  app.add_option("--secret-file,--secret_file", options.secret_file,
+                 "File holding the job's secret (not readable by other users): turns on "
+                 "authentication of the store and of every connection between workers; the "
+                 "workers get its path as DDP_SECRET_FILE, never the secret itself");
   app.add_option("--max-restarts,--max_restarts", options.max_restarts,
                  "Restart the whole local group up to this many times after a failure (default 0)")
       ->check(whole_number(0, 1000000));
@@ -222,6 +230,24 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   if (static_cast<long>(options.nnodes) * options.nproc_per_node > (1L << 24)) {
     throw UsageError(fmt::format("--nnodes {} x --nproc-per-node {} is too many workers",
                                  options.nnodes, options.nproc_per_node));
+  }
+
+  if (!options.secret_file.empty()) {
+    // Checked now, so that a bad file is a usage error before any worker starts; the workers
+    // read it again, so it must be a file (not a pipe that only one reader can empty).
+    try {
+      read_secret_file(options.secret_file, "--secret-file");
+    } catch (const ConfigError& e) {
+      throw UsageError(e.what());
+    }
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(options.secret_file, ec)) {
+      throw UsageError(fmt::format(
+          "--secret-file: '{}' is not a regular file; every worker reads it, so give a file "
+          "(not a pipe or device)",
+          options.secret_file));
+    }
+    options.secret_file = std::filesystem::absolute(options.secret_file).string();
   }
 
   options.program = command.front();

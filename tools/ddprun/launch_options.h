@@ -42,6 +42,10 @@ struct LaunchOptions {
   bool env_tuning = true;
   // How long stopping workers get between SIGTERM (or the forwarded signal) and SIGKILL.
   std::chrono::milliseconds grace_period{5000};
+  // --secret-file: absolute path of a file holding the job's secret (checked when parsed). The
+  // workers get DDP_SECRET_FILE=<this path>, never the secret itself, on no command line and in
+  // no environment (docs/security.md); "" = the workers inherit ddprun's DDP_SECRET(_FILE).
+  std::string secret_file;
   std::string program;            // as the user wrote it; becomes the workers' argv[0]
   std::string program_path;       // where it was found (PATH lookup done), used for exec
   std::vector<std::string> args;  // the workers' argv[1..]

@@ -46,6 +46,13 @@ void apply_worker_variables(Environment& env, const LaunchOptions& options,
   // ddprun hosts no store: global rank 0 must start the server itself (PyTorch reads this too).
   set("TORCHELASTIC_USE_AGENT_STORE", "False");
   set("DDP_RESTART_COUNT", slot.restart_count);
+  if (!options.secret_file.empty()) {
+    // The path, not the secret: a worker's environment is readable in /proc by its user, and the
+    // secret stays in the one file the operator protected. The flag wins over the shell's
+    // DDP_SECRET, like every other flag over inherited variables.
+    env.erase("DDP_SECRET");
+    set("DDP_SECRET_FILE", options.secret_file);
+  }
   if (env.find("OMP_NUM_THREADS") == env.end()) {
     set("OMP_NUM_THREADS", std::max(1, slot.cpu_count / std::max(1, options.nproc_per_node)));
   }

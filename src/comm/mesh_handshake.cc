@@ -1,0 +1,437 @@
+#include "comm/mesh_handshake.h"
+
+#include <poll.h>
+
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "comm/wire.h"
+#include "ddp/comm_error.h"
+#include "ddp/error.h"
+#include "store/auth.h"
+
+namespace ddp::comm {
+namespace {
+
+constexpr std::string_view kAcceptorRole = "ddp-ring acceptor";
+constexpr std::string_view kConnectorRole = "ddp-ring connector";
+constexpr std::size_t kNonceBytes = store::kNonceBytes;
+constexpr std::size_t kMacBytes = store::kMacBytes;
+// Handshakes in progress at once; beyond this the oldest is dropped (a flood of idle connections
+// must not exhaust the descriptors, and a real peer finishes in microseconds).
+constexpr std::size_t kMaxPendingHandshakes = 256;
+
+std::uint32_t expected_magic(const HandshakeParams& params) {
+  return params.secret.empty() ? kHandshakeMagic : kAuthHandshakeMagic;
+}
+
+// What is wrong with a hello's magic and version, or "" when they are right.
+std::string check_magic_and_version(const HandshakeParams& params, const Hello& hello) {
+  const bool auth = !params.secret.empty();
+  if (hello.magic == kHandshakeMagic && auth) {
+    return "the peer has no secret but this rank has one; give every rank the same DDP_SECRET or "
+           "DDP_SECRET_FILE";
+  }
+  if (hello.magic == kAuthHandshakeMagic && !auth) {
+    return "the peer authenticates with a secret but this rank has none; give every rank the same "
+           "DDP_SECRET or DDP_SECRET_FILE";
+  }
+  if (hello.magic != expected_magic(params)) {
+    return fmt::format(
+        "the peer does not speak the ddp ring protocol (magic {:#x}, expected {:#x}); is another "
+        "program using this port?",
+        hello.magic, expected_magic(params));
+  }
+  if (hello.version != kProtocolVersion) {
+    return fmt::format(
+        "protocol version {} but this rank speaks version {}; run the same ddp build on every "
+        "rank",
+        hello.version, kProtocolVersion);
+  }
+  if (hello.name_length > kMaxGroupNameBytes) {
+    return fmt::format("group name of {} bytes (at most {})", hello.name_length,
+                       kMaxGroupNameBytes);
+  }
+  return {};
+}
+
+// What is wrong with the group a hello describes, or "".
+std::string check_group(const HandshakeParams& params, const Hello& hello,
+                        const std::string& name) {
+  if (name != params.group) {
+    return fmt::format("the peer belongs to group '{}', this rank to group '{}'", name,
+                       params.group);
+  }
+  if (hello.size != params.size) {
+    return fmt::format("the peer's group has {} ranks, this rank's has {}", hello.size,
+                       params.size);
+  }
+  if (hello.to_rank != params.rank) {
+    return fmt::format(
+        "rank {} wanted to reach rank {} but reached rank {} (stale address in the store?)",
+        hello.from_rank, hello.to_rank, params.rank);
+  }
+  return {};
+}
+
+Hello make_hello(const HandshakeParams& params, int to) {
+  Hello hello;
+  hello.magic = expected_magic(params);
+  hello.version = kProtocolVersion;
+  hello.size = params.size;
+  hello.from_rank = params.rank;
+  hello.to_rank = to;
+  hello.name_length = static_cast<std::uint32_t>(params.group.size());
+  return hello;
+}
+
+void append(std::vector<std::uint8_t>& out, const void* data, std::size_t len) {
+  const auto* p = static_cast<const std::uint8_t*>(data);
+  out.insert(out.end(), p, p + len);
+}
+
+void append_u32(std::vector<std::uint8_t>& out, std::uint32_t value) {
+  std::uint8_t bytes[4];
+  for (int i = 0; i < 4; ++i)
+    bytes[i] = static_cast<std::uint8_t>(value >> (8 * i));
+  append(out, bytes, 4);
+}
+
+// The hello (and group name) this rank sends, as bytes.
+std::vector<std::uint8_t> hello_bytes(const HandshakeParams& params, int to) {
+  const Hello hello = make_hello(params, to);
+  std::vector<std::uint8_t> out;
+  append(out, &hello, sizeof hello);
+  append(out, params.group.data(), params.group.size());
+  return out;
+}
+
+// One connection whose handshake is in progress on the acceptor.
+struct Pending {
+  enum class Stage { kHello, kName, kProof };
+  net::Socket socket;
+  Stage stage = Stage::kHello;
+  std::vector<std::uint8_t> buf;  // bytes of the current stage received so far
+  std::size_t need = sizeof(Hello);
+  Hello hello;
+  store::Nonce connector_nonce{};
+  store::Nonce acceptor_nonce{};
+};
+
+// Outcome of feeding a pending handshake what its socket has.
+struct Step {
+  enum class Kind { kWaiting, kRefused, kAccepted } kind = Kind::kWaiting;
+  std::string reason;  // kRefused
+  int rank = -1;       // kAccepted
+};
+
+Step refused(std::string reason) {
+  return {Step::Kind::kRefused, std::move(reason), -1};
+}
+
+class Acceptor {
+ public:
+  Acceptor(net::Socket& listener, const HandshakeParams& params, net::Deadline deadline,
+           std::chrono::milliseconds timeout)
+      : listener_(listener),
+        params_(params),
+        deadline_(deadline),
+        timeout_(timeout),
+        peers_(static_cast<std::size_t>(params.size)) {}
+
+  std::vector<net::Socket> run() {
+    int missing = params_.size - 1 - params_.rank;
+    std::vector<pollfd> fds;
+    while (missing > 0) {
+      if (net::Clock::now() >= deadline_) fail_timeout();
+      fds.clear();
+      fds.push_back(pollfd{listener_.fd(), POLLIN, 0});
+      for (const auto& p : pending_)
+        fds.push_back(pollfd{p.socket.fd(), POLLIN, 0});
+      const int rc = ::poll(fds.data(), fds.size(), net::poll_timeout_ms(deadline_));
+      if (rc < 0) {
+        if (errno == EINTR) continue;
+        throw CommError(fmt::format("rank {} of group '{}': poll failed while accepting peers: {}",
+                                    params_.rank, params_.group, std::strerror(errno)),
+                        params_.group, "connect", 0, -1);
+      }
+      // Advance the handshakes first (indices of fds follow pending_), then accept new ones.
+      for (std::size_t i = pending_.size(); i-- > 0;) {
+        if (fds[i + 1].revents == 0) continue;
+        const Step step = advance(pending_[i]);
+        if (step.kind == Step::Kind::kWaiting) continue;
+        if (step.kind == Step::Kind::kRefused) {
+          refuse(pending_[i], step.reason);
+        } else {
+          net::Socket& socket = pending_[i].socket;
+          socket.set_nonblocking(false);
+          socket.set_no_delay(true);
+          peers_[static_cast<std::size_t>(step.rank)] = std::move(socket);
+          --missing;
+        }
+        pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      if (fds[0].revents != 0) accept_new();
+    }
+    return std::move(peers_);
+  }
+
+ private:
+  void accept_new() {
+    net::Socket socket;
+    try {
+      socket = net::accept_tcp(listener_, net::Clock::now());
+    } catch (const TimeoutError&) {
+      return;  // the connection went away before we took it
+    } catch (const Error& e) {
+      // Out of descriptors or the like: make room rather than spin on a readable listener.
+      if (!pending_.empty()) {
+        refuse(pending_.front(), fmt::format("dropped to make room ({})", e.what()));
+        pending_.erase(pending_.begin());
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      return;
+    }
+    socket.set_nonblocking(true);
+    if (pending_.size() >= kMaxPendingHandshakes) {
+      refuse(pending_.front(),
+             fmt::format("more than {} handshakes in progress; dropped the oldest",
+                         kMaxPendingHandshakes));
+      pending_.erase(pending_.begin());
+    }
+    Pending p;
+    p.socket = std::move(socket);
+    pending_.push_back(std::move(p));
+  }
+
+  // Reads what the socket has for the current stage and moves on when the stage is complete.
+  Step advance(Pending& p) {
+    for (;;) {
+      if (p.buf.size() < p.need) {
+        const std::size_t have = p.buf.size();
+        p.buf.resize(p.need);
+        std::ptrdiff_t n = 0;
+        try {
+          n = p.socket.recv_some(p.buf.data() + have, p.need - have);
+        } catch (const Error& e) {
+          return refused(fmt::format("connection failed during the handshake: {}", e.what()));
+        }
+        if (n < 0) {
+          p.buf.resize(have);
+          return refused(
+              fmt::format("connection closed during the handshake ({} of {} bytes of "
+                          "the {})",
+                          have, p.need, stage_name(p.stage)));
+        }
+        p.buf.resize(have + static_cast<std::size_t>(n));
+        if (p.buf.size() < p.need) return {};
+      }
+      // On to the next stage: its bytes may already be waiting.
+      Step step = complete_stage(p);
+      if (step.kind != Step::Kind::kWaiting) return step;
+    }
+  }
+
+  static const char* stage_name(Pending::Stage stage) {
+    switch (stage) {
+      case Pending::Stage::kHello:
+        return "hello";
+      case Pending::Stage::kName:
+        return "group name";
+      case Pending::Stage::kProof:
+        return "authentication";
+    }
+    return "?";
+  }
+
+  Step complete_stage(Pending& p) {
+    const bool auth = !params_.secret.empty();
+    switch (p.stage) {
+      case Pending::Stage::kHello: {
+        std::memcpy(&p.hello, p.buf.data(), sizeof p.hello);
+        if (auto problem = check_magic_and_version(params_, p.hello); !problem.empty()) {
+          return refused(problem);
+        }
+        p.stage = Pending::Stage::kName;
+        p.need = p.hello.name_length + (auth ? kNonceBytes : 0);
+        p.buf.clear();
+        return {};
+      }
+      case Pending::Stage::kName: {
+        const std::string name(p.buf.begin(), p.buf.begin() + p.hello.name_length);
+        if (auto problem = check_group(params_, p.hello, name); !problem.empty()) {
+          return refused(problem);
+        }
+        const int from = p.hello.from_rank;
+        if (from <= params_.rank || from >= params_.size) {
+          return refused(fmt::format("rank {} cannot connect to rank {} (only ranks {} to {} do)",
+                                     from, params_.rank, params_.rank + 1, params_.size - 1));
+        }
+        if (peers_[static_cast<std::size_t>(from)].valid()) {
+          return refused(fmt::format("duplicate connection from rank {}", from));
+        }
+        std::vector<std::uint8_t> reply = hello_bytes(params_, from);
+        if (auth) {
+          std::memcpy(p.connector_nonce.data(), p.buf.data() + p.hello.name_length, kNonceBytes);
+          p.acceptor_nonce = store::random_nonce();
+          const auto mac = handshake_mac(params_, /*acceptor_side=*/true, from, params_.rank,
+                                         p.connector_nonce.data(), p.acceptor_nonce.data());
+          append(reply, p.acceptor_nonce.data(), kNonceBytes);
+          append(reply, mac.data(), mac.size());
+        }
+        // A fresh socket's send buffer takes these few bytes at once; a peer that lets it fill
+        // up is not a rank of this group.
+        std::ptrdiff_t sent = 0;
+        try {
+          sent = p.socket.send_some(reply.data(), reply.size());
+        } catch (const Error& e) {
+          return refused(fmt::format("cannot answer its hello: {}", e.what()));
+        }
+        if (static_cast<std::size_t>(sent) != reply.size()) {
+          return refused("it does not read the answer to its hello");
+        }
+        if (!auth) return {Step::Kind::kAccepted, {}, from};
+        p.stage = Pending::Stage::kProof;
+        p.need = kMacBytes;
+        p.buf.clear();
+        return {};
+      }
+      case Pending::Stage::kProof: {
+        const int from = p.hello.from_rank;
+        const auto expected = handshake_mac(params_, /*acceptor_side=*/false, from, params_.rank,
+                                            p.connector_nonce.data(), p.acceptor_nonce.data());
+        if (!store::macs_equal(p.buf, expected)) {
+          return refused(fmt::format(
+              "authentication failed: it claimed to be rank {} but does not know the job's "
+              "secret (a stranger, a replayed handshake, or a rank with another DDP_SECRET)",
+              from));
+        }
+        if (peers_[static_cast<std::size_t>(from)].valid()) {
+          return refused(fmt::format("duplicate connection from rank {}", from));
+        }
+        return {Step::Kind::kAccepted, {}, from};
+      }
+    }
+    return refused("internal error: unknown handshake stage");
+  }
+
+  void refuse(Pending& p, const std::string& reason) {
+    ++refused_;
+    last_refusal_ = fmt::format("from {}: {}", p.socket.peer(), reason);
+    params_.log(fmt::format("ddp: rank {} of group '{}' refused a connection {}", params_.rank,
+                            params_.group, last_refusal_));
+    p.socket.close();
+  }
+
+  [[noreturn]] void fail_timeout() {
+    std::string missing;
+    for (int peer = params_.rank + 1; peer < params_.size; ++peer) {
+      if (!peers_[static_cast<std::size_t>(peer)].valid()) {
+        missing += fmt::format("{}{}", missing.empty() ? "" : ", ", peer);
+      }
+    }
+    std::string refusals;
+    if (refused_ > 0) {
+      refusals = fmt::format(" ({} connection(s) refused, the last {})", refused_, last_refusal_);
+    }
+    throw CommError(fmt::format("rank {} of group '{}' timed out after {} ms waiting for ranks {} "
+                                "to connect; did every rank create the group?{}",
+                                params_.rank, params_.group, timeout_.count(), missing, refusals),
+                    params_.group, "connect", 0, -1);
+  }
+
+  net::Socket& listener_;
+  const HandshakeParams& params_;
+  net::Deadline deadline_;
+  std::chrono::milliseconds timeout_;
+  std::vector<net::Socket> peers_;
+  std::vector<Pending> pending_;
+  int refused_ = 0;
+  std::string last_refusal_;
+};
+
+}  // namespace
+
+std::vector<std::uint8_t> handshake_mac(const HandshakeParams& params, bool acceptor_side,
+                                        int connector, int acceptor,
+                                        const std::uint8_t* connector_nonce,
+                                        const std::uint8_t* acceptor_nonce) {
+  std::vector<std::uint8_t> transcript;
+  append_u32(transcript, static_cast<std::uint32_t>(params.session.size()));
+  append(transcript, params.session.data(), params.session.size());
+  append_u32(transcript, static_cast<std::uint32_t>(params.group.size()));
+  append(transcript, params.group.data(), params.group.size());
+  append_u32(transcript, static_cast<std::uint32_t>(params.size));
+  append_u32(transcript, static_cast<std::uint32_t>(connector));
+  append_u32(transcript, static_cast<std::uint32_t>(acceptor));
+  append(transcript, connector_nonce, kNonceBytes);
+  append(transcript, acceptor_nonce, kNonceBytes);
+  const auto mac =
+      store::auth_mac(params.secret, acceptor_side ? kAcceptorRole : kConnectorRole, transcript);
+  return {mac.begin(), mac.end()};
+}
+
+void connect_handshake(net::Socket& socket, const HandshakeParams& params, int peer,
+                       net::Deadline deadline) {
+  const bool auth = !params.secret.empty();
+  auto fail = [&](const std::string& what) {
+    return CommError(fmt::format("rank {} of group '{}': handshake with rank {} at {} failed: {}",
+                                 params.rank, params.group, peer, socket.peer(), what),
+                     params.group, "connect", 0, peer);
+  };
+  try {
+    std::vector<std::uint8_t> hello = hello_bytes(params, peer);
+    store::Nonce connector_nonce{};
+    if (auth) {
+      connector_nonce = store::random_nonce();
+      append(hello, connector_nonce.data(), kNonceBytes);
+    }
+    socket.send_all(hello.data(), hello.size(), deadline);
+
+    Hello got;
+    socket.recv_all(&got, sizeof got, deadline);
+    if (auto problem = check_magic_and_version(params, got); !problem.empty()) throw fail(problem);
+    std::string name(got.name_length, '\0');
+    socket.recv_all(name.data(), name.size(), deadline);
+    if (auto problem = check_group(params, got, name); !problem.empty()) throw fail(problem);
+    if (got.from_rank != peer) {
+      throw fail(fmt::format("expected rank {} but rank {} answered", peer, got.from_rank));
+    }
+    if (!auth) return;
+
+    std::uint8_t answer[kNonceBytes + kMacBytes];
+    socket.recv_all(answer, sizeof answer, deadline);
+    const auto expected = handshake_mac(params, /*acceptor_side=*/true, params.rank, peer,
+                                        connector_nonce.data(), answer);
+    if (!store::macs_equal(std::span<const std::uint8_t>(answer + kNonceBytes, kMacBytes),
+                           expected)) {
+      throw fail(fmt::format(
+          "rank {} could not prove it knows the job's secret: it has another DDP_SECRET, or the "
+          "address in the store is not rank {} of this job",
+          peer, peer));
+    }
+    const auto proof = handshake_mac(params, /*acceptor_side=*/false, params.rank, peer,
+                                     connector_nonce.data(), answer);
+    socket.send_all(proof.data(), proof.size(), deadline);
+  } catch (const CommError&) {
+    throw;
+  } catch (const TimeoutError& e) {
+    throw fail(e.what());
+  } catch (const Error& e) {
+    throw fail(
+        fmt::format("{}; the peer closed the connection during the handshake, so it "
+                    "refused this rank (its log says why: another secret, group, world "
+                    "size or ddp version)",
+                    e.what()));
+  }
+}
+
+std::vector<net::Socket> accept_peers(net::Socket& listener, const HandshakeParams& params,
+                                      net::Deadline deadline, std::chrono::milliseconds timeout) {
+  return Acceptor(listener, params, deadline, timeout).run();
+}
+
+}  // namespace ddp::comm

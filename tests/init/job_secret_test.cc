@@ -1,0 +1,139 @@
+// The job's secret: where it comes from (explicit, DDP_SECRET, DDP_SECRET_FILE), what is refused,
+// and that resolve_launch_environment carries it and the store's listen address.
+#include "ddp/job_secret.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <map>
+
+#include "ddp/error.h"
+#include "ddp/launch_environment.h"
+#include "support/temp_dir.h"
+
+namespace ddp::test {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using Env = std::map<std::string, std::string>;
+
+EnvironmentLookup lookup_in(const Env& env) {
+  return [env](const std::string& name) -> std::optional<std::string> {
+    const auto it = env.find(name);
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+std::string write_file(const TempDir& dir, const std::string& name, const std::string& text,
+                       mode_t mode = 0600) {
+  const std::string path = dir.file(name);
+  std::ofstream(path, std::ios::binary) << text;
+  ::chmod(path.c_str(), mode);
+  return path;
+}
+
+// The ConfigError's message ("" when nothing is thrown).
+std::string config_error(const std::optional<std::string>& explicit_secret, const Env& env) {
+  try {
+    resolve_job_secret(explicit_secret, lookup_in(env));
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(JobSecret, NoSourceMeansNoSecret) {
+  EXPECT_EQ(resolve_job_secret(std::nullopt, lookup_in({})), "");
+}
+
+TEST(JobSecret, ReadsDdpSecret) {
+  EXPECT_EQ(resolve_job_secret(std::nullopt, lookup_in({{"DDP_SECRET", "s3cr3t"}})), "s3cr3t");
+}
+
+TEST(JobSecret, ReadsTheFileWithoutItsTrailingNewline) {
+  TempDir dir;
+  const auto path = write_file(dir, "secret", "from file\r\n\n");
+  EXPECT_EQ(resolve_job_secret(std::nullopt, lookup_in({{"DDP_SECRET_FILE", path}})), "from file");
+  // Inner newlines and spaces are part of the secret.
+  const auto inner = write_file(dir, "inner", " a\nb \n");
+  EXPECT_EQ(read_secret_file(inner, "test"), " a\nb ");
+}
+
+TEST(JobSecret, ExplicitValueWinsOverTheEnvironment) {
+  TempDir dir;
+  const auto path = write_file(dir, "secret", "file\n");
+  EXPECT_EQ(resolve_job_secret(std::string("explicit"),
+                               lookup_in({{"DDP_SECRET", "env"}, {"DDP_SECRET_FILE", path}})),
+            "explicit");
+}
+
+TEST(JobSecret, BothVariablesMustAgree) {
+  TempDir dir;
+  const auto path = write_file(dir, "secret", "one\n");
+  EXPECT_EQ(resolve_job_secret(std::nullopt,
+                               lookup_in({{"DDP_SECRET", "one"}, {"DDP_SECRET_FILE", path}})),
+            "one");
+  const auto message =
+      config_error(std::nullopt, {{"DDP_SECRET", "two"}, {"DDP_SECRET_FILE", path}});
+  EXPECT_THAT(message, HasSubstr("DDP_SECRET and DDP_SECRET_FILE"));
+  EXPECT_THAT(message, HasSubstr("different"));
+  EXPECT_THAT(message, Not(HasSubstr("two")));  // never print a secret
+}
+
+TEST(JobSecret, EmptySecretsAreRefused) {
+  TempDir dir;
+  const auto empty = write_file(dir, "empty", "");
+  const auto newline = write_file(dir, "newline", "\n");
+  EXPECT_THAT(config_error(std::nullopt, {{"DDP_SECRET_FILE", empty}}),
+              HasSubstr("secret file '" + empty + "' is empty"));
+  EXPECT_THAT(config_error(std::nullopt, {{"DDP_SECRET_FILE", newline}}), HasSubstr("is empty"));
+  EXPECT_THAT(config_error(std::nullopt, {{"DDP_SECRET", ""}}),
+              HasSubstr("DDP_SECRET is set but empty"));
+  EXPECT_THAT(config_error(std::string(), {}), HasSubstr("LaunchOptions::secret"));
+  EXPECT_THAT(config_error(std::nullopt, {{"DDP_SECRET_FILE", ""}}),
+              HasSubstr("DDP_SECRET_FILE is set but empty"));
+}
+
+TEST(JobSecret, UnreadableOrExposedFilesAreRefused) {
+  TempDir dir;
+  EXPECT_THAT(config_error(std::nullopt, {{"DDP_SECRET_FILE", dir.file("missing")}}),
+              HasSubstr("cannot read the secret file"));
+  const auto exposed = write_file(dir, "exposed", "secret\n", 0644);
+  const auto message = config_error(std::nullopt, {{"DDP_SECRET_FILE", exposed}});
+  EXPECT_THAT(message, HasSubstr("every user"));
+  EXPECT_THAT(message, HasSubstr("chmod 600"));
+  const auto group_readable = write_file(dir, "group", "secret\n", 0640);
+  EXPECT_EQ(read_secret_file(group_readable, "test"), "secret");
+  const auto huge = write_file(dir, "huge", std::string(kMaxSecretBytes + 1, 'x'));
+  EXPECT_THAT(config_error(std::nullopt, {{"DDP_SECRET_FILE", huge}}), HasSubstr("larger than"));
+}
+
+TEST(JobSecret, LaunchEnvironmentCarriesTheSecretAndTheStoreAddress) {
+  const Env env = {{"RANK", "0"},
+                   {"WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "10.1.2.3"},
+                   {"MASTER_PORT", "29400"},
+                   {"DDP_SECRET", "abc"}};
+  const auto e = resolve_launch_environment({}, lookup_in(env));
+  EXPECT_EQ(e.secret, "abc");
+  EXPECT_FALSE(e.store_listen_addr.has_value());  // MASTER_ADDR's interface (rendezvous.cc)
+
+  Env asked = env;
+  asked["DDP_STORE_LISTEN_ADDR"] = "0.0.0.0";
+  EXPECT_EQ(resolve_launch_environment({}, lookup_in(asked)).store_listen_addr, "0.0.0.0");
+  EXPECT_EQ(
+      resolve_launch_environment({.secret = "opt", .store_listen_addr = "::"}, lookup_in(asked))
+          .store_listen_addr,
+      "::");
+  EXPECT_EQ(resolve_launch_environment({.secret = "opt"}, lookup_in(env)).secret, "opt");
+  asked["DDP_STORE_LISTEN_ADDR"] = "";
+  EXPECT_THROW(resolve_launch_environment({}, lookup_in(asked)), ConfigError);
+  EXPECT_EQ(resolve_launch_environment({}, lookup_in({})).secret, "");
+}
+
+}  // namespace
+}  // namespace ddp::test
