@@ -16,10 +16,12 @@
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
@@ -28,6 +30,7 @@
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_sampler.h"
+#include "ddp/torch/join.h"
 #include "idx_reader.h"
 
 namespace {
@@ -51,7 +54,19 @@ struct Options {
   int threads = 0;              // 0 = OMP_NUM_THREADS, else 1
   std::size_t limit_train = 0;  // 0 = all
   int log_every = 100;          // batches; 0 = no progress lines
+  bool uneven = false;          // no sampler padding, rank r skips r * uneven_skew batches
+  int uneven_skew = 10;         // batches per epoch that each higher rank has fewer
 };
+
+// Batches per epoch of `rank`: its unpadded share with --uneven, less rank * uneven_skew (an
+// imbalance like data-dependent filtering would make), at least one.
+std::int64_t batches_of(const Options& options, std::size_t samples, int rank, int world_size) {
+  const ddp::DistributedSampler sampler(samples, rank, world_size, {.pad = !options.uneven});
+  const auto batch = static_cast<std::int64_t>(options.batch_size);
+  const auto full = (static_cast<std::int64_t>(sampler.size()) + batch - 1) / batch;
+  if (!options.uneven) return full;
+  return std::max<std::int64_t>(1, full - static_cast<std::int64_t>(rank) * options.uneven_skew);
+}
 
 int default_threads() {
   if (const char* value = std::getenv("OMP_NUM_THREADS")) {
@@ -187,23 +202,41 @@ int run(const Options& options) {
   }
   auto model = ddp::DistributedDataParallel(net.ptr(), group);
 
-  ddp::DistributedSampler sampler(static_cast<std::size_t>(train.size()), *group,
-                                  {.shuffle = true, .seed = options.seed});
+  const auto samples = static_cast<std::size_t>(train.size());
+  ddp::DistributedSampler sampler(samples, *group,
+                                  {.shuffle = true, .seed = options.seed, .pad = !options.uneven});
   const auto batch = static_cast<std::int64_t>(options.batch_size);
   const auto per_rank = static_cast<std::int64_t>(sampler.size());
-  const std::int64_t batches = (per_rank + batch - 1) / batch;
-  const std::int64_t total_steps = batches * options.epochs;
+  const std::int64_t batches = batches_of(options, samples, rank, world_size);
+  // The learning rate follows the step count of the rank with the most batches (rank 0), so that
+  // ranks at the same step use the same rate also with --uneven.
+  const std::int64_t batches_most = batches_of(options, samples, 0, world_size);
+  const std::int64_t total_steps = batches_most * options.epochs;
   if (leader) {
     fmt::print(
         "training {} on {} samples ({} per rank, {} batches of {} per rank and epoch), "
         "{} ranks, {} thread(s) each, lr {} ({}) momentum {} weight decay {}\n",
         options.model, train.size(), per_rank, batches, batch, world_size, torch::get_num_threads(),
         options.lr, options.schedule, options.momentum, options.weight_decay);
+    if (options.uneven) {
+      std::vector<std::int64_t> counts;
+      for (int r = 0; r < world_size; ++r)
+        counts.push_back(batches_of(options, samples, r, world_size));
+      fmt::print("uneven inputs under ddp::Join: batches per epoch by rank {}\n",
+                 fmt::join(counts, ", "));
+    }
     std::fflush(stdout);
   }
 
+  // With --uneven the ranks make different numbers of steps; one Join over the whole run lets the
+  // ranks that finish first shadow the others (joining once, at the end, also keeps the
+  // optimizers' momentum identical on every rank).
+  std::optional<ddp::Join> join;
+  if (options.uneven) join.emplace(std::vector<std::reference_wrapper<ddp::Joinable>>{*model});
+
   double accuracy = 0.0;
   bool evaluated = false;
+  std::int64_t step = (first_epoch - 1) * batches;
   for (int epoch = first_epoch; epoch <= options.epochs; ++epoch) {
     const auto epoch_start = std::chrono::steady_clock::now();
     sampler.set_epoch(static_cast<std::uint64_t>(epoch - 1));
@@ -218,7 +251,7 @@ int run(const Options& options) {
       const auto rows = indices.narrow(0, start, std::min(batch, per_rank - start));
       const auto x = train.images.index_select(0, rows);
       const auto y = train.labels.index_select(0, rows);
-      set_learning_rate(optimizer, learning_rate(options, (epoch - 1) * batches + b, total_steps));
+      set_learning_rate(optimizer, learning_rate(options, step++, total_steps));
       optimizer.zero_grad();
       const auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
       loss.backward();
@@ -255,6 +288,7 @@ int run(const Options& options) {
       std::fflush(stdout);
     }
   }
+  if (join) join->finish();
   if (leader && !evaluated) accuracy = evaluate(net, test);  // resumed with nothing left to do
 
   // Leave together: rank 0 hosts the rendezvous store, and the others may still be in their
@@ -320,6 +354,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::size_t{1}, fmnist::kTrainCount));
   app.add_option("--log-every", options.log_every,
                  "rank 0 prints the loss every N batches (0: only once per epoch)")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  app.add_flag("--uneven", options.uneven,
+               "uneven inputs: no padding in the sampler, and rank r trains on --uneven-skew * r "
+               "fewer batches per epoch; ddp::Join keeps the ranks together");
+  app.add_option("--uneven-skew", options.uneven_skew,
+                 "with --uneven: batches per epoch that each higher rank has fewer")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);

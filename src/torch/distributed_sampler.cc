@@ -11,7 +11,8 @@
 namespace ddp {
 namespace {
 
-std::size_t samples_per_rank(std::size_t dataset_size, int rank, int world_size, bool drop_last) {
+std::size_t samples_per_rank(std::size_t dataset_size, int rank, int world_size,
+                             const SamplerOptions& options) {
   if (world_size < 1) {
     throw ConfigError(
         fmt::format("DistributedSampler: world_size is {}; it must be at least 1", world_size));
@@ -22,6 +23,12 @@ std::size_t samples_per_rank(std::size_t dataset_size, int rank, int world_size,
                     rank, world_size, world_size));
   }
   const auto world = static_cast<std::size_t>(world_size);
+  if (!options.pad && !options.drop_last) {
+    // Positions rank, rank + world, ... below N: ceil((N - rank) / world).
+    const auto r = static_cast<std::size_t>(rank);
+    return dataset_size > r ? (dataset_size - r + world - 1) / world : 0;
+  }
+  const bool drop_last = options.drop_last;
   // PyTorch: with drop_last, ceil((N - world) / world) when N is not a multiple, which is
   // floor(N / world); without it, ceil(N / world).
   return drop_last ? dataset_size / world : (dataset_size + world - 1) / world;
@@ -35,7 +42,7 @@ DistributedSampler::DistributedSampler(std::size_t dataset_size, int rank, int w
       rank_(rank),
       world_size_(world_size),
       options_(options),
-      num_samples_(samples_per_rank(dataset_size, rank, world_size, options.drop_last)) {}
+      num_samples_(samples_per_rank(dataset_size, rank, world_size, options)) {}
 
 DistributedSampler::DistributedSampler(std::size_t dataset_size, const ProcessGroup& group,
                                        SamplerOptions options)
@@ -59,7 +66,7 @@ std::vector<std::int64_t> DistributedSampler::indices() const {
 
   // Rank r reads positions r, r + world, ... of the order, padded by repeating it from the start
   // (drop_last instead cuts total_size() short of N, so no padding is needed then).
-  const std::size_t total = total_size();
+  const std::size_t total = options_.pad || options_.drop_last ? total_size() : dataset_size_;
   const auto world = static_cast<std::size_t>(world_size_);
   std::vector<std::int64_t> mine;
   mine.reserve(num_samples_);

@@ -14,6 +14,9 @@
 //   With drop_last every rank gets floor(N / world_size) indices and the tail is dropped.
 // - Rank r takes positions r, r + world_size, r + 2 * world_size, ... of that list.
 // Every rank therefore gets the same number of indices, so ranks run the same number of steps.
+// With `pad` = false (and no drop_last) nothing is repeated: rank r takes the positions r,
+// r + world_size, ... below N, so ranks get ceil or floor of N / world_size indices: uneven
+// inputs, for training under ddp::Join.
 //
 // Threads: a sampler is a small value; use each object from one thread at a time. Throws
 // ConfigError for world_size < 1 or a rank outside [0, world_size), naming the value.
@@ -31,6 +34,8 @@ struct SamplerOptions {
   bool shuffle = true;
   std::uint64_t seed = 0;  // must be the same on every rank
   bool drop_last = false;
+  // false: no padding, ranks may get one index less than others (see above).
+  bool pad = true;
 };
 
 class DistributedSampler {
@@ -49,9 +54,10 @@ class DistributedSampler {
   // This rank's indices for the current epoch, in training order; size() of them.
   std::vector<std::int64_t> indices() const;
 
-  // Indices per rank and epoch (PyTorch's num_samples).
+  // Indices of this rank per epoch (PyTorch's num_samples; with pad = false, this rank's own).
   std::size_t size() const { return num_samples_; }
-  // Indices of all ranks together: size() * world_size (PyTorch's total_size).
+  // Indices of all ranks together: size() * world_size (PyTorch's total_size); with pad = false
+  // and without drop_last it is meaningless (use dataset_size()).
   std::size_t total_size() const { return num_samples_ * static_cast<std::size_t>(world_size_); }
   std::size_t dataset_size() const { return dataset_size_; }
   int rank() const { return rank_; }
