@@ -1,19 +1,18 @@
-// The TcpStore server: one thread, one epoll loop, every client on a non-blocking socket.
+// The TcpStore server's event loop: one thread, one epoll set, every client on a non-blocking
+// socket. This file owns sockets, buffers and the loop; what the bytes mean is ServerProtocol's
+// business (server_protocol.h) and the keys live in its KvState (kv_state.h).
 //
-// Each connection has a read buffer (bytes not yet parsed into frames) and a write buffer
-// (responses not yet accepted by the kernel). A frame is handled once it is complete; a get/wait
-// whose keys are missing is "parked": the connection is recorded under each missing key and
-// answered when a set/add/compare_set creates the last of them, so no client ever blocks another.
-// A client handles one request at a time, so a connection has at most one parked request; while
-// it is parked the only frame the client may send is kCancel (its own deadline passed).
+// Each connection has a read buffer (bytes not yet handled) and a write buffer (replies not yet
+// accepted by the kernel). A unit (hello, authentication, frame) is handed to the protocol once it
+// is complete.
 //
-// Back-pressure: a connection's next frame is not handled (and its socket not read) while its
-// write buffer holds an unsent response, so a client that sends requests without reading the
-// answers cannot make the server buffer without bound.
+// Back-pressure: a connection's next unit is not handled (and its socket not read) while its
+// write buffer holds an unsent reply, so a client that sends requests without reading the answers
+// cannot make the server buffer without bound.
 //
-// Anything that breaks the protocol (bad handshake, oversized or malformed frame, unknown opcode,
-// a request while one is parked, EOF inside a frame) closes that connection only, with one logged
-// line naming the peer and the reason.
+// Replies never fail on the spot: a send error marks the connection for closing after the
+// current event, so one vanished client cannot stop the server from answering the others (the
+// wake-ups a request causes are applied before its own reply is queued).
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -21,12 +20,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -35,16 +32,15 @@
 
 #include "ddp/error.h"
 #include "ddp/tcp_store.h"
+#include "ddp/tcp_store_server.h"
 #include "net/socket.h"
-#include "store/auth.h"
 #include "store/protocol.h"
+#include "store/server_protocol.h"
 
 namespace ddp {
 
-using store::FrameReader;
-using store::FrameWriter;
-using store::Opcode;
-using store::Status;
+using store::ConnectionId;
+using store::DropConnection;
 
 static_assert(kStoreMaxKeyBytes == store::kMaxKeyBytes);
 static_assert(kStoreMaxValueBytes == store::kMaxValueBytes);
@@ -57,49 +53,27 @@ namespace {
 constexpr std::size_t kReadChunkBytes = 256 * 1024;
 constexpr int kReadsPerEvent = 16;
 
-struct ParkedRequest {
-  Opcode op;
-  std::string first_key;               // for get: the key whose value is the answer
-  std::set<std::string> missing_keys;  // ordered, so a cancelled wait lists them stably
-};
-
-enum class Phase {
-  kHello,  // waiting for magic and version
-  kAuth,   // waiting for the client's MAC and nonce (servers with a secret)
-  kReady,  // frames
-};
-
 struct Connection {
-  std::uint64_t id = 0;
+  ConnectionId id = 0;
   net::Socket socket;
-  Phase phase = Phase::kHello;
-  store::Nonce nonce{};  // the challenge sent to this client
   std::vector<std::uint8_t> in;
   std::size_t in_offset = 0;  // bytes of `in` already handled
   std::vector<std::uint8_t> out;
   std::size_t out_offset = 0;  // bytes of `out` already sent
+  bool send_failed = false;    // the peer is gone: close after the current event
+  std::string close_reason;    // close once `out` is sent (version mismatch, failed auth)
   bool close_after_flush = false;
-  std::optional<ParkedRequest> parked;
   std::uint32_t epoll_events = 0;
 
   bool has_output() const { return out_offset < out.size(); }
 };
 
-// Thrown inside the loop to close one connection with a reason worth logging.
-struct DropConnection {
-  std::string reason;
-};
-
-std::string_view as_text(std::span<const std::uint8_t> bytes) {
-  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
-}
-
 }  // namespace
 
-class TcpStoreServer::Impl {
+class TcpStoreServer::Impl final : public store::Outbox {
  public:
-  explicit Impl(TcpStoreServerOptions options) : options_(std::move(options)) {
-    if (!options_.auth_secret.empty()) store::require_auth();
+  explicit Impl(TcpStoreServerOptions options)
+      : options_(std::move(options)), protocol_({.auth_secret = options_.auth_secret}) {
     if (!options_.log) {
       options_.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
     }
@@ -124,7 +98,7 @@ class TcpStoreServer::Impl {
     }
   }
 
-  ~Impl() {
+  ~Impl() override {
     stop(options_.drain_timeout);
     close_fds();
   }
@@ -142,6 +116,24 @@ class TcpStoreServer::Impl {
   std::size_t num_connections() const { return num_connections_.load(); }
   std::size_t num_parked() const { return num_parked_.load(); }
   std::size_t num_dropped() const { return num_dropped_.load(); }
+
+  // store::Outbox: replies from the protocol. Never throws for a failing connection.
+  void send(ConnectionId id, std::vector<std::uint8_t> frame) override {
+    auto it = connections_.find(id);
+    if (it == connections_.end()) return;
+    Connection& conn = *it->second;
+    if (conn.send_failed) return;
+    if (conn.out.empty()) {
+      conn.out = std::move(frame);
+      conn.out_offset = 0;
+    } else {
+      conn.out.insert(conn.out.end(), frame.begin(), frame.end());
+    }
+    flush(conn);
+    if (id != current_) settle(conn);  // a woken waiter: no event of its own to finish it
+  }
+  std::size_t buffered_bytes() const override { return 0; }
+  void refused(ConnectionId, const std::string&) override {}
 
  private:
   static constexpr std::uint64_t kListenerTag = 0;
@@ -180,8 +172,9 @@ class TcpStoreServer::Impl {
     // Closing every socket tells each client its store is gone (StoreError, not a hang), and
     // closing the listener makes late clients fail to connect instead of waiting on a backlog.
     listener_.close();
+    for (auto& [id, conn] : connections_)
+      protocol_.close(id);
     connections_.clear();
-    waiters_.clear();
     num_connections_ = 0;
     num_parked_ = 0;
   }
@@ -221,6 +214,8 @@ class TcpStoreServer::Impl {
         if (it == connections_.end()) continue;  // closed earlier in this batch
         on_event(*it->second, events[i].events);
       }
+      close_failed();
+      num_parked_ = protocol_.state().num_parked();
     }
   }
 
@@ -251,30 +246,53 @@ class TcpStoreServer::Impl {
         log(fmt::format("refusing connection from {}: {}", conn->socket.peer(), e.what()));
         continue;
       }
+      protocol_.open(conn->id);
       connections_.emplace(conn->id, std::move(conn));
       num_connections_ = connections_.size();
     }
   }
 
   void on_event(Connection& conn, std::uint32_t events) {
-    const std::uint64_t id = conn.id;
+    const ConnectionId id = conn.id;
+    current_ = id;
     try {
       if (events & EPOLLOUT) flush(conn);
-      if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) && !conn.has_output()) {
-        if (!read_available(conn)) return;  // closed
+      if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) && !conn.has_output() && !conn.send_failed) {
+        if (!read_available(conn)) {
+          current_ = 0;
+          return;  // closed
+        }
       }
-      handle_frames(conn);
-      if (conn.close_after_flush && !conn.has_output()) {
-        close_connection(id, {});
-        return;
-      }
-      update_interest(conn);
+      handle_units(conn);
+      settle(conn);
     } catch (const DropConnection& drop) {
       close_connection(id, drop.reason);
     } catch (const std::exception& e) {
       // Out of memory for a large frame and the like: lose this client, keep serving the rest.
       close_connection(id, fmt::format("internal error: {}", e.what()));
     }
+    current_ = 0;
+  }
+
+  // After a connection's work: close it when it is done for, else watch what it waits for.
+  void settle(Connection& conn) {
+    if (conn.send_failed) {
+      failed_.push_back(conn.id);
+      return;
+    }
+    if (conn.close_after_flush && !conn.has_output()) {
+      failed_.push_back(conn.id);
+      return;
+    }
+    update_interest(conn);
+  }
+
+  // Closes the connections whose send failed or that finished their last reply; done between
+  // events so that no caller holds a reference to one.
+  void close_failed() {
+    for (const ConnectionId id : failed_)
+      close_connection(id, {});
+    failed_.clear();
   }
 
   // Returns false when the connection was closed.
@@ -299,22 +317,20 @@ class TcpStoreServer::Impl {
   void on_peer_closed(Connection& conn) {
     const std::size_t pending = conn.in.size() - conn.in_offset;
     std::string reason;
-    if (pending > 0 && conn.phase == Phase::kHello) {
-      reason = fmt::format("connection closed in the middle of the handshake ({} of {} bytes)",
-                           pending, store::kHelloBytes);
-    } else if (pending > 0 && conn.phase == Phase::kAuth) {
-      reason = fmt::format("connection closed in the middle of authentication ({} of {} bytes)",
-                           pending, store::kAuthBytes);
+    if (pending > 0 && !protocol_.ready(conn.id)) {
+      const std::size_t unit = protocol_.unit_size(conn.id, {});
+      reason = fmt::format("connection closed in the middle of {} ({} of {} bytes)",
+                           unit == store::kHelloBytes ? "the handshake" : "authentication", pending,
+                           unit);
     } else if (pending > 0) {
       reason = fmt::format(
-          "truncated frame: connection closed with {} bytes of an incomplete "
-          "frame received",
+          "truncated frame: connection closed with {} bytes of an incomplete frame received",
           pending);
     }
     close_connection(conn.id, reason);
   }
 
-  void close_connection(std::uint64_t id, const std::string& reason) {
+  void close_connection(ConnectionId id, const std::string& reason) {
     auto it = connections_.find(id);
     if (it == connections_.end()) return;
     Connection& conn = *it->second;
@@ -322,7 +338,7 @@ class TcpStoreServer::Impl {
       log(fmt::format("closing connection from {}: {}", conn.socket.peer(), reason));
       ++num_dropped_;
     }
-    unpark(conn);
+    protocol_.close(id);
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn.socket.fd(), nullptr);
     connections_.erase(it);
     num_connections_ = connections_.size();
@@ -344,11 +360,15 @@ class TcpStoreServer::Impl {
     ev.events = wanted;
     ev.data.u64 = conn.id;
     if (::epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, conn.socket.fd(), &ev) != 0) {
-      throw DropConnection{fmt::format("epoll_ctl failed: {}", std::strerror(errno))};
+      conn.send_failed = true;
+      failed_.push_back(conn.id);
+      return;
     }
     conn.epoll_events = wanted;
   }
 
+  // Sends what the kernel takes now. A send error marks the connection failed (the peer is gone:
+  // not a protocol violation, so it closes without a log line); it never throws.
   void flush(Connection& conn) {
     while (conn.has_output()) {
       std::ptrdiff_t n = 0;
@@ -356,8 +376,10 @@ class TcpStoreServer::Impl {
         n = conn.socket.send_some(conn.out.data() + conn.out_offset,
                                   conn.out.size() - conn.out_offset);
       } catch (const Error&) {
-        // The peer went away; not a protocol violation, so close without a log line.
-        throw DropConnection{};
+        conn.send_failed = true;
+        conn.out.clear();
+        conn.out_offset = 0;
+        return;
       }
       if (n == 0) return;
       conn.out_offset += static_cast<std::size_t>(n);
@@ -366,43 +388,21 @@ class TcpStoreServer::Impl {
     conn.out_offset = 0;
   }
 
-  void send(Connection& conn, std::vector<std::uint8_t> frame) {
-    if (conn.out.empty()) {
-      conn.out = std::move(frame);
-      conn.out_offset = 0;
-    } else {
-      conn.out.insert(conn.out.end(), frame.begin(), frame.end());
-    }
-    flush(conn);
-  }
-
-  // Handles every complete frame in the read buffer, stopping while a response is unsent.
-  void handle_frames(Connection& conn) {
-    while (!conn.close_after_flush && !conn.has_output()) {
-      const std::size_t available = conn.in.size() - conn.in_offset;
-      const std::uint8_t* data = conn.in.data() + conn.in_offset;
-      if (conn.phase == Phase::kHello) {
-        if (available < store::kHelloBytes) break;
-        conn.in_offset += store::kHelloBytes;
-        handle_hello(conn, data);
-        continue;
+  // Hands every complete unit in the read buffer to the protocol, stopping while a reply is
+  // unsent.
+  void handle_units(Connection& conn) {
+    while (!conn.close_after_flush && !conn.send_failed && !conn.has_output()) {
+      const std::span<const std::uint8_t> buffered(conn.in.data() + conn.in_offset,
+                                                   conn.in.size() - conn.in_offset);
+      const std::size_t size = protocol_.unit_size(conn.id, buffered);
+      if (buffered.size() < size) break;
+      std::string close_reason = protocol_.handle(conn.id, buffered.first(size), *this);
+      conn.in_offset += size;
+      if (!close_reason.empty()) {
+        log(fmt::format("closing connection from {}: {}", conn.socket.peer(), close_reason));
+        ++num_dropped_;
+        conn.close_after_flush = true;
       }
-      if (conn.phase == Phase::kAuth) {
-        if (available < store::kAuthBytes) break;
-        conn.in_offset += store::kAuthBytes;
-        handle_auth(conn, data);
-        continue;
-      }
-      if (available < 4) break;
-      const std::uint32_t length = store::get_u32(data);
-      if (length == 0) throw DropConnection{"empty frame (length 0, no opcode)"};
-      if (length > store::kMaxFrameBytes) {
-        throw DropConnection{fmt::format("frame of {} bytes exceeds the limit of {} bytes", length,
-                                         store::kMaxFrameBytes)};
-      }
-      if (available < 4 + std::size_t{length}) break;
-      handle_frame(conn, {data + 4, length});
-      conn.in_offset += 4 + std::size_t{length};
     }
     // Compact, so the buffer does not keep handled bytes alive.
     if (conn.in_offset == conn.in.size()) {
@@ -411,267 +411,6 @@ class TcpStoreServer::Impl {
     } else if (conn.in_offset > 0 && conn.in_offset >= conn.in.size() / 2) {
       conn.in.erase(conn.in.begin(), conn.in.begin() + static_cast<std::ptrdiff_t>(conn.in_offset));
       conn.in_offset = 0;
-    }
-  }
-
-  void handle_hello(Connection& conn, const std::uint8_t* data) {
-    const std::uint32_t magic = store::get_u32(data);
-    const std::uint32_t version = store::get_u32(data + 4);
-    if (magic != store::kMagic) {
-      throw DropConnection{
-          fmt::format("bad handshake: magic 0x{:08x}, expected 0x{:08x} (not a ddp store client?)",
-                      magic, store::kMagic)};
-    }
-    std::uint8_t reply[store::kHelloReplyBytes];
-    store::put_u32(reply, store::kMagic);
-    store::put_u32(reply + 4, store::kProtocolVersion);
-    if (version != store::kProtocolVersion) {
-      reply[8] = static_cast<std::uint8_t>(store::HelloStatus::kVersionMismatch);
-      log(
-          fmt::format("closing connection from {}: client speaks store protocol version {}, this "
-                      "server speaks version {}",
-                      conn.socket.peer(), version, store::kProtocolVersion));
-      ++num_dropped_;
-      conn.close_after_flush = true;
-    } else if (!options_.auth_secret.empty()) {
-      reply[8] = static_cast<std::uint8_t>(store::HelloStatus::kAuthRequired);
-      conn.nonce = store::random_nonce();
-      conn.phase = Phase::kAuth;
-      std::vector<std::uint8_t> challenge(reply, reply + sizeof reply);
-      challenge.insert(challenge.end(), conn.nonce.begin(), conn.nonce.end());
-      send(conn, std::move(challenge));
-      return;
-    } else {
-      reply[8] = static_cast<std::uint8_t>(store::HelloStatus::kAccepted);
-      conn.phase = Phase::kReady;
-    }
-    send(conn, {reply, reply + sizeof reply});
-  }
-
-  void handle_auth(Connection& conn, const std::uint8_t* data) {
-    const std::span<const std::uint8_t> client_mac(data, store::kMacBytes);
-    const std::span<const std::uint8_t> client_nonce(data + store::kMacBytes, store::kNonceBytes);
-    const auto expected = store::auth_mac(options_.auth_secret, store::kClientRole, conn.nonce);
-    if (!store::macs_equal(client_mac, expected)) {
-      log(fmt::format("closing connection from {}: authentication failed (wrong shared secret)",
-                      conn.socket.peer()));
-      ++num_dropped_;
-      conn.close_after_flush = true;
-      send(conn, {static_cast<std::uint8_t>(store::AuthStatus::kRejected)});
-      return;
-    }
-    const auto proof = store::auth_mac(options_.auth_secret, store::kServerRole, client_nonce);
-    std::vector<std::uint8_t> reply{static_cast<std::uint8_t>(store::AuthStatus::kAccepted)};
-    reply.insert(reply.end(), proof.begin(), proof.end());
-    conn.phase = Phase::kReady;
-    send(conn, std::move(reply));
-  }
-
-  void handle_frame(Connection& conn, std::span<const std::uint8_t> body) {
-    const std::uint8_t code = body[0];
-    if (code == 0 || code > store::kMaxOpcode) {
-      throw DropConnection{fmt::format("unknown opcode {}", code)};
-    }
-    const auto op = static_cast<Opcode>(code);
-    if (conn.parked && op != Opcode::kCancel) {
-      throw DropConnection{fmt::format(
-          "'{}' request while a '{}' is still pending (one request at a time per connection)",
-          store::opcode_name(op), store::opcode_name(conn.parked->op))};
-    }
-    FrameReader reader(body.subspan(1));
-    try {
-      dispatch(conn, op, reader);
-    } catch (const ProtocolError& e) {
-      throw DropConnection{
-          fmt::format("malformed '{}' frame: {}", store::opcode_name(op), e.what())};
-    }
-  }
-
-  void dispatch(Connection& conn, Opcode op, FrameReader& reader) {
-    switch (op) {
-      case Opcode::kSet: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        const auto value = reader.bytes("value", store::kMaxValueBytes);
-        reader.expect_end("set");
-        auto& slot = data_[key];
-        slot.assign(value.begin(), value.end());
-        send(conn, FrameWriter(code(Status::kOk)).finish());
-        wake_waiters(key);
-        return;
-      }
-      case Opcode::kGet: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        reader.expect_end("get");
-        auto it = data_.find(key);
-        if (it != data_.end()) {
-          send(conn, FrameWriter(code(Status::kOk)).bytes(it->second).finish());
-        } else {
-          park(conn, op, {std::move(key)});
-        }
-        return;
-      }
-      case Opcode::kAdd: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        const std::int64_t delta = reader.i64("delta");
-        reader.expect_end("add");
-        handle_add(conn, key, delta);
-        return;
-      }
-      case Opcode::kCompareSet: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        const auto expected = reader.bytes("expected", store::kMaxValueBytes);
-        const auto desired = reader.bytes("desired", store::kMaxValueBytes);
-        reader.expect_end("compare_set");
-        auto it = data_.find(key);
-        const bool matches =
-            it == data_.end() ? expected.empty() : std::ranges::equal(it->second, expected);
-        if (!matches) {
-          const std::span<const std::uint8_t> current =
-              it == data_.end() ? std::span<const std::uint8_t>{} : it->second;
-          send(conn, FrameWriter(code(Status::kOk)).bytes(current).finish());
-          return;
-        }
-        data_[key].assign(desired.begin(), desired.end());
-        send(conn, FrameWriter(code(Status::kOk)).bytes(desired).finish());
-        wake_waiters(key);
-        return;
-      }
-      case Opcode::kCheck:
-      case Opcode::kWait: {
-        const std::uint32_t count = reader.u32("key count");
-        if (count > store::kMaxKeysPerRequest) {
-          throw ProtocolError(
-              fmt::format("{} keys, over the limit of {}", count, store::kMaxKeysPerRequest));
-        }
-        std::vector<std::string> keys;
-        keys.reserve(count);
-        for (std::uint32_t i = 0; i < count; ++i) {
-          keys.push_back(reader.string("key", store::kMaxKeyBytes));
-        }
-        reader.expect_end(store::opcode_name(op));
-        const bool all_exist =
-            std::ranges::all_of(keys, [&](const std::string& k) { return data_.contains(k); });
-        if (op == Opcode::kCheck) {
-          send(conn, FrameWriter(code(Status::kOk)).u8(all_exist ? 1 : 0).finish());
-        } else if (all_exist) {
-          send(conn, FrameWriter(code(Status::kOk)).finish());
-        } else {
-          park(conn, op, std::move(keys));
-        }
-        return;
-      }
-      case Opcode::kDelete: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        reader.expect_end("delete_key");
-        const bool existed = data_.erase(key) > 0;
-        send(conn, FrameWriter(code(Status::kOk)).u8(existed ? 1 : 0).finish());
-        return;
-      }
-      case Opcode::kNumKeys: {
-        reader.expect_end("num_keys");
-        send(conn,
-             FrameWriter(code(Status::kOk)).i64(static_cast<std::int64_t>(data_.size())).finish());
-        return;
-      }
-      case Opcode::kCancel: {
-        reader.expect_end("cancel");
-        // Without a parked request the answer already went out (the key arrived as the client
-        // gave up); the client reads that answer instead, so there is nothing to do.
-        if (!conn.parked) return;
-        FrameWriter reply(code(Status::kCancelled));
-        reply.u32(static_cast<std::uint32_t>(conn.parked->missing_keys.size()));
-        for (const auto& key : conn.parked->missing_keys)
-          reply.bytes(key);
-        unpark(conn);
-        send(conn, reply.finish());
-        return;
-      }
-    }
-  }
-
-  void handle_add(Connection& conn, const std::string& key, std::int64_t delta) {
-    std::int64_t current = 0;
-    auto it = data_.find(key);
-    if (it != data_.end()) {
-      const auto text = as_text(it->second);
-      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), current);
-      if (ec != std::errc{} || end != text.data() + text.size() || text.empty()) {
-        send(conn, error_frame(fmt::format(
-                       "add: the value of key '{}' is not a decimal integer ('{}'); add only "
-                       "works on keys written by add",
-                       store::printable(key), store::printable(text, 40))));
-        return;
-      }
-    }
-    std::int64_t result = 0;
-    if (__builtin_add_overflow(current, delta, &result)) {
-      send(conn, error_frame(fmt::format("add: {} + {} overflows the 64-bit counter '{}'", current,
-                                         delta, store::printable(key))));
-      return;
-    }
-    const std::string text = std::to_string(result);
-    data_[key].assign(text.begin(), text.end());
-    send(conn, FrameWriter(code(Status::kOk)).i64(result).finish());
-    wake_waiters(key);
-  }
-
-  static std::uint8_t code(Status status) { return static_cast<std::uint8_t>(status); }
-
-  static std::vector<std::uint8_t> error_frame(const std::string& message) {
-    return FrameWriter(code(Status::kError)).bytes(message).finish();
-  }
-
-  void park(Connection& conn, Opcode op, std::vector<std::string> keys) {
-    ParkedRequest parked{op, keys.front(), {}};
-    for (auto& key : keys) {
-      if (data_.contains(key)) continue;
-      if (parked.missing_keys.insert(key).second) waiters_[key].push_back(conn.id);
-    }
-    conn.parked = std::move(parked);
-    ++num_parked_;
-  }
-
-  void unpark(Connection& conn) {
-    if (!conn.parked) return;
-    for (const auto& key : conn.parked->missing_keys) {
-      auto it = waiters_.find(key);
-      if (it == waiters_.end()) continue;
-      std::erase(it->second, conn.id);
-      if (it->second.empty()) waiters_.erase(it);
-    }
-    conn.parked.reset();
-    --num_parked_;
-  }
-
-  // `key` now exists: answer every parked request for which it was the last missing key.
-  void wake_waiters(const std::string& key) {
-    auto node = waiters_.extract(key);
-    if (node.empty()) return;
-    for (const std::uint64_t id : node.mapped()) {
-      auto it = connections_.find(id);
-      if (it == connections_.end()) continue;
-      Connection& conn = *it->second;
-      if (!conn.parked) continue;
-      conn.parked->missing_keys.erase(key);
-      if (!conn.parked->missing_keys.empty()) continue;
-      const Opcode op = conn.parked->op;
-      const std::string first_key = conn.parked->first_key;
-      conn.parked.reset();
-      --num_parked_;
-      try {
-        if (op == Opcode::kGet) {
-          send(conn, FrameWriter(code(Status::kOk)).bytes(data_.at(first_key)).finish());
-        } else {
-          send(conn, FrameWriter(code(Status::kOk)).finish());
-        }
-        // Not handle_frames(): the only frame a parked client may have sent is a kCancel that
-        // crossed this answer, a no-op handled with the connection's next readable event.
-        update_interest(conn);
-      } catch (const DropConnection& drop) {
-        close_connection(id, drop.reason);
-      } catch (const std::exception& e) {
-        close_connection(id, fmt::format("internal error: {}", e.what()));
-      }
     }
   }
 
@@ -685,10 +424,11 @@ class TcpStoreServer::Impl {
   std::thread thread_;
 
   // Owned by the server thread.
-  std::unordered_map<std::string, Bytes> data_;
-  std::unordered_map<std::uint64_t, std::unique_ptr<Connection>> connections_;
-  std::unordered_map<std::string, std::vector<std::uint64_t>> waiters_;
-  std::uint64_t next_id_ = kFirstConnectionId;
+  store::ServerProtocol protocol_;
+  std::unordered_map<ConnectionId, std::unique_ptr<Connection>> connections_;
+  std::vector<ConnectionId> failed_;  // to close after the current event
+  ConnectionId current_ = 0;          // the connection whose event is being handled
+  ConnectionId next_id_ = kFirstConnectionId;
   bool accept_paused_ = false;  // the listener is out of epoll after a failed accept
   std::vector<std::uint8_t> scratch_ = std::vector<std::uint8_t>(kReadChunkBytes);
 
@@ -720,6 +460,12 @@ std::size_t TcpStoreServer::num_parked_requests() const {
 }
 std::size_t TcpStoreServer::num_dropped_connections() const {
   return impl_->num_dropped();
+}
+std::size_t TcpStoreServer::max_connections() const {
+  return 0;
+}
+std::size_t TcpStoreServer::memory_bytes() const {
+  return 0;
 }
 
 }  // namespace ddp
