@@ -13,6 +13,11 @@
 // Replies never fail on the spot: a send error marks the connection for closing after the
 // current event, so one vanished client cannot stop the server from answering the others (the
 // wake-ups a request causes are applied before its own reply is queued).
+//
+// A peer that is gone (EOF, reset, failed send) still has every complete request it sent before
+// going handled, back-pressure or not: "hello + set + close" in one write sets the key. Only
+// then is the connection closed (after sending what is left, for a peer that merely shut down
+// its sending side).
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -61,6 +66,7 @@ struct Connection {
   std::vector<std::uint8_t> out;
   std::size_t out_offset = 0;  // bytes of `out` already sent
   bool send_failed = false;    // the peer is gone: close after the current event
+  bool peer_closed = false;    // EOF or reset seen: handle what is buffered, then close
   std::string close_reason;    // close once `out` is sent (version mismatch, failed auth)
   bool close_after_flush = false;
   std::uint32_t epoll_events = 0;
@@ -257,13 +263,16 @@ class TcpStoreServer::Impl final : public store::Outbox {
     current_ = id;
     try {
       if (events & EPOLLOUT) flush(conn);
-      if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) && !conn.has_output() && !conn.send_failed) {
-        if (!read_available(conn)) {
-          current_ = 0;
-          return;  // closed
-        }
+      if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) && !conn.peer_closed &&
+          (!conn.has_output() || conn.send_failed)) {
+        read_available(conn);
       }
       handle_units(conn);
+      if (conn.send_failed && !conn.peer_closed) {
+        // The peer is gone: the complete requests it sent before going still count.
+        read_available(conn);
+        handle_units(conn);
+      }
       settle(conn);
     } catch (const DropConnection& drop) {
       close_connection(id, drop.reason);
@@ -276,11 +285,9 @@ class TcpStoreServer::Impl final : public store::Outbox {
 
   // After a connection's work: close it when it is done for, else watch what it waits for.
   void settle(Connection& conn) {
-    if (conn.send_failed) {
-      failed_.push_back(conn.id);
-      return;
-    }
-    if (conn.close_after_flush && !conn.has_output()) {
+    const bool finished =
+        conn.send_failed || ((conn.close_after_flush || conn.peer_closed) && !conn.has_output());
+    if (finished) {
       failed_.push_back(conn.id);
       return;
     }
@@ -290,13 +297,18 @@ class TcpStoreServer::Impl final : public store::Outbox {
   // Closes the connections whose send failed or that finished their last reply; done between
   // events so that no caller holds a reference to one.
   void close_failed() {
-    for (const ConnectionId id : failed_)
-      close_connection(id, {});
+    for (const ConnectionId id : failed_) {
+      auto it = connections_.find(id);
+      if (it == connections_.end()) continue;
+      const Connection& conn = *it->second;
+      close_connection(id, conn.close_after_flush ? std::string() : leftover_reason(conn));
+    }
     failed_.clear();
   }
 
-  // Returns false when the connection was closed.
-  bool read_available(Connection& conn) {
+  // Reads what the socket holds; EOF or an error marks the peer closed (not the connection: what
+  // it sent before closing is handled first).
+  void read_available(Connection& conn) {
     for (int i = 0; i < kReadsPerEvent; ++i) {
       std::ptrdiff_t n = 0;
       try {
@@ -306,15 +318,15 @@ class TcpStoreServer::Impl final : public store::Outbox {
       }
       if (n > 0) conn.in.insert(conn.in.end(), scratch_.begin(), scratch_.begin() + n);
       if (n < 0) {
-        on_peer_closed(conn);
-        return false;
+        conn.peer_closed = true;
+        return;
       }
-      if (n == 0) break;
+      if (n == 0) return;
     }
-    return true;
   }
 
-  void on_peer_closed(Connection& conn) {
+  // Why closing a connection whose peer went away is worth a log line: it left a unit unfinished.
+  std::string leftover_reason(const Connection& conn) {
     const std::size_t pending = conn.in.size() - conn.in_offset;
     std::string reason;
     if (pending > 0 && !protocol_.ready(conn.id)) {
@@ -327,7 +339,7 @@ class TcpStoreServer::Impl final : public store::Outbox {
           "truncated frame: connection closed with {} bytes of an incomplete frame received",
           pending);
     }
-    close_connection(conn.id, reason);
+    return reason;
   }
 
   void close_connection(ConnectionId id, const std::string& reason) {
@@ -354,7 +366,8 @@ class TcpStoreServer::Impl final : public store::Outbox {
 
   void update_interest(Connection& conn) {
     // Read only when nothing is waiting to be sent (back-pressure, see the file comment).
-    const std::uint32_t wanted = conn.has_output() ? EPOLLOUT : EPOLLIN;
+    const std::uint32_t wanted =
+        conn.has_output() ? EPOLLOUT : (conn.peer_closed ? 0u : std::uint32_t{EPOLLIN});
     if (wanted == conn.epoll_events) return;
     epoll_event ev{};
     ev.events = wanted;
@@ -389,9 +402,11 @@ class TcpStoreServer::Impl final : public store::Outbox {
   }
 
   // Hands every complete unit in the read buffer to the protocol, stopping while a reply is
-  // unsent.
+  // unsent unless the peer is gone (then nothing more will come, and what came must count).
   void handle_units(Connection& conn) {
-    while (!conn.close_after_flush && !conn.send_failed && !conn.has_output()) {
+    for (;;) {
+      const bool gone = conn.peer_closed || conn.send_failed;
+      if (conn.close_after_flush || (!gone && conn.has_output())) break;
       const std::span<const std::uint8_t> buffered(conn.in.data() + conn.in_offset,
                                                    conn.in.size() - conn.in_offset);
       const std::size_t size = protocol_.unit_size(conn.id, buffered);
