@@ -1,6 +1,6 @@
 // The TcpStore server's event loop: one thread, one epoll set, every client on a non-blocking
-// socket. This file owns sockets, buffers and the loop; what the bytes mean is ServerProtocol's
-// business (server_protocol.h) and the keys live in its KvState (kv_state.h).
+// socket. This file owns sockets, buffers, timers and limits; what the bytes mean is
+// ServerProtocol's business (server_protocol.h) and the keys live in its KvState (kv_state.h).
 //
 // Each connection has a read buffer (bytes not yet handled) and a write buffer (replies not yet
 // accepted by the kernel). A unit (hello, authentication, frame) is handed to the protocol once it
@@ -18,6 +18,18 @@
 // going handled, back-pressure or not: "hello + set + close" in one write sets the key. Only
 // then is the connection closed (after sending what is left, for a peer that merely shut down
 // its sending side).
+//
+// Limits (TcpStoreLimits, docs/store.md), so that abuse costs the job nothing:
+// - time: the handshake must complete within handshake_timeout of the accept; a frame within
+//   frame_timeout of its first byte; a reply must be taken within frame_timeout. Each connection
+//   has one deadline in `timers_`; parked and idle clients that passed the handshake have none.
+// - memory: a connection holds at most kLookaheadBytes beyond the frame it is receiving, and a
+//   frame is buffered only when the store's memory (keys, values, every buffer) has room for all
+//   of it, judged from its header; otherwise its bytes are read and dropped and the request is
+//   answered with an error.
+// - connections: at most max_connections; beyond it the oldest connection still in its
+//   handshake makes room, or else the newcomer is accepted and closed at once.
+// Log lines about limits are rate-limited (one per kind per second, with a count of the rest).
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -27,8 +39,10 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -39,6 +53,7 @@
 #include "ddp/tcp_store.h"
 #include "ddp/tcp_store_server.h"
 #include "net/socket.h"
+#include "store/fd_limit.h"
 #include "store/protocol.h"
 #include "store/server_protocol.h"
 
@@ -46,6 +61,8 @@ namespace ddp {
 
 using store::ConnectionId;
 using store::DropConnection;
+using Clock = net::Clock;
+using TimePoint = Clock::time_point;
 
 static_assert(kStoreMaxKeyBytes == store::kMaxKeyBytes);
 static_assert(kStoreMaxValueBytes == store::kMaxValueBytes);
@@ -57,21 +74,65 @@ namespace {
 // others.
 constexpr std::size_t kReadChunkBytes = 256 * 1024;
 constexpr int kReadsPerEvent = 16;
+// What a connection may hold beyond the unit it is receiving (the next small requests, a cancel);
+// a frame larger than this is admitted against the memory limit first.
+constexpr std::size_t kLookaheadBytes = 16 * 1024;
+// Buffers larger than this are freed once empty rather than kept for the next request.
+constexpr std::size_t kKeptBufferBytes = 64 * 1024;
+// After a failed accept (EMFILE...), try again after this, or as soon as a connection closes.
+constexpr std::chrono::milliseconds kAcceptRetry{100};
+constexpr std::chrono::seconds kLogInterval{1};
 
 struct Connection {
   ConnectionId id = 0;
   net::Socket socket;
+  TimePoint accepted_at;
   std::vector<std::uint8_t> in;
   std::size_t in_offset = 0;  // bytes of `in` already handled
   std::vector<std::uint8_t> out;
-  std::size_t out_offset = 0;  // bytes of `out` already sent
+  std::size_t out_offset = 0;             // bytes of `out` already sent
+  TimePoint output_since;                 // when the unsent reply was queued
+  std::optional<TimePoint> unit_started;  // first byte of the unit still incomplete
+  std::size_t admitted = 0;               // size of the large frame being received into `in`
+  std::size_t discard = 0;                // bytes of a refused frame still to read and drop
+  std::size_t discard_size = 0;
+  std::string discard_reason;  // the error reply once they are dropped
   bool send_failed = false;    // the peer is gone: close after the current event
   bool peer_closed = false;    // EOF or reset seen: handle what is buffered, then close
-  std::string close_reason;    // close once `out` is sent (version mismatch, failed auth)
   bool close_after_flush = false;
   std::uint32_t epoll_events = 0;
+  std::size_t charged = 0;  // buffer bytes counted in Impl::buffered_bytes_
+  TimePoint timer = TimePoint::max();
 
   bool has_output() const { return out_offset < out.size(); }
+  std::size_t held() const { return in.size() - in_offset; }
+};
+
+// One log line per kind and interval; the lines held back are counted into the next one.
+class RateLimitedLog {
+ public:
+  // Returns the line to emit now (with the count of those held back), or "" to stay quiet.
+  std::string admit(const std::string& kind, const std::string& line, TimePoint now) {
+    auto& entry = entries_[kind];
+    if (entry.last != TimePoint{} && now - entry.last < kLogInterval) {
+      ++entry.held_back;
+      return {};
+    }
+    std::string out = line;
+    if (entry.held_back > 0) {
+      out += fmt::format(" ({} more like this in the last {} s not logged)", entry.held_back,
+                         kLogInterval.count());
+    }
+    entry = {now, 0};
+    return out;
+  }
+
+ private:
+  struct Entry {
+    TimePoint last{};
+    std::size_t held_back = 0;
+  };
+  std::map<std::string, Entry> entries_;
 };
 
 }  // namespace
@@ -79,10 +140,16 @@ struct Connection {
 class TcpStoreServer::Impl final : public store::Outbox {
  public:
   explicit Impl(TcpStoreServerOptions options)
-      : options_(std::move(options)), protocol_({.auth_secret = options_.auth_secret}) {
+      : options_(std::move(options)),
+        limits_(options_.limits),
+        protocol_({.auth_secret = options_.auth_secret,
+                   .max_memory_bytes = options_.limits.max_memory_bytes}) {
     if (!options_.log) {
       options_.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
     }
+    const std::size_t open_files = store::raise_open_files_limit();
+    max_connections_ = limits_.max_connections > 0 ? limits_.max_connections
+                                                   : store::automatic_max_connections(open_files);
     listener_ = net::listen_tcp(options_.listen_host, options_.port);
     listener_.set_nonblocking(true);
     port_ = listener_.local_port();
@@ -122,6 +189,8 @@ class TcpStoreServer::Impl final : public store::Outbox {
   std::size_t num_connections() const { return num_connections_.load(); }
   std::size_t num_parked() const { return num_parked_.load(); }
   std::size_t num_dropped() const { return num_dropped_.load(); }
+  std::size_t max_connections() const { return max_connections_; }
+  std::size_t memory_bytes() const { return memory_bytes_.load(); }
 
   // store::Outbox: replies from the protocol. Never throws for a failing connection.
   void send(ConnectionId id, std::vector<std::uint8_t> frame) override {
@@ -129,6 +198,7 @@ class TcpStoreServer::Impl final : public store::Outbox {
     if (it == connections_.end()) return;
     Connection& conn = *it->second;
     if (conn.send_failed) return;
+    if (!conn.has_output()) conn.output_since = Clock::now();
     if (conn.out.empty()) {
       conn.out = std::move(frame);
       conn.out_offset = 0;
@@ -136,10 +206,15 @@ class TcpStoreServer::Impl final : public store::Outbox {
       conn.out.insert(conn.out.end(), frame.begin(), frame.end());
     }
     flush(conn);
+    recharge(conn);
     if (id != current_) settle(conn);  // a woken waiter: no event of its own to finish it
   }
-  std::size_t buffered_bytes() const override { return 0; }
-  void refused(ConnectionId, const std::string&) override {}
+  std::size_t buffered_bytes() const override { return buffered_bytes_; }
+  void refused(ConnectionId id, const std::string& reason) override {
+    auto it = connections_.find(id);
+    const std::string peer = it == connections_.end() ? "?" : it->second->socket.peer();
+    log_limited("refused", fmt::format("refusing a request from {}: {}", peer, reason));
+  }
 
  private:
   static constexpr std::uint64_t kListenerTag = 0;
@@ -169,6 +244,12 @@ class TcpStoreServer::Impl final : public store::Outbox {
     }
   }
 
+  // For events a flood can repeat thousands of times (limits, timeouts).
+  void log_limited(const std::string& kind, const std::string& line) {
+    const std::string text = log_limiter_.admit(kind, line, Clock::now());
+    if (!text.empty()) log(text);
+  }
+
   void run() {
     try {
       loop();
@@ -189,8 +270,11 @@ class TcpStoreServer::Impl final : public store::Outbox {
     std::vector<epoll_event> events(64);
     std::optional<net::Deadline> drain_deadline;
     for (;;) {
-      if (drain_deadline && (connections_.empty() || net::Clock::now() >= *drain_deadline)) return;
-      const int timeout_ms = drain_deadline ? net::poll_timeout_ms(*drain_deadline) : -1;
+      if (drain_deadline && (connections_.empty() || Clock::now() >= *drain_deadline)) return;
+      TimePoint next = timers_.empty() ? TimePoint::max() : timers_.begin()->first;
+      if (drain_deadline) next = std::min(next, *drain_deadline);
+      if (accept_retry_at_) next = std::min(next, *accept_retry_at_);
+      const int timeout_ms = next == TimePoint::max() ? -1 : net::poll_timeout_ms(next);
       const int n =
           ::epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), timeout_ms);
       if (n < 0) {
@@ -206,9 +290,10 @@ class TcpStoreServer::Impl final : public store::Outbox {
           // process hosting the store often exits a moment before the others are done with it.
           std::uint64_t value = 0;
           [[maybe_unused]] const auto r = ::read(wake_fd_, &value, sizeof value);
-          ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listener_.fd(), nullptr);
+          if (!accept_paused_) ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listener_.fd(), nullptr);
           listener_.close();
           accept_paused_ = false;  // nothing to resume: the listener is gone
+          accept_retry_at_.reset();
           drain_deadline = net::deadline_after(drain);
           continue;
         }
@@ -221,7 +306,10 @@ class TcpStoreServer::Impl final : public store::Outbox {
         on_event(*it->second, events[i].events);
       }
       close_failed();
+      expire_timers(Clock::now());
+      if (accept_retry_at_ && Clock::now() >= *accept_retry_at_) resume_accepting();
       num_parked_ = protocol_.state().num_parked();
+      memory_bytes_ = protocol_.state().bytes() + buffered_bytes_;
     }
   }
 
@@ -229,22 +317,30 @@ class TcpStoreServer::Impl final : public store::Outbox {
     for (;;) {
       net::Socket socket;
       try {
-        socket = net::accept_tcp(listener_, net::Clock::now());
+        socket = net::accept_tcp(listener_, Clock::now());
       } catch (const TimeoutError&) {
         return;  // nothing more to accept right now
       } catch (const Error& e) {
-        // EMFILE and the like. The listener stays readable, so keep it out of epoll until a
-        // connection closes (instead of spinning on it), and keep serving the clients we have.
-        log(fmt::format("accept failed, not accepting until a connection closes: {}", e.what()));
+        // EMFILE and the like. The listener stays readable, so keep it out of epoll for a while
+        // (instead of spinning on it), and keep serving the clients we have.
+        log_limited("accept", fmt::format("accept failed, not accepting for {} ms or until a "
+                                          "connection closes: {}",
+                                          kAcceptRetry.count(), e.what()));
         ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listener_.fd(), nullptr);
         accept_paused_ = true;
+        accept_retry_at_ = Clock::now() + kAcceptRetry;
         return;
+      }
+      if (connections_.size() >= max_connections_ && !make_room(socket.peer())) {
+        ++num_dropped_;
+        continue;  // `socket` closes here: the newcomer is refused
       }
       socket.set_nonblocking(true);
       socket.set_no_delay(true);
       auto conn = std::make_unique<Connection>();
       conn->id = next_id_++;
       conn->socket = std::move(socket);
+      conn->accepted_at = Clock::now();
       conn->epoll_events = EPOLLIN;
       try {
         add_to_epoll(conn->socket.fd(), EPOLLIN, conn->id);
@@ -253,8 +349,45 @@ class TcpStoreServer::Impl final : public store::Outbox {
         continue;
       }
       protocol_.open(conn->id);
+      handshaking_.insert(conn->id);
+      Connection& added = *conn;
       connections_.emplace(conn->id, std::move(conn));
       num_connections_ = connections_.size();
+      arm(added);
+    }
+  }
+
+  // At the connection limit: closes the oldest connection that has not completed its handshake
+  // to make room for `peer`. False when every connection is past its handshake (then the
+  // newcomer is refused).
+  bool make_room(const std::string& peer) {
+    if (handshaking_.empty()) {
+      log_limited("max_connections",
+                  fmt::format("refusing connection from {}: {} connections open, the limit "
+                              "(TcpStoreLimits::max_connections)",
+                              peer, connections_.size()));
+      return false;
+    }
+    const ConnectionId oldest = *handshaking_.begin();
+    const std::string victim = connections_.at(oldest)->socket.peer();
+    log_limited("evict",
+                fmt::format("closing connection from {}: {} connections open, the limit "
+                            "(TcpStoreLimits::max_connections), and it had not completed the "
+                            "handshake; making room for {}",
+                            victim, connections_.size(), peer));
+    ++num_dropped_;
+    close_connection(oldest, {});
+    return true;
+  }
+
+  void resume_accepting() {
+    accept_retry_at_.reset();
+    if (!accept_paused_ || !listener_.valid()) return;
+    accept_paused_ = false;
+    try {
+      add_to_epoll(listener_.fd(), EPOLLIN, kListenerTag);
+    } catch (const Error& e) {
+      log(fmt::format("cannot resume accepting connections: {}", e.what()));
     }
   }
 
@@ -263,14 +396,9 @@ class TcpStoreServer::Impl final : public store::Outbox {
     current_ = id;
     try {
       if (events & EPOLLOUT) flush(conn);
-      if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) && !conn.peer_closed &&
-          (!conn.has_output() || conn.send_failed)) {
-        read_available(conn);
-      }
-      handle_units(conn);
-      if (conn.send_failed && !conn.peer_closed) {
-        // The peer is gone: the complete requests it sent before going still count.
-        read_available(conn);
+      if (!conn.peer_closed) {
+        pump(conn);
+      } else {
         handle_units(conn);
       }
       settle(conn);
@@ -283,6 +411,49 @@ class TcpStoreServer::Impl final : public store::Outbox {
     current_ = 0;
   }
 
+  // Reads and handles, alternately, until the socket is drained, a reply waits to be sent
+  // (back-pressure), or kReadsPerEvent reads were made. Reads only as much as the unit being
+  // received may hold. EOF or an error marks the peer closed (not the connection: what it sent
+  // before closing is handled first). After a failed send, reads on to pick up what the vanished
+  // peer sent before going.
+  void pump(Connection& conn) {
+    handle_units(conn);
+    for (int i = 0; i < kReadsPerEvent && !conn.peer_closed; ++i) {
+      if (!conn.send_failed && (conn.has_output() || conn.close_after_flush)) break;
+      std::size_t want = 0;
+      if (conn.discard > 0) {
+        want = std::min(conn.discard, kReadChunkBytes);
+      } else {
+        const std::size_t cap = std::max(conn.admitted, kLookaheadBytes);
+        if (conn.held() >= cap) break;  // cannot happen: a full unit is handled at once
+        want = std::min(cap - conn.held(), kReadChunkBytes);
+      }
+      std::ptrdiff_t n = 0;
+      try {
+        n = conn.socket.recv_some(scratch_.data(), want);
+      } catch (const Error&) {
+        n = -1;  // ECONNRESET and friends: the peer is gone, same as EOF
+      }
+      if (n < 0) {
+        conn.peer_closed = true;
+        break;
+      }
+      if (n == 0) break;
+      const auto got = static_cast<std::size_t>(n);
+      if (conn.discard > 0) {
+        conn.discard -= got;
+        if (conn.discard == 0) {
+          conn.unit_started.reset();
+          protocol_.refuse(conn.id, conn.discard_reason, *this);
+        }
+      } else {
+        conn.in.insert(conn.in.end(), scratch_.begin(), scratch_.begin() + n);
+      }
+      handle_units(conn);
+    }
+    handle_units(conn);
+  }
+
   // After a connection's work: close it when it is done for, else watch what it waits for.
   void settle(Connection& conn) {
     const bool finished =
@@ -291,6 +462,9 @@ class TcpStoreServer::Impl final : public store::Outbox {
       failed_.push_back(conn.id);
       return;
     }
+    if (protocol_.ready(conn.id)) handshaking_.erase(conn.id);
+    recharge(conn);
+    arm(conn);
     update_interest(conn);
   }
 
@@ -306,40 +480,25 @@ class TcpStoreServer::Impl final : public store::Outbox {
     failed_.clear();
   }
 
-  // Reads what the socket holds; EOF or an error marks the peer closed (not the connection: what
-  // it sent before closing is handled first).
-  void read_available(Connection& conn) {
-    for (int i = 0; i < kReadsPerEvent; ++i) {
-      std::ptrdiff_t n = 0;
-      try {
-        n = conn.socket.recv_some(scratch_.data(), scratch_.size());
-      } catch (const Error&) {
-        n = -1;  // ECONNRESET and friends: the peer is gone, same as EOF
-      }
-      if (n > 0) conn.in.insert(conn.in.end(), scratch_.begin(), scratch_.begin() + n);
-      if (n < 0) {
-        conn.peer_closed = true;
-        return;
-      }
-      if (n == 0) return;
-    }
-  }
-
   // Why closing a connection whose peer went away is worth a log line: it left a unit unfinished.
   std::string leftover_reason(const Connection& conn) {
-    const std::size_t pending = conn.in.size() - conn.in_offset;
-    std::string reason;
+    const std::size_t pending = conn.held();
+    if (conn.discard > 0) {
+      return fmt::format("truncated frame: connection closed {} bytes short of a refused frame",
+                         conn.discard);
+    }
     if (pending > 0 && !protocol_.ready(conn.id)) {
       const std::size_t unit = protocol_.unit_size(conn.id, {});
-      reason = fmt::format("connection closed in the middle of {} ({} of {} bytes)",
-                           unit == store::kHelloBytes ? "the handshake" : "authentication", pending,
-                           unit);
-    } else if (pending > 0) {
-      reason = fmt::format(
+      return fmt::format("connection closed in the middle of {} ({} of {} bytes)",
+                         unit == store::kHelloBytes ? "the handshake" : "authentication", pending,
+                         unit);
+    }
+    if (pending > 0) {
+      return fmt::format(
           "truncated frame: connection closed with {} bytes of an incomplete frame received",
           pending);
     }
-    return reason;
+    return {};
   }
 
   void close_connection(ConnectionId id, const std::string& reason) {
@@ -351,16 +510,64 @@ class TcpStoreServer::Impl final : public store::Outbox {
       ++num_dropped_;
     }
     protocol_.close(id);
+    handshaking_.erase(id);
+    if (conn.timer != TimePoint::max()) timers_.erase({conn.timer, id});
+    buffered_bytes_ -= conn.charged;
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn.socket.fd(), nullptr);
     connections_.erase(it);
     num_connections_ = connections_.size();
-    if (accept_paused_) {
-      accept_paused_ = false;
-      try {
-        add_to_epoll(listener_.fd(), EPOLLIN, kListenerTag);
-      } catch (const Error& e) {
-        log(fmt::format("cannot resume accepting connections: {}", e.what()));
+    if (accept_paused_) resume_accepting();
+  }
+
+  // Counts the connection's buffers (their allocated size) against the memory limit.
+  void recharge(Connection& conn) {
+    const std::size_t now = conn.in.capacity() + conn.out.capacity();
+    buffered_bytes_ = buffered_bytes_ - conn.charged + now;
+    conn.charged = now;
+  }
+
+  // The connection's deadline: the handshake's, the unsent reply's or the incomplete frame's.
+  void arm(Connection& conn) {
+    TimePoint deadline = TimePoint::max();
+    if (!protocol_.ready(conn.id)) {
+      deadline = net::deadline_after(limits_.handshake_timeout, conn.accepted_at);
+    } else if (conn.has_output()) {
+      deadline = net::deadline_after(limits_.frame_timeout, conn.output_since);
+    } else if (conn.unit_started) {
+      deadline = net::deadline_after(limits_.frame_timeout, *conn.unit_started);
+    }
+    if (deadline == conn.timer) return;
+    if (conn.timer != TimePoint::max()) timers_.erase({conn.timer, conn.id});
+    conn.timer = deadline;
+    if (deadline != TimePoint::max()) timers_.insert({deadline, conn.id});
+  }
+
+  void expire_timers(TimePoint now) {
+    while (!timers_.empty() && timers_.begin()->first <= now) {
+      const ConnectionId id = timers_.begin()->second;
+      const Connection& conn = *connections_.at(id);
+      std::string reason;
+      if (!protocol_.ready(id)) {
+        reason = fmt::format(
+            "handshake not completed within {} ms of connecting ({} bytes received; "
+            "TcpStoreLimits::handshake_timeout)",
+            limits_.handshake_timeout.count(), conn.held());
+      } else if (conn.has_output()) {
+        reason = fmt::format(
+            "the client did not take its {}-byte reply within {} ms "
+            "(TcpStoreLimits::frame_timeout)",
+            conn.out.size() - conn.out_offset, limits_.frame_timeout.count());
+      } else {
+        reason = fmt::format(
+            "frame not completed within {} ms of its first byte ({} bytes received; "
+            "TcpStoreLimits::frame_timeout)",
+            limits_.frame_timeout.count(),
+            conn.discard > 0 ? conn.discard_size - conn.discard : conn.held());
       }
+      log_limited("timeout",
+                  fmt::format("closing connection from {}: {}", conn.socket.peer(), reason));
+      ++num_dropped_;
+      close_connection(id, {});
     }
   }
 
@@ -390,38 +597,57 @@ class TcpStoreServer::Impl final : public store::Outbox {
                                   conn.out.size() - conn.out_offset);
       } catch (const Error&) {
         conn.send_failed = true;
-        conn.out.clear();
+        std::vector<std::uint8_t>().swap(conn.out);
         conn.out_offset = 0;
         return;
       }
       if (n == 0) return;
       conn.out_offset += static_cast<std::size_t>(n);
     }
-    conn.out.clear();
+    if (conn.out.capacity() > kKeptBufferBytes) {
+      std::vector<std::uint8_t>().swap(conn.out);
+    } else {
+      conn.out.clear();
+    }
     conn.out_offset = 0;
   }
 
   // Hands every complete unit in the read buffer to the protocol, stopping while a reply is
-  // unsent unless the peer is gone (then nothing more will come, and what came must count).
+  // unsent unless the peer is gone (then nothing more will come, and what came must count). A
+  // large incomplete frame is admitted (buffered) or refused (dropped as it arrives) from its
+  // header.
   void handle_units(Connection& conn) {
     for (;;) {
       const bool gone = conn.peer_closed || conn.send_failed;
-      if (conn.close_after_flush || (!gone && conn.has_output())) break;
-      const std::span<const std::uint8_t> buffered(conn.in.data() + conn.in_offset,
-                                                   conn.in.size() - conn.in_offset);
+      if (conn.close_after_flush || conn.discard > 0 || (!gone && conn.has_output())) break;
+      const std::span<const std::uint8_t> buffered(conn.in.data() + conn.in_offset, conn.held());
       const std::size_t size = protocol_.unit_size(conn.id, buffered);
-      if (buffered.size() < size) break;
+      if (buffered.size() < size) {
+        if (size > kLookaheadBytes && conn.admitted != size) admit(conn, size);
+        break;
+      }
       std::string close_reason = protocol_.handle(conn.id, buffered.first(size), *this);
       conn.in_offset += size;
+      conn.admitted = 0;
+      conn.unit_started.reset();
       if (!close_reason.empty()) {
         log(fmt::format("closing connection from {}: {}", conn.socket.peer(), close_reason));
         ++num_dropped_;
         conn.close_after_flush = true;
       }
     }
+    if (conn.held() > 0 || conn.discard > 0) {
+      if (!conn.unit_started) conn.unit_started = Clock::now();
+    } else {
+      conn.unit_started.reset();
+    }
     // Compact, so the buffer does not keep handled bytes alive.
     if (conn.in_offset == conn.in.size()) {
-      conn.in.clear();
+      if (conn.in.capacity() > kKeptBufferBytes) {
+        std::vector<std::uint8_t>().swap(conn.in);
+      } else {
+        conn.in.clear();
+      }
       conn.in_offset = 0;
     } else if (conn.in_offset > 0 && conn.in_offset >= conn.in.size() / 2) {
       conn.in.erase(conn.in.begin(), conn.in.begin() + static_cast<std::ptrdiff_t>(conn.in_offset));
@@ -429,7 +655,38 @@ class TcpStoreServer::Impl final : public store::Outbox {
     }
   }
 
+  // A frame of `size` bytes (header included) has begun: buffer it if the store's memory has
+  // room for all of it, else drop its bytes as they come and answer it with an error.
+  void admit(Connection& conn, std::size_t size) {
+    const std::size_t others = protocol_.state().bytes() + buffered_bytes_ - conn.charged;
+    if (others + size <= limits_.max_memory_bytes) {
+      if (conn.in_offset > 0) {
+        conn.in.erase(conn.in.begin(),
+                      conn.in.begin() + static_cast<std::ptrdiff_t>(conn.in_offset));
+        conn.in_offset = 0;
+      }
+      conn.in.reserve(size);
+      conn.admitted = size;
+      recharge(conn);
+      return;
+    }
+    conn.discard_reason = fmt::format(
+        "a frame of {} bytes would take the store's memory (keys, values and connection "
+        "buffers, {} bytes now) over its limit of {} bytes (TcpStoreLimits::max_memory_bytes); "
+        "it was discarded unread",
+        size, others + conn.charged, limits_.max_memory_bytes);
+    log_limited("memory", fmt::format("refusing a frame from {}: {}", conn.socket.peer(),
+                                      conn.discard_reason));
+    conn.discard_size = size;
+    conn.discard = size - conn.held();
+    std::vector<std::uint8_t>().swap(conn.in);
+    conn.in_offset = 0;
+    recharge(conn);
+  }
+
   TcpStoreServerOptions options_;
+  TcpStoreLimits limits_;
+  std::size_t max_connections_ = 0;
   net::Socket listener_;
   std::uint16_t port_ = 0;
   int epoll_fd_ = -1;
@@ -441,15 +698,21 @@ class TcpStoreServer::Impl final : public store::Outbox {
   // Owned by the server thread.
   store::ServerProtocol protocol_;
   std::unordered_map<ConnectionId, std::unique_ptr<Connection>> connections_;
-  std::vector<ConnectionId> failed_;  // to close after the current event
-  ConnectionId current_ = 0;          // the connection whose event is being handled
+  std::set<ConnectionId> handshaking_;                   // oldest (smallest id) first
+  std::set<std::pair<TimePoint, ConnectionId>> timers_;  // one deadline per connection at most
+  std::vector<ConnectionId> failed_;                     // to close after the current event
+  ConnectionId current_ = 0;  // the connection whose event is being handled
   ConnectionId next_id_ = kFirstConnectionId;
   bool accept_paused_ = false;  // the listener is out of epoll after a failed accept
+  std::optional<TimePoint> accept_retry_at_;
+  std::size_t buffered_bytes_ = 0;  // every connection's buffers
+  RateLimitedLog log_limiter_;
   std::vector<std::uint8_t> scratch_ = std::vector<std::uint8_t>(kReadChunkBytes);
 
   std::atomic<std::size_t> num_connections_{0};
   std::atomic<std::size_t> num_parked_{0};
   std::atomic<std::size_t> num_dropped_{0};
+  std::atomic<std::size_t> memory_bytes_{0};
 };
 
 TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options)
@@ -477,10 +740,10 @@ std::size_t TcpStoreServer::num_dropped_connections() const {
   return impl_->num_dropped();
 }
 std::size_t TcpStoreServer::max_connections() const {
-  return 0;
+  return impl_->max_connections();
 }
 std::size_t TcpStoreServer::memory_bytes() const {
-  return 0;
+  return impl_->memory_bytes();
 }
 
 }  // namespace ddp

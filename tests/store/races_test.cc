@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <future>
 #include <string>
 #include <thread>
@@ -13,6 +14,7 @@
 #include "ddp/error.h"
 #include "ddp/tcp_store.h"
 #include "net/socket.h"
+#include "raw_client.h"
 #include "store/protocol.h"
 
 namespace ddp::store {
@@ -23,37 +25,17 @@ using namespace std::chrono_literals;
 constexpr Milliseconds kTestTimeout{5'000};
 constexpr int kIterations = 200;
 
-using Frame = std::vector<std::uint8_t>;
-
-Frame hello() {
-  Frame out(kHelloBytes);
-  put_u32(out.data(), kMagic);
-  put_u32(out.data() + 4, kProtocolVersion);
-  return out;
-}
-
-std::uint8_t op(Opcode code) {
-  return static_cast<std::uint8_t>(code);
-}
+using test::Frame;
+using test::hello;
+using test::op;
+using test::reset;
 
 void append(Frame& to, const Frame& more) {
   to.insert(to.end(), more.begin(), more.end());
 }
 
-// Closes with a TCP reset instead of a FIN (SO_LINGER with a zero timeout).
-void reset(net::Socket& socket) {
-  const linger abort{.l_onoff = 1, .l_linger = 0};
-  ASSERT_EQ(::setsockopt(socket.fd(), SOL_SOCKET, SO_LINGER, &abort, sizeof abort), 0);
-  socket.close();
-}
-
 bool wait_until(const std::function<bool()>& done) {
-  const auto deadline = net::Clock::now() + kTestTimeout;
-  while (net::Clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(200us);
-  }
-  return done();
+  return test::wait_until(done, kTestTimeout);
 }
 
 class StoreRaceTest : public testing::Test {
