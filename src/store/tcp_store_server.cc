@@ -82,6 +82,8 @@ constexpr std::size_t kKeptBufferBytes = 64 * 1024;
 // After a failed accept (EMFILE...), try again after this, or as soon as a connection closes.
 constexpr std::chrono::milliseconds kAcceptRetry{100};
 constexpr std::chrono::seconds kLogInterval{1};
+// The smallest max_memory_bytes accepted: room for the largest request's lookahead and a few keys.
+constexpr std::size_t kMinMemoryBytes = 1 << 20;
 
 struct Connection {
   ConnectionId id = 0;
@@ -135,6 +137,20 @@ class RateLimitedLog {
   std::map<std::string, Entry> entries_;
 };
 
+// Limits that would refuse every client are configuration mistakes, not hardening.
+void check_limits(const TcpStoreLimits& limits) {
+  if (limits.handshake_timeout.count() <= 0 || limits.frame_timeout.count() <= 0) {
+    throw ConfigError(fmt::format(
+        "TcpStoreLimits: handshake_timeout ({} ms) and frame_timeout ({} ms) must be positive",
+        limits.handshake_timeout.count(), limits.frame_timeout.count()));
+  }
+  if (limits.max_memory_bytes < kMinMemoryBytes) {
+    throw ConfigError(fmt::format(
+        "TcpStoreLimits: max_memory_bytes ({}) must be at least {} bytes to serve any client",
+        limits.max_memory_bytes, kMinMemoryBytes));
+  }
+}
+
 }  // namespace
 
 class TcpStoreServer::Impl final : public store::Outbox {
@@ -147,6 +163,7 @@ class TcpStoreServer::Impl final : public store::Outbox {
     if (!options_.log) {
       options_.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
     }
+    check_limits(limits_);
     const std::size_t open_files = store::raise_open_files_limit();
     max_connections_ = limits_.max_connections > 0 ? limits_.max_connections
                                                    : store::automatic_max_connections(open_files);

@@ -280,6 +280,13 @@ TEST_F(LimitsTest, AtTheConnectionLimitHalfOpenConnectionsMakeRoomAndTheRestAreR
   EXPECT_EQ(healthy_->get_string("real"), "1");
 }
 
+TEST(TcpStoreLimitsCheck, LimitsThatWouldRefuseEveryClientAreAConfigError) {
+  EXPECT_THROW(TcpStoreServer({.listen_host = "127.0.0.1", .limits = {.frame_timeout = 0ms}}),
+               ConfigError);
+  EXPECT_THROW(TcpStoreServer({.listen_host = "127.0.0.1", .limits = {.max_memory_bytes = 1000}}),
+               ConfigError);
+}
+
 TEST(FdLimit, TheAutomaticConnectionLimitLeavesHalfTheDescriptorsToTheProcess) {
   EXPECT_EQ(automatic_max_connections(1024), 512u);
   EXPECT_EQ(automatic_max_connections(1u << 20), kMaxAutomaticConnections);
