@@ -82,6 +82,10 @@ constexpr std::size_t kKeptBufferBytes = 64 * 1024;
 // After a failed accept (EMFILE...), try again after this, or as soon as a connection closes.
 constexpr std::chrono::milliseconds kAcceptRetry{100};
 constexpr std::chrono::seconds kLogInterval{1};
+constexpr int kAcceptsPerEvent = 64;
+// At the connection limit, how many of the oldest half-open connections get a last chance to
+// finish their handshake (their hello may be waiting unread) before the oldest is closed.
+constexpr std::size_t kEvictionCandidates = 8;
 // The smallest max_memory_bytes accepted: room for the largest request's lookahead and a few keys.
 constexpr std::size_t kMinMemoryBytes = 1 << 20;
 
@@ -331,7 +335,9 @@ class TcpStoreServer::Impl final : public store::Outbox {
   }
 
   void accept_all() {
-    for (;;) {
+    // A bounded batch, so that the hellos of clients accepted during a flood are read (by the
+    // next epoll round) before more accepts could push them out of the connection limit.
+    for (int accepted = 0; accepted < kAcceptsPerEvent; ++accepted) {
       net::Socket socket;
       try {
         socket = net::accept_tcp(listener_, Clock::now());
@@ -378,6 +384,19 @@ class TcpStoreServer::Impl final : public store::Outbox {
   // to make room for `peer`. False when every connection is past its handshake (then the
   // newcomer is refused).
   bool make_room(const std::string& peer) {
+    // A real client's hello is usually already in its socket: read it before judging.
+    std::vector<ConnectionId> candidates;
+    for (auto it = handshaking_.begin();
+         it != handshaking_.end() && candidates.size() < kEvictionCandidates; ++it) {
+      candidates.push_back(*it);
+    }
+    for (const ConnectionId candidate : candidates) {
+      auto it = connections_.find(candidate);
+      if (it == connections_.end()) continue;
+      on_event(*it->second, EPOLLIN);
+      close_failed();
+      if (connections_.size() < max_connections_) return true;
+    }
     if (handshaking_.empty()) {
       log_limited("max_connections",
                   fmt::format("refusing connection from {}: {} connections open, the limit "
