@@ -11,7 +11,7 @@
 // Threads: every TcpStore method may be called from any thread. One client holds one connection
 // and one mutex, so calls from several threads on the same TcpStore run one after another (a
 // thread blocked in get/wait holds the others up); use one TcpStore per thread where that
-// matters. TcpStoreServer is driven by its own thread; its methods may be called from any thread.
+// matters. The server (TcpStoreServer, ddp/tcp_store_server.h) runs on its own thread.
 //
 // Errors: ConfigError for a port already in use or keys/values over the limits below (nothing is
 // sent); TimeoutError naming the key(s) and the timeout when a deadline passes (including connect
@@ -31,6 +31,7 @@
 #include <string>
 
 #include "ddp/store.h"
+#include "ddp/tcp_store_server.h"
 
 namespace ddp {
 
@@ -62,48 +63,8 @@ struct TcpStoreOptions {
   // (HMAC-SHA256 challenge, see docs/store.md) and the server turns away clients that do not.
   // Both sides must agree: a mismatch is a StoreError. Needs a build with OpenSSL (ConfigError).
   std::string auth_secret;
-};
-
-// Runs the store's server alone (the launcher uses this; TcpStore with is_server embeds one).
-// One thread with an epoll event loop and non-blocking sockets serves every client; a get/wait on
-// a missing key is parked and answered when the key is set. Stops (and joins its thread) on
-// stop() or destruction; clients then see their connection lost.
-struct TcpStoreServerOptions {
-  std::string listen_host;  // "" = every IPv4 address, "::" = every address
-  std::uint16_t port = 0;   // 0 = any free port, see TcpStoreServer::port()
-  std::string auth_secret;  // non-empty: clients must prove they know it (TcpStoreOptions)
-  // Receives one line per dropped connection and other events; default: stderr.
-  std::function<void(const std::string& line)> log;
-  // On destruction (and stop(drain)), stop accepting but keep serving the connected clients until
-  // they disconnect or this much time passes: the process hosting the store (rank 0) often exits a
-  // moment before the other ranks have sent their last requests. 0 = close at once.
-  Milliseconds drain_timeout{5000};
-};
-
-class TcpStoreServer {
- public:
-  // Throws ConfigError when the port is in use or the address is bad.
-  explicit TcpStoreServer(TcpStoreServerOptions options);
-  ~TcpStoreServer();
-  TcpStoreServer(const TcpStoreServer&) = delete;
-  TcpStoreServer& operator=(const TcpStoreServer&) = delete;
-
-  // The port actually listened on.
-  std::uint16_t port() const;
-  // Closes every connection at once and joins the server thread. Idempotent.
-  void stop();
-  // Stops accepting, serves the connected clients until they all disconnect or `drain` passes,
-  // then closes and joins. Idempotent.
-  void stop(Milliseconds drain);
-
-  // Observations for tests and diagnostics (updated by the server thread).
-  std::size_t num_connections() const;
-  std::size_t num_parked_requests() const;
-  std::size_t num_dropped_connections() const;  // closed for a protocol violation
-
- private:
-  class Impl;
-  std::unique_ptr<Impl> impl_;
+  // Limits of the embedded server (is_server): deadlines, connections, memory.
+  TcpStoreLimits server_limits;
 };
 
 class TcpStore final : public Store {

@@ -386,8 +386,11 @@ TcpStore::TcpStore(std::string host, std::uint16_t port, TcpStoreOptions options
   if (!options.auth_secret.empty()) store::require_auth();
   if (options.is_server) {
     try {
-      server_ = std::make_unique<TcpStoreServer>(TcpStoreServerOptions{
-          .listen_host = options.listen_host, .port = port, .auth_secret = options.auth_secret});
+      server_ =
+          std::make_unique<TcpStoreServer>(TcpStoreServerOptions{.listen_host = options.listen_host,
+                                                                 .port = port,
+                                                                 .auth_secret = options.auth_secret,
+                                                                 .limits = options.server_limits});
     } catch (const ConfigError& e) {
       throw ConfigError(fmt::format("cannot start the store server: {}", e.what()));
     }

@@ -1,19 +1,35 @@
-// The TcpStore server: one thread, one epoll loop, every client on a non-blocking socket.
+// The TcpStore server's event loop: one thread, one epoll set, every client on a non-blocking
+// socket. This file owns sockets, buffers, timers and limits; what the bytes mean is
+// ServerProtocol's business (server_protocol.h) and the keys live in its KvState (kv_state.h).
 //
-// Each connection has a read buffer (bytes not yet parsed into frames) and a write buffer
-// (responses not yet accepted by the kernel). A frame is handled once it is complete; a get/wait
-// whose keys are missing is "parked": the connection is recorded under each missing key and
-// answered when a set/add/compare_set creates the last of them, so no client ever blocks another.
-// A client handles one request at a time, so a connection has at most one parked request; while
-// it is parked the only frame the client may send is kCancel (its own deadline passed).
+// Each connection has a read buffer (bytes not yet handled) and a write buffer (replies not yet
+// accepted by the kernel). A unit (hello, authentication, frame) is handed to the protocol once it
+// is complete.
 //
-// Back-pressure: a connection's next frame is not handled (and its socket not read) while its
-// write buffer holds an unsent response, so a client that sends requests without reading the
-// answers cannot make the server buffer without bound.
+// Back-pressure: a connection's next unit is not handled (and its socket not read) while its
+// write buffer holds an unsent reply, so a client that sends requests without reading the answers
+// cannot make the server buffer without bound.
 //
-// Anything that breaks the protocol (bad handshake, oversized or malformed frame, unknown opcode,
-// a request while one is parked, EOF inside a frame) closes that connection only, with one logged
-// line naming the peer and the reason.
+// Replies never fail on the spot: a send error marks the connection for closing after the
+// current event, so one vanished client cannot stop the server from answering the others (the
+// wake-ups a request causes are applied before its own reply is queued).
+//
+// A peer that is gone (EOF, reset, failed send) still has every complete request it sent before
+// going handled, back-pressure or not: "hello + set + close" in one write sets the key. Only
+// then is the connection closed (after sending what is left, for a peer that merely shut down
+// its sending side).
+//
+// Limits (TcpStoreLimits, docs/store.md), so that abuse costs the job nothing:
+// - time: the handshake must complete within handshake_timeout of the accept; a frame within
+//   frame_timeout of its first byte; a reply must be taken within frame_timeout. Each connection
+//   has one deadline in `timers_`; parked and idle clients that passed the handshake have none.
+// - memory: a connection holds at most kLookaheadBytes beyond the frame it is receiving, and a
+//   frame is buffered only when the store's memory (keys, values, every buffer) has room for all
+//   of it, judged from its header; otherwise its bytes are read and dropped and the request is
+//   answered with an error.
+// - connections: at most max_connections; beyond it the oldest connection still in its
+//   handshake makes room, or else the newcomer is accepted and closed at once.
+// Log lines about limits are rate-limited (one per kind per second, with a count of the rest).
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -21,9 +37,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -35,16 +51,18 @@
 
 #include "ddp/error.h"
 #include "ddp/tcp_store.h"
+#include "ddp/tcp_store_server.h"
 #include "net/socket.h"
-#include "store/auth.h"
+#include "store/fd_limit.h"
 #include "store/protocol.h"
+#include "store/server_protocol.h"
 
 namespace ddp {
 
-using store::FrameReader;
-using store::FrameWriter;
-using store::Opcode;
-using store::Status;
+using store::ConnectionId;
+using store::DropConnection;
+using Clock = net::Clock;
+using TimePoint = Clock::time_point;
 
 static_assert(kStoreMaxKeyBytes == store::kMaxKeyBytes);
 static_assert(kStoreMaxValueBytes == store::kMaxValueBytes);
@@ -56,53 +74,103 @@ namespace {
 // others.
 constexpr std::size_t kReadChunkBytes = 256 * 1024;
 constexpr int kReadsPerEvent = 16;
-
-struct ParkedRequest {
-  Opcode op;
-  std::string first_key;               // for get: the key whose value is the answer
-  std::set<std::string> missing_keys;  // ordered, so a cancelled wait lists them stably
-};
-
-enum class Phase {
-  kHello,  // waiting for magic and version
-  kAuth,   // waiting for the client's MAC and nonce (servers with a secret)
-  kReady,  // frames
-};
+// What a connection may hold beyond the unit it is receiving (the next small requests, a cancel);
+// a frame larger than this is admitted against the memory limit first.
+constexpr std::size_t kLookaheadBytes = 16 * 1024;
+// Buffers larger than this are freed once empty rather than kept for the next request.
+constexpr std::size_t kKeptBufferBytes = 64 * 1024;
+// After a failed accept (EMFILE...), try again after this, or as soon as a connection closes.
+constexpr std::chrono::milliseconds kAcceptRetry{100};
+constexpr std::chrono::seconds kLogInterval{1};
+constexpr int kAcceptsPerEvent = 64;
+// At the connection limit, how many of the oldest half-open connections get a last chance to
+// finish their handshake (their hello may be waiting unread) before the oldest is closed.
+constexpr std::size_t kEvictionCandidates = 8;
+// The smallest max_memory_bytes accepted: room for the largest request's lookahead and a few keys.
+constexpr std::size_t kMinMemoryBytes = 1 << 20;
 
 struct Connection {
-  std::uint64_t id = 0;
+  ConnectionId id = 0;
   net::Socket socket;
-  Phase phase = Phase::kHello;
-  store::Nonce nonce{};  // the challenge sent to this client
+  TimePoint accepted_at;
   std::vector<std::uint8_t> in;
   std::size_t in_offset = 0;  // bytes of `in` already handled
   std::vector<std::uint8_t> out;
-  std::size_t out_offset = 0;  // bytes of `out` already sent
+  std::size_t out_offset = 0;             // bytes of `out` already sent
+  TimePoint output_since;                 // when the unsent reply was queued
+  std::optional<TimePoint> unit_started;  // first byte of the unit still incomplete
+  std::size_t admitted = 0;               // size of the large frame being received into `in`
+  std::size_t discard = 0;                // bytes of a refused frame still to read and drop
+  std::size_t discard_size = 0;
+  std::string discard_reason;  // the error reply once they are dropped
+  bool send_failed = false;    // the peer is gone: close after the current event
+  bool peer_closed = false;    // EOF or reset seen: handle what is buffered, then close
   bool close_after_flush = false;
-  std::optional<ParkedRequest> parked;
   std::uint32_t epoll_events = 0;
+  std::size_t charged = 0;  // buffer bytes counted in Impl::buffered_bytes_
+  TimePoint timer = TimePoint::max();
 
   bool has_output() const { return out_offset < out.size(); }
+  std::size_t held() const { return in.size() - in_offset; }
 };
 
-// Thrown inside the loop to close one connection with a reason worth logging.
-struct DropConnection {
-  std::string reason;
+// One log line per kind and interval; the lines held back are counted into the next one.
+class RateLimitedLog {
+ public:
+  // Returns the line to emit now (with the count of those held back), or "" to stay quiet.
+  std::string admit(const std::string& kind, const std::string& line, TimePoint now) {
+    auto& entry = entries_[kind];
+    if (entry.last != TimePoint{} && now - entry.last < kLogInterval) {
+      ++entry.held_back;
+      return {};
+    }
+    std::string out = line;
+    if (entry.held_back > 0) {
+      out += fmt::format(" ({} more like this in the last {} s not logged)", entry.held_back,
+                         kLogInterval.count());
+    }
+    entry = {now, 0};
+    return out;
+  }
+
+ private:
+  struct Entry {
+    TimePoint last{};
+    std::size_t held_back = 0;
+  };
+  std::map<std::string, Entry> entries_;
 };
 
-std::string_view as_text(std::span<const std::uint8_t> bytes) {
-  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
+// Limits that would refuse every client are configuration mistakes, not hardening.
+void check_limits(const TcpStoreLimits& limits) {
+  if (limits.handshake_timeout.count() <= 0 || limits.frame_timeout.count() <= 0) {
+    throw ConfigError(fmt::format(
+        "TcpStoreLimits: handshake_timeout ({} ms) and frame_timeout ({} ms) must be positive",
+        limits.handshake_timeout.count(), limits.frame_timeout.count()));
+  }
+  if (limits.max_memory_bytes < kMinMemoryBytes) {
+    throw ConfigError(fmt::format(
+        "TcpStoreLimits: max_memory_bytes ({}) must be at least {} bytes to serve any client",
+        limits.max_memory_bytes, kMinMemoryBytes));
+  }
 }
 
 }  // namespace
 
-class TcpStoreServer::Impl {
+class TcpStoreServer::Impl final : public store::Outbox {
  public:
-  explicit Impl(TcpStoreServerOptions options) : options_(std::move(options)) {
-    if (!options_.auth_secret.empty()) store::require_auth();
+  explicit Impl(TcpStoreServerOptions options)
+      : options_(std::move(options)),
+        limits_(options_.limits),
+        protocol_({.auth_secret = options_.auth_secret,
+                   .max_memory_bytes = options_.limits.max_memory_bytes}) {
     if (!options_.log) {
       options_.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
     }
+    check_limits(limits_);
+    const std::size_t open_files = store::raise_open_files_limit();
+    max_connections_ = limits_.max_connections > 0 ? limits_.max_connections
+                                                   : store::automatic_max_connections(open_files);
     listener_ = net::listen_tcp(options_.listen_host, options_.port);
     listener_.set_nonblocking(true);
     port_ = listener_.local_port();
@@ -124,7 +192,7 @@ class TcpStoreServer::Impl {
     }
   }
 
-  ~Impl() {
+  ~Impl() override {
     stop(options_.drain_timeout);
     close_fds();
   }
@@ -142,6 +210,32 @@ class TcpStoreServer::Impl {
   std::size_t num_connections() const { return num_connections_.load(); }
   std::size_t num_parked() const { return num_parked_.load(); }
   std::size_t num_dropped() const { return num_dropped_.load(); }
+  std::size_t max_connections() const { return max_connections_; }
+  std::size_t memory_bytes() const { return memory_bytes_.load(); }
+
+  // store::Outbox: replies from the protocol. Never throws for a failing connection.
+  void send(ConnectionId id, std::vector<std::uint8_t> frame) override {
+    auto it = connections_.find(id);
+    if (it == connections_.end()) return;
+    Connection& conn = *it->second;
+    if (conn.send_failed) return;
+    if (!conn.has_output()) conn.output_since = Clock::now();
+    if (conn.out.empty()) {
+      conn.out = std::move(frame);
+      conn.out_offset = 0;
+    } else {
+      conn.out.insert(conn.out.end(), frame.begin(), frame.end());
+    }
+    flush(conn);
+    recharge(conn);
+    if (id != current_) settle(conn);  // a woken waiter: no event of its own to finish it
+  }
+  std::size_t buffered_bytes() const override { return buffered_bytes_; }
+  void refused(ConnectionId id, const std::string& reason) override {
+    auto it = connections_.find(id);
+    const std::string peer = it == connections_.end() ? "?" : it->second->socket.peer();
+    log_limited("refused", fmt::format("refusing a request from {}: {}", peer, reason));
+  }
 
  private:
   static constexpr std::uint64_t kListenerTag = 0;
@@ -171,6 +265,12 @@ class TcpStoreServer::Impl {
     }
   }
 
+  // For events a flood can repeat thousands of times (limits, timeouts).
+  void log_limited(const std::string& kind, const std::string& line) {
+    const std::string text = log_limiter_.admit(kind, line, Clock::now());
+    if (!text.empty()) log(text);
+  }
+
   void run() {
     try {
       loop();
@@ -180,8 +280,9 @@ class TcpStoreServer::Impl {
     // Closing every socket tells each client its store is gone (StoreError, not a hang), and
     // closing the listener makes late clients fail to connect instead of waiting on a backlog.
     listener_.close();
+    for (auto& [id, conn] : connections_)
+      protocol_.close(id);
     connections_.clear();
-    waiters_.clear();
     num_connections_ = 0;
     num_parked_ = 0;
   }
@@ -190,8 +291,11 @@ class TcpStoreServer::Impl {
     std::vector<epoll_event> events(64);
     std::optional<net::Deadline> drain_deadline;
     for (;;) {
-      if (drain_deadline && (connections_.empty() || net::Clock::now() >= *drain_deadline)) return;
-      const int timeout_ms = drain_deadline ? net::poll_timeout_ms(*drain_deadline) : -1;
+      if (drain_deadline && (connections_.empty() || Clock::now() >= *drain_deadline)) return;
+      TimePoint next = timers_.empty() ? TimePoint::max() : timers_.begin()->first;
+      if (drain_deadline) next = std::min(next, *drain_deadline);
+      if (accept_retry_at_) next = std::min(next, *accept_retry_at_);
+      const int timeout_ms = next == TimePoint::max() ? -1 : net::poll_timeout_ms(next);
       const int n =
           ::epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), timeout_ms);
       if (n < 0) {
@@ -207,9 +311,10 @@ class TcpStoreServer::Impl {
           // process hosting the store often exits a moment before the others are done with it.
           std::uint64_t value = 0;
           [[maybe_unused]] const auto r = ::read(wake_fd_, &value, sizeof value);
-          ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listener_.fd(), nullptr);
+          if (!accept_paused_) ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listener_.fd(), nullptr);
           listener_.close();
           accept_paused_ = false;  // nothing to resume: the listener is gone
+          accept_retry_at_.reset();
           drain_deadline = net::deadline_after(drain);
           continue;
         }
@@ -221,29 +326,44 @@ class TcpStoreServer::Impl {
         if (it == connections_.end()) continue;  // closed earlier in this batch
         on_event(*it->second, events[i].events);
       }
+      close_failed();
+      expire_timers(Clock::now());
+      if (accept_retry_at_ && Clock::now() >= *accept_retry_at_) resume_accepting();
+      num_parked_ = protocol_.state().num_parked();
+      memory_bytes_ = protocol_.state().bytes() + buffered_bytes_;
     }
   }
 
   void accept_all() {
-    for (;;) {
+    // A bounded batch, so that the hellos of clients accepted during a flood are read (by the
+    // next epoll round) before more accepts could push them out of the connection limit.
+    for (int accepted = 0; accepted < kAcceptsPerEvent; ++accepted) {
       net::Socket socket;
       try {
-        socket = net::accept_tcp(listener_, net::Clock::now());
+        socket = net::accept_tcp(listener_, Clock::now());
       } catch (const TimeoutError&) {
         return;  // nothing more to accept right now
       } catch (const Error& e) {
-        // EMFILE and the like. The listener stays readable, so keep it out of epoll until a
-        // connection closes (instead of spinning on it), and keep serving the clients we have.
-        log(fmt::format("accept failed, not accepting until a connection closes: {}", e.what()));
+        // EMFILE and the like. The listener stays readable, so keep it out of epoll for a while
+        // (instead of spinning on it), and keep serving the clients we have.
+        log_limited("accept", fmt::format("accept failed, not accepting for {} ms or until a "
+                                          "connection closes: {}",
+                                          kAcceptRetry.count(), e.what()));
         ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listener_.fd(), nullptr);
         accept_paused_ = true;
+        accept_retry_at_ = Clock::now() + kAcceptRetry;
         return;
+      }
+      if (connections_.size() >= max_connections_ && !make_room(socket.peer())) {
+        ++num_dropped_;
+        continue;  // `socket` closes here: the newcomer is refused
       }
       socket.set_nonblocking(true);
       socket.set_no_delay(true);
       auto conn = std::make_unique<Connection>();
       conn->id = next_id_++;
       conn->socket = std::move(socket);
+      conn->accepted_at = Clock::now();
       conn->epoll_events = EPOLLIN;
       try {
         add_to_epoll(conn->socket.fd(), EPOLLIN, conn->id);
@@ -251,70 +371,173 @@ class TcpStoreServer::Impl {
         log(fmt::format("refusing connection from {}: {}", conn->socket.peer(), e.what()));
         continue;
       }
+      protocol_.open(conn->id);
+      handshaking_.insert(conn->id);
+      Connection& added = *conn;
       connections_.emplace(conn->id, std::move(conn));
       num_connections_ = connections_.size();
+      arm(added);
+    }
+  }
+
+  // At the connection limit: closes the oldest connection that has not completed its handshake
+  // to make room for `peer`. False when every connection is past its handshake (then the
+  // newcomer is refused).
+  bool make_room(const std::string& peer) {
+    // A real client's hello is usually already in its socket: read it before judging.
+    std::vector<ConnectionId> candidates;
+    for (auto it = handshaking_.begin();
+         it != handshaking_.end() && candidates.size() < kEvictionCandidates; ++it) {
+      candidates.push_back(*it);
+    }
+    for (const ConnectionId candidate : candidates) {
+      auto it = connections_.find(candidate);
+      if (it == connections_.end()) continue;
+      on_event(*it->second, EPOLLIN);
+      close_failed();
+      if (connections_.size() < max_connections_) return true;
+    }
+    if (handshaking_.empty()) {
+      log_limited("max_connections",
+                  fmt::format("refusing connection from {}: {} connections open, the limit "
+                              "(TcpStoreLimits::max_connections)",
+                              peer, connections_.size()));
+      return false;
+    }
+    const ConnectionId oldest = *handshaking_.begin();
+    const std::string victim = connections_.at(oldest)->socket.peer();
+    log_limited("evict",
+                fmt::format("closing connection from {}: {} connections open, the limit "
+                            "(TcpStoreLimits::max_connections), and it had not completed the "
+                            "handshake; making room for {}",
+                            victim, connections_.size(), peer));
+    ++num_dropped_;
+    close_connection(oldest, {});
+    return true;
+  }
+
+  void resume_accepting() {
+    accept_retry_at_.reset();
+    if (!accept_paused_ || !listener_.valid()) return;
+    accept_paused_ = false;
+    try {
+      add_to_epoll(listener_.fd(), EPOLLIN, kListenerTag);
+    } catch (const Error& e) {
+      log(fmt::format("cannot resume accepting connections: {}", e.what()));
     }
   }
 
   void on_event(Connection& conn, std::uint32_t events) {
-    const std::uint64_t id = conn.id;
+    const ConnectionId id = conn.id;
+    current_ = id;
     try {
       if (events & EPOLLOUT) flush(conn);
-      if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) && !conn.has_output()) {
-        if (!read_available(conn)) return;  // closed
+      if (!conn.peer_closed) {
+        pump(conn);
+      } else {
+        handle_units(conn);
       }
-      handle_frames(conn);
-      if (conn.close_after_flush && !conn.has_output()) {
-        close_connection(id, {});
-        return;
-      }
-      update_interest(conn);
+      settle(conn);
     } catch (const DropConnection& drop) {
       close_connection(id, drop.reason);
     } catch (const std::exception& e) {
       // Out of memory for a large frame and the like: lose this client, keep serving the rest.
       close_connection(id, fmt::format("internal error: {}", e.what()));
     }
+    current_ = 0;
   }
 
-  // Returns false when the connection was closed.
-  bool read_available(Connection& conn) {
-    for (int i = 0; i < kReadsPerEvent; ++i) {
+  // Reads and handles, alternately, until the socket is drained, a reply waits to be sent
+  // (back-pressure), or kReadsPerEvent reads were made. Reads only as much as the unit being
+  // received may hold. EOF or an error marks the peer closed (not the connection: what it sent
+  // before closing is handled first). After a failed send, reads on to pick up what the vanished
+  // peer sent before going.
+  void pump(Connection& conn) {
+    handle_units(conn);
+    for (int i = 0; i < kReadsPerEvent && !conn.peer_closed; ++i) {
+      if (!conn.send_failed && (conn.has_output() || conn.close_after_flush)) break;
+      std::size_t want = 0;
+      if (conn.discard > 0) {
+        want = std::min(conn.discard, kReadChunkBytes);
+      } else {
+        const std::size_t cap = std::max(conn.admitted, kLookaheadBytes);
+        if (conn.held() >= cap) break;  // cannot happen: a full unit is handled at once
+        want = std::min(cap - conn.held(), kReadChunkBytes);
+      }
       std::ptrdiff_t n = 0;
       try {
-        n = conn.socket.recv_some(scratch_.data(), scratch_.size());
+        n = conn.socket.recv_some(scratch_.data(), want);
       } catch (const Error&) {
         n = -1;  // ECONNRESET and friends: the peer is gone, same as EOF
       }
-      if (n > 0) conn.in.insert(conn.in.end(), scratch_.begin(), scratch_.begin() + n);
       if (n < 0) {
-        on_peer_closed(conn);
-        return false;
+        conn.peer_closed = true;
+        break;
       }
       if (n == 0) break;
+      const auto got = static_cast<std::size_t>(n);
+      if (conn.discard > 0) {
+        conn.discard -= got;
+        if (conn.discard == 0) {
+          conn.unit_started.reset();
+          protocol_.refuse(conn.id, conn.discard_reason, *this);
+        }
+      } else {
+        conn.in.insert(conn.in.end(), scratch_.begin(), scratch_.begin() + n);
+      }
+      handle_units(conn);
     }
-    return true;
+    handle_units(conn);
   }
 
-  void on_peer_closed(Connection& conn) {
-    const std::size_t pending = conn.in.size() - conn.in_offset;
-    std::string reason;
-    if (pending > 0 && conn.phase == Phase::kHello) {
-      reason = fmt::format("connection closed in the middle of the handshake ({} of {} bytes)",
-                           pending, store::kHelloBytes);
-    } else if (pending > 0 && conn.phase == Phase::kAuth) {
-      reason = fmt::format("connection closed in the middle of authentication ({} of {} bytes)",
-                           pending, store::kAuthBytes);
-    } else if (pending > 0) {
-      reason = fmt::format(
-          "truncated frame: connection closed with {} bytes of an incomplete "
-          "frame received",
+  // After a connection's work: close it when it is done for, else watch what it waits for.
+  void settle(Connection& conn) {
+    const bool finished =
+        conn.send_failed || ((conn.close_after_flush || conn.peer_closed) && !conn.has_output());
+    if (finished) {
+      failed_.push_back(conn.id);
+      return;
+    }
+    if (protocol_.ready(conn.id)) handshaking_.erase(conn.id);
+    recharge(conn);
+    arm(conn);
+    update_interest(conn);
+  }
+
+  // Closes the connections whose send failed or that finished their last reply; done between
+  // events so that no caller holds a reference to one.
+  void close_failed() {
+    for (const ConnectionId id : failed_) {
+      auto it = connections_.find(id);
+      if (it == connections_.end()) continue;
+      const Connection& conn = *it->second;
+      close_connection(id, conn.close_after_flush ? std::string() : leftover_reason(conn));
+    }
+    failed_.clear();
+  }
+
+  // Why closing a connection whose peer went away is worth a log line: it left a unit unfinished.
+  std::string leftover_reason(const Connection& conn) {
+    const std::size_t pending = conn.held();
+    if (conn.discard > 0) {
+      return fmt::format("truncated frame: connection closed {} bytes short of a refused frame",
+                         conn.discard);
+    }
+    if (pending > 0 && !protocol_.ready(conn.id)) {
+      const std::size_t unit = protocol_.unit_size(conn.id, {});
+      return fmt::format("connection closed in the middle of {} ({} of {} bytes)",
+                         unit == store::kHelloBytes ? "the handshake" : "authentication", pending,
+                         unit);
+    }
+    if (pending > 0) {
+      return fmt::format(
+          "truncated frame: connection closed with {} bytes of an incomplete frame received",
           pending);
     }
-    close_connection(conn.id, reason);
+    return {};
   }
 
-  void close_connection(std::uint64_t id, const std::string& reason) {
+  void close_connection(ConnectionId id, const std::string& reason) {
     auto it = connections_.find(id);
     if (it == connections_.end()) return;
     Connection& conn = *it->second;
@@ -322,33 +545,86 @@ class TcpStoreServer::Impl {
       log(fmt::format("closing connection from {}: {}", conn.socket.peer(), reason));
       ++num_dropped_;
     }
-    unpark(conn);
+    protocol_.close(id);
+    handshaking_.erase(id);
+    if (conn.timer != TimePoint::max()) timers_.erase({conn.timer, id});
+    buffered_bytes_ -= conn.charged;
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, conn.socket.fd(), nullptr);
     connections_.erase(it);
     num_connections_ = connections_.size();
-    if (accept_paused_) {
-      accept_paused_ = false;
-      try {
-        add_to_epoll(listener_.fd(), EPOLLIN, kListenerTag);
-      } catch (const Error& e) {
-        log(fmt::format("cannot resume accepting connections: {}", e.what()));
+    if (accept_paused_) resume_accepting();
+  }
+
+  // Counts the connection's buffers (their allocated size) against the memory limit.
+  void recharge(Connection& conn) {
+    const std::size_t now = conn.in.capacity() + conn.out.capacity();
+    buffered_bytes_ = buffered_bytes_ - conn.charged + now;
+    conn.charged = now;
+  }
+
+  // The connection's deadline: the handshake's, the unsent reply's or the incomplete frame's.
+  void arm(Connection& conn) {
+    TimePoint deadline = TimePoint::max();
+    if (!protocol_.ready(conn.id)) {
+      deadline = net::deadline_after(limits_.handshake_timeout, conn.accepted_at);
+    } else if (conn.has_output()) {
+      deadline = net::deadline_after(limits_.frame_timeout, conn.output_since);
+    } else if (conn.unit_started) {
+      deadline = net::deadline_after(limits_.frame_timeout, *conn.unit_started);
+    }
+    if (deadline == conn.timer) return;
+    if (conn.timer != TimePoint::max()) timers_.erase({conn.timer, conn.id});
+    conn.timer = deadline;
+    if (deadline != TimePoint::max()) timers_.insert({deadline, conn.id});
+  }
+
+  void expire_timers(TimePoint now) {
+    while (!timers_.empty() && timers_.begin()->first <= now) {
+      const ConnectionId id = timers_.begin()->second;
+      const Connection& conn = *connections_.at(id);
+      std::string reason;
+      if (!protocol_.ready(id)) {
+        reason = fmt::format(
+            "handshake not completed within {} ms of connecting ({} bytes received; "
+            "TcpStoreLimits::handshake_timeout)",
+            limits_.handshake_timeout.count(), conn.held());
+      } else if (conn.has_output()) {
+        reason = fmt::format(
+            "the client did not take its {}-byte reply within {} ms "
+            "(TcpStoreLimits::frame_timeout)",
+            conn.out.size() - conn.out_offset, limits_.frame_timeout.count());
+      } else {
+        reason = fmt::format(
+            "frame not completed within {} ms of its first byte ({} bytes received; "
+            "TcpStoreLimits::frame_timeout)",
+            limits_.frame_timeout.count(),
+            conn.discard > 0 ? conn.discard_size - conn.discard : conn.held());
       }
+      log_limited("timeout",
+                  fmt::format("closing connection from {}: {}", conn.socket.peer(), reason));
+      ++num_dropped_;
+      close_connection(id, {});
     }
   }
 
   void update_interest(Connection& conn) {
     // Read only when nothing is waiting to be sent (back-pressure, see the file comment).
-    const std::uint32_t wanted = conn.has_output() ? EPOLLOUT : EPOLLIN;
+    const std::uint32_t wanted =
+        conn.has_output() ? EPOLLOUT : (conn.peer_closed ? 0u : std::uint32_t{EPOLLIN});
     if (wanted == conn.epoll_events) return;
     epoll_event ev{};
     ev.events = wanted;
     ev.data.u64 = conn.id;
     if (::epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, conn.socket.fd(), &ev) != 0) {
-      throw DropConnection{fmt::format("epoll_ctl failed: {}", std::strerror(errno))};
+      conn.send_failed = true;
+      failed_.push_back(conn.id);
+      return;
     }
     conn.epoll_events = wanted;
   }
 
+  // Sends what the kernel takes now. A send error marks the connection failed (the peer is gone:
+  // not a protocol violation, so it closes without a log line); it never throws.
   void flush(Connection& conn) {
     while (conn.has_output()) {
       std::ptrdiff_t n = 0;
@@ -356,57 +632,58 @@ class TcpStoreServer::Impl {
         n = conn.socket.send_some(conn.out.data() + conn.out_offset,
                                   conn.out.size() - conn.out_offset);
       } catch (const Error&) {
-        // The peer went away; not a protocol violation, so close without a log line.
-        throw DropConnection{};
+        conn.send_failed = true;
+        std::vector<std::uint8_t>().swap(conn.out);
+        conn.out_offset = 0;
+        return;
       }
       if (n == 0) return;
       conn.out_offset += static_cast<std::size_t>(n);
     }
-    conn.out.clear();
+    if (conn.out.capacity() > kKeptBufferBytes) {
+      std::vector<std::uint8_t>().swap(conn.out);
+    } else {
+      conn.out.clear();
+    }
     conn.out_offset = 0;
   }
 
-  void send(Connection& conn, std::vector<std::uint8_t> frame) {
-    if (conn.out.empty()) {
-      conn.out = std::move(frame);
-      conn.out_offset = 0;
-    } else {
-      conn.out.insert(conn.out.end(), frame.begin(), frame.end());
+  // Hands every complete unit in the read buffer to the protocol, stopping while a reply is
+  // unsent unless the peer is gone (then nothing more will come, and what came must count). A
+  // large incomplete frame is admitted (buffered) or refused (dropped as it arrives) from its
+  // header.
+  void handle_units(Connection& conn) {
+    for (;;) {
+      const bool gone = conn.peer_closed || conn.send_failed;
+      if (conn.close_after_flush || conn.discard > 0 || (!gone && conn.has_output())) break;
+      const std::span<const std::uint8_t> buffered(conn.in.data() + conn.in_offset, conn.held());
+      const std::size_t size = protocol_.unit_size(conn.id, buffered);
+      if (buffered.size() < size) {
+        if (size > kLookaheadBytes && conn.admitted != size) admit(conn, size);
+        break;
+      }
+      std::string close_reason = protocol_.handle(conn.id, buffered.first(size), *this);
+      conn.in_offset += size;
+      conn.admitted = 0;
+      conn.unit_started.reset();
+      if (!close_reason.empty()) {
+        log(fmt::format("closing connection from {}: {}", conn.socket.peer(), close_reason));
+        ++num_dropped_;
+        conn.close_after_flush = true;
+      }
     }
-    flush(conn);
-  }
-
-  // Handles every complete frame in the read buffer, stopping while a response is unsent.
-  void handle_frames(Connection& conn) {
-    while (!conn.close_after_flush && !conn.has_output()) {
-      const std::size_t available = conn.in.size() - conn.in_offset;
-      const std::uint8_t* data = conn.in.data() + conn.in_offset;
-      if (conn.phase == Phase::kHello) {
-        if (available < store::kHelloBytes) break;
-        conn.in_offset += store::kHelloBytes;
-        handle_hello(conn, data);
-        continue;
-      }
-      if (conn.phase == Phase::kAuth) {
-        if (available < store::kAuthBytes) break;
-        conn.in_offset += store::kAuthBytes;
-        handle_auth(conn, data);
-        continue;
-      }
-      if (available < 4) break;
-      const std::uint32_t length = store::get_u32(data);
-      if (length == 0) throw DropConnection{"empty frame (length 0, no opcode)"};
-      if (length > store::kMaxFrameBytes) {
-        throw DropConnection{fmt::format("frame of {} bytes exceeds the limit of {} bytes", length,
-                                         store::kMaxFrameBytes)};
-      }
-      if (available < 4 + std::size_t{length}) break;
-      handle_frame(conn, {data + 4, length});
-      conn.in_offset += 4 + std::size_t{length};
+    if (conn.held() > 0 || conn.discard > 0) {
+      if (!conn.unit_started) conn.unit_started = Clock::now();
+    } else {
+      conn.unit_started.reset();
     }
     // Compact, so the buffer does not keep handled bytes alive.
     if (conn.in_offset == conn.in.size()) {
-      conn.in.clear();
+      if (conn.in.capacity() > kKeptBufferBytes) {
+        std::vector<std::uint8_t>().swap(conn.in);
+      } else {
+        conn.in.clear();
+      }
       conn.in_offset = 0;
     } else if (conn.in_offset > 0 && conn.in_offset >= conn.in.size() / 2) {
       conn.in.erase(conn.in.begin(), conn.in.begin() + static_cast<std::ptrdiff_t>(conn.in_offset));
@@ -414,268 +691,38 @@ class TcpStoreServer::Impl {
     }
   }
 
-  void handle_hello(Connection& conn, const std::uint8_t* data) {
-    const std::uint32_t magic = store::get_u32(data);
-    const std::uint32_t version = store::get_u32(data + 4);
-    if (magic != store::kMagic) {
-      throw DropConnection{
-          fmt::format("bad handshake: magic 0x{:08x}, expected 0x{:08x} (not a ddp store client?)",
-                      magic, store::kMagic)};
-    }
-    std::uint8_t reply[store::kHelloReplyBytes];
-    store::put_u32(reply, store::kMagic);
-    store::put_u32(reply + 4, store::kProtocolVersion);
-    if (version != store::kProtocolVersion) {
-      reply[8] = static_cast<std::uint8_t>(store::HelloStatus::kVersionMismatch);
-      log(
-          fmt::format("closing connection from {}: client speaks store protocol version {}, this "
-                      "server speaks version {}",
-                      conn.socket.peer(), version, store::kProtocolVersion));
-      ++num_dropped_;
-      conn.close_after_flush = true;
-    } else if (!options_.auth_secret.empty()) {
-      reply[8] = static_cast<std::uint8_t>(store::HelloStatus::kAuthRequired);
-      conn.nonce = store::random_nonce();
-      conn.phase = Phase::kAuth;
-      std::vector<std::uint8_t> challenge(reply, reply + sizeof reply);
-      challenge.insert(challenge.end(), conn.nonce.begin(), conn.nonce.end());
-      send(conn, std::move(challenge));
-      return;
-    } else {
-      reply[8] = static_cast<std::uint8_t>(store::HelloStatus::kAccepted);
-      conn.phase = Phase::kReady;
-    }
-    send(conn, {reply, reply + sizeof reply});
-  }
-
-  void handle_auth(Connection& conn, const std::uint8_t* data) {
-    const std::span<const std::uint8_t> client_mac(data, store::kMacBytes);
-    const std::span<const std::uint8_t> client_nonce(data + store::kMacBytes, store::kNonceBytes);
-    const auto expected = store::auth_mac(options_.auth_secret, store::kClientRole, conn.nonce);
-    if (!store::macs_equal(client_mac, expected)) {
-      log(fmt::format("closing connection from {}: authentication failed (wrong shared secret)",
-                      conn.socket.peer()));
-      ++num_dropped_;
-      conn.close_after_flush = true;
-      send(conn, {static_cast<std::uint8_t>(store::AuthStatus::kRejected)});
+  // A frame of `size` bytes (header included) has begun: buffer it if the store's memory has
+  // room for all of it, else drop its bytes as they come and answer it with an error.
+  void admit(Connection& conn, std::size_t size) {
+    const std::size_t others = protocol_.state().bytes() + buffered_bytes_ - conn.charged;
+    if (others + size <= limits_.max_memory_bytes) {
+      if (conn.in_offset > 0) {
+        conn.in.erase(conn.in.begin(),
+                      conn.in.begin() + static_cast<std::ptrdiff_t>(conn.in_offset));
+        conn.in_offset = 0;
+      }
+      conn.in.reserve(size);
+      conn.admitted = size;
+      recharge(conn);
       return;
     }
-    const auto proof = store::auth_mac(options_.auth_secret, store::kServerRole, client_nonce);
-    std::vector<std::uint8_t> reply{static_cast<std::uint8_t>(store::AuthStatus::kAccepted)};
-    reply.insert(reply.end(), proof.begin(), proof.end());
-    conn.phase = Phase::kReady;
-    send(conn, std::move(reply));
-  }
-
-  void handle_frame(Connection& conn, std::span<const std::uint8_t> body) {
-    const std::uint8_t code = body[0];
-    if (code == 0 || code > store::kMaxOpcode) {
-      throw DropConnection{fmt::format("unknown opcode {}", code)};
-    }
-    const auto op = static_cast<Opcode>(code);
-    if (conn.parked && op != Opcode::kCancel) {
-      throw DropConnection{fmt::format(
-          "'{}' request while a '{}' is still pending (one request at a time per connection)",
-          store::opcode_name(op), store::opcode_name(conn.parked->op))};
-    }
-    FrameReader reader(body.subspan(1));
-    try {
-      dispatch(conn, op, reader);
-    } catch (const ProtocolError& e) {
-      throw DropConnection{
-          fmt::format("malformed '{}' frame: {}", store::opcode_name(op), e.what())};
-    }
-  }
-
-  void dispatch(Connection& conn, Opcode op, FrameReader& reader) {
-    switch (op) {
-      case Opcode::kSet: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        const auto value = reader.bytes("value", store::kMaxValueBytes);
-        reader.expect_end("set");
-        auto& slot = data_[key];
-        slot.assign(value.begin(), value.end());
-        send(conn, FrameWriter(code(Status::kOk)).finish());
-        wake_waiters(key);
-        return;
-      }
-      case Opcode::kGet: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        reader.expect_end("get");
-        auto it = data_.find(key);
-        if (it != data_.end()) {
-          send(conn, FrameWriter(code(Status::kOk)).bytes(it->second).finish());
-        } else {
-          park(conn, op, {std::move(key)});
-        }
-        return;
-      }
-      case Opcode::kAdd: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        const std::int64_t delta = reader.i64("delta");
-        reader.expect_end("add");
-        handle_add(conn, key, delta);
-        return;
-      }
-      case Opcode::kCompareSet: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        const auto expected = reader.bytes("expected", store::kMaxValueBytes);
-        const auto desired = reader.bytes("desired", store::kMaxValueBytes);
-        reader.expect_end("compare_set");
-        auto it = data_.find(key);
-        const bool matches =
-            it == data_.end() ? expected.empty() : std::ranges::equal(it->second, expected);
-        if (!matches) {
-          const std::span<const std::uint8_t> current =
-              it == data_.end() ? std::span<const std::uint8_t>{} : it->second;
-          send(conn, FrameWriter(code(Status::kOk)).bytes(current).finish());
-          return;
-        }
-        data_[key].assign(desired.begin(), desired.end());
-        send(conn, FrameWriter(code(Status::kOk)).bytes(desired).finish());
-        wake_waiters(key);
-        return;
-      }
-      case Opcode::kCheck:
-      case Opcode::kWait: {
-        const std::uint32_t count = reader.u32("key count");
-        if (count > store::kMaxKeysPerRequest) {
-          throw ProtocolError(
-              fmt::format("{} keys, over the limit of {}", count, store::kMaxKeysPerRequest));
-        }
-        std::vector<std::string> keys;
-        keys.reserve(count);
-        for (std::uint32_t i = 0; i < count; ++i) {
-          keys.push_back(reader.string("key", store::kMaxKeyBytes));
-        }
-        reader.expect_end(store::opcode_name(op));
-        const bool all_exist =
-            std::ranges::all_of(keys, [&](const std::string& k) { return data_.contains(k); });
-        if (op == Opcode::kCheck) {
-          send(conn, FrameWriter(code(Status::kOk)).u8(all_exist ? 1 : 0).finish());
-        } else if (all_exist) {
-          send(conn, FrameWriter(code(Status::kOk)).finish());
-        } else {
-          park(conn, op, std::move(keys));
-        }
-        return;
-      }
-      case Opcode::kDelete: {
-        std::string key = reader.string("key", store::kMaxKeyBytes);
-        reader.expect_end("delete_key");
-        const bool existed = data_.erase(key) > 0;
-        send(conn, FrameWriter(code(Status::kOk)).u8(existed ? 1 : 0).finish());
-        return;
-      }
-      case Opcode::kNumKeys: {
-        reader.expect_end("num_keys");
-        send(conn,
-             FrameWriter(code(Status::kOk)).i64(static_cast<std::int64_t>(data_.size())).finish());
-        return;
-      }
-      case Opcode::kCancel: {
-        reader.expect_end("cancel");
-        // Without a parked request the answer already went out (the key arrived as the client
-        // gave up); the client reads that answer instead, so there is nothing to do.
-        if (!conn.parked) return;
-        FrameWriter reply(code(Status::kCancelled));
-        reply.u32(static_cast<std::uint32_t>(conn.parked->missing_keys.size()));
-        for (const auto& key : conn.parked->missing_keys)
-          reply.bytes(key);
-        unpark(conn);
-        send(conn, reply.finish());
-        return;
-      }
-    }
-  }
-
-  void handle_add(Connection& conn, const std::string& key, std::int64_t delta) {
-    std::int64_t current = 0;
-    auto it = data_.find(key);
-    if (it != data_.end()) {
-      const auto text = as_text(it->second);
-      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), current);
-      if (ec != std::errc{} || end != text.data() + text.size() || text.empty()) {
-        send(conn, error_frame(fmt::format(
-                       "add: the value of key '{}' is not a decimal integer ('{}'); add only "
-                       "works on keys written by add",
-                       store::printable(key), store::printable(text, 40))));
-        return;
-      }
-    }
-    std::int64_t result = 0;
-    if (__builtin_add_overflow(current, delta, &result)) {
-      send(conn, error_frame(fmt::format("add: {} + {} overflows the 64-bit counter '{}'", current,
-                                         delta, store::printable(key))));
-      return;
-    }
-    const std::string text = std::to_string(result);
-    data_[key].assign(text.begin(), text.end());
-    send(conn, FrameWriter(code(Status::kOk)).i64(result).finish());
-    wake_waiters(key);
-  }
-
-  static std::uint8_t code(Status status) { return static_cast<std::uint8_t>(status); }
-
-  static std::vector<std::uint8_t> error_frame(const std::string& message) {
-    return FrameWriter(code(Status::kError)).bytes(message).finish();
-  }
-
-  void park(Connection& conn, Opcode op, std::vector<std::string> keys) {
-    ParkedRequest parked{op, keys.front(), {}};
-    for (auto& key : keys) {
-      if (data_.contains(key)) continue;
-      if (parked.missing_keys.insert(key).second) waiters_[key].push_back(conn.id);
-    }
-    conn.parked = std::move(parked);
-    ++num_parked_;
-  }
-
-  void unpark(Connection& conn) {
-    if (!conn.parked) return;
-    for (const auto& key : conn.parked->missing_keys) {
-      auto it = waiters_.find(key);
-      if (it == waiters_.end()) continue;
-      std::erase(it->second, conn.id);
-      if (it->second.empty()) waiters_.erase(it);
-    }
-    conn.parked.reset();
-    --num_parked_;
-  }
-
-  // `key` now exists: answer every parked request for which it was the last missing key.
-  void wake_waiters(const std::string& key) {
-    auto node = waiters_.extract(key);
-    if (node.empty()) return;
-    for (const std::uint64_t id : node.mapped()) {
-      auto it = connections_.find(id);
-      if (it == connections_.end()) continue;
-      Connection& conn = *it->second;
-      if (!conn.parked) continue;
-      conn.parked->missing_keys.erase(key);
-      if (!conn.parked->missing_keys.empty()) continue;
-      const Opcode op = conn.parked->op;
-      const std::string first_key = conn.parked->first_key;
-      conn.parked.reset();
-      --num_parked_;
-      try {
-        if (op == Opcode::kGet) {
-          send(conn, FrameWriter(code(Status::kOk)).bytes(data_.at(first_key)).finish());
-        } else {
-          send(conn, FrameWriter(code(Status::kOk)).finish());
-        }
-        // Not handle_frames(): the only frame a parked client may have sent is a kCancel that
-        // crossed this answer, a no-op handled with the connection's next readable event.
-        update_interest(conn);
-      } catch (const DropConnection& drop) {
-        close_connection(id, drop.reason);
-      } catch (const std::exception& e) {
-        close_connection(id, fmt::format("internal error: {}", e.what()));
-      }
-    }
+    conn.discard_reason = fmt::format(
+        "a frame of {} bytes would take the store's memory (keys, values and connection "
+        "buffers, {} bytes now) over its limit of {} bytes (TcpStoreLimits::max_memory_bytes); "
+        "it was discarded unread",
+        size, others + conn.charged, limits_.max_memory_bytes);
+    log_limited("memory", fmt::format("refusing a frame from {}: {}", conn.socket.peer(),
+                                      conn.discard_reason));
+    conn.discard_size = size;
+    conn.discard = size - conn.held();
+    std::vector<std::uint8_t>().swap(conn.in);
+    conn.in_offset = 0;
+    recharge(conn);
   }
 
   TcpStoreServerOptions options_;
+  TcpStoreLimits limits_;
+  std::size_t max_connections_ = 0;
   net::Socket listener_;
   std::uint16_t port_ = 0;
   int epoll_fd_ = -1;
@@ -685,16 +732,23 @@ class TcpStoreServer::Impl {
   std::thread thread_;
 
   // Owned by the server thread.
-  std::unordered_map<std::string, Bytes> data_;
-  std::unordered_map<std::uint64_t, std::unique_ptr<Connection>> connections_;
-  std::unordered_map<std::string, std::vector<std::uint64_t>> waiters_;
-  std::uint64_t next_id_ = kFirstConnectionId;
+  store::ServerProtocol protocol_;
+  std::unordered_map<ConnectionId, std::unique_ptr<Connection>> connections_;
+  std::set<ConnectionId> handshaking_;                   // oldest (smallest id) first
+  std::set<std::pair<TimePoint, ConnectionId>> timers_;  // one deadline per connection at most
+  std::vector<ConnectionId> failed_;                     // to close after the current event
+  ConnectionId current_ = 0;  // the connection whose event is being handled
+  ConnectionId next_id_ = kFirstConnectionId;
   bool accept_paused_ = false;  // the listener is out of epoll after a failed accept
+  std::optional<TimePoint> accept_retry_at_;
+  std::size_t buffered_bytes_ = 0;  // every connection's buffers
+  RateLimitedLog log_limiter_;
   std::vector<std::uint8_t> scratch_ = std::vector<std::uint8_t>(kReadChunkBytes);
 
   std::atomic<std::size_t> num_connections_{0};
   std::atomic<std::size_t> num_parked_{0};
   std::atomic<std::size_t> num_dropped_{0};
+  std::atomic<std::size_t> memory_bytes_{0};
 };
 
 TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options)
@@ -720,6 +774,12 @@ std::size_t TcpStoreServer::num_parked_requests() const {
 }
 std::size_t TcpStoreServer::num_dropped_connections() const {
   return impl_->num_dropped();
+}
+std::size_t TcpStoreServer::max_connections() const {
+  return impl_->max_connections();
+}
+std::size_t TcpStoreServer::memory_bytes() const {
+  return impl_->memory_bytes();
 }
 
 }  // namespace ddp
