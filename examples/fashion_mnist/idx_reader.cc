@@ -2,11 +2,13 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <system_error>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace fmnist {
 namespace {
@@ -64,6 +66,100 @@ std::vector<std::size_t> parse_header(const std::vector<std::uint8_t>& bytes,
   return sizes;
 }
 
+// The decompressed bytes of one gzip file, read in bounded steps so that no file can make the
+// reader allocate more than its caller allows (a gzip bomb inflates a thousandfold).
+class GzipInput {
+ public:
+  explicit GzipInput(const std::filesystem::path& path) : path_(path) {
+    std::error_code error;
+    if (!std::filesystem::exists(path, error)) {
+      fail(path,
+           "no such file (install Debian's dataset-fashion-mnist, or pass --data-dir with "
+           "the folder holding the four *-ubyte.gz files)");
+    }
+    if (!std::filesystem::is_regular_file(path, error)) fail(path, "not a regular file");
+    file_.reset(gzopen(path.c_str(), "rb"));
+    if (!file_) {
+      fail(path, fmt::format("cannot open: {}", std::generic_category().message(errno)));
+    }
+    gzbuffer(file_.get(), 1 << 17);
+  }
+
+  // Appends decompressed bytes to `bytes` until it holds `limit` bytes or the stream ends;
+  // throws on corrupt, truncated or uncompressed data.
+  void read_until(std::vector<std::uint8_t>& bytes, std::size_t limit) {
+    while (!ended_ && bytes.size() < limit) {
+      const std::size_t size = bytes.size();
+      // Grow geometrically (from 1 MiB), never past the limit.
+      const std::size_t step = std::min({limit - size, std::max<std::size_t>(size, 1 << 20),
+                                         std::size_t{std::numeric_limits<int>::max()}});
+      bytes.resize(size + step);
+      const int got = gzread(file_.get(), bytes.data() + size, static_cast<unsigned>(step));
+      bytes.resize(size + static_cast<std::size_t>(std::max(got, 0)));
+      if (got < 0) fail_corrupt();
+      // zlib reads files without a gzip header transparently; a dataset file must be compressed.
+      if (!checked_direct_ && got > 0) {
+        checked_direct_ = true;
+        if (gzdirect(file_.get()) == 1) {
+          fail(path_, "not a gzip file (the IDX files are expected gzip-compressed, as *.gz)");
+        }
+      }
+      if (got == 0) {
+        ended_ = true;
+        // gzread reports a stream cut short as end of file on some zlib versions: ask.
+        int code = Z_OK;
+        gzerror(file_.get(), &code);
+        if (code != Z_OK) fail_corrupt();
+      }
+    }
+  }
+
+ private:
+  [[noreturn]] void fail_corrupt() {
+    int code = Z_OK;
+    const char* message = gzerror(file_.get(), &code);
+    fail(path_, fmt::format("corrupt or truncated gzip data ({})",
+                            message != nullptr ? message : "unknown zlib error"));
+  }
+
+  std::filesystem::path path_;
+  GzFile file_;
+  bool ended_ = false;
+  bool checked_direct_ = false;
+};
+
+// The decompressed content of an IDX file: the header first, then at most the payload its sizes
+// announce (bounded by kMaxDecompressedBytes) plus a few bytes to notice trailing data, so a
+// bomb is refused by its size instead of being inflated. parse_header checks the rest.
+std::vector<std::uint8_t> read_idx_bytes(const std::filesystem::path& path,
+                                         std::uint32_t expected_magic, std::size_t dimensions) {
+  constexpr std::size_t kTrailingProbe = 4096;
+  GzipInput input(path);
+  std::vector<std::uint8_t> bytes;
+  const std::size_t header_size = 4 + 4 * dimensions;
+  input.read_until(bytes, header_size);
+  if (bytes.empty()) fail(path, "empty file");
+  // A file of the wrong kind is left to parse_header, which names it as such.
+  if (bytes.size() == header_size && read_big_endian_u32(bytes, 0) == expected_magic) {
+    // Each size is < 2^32, so the product is checked against the cap factor by factor.
+    std::vector<std::uint32_t> sizes;
+    std::size_t announced = 1;
+    bool too_large = false;
+    for (std::size_t d = 0; d < dimensions; ++d) {
+      sizes.push_back(read_big_endian_u32(bytes, 4 + 4 * d));
+      if (sizes.back() != 0 && announced > kMaxDecompressedBytes / sizes.back()) too_large = true;
+      announced *= too_large ? 1 : sizes.back();
+    }
+    if (too_large || announced > kMaxDecompressedBytes) {
+      fail(path, fmt::format("the header announces {} bytes of data, more than the {} this reader "
+                             "accepts (a corrupt file or a gzip bomb?)",
+                             fmt::join(sizes, "x"), kMaxDecompressedBytes));
+    }
+    input.read_until(bytes, header_size + announced + kTrailingProbe);
+  }
+  return bytes;
+}
+
 void check_count(std::size_t count, std::optional<std::size_t> expected,
                  const std::filesystem::path& path, const char* what) {
   if (expected && count != *expected) {
@@ -73,55 +169,24 @@ void check_count(std::size_t count, std::optional<std::size_t> expected,
 
 }  // namespace
 
-std::vector<std::uint8_t> read_gzip_file(const std::filesystem::path& path) {
-  std::error_code error;
-  if (!std::filesystem::exists(path, error)) {
-    fail(path,
-         "no such file (install Debian's dataset-fashion-mnist, or pass --data-dir with "
-         "the folder holding the four *-ubyte.gz files)");
-  }
-  if (!std::filesystem::is_regular_file(path, error)) fail(path, "not a regular file");
-
-  GzFile file(gzopen(path.c_str(), "rb"));
-  if (!file) fail(path, fmt::format("cannot open: {}", std::generic_category().message(errno)));
-  gzbuffer(file.get(), 1 << 17);
-
+std::vector<std::uint8_t> read_gzip_file(const std::filesystem::path& path, std::size_t max_bytes) {
+  GzipInput input(path);
   std::vector<std::uint8_t> bytes;
-  std::size_t size = 0;
-  bytes.resize(1 << 20);
-  for (;;) {
-    if (size == bytes.size()) bytes.resize(bytes.size() * 2);
-    const auto want = static_cast<unsigned>(
-        std::min<std::size_t>(bytes.size() - size, std::numeric_limits<int>::max()));
-    const int got = gzread(file.get(), bytes.data() + size, want);
-    if (got < 0) {
-      int code = Z_OK;
-      const char* message = gzerror(file.get(), &code);
-      fail(path, fmt::format("corrupt or truncated gzip data ({})",
-                             message != nullptr ? message : "unknown zlib error"));
-    }
-    // zlib reads files without a gzip header transparently; a dataset file must be compressed.
-    if (size == 0 && got > 0 && gzdirect(file.get()) == 1) {
-      fail(path, "not a gzip file (the IDX files are expected gzip-compressed, as *.gz)");
-    }
-    if (got == 0) break;
-    size += static_cast<std::size_t>(got);
+  // One byte beyond the limit tells "exactly the limit" from "more".
+  input.read_until(
+      bytes, max_bytes == std::numeric_limits<std::size_t>::max() ? max_bytes : max_bytes + 1);
+  if (bytes.size() > max_bytes) {
+    fail(path, fmt::format("decompresses to more than {} bytes, the limit (a corrupt file or a "
+                           "gzip bomb?)",
+                           max_bytes));
   }
-  // gzread reports a stream cut short as end of file on some zlib versions: ask explicitly.
-  int code = Z_OK;
-  const char* message = gzerror(file.get(), &code);
-  if (code != Z_OK) {
-    fail(path, fmt::format("corrupt or truncated gzip data ({})",
-                           message != nullptr ? message : "unknown zlib error"));
-  }
-  if (size == 0) fail(path, "empty file");
-  bytes.resize(size);
+  if (bytes.empty()) fail(path, "empty file");
   return bytes;
 }
 
 Images read_idx_images(const std::filesystem::path& path,
                        std::optional<std::size_t> expected_count) {
-  auto bytes = read_gzip_file(path);
+  auto bytes = read_idx_bytes(path, kImagesMagic, 3);
   const auto sizes = parse_header(bytes, kImagesMagic, 3, path);
   if (sizes[1] != kRows || sizes[2] != kCols) {
     fail(path, fmt::format("images are {}x{}, expected {}x{}", sizes[1], sizes[2], kRows, kCols));
@@ -135,7 +200,7 @@ Images read_idx_images(const std::filesystem::path& path,
 
 std::vector<std::uint8_t> read_idx_labels(const std::filesystem::path& path,
                                           std::optional<std::size_t> expected_count) {
-  auto bytes = read_gzip_file(path);
+  auto bytes = read_idx_bytes(path, kLabelsMagic, 1);
   const auto sizes = parse_header(bytes, kLabelsMagic, 1, path);
   check_count(sizes[0], expected_count, path, "labels");
   bytes.erase(bytes.begin(), bytes.begin() + 8);

@@ -8,7 +8,9 @@
 // product of the sizes in bytes. The files are gzip-compressed, as Debian's dataset-fashion-mnist
 // installs them. Everything is checked: gzip framing, magic number, 28x28 images, the expected
 // counts (60000 train, 10000 test), images and labels agreeing, labels in 0..9, and the exact
-// payload length (no missing and no trailing bytes).
+// payload length (no missing and no trailing bytes). The IDX readers decompress no more than the
+// header announces (plus a few bytes to notice trailing data), and no header may announce more
+// than kMaxDecompressedBytes.
 //
 // Functions are free of shared state and safe to call from any thread. Every failure throws
 // DatasetError (a ddp::ConfigError) whose message names the file and what is wrong with it.
@@ -58,8 +60,13 @@ struct Dataset {
   Split test;
 };
 
-// The whole decompressed content of a gzip file.
-std::vector<std::uint8_t> read_gzip_file(const std::filesystem::path& path);
+// The most bytes a file may decompress to (Fashion-MNIST's largest holds 47 MB): a corrupt
+// header or a gzip bomb is refused with an error naming the file, never by std::bad_alloc.
+inline constexpr std::size_t kMaxDecompressedBytes = std::size_t{1} << 30;
+
+// The whole decompressed content of a gzip file; more than `max_bytes` is an error.
+std::vector<std::uint8_t> read_gzip_file(const std::filesystem::path& path,
+                                         std::size_t max_bytes = kMaxDecompressedBytes);
 
 // An IDX image file of 28x28 images; with `expected_count`, the count must be exactly that.
 Images read_idx_images(const std::filesystem::path& path,

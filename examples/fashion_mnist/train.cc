@@ -9,15 +9,20 @@
 // each epoch (no collectives there, so no rank can wait on an evaluation that others skip),
 // prints the progress, and writes the checkpoint. The last line rank 0 prints starts with
 // "final test_accuracy=". Exit status 0 on success, 1 on any error (the message says what).
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <fmt/format.h>
@@ -162,11 +167,30 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// The folder of --checkpoint must exist and be writable before training starts, not only when
+// the first epoch ends and rank 0 saves.
+void check_checkpoint_folder(const std::string& checkpoint) {
+  std::filesystem::path folder = std::filesystem::path(checkpoint).parent_path();
+  if (folder.empty()) folder = ".";
+  std::error_code error;
+  if (!std::filesystem::is_directory(folder, error)) {
+    throw ddp::ConfigError(fmt::format(
+        "--checkpoint {}: the folder {} does not exist or is not a folder (create it first)",
+        checkpoint, folder.string()));
+  }
+  if (::access(folder.c_str(), W_OK | X_OK) != 0) {
+    throw ddp::ConfigError(fmt::format("--checkpoint {}: the folder {} is not writable ({})",
+                                       checkpoint, folder.string(),
+                                       std::generic_category().message(errno)));
+  }
+}
+
 int run(const Options& options) {
   const auto job_start = std::chrono::steady_clock::now();
   if (options.resume && options.checkpoint.empty()) {
     throw ddp::ConfigError("--resume needs --checkpoint PATH (the file to resume from)");
   }
+  if (!options.checkpoint.empty()) check_checkpoint_folder(options.checkpoint);
   torch::set_num_threads(options.threads > 0 ? options.threads : default_threads());
   torch::manual_seed(options.seed);
 
@@ -308,6 +332,17 @@ int run(const Options& options) {
 
 }  // namespace
 
+// CLI::Range lets NaN through (every comparison with NaN is false): floating options must first
+// be finite numbers.
+const CLI::Validator kFinite(
+    [](std::string& text) -> std::string {
+      double value = 0;
+      if (!CLI::detail::lexical_cast(text, value)) return fmt::format("'{}' is not a number", text);
+      if (!std::isfinite(value)) return fmt::format("{} is not a finite number", text);
+      return {};
+    },
+    "FINITE");
+
 int main(int argc, char** argv) {
   Options options;
   CLI::App app{
@@ -325,12 +360,15 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 60000))
       ->capture_default_str();
   app.add_option("--lr", options.lr, "SGD learning rate")
+      ->check(kFinite)
       ->check(CLI::Range(1e-6, 10.0))
       ->capture_default_str();
   app.add_option("--momentum", options.momentum, "SGD momentum")
+      ->check(kFinite)
       ->check(CLI::Range(0.0, 0.999))
       ->capture_default_str();
   app.add_option("--weight-decay", options.weight_decay, "SGD weight decay (L2)")
+      ->check(kFinite)
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--lr-schedule", options.schedule,

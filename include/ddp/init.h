@@ -32,4 +32,13 @@ void destroy_process_group();
 // Backends built into this library, e.g. {"ring", "mpi"}.
 std::vector<std::string> available_backends();
 
+// The backend init_process_group() uses, and the one parser of backend names every tool shares:
+// `requested` when non-empty (`source` names where it came from, for the message), else the
+// environment variable DDP_BACKEND when set and non-empty, else "mpi" when launched by mpirun
+// and the mpi backend was built, else "ring". Throws ConfigError naming the value, where it came
+// from and this build's backends when the name is not one of them (unknown names are never
+// ignored).
+std::string resolve_backend(const std::string& requested = {},
+                            const std::string& source = "InitOptions::backend");
+
 }  // namespace ddp

@@ -383,6 +383,7 @@ class RingProcessGroup final : public ProcessGroup,
   void check_domain_for_other_call();
   void check_sockets_for_other_call();
   [[noreturn]] void fail_cross_transport_mismatch(int peer, const OpHeader& theirs);
+  std::string cross_ranks_note(int cross_peer) const;
   void finish(const OpArgs& a, net::Deadline deadline) {
     exchange_.run(deadline, spin_, a.timeout);
   }
@@ -608,6 +609,8 @@ void RingProcessGroup::set_up_locality(Transport transport, net::Deadline deadli
     return;
   }
   comm::shm::ShmOptions shm{.group = name_};
+  // A host's domain numbers its ranks 0..L-1: let its errors name this group's ranks.
+  if (hosts_.size() > 1) shm.ranks = local_;
   shm.on_nap = [this] { check_sockets_for_other_call(); };
   idle_check_ = [this] { check_domain_for_other_call(); };
   if (options_.shm_slot_bytes != 0) {
@@ -639,13 +642,32 @@ void RingProcessGroup::set_up_locality(Transport transport, net::Deadline deadli
         std::find(cross_members_.begin(), cross_members_.end(), rank()) - cross_members_.begin());
     cross_ = std::make_shared<RingProcessGroup>(
         store_, index, static_cast<int>(cross_members_.size()), std::move(cross_options));
-    cross_->connect_mesh();
+    try {
+      cross_->connect_mesh();
+    } catch (const CommError& e) {
+      const int peer = e.peer() >= 0 ? cross_members_[static_cast<std::size_t>(e.peer())] : -1;
+      throw CommError(fmt::format("{} [{}]", e.what(), cross_ranks_note(e.peer())), name_, e.op(),
+                      e.sequence(), peer);
+    }
   }
   std::string sizes;
   for (const auto& h : hosts_)
     sizes += fmt::format("{}{}", sizes.empty() ? "" : "+", h.size());
   transport_text_ = fmt::format("hierarchical({} hosts, {} ranks, {})", hosts_.size(), sizes,
                                 slices_ ? "slices" : "leaders");
+}
+
+// For errors of the cross-host group, whose members are numbered 0..H-1: which ranks of this
+// group they are, e.g. "rank 1 of 'default/cross0' is rank 2 of 'default'".
+std::string RingProcessGroup::cross_ranks_note(int cross_peer) const {
+  if (cross_peer >= 0 && static_cast<std::size_t>(cross_peer) < cross_members_.size()) {
+    return fmt::format("rank {} of '{}' is rank {} of '{}'", cross_peer, cross_->name_,
+                       cross_members_[static_cast<std::size_t>(cross_peer)], name_);
+  }
+  std::string members;
+  for (std::size_t i = 0; i < cross_members_.size(); ++i)
+    members += fmt::format("{}{} is rank {}", i == 0 ? "" : ", ", i, cross_members_[i]);
+  return fmt::format("ranks of '{}' in '{}': {}", cross_->name_, name_, members);
 }
 
 void RingProcessGroup::fail_cross_transport_mismatch(int peer, const OpHeader& theirs) {
@@ -1213,9 +1235,13 @@ void RingProcessGroup::cross_host_allreduce(std::byte* buf, std::size_t count, c
     cross_->run_op(x, deadline);
   } catch (const comm::PeerClosedError& e) {
     const int peer = e.peer() >= 0 ? cross_members_[static_cast<std::size_t>(e.peer())] : -1;
-    throw comm::PeerClosedError(fmt::format("{} [rank {} of '{}' is rank {} of '{}']", e.what(),
-                                            e.peer(), cross_->name_, peer, name_),
-                                name_, a.description(), a.header.sequence, peer);
+    throw comm::PeerClosedError(fmt::format("{} [{}]", e.what(), cross_ranks_note(e.peer())), name_,
+                                a.description(), a.header.sequence, peer);
+  } catch (const CommError& e) {
+    // The cross-host group numbers its members 0..H-1: name this group's ranks too.
+    const int peer = e.peer() >= 0 ? cross_members_[static_cast<std::size_t>(e.peer())] : -1;
+    throw CommError(fmt::format("{} [{}]", e.what(), cross_ranks_note(e.peer())), name_,
+                    a.description(), a.header.sequence, peer);
   }
 }
 

@@ -17,23 +17,6 @@ namespace {
 std::mutex default_group_mutex;
 std::shared_ptr<ProcessGroup> default_group;
 
-struct BackendChoice {
-  std::string name;
-  std::string source;  // where the name came from, for error messages
-};
-
-BackendChoice choose_backend(const InitOptions& options) {
-  if (!options.backend.empty()) return {options.backend, "InitOptions::backend"};
-  if (const auto from_env = process_environment("DDP_BACKEND"); from_env && !from_env->empty()) {
-    return {*from_env, "DDP_BACKEND"};
-  }
-  // Launched by mpirun (and not by a torchrun-style launcher inside it): MPI knows the world.
-  const bool under_mpirun =
-      process_environment("OMPI_COMM_WORLD_SIZE").has_value() && !process_environment("RANK");
-  if (under_mpirun && mpi_backend_available()) return {"mpi", "mpirun's environment"};
-  return {"ring", "the default"};
-}
-
 }  // namespace
 
 std::vector<std::string> available_backends() {
@@ -42,15 +25,41 @@ std::vector<std::string> available_backends() {
   return names;
 }
 
+std::string resolve_backend(const std::string& requested, const std::string& source) {
+  std::string name = requested;
+  std::string from = source;
+  if (name.empty()) {
+    if (const auto env = process_environment("DDP_BACKEND"); env && !env->empty()) {
+      name = *env;
+      from = "DDP_BACKEND";
+    } else {
+      // Launched by mpirun (and not by a torchrun-style launcher inside it): MPI knows the world.
+      const bool under_mpirun =
+          process_environment("OMPI_COMM_WORLD_SIZE").has_value() && !process_environment("RANK");
+      return under_mpirun && mpi_backend_available() ? "mpi" : "ring";
+    }
+  }
+  const auto names = available_backends();
+  if (std::find(names.begin(), names.end(), name) == names.end()) {
+    throw ConfigError(fmt::format(
+        "unknown backend '{}' (from {}); this build of ddp has: {}{}", name, from,
+        fmt::join(names, ", "),
+        name == "mpi" ? " (the mpi backend needs OpenMPI (libopenmpi-dev) at configure time and "
+                        "-DDDP_WITH_MPI=ON)"
+                      : ""));
+  }
+  return name;
+}
+
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
-  const BackendChoice backend = choose_backend(options);
+  const std::string backend = resolve_backend(options.backend, "InitOptions::backend");
   std::shared_ptr<ProcessGroup> group;
-  if (backend.name == "ring") {
+  if (backend == "ring") {
     World world = rendezvous(options);
     group = make_ring_process_group(
         std::make_shared<PrefixStore>("ddp/pg", world.store), world.rank(), world.size(),
         {.timeout = world.timeout, .group_name = "default", .secret = world.environment.secret});
-  } else if (backend.name == "mpi" && mpi_backend_available()) {
+  } else {  // "mpi": resolve_backend accepts it only when it was built
     // MPI has its own rendezvous; the launcher's variables are only checked against it.
     group = make_mpi_process_group({.timeout = resolve_timeout(options.timeout)});
     if (options.launch.rank && *options.launch.rank != group->rank()) {
@@ -61,10 +70,6 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
       throw ConfigError(fmt::format("options.world_size={} but MPI's world has {} processes",
                                     *options.launch.world_size, group->size()));
     }
-  } else {
-    throw ConfigError(fmt::format("unknown backend '{}' (from {}); this build of ddp has: {}",
-                                  backend.name, backend.source,
-                                  fmt::join(available_backends(), ", ")));
   }
   std::lock_guard lock(default_group_mutex);
   default_group = group;

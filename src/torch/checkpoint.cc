@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
+#include "torch/checkpoint_integrity.h"
 
 namespace ddp {
 namespace {
@@ -77,10 +78,22 @@ std::string shapes_text(const torch::Tensor& tensor) {
   return tensor.defined() ? fmt::format("[{}]", fmt::join(tensor.sizes(), ", ")) : "undefined";
 }
 
+// Checkpoints written before ddp stored checksums still load (refusing them would strand every
+// run that has one), with a warning that says how to get a verified file.
+void warn_if_unverified(torch::serialize::InputArchive& archive,
+                        const std::filesystem::path& path) {
+  c10::IValue checksums;
+  if (archive.try_read(internal::kChecksumsEntry, checksums)) return;  // verified by load_archive
+  TORCH_WARN("checkpoint ", path.string(),
+             " has no checksums (written by an older ddp or by torch::save), so damage to it "
+             "cannot be detected; it is loaded unverified. Save it again to add them.");
+}
+
 }  // namespace
 
 void save_archive_atomically(torch::serialize::OutputArchive& archive,
                              const std::filesystem::path& path) {
+  internal::add_checksums(archive);
   const std::filesystem::path temporary = path.string() + ".tmp";
   const int raw_fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (raw_fd < 0) {
@@ -145,6 +158,7 @@ torch::serialize::InputArchive load_archive(const std::filesystem::path& path) {
                     "truncated?): {}",
                     path.string(), e.what_without_backtrace()));
   }
+  internal::verify_checksums(archive, path);
   return archive;
 }
 
@@ -182,6 +196,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Mod
       throw fail(fmt::format("checkpoint format {} is not supported (this build reads {})",
                              format.toInt(), kCheckpointFormat));
     }
+    warn_if_unverified(archive, path);
     c10::IValue epoch;
     c10::IValue tag;
     if (!archive.try_read("epoch", epoch) || !epoch.isInt() || !archive.try_read("tag", tag) ||

@@ -271,7 +271,7 @@ TEST(DdpBench, UnavailableBackendOrRootOutsideTheJobExitWithTwo) {
         Subprocess::start({built_program("ddp-bench"), "--backend", "mpi"}, clean_launch_env())
             .wait(30s);
     EXPECT_EQ(result.exit_code, 2) << result.output;
-    EXPECT_THAT(result.output, HasSubstr("--backend mpi is not available"));
+    EXPECT_THAT(result.output, HasSubstr("unknown backend 'mpi' (from --backend)"));
   }
   const ExitStatus result =
       Subprocess::start({built_program("ddp-bench"), "--op", "broadcast", "--root", "1"},
@@ -279,6 +279,24 @@ TEST(DdpBench, UnavailableBackendOrRootOutsideTheJobExitWithTwo) {
           .wait(30s);
   EXPECT_EQ(result.exit_code, 2) << result.output;
   EXPECT_THAT(result.output, HasSubstr("--root 1 is not a rank of this job of 1 ranks"));
+}
+
+TEST(DdpBench, UnknownDdpBackendIsRefusedNotIgnored) {
+  Env env = clean_launch_env();
+  env["DDP_BACKEND"] = "foo";
+  const ExitStatus result =
+      Subprocess::start({built_program("ddp-bench"), "--iters", "1", "--max-bytes", "8"}, env)
+          .wait(30s);
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("unknown backend 'foo' (from DDP_BACKEND)"));
+  EXPECT_THAT(result.output, HasSubstr("ring"));
+  // A valid DDP_BACKEND is used when --backend is not given; --backend wins over it.
+  env["DDP_BACKEND"] = "ring";
+  const ExitStatus ok =
+      Subprocess::start({built_program("ddp-bench"), "--iters", "1", "--max-bytes", "8"}, env)
+          .wait(60s);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_THAT(ok.output, HasSubstr("backend ring"));
 }
 
 }  // namespace

@@ -304,6 +304,39 @@ TEST(HierarchicalFailure, KilledRankFailsLocalAndRemoteRanksWithinTwoSeconds) {
     EXPECT_TRUE(results[static_cast<std::size_t>(r)].ok()) << describe(results);
 }
 
+TEST(HierarchicalFailure, ErrorsNameTheGroupsRanksNotTheHostsLocalNumbers) {
+  // Two pretend hosts of two ranks (0, 1 and 2, 3): rank 3, local rank 1 of the second host, dies
+  // between two allreduces. Rank 2 waits for it in the second host's shared-memory step, whose
+  // domain numbers them 0 and 1: the error must name both by their ranks in the group.
+  TempDir dir;
+  auto results = run_ranks(
+      4,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, 4,
+                             apply_mode(Mode::kHierEqual, rank, 4, {.timeout = 20s}));
+        expect_transport(Mode::kHierEqual, *pg);
+        std::vector<float> buf(1 << 20, 1.0f);
+        pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+        if (rank == 3) ::raise(SIGKILL);
+        try {
+          pg->allreduce(buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+        } catch (const CommError& e) {
+          if (rank != 2) return;  // the others fail through rank 2 or the cross-host step
+          expect_contains(e.what(), "shm group 'default' rank 2 (local 0)");
+          expect_contains(e.what(), "rank 3 (local 1) (pid");
+          if (e.peer() != 3) {
+            throw std::runtime_error(fmt::format("peer() is {}, not 3: {}", e.peer(), e.what()));
+          }
+          return;
+        }
+        throw std::runtime_error("an allreduce with a dead rank succeeded");
+      },
+      30s);
+  EXPECT_EQ(results[3].signal, SIGKILL) << describe(results);
+  for (int r : {0, 1, 2})
+    EXPECT_TRUE(results[static_cast<std::size_t>(r)].ok()) << describe(results);
+}
+
 TEST(Transport, SharedMemoryCallAgainstTcpCallIsAMismatchNotATimeout) {
   // On one host allreduce runs over shared memory and gather over TCP: neither transport's own
   // check sees the other's call; the engine looks across. Rank 1 as gather's sender (its part

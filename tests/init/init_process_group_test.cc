@@ -56,6 +56,31 @@ TEST(InitProcessGroup, BackendFromTheEnvironmentIsNamedInErrors) {
   ::unsetenv("DDP_BACKEND");
 }
 
+TEST(ResolveBackend, OneParserForEveryReaderRefusesUnknownNames) {
+  ::unsetenv("DDP_BACKEND");
+  EXPECT_EQ(resolve_backend(), "ring");
+  EXPECT_EQ(resolve_backend("ring", "--backend"), "ring");
+  ::setenv("DDP_BACKEND", "foo", 1);
+  try {
+    resolve_backend();
+    ADD_FAILURE() << "DDP_BACKEND=foo was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("unknown backend 'foo' (from DDP_BACKEND)"));
+    EXPECT_THAT(e.what(), HasSubstr("this build of ddp has: ring"));
+  }
+  // An explicit choice wins over the environment, and is checked the same way.
+  EXPECT_EQ(resolve_backend("ring", "--backend"), "ring");
+  try {
+    resolve_backend("Ring", "--backend");
+    ADD_FAILURE() << "'Ring' was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("unknown backend 'Ring' (from --backend)"));
+  }
+  ::setenv("DDP_BACKEND", "", 1);  // empty means unset
+  EXPECT_EQ(resolve_backend(), "ring");
+  ::unsetenv("DDP_BACKEND");
+}
+
 TEST(InitProcessGroup, JobOfOneWithoutLauncher) {
   const auto results = test::run_ranks(1, [](int) {
     auto group = init_process_group({.timeout = 10s});

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -343,6 +344,60 @@ TEST(Ddprun, WorkerKilledBySignalIsReported) {
       {}, 30s);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("rank 1 was killed by signal 9 (Killed)"));
+}
+
+TEST(Ddprun, RankKilledBySignalIsBlamedEvenWhenItsPeerIsReapedFirst) {
+  // Rank 1 exits with an error just before rank 0 is killed, as a rank whose peer died may be
+  // reaped first: the death by signal is the cause and is named.
+  const auto r = run_ddprun({"--nproc-per-node", "2", "/bin/sh", "-c",
+                             "if [ $RANK = 1 ]; then sleep 0.5; exit 1; fi; sleep 0.6; kill -9 $$"},
+                            {}, 30s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("ddprun: rank 0 was killed by signal 9 (Killed); stopping"));
+  EXPECT_THAT(r.output,
+              HasSubstr("ddprun: also failed (likely in consequence): rank 1 exited with code 1"));
+}
+
+// The pid of the worker with RANK=`rank` among ddprun's children, or -1.
+pid_t worker_pid(pid_t ddprun_pid, int rank) {
+  std::ifstream children(fmt::format("/proc/{0}/task/{0}/children", ddprun_pid));
+  const std::string wanted = fmt::format("RANK={}", rank);
+  for (pid_t pid; children >> pid;) {
+    std::ifstream environ(fmt::format("/proc/{}/environ", pid), std::ios::binary);
+    for (std::string entry; std::getline(environ, entry, '\0');) {
+      if (entry == wanted) return pid;
+    }
+  }
+  return -1;
+}
+
+TEST(Ddprun, KilledRankOfARealJobIsBlamedEveryTime) {
+  const std::string bench = built_program("ddp-bench");
+  if (::access(bench.c_str(), X_OK) != 0) GTEST_SKIP() << "ddp-bench is not built";
+  std::mt19937 random(12345);
+  constexpr int kRounds = 20;
+  int blamed = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    SCOPED_TRACE(fmt::format("round {}", round));
+    auto p = Subprocess::start(
+        {ddprun(), "--nproc-per-node", "2", bench, "--op", "allreduce", "--min-bytes", "256K",
+         "--max-bytes", "256K", "--iters", "1000000", "--warmup", "0"},
+        {{"DDP_TIMEOUT", "30"}});
+    // Rank 0 prints the table's header once the group is set up; then both ranks allreduce.
+    ASSERT_TRUE(wait_for_output(p, {"[0] # ddp-bench"}, 30s)) << p.output_so_far();
+    std::this_thread::sleep_for(std::chrono::milliseconds(random() % 100));
+    const pid_t rank0 = worker_pid(p.pid(), 0);
+    ASSERT_GT(rank0, 0) << p.output_so_far();
+    ASSERT_EQ(::kill(rank0, SIGKILL), 0);
+    const auto r = p.wait(30s);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    if (r.output.find("ddprun: rank 0 was killed by signal 9") != std::string::npos) {
+      ++blamed;
+    } else {
+      ADD_FAILURE() << "ddprun blamed another rank:\n" << r.output;
+    }
+  }
+  EXPECT_EQ(blamed, kRounds);
 }
 
 TEST(Ddprun, WorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {

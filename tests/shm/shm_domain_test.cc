@@ -1,13 +1,19 @@
 // ShmDomain in real processes: every collective against a reference computed here, for world
 // sizes 1..4 (and 8), every dtype and op, counts around the chunk and small-path limits; long
-// sequences of calls; mismatched calls; a peer killed or stopped; no segment left in /dev/shm.
+// sequences of calls; mismatched calls; a peer killed or stopped (also during set-up); nothing
+// left in /dev/shm.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <thread>
 #include <vector>
 
 #include "shm/shm_test_util.h"
@@ -410,12 +416,12 @@ TEST(ShmDomain, StoppedPeerTimesOutAtTheDeadline) {
   EXPECT_TRUE(results[2].ok()) << describe(results);
 }
 
-TEST(ShmDomain, SegmentIsUnlinkedAsSoonAsEveryRankHasJoined) {
+TEST(ShmDomain, SegmentNeverAppearsInDevShm) {
   StoreDir dir;
   const auto prefix = unique_prefix("unlink");
   auto results = run_ranks(2, [&](int rank) {
     auto domain = make_domain(dir.path(), rank, 2, ShmOptions{.name_prefix = prefix});
-    // Every rank has returned from create(): the name is gone, the mapping still works.
+    // Every rank has returned from create(): nothing in /dev/shm, the mapping works.
     if (!shm_entries(prefix).empty())
       throw std::runtime_error("segment still in /dev/shm after create()");
     float x = 1.0f;
@@ -444,11 +450,112 @@ TEST(ShmDomain, RankThatNeverJoinsTimesOutAndLeavesNoSegment) {
   EXPECT_TRUE(shm_entries(prefix).empty());
 }
 
+// Forks a process that runs create() as `rank` of a group of `size`; returns its pid.
+pid_t start_rank(const std::filesystem::path& dir, int rank, int size, const std::string& prefix) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    try {
+      auto domain = make_domain(dir, rank, size, ShmOptions{.name_prefix = prefix}, 10s);
+      ::pause();  // hold the segment until killed
+    } catch (...) {
+    }
+    ::_exit(1);
+  }
+  return pid;
+}
+
+void kill_and_reap(pid_t pid) {
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+}
+
+TEST(ShmDomain, RankKilledAtAnyPointOfSetUpLeavesNothingInDevShm) {
+  const auto prefix = unique_prefix("setupkill");
+  const auto before = shm_entries(prefix);
+  {
+    // Rank 0 killed while it waits for a rank that never comes (the segment exists, rank 0 has
+    // published it): with a named segment this leaked a file in /dev/shm every time.
+    StoreDir dir;
+    const pid_t rank0 = start_rank(dir.path(), 0, 2, prefix);
+    FileStore store(dir.path(), 10s);
+    const std::vector<std::string> name_key{"shm/name"};
+    ASSERT_NO_THROW(store.wait(name_key, 10s));
+    kill_and_reap(rank0);
+    EXPECT_EQ(shm_entries(prefix), before);
+    // A rank that comes later is told clearly that rank 0's segment is gone.
+    auto results = run_ranks(1, [&](int) {
+      try {
+        make_domain(dir.path(), 1, 2, ShmOptions{.name_prefix = prefix}, 5s);
+      } catch (const CommError& e) {
+        if (std::string(e.what()).find("cannot open rank 0's segment") == std::string::npos)
+          throw std::runtime_error(std::string("unexpected message: ") + e.what());
+        return;
+      }
+      throw std::runtime_error("joined the segment of a dead rank 0");
+    });
+    EXPECT_ALL_RANKS_OK(results);
+  }
+  // Every rank of a group of 3 killed at several points of a set-up in progress: right after
+  // fork, while creating or publishing, while joining, and after everyone joined.
+  for (const int victim : {0, 1}) {
+    for (const int delay_ms : {0, 1, 2, 5, 10, 20, 50, 200}) {
+      SCOPED_TRACE(fmt::format("rank {} killed after {} ms", victim, delay_ms));
+      StoreDir dir;
+      std::vector<pid_t> ranks;
+      for (int rank = 0; rank < 3; ++rank)
+        ranks.push_back(start_rank(dir.path(), rank, 3, prefix));
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+      kill_and_reap(ranks[victim]);
+      for (int rank = 0; rank < 3; ++rank) {
+        if (rank != victim) kill_and_reap(ranks[rank]);
+      }
+      EXPECT_EQ(shm_entries(prefix), before);
+    }
+  }
+  EXPECT_TRUE(shm_entries(prefix).empty());
+}
+
+TEST(ShmDomain, PeerOpensNothingButASealedSegment) {
+  // Whoever can write the store cannot make a rank map (and write into) some other file.
+  StoreDir dir;
+  FileStore store(dir.path(), 5s);
+  const auto file = dir.path() / "precious";
+  const std::string content(8192, 'x');
+  {
+    std::ofstream out(file, std::ios::binary);
+    out << content;
+  }
+  const int fd = ::open(file.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {file.string(), "not rank 0's segment descriptor"},
+      {"/proc/self/../../" + file.string() + "/fd/1", "not rank 0's segment descriptor"},
+      {fmt::format("/proc/{}/fd/{}", ::getpid(), fd), "is not a sealed shared-memory segment"},
+  };
+  for (const auto& [value, message] : cases) {
+    SCOPED_TRACE(value);
+    store.set("shm/name", value);
+    try {
+      ShmDomain::create(store, "shm", 1, 2, ShmOptions{.slot_bytes = 4096, .small_bytes = 256},
+                        after(2s));
+      ADD_FAILURE() << "joined " << value;
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+  ::close(fd);
+  std::ifstream in(file, std::ios::binary);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), {}), content);
+}
+
 TEST(ShmDomain, BadArgumentsAreConfigErrors) {
   StoreDir dir;
   FileStore store(dir.path());
   EXPECT_THROW(ShmDomain::create(store, "x", 2, 2, {}, after(1s)), ConfigError);
   EXPECT_THROW(ShmDomain::create(store, "x", 0, 1, ShmOptions{.slot_bytes = 1000}, after(1s)),
+               ConfigError);
+  EXPECT_THROW(ShmDomain::create(store, "x", 0, 1, ShmOptions{.ranks = {4, 5}}, after(1s)),
                ConfigError);
   auto domain = ShmDomain::create(store, "y", 0, 1, ShmOptions{.name_prefix = unique_prefix("bad")},
                                   after(5s));

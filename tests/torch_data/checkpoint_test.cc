@@ -1,13 +1,18 @@
 // Checkpoints: a round trip restores model and optimizer exactly; writes are atomic; every bad
 // file is an error naming the path.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
+#include <vector>
 
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint.h"
@@ -17,6 +22,7 @@ namespace ddp::test {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct Model {
   torch::nn::Sequential net;
@@ -133,6 +139,122 @@ TEST(CheckpointTest, CorruptOrTruncatedFileIsAnErrorNamingThePath) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr(truncated.string()));
   }
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+void write_file(const std::filesystem::path& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Where the bytes of `tensor` lie in the file (libtorch stores tensors uncompressed), or npos.
+std::size_t find_tensor_bytes(const std::string& file, const torch::Tensor& tensor) {
+  const torch::Tensor t = tensor.contiguous();
+  const std::string needle(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  const std::size_t at = file.find(needle);
+  EXPECT_EQ(file.find(needle, at + 1), std::string::npos) << "the tensor's bytes appear twice";
+  return at;
+}
+
+TEST(CheckpointTest, DamageInsideAWeightIsAnErrorNamingTheFileAndTheTensor) {
+  torch::set_num_threads(1);
+  TempDir dir;
+  // A weight of 64x32 floats (8 KiB), so 64 damaged bytes lie well inside it.
+  torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 3));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const auto path = dir.path() / "run.pt";
+  save_checkpoint(path, *net, optimizer, {.epoch = 1});
+  // The saved file loads (it is verified).
+  load_checkpoint(path, *net, optimizer);
+
+  std::string file = read_file(path);
+  const torch::Tensor weight = net->named_parameters()["0.weight"];
+  const std::size_t at = find_tensor_bytes(file, weight);
+  ASSERT_NE(at, std::string::npos);
+  for (std::size_t i = 0; i < 64; ++i)
+    file[at + 4096 + i] = static_cast<char>(file[at + 4096 + i] ^ 0x5a);
+  const auto damaged = dir.path() / "damaged.pt";
+  write_file(damaged, file);
+
+  torch::nn::Sequential fresh(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                              torch::nn::Linear(64, 3));
+  torch::optim::SGD fresh_optimizer(fresh->parameters(), torch::optim::SGDOptions(0.1));
+  const torch::Tensor before = fresh->named_parameters()["0.weight"].clone();
+  try {
+    load_checkpoint(damaged, *fresh, fresh_optimizer);
+    FAIL() << "a checkpoint with 64 damaged bytes inside a weight loaded";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr(damaged.string()));
+    EXPECT_THAT(e.what(), HasSubstr("tensor 'model.0.weight'"));
+    EXPECT_THAT(e.what(), HasSubstr("is damaged"));
+  }
+  // Nothing was loaded into the model.
+  EXPECT_TRUE(torch::equal(fresh->named_parameters()["0.weight"], before));
+  // load_archive verifies too.
+  EXPECT_THROW(load_archive(damaged), Error);
+}
+
+// What `fn` writes to stderr (where TORCH_WARN's default handler prints).
+template <typename Fn>
+std::string stderr_of(Fn&& fn) {
+  TempDir dir;
+  const auto file = dir.path() / "stderr";
+  std::fflush(stderr);
+  const int saved = ::dup(STDERR_FILENO);
+  const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ::dup2(fd, STDERR_FILENO);
+  ::close(fd);
+  try {
+    fn();
+  } catch (...) {
+    std::fflush(stderr);
+    ::dup2(saved, STDERR_FILENO);
+    ::close(saved);
+    throw;
+  }
+  std::fflush(stderr);
+  ::dup2(saved, STDERR_FILENO);
+  ::close(saved);
+  return read_file(file);
+}
+
+TEST(CheckpointTest, CheckpointWithoutChecksumsLoadsWithAWarning) {
+  TempDir dir;
+  Model saved;
+  saved.step(1);
+  // A checkpoint as ddp wrote them before checksums: the same entries, written by torch itself.
+  torch::serialize::OutputArchive archive;
+  archive.write("ddp_checkpoint_format", c10::IValue(std::int64_t{1}));
+  archive.write("epoch", c10::IValue(std::int64_t{3}));
+  archive.write("tag", c10::IValue(std::string("cnn")));
+  torch::serialize::OutputArchive model_archive(archive.compilation_unit());
+  saved.net->save(model_archive);
+  archive.write("model", model_archive);
+  torch::serialize::OutputArchive optimizer_archive(archive.compilation_unit());
+  saved.optimizer->save(optimizer_archive);
+  archive.write("optimizer", optimizer_archive);
+  const auto path = dir.path() / "old.pt";
+  archive.save_to(path.string());
+
+  Model loaded;
+  std::int64_t epoch = 0;
+  std::string warnings =
+      stderr_of([&] { epoch = load_checkpoint(path, *loaded.net, *loaded.optimizer).epoch; });
+  EXPECT_EQ(epoch, 3);
+  expect_same_state(*saved.net, *loaded.net);
+  EXPECT_THAT(warnings, HasSubstr(path.string() + " has no checksums"));
+  EXPECT_THAT(warnings, HasSubstr("Save it again"));
+
+  // A checkpoint with checksums loads without a warning.
+  save_checkpoint(path, *loaded.net, *loaded.optimizer, {.epoch = 4});
+  warnings =
+      stderr_of([&] { epoch = load_checkpoint(path, *loaded.net, *loaded.optimizer).epoch; });
+  EXPECT_EQ(epoch, 4);
+  EXPECT_THAT(warnings, Not(HasSubstr("checksums")));
 }
 
 TEST(CheckpointTest, ArchiveWithoutCheckpointEntriesIsRejected) {

@@ -5,9 +5,11 @@
 #include <stdlib.h>
 #include <zlib.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -159,6 +161,64 @@ TEST(IdxReaderTest, PayloadShorterOrLongerThanTheHeaderSaysIsRejected) {
   write_gzip(dir / "empty.gz", {});
   message = error_of([&] { read_idx_images(dir / "empty.gz"); });
   EXPECT_THAT(message, HasSubstr("empty"));
+}
+
+// A gzip bomb: `header` (compressed), then `members` gzip members of 16 MiB of zeros each, so a
+// file of about 16 KiB per member inflates a thousandfold (gzip readers join members).
+void write_bomb(const std::filesystem::path& path, const std::vector<std::uint8_t>& header,
+                int members) {
+  write_gzip(path.string() + ".head", header);
+  const std::vector<std::uint8_t> zeros(std::size_t{16} << 20, 0);
+  write_gzip(path.string() + ".zeros", zeros);
+  std::ofstream out(path, std::ios::binary);
+  out << std::ifstream(path.string() + ".head", std::ios::binary).rdbuf();
+  std::ifstream member(path.string() + ".zeros", std::ios::binary);
+  const std::string zeros_member((std::istreambuf_iterator<char>(member)), {});
+  for (int i = 0; i < members; ++i)
+    out.write(zeros_member.data(), static_cast<std::streamsize>(zeros_member.size()));
+}
+
+TEST(IdxReaderTest, GzipBombIsRefusedNamingTheFileWithoutInflatingIt) {
+  TempDir dir;
+  // A valid header of 3 images, then 2 GiB of zeros: only what the header announces is read.
+  const auto bomb = dir / "bomb-images.gz";
+  write_bomb(bomb, idx_images(3), 128);
+  ASSERT_LT(std::filesystem::file_size(bomb), std::size_t{8} << 20);
+  const auto start = std::chrono::steady_clock::now();
+  auto message = error_of([&] { read_idx_images(bomb); });
+  EXPECT_THAT(message, HasSubstr(bomb.string()));
+  EXPECT_THAT(message, HasSubstr("unexpected bytes after the 2352 bytes of data"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+
+  // A header that announces 4 G images of 28x28: refused by its size before any data is read.
+  std::vector<std::uint8_t> huge;
+  append_u32(huge, kImagesMagic);
+  append_u32(huge, 0xffffffffu);
+  append_u32(huge, 28);
+  append_u32(huge, 28);
+  const auto liar = dir / "liar-images.gz";
+  write_bomb(liar, huge, 4);
+  message = error_of([&] { read_idx_images(liar); });
+  EXPECT_THAT(message, HasSubstr(liar.string()));
+  EXPECT_THAT(message, HasSubstr("the header announces 4294967295x28x28 bytes of data"));
+  EXPECT_THAT(message, HasSubstr("gzip bomb"));
+
+  // The same for labels, whose header has one size.
+  std::vector<std::uint8_t> many_labels;
+  append_u32(many_labels, kLabelsMagic);
+  append_u32(many_labels, 0xffffffffu);
+  const auto labels = dir / "liar-labels.gz";
+  write_bomb(labels, many_labels, 1);
+  message = error_of([&] { read_idx_labels(labels); });
+  EXPECT_THAT(message, HasSubstr(labels.string()));
+  EXPECT_THAT(message, HasSubstr("4294967295 bytes of data"));
+
+  // Whole-file reads stop at their limit.
+  const auto zeros = dir / "zeros.gz";
+  write_bomb(zeros, {1}, 8);  // 128 MiB + 1 byte
+  message = error_of([&] { read_gzip_file(zeros, std::size_t{64} << 20); });
+  EXPECT_THAT(message, HasSubstr(zeros.string()));
+  EXPECT_THAT(message, HasSubstr("decompresses to more than 67108864 bytes"));
 }
 
 TEST(IdxReaderTest, WrongMagicNumberIsRejected) {

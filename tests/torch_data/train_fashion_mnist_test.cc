@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -12,6 +13,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
@@ -149,6 +152,54 @@ TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
     const auto result = process.wait(30s);
     EXPECT_NE(result.exit_code, 0) << args[0] << ": " << result.output;
     EXPECT_THAT(result.output, HasSubstr(args[0])) << result.output;
+  }
+}
+
+TEST(TrainFashionMnistOptionsTest, NanInfAndNegativeFloatingOptionsAreRejectedClearly) {
+  // Every floating option with NaN (which CLI::Range let through), and the learning rate with
+  // every kind of bad value. Each run loads libtorch, so the list is kept short.
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"--lr", "nan"},  {"--lr", "inf"},       {"--lr", "-inf"},
+      {"--lr", "-0.5"}, {"--momentum", "NaN"}, {"--weight-decay", "nan"},
+  };
+  for (const auto& [option, value] : cases) {
+    SCOPED_TRACE(fmt::format("{} {}", option, value));
+    const auto result =
+        Subprocess::start({built_program("train-fashion-mnist"), option, value}).wait(30s);
+    EXPECT_NE(result.exit_code, 0) << result.output;
+    EXPECT_THAT(result.output, HasSubstr(option)) << result.output;
+    // CLI11's message, not a libtorch stack trace from inside the optimizer.
+    EXPECT_THAT(result.output, Not(HasSubstr("Exception raised from"))) << result.output;
+    EXPECT_THAT(result.output, Not(HasSubstr("c10::"))) << result.output;
+    if (value != "-0.5") {
+      EXPECT_THAT(result.output, HasSubstr("not a finite number")) << result.output;
+    }
+  }
+}
+
+TEST(TrainFashionMnistOptionsTest, CheckpointFolderIsCheckedBeforeTrainingStarts) {
+  const auto start = std::chrono::steady_clock::now();
+  auto result = Subprocess::start({built_program("train-fashion-mnist"), "--checkpoint",
+                                   "/nonexistent/dir/x.pt", "--data-dir", "/nonexistent/data"})
+                    .wait(30s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  // Named before the data is even read (the data folder is missing too).
+  EXPECT_THAT(result.output, HasSubstr("the folder /nonexistent/dir does not exist"));
+  EXPECT_THAT(result.output, Not(HasSubstr("/nonexistent/data")));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+
+  if (::geteuid() != 0) {  // root writes anywhere
+    TempDir dir;
+    const auto locked = dir.path() / "locked";
+    std::filesystem::create_directory(locked);
+    std::filesystem::permissions(
+        locked, std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec);
+    result = Subprocess::start({built_program("train-fashion-mnist"), "--checkpoint",
+                                (locked / "x.pt").string(), "--data-dir", "/nonexistent/data"})
+                 .wait(30s);
+    EXPECT_NE(result.exit_code, 0) << result.output;
+    EXPECT_THAT(result.output, HasSubstr(locked.string() + " is not writable"));
+    std::filesystem::permissions(locked, std::filesystem::perms::owner_all);
   }
 }
 

@@ -193,7 +193,8 @@ std::optional<BenchOptions> parse_command_line(const std::vector<std::string>& a
       "time, each iteration started right after a barrier. algbw = bytes / time (GB/s, 1e9);\n"
       "busbw = algbw * 2(N-1)/N for allreduce, * (N-1)/N for reduce_scatter, allgather, gather,\n"
       "scatter and alltoall, * 1 for broadcast and reduce. See docs/benchmarks.md.");
-  app.add_option("--backend", options.backend, "ring (default) or mpi")
+  app.add_option("--backend", options.backend,
+                 "ring or mpi (default: DDP_BACKEND, else mpi under mpirun when built, else ring)")
       ->check(CLI::IsMember(std::vector<std::string>(kBackends.begin(), kBackends.end())));
   app.add_option("--op", op_text,
                  "allreduce (default), broadcast, reduce, allgather, gather, scatter, "

@@ -48,7 +48,7 @@ std::string_view to_string(Collective collective);
 const std::vector<Collective>& all_collectives();
 
 struct BenchOptions {
-  std::string backend = "ring";
+  std::string backend;  // "" = ddp::resolve_backend's choice (DDP_BACKEND, else the default)
   std::vector<Collective> collectives{Collective::kAllreduce};
   DType dtype = DType::kFloat32;
   ReduceOp reduce_op = ReduceOp::kSum;

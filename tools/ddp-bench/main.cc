@@ -37,12 +37,12 @@ int main(int argc, char** argv) {
     return usage_error(e.what());
   }
 
-  const auto backends = ddp::available_backends();
-  if (std::find(backends.begin(), backends.end(), options.backend) == backends.end()) {
-    return usage_error(fmt::format(
-        "--backend {} is not available in this build of ddp (it has: {}); the mpi backend needs "
-        "OpenMPI (libopenmpi-dev) at configure time and -DDDP_WITH_MPI=ON",
-        options.backend, fmt::join(backends, ", ")));
+  // The same parser as init_process_group: --backend, else DDP_BACKEND, else the default; an
+  // unknown name from either is refused, never ignored.
+  try {
+    options.backend = ddp::resolve_backend(options.backend, "--backend");
+  } catch (const ddp::ConfigError& e) {
+    return usage_error(e.what());
   }
 
   int rank = -1;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -40,6 +41,11 @@ constexpr std::size_t kReadChunk = 64 * 1024;
 // Upper bound on what is read from one pipe once its writer is known to be gone (a descendant
 // that still holds the pipe open could otherwise keep the final drain busy forever).
 constexpr std::size_t kFinalDrainLimit = 8 * 1024 * 1024;
+// When the first failure looks like a consequence (an exit code, SIGABRT, SIGPIPE), how long
+// ddprun waits for a peer's death by signal, the likely cause, before it blames the first:
+// a rank whose peer was killed notices within milliseconds (a closed socket, a pidfd) and can
+// be reaped before the killed rank when both exit within one turn of the loop.
+constexpr milliseconds kBlameSettle{500};
 
 [[noreturn]] void throw_errno(const std::string& what) {
   throw Error(fmt::format("ddprun: {} failed: {}", what, std::strerror(errno)));
@@ -101,10 +107,21 @@ enum class OutcomeKind { kSucceeded, kWorkerFailed, kSignalled };
 
 struct Outcome {
   OutcomeKind kind = OutcomeKind::kSucceeded;
-  int rank = -1;        // kWorkerFailed: the first rank that failed
-  int wait_status = 0;  // kWorkerFailed
-  int signal = 0;       // kSignalled
+  int rank = -1;                    // kWorkerFailed: the rank blamed (see blame_class)
+  int wait_status = 0;              // kWorkerFailed
+  int signal = 0;                   // kSignalled
+  std::vector<std::string> others;  // kWorkerFailed: how the other failed ranks ended
 };
+
+// How likely a failure is the cause of a job's failure rather than its consequence: a death by
+// signal (SIGKILL from an operator or the OOM killer, SIGSEGV, ...) is a cause; an exit code is
+// what a rank whose peer died does (CommError), and SIGABRT or SIGPIPE what an uncaught error or
+// a write to a dead peer does. Higher is more likely the cause.
+int blame_class(int wait_status) {
+  if (!WIFSIGNALED(wait_status)) return 1;
+  const int sig = WTERMSIG(wait_status);
+  return sig == SIGABRT || sig == SIGPIPE ? 1 : 2;
+}
 
 class Supervisor {
  public:
@@ -127,8 +144,12 @@ class Supervisor {
 
   // Reads pending signals; returns a terminating one (SIGINT/SIGTERM/SIGHUP) if there was one.
   std::optional<int> read_signals();
-  // Reaps every exited child. Returns false when ddprun has no children left at all.
-  bool reap_children(Outcome* first_failure);
+  // Reaps every exited child and, with `failure`, keeps the rank to blame: the first failure of
+  // the highest blame_class. Returns false when ddprun has no children left at all.
+  bool reap_children(Outcome* failure);
+  // After a failure of blame_class 1: waits up to kBlameSettle for a death by signal among the
+  // running workers (see kBlameSettle). Returns a terminating signal ddprun got meanwhile.
+  std::optional<int> settle_blame(Outcome& failure);
   void poll_once(int timeout_ms);
   void pump(Stream& stream, std::size_t limit);
   void close_stream(Stream& stream);
@@ -318,7 +339,7 @@ std::optional<int> Supervisor::read_signals() {
   return terminating;
 }
 
-bool Supervisor::reap_children(Outcome* first_failure) {
+bool Supervisor::reap_children(Outcome* failure) {
   for (;;) {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, WNOHANG);
@@ -332,12 +353,32 @@ bool Supervisor::reap_children(Outcome* first_failure) {
     pump(worker->out, kFinalDrainLimit);
     pump(worker->err, kFinalDrainLimit);
     const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    if (failed && first_failure != nullptr && first_failure->kind == OutcomeKind::kSucceeded) {
-      first_failure->kind = OutcomeKind::kWorkerFailed;
-      first_failure->rank = worker->global_rank;
-      first_failure->wait_status = status;
+    if (!failed || failure == nullptr) continue;
+    if (failure->kind == OutcomeKind::kSucceeded) {
+      failure->kind = OutcomeKind::kWorkerFailed;
+    } else if (blame_class(status) > blame_class(failure->wait_status)) {
+      failure->others.push_back(
+          fmt::format("rank {} {}", failure->rank, describe_wait_status(failure->wait_status)));
+    } else {
+      failure->others.push_back(
+          fmt::format("rank {} {}", worker->global_rank, describe_wait_status(status)));
+      continue;
     }
+    failure->rank = worker->global_rank;
+    failure->wait_status = status;
   }
+}
+
+std::optional<int> Supervisor::settle_blame(Outcome& failure) {
+  const auto deadline = Clock::now() + kBlameSettle;
+  while (blame_class(failure.wait_status) < 2 && Clock::now() < deadline &&
+         std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) {
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
+    poll_once(static_cast<int>(std::clamp<long long>(left, 0, 50)));
+    if (const std::optional<int> sig = read_signals()) return sig;
+    reap_children(&failure);
+  }
+  return std::nullopt;
 }
 
 void Supervisor::pump(Stream& stream, std::size_t limit) {
@@ -435,7 +476,12 @@ Outcome Supervisor::supervise() {
     const std::optional<int> sig = read_signals();
     reap_children(&outcome);
     if (sig) return Outcome{.kind = OutcomeKind::kSignalled, .signal = *sig};
-    if (outcome.kind == OutcomeKind::kWorkerFailed) return outcome;
+    if (outcome.kind == OutcomeKind::kWorkerFailed) {
+      if (const auto settle_sig = settle_blame(outcome)) {
+        return Outcome{.kind = OutcomeKind::kSignalled, .signal = *settle_sig};
+      }
+      return outcome;
+    }
     if (std::none_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) {
       return outcome;  // every worker exited with 0
     }
@@ -494,6 +540,10 @@ int Supervisor::run() {
       case OutcomeKind::kWorkerFailed: {
         note(fmt::format("rank {} {}; stopping the other workers", outcome.rank,
                          describe_wait_status(outcome.wait_status)));
+        if (!outcome.others.empty()) {
+          note(fmt::format("also failed (likely in consequence): {}",
+                           fmt::join(outcome.others, "; ")));
+        }
         if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
         if (restart_count >= options_.max_restarts) {
           if (options_.max_restarts > 0) {

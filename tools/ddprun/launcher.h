@@ -11,6 +11,10 @@
 // Worker exit is judged by waitpid, output by the pipes: a worker that closes its stdout keeps
 // being supervised.
 //
+// Blame: the rank named when a job fails is the cause, not merely the first reaped: a death by a
+// signal other than SIGABRT/SIGPIPE beats an exit code (a rank whose peer died exits with an
+// error, and may be reaped first); see docs/ddprun.md.
+//
 // Exit codes: 0 when every worker exited with 0; 1 when a worker failed (after --max-restarts
 // restarts) or could not be started; 128+N when ddprun received signal N (130 for SIGINT).
 //

@@ -12,6 +12,14 @@
 // is fsync'ed so the rename itself is durable (the usual write-rename protocol). A crash leaves
 // PATH as it was, plus at worst a stale PATH.tmp that the next save overwrites.
 //
+// Integrity: every archive written here carries a CRC-32 of each tensor (dtype, shape and bytes)
+// and of each other value, and load_archive/load_checkpoint verify them before anything is used:
+// a file damaged after it was written (64 flipped bytes inside a weight, which libtorch's zip
+// reader does not notice) throws Error naming the file and the tensor, e.g. "checkpoint: run.pt
+// is damaged: tensor 'model.fc1.weight' has checksum ...". Checksums catch accidents (disk,
+// copies), not tampering. Checkpoints without checksums (written before ddp stored them, or by
+// torch::save) still load, unverified, with a warning (TORCH_WARN) saying to save them again.
+//
 // Save the unwrapped module (DistributedDataParallel's module()) so the names carry no "module."
 // prefix and the file loads without ddp. The optimizer's state is matched to parameters by
 // position, so load into a model and optimizer built the same way as the saved ones.
@@ -35,11 +43,13 @@ struct CheckpointInfo {
   std::string tag;         // free text, e.g. the model's name; checked on load when non-empty
 };
 
-// Writes `archive` to `path` atomically (see above).
+// Adds the checksum entry ("ddp_checksums") to `archive` and writes it to `path` atomically
+// (see above).
 void save_archive_atomically(torch::serialize::OutputArchive& archive,
                              const std::filesystem::path& path);
 
-// Reads an archive written by save_archive_atomically (or torch::save).
+// Reads an archive written by save_archive_atomically (or torch::save), verifying its checksums
+// when it has them (Error naming the path and the entry that differs).
 torch::serialize::InputArchive load_archive(const std::filesystem::path& path);
 
 void save_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,

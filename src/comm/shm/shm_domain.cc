@@ -18,6 +18,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -29,7 +30,7 @@ namespace ddp::comm::shm {
 namespace {
 
 constexpr std::uint64_t kSegmentMagic = 0x4d48535044445044ULL;  // "DPDDPSHM" in memory
-constexpr std::uint32_t kSegmentVersion = 1;
+constexpr std::uint32_t kSegmentVersion = 2;  // 2: anonymous memory shared through /proc
 constexpr std::size_t kCacheLine = 64;
 constexpr std::size_t kAbortReasonBytes = 512;
 
@@ -114,7 +115,6 @@ struct SegmentHeader {
   std::uint64_t total_bytes;
   std::uint32_t joined;     // ranks other than 0 that have mapped the segment (futex word)
   std::int32_t aborted_by;  // -1, or the first rank that failed a call
-  std::uint32_t unlinked;   // set by rank 0 once the name is gone (futex word)
   // Arrivals at the first event of a call, all ranks together (futex word), on its own line.
   alignas(kCacheLine) std::uint32_t arrivals;
   std::uint32_t arrival_sleepers;
@@ -158,16 +158,42 @@ RankControl* controls(ShmDomain::Segment* segment) {
                                         round_up(sizeof(SegmentHeader), kCacheLine));
 }
 
-// Unmaps (and on rank 0 unlinks) a half-made segment when create() fails.
+// Unmaps a half-made segment, and closes rank 0's descriptor of it, when create() fails.
 struct SegmentGuard {
   void* mapping = nullptr;
   std::size_t bytes = 0;
-  std::string unlink_name;
+  int fd = -1;
   ~SegmentGuard() {
-    if (!unlink_name.empty()) ::shm_unlink(unlink_name.c_str());
+    if (fd >= 0) ::close(fd);
     if (mapping != nullptr) ::munmap(mapping, bytes);
   }
 };
+
+// Seals of the segment (its size is fixed once made); the peers check them.
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
+// "/proc/<pid>/fd/<fd>" and nothing else: the only kind of path a peer opens from the store.
+bool is_fd_path(const std::string& path) {
+  const auto digits = [](std::string_view text) {
+    return !text.empty() && text.size() <= 10 &&
+           std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  std::string_view rest(path);
+  if (!rest.starts_with("/proc/")) return false;
+  rest.remove_prefix(6);
+  const auto slash = rest.find("/fd/");
+  return slash != std::string_view::npos && digits(rest.substr(0, slash)) &&
+         digits(rest.substr(slash + 4));
+}
+
+// How messages name domain rank `r`: its rank in the enclosing group, with the domain's own
+// number when that differs ("3 (local 1)"), so that errors of a multi-host job name the ranks
+// users know.
+std::string rank_number(const ShmOptions& options, int r) {
+  if (options.ranks.empty()) return std::to_string(r);
+  const int global = options.ranks[static_cast<std::size_t>(r)];
+  return global == r ? std::to_string(r) : fmt::format("{} (local {})", global, r);
+}
 
 }  // namespace
 
@@ -196,6 +222,10 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
         "ShmDomain: small_bytes {} must be a multiple of {} and at most slot_bytes ({})",
         options.small_bytes, kCacheLine, options.slot_bytes));
   }
+  if (!options.ranks.empty() && options.ranks.size() != static_cast<std::size_t>(size)) {
+    throw ConfigError(fmt::format("ShmDomain: ShmOptions::ranks has {} entries for a group of {}",
+                                  options.ranks.size(), size));
+  }
   std::unique_ptr<ShmDomain> domain(new ShmDomain(rank, size, std::move(options)));
   const ShmOptions& opts = domain->options_;
   const Layout layout = layout_for(size, opts.slot_bytes, opts.small_bytes);
@@ -203,7 +233,7 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
   auto fail = [&](const std::string& what) -> CommError {
     return CommError(fmt::format("shm group '{}' rank {}: cannot set up the shared-memory "
                                  "segment: {}",
-                                 opts.group, rank, what),
+                                 opts.group, rank_number(opts, rank), what),
                      opts.group, "shm setup", 0, -1);
   };
   auto remaining_ms = [&] {
@@ -211,56 +241,79 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
     return std::max(Milliseconds(1), std::chrono::duration_cast<Milliseconds>(left));
   };
 
+  // The segment is anonymous memory (memfd_create): it has no name in /dev/shm at any moment,
+  // so a rank killed at any point of this set-up leaks nothing; the memory goes with the last
+  // descriptor or mapping. The peers open it through rank 0's descriptor, /proc/<pid>/fd/<fd>,
+  // which rank 0 keeps open until every rank has joined.
   SegmentGuard guard;
-  int fd = -1;
+  std::string fd_path;  // where the peers open the segment
   if (rank == 0) {
     std::random_device random;
     const std::string name =
-        fmt::format("/{}-{}-{:08x}{:08x}", opts.name_prefix, ::getpid(), random(), random());
-    fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0) throw fail(fmt::format("shm_open({}) failed: {}", name, errno_text(errno)));
-    guard.unlink_name = name;
-    // Reserve the memory now: a tmpfs that is too small fails here with ENOSPC instead of
+        fmt::format("{}-{}-{:08x}{:08x}", opts.name_prefix, ::getpid(), random(), random());
+    guard.fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (guard.fd < 0)
+      throw fail(fmt::format("memfd_create({}) failed: {}", name, errno_text(errno)));
+    // Reserve the memory now: too little memory fails here with ENOSPC/ENOMEM instead of
     // killing a rank with SIGBUS in the middle of a collective.
-    const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(layout.total));
+    const int err = ::posix_fallocate(guard.fd, 0, static_cast<off_t>(layout.total));
     if (err != 0) {
-      ::close(fd);
       throw fail(
-          fmt::format("cannot reserve {} bytes in /dev/shm ({}); make /dev/shm larger "
+          fmt::format("cannot reserve {} bytes of shared memory ({}); free memory "
                       "or lower ShmOptions::slot_bytes",
                       layout.total, errno_text(err)));
     }
-    domain->segment_name_ = name;
+    // Its size can no longer change: nobody can shrink it under a peer's mapping (SIGBUS), and
+    // the peers check these seals to know they opened such a segment, not some other file.
+    if (::fcntl(guard.fd, F_ADD_SEALS, kSeals) != 0) {
+      throw fail(fmt::format("sealing the segment failed: {}", errno_text(errno)));
+    }
+    domain->segment_name_ = "memfd:" + name;
+    fd_path = fmt::format("/proc/{}/fd/{}", ::getpid(), guard.fd);
   } else {
-    std::string name;
     try {
-      name = store.get_string(name_key, remaining_ms());
+      fd_path = store.get_string(name_key, remaining_ms());
     } catch (const TimeoutError&) {
       throw TimeoutError(
-          fmt::format("shm group '{}' rank {}: rank 0 did not publish the segment "
-                      "name under '{}' before the deadline",
-                      opts.group, rank, name_key));
+          fmt::format("shm group '{}' rank {}: rank {} did not publish the segment "
+                      "under '{}' before the deadline",
+                      opts.group, rank_number(opts, rank), rank_number(opts, 0), name_key));
     }
-    fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-    if (fd < 0) {
+    if (!is_fd_path(fd_path)) {
       throw fail(
-          fmt::format("shm_open({}) failed: {} (did rank 0 give up, or is '{}' a stale "
-                      "key from an earlier group?)",
-                      name, errno_text(errno), name_key));
+          fmt::format("store key '{}' holds '{}', not rank 0's segment descriptor (a key "
+                      "of an older ddp or of another program?)",
+                      name_key, fd_path));
+    }
+    guard.fd = ::open(fd_path.c_str(), O_RDWR | O_CLOEXEC);
+    if (guard.fd < 0) {
+      const std::string creator = rank_number(opts, 0);
+      throw fail(fmt::format(
+          "cannot open rank {0}'s segment through {1}: {2} (rank {0} exited or gave up, or this "
+          "process may not read its /proc entries: the ranks of a host must run as the same "
+          "user in the same pid namespace)",
+          creator, fd_path, errno_text(errno)));
+    }
+    const int seals = ::fcntl(guard.fd, F_GET_SEALS);
+    if (seals < 0 || (seals & kSeals) != kSeals) {
+      throw fail(fmt::format("{} is not a sealed shared-memory segment made by rank {}", fd_path,
+                             rank_number(opts, 0)));
     }
     struct stat st {};
-    if (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != layout.total) {
-      ::close(fd);
+    if (::fstat(guard.fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != layout.total) {
       throw fail(
           fmt::format("segment {} has {} bytes, this rank expects {}: the ranks were "
                       "given different ShmOptions (slot_bytes, small_bytes) or sizes",
-                      name, static_cast<long long>(st.st_size), layout.total));
+                      fd_path, static_cast<long long>(st.st_size), layout.total));
     }
-    domain->segment_name_ = name;
+    domain->segment_name_ = fd_path;
   }
-  void* mapping = ::mmap(nullptr, layout.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* mapping = ::mmap(nullptr, layout.total, PROT_READ | PROT_WRITE, MAP_SHARED, guard.fd, 0);
   const int mmap_errno = errno;
-  ::close(fd);
+  if (rank != 0) {
+    ::close(guard.fd);  // the mapping keeps the memory; only rank 0's descriptor is shared
+    guard.fd = -1;
+  }
   if (mapping == MAP_FAILED) throw fail(fmt::format("mmap failed: {}", errno_text(mmap_errno)));
   guard.mapping = mapping;
   guard.bytes = layout.total;
@@ -277,7 +330,7 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
     header.aborted_by = -1;
     control[0].pid = ::getpid();
     std::atomic_ref<std::uint64_t>(header.magic).store(kSegmentMagic, std::memory_order_release);
-    store.set(name_key, domain->segment_name_);
+    store.set(name_key, fd_path);
   } else {
     if (std::atomic_ref<std::uint64_t>(header.magic).load(std::memory_order_acquire) !=
             kSegmentMagic ||
@@ -303,35 +356,22 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
       std::string missing;
       for (int r = 1; r < size; ++r) {
         if (atomic(control[r].pid).load(std::memory_order_relaxed) == 0) {
-          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+          missing += (missing.empty() ? "" : ", ") + rank_number(opts, r);
         }
       }
       throw TimeoutError(
           fmt::format("shm group '{}' rank {}: ranks {} did not join segment {} "
                       "before the deadline",
-                      opts.group, rank, missing, domain->segment_name_));
+                      opts.group, rank_number(opts, rank), missing, domain->segment_name_));
     }
     futex_wait(&header.joined, joined,
                std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(10)));
   }
-  // Nobody returns before the name is gone, so that from then on no segment can outlive us.
+  // Every rank has the segment mapped: rank 0's descriptor has done its job (the peers need not
+  // wait for this; a descriptor never outlives its process, so nothing can leak either way).
   if (rank == 0) {
-    ::shm_unlink(domain->segment_name_.c_str());
-    guard.unlink_name.clear();
-    atomic(header.unlinked).store(1, std::memory_order_release);
-    futex_wake_all(&header.unlinked);
-  } else {
-    while (atomic(header.unlinked).load(std::memory_order_acquire) == 0) {
-      const auto now = net::Clock::now();
-      if (now >= deadline) {
-        throw TimeoutError(
-            fmt::format("shm group '{}' rank {}: rank 0 did not release segment "
-                        "{} before the deadline",
-                        opts.group, rank, domain->segment_name_));
-      }
-      futex_wait(&header.unlinked, 0,
-                 std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(10)));
-    }
+    ::close(guard.fd);
+    guard.fd = -1;
   }
   guard.mapping = nullptr;
 
@@ -373,10 +413,15 @@ std::byte* ShmDomain::small_slot(int rank, int parity) const {
 
 void ShmDomain::fail(const std::string& what, int peer, bool peer_error) const {
   const std::string op = describe(header_);
-  const std::string message =
-      fmt::format("shm group '{}' rank {}: {} failed: {}", options_.group, rank_, op, what);
-  if (peer_error) throw ShmPeerError(message, options_.group, op, header_.sequence, peer);
-  throw CommError(message, options_.group, op, header_.sequence, peer);
+  const std::string message = fmt::format("shm group '{}' rank {}: {} failed: {}", options_.group,
+                                          rank_number(options_, rank_), op, what);
+  const int blamed = group_rank(peer);
+  if (peer_error) throw ShmPeerError(message, options_.group, op, header_.sequence, blamed);
+  throw CommError(message, options_.group, op, header_.sequence, blamed);
+}
+
+int ShmDomain::group_rank(int r) const {
+  return r < 0 || options_.ranks.empty() ? r : options_.ranks[static_cast<std::size_t>(r)];
 }
 
 int ShmDomain::aborted_peer() const {
@@ -387,7 +432,7 @@ int ShmDomain::aborted_peer() const {
 void ShmDomain::fail_aborted(int by) const {
   const RankControl& c = controls(segment_)[by];
   std::string reason(c.abort_reason, strnlen(c.abort_reason, sizeof c.abort_reason));
-  fail(fmt::format("rank {} aborted the group: {}", by, reason), by, true);
+  fail(fmt::format("rank {} aborted the group: {}", rank_number(options_, by), reason), by, true);
 }
 
 int ShmDomain::dead_peer() const {
@@ -406,7 +451,9 @@ int ShmDomain::dead_peer() const {
 }
 
 void ShmDomain::fail_dead(int peer) const {
-  fail(fmt::format("rank {} (pid {}) exited or was killed", peer, peer_pids_[peer]), peer, true);
+  fail(fmt::format("rank {} (pid {}) exited or was killed", rank_number(options_, peer),
+                   peer_pids_[peer]),
+       peer, true);
 }
 
 void ShmDomain::publish() {
@@ -457,12 +504,12 @@ void ShmDomain::wait_word(std::uint32_t& word, std::uint32_t& sleepers_word, std
     const auto now = net::Clock::now();
     if (now >= deadline_) {
       const int peer = blame();
-      fail(
-          fmt::format(
-              "timed out after {} ms waiting for rank {} (it is alive but did not "
-              "reach this step of the call: stopped, or busy elsewhere?)",
-              std::chrono::round<std::chrono::milliseconds>(deadline_ - call_start_).count(), peer),
-          peer);
+      fail(fmt::format(
+               "timed out after {} ms waiting for rank {} (it is alive but did not "
+               "reach this step of the call: stopped, or busy elsewhere?)",
+               std::chrono::round<std::chrono::milliseconds>(deadline_ - call_start_).count(),
+               rank_number(options_, peer)),
+           peer);
     }
     const auto nap =
         std::min<std::chrono::nanoseconds>(deadline_ - now, options_.liveness_interval);
@@ -538,7 +585,7 @@ int ShmDomain::peer_with_other_call(const OpHeader& mine, OpHeader& theirs) cons
 
 void ShmDomain::abort(const std::string& reason) noexcept {
   if (error_) return;
-  error_.emplace(reason, options_.group, "abort", header_.sequence, rank_);
+  error_.emplace(reason, options_.group, "abort", header_.sequence, group_rank(rank_));
   abort_domain(reason);
 }
 
@@ -576,7 +623,8 @@ void ShmDomain::announce_and_check() {
       fail(fmt::format("collective mismatch in group '{}': rank {} called {} but rank {} called "
                        "{}; every rank must issue the same collectives in the same order with "
                        "the same count, dtype, op and root",
-                       options_.group, rank_, mine_text, r, theirs_text),
+                       options_.group, rank_number(options_, rank_), mine_text,
+                       rank_number(options_, r), theirs_text),
            r);
     }
   }

@@ -72,7 +72,13 @@ struct ShmOptions {
   std::chrono::milliseconds liveness_interval{10};
   // Name of the group, for error messages.
   std::string group = "shm";
-  // Prefix of the segment's name in /dev/shm (the full name adds the pid and a random suffix).
+  // The rank in the enclosing group of each rank of the domain (index: domain rank), when the
+  // domain is part of a larger group (the ranks of one host in a multi-host job): messages then
+  // name ranks as "rank 3 (local 1)" and CommError::peer() is the enclosing group's rank. Empty:
+  // the domain's own numbers. Must have `size` entries when set.
+  std::vector<int> ranks;
+  // Prefix of the segment's memfd name, as /proc/<pid>/maps shows it (the full name adds the pid
+  // and a random suffix). The segment never appears in /dev/shm.
   std::string name_prefix = "ddp-shm";
   // Called between naps (every liveness_interval) while a call waits; may throw CommError, which
   // fails the call like any error of the domain. The ring backend uses it to notice a peer that
@@ -82,10 +88,12 @@ struct ShmOptions {
 
 class ShmDomain {
  public:
-  // Collective over the `size` local ranks: rank 0 creates a segment with a unique name and
-  // publishes the name in `store` under `key_prefix`/name; the others open it and announce
-  // themselves in the segment; as soon as every rank has it mapped, rank 0 shm_unlink()s it, so
-  // no segment outlives the processes whatever happens to them later. Bounded by `deadline`.
+  // Collective over the `size` local ranks: rank 0 creates the segment as anonymous memory
+  // (memfd_create: it never has a name in /dev/shm) and publishes where the peers can open its
+  // descriptor (/proc/<pid>/fd/<fd>) in `store` under `key_prefix`/name; the others open it and
+  // announce themselves in the segment; once every rank has it mapped, rank 0 closes its
+  // descriptor. No segment outlives the processes, whatever happens to them at any point (the
+  // ranks must share a user and a pid namespace). Bounded by `deadline`.
   static std::unique_ptr<ShmDomain> create(Store& store, const std::string& key_prefix, int rank,
                                            int size, ShmOptions options, Deadline deadline);
 
@@ -96,7 +104,8 @@ class ShmDomain {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const ShmOptions& options() const { return options_; }
-  // Name the segment had (it is unlinked once every rank has joined), for tests and logs.
+  // What the segment is called, for tests and logs: "memfd:<name>" on rank 0, the /proc path
+  // this rank opened it through elsewhere.
   const std::string& segment_name() const { return segment_name_; }
 
   // Blocking collectives on raw buffers. `header` describes the call (kind, dtype, reduce op,
@@ -170,7 +179,9 @@ class ShmDomain {
   int aborted_peer() const;  // the peer that aborted the domain, or -1
   [[noreturn]] void fail_dead(int peer) const;
   [[noreturn]] void fail_aborted(int peer) const;
+  // `peer` is a domain rank (or -1); the CommError carries its group_rank().
   [[noreturn]] void fail(const std::string& what, int peer, bool peer_error = false) const;
+  int group_rank(int r) const;  // options_.ranks[r], or r without a mapping
   void abort_domain(const std::string& reason) noexcept;
 
   std::byte* input_slot(int rank, int parity) const;
