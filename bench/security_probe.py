@@ -41,6 +41,8 @@ import os
 import random
 import re
 import resource
+import selectors
+import errno
 import signal
 import socket
 import struct
@@ -251,12 +253,12 @@ class Job:
                "--secret-file", self.args.secret_file,
                os.path.join(self.args.build, "bin", "ddp-bench"), "--check", "--sizes",
                self.args.size, "--iters", str(self.args.iters), "--warmup", "2"]
+        # The job gets its own descriptor limit back (the probe raised its own for --idle).
+        cmd = ["/bin/sh", "-c", 'ulimit -Sn "$0" && exec "$@"', str(self.args.job_nofile)] + cmd
         self.out = open(self.out_path, "wb")
         self.t_start = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=lambda: resource.setrlimit(
-                                         resource.RLIMIT_NOFILE, ORIGINAL_NOFILE))
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         with JOBS_LOCK:
             JOBS.append(self)
         self._sampler = threading.Thread(target=self._sample, daemon=True)
@@ -344,18 +346,23 @@ def hold_set_up(job, timeout=120.0, burst_s=0.002):
     if not job.find_workers():
         return {}
     last = job.workers[max(job.workers)]
-    os.kill(last, signal.SIGSTOP)
-    job.hold_started = time.monotonic()
-    deadline = time.monotonic() + timeout
-    while True:
-        if job.proc.poll() is not None or time.monotonic() > deadline:
-            release(job)
-            return {}
-        if listening_ports(last):
-            break
-        os.kill(last, signal.SIGCONT)
-        time.sleep(burst_s)
+    try:
         os.kill(last, signal.SIGSTOP)
+        job.hold_started = time.monotonic()
+        deadline = time.monotonic() + timeout
+        while True:
+            if job.proc.poll() is not None or time.monotonic() > deadline:
+                release(job)
+                return {}
+            if listening_ports(last):
+                break
+            os.kill(last, signal.SIGCONT)
+            time.sleep(burst_s)
+            os.kill(last, signal.SIGSTOP)
+    except ProcessLookupError:
+        log(f"{job.name}: rank {max(job.workers)} (pid {last}) is gone; cannot hold the set-up")
+        release(job)
+        return {}
     # Every rank below the stopped one listens for it, unless the stopped rank got through first.
     settle = time.monotonic() + 5.0
     ports = {}
@@ -644,31 +651,42 @@ def data_fuzz_case(rng, world):
 class Fuzzer:
     """Connections with random/mutated bytes at a bounded rate until stopped."""
 
-    def __init__(self, name, targets, make_case, rate, seed):
+    def __init__(self, name, targets, make_case, rate, seed, threads=8):
         self.name, self.targets, self.make_case = name, targets, make_case
-        self.rate, self.rng = rate, random.Random(seed)
+        self.rate, self.seed = rate / threads, seed
         self.stats = Counter()
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.threads = [threading.Thread(target=self._run, args=(seed * 1000 + i,), daemon=True)
+                        for i in range(threads)]
 
-    def _run(self):
+    def start(self):
+        for t in self.threads:
+            t.start()
+
+    def join(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+    def _run(self, seed):
+        rng = random.Random(seed)
         while not self.stop.is_set():
             ports = self.targets()
             if not ports:
                 self.stop.wait(0.01)
                 continue
-            port = self.rng.choice(ports)
-            case = self.make_case(self.rng)
+            port = rng.choice(ports)
+            case = self.make_case(rng)
             try:
                 with socket.create_connection((HOST, port), timeout=1.0) as s:
-                    s.settimeout(0.5)
+                    s.settimeout(0.2)
                     self.stats.add("connections")
                     try:
                         s.sendall(case)
                         self.stats.add("bytes", len(case))
                     except OSError:
                         self.stats.add("reset while sending")
-                    if self.rng.random() < 0.1:
+                    if rng.random() < 0.1:
                         self.stop.wait(0.2)  # some stay a moment, half-sent
                     try:
                         s.recv(4096)
@@ -685,20 +703,35 @@ class Fuzzer:
 
 
 def open_idle(ports, n, seconds):
-    """Opens up to n connections spread over `ports` within `seconds`; returns the sockets and the
-    number that failed."""
-    socks, failed = [], 0
-    deadline = time.monotonic() + seconds
+    """Starts n non-blocking connections spread over `ports` and waits up to `seconds` for them.
+    Returns (established sockets, failed count, sockets still connecting): a listener that stops
+    accepting leaves the rest in SYN retries, which are kept too."""
+    sel = selectors.DefaultSelector()
+    established, failed = [], 0
     for i in range(n):
-        if time.monotonic() > deadline:
-            failed += n - i
-            break
-        try:
-            s = socket.create_connection((HOST, ports[i % len(ports)]), timeout=1.0)
-            socks.append(s)
-        except OSError:
+        s = socket.socket()
+        s.setblocking(False)
+        err = s.connect_ex((HOST, ports[i % len(ports)]))
+        if err == 0:
+            established.append(s)
+        elif err in (errno.EINPROGRESS, errno.EAGAIN):
+            sel.register(s, selectors.EVENT_WRITE)
+        else:
             failed += 1
-    return socks, failed
+            s.close()
+    deadline = time.monotonic() + seconds
+    while sel.get_map() and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            s = key.fileobj
+            sel.unregister(s)
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                established.append(s)
+            else:
+                failed += 1
+                s.close()
+    pending = [key.fileobj for key in list(sel.get_map().values())]
+    sel.close()
+    return established, failed, pending
 
 
 def still_open(socks):
@@ -777,25 +810,46 @@ def summarize(tally):
     return attempts, accepted, detail
 
 
+def wait_for_store(job, timeout=60.0):
+    """True once rank 0's store accepts connections."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        if job.workers.get(0) and job.port in listening_ports(job.workers[0]):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def row_store_impostors(args, secret, workdir, baseline_s, timeout_s):
     row = Row("store impostors (no secret, wrong secret, replayed client handshake, zero MAC, "
               "other version, cut handshake)")
-    job = Job(args, workdir, "store_impostors", timeout_s)
-    job.start()
-    # Hold the set-up so that the store is up and the job still running while we knock.
-    ports = hold_set_up(job)
-    if not ports:
-        row.notes.append("could not hold the set-up; attacks ran against the running job")
-    tally = run_attempts(lambda v: store_impostor(job.port, v, secret, args.verdict_seconds),
-                         STORE_VARIANTS, args.attempts, time.monotonic() + 120)
-    if ports:
-        release(job)
-    job.wait()
+    tally = {}
+    # While the job runs its collectives; jobs follow one another until every attempt is made.
+    for attempt in range(5):
+        done = sum(n for v in tally.values() for n in v.values())
+        if done >= args.attempts:
+            break
+        job = Job(args, workdir, f"store_impostors{attempt}", timeout_s)
+        job.start()
+        job.find_workers()
+        if wait_for_store(job):
+            while done < args.attempts and job.proc.poll() is None:
+                v = STORE_VARIANTS[done % len(STORE_VARIANTS)]
+                outcome = store_impostor(job.port, v, secret, args.verdict_seconds)
+                if outcome.startswith("error") and job.proc.poll() is not None:
+                    break  # the job ended under the attempt: not counted
+                tally.setdefault(v, {}).setdefault(outcome, 0)
+                tally[v][outcome] += 1
+                done += 1
+        job.wait()
+        row.jobs.append(job)
+        row.notes.append(f"job {attempt + 1}: store logged {job.count('authentication failed')} "
+                         f"'authentication failed'")
     row.attempts, row.accepted, detail = summarize(tally)
-    row.jobs.append(job)
     row.notes.append(detail)
-    row.notes.append(f"store logged {job.count('authentication failed')} 'authentication "
-                     f"failed'")
+    if row.attempts < args.attempts:
+        row.failed_to_run = True
+        row.notes.append(f"only {row.attempts} of {args.attempts} attempts were made")
     return row
 
 
@@ -864,15 +918,15 @@ def row_fuzz(args, secret, workdir, baseline_s, timeout_s):
     store_fuzz = Fuzzer("store", store_targets, store_fuzz_case, args.fuzz_rate, 1)
     data_fuzz = Fuzzer("data", data_targets, lambda rng: data_fuzz_case(rng, args.world),
                        args.fuzz_rate, 2)
-    store_fuzz.thread.start()
-    data_fuzz.thread.start()
+    store_fuzz.start()
+    data_fuzz.start()
     end = time.monotonic() + args.fuzz_seconds
     first = True
     try:
         while time.monotonic() < end or first:
             job = Job(args, workdir, f"fuzz{len(row.jobs)}", timeout_s)
-            current["job"], current["held"] = job, {}
             job.start()
+            current["job"], current["held"] = job, {}
             if first:
                 # The first job is held at set-up for half of the time: its data ports get fuzzed.
                 ports = hold_set_up(job)
@@ -889,10 +943,8 @@ def row_fuzz(args, secret, workdir, baseline_s, timeout_s):
             job.wait()
             row.jobs.append(job)
     finally:
-        store_fuzz.stop.set()
-        data_fuzz.stop.set()
-        store_fuzz.thread.join()
-        data_fuzz.thread.join()
+        store_fuzz.join()
+        data_fuzz.join()
     for f in (store_fuzz, data_fuzz):
         st = f.stats.values
         row.notes.append(f"{f.name}: {st.get('connections', 0)} connections, "
@@ -916,27 +968,42 @@ def row_idle(args, secret, workdir, baseline_s, timeout_s):
     job = Job(args, workdir, "idle", timeout_s)
     job.start()
     ports = hold_set_up(job)
-    socks = []
+    socks, pending = [], []
     try:
         if not ports:
             row.failed_to_run = True
             row.notes.append("could not hold the set-up")
         else:
             targets = [job.port] + list(ports.values())
-            socks, failed = open_idle(targets, args.idle, 120)
-            n_store = sum(1 for s in socks if s.getpeername()[1] == job.port)
-            row.notes.append(f"opened {len(socks)} ({n_store} to the store, "
-                             f"{len(socks) - n_store} to data ports {sorted(ports.values())}), "
-                             f"{failed} failed")
+            socks, failed, pending = open_idle(targets, args.idle, 20)
+            to_store = [s for s in socks if s.getpeername()[1] == job.port]
+            row.notes.append(f"{len(socks)} established ({len(to_store)} to the store, "
+                             f"{len(socks) - len(to_store)} to data ports "
+                             f"{sorted(ports.values())}), {len(pending)} never accepted by the "
+                             f"kernel (SYN retries), {failed} failed")
             time.sleep(1.0)
             row.notes.append(f"still open before the release: {still_open(socks)}")
             release(job)
-            row.attempts = len(socks)
+            row.attempts = len(socks) + len(pending)
+            # Once the set-up is over the data ports are closed; the store's connections stay.
+            time.sleep(2.0)
+            if job.proc.poll() is None:
+                row.notes.append(f"still open 2 s into the run: {still_open(to_store)} to the "
+                                 f"store, {still_open(socks) - still_open(to_store)} to data "
+                                 f"ports")
         job.wait()
-        row.notes.append(f"still open when the job ended: {still_open(socks)}; rank 0 held at "
-                         f"most {job.fds_max} descriptors")
+        row.notes.append(f"rank 0 held at most {job.fds_max} descriptors (limit "
+                         f"{args.job_nofile})")
+        if job.fds_max >= args.job_nofile:
+            row.failed_to_run = True
+            row.notes.append("**rank 0 ran out of file descriptors** (a checkpoint or any file "
+                             "it opened then would fail)")
+        if job.count("Too many open files"):
+            row.notes.append(f"rank 0 logged 'Too many open files' "
+                             f"{job.count('Too many open files')} times")
     finally:
         close_all(socks)
+        close_all(pending)
     row.jobs.append(job)
     return row
 
@@ -959,6 +1026,18 @@ def documented_store_memory_limit(repo):
 # --- main ---------------------------------------------------------------------------------------
 
 
+def run_baseline(args, workdir, timeout_s, name):
+    base = Job(args, workdir, name, timeout_s)
+    base.start()
+    base.find_workers()
+    base.wait()
+    if not base.check_ok():
+        sys.exit(f"security_probe: the baseline job failed (exit {base.proc.returncode}); "
+                 f"see {base.out_path}")
+    log(f"{name}: {base.run_s:.1f} s, rank 0 RSS at most {base.rss_max_kib} KiB")
+    return base
+
+
 def main():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -979,6 +1058,9 @@ def main():
                    help="fuzz connections per second per plane at most (default 200)")
     p.add_argument("--verdict-seconds", type=float, default=3.0,
                    help="how long a refused connection may take to be closed (default 3)")
+    p.add_argument("--job-nofile", type=int, default=1024,
+                   help="the job's soft descriptor limit (default 1024, the usual default; the "
+                        "issue's store ran out of descriptors at it)")
     p.add_argument("--only", default="", help="comma-separated rows to run: store,data,fuzz,idle")
     args = p.parse_args()
     if args.fuzz_seconds is None:
@@ -1014,17 +1096,12 @@ def main():
     signal.signal(signal.SIGHUP, on_signal)
     only = set(filter(None, args.only.split(",")))
     rows = []
+    bases = []
     try:
-        # The baseline job, with the secret and without any attack.
-        base = Job(args, workdir, "baseline", timeout_s)
-        base.start()
-        base.find_workers()
-        base.wait()
-        baseline_s = base.t_end - base.t_start
-        if not base.check_ok():
-            sys.exit(f"security_probe: the baseline job failed (exit {base.proc.returncode}); "
-                     f"see {base.out_path}")
-        log(f"baseline: {baseline_s:.1f} s, rank 0 RSS at most {base.rss_max_kib} KiB")
+        # The baseline, with the secret and without any attack: before the attacks and after
+        # them (this machine may be shared; the spread shows its noise).
+        bases.append(run_baseline(args, workdir, timeout_s, "baseline_before"))
+        baseline_s = bases[0].run_s
         for name, fn in (("store", row_store_impostors), ("data", row_data_impostors),
                          ("fuzz", row_fuzz), ("idle", row_idle)):
             if only and name not in only:
@@ -1032,6 +1109,7 @@ def main():
             log(f"row {name} ...")
             rows.append(fn(args, secret, workdir, baseline_s, timeout_s))
             log(f"row {name}: {rows[-1].attempts} attempts, {rows[-1].accepted} accepted")
+        bases.append(run_baseline(args, workdir, timeout_s, "baseline_after"))
     except KeyboardInterrupt:
         log("interrupted: stopping every job")
         cleanup()
@@ -1039,6 +1117,8 @@ def main():
     finally:
         cleanup()
 
+    baseline_s = sum(b.run_s for b in bases) / len(bases)
+    base = max(bases, key=lambda b: b.rss_max_kib)
     # Memory row: rank 0's peak RSS during the attack jobs vs the baseline.
     attacked = [j for r in rows for j in r.jobs]
     mem = Row("memory: rank 0 (store host) peak RSS during the attacks")
@@ -1055,8 +1135,10 @@ def main():
 
     print()
     print(f"Security probe: world {args.world}, DDP_TRANSPORT={args.transport}, ddp-bench --check "
-          f"--sizes {args.size} --iters {args.iters}, secret from --secret-file; baseline "
-          f"{baseline_s:.1f} s. Logs: {workdir}")
+          f"--sizes {args.size} --iters {args.iters}, secret from --secret-file, the job's "
+          f"descriptor limit {args.job_nofile}; baseline "
+          f"{baseline_s:.1f} s (mean of {', '.join(f'{b.run_s:.1f}' for b in bases)} s, before "
+          f"and after the attacks; load average {os.getloadavg()[0]:.1f}). Logs: {workdir}")
     print()
     print("| attack | attempts | accepted | job result | notes |")
     print("| --- | ---: | ---: | --- | --- |")
