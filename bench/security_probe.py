@@ -333,35 +333,62 @@ class Job:
         return (self.proc.returncode == 0 and bool(rows)
                 and all(l.split()[-1] == "0" for l in rows))
 
+    def collective_us(self):
+        """The median time of the collective that rank 0 printed (µs), or None."""
+        for line in self.output().splitlines():
+            if re.match(r"^\[0\]\s+\w+\s+\d+\s+\d+\s", line):
+                return float(line.split()[5])
+        return None
+
     def count(self, needle):
         return self.output().count(needle)
 
 
-def hold_set_up(job, timeout=120.0, burst_s=0.002):
+def hold_set_up(job, timeout=120.0, burst_s=0.0):
     """Stops the highest rank once it listens (before it connects to anyone), leaving the other
     ranks waiting for it with their data ports open. On a loaded machine the probe may not be
     scheduled for a long time, so the rank is not watched while it runs free: it is stopped at
-    once and let run in bursts of `burst_s`, and checked between bursts. Returns {rank: port} of
-    the ranks that listen, or {} (then the job was let go on)."""
+    once, pinned to the probe's CPU (so that it runs only while the probe yields), let run in
+    short bursts (until it blocks, or `burst_s`) and checked between bursts. Returns {rank: port} of the ranks that
+    listen, or {} (then the job was let go on)."""
     if not job.find_workers():
         return {}
     last = job.workers[max(job.workers)]
+    cpu = min(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
     try:
         os.kill(last, signal.SIGSTOP)
         job.hold_started = time.monotonic()
+        theirs = os.sched_getaffinity(last)
+        os.sched_setaffinity(0, {cpu})
+        os.sched_setaffinity(last, {cpu})
         deadline = time.monotonic() + timeout
-        while True:
-            if job.proc.poll() is not None or time.monotonic() > deadline:
-                release(job)
-                return {}
-            if listening_ports(last):
-                break
-            os.kill(last, signal.SIGCONT)
-            time.sleep(burst_s)
-            os.kill(last, signal.SIGSTOP)
-    except ProcessLookupError:
-        log(f"{job.name}: rank {max(job.workers)} (pid {last}) is gone; cannot hold the set-up")
-        release(job)
+        try:
+            while True:
+                if job.proc.poll() is not None or time.monotonic() > deadline:
+                    release(job, held=False)
+                    return {}
+                if listening_ports(last):
+                    break
+                # Sleeping while the rank is stopped keeps the probe ahead of it on the CPU (a
+                # busy probe would be scheduled after the rank); the rank then runs on the
+                # probe's CPU only until it blocks or the probe preempts it.
+                time.sleep(0.001)
+                os.kill(last, signal.SIGCONT)
+                os.sched_yield()
+                if burst_s:
+                    time.sleep(burst_s)
+                os.kill(last, signal.SIGSTOP)
+        finally:
+            os.sched_setaffinity(0, mine)
+            try:
+                os.sched_setaffinity(last, theirs)
+            except OSError:
+                pass
+    except ProcessLookupError as e:
+        log(f"{job.name}: rank {max(job.workers)} (pid {last}) is gone ({e}; job exit "
+            f"{job.proc.poll()}); cannot hold the set-up")
+        release(job, held=False)
         return {}
     # Every rank below the stopped one listens for it, unless the stopped rank got through first.
     settle = time.monotonic() + 5.0
@@ -372,18 +399,37 @@ def hold_set_up(job, timeout=120.0, burst_s=0.002):
             break
         time.sleep(0.05)
     if not ports:
-        release(job)
+        release(job, held=False)
     return ports
 
 
-def release(job):
+def start_held_job(args, workdir, name, timeout_s, row, tries=5):
+    """A job whose set-up is held (see hold_set_up), trying up to `tries` jobs; the jobs that
+    could not be held run to their end and are recorded in `row`. Returns (job, ports) or
+    (None, {})."""
+    for attempt in range(tries):
+        job = Job(args, workdir, f"{name}{attempt}", timeout_s)
+        job.start()
+        ports = hold_set_up(job)
+        if ports:
+            return job, ports
+        row.notes.append(f"{job.name}: the set-up could not be held (the last rank got through "
+                         f"first)")
+        job.wait()
+        row.jobs.append(job)
+    return None, {}
+
+
+def release(job, held=True):
+    """Lets the stopped rank go on; `held`: the set-up was held (its time is not the job's)."""
     pid = job.workers[max(job.workers)]
     try:
         os.kill(pid, signal.SIGCONT)
     except OSError:
         pass
     if hasattr(job, "hold_started"):
-        job.hold_s = time.monotonic() - job.hold_started
+        if held:
+            job.hold_s = time.monotonic() - job.hold_started
         del job.hold_started
 
 
@@ -673,7 +719,7 @@ class Fuzzer:
         while not self.stop.is_set():
             ports = self.targets()
             if not ports:
-                self.stop.wait(0.01)
+                self.stop.wait(0.02)
                 continue
             port = rng.choice(ports)
             case = self.make_case(rng)
@@ -770,7 +816,7 @@ class Row:
         self.failed_to_run = False
 
 
-def job_result(row, baseline_s):
+def job_result(row, baseline_s, baseline_us):
     if not row.jobs:
         return "no job"
     parts = []
@@ -778,14 +824,20 @@ def job_result(row, baseline_s):
         ok = "--check OK" if job.check_ok() else "**--check FAILED**"
         ratio = job.run_s / baseline_s if baseline_s else float("nan")
         hold = f", {job.hold_s:.1f} s hold excluded" if job.hold_s else ""
+        us = job.collective_us()
+        op = (f", allreduce {us / 1000:.1f} ms ({us / baseline_us:.2f}x)"
+              if us and baseline_us else "")
         parts.append(f"exit {job.proc.returncode}, {ok}, {job.run_s:.1f} s "
-                     f"({ratio:.2f}x baseline{hold})")
+                     f"({ratio:.2f}x baseline{hold}){op}")
     if len(parts) > 3:
         bad = [p for p in parts if "FAILED" in p or not p.startswith("exit 0")]
         times = [j.run_s for j in row.jobs]
+        ops = [j.collective_us() for j in row.jobs if j.collective_us()]
+        op = (f", allreduce {max(ops) / 1000:.1f} ms at most ({max(ops) / baseline_us:.2f}x)"
+              if ops and baseline_us else "")
         return (f"{len(parts)} jobs, {len(parts) - len(bad)} exit 0 + --check OK; "
                 f"{min(times):.1f}..{max(times):.1f} s ({max(times) / baseline_s:.2f}x "
-                f"baseline at most)" + ("; " + "; ".join(bad) if bad else ""))
+                f"baseline at most){op}" + ("; " + "; ".join(bad) if bad else ""))
     return "; ".join(parts)
 
 
@@ -857,16 +909,8 @@ def row_data_impostors(args, secret, workdir, baseline_s, timeout_s):
     row = Row("data-plane impostors claiming the held rank (plain hello, guessed MAC, reflected "
               "MAC, replayed MAC, other job's session, wrong secret), then collective bytes")
     tally = {}
-    for attempt in range(3):
-        job = Job(args, workdir, f"data_impostors{attempt}", timeout_s)
-        job.start()
-        ports = hold_set_up(job)
-        if not ports:
-            row.notes.append(f"try {attempt + 1}: the set-up could not be held (the last rank "
-                             f"got through first)")
-            job.wait()
-            row.jobs.append(job)
-            continue
+    job, ports = start_held_job(args, workdir, "data_impostors", timeout_s, row)
+    if job:
         with store_login(job.port, secret) as s:
             session = store_get_if_present(s, SESSION_KEY) or b""
         if not session:
@@ -890,61 +934,78 @@ def row_data_impostors(args, secret, workdir, baseline_s, timeout_s):
         row.notes.append(f"held ranks {sorted(ports)} listening on {sorted(ports.values())}; "
                          f"still listening after the attacks: {sorted(still)}")
         row.notes.append(f"ranks logged {job.count('refused a connection')} refusals")
-        break
     else:
         row.failed_to_run = True
     row.attempts, row.accepted, detail = summarize(tally)
     row.notes.append(detail)
+    if row.attempts < args.attempts:
+        row.failed_to_run = True
+        row.notes.append(f"only {row.attempts} of {args.attempts} attempts reached a listener")
     return row
 
 
 def row_fuzz(args, secret, workdir, baseline_s, timeout_s):
     row = Row(f"fuzz: random/mutated bytes to the store port and every data port, "
               f"{args.fuzz_seconds:.0f} s")
-    current = {"job": None, "held": {}}
+    current = {"job": None, "held": {}, "data": []}
+    stop_scan = threading.Event()
 
     def store_targets():
         job = current["job"]
         return [job.port] if job and job.proc.poll() is None else []
 
     def data_targets():
-        job = current["job"]
-        if not job or job.proc.poll() is not None:
-            return []
-        if current["held"]:
-            return list(current["held"].values())
-        return [p for ports in job.data_ports().values() for p in ports]
+        return current["data"]
+
+    def scan():
+        # One thread looks for data ports (short-lived outside a hold); the fuzzers read its list.
+        while not stop_scan.is_set():
+            job = current["job"]
+            if current["held"]:
+                current["data"] = list(current["held"].values())
+            elif job and job.workers and job.proc.poll() is None:
+                current["data"] = [p for ports in job.data_ports().values() for p in ports]
+            else:
+                current["data"] = []
+            stop_scan.wait(0.005)
 
     store_fuzz = Fuzzer("store", store_targets, store_fuzz_case, args.fuzz_rate, 1)
     data_fuzz = Fuzzer("data", data_targets, lambda rng: data_fuzz_case(rng, args.world),
                        args.fuzz_rate, 2)
-    store_fuzz.start()
-    data_fuzz.start()
+    scanner = threading.Thread(target=scan, daemon=True)
     end = time.monotonic() + args.fuzz_seconds
-    first = True
     try:
-        while time.monotonic() < end or first:
+        # The first job is held at set-up for half of the time: its data ports get fuzzed.
+        # (The hold is taken before the fuzzers start: they would starve the probe's stepping.)
+        job, ports = start_held_job(args, workdir, "fuzz_held", timeout_s, row)
+        end = time.monotonic() + args.fuzz_seconds
+        current["job"], current["held"] = job, ports
+        scanner.start()
+        store_fuzz.start()
+        data_fuzz.start()
+        if job:
+            time.sleep(max(0.0, args.fuzz_seconds / 2))
+            row.notes.append(f"{job.name}: set-up held for {args.fuzz_seconds / 2:.0f} s with "
+                             f"ranks {sorted(ports)} listening on {sorted(ports.values())}")
+            current["held"] = {}
+            release(job)
+            job.wait()
+            row.jobs.append(job)
+        else:
+            row.failed_to_run = True
+        while time.monotonic() < end:
             job = Job(args, workdir, f"fuzz{len(row.jobs)}", timeout_s)
             job.start()
-            current["job"], current["held"] = job, {}
-            if first:
-                # The first job is held at set-up for half of the time: its data ports get fuzzed.
-                ports = hold_set_up(job)
-                current["held"] = ports
-                if ports:
-                    time.sleep(max(0.0, args.fuzz_seconds / 2))
-                    current["held"] = {}
-                    release(job)
-                else:
-                    row.notes.append("could not hold the first job's set-up")
-                first = False
-            else:
-                job.find_workers()
+            job.find_workers()
+            current["job"] = job
             job.wait()
             row.jobs.append(job)
     finally:
         store_fuzz.join()
         data_fuzz.join()
+        stop_scan.set()
+        if scanner.is_alive():
+            scanner.join()
     for f in (store_fuzz, data_fuzz):
         st = f.stats.values
         row.notes.append(f"{f.name}: {st.get('connections', 0)} connections, "
@@ -965,32 +1026,29 @@ def row_fuzz(args, secret, workdir, baseline_s, timeout_s):
 def row_idle(args, secret, workdir, baseline_s, timeout_s):
     row = Row(f"idle connections: {args.idle} over the store port and the data ports, kept open "
               f"while the job runs")
-    job = Job(args, workdir, "idle", timeout_s)
-    job.start()
-    ports = hold_set_up(job)
+    job, ports = start_held_job(args, workdir, "idle", timeout_s, row)
     socks, pending = [], []
+    if not job:
+        row.failed_to_run = True
+        return row
     try:
-        if not ports:
-            row.failed_to_run = True
-            row.notes.append("could not hold the set-up")
-        else:
-            targets = [job.port] + list(ports.values())
-            socks, failed, pending = open_idle(targets, args.idle, 20)
-            to_store = [s for s in socks if s.getpeername()[1] == job.port]
-            row.notes.append(f"{len(socks)} established ({len(to_store)} to the store, "
-                             f"{len(socks) - len(to_store)} to data ports "
-                             f"{sorted(ports.values())}), {len(pending)} never accepted by the "
-                             f"kernel (SYN retries), {failed} failed")
-            time.sleep(1.0)
-            row.notes.append(f"still open before the release: {still_open(socks)}")
-            release(job)
-            row.attempts = len(socks) + len(pending)
-            # Once the set-up is over the data ports are closed; the store's connections stay.
-            time.sleep(2.0)
-            if job.proc.poll() is None:
-                row.notes.append(f"still open 2 s into the run: {still_open(to_store)} to the "
-                                 f"store, {still_open(socks) - still_open(to_store)} to data "
-                                 f"ports")
+        targets = [job.port] + list(ports.values())
+        socks, failed, pending = open_idle(targets, args.idle, 20)
+        to_store = [s for s in socks if s.getpeername()[1] == job.port]
+        row.notes.append(f"{len(socks)} established ({len(to_store)} to the store, "
+                         f"{len(socks) - len(to_store)} to data ports "
+                         f"{sorted(ports.values())}), {len(pending)} never accepted by the "
+                         f"kernel (SYN retries), {failed} failed")
+        time.sleep(1.0)
+        row.notes.append(f"still open before the release: {still_open(socks)}")
+        release(job)
+        row.attempts = len(socks) + len(pending)
+        # Once the set-up is over the data ports are closed; the store's connections stay.
+        time.sleep(2.0)
+        if job.proc.poll() is None:
+            row.notes.append(f"still open 2 s into the run: {still_open(to_store)} to the "
+                             f"store, {still_open(socks) - still_open(to_store)} to data "
+                             f"ports")
         job.wait()
         row.notes.append(f"rank 0 held at most {job.fds_max} descriptors (limit "
                          f"{args.job_nofile})")
@@ -1061,6 +1119,9 @@ def main():
     p.add_argument("--job-nofile", type=int, default=1024,
                    help="the job's soft descriptor limit (default 1024, the usual default; the "
                         "issue's store ran out of descriptors at it)")
+    p.add_argument("--store-memory-limit-mib", type=float, default=None,
+                   help="the store's memory limit to compare with (default: the row of the "
+                        "Limits table in docs/store.md that mentions memory, else n/a)")
     p.add_argument("--only", default="", help="comma-separated rows to run: store,data,fuzz,idle")
     args = p.parse_args()
     if args.fuzz_seconds is None:
@@ -1118,11 +1179,14 @@ def main():
         cleanup()
 
     baseline_s = sum(b.run_s for b in bases) / len(bases)
+    baseline_us = sum(b.collective_us() or 0 for b in bases) / len(bases)
     base = max(bases, key=lambda b: b.rss_max_kib)
     # Memory row: rank 0's peak RSS during the attack jobs vs the baseline.
     attacked = [j for r in rows for j in r.jobs]
     mem = Row("memory: rank 0 (store host) peak RSS during the attacks")
     limit = documented_store_memory_limit(repo)
+    if args.store_memory_limit_mib:
+        limit = (args.store_memory_limit_mib * 1024, "--store-memory-limit-mib")
     peak = max((j.rss_max_kib for j in attacked), default=0)
     mem.notes.append(f"peak {peak / 1024:.1f} MiB vs baseline {base.rss_max_kib / 1024:.1f} MiB "
                      f"(+{(peak - base.rss_max_kib) / 1024:.1f} MiB); documented store memory "
@@ -1131,6 +1195,8 @@ def main():
         mem.accepted = 1
         mem.notes.append("**over the documented limit**")
     mem.attempts = len(attacked)
+    mem.notes.append(f"sampled every 50 ms in each of the {len(attacked)} attack jobs "
+                     f"(attempts = jobs)")
     rows.append(mem)
 
     print()
@@ -1138,13 +1204,15 @@ def main():
           f"--sizes {args.size} --iters {args.iters}, secret from --secret-file, the job's "
           f"descriptor limit {args.job_nofile}; baseline "
           f"{baseline_s:.1f} s (mean of {', '.join(f'{b.run_s:.1f}' for b in bases)} s, before "
-          f"and after the attacks; load average {os.getloadavg()[0]:.1f}). Logs: {workdir}")
+          f"and after the attacks; load average {os.getloadavg()[0]:.1f}), median allreduce "
+          f"{baseline_us / 1000:.1f} ms. Job times exclude the deliberate set-up holds; "
+          f"'allreduce' is ddp-bench's median per call. Logs: {workdir}")
     print()
     print("| attack | attempts | accepted | job result | notes |")
     print("| --- | ---: | ---: | --- | --- |")
     failed = False
     for row in rows:
-        result = job_result(row, baseline_s) if row.jobs else "-"
+        result = job_result(row, baseline_s, baseline_us) if row.jobs else "-"
         print(f"| {row.attack} | {row.attempts} | {row.accepted} | {result} | "
               f"{'; '.join(row.notes)} |")
         if row.accepted or row.failed_to_run:
