@@ -17,13 +17,19 @@ with DDP_TRANSPORT=tcp (so that the data plane carries the collectives). Rows:
   fuzz             random and mutated handshakes/frames to the store port and to every data port
   idle             N idle connections over the store port and the data ports, kept open while
                    the job runs
-  memory           rank 0's (the store host's) RSS under the attacks vs the baseline job
+  memory           rank 0's (the store host's) RSS under the attacks vs the baseline job, and
+                   the store's memory limit documented in docs/store.md (n/a where none is)
+
+The job runs with a soft descriptor limit of 1024 (--job-nofile), the usual default: the idle row
+fails when rank 0 reaches it (its store accepted connections until it had no descriptor left,
+so any file the job opened then would fail).
 
 A rank's data port listens only while its group is being set up (the listener is closed once the
 mesh is complete), so the data-plane rows hold the set-up open: the probe stops the highest rank
 (SIGSTOP) as soon as it listens, before it connects to anyone, which leaves every other rank
 waiting for it with its data port open; the attacks run then, and SIGCONT lets the job go on.
-The job's time is reported without that hold.
+The job's time is reported without that hold. Stepping the rank can miss (it may connect to
+everyone within one burst on a loaded machine); a held row then tries up to 5 jobs.
 
 "accepted" counts attempts that got in: a store client that got status 0 or a reply to a
 request, a data connection that was not closed within --verdict-seconds after a wrong MAC (or
