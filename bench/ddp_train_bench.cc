@@ -58,6 +58,8 @@ int main(int argc, char** argv) {
   std::string hook = "none";
   bool phases = false;
   bool broadcast_buffers = true;
+  std::int64_t divergence_check_every = 0;
+  bool check_costs = false;
   app.add_option("--model", model_name, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}));
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
@@ -73,6 +75,11 @@ int main(int argc, char** argv) {
   app.add_flag(
       "!--no-broadcast-buffers", broadcast_buffers,
       "DDP option broadcast_buffers = false (rank 0's buffers are not broadcast in forward)");
+  app.add_option("--divergence-check-every", divergence_check_every,
+                 "DDP option divergence_check_every (0 = off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--check-costs", check_costs,
+               "also time DDP's per-forward parameter check and one divergence check (rank 0)");
   app.add_flag("--phases", phases,
                "also print each rank's median time per phase of a step (zero_grad, forward, "
                "backward until autograd finished, waiting for the last bucket, optimizer step)");
@@ -95,7 +102,8 @@ int main(int argc, char** argv) {
                                                {.bucket_cap_mb = bucket_cap_mb,
                                                 .first_bucket_cap_mb = first_bucket_cap_mb,
                                                 .broadcast_buffers = broadcast_buffers,
-                                                .gradient_as_bucket_view = as_view})
+                                                .gradient_as_bucket_view = as_view,
+                                                .divergence_check_every = divergence_check_every})
                       .ptr();
       if (hook == "fp16") ddp_model->register_comm_hook(ddp::fp16_compress_hook());
       if (hook == "bf16") ddp_model->register_comm_hook(ddp::bf16_compress_hook());
@@ -140,6 +148,26 @@ int main(int argc, char** argv) {
           rank, median(phase_ms[0]), median(phase_ms[1]), median(phase_ms[2]), median(phase_ms[3]),
           median(phase_ms[4]), 1e3 * median(step_seconds));
       std::fflush(stdout);
+    }
+    if (check_costs && ddp_model) {
+      // The local check that runs before every forward, and one divergence check (collective).
+      std::vector<double> check_us;
+      for (int i = 0; i < 1000; ++i) {
+        const auto start = Clock::now();
+        ddp_model->check_parameters();
+        check_us.push_back(1e3 * ms(Clock::now() - start));
+      }
+      std::vector<double> divergence_ms;
+      for (int i = 0; i < 20; ++i) {
+        const auto start = Clock::now();
+        ddp_model->check_divergence();
+        divergence_ms.push_back(ms(Clock::now() - start));
+      }
+      if (rank == 0) {
+        fmt::print("check_parameters_us={:.2f} check_divergence_ms={:.3f} step_ms={:.3f}\n",
+                   median(check_us), median(divergence_ms), 1e3 * median(step_seconds));
+        std::fflush(stdout);
+      }
     }
     double step_s = median(step_seconds);
     group->allreduce(&step_s, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();

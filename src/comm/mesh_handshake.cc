@@ -2,6 +2,7 @@
 
 #include <poll.h>
 
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -22,6 +23,7 @@ constexpr std::size_t kMacBytes = store::kMacBytes;
 // Handshakes in progress at once; beyond this the oldest is dropped (a flood of idle connections
 // must not exhaust the descriptors, and a real peer finishes in microseconds).
 constexpr std::size_t kMaxPendingHandshakes = 256;
+constexpr int kRefusalsLoggedInFull = 20;
 
 std::uint32_t expected_magic(const HandshakeParams& params) {
   return params.secret.empty() ? kHandshakeMagic : kAuthHandshakeMagic;
@@ -175,6 +177,12 @@ class Acceptor {
       }
       if (fds[0].revents != 0) accept_new();
     }
+    if (unlogged_ > 0) {
+      params_.log(fmt::format(
+          "ddp: rank {} of group '{}' refused a connection {} ({} more refused since the last such "
+          "line; {} in all during set-up)",
+          params_.rank, params_.group, last_refusal_, unlogged_ - 1, refused_));
+    }
     return std::move(peers_);
   }
 
@@ -321,8 +329,20 @@ class Acceptor {
   void refuse(Pending& p, const std::string& reason) {
     ++refused_;
     last_refusal_ = fmt::format("from {}: {}", p.socket.peer(), reason);
-    params_.log(fmt::format("ddp: rank {} of group '{}' refused a connection {}", params_.rank,
-                            params_.group, last_refusal_));
+    // Whoever can reach the port must not be able to flood the job's log: the first refusals in
+    // full, then at most one line a second, counting the ones left out.
+    const auto now = std::chrono::steady_clock::now();
+    if (refused_ <= kRefusalsLoggedInFull || now - last_log_ >= std::chrono::seconds(1)) {
+      const std::string left_out =
+          unlogged_ > 0 ? fmt::format(" ({} more refused since the last such line)", unlogged_)
+                        : std::string();
+      params_.log(fmt::format("ddp: rank {} of group '{}' refused a connection {}{}", params_.rank,
+                              params_.group, last_refusal_, left_out));
+      last_log_ = now;
+      unlogged_ = 0;
+    } else {
+      ++unlogged_;
+    }
     p.socket.close();
   }
 
@@ -351,6 +371,8 @@ class Acceptor {
   std::vector<Pending> pending_;
   int refused_ = 0;
   std::string last_refusal_;
+  std::chrono::steady_clock::time_point last_log_{};
+  int unlogged_ = 0;
 };
 
 }  // namespace

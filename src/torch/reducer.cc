@@ -385,15 +385,19 @@ void Reducer::launch_through_hook(std::size_t b) {
       --bucket.left_in_place_count;
     }
   }
-  {
-    GradBucket grad_bucket{.index = b,
-                           .buffer = bucket.contents,
-                           .gradients = bucket.views,
-                           .is_last = b + 1 == buckets_.size()};
-    for (const auto i : bucket.params)
-      grad_bucket.parameter_names.push_back(names_[i]);
-    bucket.reduction = comm_hook_(*group_, grad_bucket);
-  }
+  GradBucket grad_bucket = hook_bucket(b);
+  bucket.reduction = comm_hook_(*group_, grad_bucket);
+}
+
+GradBucket Reducer::hook_bucket(std::size_t b) const {
+  const auto& bucket = buckets_[b];
+  GradBucket grad_bucket{.index = b,
+                         .buffer = bucket.contents,
+                         .gradients = bucket.views,
+                         .is_last = b + 1 == buckets_.size()};
+  for (const auto i : bucket.params)
+    grad_bucket.parameter_names.push_back(names_[i]);
+  return grad_bucket;
 }
 
 void Reducer::wait_for_launched_buckets() noexcept {
@@ -532,12 +536,7 @@ void Reducer::shadow_backward() {
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     auto& bucket = buckets_[b];
     bucket.contents.zero_();
-    GradBucket grad_bucket{.index = b,
-                           .buffer = bucket.contents,
-                           .gradients = bucket.views,
-                           .is_last = b + 1 == buckets_.size()};
-    for (const auto i : bucket.params)
-      grad_bucket.parameter_names.push_back(names_[i]);
+    GradBucket grad_bucket = hook_bucket(b);
     reductions.push_back(comm_hook_(*group_, grad_bucket));
   }
   std::vector<std::int32_t> unused_map;

@@ -177,11 +177,19 @@ void run_attack(const std::string& secret, int expected_refusals, const Attack& 
     check_allreduce(*pg);
     if (rank == 0) {
       const std::string lines = log.text();
+      // One line per refusal, except where a line says how many it stands for (the log is rate
+      // limited after the first 20).
       int refusals = 0;
       for (std::size_t at = lines.find("refused a connection from 127.0.0.1:");
            at != std::string::npos;
            at = lines.find("refused a connection from 127.0.0.1:", at + 1)) {
         ++refusals;
+        const auto end = lines.find('\n', at);
+        const auto more = lines.find(" more refused since the last such line", at);
+        if (more != std::string::npos && more < end) {
+          const auto open = lines.rfind('(', more);
+          refusals += std::stoi(lines.substr(open + 1, more - open - 1));
+        }
       }
       if (refusals != expected_refusals) {
         throw std::runtime_error(fmt::format("rank 0 logged {} refusals, expected {}:\n{}",

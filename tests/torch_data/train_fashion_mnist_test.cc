@@ -203,5 +203,22 @@ TEST(TrainFashionMnistOptionsTest, CheckpointFolderIsCheckedBeforeTrainingStarts
   }
 }
 
+TEST_F(TrainFashionMnistTest, UnevenInputsUnderJoinFinishAtWorldThree) {
+  // 2000 samples over 3 ranks: 11 batches of 64 each, less 3 per higher rank: 11, 8, 5 per epoch,
+  // for two epochs under one Join.
+  auto process = Subprocess::start(
+      {built_program("ddprun"), "--standalone", "--nproc-per-node", "3",
+       built_program("train-fashion-mnist"), "--uneven", "--uneven-skew", "3", "--epochs", "2",
+       "--limit-train", "2000", "--batch-size", "64", "--log-every", "0"},
+      {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "120"}});
+  const auto result = process.wait(200s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output,
+              HasSubstr("[0] uneven inputs under ddp::Join: batches per epoch by rank 11, 8, 5"));
+  EXPECT_THAT(result.output, HasSubstr("world_size=3 "));
+  EXPECT_GT(final_accuracy(result.output), 0.5) << result.output;
+}
+
 }  // namespace
 }  // namespace ddp::test

@@ -131,6 +131,7 @@ class Reducer {
   bool can_reduce_in_place(const torch::Tensor& grad) const;
   void reduce_in_place(Bucket& bucket);
   void launch_through_hook(std::size_t bucket);
+  GradBucket hook_bucket(std::size_t bucket) const;  // what the comm hook gets for a bucket
   void finalize_backward();
   void wait_for_launched_buckets() noexcept;
   void reset_iteration();
