@@ -28,6 +28,7 @@
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_sampler.h"
+#include "ddp/torch/sync_batch_norm.h"
 #include "idx_reader.h"
 
 namespace {
@@ -51,6 +52,7 @@ struct Options {
   int threads = 0;              // 0 = OMP_NUM_THREADS, else 1
   std::size_t limit_train = 0;  // 0 = all
   int log_every = 100;          // batches; 0 = no progress lines
+  bool sync_bn = false;         // BatchNorm statistics over every rank's batch (SyncBatchNorm)
 };
 
 int default_threads() {
@@ -171,6 +173,11 @@ int run(const Options& options) {
   const bool leader = rank == 0;
 
   Net net(options.model);
+  // Before the optimizer and DDP, as in PyTorch (the conversion keeps the same tensors anyway).
+  if (options.sync_bn) {
+    ddp::convert_sync_batchnorm(net.ptr(), group);
+    if (leader) fmt::print("BatchNorm statistics are synchronised across ranks (SyncBatchNorm)\n");
+  }
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(options.lr)
                                                      .momentum(options.momentum)
                                                      .weight_decay(options.weight_decay));
@@ -322,6 +329,8 @@ int main(int argc, char** argv) {
                  "rank 0 prints the loss every N batches (0: only once per epoch)")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
+  app.add_flag("--sync-bn", options.sync_bn,
+               "replace the cnn's BatchNorms by ddp::SyncBatchNorm (statistics over all ranks)");
   CLI11_PARSE(app, argc, argv);
 
   try {
