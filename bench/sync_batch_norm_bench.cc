@@ -77,8 +77,9 @@ int run_rank(int rank, int world, int port, int warmup, int repeats) {
                                            : time_layer(bn1d, x, dy, warmup, repeats, *pg);
     const double synced = time_layer(sync, x, dy, warmup, repeats, *pg);
     if (rank == 0) {
-      fmt::print("{:<18} {:>12.3f} {:>16.3f} {:>14.3f} {:>8.2f}\n", fmt::join(shape, "x"), plain,
-                 synced, synced - plain, synced / plain);
+      fmt::print("{:<18} {:>12.3f} {:>16.3f} {:>14.3f} {:>8.2f}\n",
+                 fmt::format("{}", fmt::join(shape, "x")), plain, synced, synced - plain,
+                 synced / plain);
     }
   }
   return 0;

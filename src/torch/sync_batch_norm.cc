@@ -77,34 +77,53 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
     const auto& weight = saved[1];
     const auto type = compute_type(input);
     const auto x = input.to(type);
+    const int64_t channels = x.size(1);
     const auto shape = channel_shape(x);
-    const auto mean = saved[2].view(shape);
-    const auto invstd = saved[3].view(shape);
+    const auto& mean = saved[2];    // [C], the group's
+    const auto& invstd = saved[3];  // [C]
     auto context =
         c10::static_intrusive_pointer_cast<BackwardContext>(ctx->saved_data["context"].toCapsule());
     const auto dy = grad_outputs[0].to(type);
-    const auto dims = reduce_dims(x);
-    const auto xmu = x - mean;
-    auto sum_dy = dy.sum(dims);
-    auto sum_dy_xmu = (dy * xmu).sum(dims);
+
+    // This rank's per-channel sums of dy and dy * (x - mean) in one fused pass: given the group's
+    // mean and invstd, the training-mode batch-norm backward kernel returns them as grad_bias and
+    // grad_weight = sum(dy * (x - mean)) * invstd.
+    torch::Tensor sum_dy, dotp_invstd;
+    if (x.numel() == 0) {
+      sum_dy = torch::zeros({channels}, x.options());
+      dotp_invstd = torch::zeros({channels}, x.options());
+    } else {
+      auto sums = torch::native_batch_norm_backward(
+          dy, x, weight.defined() ? weight.to(type) : torch::ones({channels}, x.options()), {}, {},
+          mean, invstd,
+          /*train=*/true, /*eps=*/0.0, {false, true, true});
+      dotp_invstd = std::get<1>(sums);
+      sum_dy = std::get<2>(sums);
+    }
 
     torch::Tensor grad_input, grad_weight, grad_bias;
-    if (ctx->needs_input_grad(1)) grad_weight = (sum_dy_xmu * invstd.flatten()).to(weight.dtype());
+    if (ctx->needs_input_grad(1)) grad_weight = dotp_invstd.to(weight.dtype());
     if (ctx->needs_input_grad(2)) grad_bias = sum_dy.to(weight.dtype());
     if (ctx->needs_input_grad(0)) {
-      const int64_t channels = x.size(1);
-      auto packed = torch::cat({sum_dy, sum_dy_xmu}).to(torch::kCPU, torch::kDouble).contiguous();
+      auto packed =
+          torch::cat({sum_dy, dotp_invstd / invstd}).to(torch::kCPU, torch::kDouble).contiguous();
       try {
         allreduce_tensor(*context->group, packed, ReduceOp::kSum)->wait();
       } catch (const CommError& error) {
         rethrow_comm_error(error, context->layer, "backward gradient sums", channels, "");
       }
       packed = packed.div_(context->total).to(x.device(), type);
-      const auto mean_dy = packed.narrow(0, 0, channels).view(shape);
-      const auto mean_dy_xmu = packed.narrow(0, channels, channels).view(shape);
-      auto scale = weight.defined() ? invstd * weight.to(type).view(shape) : invstd;
-      grad_input =
-          ((dy - mean_dy - xmu * (invstd * invstd) * mean_dy_xmu) * scale).to(input.dtype());
+      const auto mean_dy = packed.narrow(0, 0, channels);
+      const auto mean_dy_xmu = packed.narrow(0, channels, channels);
+      // grad_input = (dy - mean_dy - (x - mean) * invstd^2 * mean_dy_xmu) * invstd * weight, as
+      // per-channel factors applied in place: (x - mean) * k + dy * a - mean_dy * a.
+      const auto a = weight.defined() ? invstd * weight.to(type) : invstd;
+      const auto k = -(invstd * invstd * mean_dy_xmu * a);
+      grad_input = (x - mean.view(shape))
+                       .mul_(k.view(shape))
+                       .addcmul_(dy, a.view(shape))
+                       .sub_((mean_dy * a).view(shape))
+                       .to(input.dtype());
     }
     return {grad_input, grad_weight, grad_bias, {}, {}, {}, {}, {}};
   }
@@ -306,7 +325,11 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   context->group = options.process_group();
   context->layer = layer_name();
   context->total = total;
-  return SyncBatchNormFunction::apply(input, weight, bias, mean, var, invstd, options.eps(),
+  // libtorch 1.13's custom functions take no undefined tensors: without affine, pass the
+  // identity transform (it needs no gradient).
+  const auto scale = weight.defined() ? weight : torch::ones({c}, input.options().dtype(type));
+  const auto shift = bias.defined() ? bias : torch::zeros({c}, input.options().dtype(type));
+  return SyncBatchNormFunction::apply(input, scale, shift, mean, var, invstd, options.eps(),
                                       std::move(context));
 }
 

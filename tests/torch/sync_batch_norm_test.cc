@@ -35,6 +35,7 @@ torch::Tensor make_input(int64_t total, const std::vector<int64_t>& sample_shape
 struct Case {
   std::vector<int64_t> sample_shape;  // (C) or (C, L) or (C, H, W) or (C, D, H, W)
   c10::optional<double> momentum = 0.1;
+  bool affine = true;
 };
 
 // `sizes[r]` samples on member r of `group` (its ranks in group order). Two training steps, then
@@ -47,15 +48,16 @@ void check_exact(const std::shared_ptr<ProcessGroup>& group, const std::vector<i
   const int64_t offset = std::accumulate(sizes.begin(), sizes.begin() + rank, int64_t{0});
   const int64_t channels = c.sample_shape[0];
   const auto bn_options =
-      torch::nn::BatchNormOptions(channels).momentum(c.momentum).eps(1e-5).affine(true);
+      torch::nn::BatchNormOptions(channels).momentum(c.momentum).eps(1e-5).affine(c.affine);
   // The reference: a BatchNorm of the right dimensionality over the whole batch.
   torch::nn::AnyModule reference;
   const auto dims = c.sample_shape.size() + 1;
   if (dims <= 3) reference = torch::nn::AnyModule(torch::nn::BatchNorm1d(bn_options));
   if (dims == 4) reference = torch::nn::AnyModule(torch::nn::BatchNorm2d(bn_options));
   if (dims == 5) reference = torch::nn::AnyModule(torch::nn::BatchNorm3d(bn_options));
-  SyncBatchNorm sync(SyncBatchNormOptions(channels).momentum(c.momentum).process_group(group));
-  {
+  SyncBatchNorm sync(
+      SyncBatchNormOptions(channels).momentum(c.momentum).affine(c.affine).process_group(group));
+  if (c.affine) {
     torch::NoGradGuard no_grad;
     torch::manual_seed(3);
     const auto w = torch::randn({channels}) + 1;
@@ -76,8 +78,9 @@ void check_exact(const std::shared_ptr<ProcessGroup>& group, const std::vector<i
     const auto upstream = make_input(total, c.sample_shape, 20 + step, 1, 0);
 
     auto full_input = full.clone().requires_grad_(true);
-    for (auto& p : ref_params)
-      p.value().mutable_grad() = torch::Tensor();
+    for (auto& p : ref_params) {
+      if (p.value().defined()) p.value().mutable_grad() = torch::Tensor();
+    }
     auto ref_out = reference.forward(full_input);
     (ref_out * upstream).sum().backward();
 
@@ -90,12 +93,14 @@ void check_exact(const std::shared_ptr<ProcessGroup>& group, const std::vector<i
     expect_close(input.grad(), full_input.grad().narrow(0, offset, sizes[rank]),
                  what("input gradient"), 1e-5, 1e-5);
     // Each rank holds its share of the parameter gradients; their sum is the whole batch's.
-    auto grad_weight = sync->weight.grad().clone();
-    auto grad_bias = sync->bias.grad().clone();
-    allreduce_tensor(*group, grad_weight, ReduceOp::kSum)->wait();
-    allreduce_tensor(*group, grad_bias, ReduceOp::kSum)->wait();
-    expect_close(grad_weight, ref_params["weight"].grad(), what("weight gradient"), 1e-5, 1e-4);
-    expect_close(grad_bias, ref_params["bias"].grad(), what("bias gradient"), 1e-5, 1e-4);
+    if (c.affine) {
+      auto grad_weight = sync->weight.grad().clone();
+      auto grad_bias = sync->bias.grad().clone();
+      allreduce_tensor(*group, grad_weight, ReduceOp::kSum)->wait();
+      allreduce_tensor(*group, grad_bias, ReduceOp::kSum)->wait();
+      expect_close(grad_weight, ref_params["weight"].grad(), what("weight gradient"), 1e-5, 1e-4);
+      expect_close(grad_bias, ref_params["bias"].grad(), what("bias gradient"), 1e-5, 1e-4);
+    }
     expect_close(sync->running_mean, ref_buffers["running_mean"], what("running mean"));
     expect_close(sync->running_var, ref_buffers["running_var"], what("running var"));
     if (!torch::equal(sync->num_batches_tracked, ref_buffers["num_batches_tracked"])) {
@@ -105,7 +110,7 @@ void check_exact(const std::shared_ptr<ProcessGroup>& group, const std::vector<i
 }
 
 const std::vector<Case> kAllShapes = {
-    {{3}}, {{3, 7}}, {{4, 5, 6}}, {{2, 3, 4, 5}}, {{5, 6}, c10::nullopt}};
+    {{3}}, {{3, 7}}, {{4, 5, 6}}, {{2, 3, 4, 5}}, {{5, 6}, c10::nullopt}, {{3, 4}, 0.2, false}};
 
 void check_world(const std::vector<int64_t>& sizes) {
   const int world = static_cast<int>(sizes.size());
