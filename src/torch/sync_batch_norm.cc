@@ -116,7 +116,8 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
       const auto mean_dy = packed.narrow(0, 0, channels);
       const auto mean_dy_xmu = packed.narrow(0, channels, channels);
       // grad_input = (dy - mean_dy - (x - mean) * invstd^2 * mean_dy_xmu) * invstd * weight, as
-      // per-channel factors applied in place: (x - mean) * k + dy * a - mean_dy * a.
+      // per-channel factors applied in place: (x - mean) * k + dy * a - mean_dy * a. (x * k + a
+      // constant would save a pass but cancels badly when a channel's spread is small.)
       const auto a = weight.defined() ? invstd * weight.to(type) : invstd;
       const auto k = -(invstd * invstd * mean_dy_xmu * a);
       grad_input = (x - mean.view(shape))
