@@ -19,6 +19,7 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 
 namespace {
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
   std::string hook = "none";
   bool phases = false;
   bool broadcast_buffers = true;
+  bool sync_bn = false;
   app.add_option("--model", model_name, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}));
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
@@ -73,6 +75,7 @@ int main(int argc, char** argv) {
   app.add_flag(
       "!--no-broadcast-buffers", broadcast_buffers,
       "DDP option broadcast_buffers = false (rank 0's buffers are not broadcast in forward)");
+  app.add_flag("--sync-bn", sync_bn, "the cnn's BatchNorms become ddp::SyncBatchNorm");
   app.add_flag("--phases", phases,
                "also print each rank's median time per phase of a step (zero_grad, forward, "
                "backward until autograd finished, waiting for the last bucket, optimizer step)");
@@ -89,6 +92,7 @@ int main(int argc, char** argv) {
     const int world = group->size();
     torch::manual_seed(1234);
     auto net = make_model(model_name);
+    if (sync_bn) ddp::convert_sync_batchnorm(net.ptr(), group);
     std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
     if (world > 1) {
       ddp_model = ddp::DistributedDataParallel(net, group,
