@@ -109,6 +109,9 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
           torch::cat({sum_dy, dotp_invstd / invstd}).to(torch::kCPU, torch::kDouble).contiguous();
       try {
         allreduce_tensor(*context->group, packed, ReduceOp::kSum)->wait();
+      } catch (const TimeoutError& error) {
+        throw TimeoutError(
+            fmt::format("{}, backward gradient sums: {}", context->layer, error.what()));
       } catch (const CommError& error) {
         rethrow_comm_error(error, context->layer, "backward gradient sums", channels, "");
       }
@@ -275,6 +278,11 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
         .allgather(mine.data_ptr(), all.data_ptr(), static_cast<std::size_t>(per_rank),
                    DType::kFloat64)
         ->wait();
+  } catch (const TimeoutError& error) {
+    throw TimeoutError(
+        fmt::format("{}, forward statistics allgather: {} (did every rank of the "
+                    "group run this training-mode forward?)",
+                    layer_name(), error.what()));
   } catch (const CommError& error) {
     rethrow_comm_error(error, layer_name(), "forward statistics allgather", c,
                        fmt::format(" (the allgather carries 2 + 2 x num_features = {} values per "

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <numeric>
+#include <thread>
 
 #include "ddp/error.h"
 #include "ddp/torch/distributed_data_parallel.h"
@@ -408,6 +409,34 @@ TEST(SyncBatchNormBadInput, AWrongInputOnOneRankIsNamedThereAndReportedByTheOthe
         if (rank == 0) bn(torch::randn({2, 4, 5}));
       },
       {"input of rank(s) 1, 2", "expected an input of shape (N, C)", "expected 4 channels"});
+}
+
+TEST(SyncBatchNormBadInput, ATrainingForwardOnOneRankOnlyFailsNamingTheLayerInTime) {
+  const int port = test::free_port();
+  const auto timeout = 3s;
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port, timeout);
+    if (rank == 1) {
+      std::this_thread::sleep_for(timeout + 3s);  // alive, but never joins the collective
+      return;
+    }
+    SyncBatchNorm bn(SyncBatchNormOptions(3).name("lonely").process_group(pg));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      bn(torch::randn({4, 3}));
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      if (message.find("SyncBatchNorm 'lonely'") == std::string::npos) {
+        throw std::runtime_error("unexpected message: " + message);
+      }
+      if (std::chrono::steady_clock::now() - start > 2 * timeout + 2s) {
+        throw std::runtime_error("the error came late: " + message);
+      }
+      return;
+    }
+    throw std::runtime_error("no error");
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 // --- inside DistributedDataParallel, with no_sync ----------------------------------------------

@@ -22,7 +22,7 @@
 // eval mode without running statistics (this rank's batch statistics, as PyTorch), and when the
 // group has one rank (plain batch_norm). Anything that communicates must run on every rank of the
 // group in the same order, like any collective: a training-mode forward on one rank only waits
-// for the others and ends in a TimeoutError naming the layer.
+// for the others and ends in a CommError or TimeoutError naming the layer, within the timeout.
 //
 // no_sync: inside DistributedDataParallel::no_sync() SyncBatchNorm still synchronises (forward
 // statistics and backward sums). no_sync only defers the averaging of parameter gradients; the
