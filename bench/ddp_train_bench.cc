@@ -19,6 +19,7 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 
 namespace {
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
   bool broadcast_buffers = true;
   std::int64_t divergence_check_every = 0;
   bool check_costs = false;
+  bool sync_bn = false;
   app.add_option("--model", model_name, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}));
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
@@ -80,6 +82,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--check-costs", check_costs,
                "also time DDP's per-forward parameter check and one divergence check (rank 0)");
+  app.add_flag("--sync-bn", sync_bn, "the cnn's BatchNorms become ddp::SyncBatchNorm");
   app.add_flag("--phases", phases,
                "also print each rank's median time per phase of a step (zero_grad, forward, "
                "backward until autograd finished, waiting for the last bucket, optimizer step)");
@@ -96,6 +99,7 @@ int main(int argc, char** argv) {
     const int world = group->size();
     torch::manual_seed(1234);
     auto net = make_model(model_name);
+    if (sync_bn) ddp::convert_sync_batchnorm(net.ptr(), group);
     std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
     if (world > 1) {
       ddp_model = ddp::DistributedDataParallel(net, group,

@@ -36,6 +36,7 @@
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_sampler.h"
 #include "ddp/torch/join.h"
+#include "ddp/torch/sync_batch_norm.h"
 #include "idx_reader.h"
 
 namespace {
@@ -61,6 +62,7 @@ struct Options {
   int log_every = 100;          // batches; 0 = no progress lines
   bool uneven = false;          // no sampler padding, rank r skips r * uneven_skew batches
   int uneven_skew = 10;         // batches per epoch that each higher rank has fewer
+  bool sync_bn = false;         // BatchNorm statistics over every rank's batch (SyncBatchNorm)
 };
 
 // Batches per epoch of `rank`: its unpadded share with --uneven, less rank * uneven_skew (an
@@ -210,6 +212,11 @@ int run(const Options& options) {
   const bool leader = rank == 0;
 
   Net net(options.model);
+  // Before the optimizer and DDP, as in PyTorch (the conversion keeps the same tensors anyway).
+  if (options.sync_bn) {
+    ddp::convert_sync_batchnorm(net.ptr(), group);
+    if (leader) fmt::print("BatchNorm statistics are synchronised across ranks (SyncBatchNorm)\n");
+  }
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(options.lr)
                                                      .momentum(options.momentum)
                                                      .weight_decay(options.weight_decay));
@@ -401,6 +408,8 @@ int main(int argc, char** argv) {
                  "with --uneven: batches per epoch that each higher rank has fewer")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
+  app.add_flag("--sync-bn", options.sync_bn,
+               "replace the cnn's BatchNorms by ddp::SyncBatchNorm (statistics over all ranks)");
   CLI11_PARSE(app, argc, argv);
 
   try {

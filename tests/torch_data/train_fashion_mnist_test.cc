@@ -94,6 +94,15 @@ TEST_F(TrainFashionMnistTest, OneShortEpochLearnsWellAboveChance) {
   EXPECT_LE(accuracy, 1.0);
 }
 
+TEST_F(TrainFashionMnistTest, SyncBatchNormTrainsTheCnn) {
+  const auto result = train({"--sync-bn", "--epochs", "1", "--limit-train", "2048", "--batch-size",
+                             "64", "--log-every", "0"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("synchronised across ranks (SyncBatchNorm)"));
+  const double accuracy = final_accuracy(result.output);
+  EXPECT_GT(accuracy, 0.5) << result.output;  // chance is 0.1
+}
+
 TEST_F(TrainFashionMnistTest, ResumeContinuesFromTheCheckpointAtTheNextEpoch) {
   TempDir dir;
   const auto checkpoint = (dir.path() / "fmnist.pt").string();
