@@ -20,8 +20,10 @@
 
 namespace {
 
-std::filesystem::path scratch_file() {
-  static const std::filesystem::path path = [] {
+// A temporary file for this process, removed at exit.
+struct ScratchFile {
+  std::filesystem::path path;
+  ScratchFile() {
     std::string tmpl = (std::filesystem::temp_directory_path() / "ddp-fuzz-idx-XXXXXX").string();
     const int fd = ::mkstemp(tmpl.data());
     if (fd < 0) {
@@ -29,10 +31,17 @@ std::filesystem::path scratch_file() {
       std::abort();
     }
     ::close(fd);
-    std::atexit([] { std::filesystem::remove(scratch_file()); });
-    return std::filesystem::path(tmpl);
-  }();
-  return path;
+    path = tmpl;
+  }
+  ~ScratchFile() {
+    std::error_code ignored;
+    std::filesystem::remove(path, ignored);
+  }
+};
+
+const std::filesystem::path& scratch_file() {
+  static const ScratchFile file;
+  return file.path;
 }
 
 void write_file(const std::filesystem::path& path, const std::uint8_t* data, std::size_t size,
@@ -61,7 +70,7 @@ void write_file(const std::filesystem::path& path, const std::uint8_t* data, std
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
   const std::uint8_t mode = data[0];
-  const auto path = scratch_file();
+  const auto& path = scratch_file();
   write_file(path, data + 1, size - 1, (mode & 1) == 0);
   const std::optional<std::size_t> expected =
       (mode & 4) != 0 ? std::optional<std::size_t>(1) : std::nullopt;
