@@ -73,9 +73,10 @@ fi
 if want tsan; then
   stage_start tsan
   sanitized_build build-tsan all -DDDP_SANITIZE=thread
-  # The mpi tests are left out: OpenMPI is not TSan-instrumented (docs/fuzzing.md, "Sanitizers").
+  # The tests that run OpenMPI are left out: it is not TSan-instrumented, and TSan reports a
+  # lock-order inversion inside its TCP transport during MPI_Init (docs/fuzzing.md).
   env "${sanitizer_env[@]}" ctest --test-dir build-tsan --output-on-failure --timeout 900 \
-    -j "$jobs" -L 'unit|multiprocess' -E '^mpi\.'
+    -j "$jobs" -L 'unit|multiprocess' -E '^mpi\.|MpiBackendUnderMpirun'
   stage_end tsan
 fi
 
