@@ -6,6 +6,7 @@ set -euo pipefail
 
 packages=(
   g++ cmake ninja-build ccache pkg-config git clang-format
+  clang libclang-rt-14-dev  # the fuzz stage of scripts/test.sh: clang and libFuzzer
   libtorch-dev libopenblas0-pthread
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist python3-torch

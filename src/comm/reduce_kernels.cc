@@ -2,6 +2,7 @@
 // restrict pointers, no calls, branches as selects.
 #include "comm/reduce_kernels.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <bit>
@@ -278,7 +279,12 @@ __attribute__((target("avx2,f16c"))) void reduce_16bit_avx2(std::uint16_t* dst,
 }
 
 bool has_avx2_f16c() {
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+  static const bool supported = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 &&
+           (ecx & bit_F16C) != 0;
+  }();
   return supported;
 }
 #endif

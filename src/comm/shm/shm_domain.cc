@@ -877,7 +877,10 @@ void ShmDomain::run_allreduce(const Pieces& in, const Pieces& out, std::size_t c
       in.for_each(first + begin + n, len - begin - n, copy_at(begin + n));
     };
     auto reduce_own_slice = [&](std::size_t first, std::size_t len, int p) {
-      const auto [begin, n] = slice_of(len, rank_, size_, esize);
+      // Plain variables, not a structured binding: the lambda below captures them (clang < 16
+      // cannot capture bindings).
+      const auto slice = slice_of(len, rank_, size_, esize);
+      const std::size_t begin = slice.first, n = slice.second;
       in.for_each(first + begin, n, [&](const std::byte* piece, std::size_t at, std::size_t m) {
         const std::size_t offset = (begin + at) * esize;
         reduce_in_rank_order(
@@ -918,7 +921,10 @@ void ShmDomain::reduce(const void* send, void* recv, std::size_t count, DType dt
                   (len - begin - n) * esize);
     };
     auto reduce_own_slice = [&](std::size_t first, std::size_t len, int p) {
-      const auto [begin, n] = slice_of(len, rank_, size_, esize);
+      // Plain variables, not a structured binding: the lambda below captures them (clang < 16
+      // cannot capture bindings).
+      const auto slice = slice_of(len, rank_, size_, esize);
+      const std::size_t begin = slice.first, n = slice.second;
       const std::size_t offset = begin * esize;
       reduce_in_rank_order(
           result_slot(p) + offset,
