@@ -3,7 +3,7 @@
 # multiprocess, netns, slow, fuzz):
 #   main   the default build (build/): every test
 #   asan   build-asan/ (ASan+UBSan, no libtorch): the unit and multiprocess suites
-#   tsan   build-tsan/ (TSan, no libtorch): the engine, store, init and launcher tests
+#   tsan   build-tsan/ (TSan, no libtorch): the net, store, engine (comm, shm) and init tests
 #   fuzz   build-fuzz/ (clang, libFuzzer+ASan+UBSan, no libtorch): each harness for
 #          DDP_FUZZ_SECONDS (default 15) from its seed corpus (docs/fuzzing.md)
 # DDP_TEST_STAGES picks stages (default: main,asan,tsan,fuzz), e.g.
@@ -73,10 +73,13 @@ fi
 if want tsan; then
   stage_start tsan
   sanitized_build build-tsan all -DDDP_SANITIZE=thread
-  # The tests that run OpenMPI are left out: it is not TSan-instrumented, and TSan reports a
-  # lock-order inversion inside its TCP transport during MPI_Init (docs/fuzzing.md).
-  env "${sanitizer_env[@]}" ctest --test-dir build-tsan --output-on-failure --timeout 900 \
-    -j "$jobs" -L 'unit|multiprocess' -E '^mpi\.|MpiBackendUnderMpirun'
+  # The engine and the store (and the layers under them): where threads meet. The tests that run
+  # OpenMPI are left out: it is not TSan-instrumented, and TSan reports a lock-order inversion
+  # inside its TCP transport during MPI_Init (docs/fuzzing.md).
+  for dir in net store comm shm init; do
+    env "${sanitizer_env[@]}" ctest --test-dir "build-tsan/tests/$dir" --output-on-failure \
+      --timeout 900 -j "$jobs" -L 'unit|multiprocess' -E '^mpi\.|MpiBackendUnderMpirun'
+  done
   stage_end tsan
 fi
 
