@@ -6,7 +6,7 @@
 
 Measures, for the same sizes and world size (default 2, all ranks on this host):
   ddp-ring         ddp-bench --backend ring under ddprun, loopback TCP (DDP_TRANSPORT=tcp)
-  ddp-shm          the same with DDP_TRANSPORT=auto: the ranks share memory (src/comm/shm)
+  ddp-shm          the same with DDP_TRANSPORT=auto: the ranks share memory (src/comm/ring/shm)
   ddp-mpi          ddp-bench --backend mpi under mpirun (when this build has the mpi backend)
   gloo             torch.distributed's gloo (bench/gloo_allreduce.py, Debian's python3-torch,
                    run by /usr/bin/python3; the processes are started here, not by torchrun)

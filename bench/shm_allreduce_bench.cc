@@ -25,7 +25,7 @@
 
 #include <fmt/format.h>
 
-#include "comm/shm/shm_domain.h"
+#include "comm/ring/shm/shm_domain.h"
 #include "ddp/tcp_store.h"
 #include "forked_ranks.h"
 #include "net/socket.h"

@@ -17,8 +17,8 @@
 #include <fmt/ranges.h>
 
 #include "comm/comm_test_util.h"
-#include "comm/mesh_handshake.h"
-#include "comm/wire.h"
+#include "comm/ring/mesh_handshake.h"
+#include "comm/ring/wire.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
 

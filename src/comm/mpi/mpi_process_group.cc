@@ -29,7 +29,7 @@
 #include "comm/argument_checks.h"
 #include "comm/mpi/mpi_runtime.h"
 #include "comm/reduce_kernels.h"
-#include "comm/wire.h"
+#include "comm/ring/wire.h"
 #include "ddp/error.h"
 #include "ddp/rendezvous.h"
 

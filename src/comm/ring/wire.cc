@@ -1,4 +1,4 @@
-#include "comm/wire.h"
+#include "comm/ring/wire.h"
 
 #include <fmt/format.h>
 

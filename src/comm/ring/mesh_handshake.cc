@@ -1,4 +1,4 @@
-#include "comm/mesh_handshake.h"
+#include "comm/ring/mesh_handshake.h"
 
 #include <poll.h>
 
@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "comm/wire.h"
+#include "comm/ring/wire.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "store/auth.h"

@@ -1,4 +1,4 @@
-#include "comm/exchange.h"
+#include "comm/ring/exchange.h"
 
 #include <sys/socket.h>
 #include <sys/uio.h>

@@ -1,4 +1,4 @@
-#include "comm/shm/shm_domain.h"
+#include "comm/ring/shm/shm_domain.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -24,113 +24,18 @@
 #include <fmt/format.h>
 
 #include "comm/reduce_kernels.h"
+#include "comm/ring/shm/segment.h"
+#include "comm/ring/shm/sync.h"
 #include "ddp/error.h"
 
 namespace ddp::comm::shm {
 namespace {
 
-constexpr std::uint64_t kSegmentMagic = 0x4d48535044445044ULL;  // "DPDDPSHM" in memory
-constexpr std::uint32_t kSegmentVersion = 2;  // 2: anonymous memory shared through /proc
-constexpr std::size_t kCacheLine = 64;
-constexpr std::size_t kAbortReasonBytes = 512;
-
-std::size_t round_up(std::size_t value, std::size_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
-}
-
-void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 std::string errno_text(int err) {
   return std::strerror(err);
 }
 
-// Futexes on the shared mapping: no FUTEX_PRIVATE_FLAG, the waiters live in other processes.
-// A spurious or early return is harmless: every caller re-checks its condition.
-void futex_wait(std::uint32_t* word, std::uint32_t expected, std::chrono::nanoseconds timeout) {
-  if (timeout <= std::chrono::nanoseconds::zero()) return;
-  timespec ts{};
-  ts.tv_sec = static_cast<time_t>(timeout.count() / 1'000'000'000);
-  ts.tv_nsec = static_cast<long>(timeout.count() % 1'000'000'000);
-  ::syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void futex_wake_all(std::uint32_t* word) {
-  ::syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-std::atomic_ref<std::uint32_t> atomic(std::uint32_t& word) {
-  return std::atomic_ref<std::uint32_t>(word);
-}
-std::atomic_ref<std::int32_t> atomic(std::int32_t& word) {
-  return std::atomic_ref<std::int32_t>(word);
-}
-
-// Wrap-safe "counter has reached target" (counters are 32-bit for the futex).
-bool reached(std::uint32_t counter, std::uint32_t target) {
-  return static_cast<std::int32_t>(counter - target) >= 0;
-}
-
-int open_pidfd(int pid) {
-#ifdef SYS_pidfd_open
-  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-#else
-  (void)pid;
-  errno = ENOSYS;
-  return -1;
-#endif
-}
-
-// A process that exited but was not reaped yet (a zombie) still answers kill(pid, 0), so look at
-// its state in /proc when no pidfd is available.
-bool pid_alive(int pid) {
-  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
-  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
-  std::string line;
-  if (!std::getline(stat, line)) return true;  // cannot tell: assume alive
-  const auto paren = line.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= line.size()) return true;
-  const char state = line[paren + 2];
-  return state != 'Z' && state != 'X';
-}
-
 }  // namespace
-
-// The shared mapping, in this order (each part aligned to a cache line or a page):
-//   SegmentHeader | RankControl x size | inputs: 2 x size x slot_bytes | results: 2 x slot_bytes
-//   | small: 2 x size x small_bytes
-// Every rank writes only its own RankControl, its own input and small slots, and its slice of a
-// result slot; the events counters order those writes (see ShmDomain::run_chunked).
-struct SegmentHeader {
-  std::uint64_t magic;  // written last by rank 0, with release
-  std::uint32_t version;
-  std::int32_t size;
-  std::uint64_t slot_bytes;
-  std::uint64_t small_bytes;
-  std::uint64_t total_bytes;
-  std::uint32_t joined;     // ranks other than 0 that have mapped the segment (futex word)
-  std::int32_t aborted_by;  // -1, or the first rank that failed a call
-  // Arrivals at the first event of a call, all ranks together (futex word), on its own line.
-  alignas(kCacheLine) std::uint32_t arrivals;
-  std::uint32_t arrival_sleepers;
-};
-
-struct alignas(kCacheLine) RankControl {
-  // Events this rank has published: the futex word its peers sleep on. Alone on its line.
-  alignas(kCacheLine) std::uint32_t events;
-  // Peers sleeping on `events` (the publisher skips FUTEX_WAKE when there are none).
-  alignas(kCacheLine) std::uint32_t sleepers;
-  std::int32_t pid;
-  // The headers of this rank's calls, by call parity (a fast peer may start call c+1 while a slow
-  // one still reads the header of call c).
-  alignas(kCacheLine) OpHeader headers[2];
-  char abort_reason[kAbortReasonBytes];
-};
 
 struct ShmDomain::Segment {
   SegmentHeader header;
@@ -139,23 +44,8 @@ struct ShmDomain::Segment {
 
 namespace {
 
-struct Layout {
-  std::size_t control_offset, inputs_offset, results_offset, small_offset, total;
-};
-
-Layout layout_for(int size, std::size_t slot_bytes, std::size_t small_bytes) {
-  Layout l{};
-  l.control_offset = round_up(sizeof(SegmentHeader), kCacheLine);
-  l.inputs_offset = round_up(l.control_offset + sizeof(RankControl) * size, 4096);
-  l.results_offset = l.inputs_offset + 2 * static_cast<std::size_t>(size) * slot_bytes;
-  l.small_offset = l.results_offset + 2 * slot_bytes;
-  l.total = round_up(l.small_offset + 2 * static_cast<std::size_t>(size) * small_bytes, 4096);
-  return l;
-}
-
 RankControl* controls(ShmDomain::Segment* segment) {
-  return reinterpret_cast<RankControl*>(reinterpret_cast<std::byte*>(segment) +
-                                        round_up(sizeof(SegmentHeader), kCacheLine));
+  return controls_of(&segment->header);
 }
 
 // Unmaps a half-made segment, and closes rank 0's descriptor of it, when create() fails.
