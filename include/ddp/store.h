@@ -21,13 +21,11 @@
 #include <string_view>
 #include <vector>
 
+#include "ddp/timeouts.h"
+
 namespace ddp {
 
 using Bytes = std::vector<std::uint8_t>;
-using Milliseconds = std::chrono::milliseconds;
-
-// Default deadline of store operations and collectives (DDP_TIMEOUT overrides at init time).
-inline constexpr Milliseconds kDefaultTimeout{300'000};
 
 class Store {
  public:

@@ -9,6 +9,7 @@
 
 #include "ddp/error.h"
 #include "ddp/job_secret.h"
+#include "settings/settings.h"
 
 namespace ddp {
 namespace {
@@ -86,9 +87,7 @@ std::optional<long long> slurm_tasks_on_node(const std::string& spec, long long 
 }  // namespace
 
 std::optional<std::string> process_environment(const std::string& name) {
-  const char* value = std::getenv(name.c_str());
-  if (value == nullptr) return std::nullopt;
-  return std::string(value);
+  return settings::environment(name);
 }
 
 LaunchEnvironment resolve_launch_environment(const LaunchOptions& options,

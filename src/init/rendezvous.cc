@@ -13,6 +13,7 @@
 #include "ddp/error.h"
 #include "ddp/tcp_store.h"
 #include "net/socket.h"
+#include "settings/settings.h"
 
 namespace ddp {
 namespace {
@@ -158,16 +159,7 @@ Milliseconds resolve_timeout(std::optional<Milliseconds> explicit_timeout,
     }
     return *explicit_timeout;
   }
-  const auto text = lookup("DDP_TIMEOUT");
-  if (!text) return kDefaultTimeout;
-  double seconds = 0;
-  const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-  if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() ||
-      !std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
-    throw ConfigError(fmt::format(
-        "DDP_TIMEOUT='{}' is not a positive number of seconds (e.g. DDP_TIMEOUT=60)", *text));
-  }
-  return Milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
+  return settings::timeout(lookup);
 }
 
 World rendezvous(const InitOptions& options) {

@@ -1,0 +1,52 @@
+#include "settings/settings.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+#include "ddp/error.h"
+
+namespace ddp::settings {
+namespace {
+
+std::string value_or_empty(const Lookup& lookup, const char* name) {
+  return lookup(name).value_or(std::string());
+}
+
+}  // namespace
+
+std::optional<std::string> environment(const std::string& name) {
+  const char* value = std::getenv(name.c_str());
+  if (value == nullptr) return std::nullopt;
+  return std::string(value);
+}
+
+Milliseconds timeout(const Lookup& lookup) {
+  const auto text = lookup("DDP_TIMEOUT");
+  if (!text) return kDefaultTimeout;
+  double seconds = 0;
+  const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+  if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() ||
+      !std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
+    throw ConfigError(fmt::format(
+        "DDP_TIMEOUT='{}' is not a positive number of seconds (e.g. DDP_TIMEOUT=60)", *text));
+  }
+  return Milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
+}
+
+std::string transport(const Lookup& lookup) {
+  return value_or_empty(lookup, "DDP_TRANSPORT");
+}
+
+std::string host_id(const Lookup& lookup) {
+  return value_or_empty(lookup, "DDP_HOST_ID");
+}
+
+std::string advertise_address(const Lookup& lookup) {
+  return value_or_empty(lookup, "DDP_ADVERTISE_ADDR");
+}
+
+}  // namespace ddp::settings

@@ -1,0 +1,35 @@
+// Settings: the DDP_* environment variables that ddp reads below its top layer, and the default
+// timeout, in one place (internal; layer 0: depends on nothing of ddp but ddp/error.h).
+//
+// The layers above resolve these once, where an object is made (a group, a rendezvous), and pass
+// the results down as options; nothing else in net/store/comm calls getenv. Every reader throws
+// ConfigError naming the variable and a valid example for a malformed value. Thread-safe as long
+// as nobody modifies the environment concurrently (getenv's own rule).
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "ddp/timeouts.h"
+
+namespace ddp::settings {
+
+// How a variable is looked up: the process environment by default, a map in tests.
+using Lookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// The process environment's value of `name`, or nullopt when it is not set.
+std::optional<std::string> environment(const std::string& name);
+
+// DDP_TIMEOUT (seconds, may be fractional) when set, else kDefaultTimeout.
+Milliseconds timeout(const Lookup& lookup = environment);
+
+// The ring backend's variables ("" when unset or empty):
+// DDP_TRANSPORT: "auto" or "tcp" (checked by the backend, which names the valid values).
+std::string transport(const Lookup& lookup = environment);
+// DDP_HOST_ID: replaces the detected host identity (which ranks share a host).
+std::string host_id(const Lookup& lookup = environment);
+// DDP_ADVERTISE_ADDR: the address peers use to reach this rank.
+std::string advertise_address(const Lookup& lookup = environment);
+
+}  // namespace ddp::settings

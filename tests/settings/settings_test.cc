@@ -1,0 +1,52 @@
+// settings: the DDP_* variables read below the top layer, through an injected lookup.
+#include "settings/settings.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "ddp/error.h"
+
+namespace ddp::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+settings::Lookup from(std::map<std::string, std::string> values) {
+  return [values = std::move(values)](const std::string& name) -> std::optional<std::string> {
+    const auto it = values.find(name);
+    if (it == values.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+TEST(Settings, TimeoutIsTheDefaultUnlessDdpTimeoutIsSet) {
+  EXPECT_EQ(settings::timeout(from({})), kDefaultTimeout);
+  EXPECT_EQ(settings::timeout(from({{"DDP_TIMEOUT", "60"}})), 60s);
+  EXPECT_EQ(settings::timeout(from({{"DDP_TIMEOUT", "0.25"}})), 250ms);
+}
+
+TEST(Settings, AMalformedTimeoutIsAConfigErrorNamingTheVariable) {
+  for (const char* bad : {"", "abc", "-1", "0", "5s", "inf"}) {
+    try {
+      settings::timeout(from({{"DDP_TIMEOUT", bad}}));
+      ADD_FAILURE() << "DDP_TIMEOUT='" << bad << "' was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("DDP_TIMEOUT"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Settings, RingVariablesAreEmptyWhenUnset) {
+  EXPECT_EQ(settings::transport(from({})), "");
+  EXPECT_EQ(settings::host_id(from({})), "");
+  EXPECT_EQ(settings::advertise_address(from({})), "");
+  const auto set =
+      from({{"DDP_TRANSPORT", "tcp"}, {"DDP_HOST_ID", "h1"}, {"DDP_ADVERTISE_ADDR", "10.0.0.7"}});
+  EXPECT_EQ(settings::transport(set), "tcp");
+  EXPECT_EQ(settings::host_id(set), "h1");
+  EXPECT_EQ(settings::advertise_address(set), "10.0.0.7");
+}
+
+}  // namespace
+}  // namespace ddp::test
