@@ -32,8 +32,8 @@
 
 namespace {
 
+using ddp::Collective;
 using ddp::comm::OpHeader;
-using ddp::comm::OpKind;
 using ddp::comm::shm::ShmDomain;
 using ddp::comm::shm::ShmOptions;
 
@@ -148,13 +148,13 @@ void print_memcpy_bandwidth() {
       copy, 2 * copy);
 }
 
-OpHeader make_header(OpKind kind, std::size_t count, std::uint64_t sequence,
+OpHeader make_header(Collective kind, std::size_t count, std::uint64_t sequence,
                      ddp::DType dtype = ddp::DType::kFloat32) {
   OpHeader h;
   h.kind = kind;
   h.dtype = static_cast<std::uint8_t>(dtype);
-  h.reduce_op = kind == OpKind::kAllreduce ? static_cast<std::uint8_t>(ddp::ReduceOp::kSum)
-                                           : ddp::comm::kNoReduceOp;
+  h.reduce_op = kind == Collective::kAllreduce ? static_cast<std::uint8_t>(ddp::ReduceOp::kSum)
+                                               : ddp::comm::kNoReduceOp;
   h.count = count;
   h.sequence = sequence;
   return h;
@@ -193,14 +193,14 @@ int run_rank(const Args& args, int rank, int world, const std::string& host, std
                                            (std::size_t{512} << 20) / (bytes + 4096), 10, 2000));
     for (int i = 0; i < args.warmup; ++i) {
       domain->allreduce(send.data(), recv.data(), count, ddp::DType::kFloat32, ddp::ReduceOp::kSum,
-                        make_header(OpKind::kAllreduce, count, seq++), deadline());
+                        make_header(Collective::kAllreduce, count, seq++), deadline());
     }
     std::vector<double> micros(static_cast<std::size_t>(iters));
     for (int i = 0; i < iters; ++i) {
-      domain->barrier(make_header(OpKind::kBarrier, 0, seq++), deadline());
+      domain->barrier(make_header(Collective::kBarrier, 0, seq++), deadline());
       const auto t0 = std::chrono::steady_clock::now();
       domain->allreduce(send.data(), recv.data(), count, ddp::DType::kFloat32, ddp::ReduceOp::kSum,
-                        make_header(OpKind::kAllreduce, count, seq++), deadline());
+                        make_header(Collective::kAllreduce, count, seq++), deadline());
       micros[static_cast<std::size_t>(i)] =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     }
@@ -210,7 +210,7 @@ int run_rank(const Args& args, int rank, int world, const std::string& host, std
     wrong_total += wrong;
     // The slowest rank decides each iteration.
     std::vector<double> slowest(micros.size());
-    OpHeader h = make_header(OpKind::kAllreduce, micros.size(), seq++, ddp::DType::kFloat64);
+    OpHeader h = make_header(Collective::kAllreduce, micros.size(), seq++, ddp::DType::kFloat64);
     h.reduce_op = static_cast<std::uint8_t>(ddp::ReduceOp::kMax);
     domain->allreduce(micros.data(), slowest.data(), micros.size(), ddp::DType::kFloat64,
                       ddp::ReduceOp::kMax, h, deadline());
@@ -224,7 +224,7 @@ int run_rank(const Args& args, int rank, int world, const std::string& host, std
       std::fflush(stdout);
     }
   }
-  domain->barrier(make_header(OpKind::kBarrier, 0, seq++), deadline());
+  domain->barrier(make_header(Collective::kBarrier, 0, seq++), deadline());
   return wrong_total == 0 ? 0 : 1;
 }
 

@@ -1,4 +1,4 @@
-// Element types and reduction operations of collectives.
+// Element types, reduction operations and the kinds of collectives.
 //
 // A collective moves raw buffers described by (pointer, element count, DType); reductions combine
 // elements with a ReduceOp. These are plain values: any thread may use them. Nothing here throws
@@ -39,5 +39,23 @@ std::size_t dtype_size(DType dtype);
 std::string_view to_string(DType dtype);
 // "sum", "avg", "min", "max", "product".
 std::string_view to_string(ReduceOp op);
+
+// The operations of a ProcessGroup, for messages, benchmarks and traces. The values are part of
+// the ring backend's wire format (the kind of each message header): append, never reorder.
+enum class Collective : std::uint8_t {
+  kAllreduce,
+  kBroadcast,
+  kReduce,
+  kAllgather,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kAlltoall,
+  kBarrier,
+  kSend,  // point to point (a send, or the matching recv)
+};
+
+// "allreduce", "reduce_scatter", ..., "send".
+std::string_view to_string(Collective collective);
 
 }  // namespace ddp

@@ -65,4 +65,30 @@ std::string_view to_string(ReduceOp op) {
   throw std::invalid_argument("unknown ReduceOp " + std::to_string(static_cast<int>(op)));
 }
 
+std::string_view to_string(Collective kind) {
+  switch (kind) {
+    case Collective::kAllreduce:
+      return "allreduce";
+    case Collective::kBroadcast:
+      return "broadcast";
+    case Collective::kReduce:
+      return "reduce";
+    case Collective::kAllgather:
+      return "allgather";
+    case Collective::kGather:
+      return "gather";
+    case Collective::kScatter:
+      return "scatter";
+    case Collective::kReduceScatter:
+      return "reduce_scatter";
+    case Collective::kAlltoall:
+      return "alltoall";
+    case Collective::kBarrier:
+      return "barrier";
+    case Collective::kSend:
+      return "send";
+  }
+  return "unknown-op";
+}
+
 }  // namespace ddp

@@ -43,7 +43,7 @@ void check_allreduce_all(int rank, int size, ShmDomain& domain, Store& store) {
         for (std::size_t i = 0; i < count; ++i)
           store_value(send.data(), i, dtype, input_value(op, dtype, rank, i));
         domain.allreduce(send.data(), recv.data(), count, dtype, op,
-                         header(OpKind::kAllreduce, dtype, count, seq++, op), after(20s));
+                         header(Collective::kAllreduce, dtype, count, seq++, op), after(20s));
         for (std::size_t i = 0; i < count; ++i) {
           expect_close(load_value(recv.data(), i, dtype), expected_value(op, dtype, size, i), dtype,
                        fmt::format("allreduce {} {} count {} element {} (world {})",
@@ -51,7 +51,7 @@ void check_allreduce_all(int rank, int size, ShmDomain& domain, Store& store) {
         }
         // In place gives the same.
         domain.allreduce(send.data(), send.data(), count, dtype, op,
-                         header(OpKind::kAllreduce, dtype, count, seq++, op), after(20s));
+                         header(Collective::kAllreduce, dtype, count, seq++, op), after(20s));
         if (std::memcmp(send.data(), recv.data(), count * esize) != 0) {
           throw std::runtime_error(fmt::format("in-place allreduce {} {} count {} differs",
                                                to_string(dtype), to_string(op), count));
@@ -93,7 +93,7 @@ TEST_P(ShmWorld, AllreduceResultsAreBitIdenticalOnEveryRank) {
           for (std::size_t i = 0; i < count; ++i)
             store_value(send.data(), i, dtype, 1.0 / (1.0 + rank * 3 + i % 17) + i * 1e-3);
           domain->allreduce(send.data(), recv.data(), count, dtype, op,
-                            header(OpKind::kAllreduce, dtype, count, seq++, op), after(20s));
+                            header(Collective::kAllreduce, dtype, count, seq++, op), after(20s));
           expect_same_on_all_ranks(
               store, fmt::format("bits/{}/{}/{}", to_string(dtype), to_string(op), count), rank,
               size, digest(recv.data(), recv.size()));
@@ -124,9 +124,10 @@ TEST_P(ShmWorld, BroadcastReduceAllgatherReduceScatter) {
           for (std::size_t i = 0; i < count; ++i)
             store_value(buf.data(), i, dtype,
                         input_value(ReduceOp::kSum, dtype, rank == root ? root : rank + 1, i));
-          domain->broadcast(buf.data(), count, dtype, root,
-                            header(OpKind::kBroadcast, dtype, count, seq++, ReduceOp::kSum, root),
-                            after(20s));
+          domain->broadcast(
+              buf.data(), count, dtype, root,
+              header(Collective::kBroadcast, dtype, count, seq++, ReduceOp::kSum, root),
+              after(20s));
           for (std::size_t i = 0; i < count; ++i)
             expect_close(load_value(buf.data(), i, dtype),
                          input_value(ReduceOp::kSum, dtype, root, i), dtype,
@@ -137,7 +138,7 @@ TEST_P(ShmWorld, BroadcastReduceAllgatherReduceScatter) {
             store_value(send.data(), i, dtype, input_value(ReduceOp::kMax, dtype, rank, i));
           domain->reduce(
               send.data(), rank == root ? recv.data() : nullptr, count, dtype, ReduceOp::kMax, root,
-              header(OpKind::kReduce, dtype, count, seq++, ReduceOp::kMax, root), after(20s));
+              header(Collective::kReduce, dtype, count, seq++, ReduceOp::kMax, root), after(20s));
           if (rank == root) {
             for (std::size_t i = 0; i < count; ++i)
               expect_close(load_value(recv.data(), i, dtype),
@@ -150,7 +151,7 @@ TEST_P(ShmWorld, BroadcastReduceAllgatherReduceScatter) {
         for (std::size_t i = 0; i < count; ++i)
           store_value(mine.data(), i, dtype, input_value(ReduceOp::kSum, dtype, rank, i));
         domain->allgather(mine.data(), all.data(), count, dtype,
-                          header(OpKind::kAllgather, dtype, count, seq++), after(20s));
+                          header(Collective::kAllgather, dtype, count, seq++), after(20s));
         for (int r = 0; r < size; ++r)
           for (std::size_t i = 0; i < count; ++i)
             expect_close(load_value(all.data(), r * count + i, dtype),
@@ -162,12 +163,12 @@ TEST_P(ShmWorld, BroadcastReduceAllgatherReduceScatter) {
         for (std::size_t j = 0; j < size * count; ++j)
           store_value(blocks.data(), j, dtype, input_value(ReduceOp::kSum, dtype, rank, j));
         domain->reduce_scatter(blocks.data(), out.data(), count, dtype, ReduceOp::kSum,
-                               header(OpKind::kReduceScatter, dtype, count, seq++), after(20s));
+                               header(Collective::kReduceScatter, dtype, count, seq++), after(20s));
         for (std::size_t i = 0; i < count; ++i)
           expect_close(load_value(out.data(), i, dtype),
                        expected_value(ReduceOp::kSum, dtype, size, rank * count + i), dtype,
                        where("reduce_scatter", -1) + fmt::format(" element {}", i));
-        domain->barrier(header(OpKind::kBarrier, DType::kFloat32, 0, seq++), after(20s));
+        domain->barrier(header(Collective::kBarrier, DType::kFloat32, 0, seq++), after(20s));
       }
     }
   });
@@ -189,7 +190,7 @@ TEST(ShmDomain, EightRanksAllreduceAndBroadcast) {
         for (std::size_t i = 0; i < count; ++i)
           send[i] = static_cast<float>(input_value(op, DType::kFloat32, rank, i));
         domain->allreduce(send.data(), recv.data(), count, DType::kFloat32, op,
-                          header(OpKind::kAllreduce, DType::kFloat32, count, seq++, op),
+                          header(Collective::kAllreduce, DType::kFloat32, count, seq++, op),
                           after(30s));
         for (std::size_t i = 0; i < count; ++i)
           expect_close(recv[i], expected_value(op, DType::kFloat32, 8, i), DType::kFloat32,
@@ -199,7 +200,7 @@ TEST(ShmDomain, EightRanksAllreduceAndBroadcast) {
     std::vector<std::int32_t> buf(3000, rank);
     domain->broadcast(
         buf.data(), buf.size(), DType::kInt32, 5,
-        header(OpKind::kBroadcast, DType::kInt32, buf.size(), seq++, ReduceOp::kSum, 5),
+        header(Collective::kBroadcast, DType::kInt32, buf.size(), seq++, ReduceOp::kSum, 5),
         after(30s));
     for (auto v : buf)
       if (v != 5) throw std::runtime_error(fmt::format("broadcast from 5 gave {}", v));
@@ -217,7 +218,8 @@ TEST(ShmDomain, ThousandSmallAllreducesThenLargeOnesKeepInStep) {
       for (std::size_t i = 0; i < v.size(); ++i)
         v[i] = static_cast<float>(rank + call + i);
       domain->allreduce(v.data(), v.data(), v.size(), DType::kFloat32, ReduceOp::kSum,
-                        header(OpKind::kAllreduce, DType::kFloat32, v.size(), seq++), after(20s));
+                        header(Collective::kAllreduce, DType::kFloat32, v.size(), seq++),
+                        after(20s));
       for (std::size_t i = 0; i < v.size(); ++i) {
         const float want = static_cast<float>(6 + 4 * (call + i));
         if (v[i] != want)
@@ -230,13 +232,14 @@ TEST(ShmDomain, ThousandSmallAllreducesThenLargeOnesKeepInStep) {
     for (int call = 0; call < 5; ++call) {
       std::fill(big.begin(), big.end(), static_cast<float>(rank + call));
       domain->allreduce(big.data(), big.data(), big.size(), DType::kFloat32, ReduceOp::kSum,
-                        header(OpKind::kAllreduce, DType::kFloat32, big.size(), seq++), after(20s));
+                        header(Collective::kAllreduce, DType::kFloat32, big.size(), seq++),
+                        after(20s));
       for (float x : big)
         if (x != static_cast<float>(6 + 4 * call))
           throw std::runtime_error(fmt::format("big call {}: got {}", call, x));
-      domain->barrier(header(OpKind::kBarrier, DType::kFloat32, 0, seq++), after(20s));
+      domain->barrier(header(Collective::kBarrier, DType::kFloat32, 0, seq++), after(20s));
       domain->allreduce(v.data(), v.data(), 1, DType::kFloat32, ReduceOp::kSum,
-                        header(OpKind::kAllreduce, DType::kFloat32, 1, seq++), after(20s));
+                        header(Collective::kAllreduce, DType::kFloat32, 1, seq++), after(20s));
     }
   });
   EXPECT_ALL_RANKS_OK(results);
@@ -258,11 +261,12 @@ TEST(ShmDomain, RanksThatFinishAndExitAreNotBlamed) {
       for (int seq = 0; seq < calls; ++seq) {
         const std::size_t count = seq % 3 == 0 ? 10 : v.size();
         if (seq % 3 == 2) {
-          domain->barrier(header(OpKind::kBarrier, DType::kFloat32, 0, seq), after(20s));
+          domain->barrier(header(Collective::kBarrier, DType::kFloat32, 0, seq), after(20s));
         } else {
-          domain->allreduce(v.data(), v.data(), count, DType::kFloat32, ReduceOp::kMax,
-                            header(OpKind::kAllreduce, DType::kFloat32, count, seq, ReduceOp::kMax),
-                            after(20s));
+          domain->allreduce(
+              v.data(), v.data(), count, DType::kFloat32, ReduceOp::kMax,
+              header(Collective::kAllreduce, DType::kFloat32, count, seq, ReduceOp::kMax),
+              after(20s));
         }
       }
     });
@@ -277,12 +281,12 @@ TEST(ShmDomain, MismatchedCallsNameBothCallsAndRanks) {
     auto domain = make_domain(dir.path(), rank, 3, ShmOptions{.name_prefix = prefix});
     std::vector<float> v(2000, 1.0f);
     domain->allreduce(v.data(), v.data(), 10, DType::kFloat32, ReduceOp::kSum,
-                      header(OpKind::kAllreduce, DType::kFloat32, 10, 0), after(20s));
+                      header(Collective::kAllreduce, DType::kFloat32, 10, 0), after(20s));
     // Rank 2 asks for more elements (the large path) while the others stay on the small one.
     const std::size_t count = rank == 2 ? 2000 : 10;
     try {
       domain->allreduce(v.data(), v.data(), count, DType::kFloat32, ReduceOp::kSum,
-                        header(OpKind::kAllreduce, DType::kFloat32, count, 1), after(20s));
+                        header(Collective::kAllreduce, DType::kFloat32, count, 1), after(20s));
     } catch (const CommError& e) {
       const std::string what = e.what();
       if (what.find("allreduce(float32 x 10, sum) #1") == std::string::npos ||
@@ -292,7 +296,7 @@ TEST(ShmDomain, MismatchedCallsNameBothCallsAndRanks) {
       }
       // The group is poisoned: the next call fails at once with the same error.
       try {
-        domain->barrier(header(OpKind::kBarrier, DType::kFloat32, 0, 2), after(20s));
+        domain->barrier(header(Collective::kBarrier, DType::kFloat32, 0, 2), after(20s));
       } catch (const CommError& again) {
         if (std::string(again.what()) != what) throw std::runtime_error("poisoned error differs");
         return;
@@ -314,11 +318,11 @@ TEST(ShmDomain, DifferentKindsAndRootsAreReported) {
     try {
       if (rank == 0) {
         domain->broadcast(v.data(), 8, DType::kFloat32, 0,
-                          header(OpKind::kBroadcast, DType::kFloat32, 8, 0, ReduceOp::kSum, 0),
+                          header(Collective::kBroadcast, DType::kFloat32, 8, 0, ReduceOp::kSum, 0),
                           after(20s));
       } else {
         domain->broadcast(v.data(), 8, DType::kFloat32, 1,
-                          header(OpKind::kBroadcast, DType::kFloat32, 8, 0, ReduceOp::kSum, 1),
+                          header(Collective::kBroadcast, DType::kFloat32, 8, 0, ReduceOp::kSum, 1),
                           after(20s));
       }
     } catch (const CommError& e) {
@@ -350,7 +354,8 @@ TEST(ShmDomain, KilledPeerIsReportedWithinTwoSeconds) {
       }
       try {
         domain->allreduce(big.data(), big.data(), big.size(), DType::kFloat32, ReduceOp::kSum,
-                          header(OpKind::kAllreduce, DType::kFloat32, big.size(), seq), after(30s));
+                          header(Collective::kAllreduce, DType::kFloat32, big.size(), seq),
+                          after(30s));
       } catch (const CommError& e) {
         const std::string what = e.what();
         if (what.find("rank 2") == std::string::npos)
@@ -387,7 +392,7 @@ TEST(ShmDomain, StoppedPeerTimesOutAtTheDeadline) {
         const int stopped = std::stoi(store.get_string("pid/1"));
         std::vector<float> v(100, 1.0f);
         domain->allreduce(v.data(), v.data(), v.size(), DType::kFloat32, ReduceOp::kSum,
-                          header(OpKind::kAllreduce, DType::kFloat32, v.size(), 0), after(20s));
+                          header(Collective::kAllreduce, DType::kFloat32, v.size(), 0), after(20s));
         if (rank == 1) {
           ::raise(SIGSTOP);
           return;  // only reached if someone continues it
@@ -395,7 +400,8 @@ TEST(ShmDomain, StoppedPeerTimesOutAtTheDeadline) {
         const auto start = std::chrono::steady_clock::now();
         try {
           domain->allreduce(v.data(), v.data(), v.size(), DType::kFloat32, ReduceOp::kSum,
-                            header(OpKind::kAllreduce, DType::kFloat32, v.size(), 1), after(800ms));
+                            header(Collective::kAllreduce, DType::kFloat32, v.size(), 1),
+                            after(800ms));
         } catch (const CommError& e) {
           const auto took = std::chrono::steady_clock::now() - start;
           const std::string what = e.what();
@@ -426,7 +432,7 @@ TEST(ShmDomain, SegmentNeverAppearsInDevShm) {
       throw std::runtime_error("segment still in /dev/shm after create()");
     float x = 1.0f;
     domain->allreduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum,
-                      header(OpKind::kAllreduce, DType::kFloat32, 1, 0), after(20s));
+                      header(Collective::kAllreduce, DType::kFloat32, 1, 0), after(20s));
     if (x != 2.0f) throw std::runtime_error(fmt::format("1 + 1 = {}", x));
   });
   EXPECT_ALL_RANKS_OK(results);
@@ -562,15 +568,17 @@ TEST(ShmDomain, BadArgumentsAreConfigErrors) {
   float x = 3;
   // A header that does not describe the call.
   EXPECT_THROW(domain->allreduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum,
-                                 header(OpKind::kAllreduce, DType::kFloat32, 2, 0), after(1s)),
+                                 header(Collective::kAllreduce, DType::kFloat32, 2, 0), after(1s)),
                ConfigError);
-  EXPECT_THROW(domain->broadcast(
-                   &x, 1, DType::kFloat32, 3,
-                   header(OpKind::kBroadcast, DType::kFloat32, 1, 0, ReduceOp::kSum, 3), after(1s)),
-               ConfigError);
+  EXPECT_THROW(
+      domain->broadcast(&x, 1, DType::kFloat32, 3,
+                        header(Collective::kBroadcast, DType::kFloat32, 1, 0, ReduceOp::kSum, 3),
+                        after(1s)),
+      ConfigError);
   EXPECT_FALSE(domain->poisoned());
   domain->allreduce(&x, &x, 1, DType::kFloat32, ReduceOp::kAvg,
-                    header(OpKind::kAllreduce, DType::kFloat32, 1, 0, ReduceOp::kAvg), after(1s));
+                    header(Collective::kAllreduce, DType::kFloat32, 1, 0, ReduceOp::kAvg),
+                    after(1s));
   EXPECT_EQ(x, 3.0f);
 }
 

@@ -25,10 +25,10 @@ TEST_P(ShmLarge, Allreduce64MiBFloat32) {
         for (std::size_t i = 0; i < count; ++i)
           send[i] = static_cast<float>((rank * 7 + i * 3) % 11);
         for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-          domain->allreduce(
-              send.data(), recv.data(), count, DType::kFloat32, op,
-              header(OpKind::kAllreduce, DType::kFloat32, count, static_cast<std::uint64_t>(op)),
-              after(60s));
+          domain->allreduce(send.data(), recv.data(), count, DType::kFloat32, op,
+                            header(Collective::kAllreduce, DType::kFloat32, count,
+                                   static_cast<std::uint64_t>(op)),
+                            after(60s));
           for (std::size_t i = 0; i < count; ++i) {
             float want = 0;
             for (int r = 0; r < size; ++r)

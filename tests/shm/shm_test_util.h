@@ -28,7 +28,6 @@ namespace ddp::test::shm {
 
 using namespace std::chrono_literals;
 using comm::OpHeader;
-using comm::OpKind;
 using comm::shm::ShmDomain;
 using comm::shm::ShmOptions;
 
@@ -67,13 +66,13 @@ inline std::unique_ptr<ShmDomain> make_domain(const std::filesystem::path& dir, 
   return ShmDomain::create(store, "shm", rank, size, std::move(options), after(timeout));
 }
 
-inline OpHeader header(OpKind kind, DType dtype, std::size_t count, std::uint64_t sequence,
+inline OpHeader header(Collective kind, DType dtype, std::size_t count, std::uint64_t sequence,
                        ReduceOp op = ReduceOp::kSum, int root = -1) {
   OpHeader h;
   h.kind = kind;
   h.dtype = static_cast<std::uint8_t>(dtype);
-  const bool reduces =
-      kind == OpKind::kAllreduce || kind == OpKind::kReduce || kind == OpKind::kReduceScatter;
+  const bool reduces = kind == Collective::kAllreduce || kind == Collective::kReduce ||
+                       kind == Collective::kReduceScatter;
   h.reduce_op = reduces ? static_cast<std::uint8_t>(op) : comm::kNoReduceOp;
   h.count = count;
   h.root = root;

@@ -104,13 +104,6 @@ std::vector<std::size_t> parse_size_list(const std::string& text) {
 
 }  // namespace
 
-std::string_view to_string(Collective collective) {
-  for (const auto& [c, name] : kCollectiveNames) {
-    if (c == collective) return name;
-  }
-  return "unknown";
-}
-
 const std::vector<Collective>& all_collectives() {
   static const std::vector<Collective> all = [] {
     std::vector<Collective> v;

@@ -30,20 +30,8 @@ class UsageError : public ConfigError {
   using ConfigError::ConfigError;
 };
 
-enum class Collective {
-  kAllreduce,
-  kBroadcast,
-  kReduce,
-  kAllgather,
-  kGather,
-  kScatter,
-  kReduceScatter,
-  kAlltoall,
-  kBarrier,
-};
+using ddp::Collective;  // the public enum (ddp/types.h)
 
-// "allreduce", "reduce_scatter", ...
-std::string_view to_string(Collective collective);
 // Every collective, in the order `--op all` runs them.
 const std::vector<Collective>& all_collectives();
 

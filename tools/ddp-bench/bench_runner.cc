@@ -89,6 +89,8 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
         return group_.alltoall(send, recv, layout.block_count, dtype);
       case Collective::kBarrier:
         return group_.barrier();
+      case Collective::kSend:  // not a collective ddp-bench measures
+        break;
     }
     throw std::invalid_argument("ddp-bench: unknown collective");
   };

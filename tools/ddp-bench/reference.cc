@@ -195,6 +195,8 @@ double expected_typed(const CheckSpec& spec, int rank, const Layout& layout, std
       return input_value(spec, static_cast<int>(j / block), r * block + j % block);
     case Collective::kBarrier:
       return 0;
+    case Collective::kSend:  // not a collective ddp-bench measures
+      break;
   }
   throw std::invalid_argument("ddp-bench: unknown collective");
 }
@@ -278,6 +280,8 @@ double bus_bandwidth_factor(Collective collective, int world_size) {
       return 1.0;
     case Collective::kBarrier:
       return 0.0;
+    case Collective::kSend:  // not a collective ddp-bench measures
+      break;
   }
   throw std::invalid_argument("ddp-bench: unknown collective");
 }

@@ -15,7 +15,7 @@ namespace {
 void cross_host_allreduce(Hierarchy& h, std::byte* buf, std::size_t count, const OpArgs& a,
                           net::Deadline deadline) {
   OpArgs x;
-  x.kind = OpKind::kAllreduce;
+  x.kind = Collective::kAllreduce;
   x.send = buf;
   x.recv = buf;
   x.count = count;
@@ -72,7 +72,7 @@ void allreduce_hierarchical(Hierarchy& h, const OpArgs& a, net::Deadline deadlin
   const std::size_t esz = dtype_size(a.dtype);
   const ReduceOp local_op = a.op == ReduceOp::kAvg ? ReduceOp::kSum : a.op;
   const auto local_size = h.local.size();
-  auto header = [&](OpKind kind, std::size_t count, int root) {
+  auto header = [&](Collective kind, std::size_t count, int root) {
     OpHeader h = a.header;
     h.kind = kind;
     h.count = count;
@@ -83,14 +83,15 @@ void allreduce_hierarchical(Hierarchy& h, const OpArgs& a, net::Deadline deadlin
     const std::byte* in = a.send + first * esz;
     std::byte* out = a.recv + first * esz;
     if (h.domain) {
-      h.domain->reduce(in, out, count, a.dtype, local_op, 0, header(OpKind::kReduce, count, 0),
+      h.domain->reduce(in, out, count, a.dtype, local_op, 0, header(Collective::kReduce, count, 0),
                        deadline);
     } else if (in != out && count > 0) {
       std::memcpy(out, in, count * esz);
     }
     if (h.local_rank == 0) cross_host_allreduce(h, out, count, a, deadline);
     if (h.domain) {
-      h.domain->broadcast(out, count, a.dtype, 0, header(OpKind::kBroadcast, count, 0), deadline);
+      h.domain->broadcast(out, count, a.dtype, 0, header(Collective::kBroadcast, count, 0),
+                          deadline);
     }
   };
   const std::size_t per = a.count / local_size;
@@ -99,9 +100,10 @@ void allreduce_hierarchical(Hierarchy& h, const OpArgs& a, net::Deadline deadlin
   }
   std::byte* slice = h.scratch_for(per * esz);
   h.domain->reduce_scatter(a.send, slice, per, a.dtype, local_op,
-                           header(OpKind::kReduceScatter, per, -1), deadline);
+                           header(Collective::kReduceScatter, per, -1), deadline);
   cross_host_allreduce(h, slice, per, a, deadline);
-  h.domain->allgather(slice, a.recv, per, a.dtype, header(OpKind::kAllgather, per, -1), deadline);
+  h.domain->allgather(slice, a.recv, per, a.dtype, header(Collective::kAllgather, per, -1),
+                      deadline);
   const std::size_t tail = a.count - per * local_size;
   if (tail > 0) leaders_path(per * local_size, tail);
 }

@@ -16,7 +16,7 @@
 namespace ddp::comm {
 
 struct OpArgs {
-  OpKind kind = OpKind::kAllreduce;
+  Collective kind = Collective::kAllreduce;
   const std::byte* send = nullptr;
   std::byte* recv = nullptr;
   std::size_t count = 0;
@@ -35,7 +35,7 @@ struct OpArgs {
   // Formatted when needed (errors, TCP steps), not on every call: it allocates.
   std::string description() const {
     if (!label.empty()) return label;
-    return kind == OpKind::kSend ? describe(header, peer, is_recv) : describe(header);
+    return kind == Collective::kSend ? describe(header, peer, is_recv) : describe(header);
   }
 };
 

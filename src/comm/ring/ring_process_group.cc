@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -27,8 +26,8 @@
 #include "comm/ring/topology.h"
 #include "comm/ring/wire.h"
 #include "ddp/error.h"
-#include "ddp/rendezvous.h"
 #include "net/socket.h"
+#include "settings/settings.h"
 #include "store/auth.h"
 
 namespace ddp {
@@ -37,7 +36,6 @@ namespace {
 using comm::Algorithm;
 using comm::OpArgs;
 using comm::OpHeader;
-using comm::OpKind;
 using std::chrono::milliseconds;
 
 milliseconds resolve_group_timeout(milliseconds configured) {
@@ -48,7 +46,7 @@ milliseconds resolve_group_timeout(milliseconds configured) {
                     "value, or 0 for DDP_TIMEOUT / the default",
                     configured.count()));
   }
-  return resolve_timeout(std::nullopt);  // DDP_TIMEOUT, else the default (rendezvous.h)
+  return settings::timeout();  // DDP_TIMEOUT, else the default
 }
 
 // RingOptions::spin: negative = 50 us when every rank can have a core of its own, else none.
@@ -69,8 +67,7 @@ Transport resolve_transport(const RingOptions& options) {
     }
     return *options.transport;
   }
-  if (const char* env = std::getenv("DDP_TRANSPORT"); env != nullptr && *env != '\0') {
-    const std::string value = env;
+  if (const std::string value = settings::transport(); !value.empty()) {
     if (value == "auto") return Transport::kAuto;
     if (value == "tcp") return Transport::kTcp;
     throw ConfigError(fmt::format(
@@ -85,18 +82,9 @@ std::string_view transport_name(Transport t) {
   return t == Transport::kTcp ? "tcp" : "auto";
 }
 
-std::string host_id_override() {
-  // An explicit identity wins: for setups where the detection is wrong, and for tests that give
-  // ranks of one machine different "hosts" to run the hierarchical path.
-  const char* env = std::getenv("DDP_HOST_ID");
-  return env != nullptr ? std::string(env) : std::string();
-}
-
 std::string advertise_host(const RingOptions& options) {
   if (!options.advertise_host.empty()) return options.advertise_host;
-  if (const char* env = std::getenv("DDP_ADVERTISE_ADDR"); env != nullptr && *env != '\0') {
-    return env;
-  }
+  if (std::string env = settings::advertise_address(); !env.empty()) return env;
   return net::host_name();
 }
 
@@ -112,7 +100,7 @@ class RingWork final : public comm::QueuedWork {
  protected:
   void on_sequenced(std::uint64_t sequence) override {
     args_.header.sequence = sequence;
-    if (args_.kind == OpKind::kSend && args_.is_recv) args_.expected = args_.header;
+    if (args_.kind == Collective::kSend && args_.is_recv) args_.expected = args_.header;
   }
 
  private:
@@ -151,7 +139,7 @@ class RingProcessGroup final : public ProcessGroup,
             ? Algorithm::kHierarchical
             : comm::tcp_allreduce_algorithm(bytes_of(count, dtype, "allreduce"), count, size(),
                                             options_.small_message_bytes);
-    return enqueue(make_args(OpKind::kAllreduce, send, recv, count, dtype, op, -1, algorithm),
+    return enqueue(make_args(Collective::kAllreduce, send, recv, count, dtype, op, -1, algorithm),
                    options);
   }
 
@@ -167,7 +155,7 @@ class RingProcessGroup final : public ProcessGroup,
       check_buffer(segment.data, segment.count, "allreduce_segments", "segment");
       count += segment.count;
     }
-    OpArgs args = make_args(OpKind::kAllreduce, nullptr, nullptr, count, dtype, op, -1,
+    OpArgs args = make_args(Collective::kAllreduce, nullptr, nullptr, count, dtype, op, -1,
                             Algorithm::kSharedMemory);
     args.segments = std::move(segments);
     return enqueue(std::move(args), options);
@@ -182,7 +170,7 @@ class RingProcessGroup final : public ProcessGroup,
                             : comm::tcp_broadcast_algorithm(bytes_of(count, dtype, "broadcast"),
                                                             options_.small_message_bytes);
     return enqueue(
-        make_args(OpKind::kBroadcast, buf, buf, count, dtype, std::nullopt, root, algorithm),
+        make_args(Collective::kBroadcast, buf, buf, count, dtype, std::nullopt, root, algorithm),
         options);
   }
 
@@ -191,17 +179,17 @@ class RingProcessGroup final : public ProcessGroup,
     check_rank(root, "reduce", "root");
     check_buffer(send, count, "reduce", "send");
     if (rank() == root) check_buffer(recv, count, "reduce", "recv (at the root)");
-    return enqueue(
-        make_args(OpKind::kReduce, send, recv, count, dtype, op, root, shm_or(Algorithm::kChain)),
-        options);
+    return enqueue(make_args(Collective::kReduce, send, recv, count, dtype, op, root,
+                             shm_or(Algorithm::kChain)),
+                   options);
   }
 
   std::shared_ptr<Work> allgather(const void* send, void* recv, std::size_t count_per_rank,
                                   DType dtype, CallOptions options) override {
     check_buffer(send, count_per_rank, "allgather", "send");
     check_buffer(recv, count_per_rank, "allgather", "recv");
-    return enqueue(make_args(OpKind::kAllgather, send, recv, count_per_rank, dtype, std::nullopt,
-                             -1, shm_or(Algorithm::kRing)),
+    return enqueue(make_args(Collective::kAllgather, send, recv, count_per_rank, dtype,
+                             std::nullopt, -1, shm_or(Algorithm::kRing)),
                    options);
   }
 
@@ -210,8 +198,8 @@ class RingProcessGroup final : public ProcessGroup,
     check_rank(root, "gather", "root");
     check_buffer(send, count_per_rank, "gather", "send");
     if (rank() == root) check_buffer(recv, count_per_rank, "gather", "recv (at the root)");
-    return enqueue(make_args(OpKind::kGather, send, recv, count_per_rank, dtype, std::nullopt, root,
-                             Algorithm::kDirect),
+    return enqueue(make_args(Collective::kGather, send, recv, count_per_rank, dtype, std::nullopt,
+                             root, Algorithm::kDirect),
                    options);
   }
 
@@ -220,7 +208,7 @@ class RingProcessGroup final : public ProcessGroup,
     check_rank(root, "scatter", "root");
     if (rank() == root) check_buffer(send, count_per_rank, "scatter", "send (at the root)");
     check_buffer(recv, count_per_rank, "scatter", "recv");
-    return enqueue(make_args(OpKind::kScatter, send, recv, count_per_rank, dtype, std::nullopt,
+    return enqueue(make_args(Collective::kScatter, send, recv, count_per_rank, dtype, std::nullopt,
                              root, Algorithm::kDirect),
                    options);
   }
@@ -229,7 +217,7 @@ class RingProcessGroup final : public ProcessGroup,
                                        DType dtype, ReduceOp op, CallOptions options) override {
     check_buffer(send, count_per_rank, "reduce_scatter", "send");
     check_buffer(recv, count_per_rank, "reduce_scatter", "recv");
-    return enqueue(make_args(OpKind::kReduceScatter, send, recv, count_per_rank, dtype, op, -1,
+    return enqueue(make_args(Collective::kReduceScatter, send, recv, count_per_rank, dtype, op, -1,
                              shm_or(Algorithm::kRing)),
                    options);
   }
@@ -238,14 +226,14 @@ class RingProcessGroup final : public ProcessGroup,
                                  DType dtype, CallOptions options) override {
     check_buffer(send, count_per_rank, "alltoall", "send");
     check_buffer(recv, count_per_rank, "alltoall", "recv");
-    return enqueue(make_args(OpKind::kAlltoall, send, recv, count_per_rank, dtype, std::nullopt, -1,
-                             Algorithm::kDirect),
+    return enqueue(make_args(Collective::kAlltoall, send, recv, count_per_rank, dtype, std::nullopt,
+                             -1, Algorithm::kDirect),
                    options);
   }
 
   std::shared_ptr<Work> barrier(CallOptions options) override {
-    return enqueue(make_args(OpKind::kBarrier, nullptr, nullptr, 0, DType::kUInt8, std::nullopt, -1,
-                             shm_or(Algorithm::kRecursiveDoubling)),
+    return enqueue(make_args(Collective::kBarrier, nullptr, nullptr, 0, DType::kUInt8, std::nullopt,
+                             -1, shm_or(Algorithm::kRecursiveDoubling)),
                    options);
   }
 
@@ -253,8 +241,8 @@ class RingProcessGroup final : public ProcessGroup,
                              CallOptions options) override {
     check_buffer(buf, count, "send", "buf");
     check_peer(dst, "send", "dst");
-    auto args =
-        make_args(OpKind::kSend, buf, nullptr, count, dtype, std::nullopt, tag, Algorithm::kDirect);
+    auto args = make_args(Collective::kSend, buf, nullptr, count, dtype, std::nullopt, tag,
+                          Algorithm::kDirect);
     args.peer = dst;
     return enqueue(std::move(args), options);
   }
@@ -263,8 +251,8 @@ class RingProcessGroup final : public ProcessGroup,
                              CallOptions options) override {
     check_buffer(buf, count, "recv", "buf");
     check_peer(src, "recv", "src");
-    auto args =
-        make_args(OpKind::kSend, nullptr, buf, count, dtype, std::nullopt, tag, Algorithm::kDirect);
+    auto args = make_args(Collective::kSend, nullptr, buf, count, dtype, std::nullopt, tag,
+                          Algorithm::kDirect);
     args.peer = src;
     args.is_recv = true;
     return enqueue(std::move(args), options);
@@ -287,7 +275,7 @@ class RingProcessGroup final : public ProcessGroup,
   }
   void set_up_locality(Transport transport, net::Deadline deadline);
   void run_shm(const OpArgs& a, net::Deadline deadline);
-  OpArgs make_args(OpKind kind, const void* send, void* recv, std::size_t count, DType dtype,
+  OpArgs make_args(Collective kind, const void* send, void* recv, std::size_t count, DType dtype,
                    std::optional<ReduceOp> op, int root, Algorithm algorithm) const;
   std::shared_ptr<Work> enqueue(OpArgs args, CallOptions options);
   std::string abort_reason_of(int peer);
@@ -379,7 +367,7 @@ void RingProcessGroup::connect_mesh() {
   }
   store_->set(
       fmt::format("{}host/{}", prefix_, rank()),
-      fmt::format("{}\n{}", transport_name(transport), comm::host_identity(host_id_override())));
+      fmt::format("{}\n{}", transport_name(transport), comm::host_identity(settings::host_id())));
 
   peers_ =
       comm::connect_full_mesh(*store_,
@@ -518,7 +506,7 @@ void RingProcessGroup::check_sockets_for_other_call() {
     OpHeader got;
     const ssize_t n = ::recv(fd, &got, sizeof got, MSG_PEEK | MSG_DONTWAIT);
     if (n == static_cast<ssize_t>(sizeof got) && got.magic == comm::kHeaderMagic &&
-        got.kind != OpKind::kSend && got.sequence == current_->header.sequence &&
+        got.kind != Collective::kSend && got.sequence == current_->header.sequence &&
         !(got == current_->header)) {
       fail_cross_transport_mismatch(peer, got);
     }
@@ -542,7 +530,7 @@ void RingProcessGroup::check_peer(int r, const char* op, const char* name) const
   comm::check_peer(r, rank(), size(), name_, op, name);
 }
 
-OpArgs RingProcessGroup::make_args(OpKind kind, const void* send, void* recv, std::size_t count,
+OpArgs RingProcessGroup::make_args(Collective kind, const void* send, void* recv, std::size_t count,
                                    DType dtype, std::optional<ReduceOp> op, int root,
                                    Algorithm algorithm) const {
   comm::check_enums(std::string(comm::to_string(kind)).c_str(), dtype, op);
@@ -566,9 +554,9 @@ OpArgs RingProcessGroup::make_args(OpKind kind, const void* send, void* recv, st
 std::shared_ptr<Work> RingProcessGroup::enqueue(OpArgs args, CallOptions options) {
   args.timeout = comm::OpQueue::call_timeout(options, timeout_);
   using Channel = comm::OpQueue::Channel;
-  const Channel channel = args.kind != OpKind::kSend ? Channel::collective()
-                          : args.is_recv             ? Channel::recv_from(args.peer)
-                                                     : Channel::send_to(args.peer);
+  const Channel channel = args.kind != Collective::kSend ? Channel::collective()
+                          : args.is_recv                 ? Channel::recv_from(args.peer)
+                                                         : Channel::send_to(args.peer);
   auto work = std::make_shared<RingWork>(std::move(args));
   queue_.enqueue(work, channel);
   return work;
@@ -647,18 +635,18 @@ void RingProcessGroup::run_op(const OpArgs& a, net::Deadline deadline) {
 void RingProcessGroup::run_shm(const OpArgs& a, net::Deadline deadline) {
   auto& d = *domain_;
   switch (a.kind) {
-    case OpKind::kAllreduce:
+    case Collective::kAllreduce:
       if (!a.segments.empty()) {
         return d.allreduce_segments(a.segments, a.dtype, a.op, a.header, deadline);
       }
       return d.allreduce(a.send, a.recv, a.count, a.dtype, a.op, a.header, deadline);
-    case OpKind::kBroadcast:
+    case Collective::kBroadcast:
       return d.broadcast(a.recv, a.count, a.dtype, a.root, a.header, deadline);
-    case OpKind::kReduce:
+    case Collective::kReduce:
       return d.reduce(a.send, a.recv, a.count, a.dtype, a.op, a.root, a.header, deadline);
-    case OpKind::kAllgather:
+    case Collective::kAllgather:
       return d.allgather(a.send, a.recv, a.count, a.dtype, a.header, deadline);
-    case OpKind::kReduceScatter: {
+    case Collective::kReduceScatter: {
       // The domain reads every block of `send` until the end: an overlapping recv goes through a
       // pooled temporary.
       const std::size_t block = a.count * dtype_size(a.dtype);
@@ -672,7 +660,7 @@ void RingProcessGroup::run_shm(const OpArgs& a, net::Deadline deadline) {
       std::memcpy(a.recv, temp, block);
       return;
     }
-    case OpKind::kBarrier:
+    case Collective::kBarrier:
       return d.barrier(a.header, deadline);
     default:
       throw CommError(fmt::format("rank {}: {} has no shared-memory path", rank(), a.description()),

@@ -16,7 +16,7 @@ Exchange& TcpContext::begin(const OpArgs& a) {
   exchange_.reset(
       a.header, a.dtype,
       ExchangeContext{&group_, rank_, op_text_ = a.description(), peer_fds_.data(), size_,
-                      idle_check_ && a.kind != OpKind::kSend ? &idle_check_ : nullptr});
+                      idle_check_ && a.kind != Collective::kSend ? &idle_check_ : nullptr});
   return exchange_;
 }
 
@@ -40,7 +40,7 @@ Algorithm tcp_broadcast_algorithm(std::size_t bytes, std::size_t small_message_b
 
 void run_tcp(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
   switch (a.kind) {
-    case OpKind::kAllreduce:
+    case Collective::kAllreduce:
       if (tcp.size() == 1) {
         if (a.send != a.recv && a.count > 0) {
           std::memcpy(a.recv, a.send, a.count * dtype_size(a.dtype));
@@ -49,25 +49,25 @@ void run_tcp(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
       }
       if (a.header.algorithm == Algorithm::kRing) return allreduce_ring(tcp, a, deadline);
       return allreduce_recursive_doubling(tcp, a, deadline);
-    case OpKind::kBarrier:
+    case Collective::kBarrier:
       if (tcp.size() == 1) return;
       return allreduce_recursive_doubling(tcp, a, deadline);
-    case OpKind::kBroadcast:
+    case Collective::kBroadcast:
       if (tcp.size() == 1) return;
       return broadcast_tree(tcp, a, deadline);
-    case OpKind::kReduce:
+    case Collective::kReduce:
       return reduce_chain(tcp, a, deadline);
-    case OpKind::kAllgather:
+    case Collective::kAllgather:
       return allgather_ring(tcp, a, deadline);
-    case OpKind::kReduceScatter:
+    case Collective::kReduceScatter:
       return reduce_scatter_ring(tcp, a, deadline);
-    case OpKind::kGather:
+    case Collective::kGather:
       return gather_direct(tcp, a, deadline);
-    case OpKind::kScatter:
+    case Collective::kScatter:
       return scatter_direct(tcp, a, deadline);
-    case OpKind::kAlltoall:
+    case Collective::kAlltoall:
       return alltoall_direct(tcp, a, deadline);
-    case OpKind::kSend:
+    case Collective::kSend:
       return point_to_point(tcp, a, deadline);
   }
 }

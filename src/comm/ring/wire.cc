@@ -4,32 +4,6 @@
 
 namespace ddp::comm {
 
-std::string_view to_string(OpKind kind) {
-  switch (kind) {
-    case OpKind::kAllreduce:
-      return "allreduce";
-    case OpKind::kBroadcast:
-      return "broadcast";
-    case OpKind::kReduce:
-      return "reduce";
-    case OpKind::kAllgather:
-      return "allgather";
-    case OpKind::kGather:
-      return "gather";
-    case OpKind::kScatter:
-      return "scatter";
-    case OpKind::kReduceScatter:
-      return "reduce_scatter";
-    case OpKind::kAlltoall:
-      return "alltoall";
-    case OpKind::kBarrier:
-      return "barrier";
-    case OpKind::kSend:
-      return "send";
-  }
-  return "unknown-op";
-}
-
 std::string_view to_string(Algorithm algorithm) {
   switch (algorithm) {
     case Algorithm::kNone:
@@ -56,7 +30,7 @@ std::string describe(const OpHeader& h, int peer, bool as_receiver) {
   if (h.magic != kHeaderMagic) {
     return fmt::format("<not a ddp header: magic {:#x}>", h.magic);
   }
-  if (h.dtype > static_cast<std::uint8_t>(DType::kInt64) || h.kind > OpKind::kSend) {
+  if (h.dtype > static_cast<std::uint8_t>(DType::kInt64) || h.kind > Collective::kSend) {
     return fmt::format("<corrupt header: kind {} dtype {}>", static_cast<int>(h.kind),
                        static_cast<int>(h.dtype));
   }
@@ -67,29 +41,29 @@ std::string describe(const OpHeader& h, int peer, bool as_receiver) {
                                         ? std::string(to_string(static_cast<ReduceOp>(h.reduce_op)))
                                         : fmt::format("op{}", h.reduce_op));
   switch (h.kind) {
-    case OpKind::kAllreduce:
+    case Collective::kAllreduce:
       return fmt::format("allreduce({} x {}, {}) #{}", dtype, h.count, reduce_op, h.sequence);
-    case OpKind::kBroadcast:
+    case Collective::kBroadcast:
       return fmt::format("broadcast({} x {}, root {}) #{}", dtype, h.count, h.root, h.sequence);
-    case OpKind::kReduce:
+    case Collective::kReduce:
       return fmt::format("reduce({} x {}, {}, root {}) #{}", dtype, h.count, reduce_op, h.root,
                          h.sequence);
-    case OpKind::kAllgather:
+    case Collective::kAllgather:
       return fmt::format("allgather({} x {} per rank) #{}", dtype, h.count, h.sequence);
-    case OpKind::kGather:
+    case Collective::kGather:
       return fmt::format("gather({} x {} per rank, root {}) #{}", dtype, h.count, h.root,
                          h.sequence);
-    case OpKind::kScatter:
+    case Collective::kScatter:
       return fmt::format("scatter({} x {} per rank, root {}) #{}", dtype, h.count, h.root,
                          h.sequence);
-    case OpKind::kReduceScatter:
+    case Collective::kReduceScatter:
       return fmt::format("reduce_scatter({} x {} per rank, {}) #{}", dtype, h.count, reduce_op,
                          h.sequence);
-    case OpKind::kAlltoall:
+    case Collective::kAlltoall:
       return fmt::format("alltoall({} x {} per rank) #{}", dtype, h.count, h.sequence);
-    case OpKind::kBarrier:
+    case Collective::kBarrier:
       return fmt::format("barrier() #{}", h.sequence);
-    case OpKind::kSend:
+    case Collective::kSend:
       if (peer < 0) {
         return fmt::format("{}({} x {}, tag {}) #{}", as_receiver ? "recv" : "send", dtype, h.count,
                            h.root, h.sequence);

@@ -19,18 +19,10 @@ inline constexpr std::uint32_t kHeaderMagic = 0x48504444;     // "DDPH"
 inline constexpr std::uint32_t kHandshakeMagic = 0x52504444;  // "DDPR"
 inline constexpr std::uint32_t kProtocolVersion = 1;
 
-enum class OpKind : std::uint8_t {
-  kAllreduce,
-  kBroadcast,
-  kReduce,
-  kAllgather,
-  kGather,
-  kScatter,
-  kReduceScatter,
-  kAlltoall,
-  kBarrier,
-  kSend,  // point to point; the receiver expects kSend too
-};
+// The mpi backend's name for ddp::Collective, until it moves over (do not use in new code).
+using OpKind = Collective;
+// ddp::to_string(Collective/DType/ReduceOp) beside to_string(Algorithm) below.
+using ddp::to_string;
 
 enum class Algorithm : std::uint8_t {
   kNone,
@@ -47,7 +39,7 @@ inline constexpr std::uint8_t kNoReduceOp = 0xff;
 
 struct OpHeader {
   std::uint32_t magic = kHeaderMagic;
-  OpKind kind = OpKind::kAllreduce;
+  Collective kind = Collective::kAllreduce;
   std::uint8_t dtype = 0;
   std::uint8_t reduce_op = kNoReduceOp;
   Algorithm algorithm = Algorithm::kNone;
@@ -62,7 +54,6 @@ struct OpHeader {
 };
 static_assert(sizeof(OpHeader) == 32);
 
-std::string_view to_string(OpKind kind);
 std::string_view to_string(Algorithm algorithm);
 
 // "allreduce(float32 x 1024, sum) #7", "broadcast(float32 x 1024, root 0) #7", ...

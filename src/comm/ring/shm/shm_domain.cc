@@ -630,14 +630,14 @@ static void reduce_in_rank_order(std::byte* dst, InputOf&& input_of, std::size_t
 
 namespace {
 
-void check_header(const OpHeader& header, OpKind kind, std::size_t count, DType dtype, int root,
+void check_header(const OpHeader& header, Collective kind, std::size_t count, DType dtype, int root,
                   int size) {
   if (header.kind != kind || header.count != count ||
-      (kind != OpKind::kBarrier && header.dtype != static_cast<std::uint8_t>(dtype))) {
+      (kind != Collective::kBarrier && header.dtype != static_cast<std::uint8_t>(dtype))) {
     throw ConfigError(fmt::format("ShmDomain: the header {} does not describe the call {}({} x {})",
                                   describe(header), to_string(kind), to_string(dtype), count));
   }
-  const bool rooted = kind == OpKind::kBroadcast || kind == OpKind::kReduce;
+  const bool rooted = kind == Collective::kBroadcast || kind == Collective::kReduce;
   if (root >= size || (rooted && root < 0)) {
     throw ConfigError(
         fmt::format("ShmDomain: root {} is not a rank of a group of size {}", root, size));
@@ -725,7 +725,7 @@ void ShmDomain::run_small_allreduce(const Pieces& in, const Pieces& out, std::si
 
 void ShmDomain::allreduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
                           const OpHeader& header, Deadline deadline) {
-  check_header(header, OpKind::kAllreduce, count, dtype, -1, size_);
+  check_header(header, Collective::kAllreduce, count, dtype, -1, size_);
   check_buffer(send, count, "send");
   check_buffer(recv, count, "recv");
   const std::size_t esize = dtype_size(dtype);
@@ -740,7 +740,7 @@ void ShmDomain::allreduce_segments(std::span<const BufferSegment> segments, DTyp
     check_buffer(segment.data, segment.count, "a segment");
     count += segment.count;
   }
-  check_header(header, OpKind::kAllreduce, count, dtype, -1, size_);
+  check_header(header, Collective::kAllreduce, count, dtype, -1, size_);
   const Pieces buffer(segments, dtype_size(dtype));
   run_allreduce(buffer, buffer, count, dtype, op, header, deadline);
 }
@@ -794,7 +794,7 @@ void ShmDomain::run_allreduce(const Pieces& in, const Pieces& out, std::size_t c
 
 void ShmDomain::reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
                        int root, const OpHeader& header, Deadline deadline) {
-  check_header(header, OpKind::kReduce, count, dtype, root, size_);
+  check_header(header, Collective::kReduce, count, dtype, root, size_);
   check_buffer(send, count, "send");
   if (rank_ == root) check_buffer(recv, count, "recv");
   const std::size_t esize = dtype_size(dtype);
@@ -835,7 +835,7 @@ void ShmDomain::reduce(const void* send, void* recv, std::size_t count, DType dt
 
 void ShmDomain::broadcast(void* buf, std::size_t count, DType dtype, int root,
                           const OpHeader& header, Deadline deadline) {
-  check_header(header, OpKind::kBroadcast, count, dtype, root, size_);
+  check_header(header, Collective::kBroadcast, count, dtype, root, size_);
   check_buffer(buf, count, "buf");
   const std::size_t esize = dtype_size(dtype);
   guarded(header, deadline, [&] {
@@ -854,7 +854,7 @@ void ShmDomain::broadcast(void* buf, std::size_t count, DType dtype, int root,
 
 void ShmDomain::allgather(const void* send, void* recv, std::size_t count_per_rank, DType dtype,
                           const OpHeader& header, Deadline deadline) {
-  check_header(header, OpKind::kAllgather, count_per_rank, dtype, -1, size_);
+  check_header(header, Collective::kAllgather, count_per_rank, dtype, -1, size_);
   check_buffer(send, count_per_rank, "send");
   check_buffer(recv, count_per_rank, "recv");
   const std::size_t esize = dtype_size(dtype);
@@ -878,7 +878,7 @@ void ShmDomain::allgather(const void* send, void* recv, std::size_t count_per_ra
 void ShmDomain::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank,
                                DType dtype, ReduceOp op, const OpHeader& header,
                                Deadline deadline) {
-  check_header(header, OpKind::kReduceScatter, count_per_rank, dtype, -1, size_);
+  check_header(header, Collective::kReduceScatter, count_per_rank, dtype, -1, size_);
   check_buffer(send, count_per_rank, "send");
   check_buffer(recv, count_per_rank, "recv");
   const std::size_t esize = dtype_size(dtype);
@@ -908,7 +908,7 @@ void ShmDomain::reduce_scatter(const void* send, void* recv, std::size_t count_p
 }
 
 void ShmDomain::barrier(const OpHeader& header, Deadline deadline) {
-  check_header(header, OpKind::kBarrier, header.count, DType::kFloat32, -1, size_);
+  check_header(header, Collective::kBarrier, header.count, DType::kFloat32, -1, size_);
   guarded(header, deadline, [&] {
     const int parity = static_cast<int>(calls_ & 1);
     controls(segment_)[rank_].headers[parity] = header_;

@@ -2,7 +2,7 @@
 // shared-memory segment instead of loopback TCP (internal to the ring backend).
 //
 //   auto domain = ShmDomain::create(store, "pg0/shm", rank, size, {}, deadline_after(30s));
-//   OpHeader h{.kind = OpKind::kAllreduce, .dtype = uint8_t(DType::kFloat32), .reduce_op = 0,
+//   OpHeader h{.kind = Collective::kAllreduce, .dtype = uint8_t(DType::kFloat32), .reduce_op = 0,
 //              .sequence = seq++, .count = n};
 //   domain->allreduce(send, recv, n, DType::kFloat32, ReduceOp::kSum, h, deadline_after(60s));
 //
