@@ -1,9 +1,23 @@
-// The mpi backend: the per-group queue and worker, deadlines over MPI_Test, poisoning, subgroups.
+// The mpi backend: the per-group queue and worker, deadlines over MPI_Test, mismatch detection,
+// poisoning (and aborting the job), subgroups.
 //
-// Each group owns two duplicates of its communicator: `comm_`, used only by the worker thread for
-// the operations in issue order, and `control_`, used only by new_group on the caller's thread.
-// Two communicators keep new_group's own collectives from interleaving, in a different order on
-// different ranks, with the operations the worker is running meanwhile.
+// Each group owns three duplicates of its communicator: `comm_` carries the operations' data and
+// `check_` their fingerprints and the notices between ranks (both used by whichever thread runs
+// the operations, in issue order), and `control_` is used only by new_group on the caller's thread.
+// Separate communicators keep new_group's own collectives from interleaving, in a different order
+// on different ranks, with the operations running meanwhile, and keep a mismatched data operation
+// (which MPI may match with the wrong call) from disturbing the fingerprint exchange.
+//
+// Mismatches. Alongside every collective, a 16-byte MPI_Iallreduce(MAX) on `check_` combines the
+// (hash, ~hash) of each rank's call (kind, dtype, count, root, reduce op, sequence number): the
+// result equals this rank's pair on every rank exactly when every rank issued the same call. It
+// is polled together with the data operation (measured: no added latency at world 2, since MPI
+// progresses both at once; docs/benchmarks.md) and the operation completes only when both have,
+// so a count mismatch that MPI answers with a short receive (no error, wrong data) is still named.
+// On a mismatch every rank gathers all 32-byte headers on `check_` and names every call. A rank
+// that issues nothing more on the group leaves no fingerprint: a call still running after
+// stall_check_after reads the notices its peers sent on `check_` (a peer failed, or left the group
+// or the process), so those are named within seconds as well.
 //
 // An operation is one non-blocking MPI call (MPI_Iallreduce, MPI_Ibcast, ...) followed by
 // MPI_Test polling until it completes or its deadline passes: polling keeps the deadline ours (MPI
@@ -52,6 +66,7 @@ struct MpiOp {
   int root = -1;  // or the tag of a send/recv
   int peer = -1;  // send/recv
   bool is_recv = false;
+  comm::OpHeader header;  // the fingerprint compared across ranks (collectives)
   milliseconds timeout{0};
   std::uint64_t sequence = 0;
   std::string description;
@@ -64,17 +79,20 @@ bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_b
   return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
 }
 
+// One poll of `request`: whether it completed (or failed), with MPI's code in `rc`.
+bool test_request(MPI_Request& request, int& rc, MPI_Status* status) {
+  auto lock = MpiRuntime::instance().lock();
+  int done = 0;
+  rc = MPI_Test(&request, &done, status);
+  if (rc != MPI_SUCCESS) request = MPI_REQUEST_NULL;
+  return done || rc != MPI_SUCCESS;
+}
+
 // MPI_Comm_idup / MPI_Iallreduce etc. polled against a deadline; false when it passed.
 bool wait_request(MPI_Request& request, Clock::time_point deadline, int& rc,
                   MPI_Status* status = MPI_STATUS_IGNORE) {
-  auto& runtime = MpiRuntime::instance();
   for (int idle = 0;; ++idle) {
-    int done = 0;
-    {
-      auto lock = runtime.lock();
-      rc = MPI_Test(&request, &done, status);
-    }
-    if (rc != MPI_SUCCESS || done) return true;
+    if (test_request(request, rc, status)) return true;
     if (Clock::now() >= deadline) return false;
     if (idle < 64) {
       std::this_thread::yield();
@@ -85,6 +103,30 @@ bool wait_request(MPI_Request& request, Clock::time_point deadline, int& rc,
 }
 
 class MpiProcessGroup;
+
+struct GroupOptions {
+  std::string name;
+  milliseconds timeout{0};
+  bool abort_on_failure = true;
+  milliseconds stall_check_after{1000};
+};
+
+// The fingerprint exchange's buffers: on the heap, since after a failure MPI may still write the
+// abandoned request's result into them (they are then leaked with the communicator).
+struct CheckBuffers {
+  std::uint64_t mine[2] = {};
+  std::uint64_t combined[2] = {};
+};
+
+std::uint64_t hash_bytes(const void* data, std::size_t n) {
+  std::uint64_t h = 14695981039346656037ull;  // FNV-1a
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
 
 // A Work whose wait() may run the group's queue on the waiting thread (see work.h): that saves two
 // thread hand-offs per call, most of the latency of a small collective.
@@ -101,22 +143,32 @@ class MpiWork final : public Work {
 };
 
 class MpiProcessGroup final : public ProcessGroup,
+                              public comm::mpi::ExitListener,
                               public std::enable_shared_from_this<MpiProcessGroup> {
  public:
-  MpiProcessGroup(MPI_Comm comm, MPI_Comm control, std::string name, milliseconds timeout, int rank,
-                  int size)
+  MpiProcessGroup(MPI_Comm comm, MPI_Comm check, MPI_Comm control, GroupOptions options, int rank,
+                  int size, int local_rank, int local_size, std::vector<int> world_ranks)
       : ProcessGroup(rank, size),
         comm_(comm),
+        check_(check),
         control_(control),
-        name_(std::move(name)),
-        timeout_(timeout),
+        options_(std::move(options)),
+        name_(options_.name),
+        timeout_(options_.timeout),
+        local_rank_(local_rank),
+        local_size_(local_size),
+        world_ranks_(std::move(world_ranks)),
         send_sequence_(static_cast<std::size_t>(size), 0),
         recv_sequence_(static_cast<std::size_t>(size), 0) {
+    MpiRuntime::instance().add_exit_listener(this);
     worker_ = std::thread([this] { worker_loop(); });
   }
   ~MpiProcessGroup() override;
 
   std::string_view backend() const override { return "mpi"; }
+  int local_rank() const override { return local_rank_; }
+  int local_size() const override { return local_size_; }
+  void on_process_exit() override { notify_peers(left_notice("the process exited")); }
   using ProcessGroup::allreduce;
 
   std::shared_ptr<Work> allreduce(const void* send, void* recv, std::size_t count, DType dtype,
@@ -238,6 +290,15 @@ class MpiProcessGroup final : public ProcessGroup,
                                  op.description, what),
                      name_, op.description, op.sequence, op.peer);
   }
+  // Polls the data request and the fingerprint request of `op` until both completed; throws the
+  // CommError of a mismatch, an MPI error, a peer's notice or the deadline.
+  void wait_for_op(MpiOp& op, MPI_Request& data, MPI_Request& check, MPI_Status* status);
+  [[noreturn]] void fail_mismatch(const MpiOp& op, Clock::time_point deadline);
+  // The first notice a peer sent about this group (empty when none).
+  std::string receive_notice() { return MpiRuntime::instance().find_notice(name_); }
+  // Sends `text` to every other rank of the group, without waiting (never blocks). Once.
+  void notify_peers(const std::string& text);
+  std::string left_notice(std::string_view why);
 
   void check_buffer(const void* p, std::size_t count, const char* op, const char* name) const;
   void check_rank(int r, const char* op, const char* name) const;
@@ -245,9 +306,19 @@ class MpiProcessGroup final : public ProcessGroup,
   void check_tag(int tag, const char* op) const;
 
   MPI_Comm comm_;
+  MPI_Comm check_;
   MPI_Comm control_;
+  GroupOptions options_;
   std::string name_;
   milliseconds timeout_;
+  int local_rank_;
+  int local_size_;
+  std::vector<int> world_ranks_;  // of each rank of the group, for notices
+  std::unique_ptr<CheckBuffers> check_buffers_ = std::make_unique<CheckBuffers>();
+  std::atomic<bool> left_{false};  // the "left" notice went out
+  // The last collective issued (under queue_mutex_), for the notice when this rank leaves.
+  comm::OpHeader last_issued_;
+  bool issued_any_ = false;
 
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
@@ -273,6 +344,7 @@ class MpiProcessGroup final : public ProcessGroup,
 };
 
 MpiProcessGroup::~MpiProcessGroup() {
+  MpiRuntime::instance().remove_exit_listener(this);
   {
     std::lock_guard lock(queue_mutex_);
     stopping_ = true;
@@ -280,16 +352,45 @@ MpiProcessGroup::~MpiProcessGroup() {
   queue_cv_.notify_all();
   if (worker_.get_id() == std::this_thread::get_id()) {
     worker_.detach();  // dropped from a callback on the worker; it exits on its own
+    static_cast<void>(check_buffers_.release());
     return;
   }
   worker_.join();
   int finalized = 0;
   MPI_Finalized(&finalized);
-  // A poisoned communicator may still have an abandoned request posted: leave it to MPI_Finalize.
-  if (finalized || poisoned_.load()) return;
+  if (finalized) return;
+  // A poisoned communicator may still have an abandoned request posted: leave it to MPI_Finalize,
+  // and its buffers to MPI.
+  if (poisoned_.load()) {
+    static_cast<void>(check_buffers_.release());
+    return;
+  }
+  // A peer still waiting in a call of this group learns that this rank will not issue it.
+  notify_peers(left_notice("the group was destroyed"));
   auto lock = MpiRuntime::instance().lock();
   MPI_Comm_free(&comm_);
+  MPI_Comm_free(&check_);
   MPI_Comm_free(&control_);
+}
+
+std::string MpiProcessGroup::left_notice(std::string_view why) {
+  std::lock_guard lock(queue_mutex_);
+  return fmt::format(
+      "rank {} left group '{}' ({}) after issuing {} collectives{}", rank(), name_, why,
+      next_sequence_,
+      issued_any_ ? fmt::format(", the last {}", comm::describe(last_issued_)) : std::string());
+}
+
+void MpiProcessGroup::notify_peers(const std::string& text) {
+  if (size() < 2 || left_.exchange(true)) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  std::vector<int> peers;
+  for (int r = 0; r < size(); ++r) {
+    if (r != rank()) peers.push_back(world_ranks_[static_cast<std::size_t>(r)]);
+  }
+  MpiRuntime::instance().send_notice(name_, peers, text);
 }
 
 void MpiProcessGroup::check_buffer(const void* p, std::size_t count, const char* op,
@@ -363,6 +464,11 @@ std::shared_ptr<Work> MpiProcessGroup::enqueue(MpiOp op, CallOptions options) {
       header.sequence = op.sequence;
       op.description = comm::describe(header);
     }
+    op.header = header;
+    if (op.kind != OpKind::kSend) {
+      last_issued_ = header;
+      issued_any_ = true;
+    }
     work = std::make_shared<MpiWork>(op.description, op.timeout, weak_from_this());
     op.work = work;
     if (!poisoned_.load(std::memory_order_acquire)) {
@@ -433,15 +539,36 @@ void MpiProcessGroup::execute(MpiOp& op) {
   op.work->complete();
 }
 
-// Poisons the group with its first error: fails `op` and everything still queued. Peers are not
-// told (MPI has no way to interrupt their calls): they fail at their own deadlines.
+// Poisons the group with its first error: fails `op` and everything still queued. With
+// abort_on_failure the job ends here instead (MPI cannot interrupt the peers' calls, so they would
+// wait for their deadlines); otherwise the peers are sent the error, which they read once one of
+// their calls stalls.
 void MpiProcessGroup::fail(MpiOp& op, std::exception_ptr error) {
+  bool first = false;
   {
     std::lock_guard lock(poison_mutex_);
-    if (!poison_) poison_ = error;
+    if (!poison_) {
+      poison_ = error;
+      first = true;
+    }
     error = poison_;
   }
   poisoned_.store(true, std::memory_order_release);
+  if (first) {
+    std::string what = "unknown error";
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    if (options_.abort_on_failure) {
+      MpiRuntime::abort_job(
+          fmt::format("{} (MpiOptions::abort_on_failure is on; turn it off to handle the "
+                      "CommError in the program instead)",
+                      what));
+    }
+    notify_peers(fmt::format("rank {} failed: {}", rank(), what));
+  }
   op.work->complete(error);
   std::deque<MpiOp> pending;
   {
@@ -453,21 +580,29 @@ void MpiProcessGroup::fail(MpiOp& op, std::exception_ptr error) {
 }
 
 void MpiProcessGroup::run(MpiOp& op) {
-  // Nothing to move; every rank passes the same count, so every rank skips it alike.
-  if (op.count == 0 && op.kind != OpKind::kBarrier && op.kind != OpKind::kSend) return;
-  const auto deadline = Clock::now() + op.timeout;
-  MPI_Request request = MPI_REQUEST_NULL;
-  int rc = start(op, &request);
-  if (rc != MPI_SUCCESS) throw error(op, fmt::format("could not start: {}", mpi_error_text(rc)));
-  MPI_Status status;
-  if (!wait_request(request, deadline, rc, op.is_recv ? &status : MPI_STATUS_IGNORE)) {
-    // MPI cannot cancel a collective: the request stays posted and the group stays poisoned.
-    throw error(op, fmt::format("did not complete within {} ms: a rank of the group did not issue "
-                                "it (or issued a different operation), or is stuck or gone; this "
-                                "group is unusable from now on",
-                                op.timeout.count()));
+  const bool collective = op.kind != OpKind::kSend;
+  MPI_Request check = MPI_REQUEST_NULL;
+  if (collective && size() > 1) {
+    const std::uint64_t h = hash_bytes(&op.header, sizeof op.header);
+    check_buffers_->mine[0] = h;
+    check_buffers_->mine[1] = ~h;
+    auto lock = MpiRuntime::instance().lock();
+    const int rc = MPI_Iallreduce(check_buffers_->mine, check_buffers_->combined, 2, MPI_UINT64_T,
+                                  MPI_MAX, check_, &check);
+    if (rc != MPI_SUCCESS) {
+      throw error(op, fmt::format("could not start its fingerprint check: {}", mpi_error_text(rc)));
+    }
   }
-  if (rc != MPI_SUCCESS) throw error(op, fmt::format("failed: {}", mpi_error_text(rc)));
+  MPI_Request request = MPI_REQUEST_NULL;
+  // Zero elements move nothing; the fingerprint check still runs (a count of 0 on one rank and 8
+  // on another is a mismatch).
+  if (op.count != 0 || op.kind == OpKind::kBarrier || op.kind == OpKind::kSend) {
+    const int rc = start(op, &request);
+    if (rc != MPI_SUCCESS) throw error(op, fmt::format("could not start: {}", mpi_error_text(rc)));
+  }
+  MPI_Status status;
+  wait_for_op(op, request, check, op.is_recv ? &status : MPI_STATUS_IGNORE);
+  if (op.count == 0 && op.kind != OpKind::kBarrier && op.kind != OpKind::kSend) return;
   const std::size_t bytes = op.count * dtype_size(op.dtype);
   if (op.is_recv) {
     int received = 0;
@@ -497,6 +632,107 @@ void MpiProcessGroup::run(MpiOp& op) {
     default:
       break;
   }
+}
+
+void MpiProcessGroup::wait_for_op(MpiOp& op, MPI_Request& data, MPI_Request& check,
+                                  MPI_Status* status) {
+  const auto start = Clock::now();
+  const auto deadline = start + op.timeout;
+  const auto stall = start + options_.stall_check_after;
+  auto next_notice_check = stall;
+  int data_rc = MPI_SUCCESS;
+  for (int idle = 0;; ++idle) {
+    if (check != MPI_REQUEST_NULL) {
+      int rc = MPI_SUCCESS;
+      const bool done = test_request(check, rc, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        throw error(op, fmt::format("failed in its fingerprint check: {}", mpi_error_text(rc)));
+      }
+      if (done && (check_buffers_->combined[0] != check_buffers_->mine[0] ||
+                   check_buffers_->combined[1] != check_buffers_->mine[1])) {
+        fail_mismatch(op, deadline);
+      }
+    }
+    // An error (MPI_ERR_TRUNCATE for a count mismatch, say) is reported once the fingerprints
+    // are known, so that a mismatch is named as one.
+    if (data != MPI_REQUEST_NULL) test_request(data, data_rc, status);
+    if (data == MPI_REQUEST_NULL && check == MPI_REQUEST_NULL) break;
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      // MPI cannot cancel a collective: the request stays posted and the group stays poisoned.
+      const std::string notice = receive_notice();
+      throw error(op, fmt::format("did not complete within {} ms: {}; this group is unusable "
+                                  "from now on",
+                                  op.timeout.count(),
+                                  notice.empty() ? "a rank of the group did not issue it, or is "
+                                                   "stuck or gone"
+                                                 : notice));
+    }
+    if (now >= next_notice_check) {
+      next_notice_check = now + milliseconds(10);
+      const std::string notice = receive_notice();
+      if (!notice.empty()) throw error(op, fmt::format("cannot complete: {}", notice));
+    }
+    if (idle < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(std::min(250, 2 * (idle - 63))));
+    }
+  }
+  if (data_rc != MPI_SUCCESS) throw error(op, fmt::format("failed: {}", mpi_error_text(data_rc)));
+}
+
+// Every rank saw the same combined fingerprint, so every rank gets here for this call: gather all
+// headers (bounded by the deadline) and name each rank's call.
+void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline) {
+  constexpr std::size_t kHeaderBytes = sizeof(comm::OpHeader);
+  // On the heap and leaked on a timeout: MPI may still write it later.
+  auto headers = std::make_unique<comm::OpHeader[]>(static_cast<std::size_t>(size()) + 1);
+  headers[0] = op.header;
+  MPI_Request request = MPI_REQUEST_NULL;
+  int rc;
+  {
+    auto lock = MpiRuntime::instance().lock();
+    rc = MPI_Iallgather(&headers[0], kHeaderBytes, MPI_BYTE, &headers[1], kHeaderBytes, MPI_BYTE,
+                        check_, &request);
+  }
+  const std::string generic = fmt::format(
+      "collective mismatch in group '{}': rank {} called {}, but not every rank of the group "
+      "called the same; every rank must issue the same collectives in the same order with the "
+      "same count, dtype, op and root",
+      name_, rank(), op.description);
+  if (rc != MPI_SUCCESS) throw CommError(generic, name_, op.description, op.sequence, -1);
+  const auto limit = std::min(deadline, Clock::now() + std::chrono::seconds(10));
+  if (!wait_request(request, limit, rc) || rc != MPI_SUCCESS) {
+    static_cast<void>(headers.release());
+    throw CommError(generic, name_, op.description, op.sequence, -1);
+  }
+  // Group the ranks by the call they issued: "rank 1 called broadcast(...) #3".
+  std::vector<std::pair<std::string, std::vector<int>>> calls;
+  int first_other = -1;
+  for (int r = 0; r < size(); ++r) {
+    const comm::OpHeader& theirs = headers[static_cast<std::size_t>(r) + 1];
+    if (theirs == op.header) continue;
+    if (first_other < 0) first_other = r;
+    const std::string call = comm::describe(theirs);
+    auto it =
+        std::find_if(calls.begin(), calls.end(), [&](const auto& c) { return c.first == call; });
+    if (it == calls.end()) {
+      calls.push_back({call, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  std::vector<std::string> others;
+  for (const auto& [call, ranks] : calls) {
+    others.push_back(fmt::format("rank{} {} called {}", ranks.size() > 1 ? "s" : "",
+                                 fmt::join(ranks, ", "), call));
+  }
+  throw CommError(fmt::format("collective mismatch in group '{}': rank {} called {} but {}; every "
+                              "rank must issue the same collectives in the same order with the "
+                              "same count, dtype, op and root",
+                              name_, rank(), op.description, fmt::join(others, " and ")),
+                  name_, op.description, op.sequence, first_other);
 }
 
 int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
@@ -585,6 +821,26 @@ int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
   return MPI_ERR_OTHER;
 }
 
+// This rank's position among the ranks of `comm` that share its host, and their number
+// (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)). Collective over `comm`; blocking, so call it only
+// once every rank is known to be there.
+std::pair<int, int> local_layout(MPI_Comm comm) {
+  auto lock = MpiRuntime::instance().lock();
+  MPI_Comm node = MPI_COMM_NULL;
+  const int rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  if (rc != MPI_SUCCESS) {
+    throw CommError(fmt::format("mpi backend: MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed: {}",
+                                mpi_error_text(rc)),
+                    "", "local_layout", 0, -1);
+  }
+  int local_rank = 0;
+  int local_size = 1;
+  MPI_Comm_rank(node, &local_rank);
+  MPI_Comm_size(node, &local_size);
+  MPI_Comm_free(&node);
+  return {local_rank, local_size};
+}
+
 std::uint64_t hash_ranks(const std::vector<int>& ranks) {
   std::uint64_t h = 14695981039346656037ull;  // FNV-1a
   auto mix = [&](std::uint64_t v) {
@@ -648,20 +904,30 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
   const bool member = it != ranks.end();
   const int key = member ? static_cast<int>(it - ranks.begin()) : 0;
   MPI_Comm sub = MPI_COMM_NULL;
+  MPI_Comm sub_check = MPI_COMM_NULL;
   MPI_Comm sub_control = MPI_COMM_NULL;
   {
     auto lock = runtime.lock();
     rc = MPI_Comm_split(control_, member ? 0 : MPI_UNDEFINED, key, &sub);
+    if (rc == MPI_SUCCESS && member) rc = MPI_Comm_dup(sub, &sub_check);
     if (rc == MPI_SUCCESS && member) rc = MPI_Comm_dup(sub, &sub_control);
     if (rc == MPI_SUCCESS && member) {
       MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+      MPI_Comm_set_errhandler(sub_check, MPI_ERRORS_RETURN);
       MPI_Comm_set_errhandler(sub_control, MPI_ERRORS_RETURN);
     }
   }
   if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
   if (!member) return nullptr;
-  return std::make_shared<MpiProcessGroup>(sub, sub_control, fmt::format("{}/sub{}", name_, index),
-                                           timeout_, key, static_cast<int>(ranks.size()));
+  const auto [local_rank, local_size] = local_layout(sub_control);
+  GroupOptions options = options_;
+  options.name = fmt::format("{}/sub{}", name_, index);
+  std::vector<int> world_ranks;
+  for (int r : ranks)
+    world_ranks.push_back(world_ranks_[static_cast<std::size_t>(r)]);
+  return std::make_shared<MpiProcessGroup>(sub, sub_check, sub_control, std::move(options), key,
+                                           static_cast<int>(ranks.size()), local_rank, local_size,
+                                           std::move(world_ranks));
 }
 
 }  // namespace
@@ -676,23 +942,37 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
                     "value, or 0 for DDP_TIMEOUT / the default",
                     options.timeout.count()));
   }
+  if (options.stall_check_after.count() <= 0) {
+    throw ConfigError(fmt::format("MpiOptions::stall_check_after must be positive (got {} ms)",
+                                  options.stall_check_after.count()));
+  }
   const milliseconds timeout =
       options.timeout.count() > 0 ? options.timeout : resolve_timeout(std::nullopt);
   auto& runtime = MpiRuntime::instance();
   int world_rank = 0;
   int world_size = 0;
   // On the heap: after a timeout MPI may still complete the duplication into it (then leaked).
-  auto comms_buffer = std::make_unique<MPI_Comm[]>(2);
+  // Data, check and control communicators (see the top of this file).
+  // The first group also makes the process-wide communicator of notices (MpiRuntime).
+  const int count = runtime.has_notice_comm() ? 3 : 4;
+  auto comms_buffer = std::make_unique<MPI_Comm[]>(4);
   MPI_Comm* comms = comms_buffer.get();
-  comms[0] = comms[1] = MPI_COMM_NULL;
-  MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  int rc;
+  comms[0] = comms[1] = comms[2] = comms[3] = MPI_COMM_NULL;
+  MPI_Request requests[4] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL,
+                             MPI_REQUEST_NULL};
+  int rc = MPI_SUCCESS;
   {
     auto lock = runtime.lock();
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world_size);
-    rc = MPI_Comm_idup(MPI_COMM_WORLD, &comms[0], &requests[0]);
-    if (rc == MPI_SUCCESS) rc = MPI_Comm_idup(MPI_COMM_WORLD, &comms[1], &requests[1]);
+    // Later groups duplicate the notice communicator (MPI_ERRORS_RETURN) rather than
+    // MPI_COMM_WORLD: an abandoned request of a failed group can make OpenMPI's progress engine
+    // fail an MPI_Comm_idup in flight, and MPI_COMM_WORLD's handler (by default
+    // MPI_ERRORS_ARE_FATAL) would then end the process.
+    const MPI_Comm base = count == 4 ? MPI_COMM_WORLD : runtime.notice_comm();
+    for (int i = 0; i < count && rc == MPI_SUCCESS; ++i) {
+      rc = MPI_Comm_idup(base, &comms[i], &requests[i]);
+    }
   }
   auto comm_error = [&](const std::string& what) {
     return CommError(fmt::format("rank {} of {} (mpi backend): creating group '{}' {}", world_rank,
@@ -701,8 +981,8 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
   };
   if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
   const auto deadline = Clock::now() + timeout;
-  for (auto& request : requests) {
-    if (!wait_request(request, deadline, rc)) {
+  for (int i = 0; i < count; ++i) {
+    if (!wait_request(requests[i], deadline, rc)) {
       static_cast<void>(comms_buffer.release());
       throw comm_error(
           fmt::format("timed out after {} ms waiting for every rank of "
@@ -713,11 +993,21 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
   }
   {
     auto lock = runtime.lock();
-    MPI_Comm_set_errhandler(comms[0], MPI_ERRORS_RETURN);
-    MPI_Comm_set_errhandler(comms[1], MPI_ERRORS_RETURN);
+    for (int i = 0; i < count; ++i)
+      MPI_Comm_set_errhandler(comms[i], MPI_ERRORS_RETURN);
   }
-  return std::make_shared<MpiProcessGroup>(comms[0], comms[1], options.group_name, timeout,
-                                           world_rank, world_size);
+  if (count == 4) runtime.set_notice_comm(comms[3]);
+  const auto [local_rank, local_size] = local_layout(comms[2]);
+  std::vector<int> world_ranks(static_cast<std::size_t>(world_size));
+  for (int r = 0; r < world_size; ++r)
+    world_ranks[static_cast<std::size_t>(r)] = r;
+  return std::make_shared<MpiProcessGroup>(
+      comms[0], comms[1], comms[2],
+      GroupOptions{.name = options.group_name,
+                   .timeout = timeout,
+                   .abort_on_failure = options.abort_on_failure,
+                   .stall_check_after = options.stall_check_after},
+      world_rank, world_size, local_rank, local_size, std::move(world_ranks));
 }
 
 bool mpi_backend_available() {
