@@ -26,6 +26,7 @@
 #include "comm/argument_checks.h"
 #include "comm/exchange.h"
 #include "comm/mesh_handshake.h"
+#include "comm/op_queue.h"
 #include "comm/reduce_kernels.h"
 #include "comm/shm/shm_domain.h"
 #include "comm/wire.h"
@@ -36,13 +37,6 @@
 
 namespace ddp {
 namespace {
-
-// Lazy wake-up of the worker (RingProcessGroup::worker_idle_wait).
-constexpr auto kPromptWait = std::chrono::microseconds(50);  // waited "at once"
-constexpr int kPromptWaitsForLazyWake = 2;
-constexpr std::size_t kLazyWakeMaxBytes = std::size_t{1} << 20;
-constexpr auto kLazyWakePoll = std::chrono::milliseconds(1);
-constexpr auto kLazyWakeIdle = std::chrono::milliseconds(50);
 
 using comm::Algorithm;
 using comm::OpHeader;
@@ -58,6 +52,14 @@ milliseconds resolve_group_timeout(milliseconds configured) {
                     configured.count()));
   }
   return resolve_timeout(std::nullopt);  // DDP_TIMEOUT, else the default (rendezvous.h)
+}
+
+// RingOptions::spin: negative = 50 us when every rank can have a core of its own, else none.
+std::chrono::microseconds resolve_spin(std::chrono::microseconds configured, int size) {
+  if (configured.count() >= 0) return configured;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<unsigned>(size) <= cores ? std::chrono::microseconds(50)
+                                              : std::chrono::microseconds(0);
 }
 
 Transport resolve_transport(const RingOptions& options) {
@@ -142,35 +144,31 @@ struct OpArgs {
   }
 };
 
-class RingWork final : public Work {
+class RingWork final : public comm::QueuedWork {
  public:
-  RingWork(OpArgs args, std::weak_ptr<RingProcessGroup> group)
-      : Work(args.timeout),
-        args_(std::move(args)),
-        group_(std::move(group)),
-        enqueued_at_(net::Clock::now()) {}
+  explicit RingWork(OpArgs args)
+      : QueuedWork(args.timeout, args.count * dtype_size(args.dtype)), args_(std::move(args)) {}
   const OpArgs& args() const { return args_; }
   std::string description() const override { return args_.description(); }
-  net::Clock::time_point enqueued_at() const { return enqueued_at_; }
 
  protected:
-  void help_until_completed() override;
+  void on_sequenced(std::uint64_t sequence) override {
+    args_.header.sequence = sequence;
+    if (args_.kind == OpKind::kSend && args_.is_recv) args_.expected = args_.header;
+  }
 
  private:
   OpArgs args_;
-  std::weak_ptr<RingProcessGroup> group_;
-  net::Clock::time_point enqueued_at_;
 };
 
 class RingProcessGroup final : public ProcessGroup,
+                               public comm::OpQueue::Runner,
                                public std::enable_shared_from_this<RingProcessGroup> {
  public:
   RingProcessGroup(std::shared_ptr<Store> store, int rank, int size, RingOptions options);
   ~RingProcessGroup() override;
 
-  void start() {
-    worker_ = std::thread([this] { worker_loop(); });
-  }
+  void start() { queue_.start(weak_from_this()); }
   void connect_mesh();
   // Poisons this group from its parent (a hierarchical step failed elsewhere): leaves `reason`
   // in the store and shuts the connections, so the peers fail now. Executor thread only.
@@ -311,9 +309,9 @@ class RingProcessGroup final : public ProcessGroup,
 
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
 
-  // Runs queued operations on the calling thread until `work` is done, unless another thread is
-  // already running them.
-  void run_inline_until(RingWork& work);
+  // comm::OpQueue::Runner: the queue runs operations through these.
+  void run(comm::QueuedWork& work, net::Deadline deadline) override;
+  void on_poison(const std::string& reason) noexcept override;
 
  private:
   enum class Mode {
@@ -340,13 +338,6 @@ class RingProcessGroup final : public ProcessGroup,
   OpArgs make_args(OpKind kind, const void* send, void* recv, std::size_t count, DType dtype,
                    std::optional<ReduceOp> op, int root, Algorithm algorithm) const;
   std::shared_ptr<Work> enqueue(OpArgs args, CallOptions options);
-  void worker_loop();
-  bool worker_should_run(net::Clock::time_point now) const;
-  void worker_idle_wait(std::unique_lock<std::mutex>& lock);
-  void linger(std::unique_lock<std::mutex>& lock);
-  // Runs `work` on this thread; its deadline counts from `start` (now, or just before).
-  void execute(RingWork& work, net::Clock::time_point start = net::Clock::now());
-  void fail(RingWork& work, std::exception_ptr error);
   std::string abort_reason_of(int peer);
 
   void check_buffer(const void* p, std::size_t count, const char* op, const char* name) const;
@@ -402,32 +393,9 @@ class RingProcessGroup final : public ProcessGroup,
   std::vector<net::Socket> peers_;
   std::vector<int> peer_fds_;  // peers_[i].fd(), -1 for this rank
 
-  // Issue order: sequence numbers are assigned under queue_mutex_.
-  std::mutex queue_mutex_;
-  std::condition_variable queue_cv_;
-  std::deque<std::shared_ptr<RingWork>> queue_;
-  bool stopping_ = false;
-  std::uint64_t next_sequence_ = 0;
-  std::vector<std::uint64_t> send_sequence_;  // p2p, per peer
-  std::vector<std::uint64_t> recv_sequence_;
-  int subgroups_created_ = 0;
-
-  // Whether a thread (the worker, or a waiter, see Work::wait) is running operations. Guarded by
-  // queue_mutex_.
-  bool executing_ = false;
-  bool worker_lingering_ = false;  // the worker polls the queue for a moment after its last work
-  // Lazy wake-up (see worker_idle_wait): how many operations in a row a caller waited for at once
-  // and ran itself; whether the idle worker polls the queue instead of sleeping until notified;
-  // whether queued work was left to its caller without notifying the worker.
-  int prompt_waits_ = 0;
-  bool worker_polling_ = false;
-  bool work_left_to_caller_ = false;
-  net::Clock::time_point last_enqueue_{};
-  std::thread worker_;
-
-  std::atomic<bool> poisoned_{false};
-  std::mutex poison_mutex_;
-  std::exception_ptr poison_;
+  std::atomic<int> subgroups_created_{0};
+  // Order, threads, completion and poisoning of this group's operations; runs them through run().
+  comm::OpQueue queue_;
 
   // Touched only by the thread holding the executor role: the scratch pool, reused across
   // operations.
@@ -460,10 +428,6 @@ class RingProcessGroup final : public ProcessGroup,
   std::function<void()> idle_check_;
 };
 
-void RingWork::help_until_completed() {
-  if (auto group = group_.lock()) group->run_inline_until(*this);
-}
-
 RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> store, int rank, int size,
                                    RingOptions options)
     : ProcessGroup(rank, size),
@@ -471,32 +435,18 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> store, int rank, int s
       options_(std::move(options)),
       name_(options_.group_name),
       timeout_(resolve_group_timeout(options_.timeout)),
+      spin_(resolve_spin(options_.spin, size)),
       peers_(static_cast<std::size_t>(size)),
-      send_sequence_(static_cast<std::size_t>(size), 0),
-      recv_sequence_(static_cast<std::size_t>(size), 0) {
-  if (options_.spin.count() < 0) {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    spin_ = static_cast<unsigned>(size) <= cores ? std::chrono::microseconds(50)
-                                                 : std::chrono::microseconds(0);
-  } else {
-    spin_ = options_.spin;
-  }
+      queue_(*this, comm::OpQueue::Options{.group = name_,
+                                           .rank = rank,
+                                           .size = size,
+                                           .worker_linger = options_.worker_linger,
+                                           .spin = spin_}) {
   chunk_.resize(options_.chunk_bytes);
 }
 
 RingProcessGroup::~RingProcessGroup() {
-  {
-    std::lock_guard lock(queue_mutex_);
-    stopping_ = true;
-  }
-  queue_cv_.notify_all();
-  if (worker_.joinable()) {
-    if (worker_.get_id() == std::this_thread::get_id()) {
-      worker_.detach();  // dropped from a callback on the worker; it exits on its own
-    } else {
-      worker_.join();
-    }
-  }
+  queue_.stop();  // before the state run() uses goes away
 }
 
 void RingProcessGroup::connect_mesh() {
@@ -710,19 +660,7 @@ void RingProcessGroup::check_sockets_for_other_call() {
 }
 
 void RingProcessGroup::abort_from_parent(const std::string& reason) {
-  {
-    std::lock_guard lock(poison_mutex_);
-    if (!poison_) poison_ = std::make_exception_ptr(CommError(reason, name_, "abort", 0, -1));
-  }
-  poisoned_.store(true, std::memory_order_release);
-  try {
-    store_->set(fmt::format("{}abort/{}", prefix_, rank()), reason);
-  } catch (const std::exception&) {
-    // Best effort, as in fail().
-  }
-  for (auto& socket : peers_) {
-    if (socket.valid()) ::shutdown(socket.fd(), SHUT_RDWR);
-  }
+  queue_.poison(std::make_exception_ptr(CommError(reason, name_, "abort", 0, -1)));
 }
 
 void RingProcessGroup::check_buffer(const void* p, std::size_t count, const char* op,
@@ -760,182 +698,14 @@ OpArgs RingProcessGroup::make_args(OpKind kind, const void* send, void* recv, st
 }
 
 std::shared_ptr<Work> RingProcessGroup::enqueue(OpArgs args, CallOptions options) {
-  if (options.timeout.count() < 0) {
-    throw ConfigError(
-        fmt::format("CallOptions::timeout is negative ({} ms)", options.timeout.count()));
-  }
-  args.timeout = options.timeout.count() > 0 ? options.timeout : timeout_;
-  std::shared_ptr<RingWork> work;
-  bool queued = false;
-  bool wake_worker = false;
-  {
-    std::lock_guard lock(queue_mutex_);
-    if (args.kind == OpKind::kSend) {
-      const auto peer = static_cast<std::size_t>(args.peer);
-      if (args.is_recv) {
-        args.header.sequence = recv_sequence_[peer]++;
-        args.expected = args.header;
-      } else {
-        args.header.sequence = send_sequence_[peer]++;
-      }
-    } else {
-      args.header.sequence = next_sequence_++;
-    }
-    const std::size_t bytes = args.count * dtype_size(args.dtype);
-    work = std::make_shared<RingWork>(std::move(args), weak_from_this());
-    if (!poisoned_.load(std::memory_order_acquire)) {
-      const bool idle = queue_.empty() && !executing_ && !worker_lingering_;
-      queue_.push_back(work);
-      queued = true;
-      last_enqueue_ = work->enqueued_at();
-      if (idle && worker_polling_ && prompt_waits_ >= kPromptWaitsForLazyWake &&
-          bytes <= kLazyWakeMaxBytes) {
-        work_left_to_caller_ = true;  // the polling worker takes it if the caller does not
-      } else {
-        // A second operation behind one left to its caller means the caller is not waiting.
-        wake_worker = idle || (work_left_to_caller_ && !executing_);
-        work_left_to_caller_ = false;
-      }
-    }
-  }
-  if (queued) {
-    // Only an idle worker needs waking: an executor picks the new work up after its current one.
-    if (wake_worker) queue_cv_.notify_one();
-  } else {
-    std::exception_ptr error;
-    {
-      std::lock_guard poison_lock(poison_mutex_);
-      error = poison_;
-    }
-    work->complete(error);
-  }
+  args.timeout = comm::OpQueue::call_timeout(options, timeout_);
+  using Channel = comm::OpQueue::Channel;
+  const Channel channel = args.kind != OpKind::kSend ? Channel::collective()
+                          : args.is_recv             ? Channel::recv_from(args.peer)
+                                                     : Channel::send_to(args.peer);
+  auto work = std::make_shared<RingWork>(std::move(args));
+  queue_.enqueue(work, channel);
   return work;
-}
-
-// One thread at a time holds the executor role (executing_, under queue_mutex_): the worker, or a
-// thread waiting for its own work (see Work::wait). The worker only wakes for work nobody runs, so
-// a caller that waits at once runs its operation itself without a hand-off.
-void RingProcessGroup::worker_loop() {
-  std::unique_lock lock(queue_mutex_);
-  for (;;) {
-    worker_idle_wait(lock);
-    if (queue_.empty()) return;  // stopping, and nothing left to run
-    if (work_left_to_caller_) {
-      // Its caller did not come for it within the poll interval: stop guessing that callers wait
-      // at once, until they show it again.
-      work_left_to_caller_ = false;
-      prompt_waits_ = 0;
-    }
-    executing_ = true;
-    while (!queue_.empty()) {
-      std::shared_ptr<RingWork> next = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      execute(*next);
-      next.reset();  // callbacks may hold the last references; drop them outside the lock
-      lock.lock();
-    }
-    executing_ = false;
-    linger(lock);
-  }
-}
-
-bool RingProcessGroup::worker_should_run(net::Clock::time_point now) const {
-  if (executing_) return false;
-  if (queue_.empty() || stopping_) return stopping_ || !queue_.empty();
-  return !work_left_to_caller_ || now - queue_.front()->enqueued_at() >= kLazyWakePoll;
-}
-
-// Waking the idle worker for every operation costs a futex wake-up and a context switch, and on a
-// busy host a thread that competes with the peers for the cores: for a caller that waits at once
-// (allreduce(...)->wait()), and so runs the operation itself (run_inline_until), that is pure
-// overhead, 60 µs of a 1 MiB shared-memory allreduce and most of a 64 KiB one (docs/benchmarks.md).
-// So once kPromptWaitsForLazyWake operations in a row were waited for at once, enqueue leaves new
-// work of up to kLazyWakeMaxBytes on an idle group to its caller, and the idle worker polls the
-// queue every kLazyWakePoll instead of sleeping until notified: work nobody came for by then is
-// the worker's, and the guess is dropped. A group idle for kLazyWakeIdle stops polling (its next
-// operation wakes the worker as before).
-void RingProcessGroup::worker_idle_wait(std::unique_lock<std::mutex>& lock) {
-  for (;;) {
-    const auto now = net::Clock::now();
-    if (worker_should_run(now)) return;
-    const bool poll = prompt_waits_ >= kPromptWaitsForLazyWake && !stopping_ &&
-                      (work_left_to_caller_ || now - last_enqueue_ < kLazyWakeIdle);
-    if (!poll) {
-      worker_polling_ = false;
-      queue_cv_.wait(lock);
-      continue;
-    }
-    worker_polling_ = true;
-    queue_cv_.wait_for(lock, kLazyWakePoll);
-    worker_polling_ = false;
-  }
-}
-
-// After its last work the worker stays awake for RingOptions::worker_linger, yielding the core, so
-// that back-to-back calls (a training step's buckets, a benchmark loop) need no futex wake-up: on a
-// busy two-core host the wake-up and its context switch cost more than a small collective. New
-// work is left for a moment to a caller that waits for it at once (it runs it inline, without a
-// hand-off); the worker takes it only if nobody has.
-void RingProcessGroup::linger(std::unique_lock<std::mutex>& lock) {
-  constexpr auto kLeaveToCaller = std::chrono::microseconds(20);
-  // Callers that wait at once run their work themselves: a lingering worker would only compete
-  // with them for the cores (and, having taken one operation, go on taking the next ones, each a
-  // hand-off: 1 KiB over shared memory took 54 µs instead of 1.3 in that state).
-  if (options_.worker_linger.count() <= 0 || prompt_waits_ >= kPromptWaitsForLazyWake) return;
-  worker_lingering_ = true;
-  const auto until = net::Clock::now() + options_.worker_linger;
-  std::optional<net::Clock::time_point> work_seen;
-  while (!stopping_ && !executing_) {
-    const auto now = net::Clock::now();
-    if (!queue_.empty()) {
-      if (!work_seen) work_seen = now;
-      if (now - *work_seen >= kLeaveToCaller) break;
-    } else if (now >= until) {
-      break;
-    }
-    lock.unlock();
-    sched_yield();
-    lock.lock();
-  }
-  worker_lingering_ = false;
-}
-
-void RingProcessGroup::run_inline_until(RingWork& work) {
-  std::unique_lock lock(queue_mutex_);
-  // A caller that comes for its work at once can be left to run the next ones itself (also when
-  // the worker got to this one first).
-  auto now = net::Clock::now();
-  if (now - work.enqueued_at() < kPromptWait) {
-    if (prompt_waits_ < kPromptWaitsForLazyWake) ++prompt_waits_;
-  } else {
-    prompt_waits_ = 0;
-  }
-  if (executing_ || work.is_completed()) {
-    lock.unlock();
-    // Another thread runs it: poll briefly for completion before the caller sleeps, yielding the
-    // core, which that very thread may be waiting for (a busy-waiting caller on a host with no
-    // idle core held its own worker off for the whole poll: 1 KiB allreduces of 55 µs).
-    const auto until = net::Clock::now() + spin_;
-    while (!work.is_completed() && net::Clock::now() < until) {
-      sched_yield();
-    }
-    return;
-  }
-  executing_ = true;
-  work_left_to_caller_ = false;  // whatever this thread leaves queued is the worker's
-  while (!work.is_completed() && !queue_.empty()) {
-    std::shared_ptr<RingWork> next = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
-    execute(*next, now);
-    next.reset();  // callbacks may hold the last references; drop them outside the lock
-    lock.lock();
-    now = net::Clock::now();
-  }
-  executing_ = false;
-  // Whatever was queued behind this work is the worker's again.
-  if (!queue_.empty() || stopping_) queue_cv_.notify_one();
 }
 
 std::string RingProcessGroup::abort_reason_of(int peer) {
@@ -950,24 +720,17 @@ std::string RingProcessGroup::abort_reason_of(int peer) {
   }
 }
 
-void RingProcessGroup::execute(RingWork& work, net::Clock::time_point start) {
-  if (poisoned_.load(std::memory_order_acquire)) {
-    std::exception_ptr error;
-    {
-      std::lock_guard lock(poison_mutex_);
-      error = poison_;
-    }
-    work.complete(error);
-    return;
-  }
-  const OpArgs& args = work.args();
+// Runs one operation for the queue; turns a peer's failure into a CommError that carries the
+// reason the peer left in the store, if any.
+void RingProcessGroup::run(comm::QueuedWork& work, net::Deadline deadline) {
+  const OpArgs& args = static_cast<RingWork&>(work).args();
   current_ = &args;
   struct ClearCurrent {
     const OpArgs*& current;
     ~ClearCurrent() { current = nullptr; }
   } clear_current{current_};
   try {
-    run_op(args, net::deadline_after(args.timeout, start));
+    run_op(args, deadline);
   } catch (const comm::shm::ShmPeerError& e) {
     // A local peer died or aborted: the domain's message names it; add the reason it left in the
     // store when the text does not carry it already.
@@ -975,56 +738,22 @@ void RingProcessGroup::execute(RingWork& work, net::Clock::time_point start) {
     const std::string reason =
         message.find("aborted the group") == std::string::npos ? abort_reason_of(e.peer()) : "";
     if (!reason.empty()) message += fmt::format("; rank {} reported: {}", e.peer(), reason);
-    fail(work,
-         std::make_exception_ptr(CommError(message, e.group(), e.op(), e.sequence(), e.peer())));
-    return;
+    throw CommError(message, e.group(), e.op(), e.sequence(), e.peer());
   } catch (const comm::PeerClosedError& e) {
     const std::string reason = abort_reason_of(e.peer());
     std::string message = e.what();
     message += reason.empty() ? fmt::format(" (rank {} left no reason: it probably died)", e.peer())
                               : fmt::format("; rank {} reported: {}", e.peer(), reason);
-    fail(work,
-         std::make_exception_ptr(CommError(message, e.group(), e.op(), e.sequence(), e.peer())));
-    return;
-  } catch (const CommError&) {
-    fail(work, std::current_exception());
-    return;
-  } catch (const std::exception& e) {
-    fail(work,
-         std::make_exception_ptr(CommError(fmt::format("rank {}: {} in group '{}' failed: {}",
-                                                       rank(), args.description(), name_, e.what()),
-                                           name_, args.description(), args.header.sequence, -1)));
-    return;
+    throw CommError(message, e.group(), e.op(), e.sequence(), e.peer());
   }
-  work.complete();
 }
 
-// Poisons the group with the first error: fails `work` and everything queued, leaves the reason
-// in the store for the peers, and shuts the connections so that peers blocked on this rank fail
-// now instead of at their deadline.
-void RingProcessGroup::fail(RingWork& work, std::exception_ptr error) {
-  {
-    std::lock_guard lock(poison_mutex_);
-    if (!poison_) poison_ = error;
-    error = poison_;
-  }
-  poisoned_.store(true, std::memory_order_release);
-  work.complete(error);
-  std::deque<std::shared_ptr<RingWork>> pending;
-  {
-    std::lock_guard lock(queue_mutex_);
-    pending.swap(queue_);
-  }
-  for (auto& w : pending)
-    w->complete(error);
-  std::string text;
+// The group is poisoned (the queue failed what was pending): leave the reason in the store for
+// the peers, and shut the connections so that peers blocked on this rank fail now instead of at
+// their deadline.
+void RingProcessGroup::on_poison(const std::string& reason) noexcept {
   try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    text = e.what();
-  }
-  try {
-    store_->set(fmt::format("{}abort/{}", prefix_, rank()), text);
+    store_->set(fmt::format("{}abort/{}", prefix_, rank()), reason);
   } catch (const std::exception&) {
     // Best effort: the store may be gone with the rank that hosted it.
   }
@@ -1032,8 +761,12 @@ void RingProcessGroup::fail(RingWork& work, std::exception_ptr error) {
     if (socket.valid()) ::shutdown(socket.fd(), SHUT_RDWR);
   }
   // Local peers waiting in the segment, and remote ones waiting in the cross-host ring, fail now.
-  if (domain_) domain_->abort(text);
-  if (cross_) cross_->abort_from_parent(text);
+  try {
+    if (domain_) domain_->abort(reason);
+    if (cross_) cross_->abort_from_parent(reason);
+  } catch (const std::exception&) {
+    // Best effort, as the store above.
+  }
 }
 
 void RingProcessGroup::run_op(const OpArgs& a, net::Deadline deadline) {
@@ -1507,11 +1240,7 @@ void RingProcessGroup::point_to_point(const OpArgs& a, net::Deadline deadline) {
 
 std::shared_ptr<ProcessGroup> RingProcessGroup::new_group(std::vector<int> ranks) {
   comm::check_subgroup_ranks(ranks, size(), name_);
-  int index;
-  {
-    std::lock_guard lock(queue_mutex_);
-    index = subgroups_created_++;
-  }
+  const int index = subgroups_created_++;
   const auto it = std::find(ranks.begin(), ranks.end(), rank());
   if (it == ranks.end()) return nullptr;
   RingOptions sub = options_;

@@ -1,0 +1,225 @@
+// comm::OpQueue, the operation queue shared by the backends, against a fake backend: issue order
+// and sequence numbers, poisoning after the first failure, error wrapping, deadlines, inline
+// execution on the waiting thread, and stopping.
+#include "comm/op_queue.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "ddp/comm_error.h"
+#include "ddp/error.h"
+
+namespace ddp::test {
+namespace {
+
+using namespace std::chrono_literals;
+using comm::OpQueue;
+using comm::QueuedWork;
+
+class FakeWork final : public QueuedWork {
+ public:
+  explicit FakeWork(int id, std::chrono::milliseconds timeout = 5s, std::size_t bytes = 8)
+      : QueuedWork(timeout, bytes), id(id) {}
+  std::string description() const override { return "fake#" + std::to_string(id); }
+  const int id;
+  std::uint64_t sequenced_as = ~std::uint64_t{0};
+
+ protected:
+  void on_sequenced(std::uint64_t sequence) override { sequenced_as = sequence; }
+};
+
+// Records what ran, on which thread, with which deadline; fails where told to.
+class FakeBackend final : public OpQueue::Runner {
+ public:
+  void run(QueuedWork& work, net::Deadline deadline) override {
+    auto& w = static_cast<FakeWork&>(work);
+    {
+      std::lock_guard lock(mutex);
+      ran.push_back(w.id);
+      threads.push_back(std::this_thread::get_id());
+      deadlines.push_back(deadline - net::Clock::now());
+    }
+    if (w.id == fail_comm) throw CommError("peer 1 went away", "g", w.description(), 0, 1);
+    if (w.id == fail_other) throw std::runtime_error("boom");
+  }
+  void on_poison(const std::string& reason) noexcept override {
+    std::lock_guard lock(mutex);
+    poison_reasons.push_back(reason);
+  }
+  std::mutex mutex;
+  std::vector<int> ran;
+  std::vector<std::thread::id> threads;
+  std::vector<net::Clock::duration> deadlines;
+  std::vector<std::string> poison_reasons;
+  int fail_comm = -1;
+  int fail_other = -1;
+};
+
+// A backend owning its queue, as the ring backend does.
+struct Group {
+  explicit Group(OpQueue::Options options = {.group = "g", .rank = 0, .size = 3})
+      : queue(backend, std::move(options)) {}
+  FakeBackend backend;
+  OpQueue queue;
+};
+
+std::shared_ptr<Group> started_group(OpQueue::Options options = {
+                                         .group = "g", .rank = 0, .size = 3}) {
+  auto group = std::make_shared<Group>(std::move(options));
+  group->queue.start(group);
+  return group;
+}
+
+TEST(OpQueue, RunsInIssueOrderAndNumbersCollectivesFromZero) {
+  auto g = started_group();
+  std::vector<std::shared_ptr<FakeWork>> works;
+  for (int i = 0; i < 50; ++i) {
+    works.push_back(std::make_shared<FakeWork>(i));
+    g->queue.enqueue(works.back());
+  }
+  for (auto& w : works)
+    w->wait();
+  std::vector<int> expected(50);
+  for (int i = 0; i < 50; ++i) {
+    expected[static_cast<std::size_t>(i)] = i;
+    EXPECT_EQ(works[static_cast<std::size_t>(i)]->sequence(), static_cast<std::uint64_t>(i));
+    EXPECT_EQ(works[static_cast<std::size_t>(i)]->sequenced_as, static_cast<std::uint64_t>(i));
+  }
+  EXPECT_EQ(g->backend.ran, expected);
+}
+
+TEST(OpQueue, PointToPointCountsPerPeerAndDirection) {
+  auto g = started_group();
+  using Channel = OpQueue::Channel;
+  auto c0 = std::make_shared<FakeWork>(0);
+  auto s1a = std::make_shared<FakeWork>(1);
+  auto s1b = std::make_shared<FakeWork>(2);
+  auto s2 = std::make_shared<FakeWork>(3);
+  auto r1 = std::make_shared<FakeWork>(4);
+  auto c1 = std::make_shared<FakeWork>(5);
+  g->queue.enqueue(c0);
+  g->queue.enqueue(s1a, Channel::send_to(1));
+  g->queue.enqueue(s1b, Channel::send_to(1));
+  g->queue.enqueue(s2, Channel::send_to(2));
+  g->queue.enqueue(r1, Channel::recv_from(1));
+  g->queue.enqueue(c1);
+  for (const auto& w : {c0, s1a, s1b, s2, r1, c1})
+    w->wait();
+  EXPECT_EQ(c0->sequence(), 0u);
+  EXPECT_EQ(s1a->sequence(), 0u);
+  EXPECT_EQ(s1b->sequence(), 1u);
+  EXPECT_EQ(s2->sequence(), 0u);
+  EXPECT_EQ(r1->sequence(), 0u);
+  EXPECT_EQ(c1->sequence(), 1u);
+}
+
+TEST(OpQueue, TheFirstErrorFailsEverythingPendingAndLater) {
+  auto g = started_group();
+  g->backend.fail_comm = 1;
+  std::vector<std::shared_ptr<FakeWork>> works;
+  for (int i = 0; i < 5; ++i) {
+    works.push_back(std::make_shared<FakeWork>(i));
+    g->queue.enqueue(works.back());
+  }
+  EXPECT_NO_THROW(works[0]->wait());
+  for (int i = 1; i < 5; ++i) {
+    try {
+      works[static_cast<std::size_t>(i)]->wait();
+      ADD_FAILURE() << "operation " << i << " after the failure succeeded";
+    } catch (const CommError& e) {
+      EXPECT_STREQ(e.what(), "peer 1 went away");
+      EXPECT_EQ(e.peer(), 1);
+    }
+  }
+  EXPECT_TRUE(g->queue.poisoned());
+  auto later = std::make_shared<FakeWork>(9);
+  g->queue.enqueue(later);
+  EXPECT_TRUE(later->is_completed());  // at once, without running
+  EXPECT_THROW(later->wait(), CommError);
+  std::lock_guard lock(g->backend.mutex);
+  EXPECT_EQ(g->backend.ran, (std::vector<int>{0, 1}));
+  ASSERT_EQ(g->backend.poison_reasons.size(), 1u);
+  EXPECT_EQ(g->backend.poison_reasons[0], "peer 1 went away");
+}
+
+TEST(OpQueue, OtherExceptionsBecomeCommErrorsNamingTheOperation) {
+  auto g = started_group({.group = "grp", .rank = 2, .size = 3});
+  g->backend.fail_other = 0;
+  auto w = std::make_shared<FakeWork>(0);
+  g->queue.enqueue(w);
+  try {
+    w->wait();
+    FAIL() << "no error";
+  } catch (const CommError& e) {
+    EXPECT_EQ(std::string(e.what()), "rank 2: fake#0 in group 'grp' failed: boom");
+    EXPECT_EQ(e.group(), "grp");
+    EXPECT_EQ(e.op(), "fake#0");
+  }
+}
+
+TEST(OpQueue, PoisonFromOutsideFailsQueuedAndLaterWork) {
+  Group g;  // no worker: what is queued stays queued until poisoned
+  auto queued = std::make_shared<FakeWork>(0);
+  g.queue.enqueue(queued);
+  EXPECT_FALSE(queued->is_completed());
+  g.queue.poison(std::make_exception_ptr(CommError("parent failed", "g", "abort", 0, -1)));
+  EXPECT_TRUE(queued->is_completed());
+  EXPECT_THROW(queued->wait(), CommError);
+  auto later = std::make_shared<FakeWork>(1);
+  g.queue.enqueue(later);
+  EXPECT_THROW(later->wait(), CommError);
+  EXPECT_TRUE(g.backend.ran.empty());
+  EXPECT_EQ(g.backend.poison_reasons, std::vector<std::string>{"parent failed"});
+}
+
+TEST(OpQueue, TheDeadlineIsTheOperationsTimeout) {
+  auto g = started_group();
+  auto w = std::make_shared<FakeWork>(0, 700ms);
+  g->queue.enqueue(w);
+  w->wait();
+  std::lock_guard lock(g->backend.mutex);
+  ASSERT_EQ(g->backend.deadlines.size(), 1u);
+  EXPECT_LE(g->backend.deadlines[0], 700ms);
+  EXPECT_GT(g->backend.deadlines[0], 200ms);
+}
+
+TEST(OpQueue, CallTimeoutFallsBackToTheGroupsAndRefusesNegative) {
+  EXPECT_EQ(OpQueue::call_timeout({.timeout = 0ms}, 42ms), 42ms);
+  EXPECT_EQ(OpQueue::call_timeout({.timeout = 5ms}, 42ms), 5ms);
+  EXPECT_THROW(OpQueue::call_timeout({.timeout = -1ms}, 42ms), ConfigError);
+}
+
+TEST(OpQueue, CallersThatWaitAtOnceRunOperationsThemselves) {
+  auto g = started_group();
+  for (int i = 0; i < 200; ++i) {
+    auto w = std::make_shared<FakeWork>(i);
+    g->queue.enqueue(w);
+    w->wait();
+  }
+  std::lock_guard lock(g->backend.mutex);
+  const auto here = std::this_thread::get_id();
+  const auto inline_runs = std::count(g->backend.threads.begin(), g->backend.threads.end(), here);
+  // Most run here (no hand-off); the worker may take a few (it is woken for the first ones).
+  EXPECT_GT(inline_runs, 0);
+}
+
+TEST(OpQueue, StopRunsWhatIsQueuedFirst) {
+  auto g = started_group();
+  std::vector<std::shared_ptr<FakeWork>> works;
+  for (int i = 0; i < 20; ++i) {
+    works.push_back(std::make_shared<FakeWork>(i));
+    g->queue.enqueue(works.back());
+  }
+  g->queue.stop();
+  for (auto& w : works)
+    EXPECT_TRUE(w->wait_for(0ms)) << "operation " << w->id << " left incomplete";
+}
+
+}  // namespace
+}  // namespace ddp::test
