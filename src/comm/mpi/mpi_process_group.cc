@@ -29,9 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -42,6 +40,7 @@
 
 #include "comm/argument_checks.h"
 #include "comm/mpi/mpi_runtime.h"
+#include "comm/op_queue.h"
 #include "comm/reduce_kernels.h"
 #include "comm/wire.h"
 #include "ddp/error.h"
@@ -68,9 +67,11 @@ struct MpiOp {
   bool is_recv = false;
   comm::OpHeader header;  // the fingerprint compared across ranks (collectives)
   milliseconds timeout{0};
-  std::uint64_t sequence = 0;
-  std::string description;
-  std::shared_ptr<Work> work;
+
+  // Formatted when needed (errors), not on every call: it allocates.
+  std::string description() const {
+    return kind == OpKind::kSend ? comm::describe(header, peer, is_recv) : comm::describe(header);
+  }
 };
 
 bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
@@ -128,21 +129,39 @@ std::uint64_t hash_bytes(const void* data, std::size_t n) {
   return h;
 }
 
-// A Work whose wait() may run the group's queue on the waiting thread (see work.h): that saves two
-// thread hand-offs per call, most of the latency of a small collective.
-class MpiWork final : public Work {
+// The last collective a group issued (for the notice when this rank leaves the group). Written
+// by MpiWork::on_sequenced under the queue's lock, read by whoever sends the notice.
+struct IssueLog {
+  std::mutex mutex;
+  std::uint64_t issued = 0;
+  comm::OpHeader last;
+};
+
+// An operation on the group's comm::OpQueue (src/comm/op_queue.h: issue order, worker, inline
+// execution by a waiting caller, poisoning).
+class MpiWork final : public comm::QueuedWork {
  public:
-  MpiWork(std::string description, milliseconds timeout, std::weak_ptr<MpiProcessGroup> group)
-      : Work(std::move(description), timeout), group_(std::move(group)) {}
+  MpiWork(MpiOp op, IssueLog* log)
+      : QueuedWork(op.timeout, op.count * dtype_size(op.dtype)), op_(std::move(op)), log_(log) {}
+  MpiOp& op() { return op_; }
+  std::string description() const override { return op_.description(); }
 
  protected:
-  void help_until_completed() override;
+  void on_sequenced(std::uint64_t sequence) override {
+    op_.header.sequence = sequence;
+    if (op_.kind == OpKind::kSend) return;
+    std::lock_guard lock(log_->mutex);
+    log_->issued = sequence + 1;
+    log_->last = op_.header;
+  }
 
  private:
-  std::weak_ptr<MpiProcessGroup> group_;
+  MpiOp op_;
+  IssueLog* log_;  // the group's; outlives every enqueue
 };
 
 class MpiProcessGroup final : public ProcessGroup,
+                              public comm::OpQueue::Runner,
                               public comm::mpi::ExitListener,
                               public std::enable_shared_from_this<MpiProcessGroup> {
  public:
@@ -158,12 +177,11 @@ class MpiProcessGroup final : public ProcessGroup,
         local_rank_(local_rank),
         local_size_(local_size),
         world_ranks_(std::move(world_ranks)),
-        send_sequence_(static_cast<std::size_t>(size), 0),
-        recv_sequence_(static_cast<std::size_t>(size), 0) {
+        queue_(*this, comm::OpQueue::Options{.group = name_, .rank = rank, .size = size}) {
     MpiRuntime::instance().add_exit_listener(this);
-    worker_ = std::thread([this] { worker_loop(); });
   }
   ~MpiProcessGroup() override;
+  void start() { queue_.start(weak_from_this()); }
 
   std::string_view backend() const override { return "mpi"; }
   int local_rank() const override { return local_rank_; }
@@ -268,31 +286,24 @@ class MpiProcessGroup final : public ProcessGroup,
   MpiOp make_op(OpKind kind, const void* send, void* recv, std::size_t count, DType dtype,
                 std::optional<ReduceOp> op, int root) const;
   std::shared_ptr<Work> enqueue(MpiOp op, CallOptions options);
-  void worker_loop();
 
- public:
-  // Runs queued operations on the calling thread until `work` is done, unless another thread
-  // is running them already.
-  void run_inline_until(Work& work);
+  // comm::OpQueue::Runner.
+  void run(comm::QueuedWork& work, net::Deadline deadline) override;
+  void on_poison(const std::string& reason) noexcept override;
 
- private:
-  void execute(MpiOp& op);
-  void run(MpiOp& op);
+  void run_op(MpiOp& op, Clock::time_point deadline);
   // Starts the MPI call of `op` (under the runtime lock); returns MPI's code.
   int start(MpiOp& op, MPI_Request* request);
-  void fail(MpiOp& op, std::exception_ptr error);
-  std::exception_ptr poison() {
-    std::lock_guard lock(poison_mutex_);
-    return poison_;
-  }
   CommError error(const MpiOp& op, const std::string& what) const {
-    return CommError(fmt::format("rank {} of group '{}' (mpi backend): {} {}", rank(), name_,
-                                 op.description, what),
-                     name_, op.description, op.sequence, op.peer);
+    const std::string description = op.description();
+    return CommError(
+        fmt::format("rank {} of group '{}' (mpi backend): {} {}", rank(), name_, description, what),
+        name_, description, op.header.sequence, op.peer);
   }
   // Polls the data request and the fingerprint request of `op` until both completed; throws the
   // CommError of a mismatch, an MPI error, a peer's notice or the deadline.
-  void wait_for_op(MpiOp& op, MPI_Request& data, MPI_Request& check, MPI_Status* status);
+  void wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data, MPI_Request& check,
+                   MPI_Status* status);
   [[noreturn]] void fail_mismatch(const MpiOp& op, Clock::time_point deadline);
   // The first notice a peer sent about this group (empty when none).
   std::string receive_notice() { return MpiRuntime::instance().find_notice(name_); }
@@ -316,52 +327,26 @@ class MpiProcessGroup final : public ProcessGroup,
   std::vector<int> world_ranks_;  // of each rank of the group, for notices
   std::unique_ptr<CheckBuffers> check_buffers_ = std::make_unique<CheckBuffers>();
   std::atomic<bool> left_{false};  // the "left" notice went out
-  // The last collective issued (under queue_mutex_), for the notice when this rank leaves.
-  comm::OpHeader last_issued_;
-  bool issued_any_ = false;
-
-  std::mutex queue_mutex_;
-  std::condition_variable queue_cv_;
-  std::deque<MpiOp> queue_;
-  bool stopping_ = false;
-  std::uint64_t next_sequence_ = 0;
-  std::vector<std::uint64_t> send_sequence_;  // p2p, per peer
-  std::vector<std::uint64_t> recv_sequence_;
-  std::thread worker_;
-  // Held by whichever thread runs operations: the worker, or a waiter (run_inline_until).
-  std::mutex exec_mutex_;
+  IssueLog issue_log_;
 
   std::mutex new_group_mutex_;
   int subgroups_created_ = 0;
   std::exception_ptr control_error_;  // new_group timed out: control_ is unusable
 
-  std::atomic<bool> poisoned_{false};
-  std::mutex poison_mutex_;
-  std::exception_ptr poison_;
-
-  // Worker thread only: copies of inputs that overlap outputs.
+  // run() only (one thread at a time): copies of inputs that overlap outputs.
   std::vector<std::byte> scratch_;
+  // Last: stopped first (in the destructor), before the state run() uses goes away.
+  comm::OpQueue queue_;
 };
 
 MpiProcessGroup::~MpiProcessGroup() {
   MpiRuntime::instance().remove_exit_listener(this);
-  {
-    std::lock_guard lock(queue_mutex_);
-    stopping_ = true;
-  }
-  queue_cv_.notify_all();
-  if (worker_.get_id() == std::this_thread::get_id()) {
-    worker_.detach();  // dropped from a callback on the worker; it exits on its own
-    static_cast<void>(check_buffers_.release());
-    return;
-  }
-  worker_.join();
+  queue_.stop();  // before the state run() uses goes away
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized) return;
   // A poisoned communicator may still have an abandoned request posted: leave it to MPI_Finalize,
   // and its buffers to MPI.
-  if (poisoned_.load()) {
+  if (finalized || queue_.poisoned()) {
     static_cast<void>(check_buffers_.release());
     return;
   }
@@ -374,11 +359,12 @@ MpiProcessGroup::~MpiProcessGroup() {
 }
 
 std::string MpiProcessGroup::left_notice(std::string_view why) {
-  std::lock_guard lock(queue_mutex_);
-  return fmt::format(
-      "rank {} left group '{}' ({}) after issuing {} collectives{}", rank(), name_, why,
-      next_sequence_,
-      issued_any_ ? fmt::format(", the last {}", comm::describe(last_issued_)) : std::string());
+  std::lock_guard lock(issue_log_.mutex);
+  return fmt::format("rank {} left group '{}' ({}) after issuing {} collectives{}", rank(), name_,
+                     why, issue_log_.issued,
+                     issue_log_.issued > 0
+                         ? fmt::format(", the last {}", comm::describe(issue_log_.last))
+                         : std::string());
 }
 
 void MpiProcessGroup::notify_peers(const std::string& text) {
@@ -435,151 +421,53 @@ MpiOp MpiProcessGroup::make_op(OpKind kind, const void* send, void* recv, std::s
 }
 
 std::shared_ptr<Work> MpiProcessGroup::enqueue(MpiOp op, CallOptions options) {
-  if (options.timeout.count() < 0) {
-    throw ConfigError(
-        fmt::format("CallOptions::timeout is negative ({} ms)", options.timeout.count()));
-  }
-  op.timeout = options.timeout.count() > 0 ? options.timeout : timeout_;
-  // The same names as the ring backend's messages ("allreduce(float32 x 8, sum) #3").
-  comm::OpHeader header;
-  header.kind = op.kind;
-  header.dtype = static_cast<std::uint8_t>(op.dtype);
-  header.reduce_op = op.kind == OpKind::kAllreduce || op.kind == OpKind::kReduce ||
-                             op.kind == OpKind::kReduceScatter
-                         ? static_cast<std::uint8_t>(op.op)
-                         : comm::kNoReduceOp;
-  header.count = op.count;
-  header.root = op.root;
-  std::shared_ptr<Work> work;
-  bool queued = false;
-  {
-    std::lock_guard lock(queue_mutex_);
-    if (op.kind == OpKind::kSend) {
-      auto& counters = op.is_recv ? recv_sequence_ : send_sequence_;
-      op.sequence = counters[static_cast<std::size_t>(op.peer)]++;
-      header.sequence = op.sequence;
-      op.description = comm::describe(header, op.peer, op.is_recv);
-    } else {
-      op.sequence = next_sequence_++;
-      header.sequence = op.sequence;
-      op.description = comm::describe(header);
-    }
-    op.header = header;
-    if (op.kind != OpKind::kSend) {
-      last_issued_ = header;
-      issued_any_ = true;
-    }
-    work = std::make_shared<MpiWork>(op.description, op.timeout, weak_from_this());
-    op.work = work;
-    if (!poisoned_.load(std::memory_order_acquire)) {
-      queue_.push_back(std::move(op));
-      queued = true;
-    }
-  }
-  if (queued) {
-    queue_cv_.notify_one();
-  } else {
-    work->complete(poison());
-  }
+  op.timeout = comm::OpQueue::call_timeout(options, timeout_);
+  // The same names as the ring backend's messages ("allreduce(float32 x 8, sum) #3"); the queue
+  // sets the sequence number.
+  op.header.kind = op.kind;
+  op.header.dtype = static_cast<std::uint8_t>(op.dtype);
+  op.header.reduce_op = op.kind == OpKind::kAllreduce || op.kind == OpKind::kReduce ||
+                                op.kind == OpKind::kReduceScatter
+                            ? static_cast<std::uint8_t>(op.op)
+                            : comm::kNoReduceOp;
+  op.header.count = op.count;
+  op.header.root = op.root;
+  using Channel = comm::OpQueue::Channel;
+  const Channel channel = op.kind != OpKind::kSend ? Channel::collective()
+                          : op.is_recv             ? Channel::recv_from(op.peer)
+                                                   : Channel::send_to(op.peer);
+  auto work = std::make_shared<MpiWork>(std::move(op), &issue_log_);
+  queue_.enqueue(work, channel);
   return work;
 }
 
-void MpiProcessGroup::worker_loop() {
-  for (;;) {
-    {
-      std::unique_lock lock(queue_mutex_);
-      queue_cv_.wait(lock, [&] { return !queue_.empty() || stopping_; });
-      if (queue_.empty()) return;
-    }
-    std::lock_guard exec(exec_mutex_);
-    MpiOp op;
-    {
-      std::lock_guard lock(queue_mutex_);
-      if (queue_.empty()) continue;  // a waiter ran it meanwhile
-      op = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    execute(op);
-  }
-}
-
-void MpiProcessGroup::run_inline_until(Work& work) {
-  std::unique_lock exec(exec_mutex_, std::try_to_lock);
-  if (!exec.owns_lock()) return;  // the worker runs them; the caller sleeps on the Work
-  while (!work.is_completed()) {
-    MpiOp op;
-    {
-      std::lock_guard lock(queue_mutex_);
-      if (queue_.empty()) return;
-      op = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    execute(op);
-  }
-}
-
-void MpiWork::help_until_completed() {
-  if (auto group = group_.lock()) group->run_inline_until(*this);
-}
-
-void MpiProcessGroup::execute(MpiOp& op) {
-  if (poisoned_.load(std::memory_order_acquire)) {
-    op.work->complete(poison());
-    return;
-  }
+// With abort_on_failure the first failure ends the job here, before any caller sees the error
+// (MPI cannot interrupt the peers' calls, so they would wait for their deadlines).
+void MpiProcessGroup::run(comm::QueuedWork& work, net::Deadline deadline) {
+  MpiOp& op = static_cast<MpiWork&>(work).op();
+  if (!options_.abort_on_failure) return run_op(op, deadline);
   try {
-    run(op);
-  } catch (const CommError&) {
-    fail(op, std::current_exception());
-    return;
+    run_op(op, deadline);
   } catch (const std::exception& e) {
-    fail(op, std::make_exception_ptr(error(op, fmt::format("failed: {}", e.what()))));
-    return;
+    MpiRuntime::abort_job(
+        fmt::format("{} (MpiOptions::abort_on_failure is on; turn it off to "
+                    "handle the CommError in the program instead)",
+                    e.what()));
   }
-  op.work->complete();
 }
 
-// Poisons the group with its first error: fails `op` and everything still queued. With
-// abort_on_failure the job ends here instead (MPI cannot interrupt the peers' calls, so they would
-// wait for their deadlines); otherwise the peers are sent the error, which they read once one of
-// their calls stalls.
-void MpiProcessGroup::fail(MpiOp& op, std::exception_ptr error) {
-  bool first = false;
-  {
-    std::lock_guard lock(poison_mutex_);
-    if (!poison_) {
-      poison_ = error;
-      first = true;
-    }
-    error = poison_;
+// The queue is poisoned (the first error, or a later operation failing with it): the peers are
+// sent the error once, and read it when one of their calls stalls.
+void MpiProcessGroup::on_poison(const std::string& reason) noexcept {
+  if (options_.abort_on_failure) MpiRuntime::abort_job(reason);
+  try {
+    notify_peers(fmt::format("rank {} failed: {}", rank(), reason));
+  } catch (...) {
+    // Best effort: the peers then fail at their own deadlines.
   }
-  poisoned_.store(true, std::memory_order_release);
-  if (first) {
-    std::string what = "unknown error";
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      what = e.what();
-    }
-    if (options_.abort_on_failure) {
-      MpiRuntime::abort_job(
-          fmt::format("{} (MpiOptions::abort_on_failure is on; turn it off to handle the "
-                      "CommError in the program instead)",
-                      what));
-    }
-    notify_peers(fmt::format("rank {} failed: {}", rank(), what));
-  }
-  op.work->complete(error);
-  std::deque<MpiOp> pending;
-  {
-    std::lock_guard lock(queue_mutex_);
-    pending.swap(queue_);
-  }
-  for (auto& p : pending)
-    p.work->complete(error);
 }
 
-void MpiProcessGroup::run(MpiOp& op) {
+void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
   const bool collective = op.kind != OpKind::kSend;
   MPI_Request check = MPI_REQUEST_NULL;
   if (collective && size() > 1) {
@@ -601,7 +489,7 @@ void MpiProcessGroup::run(MpiOp& op) {
     if (rc != MPI_SUCCESS) throw error(op, fmt::format("could not start: {}", mpi_error_text(rc)));
   }
   MPI_Status status;
-  wait_for_op(op, request, check, op.is_recv ? &status : MPI_STATUS_IGNORE);
+  wait_for_op(op, deadline, request, check, op.is_recv ? &status : MPI_STATUS_IGNORE);
   if (op.count == 0 && op.kind != OpKind::kBarrier && op.kind != OpKind::kSend) return;
   const std::size_t bytes = op.count * dtype_size(op.dtype);
   if (op.is_recv) {
@@ -634,10 +522,9 @@ void MpiProcessGroup::run(MpiOp& op) {
   }
 }
 
-void MpiProcessGroup::wait_for_op(MpiOp& op, MPI_Request& data, MPI_Request& check,
-                                  MPI_Status* status) {
+void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data,
+                                  MPI_Request& check, MPI_Status* status) {
   const auto start = Clock::now();
-  const auto deadline = start + op.timeout;
   const auto stall = start + options_.stall_check_after;
   auto next_notice_check = stall;
   int data_rc = MPI_SUCCESS;
@@ -700,12 +587,12 @@ void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline)
       "collective mismatch in group '{}': rank {} called {}, but not every rank of the group "
       "called the same; every rank must issue the same collectives in the same order with the "
       "same count, dtype, op and root",
-      name_, rank(), op.description);
-  if (rc != MPI_SUCCESS) throw CommError(generic, name_, op.description, op.sequence, -1);
+      name_, rank(), op.description());
+  if (rc != MPI_SUCCESS) throw CommError(generic, name_, op.description(), op.header.sequence, -1);
   const auto limit = std::min(deadline, Clock::now() + std::chrono::seconds(10));
   if (!wait_request(request, limit, rc) || rc != MPI_SUCCESS) {
     static_cast<void>(headers.release());
-    throw CommError(generic, name_, op.description, op.sequence, -1);
+    throw CommError(generic, name_, op.description(), op.header.sequence, -1);
   }
   // Group the ranks by the call they issued: "rank 1 called broadcast(...) #3".
   std::vector<std::pair<std::string, std::vector<int>>> calls;
@@ -731,8 +618,8 @@ void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline)
   throw CommError(fmt::format("collective mismatch in group '{}': rank {} called {} but {}; every "
                               "rank must issue the same collectives in the same order with the "
                               "same count, dtype, op and root",
-                              name_, rank(), op.description, fmt::join(others, " and ")),
-                  name_, op.description, op.sequence, first_other);
+                              name_, rank(), op.description(), fmt::join(others, " and ")),
+                  name_, op.description(), op.header.sequence, first_other);
 }
 
 int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
@@ -925,9 +812,11 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
   std::vector<int> world_ranks;
   for (int r : ranks)
     world_ranks.push_back(world_ranks_[static_cast<std::size_t>(r)]);
-  return std::make_shared<MpiProcessGroup>(sub, sub_check, sub_control, std::move(options), key,
-                                           static_cast<int>(ranks.size()), local_rank, local_size,
-                                           std::move(world_ranks));
+  auto group = std::make_shared<MpiProcessGroup>(sub, sub_check, sub_control, std::move(options),
+                                                 key, static_cast<int>(ranks.size()), local_rank,
+                                                 local_size, std::move(world_ranks));
+  group->start();
+  return group;
 }
 
 }  // namespace
@@ -1001,13 +890,15 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
   std::vector<int> world_ranks(static_cast<std::size_t>(world_size));
   for (int r = 0; r < world_size; ++r)
     world_ranks[static_cast<std::size_t>(r)] = r;
-  return std::make_shared<MpiProcessGroup>(
+  auto group = std::make_shared<MpiProcessGroup>(
       comms[0], comms[1], comms[2],
       GroupOptions{.name = options.group_name,
                    .timeout = timeout,
                    .abort_on_failure = options.abort_on_failure,
                    .stall_check_after = options.stall_check_after},
       world_rank, world_size, local_rank, local_size, std::move(world_ranks));
+  group->start();
+  return group;
 }
 
 bool mpi_backend_available() {
