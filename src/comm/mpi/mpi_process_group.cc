@@ -29,6 +29,9 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -89,17 +92,28 @@ bool test_request(MPI_Request& request, int& rc, MPI_Status* status) {
   return done || rc != MPI_SUCCESS;
 }
 
+// Between two polls: spin at first (each MPI_Test drives MPI's progress; a small collective
+// completes within microseconds, and a yield costs a system call each), then yield, then sleep
+// up to 250 µs so that ranks oversubscribing the cores leave them to each other.
+void back_off(int idle) {
+  constexpr int kSpins = 256;
+  constexpr int kYields = 64;
+  if (idle < kSpins) return;
+  if (idle < kSpins + kYields) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(
+        std::chrono::microseconds(std::min(250, 2 * (idle - kSpins - kYields + 1))));
+  }
+}
+
 // MPI_Comm_idup / MPI_Iallreduce etc. polled against a deadline; false when it passed.
 bool wait_request(MPI_Request& request, Clock::time_point deadline, int& rc,
                   MPI_Status* status = MPI_STATUS_IGNORE) {
   for (int idle = 0;; ++idle) {
     if (test_request(request, rc, status)) return true;
     if (Clock::now() >= deadline) return false;
-    if (idle < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(std::min(250, 2 * (idle - 63))));
-    }
+    back_off(idle);
   }
 }
 
@@ -128,6 +142,40 @@ std::uint64_t hash_bytes(const void* data, std::size_t n) {
   }
   return h;
 }
+
+// Allreduces of up to this many bytes run as one blocking, checked MPI_Allreduce (see
+// run_checked_allreduce) when abort_on_failure is on: MPI's non-blocking collectives cost about
+// 1 µs more than the blocking ones, nearly all of a 1 KiB allreduce (docs/benchmarks.md).
+constexpr std::size_t kCheckedAllreduceMaxBytes = 16 * 1024;
+// How often the watchdog of blocking calls looks at the one in flight.
+constexpr auto kWatchdogInterval = milliseconds(50);
+
+// The blocking call in flight (run_checked_allreduce), for the group's watchdog thread. The
+// executor publishes it with a few relaxed stores and one release store of an odd `id` (even
+// again when the call returned): no lock and no wake-up on the path of every small allreduce. The
+// watchdog polls it every kWatchdogInterval and reads it as a sequence lock (id unchanged around
+// the reads).
+struct BlockingWatch {
+  std::mutex mutex;  // with cv: only to stop the watchdog
+  std::condition_variable cv;
+  bool stop = false;
+  std::atomic<std::uint64_t> id{0};
+  std::atomic<std::int64_t> deadline_ns{0};  // steady clock
+  std::atomic<std::int64_t> timeout_ms{0};
+  std::atomic<std::uint64_t> header[4] = {};  // the call's OpHeader
+
+  void begin(const comm::OpHeader& h, Clock::time_point deadline, milliseconds timeout) {
+    std::uint64_t words[4];
+    std::memcpy(words, &h, sizeof words);
+    for (int i = 0; i < 4; ++i)
+      header[i].store(words[i], std::memory_order_relaxed);
+    deadline_ns.store(deadline.time_since_epoch().count(), std::memory_order_relaxed);
+    timeout_ms.store(timeout.count(), std::memory_order_relaxed);
+    id.store(id.load(std::memory_order_relaxed) + 1, std::memory_order_release);  // odd
+  }
+  void end() { id.store(id.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+};
+static_assert(sizeof(comm::OpHeader) == 4 * sizeof(std::uint64_t));
 
 // The last collective a group issued (for the notice when this rank leaves the group). Written
 // by MpiWork::on_sequenced under the queue's lock, read by whoever sends the notice.
@@ -304,6 +352,13 @@ class MpiProcessGroup final : public ProcessGroup,
   // CommError of a mismatch, an MPI error, a peer's notice or the deadline.
   void wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data, MPI_Request& check,
                    MPI_Status* status);
+  bool use_checked_allreduce(const MpiOp& op) const;
+  void run_checked_allreduce(MpiOp& op, Clock::time_point deadline);
+  void watchdog_loop();
+  // For a call of this rank stalled in `header`: sends the peers its fingerprint (once per call)
+  // and returns what makes the call impossible, if anything is known: a peer that issued a
+  // different call at this sequence number, or a peer's notice (failed, left). Else empty.
+  std::string stall_problem(const comm::OpHeader& header, bool& announced);
   [[noreturn]] void fail_mismatch(const MpiOp& op, Clock::time_point deadline);
   // The first notice a peer sent about this group (empty when none).
   std::string receive_notice() { return MpiRuntime::instance().find_notice(name_); }
@@ -328,6 +383,11 @@ class MpiProcessGroup final : public ProcessGroup,
   std::unique_ptr<CheckBuffers> check_buffers_ = std::make_unique<CheckBuffers>();
   std::atomic<bool> left_{false};  // the "left" notice went out
   IssueLog issue_log_;
+  BlockingWatch watch_;
+  std::thread watchdog_;           // started with the first blocking call
+  std::vector<std::byte> packed_;  // run() only: the checked allreduce's buffers
+  std::size_t packed_bytes_ = SIZE_MAX;
+  MPI_Datatype packed_type_ = MPI_DATATYPE_NULL;
 
   std::mutex new_group_mutex_;
   int subgroups_created_ = 0;
@@ -342,6 +402,18 @@ class MpiProcessGroup final : public ProcessGroup,
 MpiProcessGroup::~MpiProcessGroup() {
   MpiRuntime::instance().remove_exit_listener(this);
   queue_.stop();  // before the state run() uses goes away
+  if (watchdog_.joinable()) {
+    {
+      std::lock_guard lock(watch_.mutex);
+      watch_.stop = true;
+    }
+    watch_.cv.notify_all();
+    if (watchdog_.get_id() == std::this_thread::get_id()) {
+      watchdog_.detach();
+    } else {
+      watchdog_.join();
+    }
+  }
   int finalized = 0;
   MPI_Finalized(&finalized);
   // A poisoned communicator may still have an abandoned request posted: leave it to MPI_Finalize,
@@ -467,7 +539,124 @@ void MpiProcessGroup::on_poison(const std::string& reason) noexcept {
   }
 }
 
+bool MpiProcessGroup::use_checked_allreduce(const MpiOp& op) const {
+  // A blocking call cannot return a CommError at its deadline, only end the job (the watchdog);
+  // under MPI_THREAD_SERIALIZED it would hold the process-wide MPI lock for its whole duration.
+  return op.kind == OpKind::kAllreduce && size() > 1 && options_.abort_on_failure &&
+         MpiRuntime::instance().thread_level() == MPI_THREAD_MULTIPLE &&
+         op.count * dtype_size(op.dtype) <= kCheckedAllreduceMaxBytes;
+}
+
+// A small allreduce as one blocking MPI_Allreduce of [OpHeader | payload] with the runtime's
+// checked operation: the fingerprints travel with the data, so the check costs no message of its
+// own, and every rank's result says whether every rank issued the same call (a count mismatch
+// included: the header says how many bytes to expect). The group's watchdog thread enforces the
+// deadline and the stall checks, ending the job (abort_on_failure is on) since a blocking call
+// cannot be interrupted.
+void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadline) {
+  auto& runtime = MpiRuntime::instance();
+  constexpr std::size_t kHeader = sizeof(comm::OpHeader);
+  const std::size_t bytes = op.count * dtype_size(op.dtype);
+  if (packed_.size() < 2 * (kHeader + bytes)) packed_.resize(2 * (kHeader + bytes));
+  std::byte* in = packed_.data();
+  std::byte* out = in + kHeader + bytes;
+  std::memcpy(in, &op.header, kHeader);
+  if (bytes > 0) std::memcpy(in + kHeader, op.send, bytes);
+  if (bytes != packed_bytes_) {
+    packed_type_ = runtime.packed_type(bytes);
+    packed_bytes_ = bytes;
+  }
+  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watchdog_loop(); });
+  watch_.begin(op.header, deadline, op.timeout);
+  const int rc = MPI_Allreduce(in, out, 1, packed_type_, runtime.checked_op(), comm_);
+  watch_.end();
+  if (rc != MPI_SUCCESS) {
+    throw error(op,
+                fmt::format("failed: {} (do the ranks pass the same count?)", mpi_error_text(rc)));
+  }
+  comm::OpHeader result;
+  std::memcpy(&result, out, kHeader);
+  if (result.reserved != 0) fail_mismatch(op, deadline);
+  if (bytes > 0) std::memcpy(op.recv, out + kHeader, bytes);
+  if (op.op == ReduceOp::kAvg) comm::divide(op.recv, op.count, op.dtype, size());
+}
+
+void MpiProcessGroup::watchdog_loop() {
+  std::uint64_t announced_id = 0;
+  std::unique_lock lock(watch_.mutex);
+  while (!watch_.stop) {
+    watch_.cv.wait_for(lock, kWatchdogInterval);
+    if (watch_.stop) break;
+    const std::uint64_t id = watch_.id.load(std::memory_order_acquire);
+    if (id % 2 == 0) continue;  // no call in flight
+    std::uint64_t words[4];
+    for (int i = 0; i < 4; ++i)
+      words[i] = watch_.header[i].load(std::memory_order_relaxed);
+    const Clock::time_point deadline{
+        Clock::duration(watch_.deadline_ns.load(std::memory_order_relaxed))};
+    const milliseconds timeout{watch_.timeout_ms.load(std::memory_order_relaxed)};
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (watch_.id.load(std::memory_order_relaxed) != id) continue;  // changed while read
+    const auto now = Clock::now();
+    if (now - (deadline - timeout) < options_.stall_check_after) continue;
+    MpiOp op;  // for the message
+    std::memcpy(&op.header, words, sizeof words);
+    op.kind = op.header.kind;
+    bool announced = announced_id == id;
+    announced_id = id;
+    lock.unlock();
+    const std::string problem = stall_problem(op.header, announced);
+    if (!problem.empty()) {
+      MpiRuntime::abort_job(
+          fmt::format("rank {} of group '{}' (mpi backend): {}", rank(), name_, problem));
+    }
+    if (now >= deadline) {
+      MpiRuntime::abort_job(
+          fmt::format("rank {} of group '{}' (mpi backend): {} did not complete within {} ms: "
+                      "a rank of the group did not issue it, or is stuck or gone",
+                      rank(), name_, op.description(), timeout.count()));
+    }
+    lock.lock();
+  }
+}
+
+std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& announced) {
+  auto& runtime = MpiRuntime::instance();
+  const std::uint64_t mine = hash_bytes(&header, sizeof header);
+  if (!announced) {
+    announced = true;
+    std::vector<int> peers;
+    for (int r = 0; r < size(); ++r) {
+      if (r != rank()) peers.push_back(world_ranks_[static_cast<std::size_t>(r)]);
+    }
+    // "stall RANK SEQUENCE HASH DESCRIPTION"
+    runtime.send_notice(
+        name_, peers,
+        fmt::format("stall {} {} {} {}", rank(), header.sequence, mine, comm::describe(header)));
+  }
+  for (const std::string& text : runtime.notices(name_)) {
+    if (text.rfind("stall ", 0) != 0) return fmt::format("cannot complete: {}", text);
+    int peer = -1;
+    unsigned long long sequence = 0;
+    unsigned long long hash = 0;
+    int consumed = 0;
+    if (std::sscanf(text.c_str(), "stall %d %llu %llu %n", &peer, &sequence, &hash, &consumed) <
+            3 ||
+        sequence != header.sequence || hash == mine) {
+      continue;
+    }
+    return fmt::format(
+        "collective mismatch in group '{}': rank {} called {} but rank {} called {}; every rank "
+        "must issue the same collectives in the same order with the same count, dtype, op and "
+        "root",
+        name_, rank(), comm::describe(header), peer,
+        text.substr(static_cast<std::size_t>(consumed)));
+  }
+  return {};
+}
+
 void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
+  if (use_checked_allreduce(op)) return run_checked_allreduce(op, deadline);
   const bool collective = op.kind != OpKind::kSend;
   MPI_Request check = MPI_REQUEST_NULL;
   if (collective && size() > 1) {
@@ -527,6 +716,8 @@ void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Req
   const auto start = Clock::now();
   const auto stall = start + options_.stall_check_after;
   auto next_notice_check = stall;
+  const bool collective = op.kind != OpKind::kSend;
+  bool announced = false;
   int data_rc = MPI_SUCCESS;
   for (int idle = 0;; ++idle) {
     if (check != MPI_REQUEST_NULL) {
@@ -557,14 +748,16 @@ void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Req
     }
     if (now >= next_notice_check) {
       next_notice_check = now + milliseconds(10);
-      const std::string notice = receive_notice();
-      if (!notice.empty()) throw error(op, fmt::format("cannot complete: {}", notice));
+      if (collective) {
+        const std::string problem = stall_problem(op.header, announced);
+        if (!problem.empty())
+          throw CommError(problem, name_, op.description(), op.header.sequence, -1);
+      } else {
+        const std::string notice = receive_notice();
+        if (!notice.empty()) throw error(op, fmt::format("cannot complete: {}", notice));
+      }
     }
-    if (idle < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(std::min(250, 2 * (idle - 63))));
-    }
+    back_off(idle);
   }
   if (data_rc != MPI_SUCCESS) throw error(op, fmt::format("failed: {}", mpi_error_text(data_rc)));
 }

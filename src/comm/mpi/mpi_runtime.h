@@ -61,6 +61,15 @@ class MpiRuntime {
                    const std::string& text);
   // The first notice received about `group`, else empty. Reads every pending notice.
   std::string find_notice(const std::string& group);
+  // Every notice received about `group` so far, oldest first. Reads every pending notice.
+  std::vector<std::string> notices(const std::string& group);
+
+  // The in-band checked allreduce of small buffers (docs/mpi.md): a buffer is a 32-byte OpHeader
+  // followed by the payload, one element of packed_type(payload bytes); checked_op() reduces the
+  // payloads as the headers say when every header agrees, and otherwise only marks the result's
+  // header (OpHeader::reserved = 1) as a mismatch.
+  MPI_Op checked_op() const { return checked_op_; }
+  MPI_Datatype packed_type(std::size_t payload_bytes);
 
   void add_exit_listener(ExitListener* listener);
   void remove_exit_listener(ExitListener* listener);
@@ -83,6 +92,9 @@ class MpiRuntime {
 
   bool serialize_ = false;
   bool finalize_at_exit_ = false;  // ddp initialised MPI, so ddp finalises it
+  MPI_Op checked_op_ = MPI_OP_NULL;
+  std::mutex packed_mutex_;
+  std::vector<std::pair<std::size_t, MPI_Datatype>> packed_types_;
   std::mutex notices_mutex_;
   MPI_Comm notice_comm_ = MPI_COMM_NULL;
   std::vector<std::pair<std::string, std::string>> notices_;  // (group, text), oldest first
