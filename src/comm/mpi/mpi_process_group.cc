@@ -143,10 +143,15 @@ std::uint64_t hash_bytes(const void* data, std::size_t n) {
   return h;
 }
 
-// Allreduces of up to this many bytes run as one blocking, checked MPI_Allreduce (see
-// run_checked_allreduce) when abort_on_failure is on: MPI's non-blocking collectives cost about
-// 1 µs more than the blocking ones, nearly all of a 1 KiB allreduce (docs/benchmarks.md).
-constexpr std::size_t kCheckedAllreduceMaxBytes = 16 * 1024;
+// With abort_on_failure on, allreduces (and barriers) run as blocking MPI_Allreduce calls
+// (run_checked_allreduce): MPI's non-blocking collectives cost about 1 µs more than the blocking
+// ones, nearly all of a 1 KiB allreduce, and polling them costs more again once the host is busy
+// (docs/benchmarks.md, "mpi backend").
+// Up to this many bytes with its 32-byte header, the fingerprint travels in-band (one call);
+// above, in a 16-byte allreduce of its own before the data (two calls, no copies). 4 KiB is
+// OpenMPI's shared-memory eager limit (btl_vader_eager_limit): a message past it takes a
+// rendezvous round trip, which made a packed 4 KiB allreduce 1.45x slower than the plain one.
+constexpr std::size_t kInBandMaxBytes = 4096;
 // How often the watchdog of blocking calls looks at the one in flight.
 constexpr auto kWatchdogInterval = milliseconds(50);
 
@@ -542,9 +547,10 @@ void MpiProcessGroup::on_poison(const std::string& reason) noexcept {
 bool MpiProcessGroup::use_checked_allreduce(const MpiOp& op) const {
   // A blocking call cannot return a CommError at its deadline, only end the job (the watchdog);
   // under MPI_THREAD_SERIALIZED it would hold the process-wide MPI lock for its whole duration.
-  return op.kind == OpKind::kAllreduce && size() > 1 && options_.abort_on_failure &&
-         MpiRuntime::instance().thread_level() == MPI_THREAD_MULTIPLE &&
-         op.count * dtype_size(op.dtype) <= kCheckedAllreduceMaxBytes;
+  // A barrier is the checked allreduce of a header alone (that is also what keeps the ranks'
+  // exit from it as close together as MPI_Barrier's).
+  return (op.kind == OpKind::kAllreduce || op.kind == OpKind::kBarrier) && size() > 1 &&
+         options_.abort_on_failure && MpiRuntime::instance().thread_level() == MPI_THREAD_MULTIPLE;
 }
 
 // A small allreduce as one blocking MPI_Allreduce of [OpHeader | payload] with the runtime's
@@ -557,6 +563,37 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
   auto& runtime = MpiRuntime::instance();
   constexpr std::size_t kHeader = sizeof(comm::OpHeader);
   const std::size_t bytes = op.count * dtype_size(op.dtype);
+  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watchdog_loop(); });
+  if (kHeader + bytes > kInBandMaxBytes) {
+    // The fingerprints first (equal everywhere exactly when every rank issued this call), then
+    // the data where it lies.
+    const std::uint64_t h = hash_bytes(&op.header, sizeof op.header);
+    check_buffers_->mine[0] = h;
+    check_buffers_->mine[1] = ~h;
+    watch_.begin(op.header, deadline, op.timeout);
+    int rc = MPI_Allreduce(check_buffers_->mine, check_buffers_->combined, 2, MPI_UINT64_T, MPI_MAX,
+                           check_);
+    if (rc == MPI_SUCCESS && (check_buffers_->combined[0] != check_buffers_->mine[0] ||
+                              check_buffers_->combined[1] != check_buffers_->mine[1])) {
+      watch_.end();
+      fail_mismatch(op, deadline);
+    }
+    if (rc == MPI_SUCCESS) {
+      const void* in = op.send;
+      if (op.send == op.recv) {
+        in = MPI_IN_PLACE;
+      } else if (overlaps(op.send, bytes, op.recv, bytes)) {
+        scratch_.assign(op.send, op.send + bytes);
+        in = scratch_.data();
+      }
+      rc = MPI_Allreduce(in, op.recv, static_cast<int>(op.count), runtime.datatype(op.dtype),
+                         runtime.reduce_op(op.dtype, op.op), comm_);
+    }
+    watch_.end();
+    if (rc != MPI_SUCCESS) throw error(op, fmt::format("failed: {}", mpi_error_text(rc)));
+    if (op.op == ReduceOp::kAvg) comm::divide(op.recv, op.count, op.dtype, size());
+    return;
+  }
   if (packed_.size() < 2 * (kHeader + bytes)) packed_.resize(2 * (kHeader + bytes));
   std::byte* in = packed_.data();
   std::byte* out = in + kHeader + bytes;
@@ -566,7 +603,6 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
     packed_type_ = runtime.packed_type(bytes);
     packed_bytes_ = bytes;
   }
-  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watchdog_loop(); });
   watch_.begin(op.header, deadline, op.timeout);
   const int rc = MPI_Allreduce(in, out, 1, packed_type_, runtime.checked_op(), comm_);
   watch_.end();
