@@ -21,6 +21,9 @@
 //   mpi_test poison        sleeps, so that rank 0's allreduce misses its deadline (default
 //                          abort_on_failure: rank 0 ends the job)
 //   mpi_test mismatch_abort issues a broadcast where rank 0 issues an allreduce (default options)
+//   mpi_test mismatch_abort_count[_large]  allreduces 4 (2048) floats where rank 0 does 8 (4096)
+//   mpi_test mismatch_abort_skip  calls a barrier where rank 0 calls an allreduce
+//   mpi_test skip_exit     returns 0 from main where rank 0 calls an allreduce
 //
 // Exits 0 when every check passed on this rank; otherwise prints the failure and leaves at once
 // (without MPI_Finalize, so that mpirun ends the other ranks instead of letting them wait for
@@ -324,6 +327,31 @@ int run_failing(const std::string& mode) {
   auto pg = ddp::make_mpi_process_group({.timeout = 60s});
   expect(pg->size() == 2, "the failure tests need 2 ranks");
   float x[8] = {};
+  std::vector<float> big(4096, 1.0f);
+  // Blocking (checked) allreduces on both ranks, the fingerprint in-band (small) or in its own
+  // call (large): the ranks pass different counts, or rank 1 skips to a barrier.
+  if (mode == "mismatch_abort_count") {
+    pg->allreduce(x, pg->rank() == 0 ? 8 : 4, ddp::DType::kFloat32, ddp::ReduceOp::kSum)->wait();
+    die("the mismatched call completed");
+  }
+  if (mode == "mismatch_abort_count_large") {
+    pg->allreduce(big.data(), pg->rank() == 0 ? 4096 : 2048, ddp::DType::kFloat32,
+                  ddp::ReduceOp::kSum)
+        ->wait();
+    die("the mismatched call completed");
+  }
+  if (mode == "mismatch_abort_skip") {
+    auto work = pg->rank() == 0 ? pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum)
+                                : pg->barrier();
+    work->wait();
+    die("the mismatched call completed");
+  }
+  if (mode == "skip_exit") {
+    // Rank 1 skips the allreduce and exits normally: rank 0 must not wait for its deadline.
+    if (pg->rank() == 1) return 0;
+    pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum)->wait();
+    die("the allreduce without its peer completed");
+  }
   if (mode == "mismatch_abort") {
     auto work = pg->rank() == 0 ? pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum)
                                 : pg->broadcast(x, 8, ddp::DType::kFloat32, 0);
@@ -355,7 +383,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   // Outside the try below: these must reach the mpi runtime's handlers as a program's would.
   if (mode == "throw" || mode == "terminate" || mode == "exit_status" || mode == "poison" ||
-      mode == "mismatch_abort") {
+      mode.rfind("mismatch_abort", 0) == 0 || mode == "skip_exit") {
     return run_failing(mode);
   }
   try {

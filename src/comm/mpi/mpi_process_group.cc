@@ -364,7 +364,8 @@ class MpiProcessGroup final : public ProcessGroup,
   // and returns what makes the call impossible, if anything is known: a peer that issued a
   // different call at this sequence number, or a peer's notice (failed, left). Else empty.
   std::string stall_problem(const comm::OpHeader& header, bool& announced);
-  [[noreturn]] void fail_mismatch(const MpiOp& op, Clock::time_point deadline);
+  [[noreturn]] void fail_mismatch(const MpiOp& op, Clock::time_point deadline,
+                                  const CommError* fallback = nullptr);
   // The first notice a peer sent about this group (empty when none).
   std::string receive_notice() { return MpiRuntime::instance().find_notice(name_); }
   // Sends `text` to every other rank of the group, without waiting (never blocks). Once.
@@ -607,8 +608,8 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
   const int rc = MPI_Allreduce(in, out, 1, packed_type_, runtime.checked_op(), comm_);
   watch_.end();
   if (rc != MPI_SUCCESS) {
-    throw error(op,
-                fmt::format("failed: {} (do the ranks pass the same count?)", mpi_error_text(rc)));
+    const CommError failed = error(op, fmt::format("failed: {}", mpi_error_text(rc)));
+    fail_mismatch(op, deadline, &failed);
   }
   comm::OpHeader result;
   std::memcpy(&result, out, kHeader);
@@ -642,10 +643,7 @@ void MpiProcessGroup::watchdog_loop() {
     announced_id = id;
     lock.unlock();
     const std::string problem = stall_problem(op.header, announced);
-    if (!problem.empty()) {
-      MpiRuntime::abort_job(
-          fmt::format("rank {} of group '{}' (mpi backend): {}", rank(), name_, problem));
-    }
+    if (!problem.empty()) MpiRuntime::abort_job(problem);
     if (now >= deadline) {
       MpiRuntime::abort_job(
           fmt::format("rank {} of group '{}' (mpi backend): {} did not complete within {} ms: "
@@ -671,7 +669,10 @@ std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& a
         fmt::format("stall {} {} {} {}", rank(), header.sequence, mine, comm::describe(header)));
   }
   for (const std::string& text : runtime.notices(name_)) {
-    if (text.rfind("stall ", 0) != 0) return fmt::format("cannot complete: {}", text);
+    if (text.rfind("stall ", 0) != 0) {
+      return fmt::format("rank {} of group '{}' (mpi backend): {} cannot complete: {}", rank(),
+                         name_, comm::describe(header), text);
+    }
     int peer = -1;
     unsigned long long sequence = 0;
     unsigned long long hash = 0;
@@ -799,8 +800,12 @@ void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Req
 }
 
 // Every rank saw the same combined fingerprint, so every rank gets here for this call: gather all
-// headers (bounded by the deadline) and name each rank's call.
-void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline) {
+// headers (bounded by the deadline) and name each rank's call. With `fallback` (an MPI error that
+// may be a mismatch: MPI_ERR_TRUNCATE on the rank that got the longer message, whose peer sees a
+// marked result) the gather waits 2 s at most, and `fallback` is thrown when it finds no
+// difference.
+void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline,
+                                    const CommError* fallback) {
   constexpr std::size_t kHeaderBytes = sizeof(comm::OpHeader);
   // On the heap and leaked on a timeout: MPI may still write it later.
   auto headers = std::make_unique<comm::OpHeader[]>(static_cast<std::size_t>(size()) + 1);
@@ -817,11 +822,13 @@ void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline)
       "called the same; every rank must issue the same collectives in the same order with the "
       "same count, dtype, op and root",
       name_, rank(), op.description());
-  if (rc != MPI_SUCCESS) throw CommError(generic, name_, op.description(), op.header.sequence, -1);
-  const auto limit = std::min(deadline, Clock::now() + std::chrono::seconds(10));
+  const CommError unknown =
+      fallback ? *fallback : CommError(generic, name_, op.description(), op.header.sequence, -1);
+  if (rc != MPI_SUCCESS) throw unknown;
+  const auto limit = std::min(deadline, Clock::now() + std::chrono::seconds(fallback ? 2 : 10));
   if (!wait_request(request, limit, rc) || rc != MPI_SUCCESS) {
     static_cast<void>(headers.release());
-    throw CommError(generic, name_, op.description(), op.header.sequence, -1);
+    throw unknown;
   }
   // Group the ranks by the call they issued: "rank 1 called broadcast(...) #3".
   std::vector<std::pair<std::string, std::vector<int>>> calls;
@@ -839,6 +846,7 @@ void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline)
       it->second.push_back(r);
     }
   }
+  if (calls.empty()) throw unknown;
   std::vector<std::string> others;
   for (const auto& [call, ranks] : calls) {
     others.push_back(fmt::format("rank{} {} called {}", ranks.size() > 1 ? "s" : "",
