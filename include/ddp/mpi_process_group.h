@@ -1,10 +1,11 @@
 // The `mpi` backend: ddp::ProcessGroup over MPI (OpenMPI 4.1), for jobs launched with mpirun/srun.
 //
-// Collectives map onto MPI's non-blocking collectives (MPI_Iallreduce, MPI_Ibcast, ...) on a
-// private duplicate of MPI_COMM_WORLD. As with the ring backend, every call returns a Work at once
-// and the operations of a group run one at a time, in issue order, on the group's worker thread
-// (or on a thread waiting in Work::wait, see work.h), polling MPI_Test against the call's
-// deadline. float16/bfloat16 reductions use user-defined MPI operations over the engine's
+// Collectives map onto MPI's collectives on private duplicates of MPI_COMM_WORLD: allreduce and
+// barrier onto blocking MPI_Allreduce calls watched by a per-group watchdog (with
+// abort_on_failure, the default), the others onto non-blocking ones (MPI_Ibcast, ...) polled
+// with MPI_Test against the call's deadline (docs/mpi.md). As with the ring backend, every call
+// returns a Work at once and the operations of a group run one at a time, in issue order, on the
+// group's worker thread (or on a thread waiting in Work::wait, see work.h). float16/bfloat16 reductions use user-defined MPI operations over the engine's
 // reduction kernels (reduced in float32, rounded to nearest even). Any thread may call any method
 // (new_group: see process_group.h).
 //
