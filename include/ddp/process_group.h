@@ -53,6 +53,11 @@ class ProcessGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   virtual std::string_view backend() const = 0;
+  // This rank's index among the ranks of this group on the caller's host (0..local_size()-1, in
+  // rank order), and how many ranks of this group that host has. Backends that know their
+  // topology override these; the default throws ConfigError.
+  virtual int local_rank() const;
+  virtual int local_size() const;
 
   // This rank's index among the group's members on its host, and how many members share the host
   // (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, for this group). A backend that does not know

@@ -2,9 +2,26 @@
 
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "comm/argument_checks.h"
+#include "ddp/error.h"
 
 namespace ddp {
+
+int ProcessGroup::local_rank() const {
+  throw ConfigError(
+      fmt::format("the {} backend does not know which ranks share a host, so it has "
+                  "no local_rank(); use LOCAL_RANK from the launcher",
+                  backend()));
+}
+
+int ProcessGroup::local_size() const {
+  throw ConfigError(
+      fmt::format("the {} backend does not know which ranks share a host, so it has "
+                  "no local_size(); use LOCAL_WORLD_SIZE from the launcher",
+                  backend()));
+}
 
 // The portable allreduce_segments: pack, allreduce the packed buffer, unpack on success. The
 // unpacking is a completion callback, so it has run when wait() returns.

@@ -176,6 +176,9 @@ class RingProcessGroup final : public ProcessGroup,
   std::string transport_description() const { return transport_text_; }
 
   std::string_view backend() const override { return "ring"; }
+  // From the host identities exchanged at creation (a group of one rank: 0 of 1).
+  int local_rank() const override { return local_rank_; }
+  int local_size() const override { return local_.empty() ? 1 : static_cast<int>(local_.size()); }
   using ProcessGroup::allreduce;
 
   std::shared_ptr<Work> allreduce(const void* send, void* recv, std::size_t count, DType dtype,

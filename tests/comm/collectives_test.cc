@@ -234,6 +234,29 @@ TEST_P(Collectives, EveryOtherCollective) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+TEST_P(Collectives, LocalRankAndSizeCountTheRanksOfTheCallersHost) {
+  const int size = world();
+  TempDir dir;
+  auto results = run_ranks(size, [&](int rank) {
+    auto pg = group(dir.path(), rank);
+    int want_rank = rank;
+    int want_size = size;
+    if (mode() == Mode::kHierEqual) {  // host0: ranks below (size + 1) / 2, see apply_mode
+      const int first_host = (size + 1) / 2;
+      want_rank = rank < first_host ? rank : rank - first_host;
+      want_size = rank < first_host ? first_host : size - first_host;
+    } else if (mode() == Mode::kHierUneven) {  // rank 0 alone on hostA
+      want_rank = rank == 0 ? 0 : rank - 1;
+      want_size = rank == 0 ? 1 : size - 1;
+    }
+    if (pg->local_rank() != want_rank || pg->local_size() != want_size) {
+      throw std::runtime_error(fmt::format("local rank/size {}/{}, want {}/{}", pg->local_rank(),
+                                           pg->local_size(), want_rank, want_size));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 std::string param_name(const ::testing::TestParamInfo<std::tuple<int, Mode>>& info) {
   return mode_name(std::get<1>(info.param)) + "_world" + std::to_string(std::get<0>(info.param));
 }
