@@ -59,16 +59,6 @@ class ProcessGroup {
   virtual int local_rank() const;
   virtual int local_size() const;
 
-  // This rank's index among the group's members on its host, and how many members share the host
-  // (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, for this group). A backend that does not know
-  // throws ConfigError.
-  virtual int local_rank() const {
-    throw ConfigError("local_rank() is not implemented by this ProcessGroup backend");
-  }
-  virtual int local_size() const {
-    throw ConfigError("local_size() is not implemented by this ProcessGroup backend");
-  }
-
   // recv[i] = op over ranks of send[i], on every rank.
   virtual std::shared_ptr<Work> allreduce(const void* send, void* recv, std::size_t count,
                                           DType dtype, ReduceOp op, CallOptions options = {}) = 0;
