@@ -119,6 +119,15 @@ bool wait_request(MPI_Request& request, Clock::time_point deadline, int& rc,
 
 class MpiProcessGroup;
 
+// How long a caller waiting for an operation that the worker runs polls before it sleeps (as the
+// ring backend): a sleeping waiter's wake-up costs milliseconds on a busy host. Not when this
+// host's ranks outnumber its cores, where polling would take a core from a peer.
+std::chrono::microseconds waiter_spin(int local_size) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<unsigned>(local_size) <= cores ? std::chrono::microseconds(50)
+                                                    : std::chrono::microseconds(0);
+}
+
 struct GroupOptions {
   std::string name;
   milliseconds timeout{0};
@@ -230,7 +239,9 @@ class MpiProcessGroup final : public ProcessGroup,
         local_rank_(local_rank),
         local_size_(local_size),
         world_ranks_(std::move(world_ranks)),
-        queue_(*this, comm::OpQueue::Options{.group = name_, .rank = rank, .size = size}) {
+        queue_(*this,
+               comm::OpQueue::Options{
+                   .group = name_, .rank = rank, .size = size, .spin = waiter_spin(local_size)}) {
     MpiRuntime::instance().add_exit_listener(this);
   }
   ~MpiProcessGroup() override;
