@@ -5,9 +5,10 @@
 // abort_on_failure, the default), the others onto non-blocking ones (MPI_Ibcast, ...) polled
 // with MPI_Test against the call's deadline (docs/mpi.md). As with the ring backend, every call
 // returns a Work at once and the operations of a group run one at a time, in issue order, on the
-// group's worker thread (or on a thread waiting in Work::wait, see work.h). float16/bfloat16 reductions use user-defined MPI operations over the engine's
-// reduction kernels (reduced in float32, rounded to nearest even). Any thread may call any method
-// (new_group: see process_group.h).
+// group's worker thread (or on a thread waiting in Work::wait, see work.h). float16/bfloat16
+// reductions use user-defined MPI operations over the engine's reduction kernels (reduced in
+// float32, rounded to nearest even). Any thread may call any method (new_group: see
+// process_group.h).
 //
 //   auto pg = ddp::make_mpi_process_group();              // under mpirun -np N ./train
 //   pg->allreduce(grads.data(), grads.size(), ddp::DType::kFloat32, ddp::ReduceOp::kAvg)->wait();
