@@ -130,6 +130,10 @@ std::chrono::microseconds waiter_spin(int local_size) {
 
 struct GroupOptions {
   std::string name;
+  // Identifies the group in notices, also against an earlier group of the same name: the world
+  // group's creation count in the process (the same on every rank, since creating one is
+  // collective over MPI_COMM_WORLD), then "/sub<k>" per level of subgroup.
+  std::string notice_key;
   milliseconds timeout{0};
   bool abort_on_failure = true;
   milliseconds stall_check_after{1000};
@@ -378,7 +382,13 @@ class MpiProcessGroup final : public ProcessGroup,
   [[noreturn]] void fail_mismatch(const MpiOp& op, Clock::time_point deadline,
                                   const CommError* fallback = nullptr);
   // The first notice a peer sent about this group (empty when none).
-  std::string receive_notice() { return MpiRuntime::instance().find_notice(name_); }
+  // (Not the stall fingerprints: stall_problem reads those.)
+  std::string receive_notice() {
+    for (std::string& text : MpiRuntime::instance().notices(options_.notice_key)) {
+      if (text.rfind("stall ", 0) != 0) return std::move(text);
+    }
+    return {};
+  }
   // Sends `text` to every other rank of the group, without waiting (never blocks). Once.
   void notify_peers(const std::string& text);
   std::string left_notice(std::string_view why);
@@ -465,7 +475,7 @@ void MpiProcessGroup::notify_peers(const std::string& text) {
   for (int r = 0; r < size(); ++r) {
     if (r != rank()) peers.push_back(world_ranks_[static_cast<std::size_t>(r)]);
   }
-  MpiRuntime::instance().send_notice(name_, peers, text);
+  MpiRuntime::instance().send_notice(options_.notice_key, peers, text);
 }
 
 void MpiProcessGroup::check_buffer(const void* p, std::size_t count, const char* op,
@@ -676,10 +686,10 @@ std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& a
     }
     // "stall RANK SEQUENCE HASH DESCRIPTION"
     runtime.send_notice(
-        name_, peers,
+        options_.notice_key, peers,
         fmt::format("stall {} {} {} {}", rank(), header.sequence, mine, comm::describe(header)));
   }
-  for (const std::string& text : runtime.notices(name_)) {
+  for (const std::string& text : runtime.notices(options_.notice_key)) {
     if (text.rfind("stall ", 0) != 0) {
       return fmt::format("rank {} of group '{}' (mpi backend): {} cannot complete: {}", rank(),
                          name_, comm::describe(header), text);
@@ -1057,6 +1067,7 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
   const auto [local_rank, local_size] = local_layout(sub_control);
   GroupOptions options = options_;
   options.name = fmt::format("{}/sub{}", name_, index);
+  options.notice_key = fmt::format("{}/sub{}", options_.notice_key, index);
   std::vector<int> world_ranks;
   for (int r : ranks)
     world_ranks.push_back(world_ranks_[static_cast<std::size_t>(r)]);
@@ -1141,6 +1152,7 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
   auto group = std::make_shared<MpiProcessGroup>(
       comms[0], comms[1], comms[2],
       GroupOptions{.name = options.group_name,
+                   .notice_key = std::to_string(runtime.next_world_group()),
                    .timeout = timeout,
                    .abort_on_failure = options.abort_on_failure,
                    .stall_check_after = options.stall_check_after},

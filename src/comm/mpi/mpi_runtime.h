@@ -21,6 +21,7 @@
 #endif
 #include <mpi.h>
 
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -53,6 +54,8 @@ class MpiRuntime {
   // since a message on a group's own communicator could reach a peer that freed it already (and
   // reused its context id for a new communicator). make_mpi_process_group creates it with the
   // first group (set_notice_comm); before that, notices are not sent.
+  // 0, 1, 2, ...: how many world groups this process created before (make_mpi_process_group).
+  int next_world_group() { return world_groups_.fetch_add(1); }
   bool has_notice_comm();
   MPI_Comm notice_comm();
   void set_notice_comm(MPI_Comm comm);
@@ -92,6 +95,7 @@ class MpiRuntime {
 
   bool serialize_ = false;
   bool finalize_at_exit_ = false;  // ddp initialised MPI, so ddp finalises it
+  std::atomic<int> world_groups_{0};
   MPI_Op checked_op_ = MPI_OP_NULL;
   std::mutex packed_mutex_;
   std::vector<std::pair<std::size_t, MPI_Datatype>> packed_types_;
