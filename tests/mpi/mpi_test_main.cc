@@ -1,12 +1,31 @@
 // Runs under mpirun (see CMakeLists.txt): one process per rank.
 //
-//   mpi_test conformance   every ddp::conformance check on make_mpi_process_group()
+//   mpi_test conformance   every ddp::conformance check on make_mpi_process_group(), every call
+//                          polled (abort_on_failure off)
+//   mpi_test conformance_blocking  the same with the defaults (blocking allreduce and barrier)
 //   mpi_test serialized    the same, on an MPI the program initialised itself with
 //                          MPI_THREAD_SERIALIZED (ddp then serialises its MPI calls and must
 //                          leave MPI_Finalize to the program)
 //   mpi_test funneled      an MPI initialised with MPI_THREAD_FUNNELED: a ConfigError
 //   mpi_test timeout       (2 ranks) rank 0 calls an allreduce that rank 1 never calls: it must
 //                          fail with a CommError at its deadline, and later calls at once
+//   mpi_test mismatch KIND (2+ ranks, abort_on_failure off) the last rank issues a different call
+//                          (KIND: op, count, zero_count, dtype, root, reduce_op, skip, leave,
+//                          exit): every rank must get a CommError naming both calls (or the rank
+//                          that left) within seconds
+//   mpi_test local         local_rank()/local_size() agree with OMPI_COMM_WORLD_LOCAL_RANK/SIZE
+//
+// Modes whose job must fail as a whole (tests/mpi/expect_job_failure.sh checks the exit status,
+// the time and the output): rank 1 of 2 ...
+//   mpi_test throw         throws an exception out of main while rank 0 waits in an allreduce
+//   mpi_test terminate     calls std::terminate
+//   mpi_test exit_status   returns 3 from main
+//   mpi_test poison        sleeps, so that rank 0's allreduce misses its deadline (default
+//                          abort_on_failure: rank 0 ends the job)
+//   mpi_test mismatch_abort issues a broadcast where rank 0 issues an allreduce (default options)
+//   mpi_test mismatch_abort_count[_large]  allreduces 4 (2048) floats where rank 0 does 8 (4096)
+//   mpi_test mismatch_abort_skip  calls a barrier where rank 0 calls an allreduce
+//   mpi_test skip_exit     returns 0 from main where rank 0 calls an allreduce
 //
 // Exits 0 when every check passed on this rank; otherwise prints the failure and leaves at once
 // (without MPI_Finalize, so that mpirun ends the other ranks instead of letting them wait for
@@ -18,8 +37,11 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -62,7 +84,7 @@ void expect_config_error(const std::string& what, F&& call) {
 
 // What only the mpi backend promises: its own argument limits, the new_group agreement check,
 // and a receive whose count differs from the send's.
-void check_mpi_specific(ddp::ProcessGroup& pg) {
+void check_mpi_specific(ddp::ProcessGroup& pg, bool abort_on_failure) {
   float x[4] = {};
   expect_config_error("an empty MpiOptions::group_name",
                       [] { ddp::make_mpi_process_group({.group_name = ""}); });
@@ -91,7 +113,8 @@ void check_mpi_specific(ddp::ProcessGroup& pg) {
   pg.barrier()->wait();
 
   // A receive expecting more elements than were sent fails on the receiver (in a subgroup, since
-  // it poisons the group).
+  // it poisons the group; with abort_on_failure it would end the job).
+  if (abort_on_failure) return;
   auto pair = pg.new_group({0, 1});
   if (pair) {
     if (pair->rank() == 0) {
@@ -110,9 +133,11 @@ void check_mpi_specific(ddp::ProcessGroup& pg) {
   pg.barrier()->wait();
 }
 
-void run_conformance() {
+// abort_on_failure off: every call polled, and the mpi-specific checks poison a subgroup on
+// purpose; on (the default): allreduce and barrier run blocking with their checked fingerprints.
+void run_conformance(bool abort_on_failure = false) {
   // Short: after a failure on one rank the others stop at their next deadline.
-  auto pg = ddp::make_mpi_process_group({.timeout = 30s});
+  auto pg = ddp::make_mpi_process_group({.timeout = 30s, .abort_on_failure = abort_on_failure});
   expect(pg->backend() == "mpi", "backend() is not \"mpi\"");
   for (const auto& check : ddp::conformance::all_checks()) {
     const auto start = Clock::now();
@@ -123,7 +148,7 @@ void run_conformance() {
     }
     if (pg->rank() == 0) std::printf("ok %-16s %lld ms\n", check.name.c_str(), ms_since(start));
   }
-  check_mpi_specific(*pg);
+  check_mpi_specific(*pg, abort_on_failure);
   if (pg->rank() == 0) std::printf("ok mpi_specific\n");
   pg->barrier()->wait();
 }
@@ -152,7 +177,7 @@ void run_user_initialised(int level) {
 }
 
 void run_timeout() {
-  auto pg = ddp::make_mpi_process_group({.timeout = 20s});
+  auto pg = ddp::make_mpi_process_group({.timeout = 20s, .abort_on_failure = false});
   expect(pg->size() == 2, fmt::format("the timeout test needs 2 ranks, got {}", pg->size()));
   if (pg->rank() == 0) {
     constexpr auto kDeadline = 1500ms;
@@ -198,21 +223,194 @@ void run_timeout() {
   sync->barrier()->wait();
 }
 
+void expect_contains(std::string_view text, std::string_view word, std::string_view what) {
+  expect(text.find(word) != std::string_view::npos,
+         fmt::format("{} does not name '{}': {}", what, word, text));
+}
+
+// The last rank issues a different call (or none) where the others issue
+// allreduce(float32 x 8, sum) #1; every rank must fail within seconds, naming both calls.
+// Returns the exit status (the "exit" kind leaves main early on the last rank).
+int run_mismatch(const std::string& kind) {
+  auto pg = ddp::make_mpi_process_group({.timeout = 60s, .abort_on_failure = false});
+  expect(pg->size() >= 2, "the mismatch test needs at least 2 ranks");
+  const int odd = pg->size() - 1;
+  const bool is_odd = pg->rank() == odd;
+  std::vector<float> x(8, 1.0f);
+  std::vector<int> ints(8, 1);
+  pg->barrier()->wait();  // #0: every rank is here
+  std::shared_ptr<ddp::Work> work;
+  std::string theirs;  // what the odd rank called, as the messages name it
+  const auto start = Clock::now();
+  if (kind == "root") {
+    // Every rank broadcasts, from root 0 except the odd rank (root 1).
+    work = pg->broadcast(x.data(), 8, ddp::DType::kFloat32, is_odd ? 1 : 0);
+    theirs = "broadcast(float32 x 8, root 1) #1";
+  } else if (!is_odd) {
+    work = pg->allreduce(x.data(), 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum);
+  } else if (kind == "op") {
+    work = pg->broadcast(x.data(), 8, ddp::DType::kFloat32, 0);
+    theirs = "broadcast(float32 x 8, root 0) #1";
+  } else if (kind == "count") {
+    work = pg->allreduce(x.data(), 4, ddp::DType::kFloat32, ddp::ReduceOp::kSum);
+    theirs = "allreduce(float32 x 4, sum) #1";
+  } else if (kind == "zero_count") {
+    work = pg->allreduce(x.data(), 0, ddp::DType::kFloat32, ddp::ReduceOp::kSum);
+    theirs = "allreduce(float32 x 0, sum) #1";
+  } else if (kind == "dtype") {
+    work = pg->allreduce(ints.data(), 8, ddp::DType::kInt32, ddp::ReduceOp::kSum);
+    theirs = "allreduce(int32 x 8, sum) #1";
+  } else if (kind == "reduce_op") {
+    work = pg->allreduce(x.data(), 8, ddp::DType::kFloat32, ddp::ReduceOp::kMax);
+    theirs = "allreduce(float32 x 8, max) #1";
+  } else if (kind == "skip") {
+    work = pg->barrier();  // skipped the allreduce, went on to the next call
+    theirs = "barrier() #1";
+  } else if (kind == "leave") {
+    pg.reset();  // leaves the group without the allreduce
+    theirs = fmt::format("rank {} left group 'default' (the group was destroyed)", odd);
+  } else if (kind == "exit") {
+    return 0;  // leaves the process: the exit hook tells the peers
+  } else {
+    die("unknown mismatch kind '" + kind + "'");
+  }
+  const std::string ours =
+      kind == "root" ? "broadcast(float32 x 8, root 0) #1" : "allreduce(float32 x 8, sum) #1";
+  if (work) {
+    try {
+      work->wait();
+      die(fmt::format("rank {}: the mismatched call completed", pg->rank()));
+    } catch (const ddp::CommError& e) {
+      const long long took = ms_since(start);
+      std::printf("rank %d after %lld ms: %s\n", pg->rank(), took, e.what());
+      expect(took < 5000, fmt::format("the mismatch took {} ms to be named", took));
+      if (kind == "leave" || kind == "exit") {
+        expect_contains(e.what(), theirs, "the error");
+      } else {
+        expect_contains(e.what(), "collective mismatch", "the error");
+        expect_contains(e.what(), is_odd ? theirs : ours, "the error");
+        expect_contains(e.what(), is_odd ? ours : theirs, "the error");
+      }
+    }
+  }
+  if (kind == "exit") return 0;
+  // Everyone meets in a fresh group before leaving.
+  auto sync = ddp::make_mpi_process_group({.timeout = 20s, .group_name = "sync"});
+  sync->barrier()->wait();
+  return 0;
+}
+
+void run_local() {
+  auto pg = ddp::make_mpi_process_group({.timeout = 30s});
+  const char* local_rank = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  const char* local_size = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  expect(local_rank && local_size, "mpirun did not set OMPI_COMM_WORLD_LOCAL_RANK/SIZE");
+  expect(pg->local_rank() == std::atoi(local_rank),
+         fmt::format("local_rank() is {}, mpirun says {}", pg->local_rank(), local_rank));
+  expect(pg->local_size() == std::atoi(local_size),
+         fmt::format("local_size() is {}, mpirun says {}", pg->local_size(), local_size));
+  // A subgroup of the odd ranks: all on this host, numbered among themselves.
+  std::vector<int> odd;
+  for (int r = 1; r < pg->size(); r += 2)
+    odd.push_back(r);
+  if (!odd.empty()) {
+    auto sub = pg->new_group(odd);
+    if (sub) {
+      expect(sub->local_rank() == sub->rank() && sub->local_size() == sub->size(),
+             fmt::format("subgroup local_rank/local_size {}/{}, expected {}/{}", sub->local_rank(),
+                         sub->local_size(), sub->rank(), sub->size()));
+    }
+  }
+  pg->barrier()->wait();
+  if (pg->rank() == 0) std::printf("local_rank/local_size ok\n");
+}
+
+// Modes that end the job on purpose: rank 1 fails while rank 0 waits in an allreduce that has a
+// long deadline, so only failing fast can end the job within the test's time limit.
+int run_failing(const std::string& mode) {
+  auto pg = ddp::make_mpi_process_group({.timeout = 60s});
+  expect(pg->size() == 2, "the failure tests need 2 ranks");
+  float x[8] = {};
+  std::vector<float> big(4096, 1.0f);
+  // Blocking (checked) allreduces on both ranks, the fingerprint in-band (small) or in its own
+  // call (large): the ranks pass different counts, or rank 1 skips to a barrier.
+  if (mode == "mismatch_abort_count") {
+    pg->allreduce(x, pg->rank() == 0 ? 8 : 4, ddp::DType::kFloat32, ddp::ReduceOp::kSum)->wait();
+    die("the mismatched call completed");
+  }
+  if (mode == "mismatch_abort_count_large") {
+    pg->allreduce(big.data(), pg->rank() == 0 ? 4096 : 2048, ddp::DType::kFloat32,
+                  ddp::ReduceOp::kSum)
+        ->wait();
+    die("the mismatched call completed");
+  }
+  if (mode == "mismatch_abort_skip") {
+    auto work = pg->rank() == 0 ? pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum)
+                                : pg->barrier();
+    work->wait();
+    die("the mismatched call completed");
+  }
+  if (mode == "skip_exit") {
+    // Rank 1 skips the allreduce and exits normally: rank 0 must not wait for its deadline.
+    if (pg->rank() == 1) return 0;
+    pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum)->wait();
+    die("the allreduce without its peer completed");
+  }
+  if (mode == "mismatch_abort") {
+    auto work = pg->rank() == 0 ? pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum)
+                                : pg->broadcast(x, 8, ddp::DType::kFloat32, 0);
+    work->wait();
+    die("the mismatched call completed");
+  }
+  if (mode == "poison") {
+    if (pg->rank() == 0) {
+      pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum, {.timeout = 1500ms})->wait();
+      die("the allreduce without its peer completed");
+    }
+    std::this_thread::sleep_for(60s);  // not in MPI: only rank 0's abort ends this
+    die("rank 1 was not ended by rank 0's failure");
+  }
+  if (pg->rank() == 0) {
+    pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum)->wait();
+    die("the allreduce without its peer completed");
+  }
+  std::this_thread::sleep_for(200ms);  // rank 0 is waiting by now
+  if (mode == "throw") throw std::runtime_error("rank 1 gives up on purpose");
+  if (mode == "terminate") std::terminate();
+  if (mode == "exit_status") return 3;
+  die("unknown mode " + mode);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  // Outside the try below: these must reach the mpi runtime's handlers as a program's would.
+  if (mode == "throw" || mode == "terminate" || mode == "exit_status" || mode == "poison" ||
+      mode.rfind("mismatch_abort", 0) == 0 || mode == "skip_exit") {
+    return run_failing(mode);
+  }
   try {
     if (mode == "conformance") {
       run_conformance();
+    } else if (mode == "conformance_blocking") {
+      run_conformance(/*abort_on_failure=*/true);
     } else if (mode == "serialized") {
       run_user_initialised(MPI_THREAD_SERIALIZED);
     } else if (mode == "funneled") {
       run_user_initialised(MPI_THREAD_FUNNELED);
     } else if (mode == "timeout") {
       run_timeout();
+    } else if (mode == "mismatch" && argc > 2) {
+      const int status = run_mismatch(argv[2]);
+      std::fflush(stdout);
+      return status;
+    } else if (mode == "local") {
+      run_local();
     } else {
-      std::fprintf(stderr, "usage: %s conformance|serialized|funneled|timeout (under mpirun)\n",
+      std::fprintf(stderr,
+                   "usage: %s conformance|serialized|funneled|timeout|mismatch KIND|local|throw|"
+                   "terminate|exit_status|poison|mismatch_abort (under mpirun)\n",
                    argv[0]);
       return 2;
     }
