@@ -28,9 +28,13 @@ std::size_t bytes_of(const torch::Tensor& t) {
   return element_count(t) * t.element_size();
 }
 
-// Marks `work`'s result as `outputs`; the Work then also keeps them alive until it is destroyed.
-std::shared_ptr<Work> with_result(std::shared_ptr<Work> work, Tensors outputs) {
+// Marks `work`'s result as `outputs` (the Work then keeps them alive until it is destroyed), and
+// keeps `inputs` alive until the operation has completed: the caller may drop its handles (e.g. a
+// temporary) before the engine has read them.
+std::shared_ptr<Work> with_result(std::shared_ptr<Work> work, Tensors outputs,
+                                  Tensors inputs = {}) {
   work->set_result(std::move(outputs));
+  if (!inputs.empty()) work->then([inputs = std::move(inputs)](Work&) {});
   return work;
 }
 
@@ -140,7 +144,7 @@ std::shared_ptr<Work> all_gather_async(const Tensors& tensor_list, const torch::
                                : g.allgather_v(tensor.data_ptr(), element_count(tensor),
                                                flat->data(), counts, dtype_of(tensor));
   unpack_on_success(*work, flat, tensor_list);
-  return with_result(std::move(work), tensor_list);
+  return with_result(std::move(work), tensor_list, {tensor});
 }
 void all_gather(const Tensors& tensor_list, const torch::Tensor& tensor, GroupRef group) {
   all_gather_async(tensor_list, tensor, group)->wait();
@@ -157,7 +161,7 @@ std::shared_ptr<Work> all_gather_into_tensor_async(const torch::Tensor& output,
   });
   return with_result(
       g.allgather(input.data_ptr(), output.data_ptr(), element_count(input), dtype_of(input)),
-      {output});
+      {output}, {input});
 }
 void all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& input,
                             GroupRef group) {
@@ -201,7 +205,7 @@ std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
   });
   return with_result(g.reduce_scatter(input.data_ptr(), output.data_ptr(), element_count(output),
                                       dtype_of(output), op),
-                     {output});
+                     {output}, {input});
 }
 void reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op,
                            GroupRef group) {
@@ -313,11 +317,12 @@ std::shared_ptr<Work> all_to_all_single_async(const torch::Tensor& output,
   });
   if (input_split_sizes.empty() && output_split_sizes.empty()) {
     return with_result(
-        g.alltoall(input.data_ptr(), output.data_ptr(), send_counts[0], dtype_of(input)), {output});
+        g.alltoall(input.data_ptr(), output.data_ptr(), send_counts[0], dtype_of(input)), {output},
+        {input});
   }
   return with_result(g.alltoall_v(input.data_ptr(), std::move(send_counts), output.data_ptr(),
                                   std::move(recv_counts), dtype_of(input)),
-                     {output});
+                     {output}, {input});
 }
 void all_to_all_single(const torch::Tensor& output, const torch::Tensor& input,
                        std::vector<std::int64_t> output_split_sizes,
@@ -350,13 +355,14 @@ std::shared_ptr<Work> gather_async(const torch::Tensor& tensor, const Tensors& g
   });
   if (g.rank() != dst) {
     return with_result(
-        g.gather(tensor.data_ptr(), nullptr, element_count(tensor), dtype_of(tensor), dst), {});
+        g.gather(tensor.data_ptr(), nullptr, element_count(tensor), dtype_of(tensor), dst), {},
+        {tensor});
   }
   auto flat = std::make_shared<Bytes>(bytes_of(tensor) * world(g));
   auto work =
       g.gather(tensor.data_ptr(), flat->data(), element_count(tensor), dtype_of(tensor), dst);
   unpack_on_success(*work, flat, gather_list);
-  return with_result(std::move(work), gather_list);
+  return with_result(std::move(work), gather_list, {tensor});
 }
 void gather(const torch::Tensor& tensor, const Tensors& gather_list, int dst, GroupRef group) {
   gather_async(tensor, gather_list, dst, group)->wait();

@@ -17,8 +17,8 @@
 // Calls are collective (point to point aside): every rank of the group makes the same calls in the
 // same order, with tensors of matching dtypes and shapes. The blocking form waits; the `_async`
 // form returns the Work at once (PyTorch's async_op=True): its result (Work::result_as) is the
-// std::vector<torch::Tensor> of output tensors, filled once it has completed. Tensors must stay
-// alive and untouched until then (the Work keeps references to them).
+// std::vector<torch::Tensor> of output tensors, filled once it has completed. The Work keeps
+// references to the tensors until then (a temporary input is fine); do not modify them meanwhile.
 //
 // Tensors are dense, contiguous CPU tensors of float32/64, float16, bfloat16, (u)int8, int32 or
 // int64; outputs are written in place (a `const torch::Tensor&` output is still written: a tensor
