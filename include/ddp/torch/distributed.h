@@ -17,8 +17,11 @@
 // Calls are collective (point to point aside): every rank of the group makes the same calls in the
 // same order, with tensors of matching dtypes and shapes. The blocking form waits; the `_async`
 // form returns the Work at once (PyTorch's async_op=True): its result (Work::result_as) is the
-// std::vector<torch::Tensor> of output tensors, filled once it has completed. The Work keeps
-// references to the tensors until then (a temporary input is fine); do not modify them meanwhile.
+// std::vector<torch::Tensor> of output tensors, filled once it has completed. Calls with uneven
+// sizes (all_gather / reduce_scatter lists of different sizes, all_to_all lists, all_to_all_single
+// with split sizes) exchange the sizes first and wait for that at the call, also in the `_async`
+// form (ProcessGroup::allgather_v); the data then moves asynchronously. Until it completes, the
+// Work keeps references to the tensors (a temporary input is fine); do not modify them meanwhile.
 //
 // Tensors are dense, contiguous CPU tensors of float32/64, float16, bfloat16, (u)int8, int32 or
 // int64; outputs are written in place (a `const torch::Tensor&` output is still written: a tensor
@@ -26,7 +29,8 @@
 // dtype, device (CUDA), layout, non-contiguous, a list of the wrong length, shapes that don't
 // fit, split sizes that don't add up. So that no other rank waits for a call that this rank
 // refused, the refusing rank first issues a barrier in its place: ranks that did make the call
-// then fail at once with a CommError naming the mismatch (ring backend; the group is poisoned), and
+// then fail at once with a CommError naming the mismatch (ring backend, which checks every call's
+// fingerprint; the group is poisoned; the mpi backend needs the same check), and
 // ranks that all refused the same way all throw the ConfigError with the group intact. Sizes that
 // differ across ranks are a ConfigError on every rank (uneven calls exchange their sizes first) or
 // the engine's mismatch CommError (equal-size calls). Thread-safety as for ProcessGroup.
