@@ -105,6 +105,32 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> alltoall(const void* send, void* recv, std::size_t count_per_rank,
                                          DType dtype, CallOptions options = {}) = 0;
 
+  // Uneven sizes. Blocks are contiguous in rank order (rank r's block starts after the blocks of
+  // ranks 0..r-1); a count may be 0. The default implementations (process_group.cc) first exchange
+  // every rank's counts in a small allgather that the caller waits for (so the call returns once
+  // the group's earlier operations have run; do not call them from a Work callback), check them,
+  // and then run the equal-size collective on blocks padded to the largest count, asynchronously.
+  // Counts that disagree between ranks are a ConfigError thrown by the call on every rank, naming
+  // the ranks and counts; nothing else is issued then. A backend may override them natively with
+  // the same contract.
+  //
+  // recv = the blocks of every rank, rank r's holding recv_counts[r] elements (recv_counts has
+  // size() entries, the same on every rank); send holds send_count == recv_counts[rank()].
+  virtual std::shared_ptr<Work> allgather_v(const void* send, std::size_t send_count, void* recv,
+                                            std::vector<std::size_t> recv_counts, DType dtype,
+                                            CallOptions options = {});
+  // Rank r sends send_counts[j] elements (its j-th block) to rank j and receives recv_counts[j]
+  // elements from rank j into its j-th recv block. recv_counts[j] on rank r must equal
+  // send_counts[r] on rank j.
+  virtual std::shared_ptr<Work> alltoall_v(const void* send, std::vector<std::size_t> send_counts,
+                                           void* recv, std::vector<std::size_t> recv_counts,
+                                           DType dtype, CallOptions options = {});
+  // send holds sum(recv_counts) elements on every rank; rank r receives block r (recv_counts[r]
+  // elements) of their reduction. recv_counts is the same on every rank.
+  virtual std::shared_ptr<Work> reduce_scatter_v(const void* send, void* recv,
+                                                 std::vector<std::size_t> recv_counts, DType dtype,
+                                                 ReduceOp op, CallOptions options = {});
+
   // Completes once every rank has called it.
   virtual std::shared_ptr<Work> barrier(CallOptions options = {}) = 0;
 

@@ -14,13 +14,25 @@
 // the operation, or on the caller of then() when the operation had already completed. A callback
 // must not throw (exceptions are caught and reported on stderr) and must not wait for later work of
 // the group.
+//
+// Chains and results: and_then() starts the next operation when this one has succeeded and returns
+// a Work for the whole chain, so a comm hook can run several collectives in a row without blocking:
+//
+//   auto chain = pg->allreduce(p, n, dt, ddp::ReduceOp::kSum)
+//                    ->and_then([&](ddp::Work&) { return pg->allreduce(q, m, dt, kSum); });
+//   chain->wait();                        // both done (or the first error of either)
+//
+// A Work may carry a typed result (set_result / result_as), e.g. the output tensors of a
+// torch-level collective; a chain carries the result of its last operation.
 #pragma once
 
+#include <any>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -28,7 +40,7 @@
 
 namespace ddp {
 
-class Work {
+class Work : public std::enable_shared_from_this<Work> {
  public:
   // `description` names the operation for messages; `timeout` bounds wait().
   Work(std::string description, std::chrono::milliseconds timeout);
@@ -54,6 +66,30 @@ class Work {
   // Runs `callback` once the operation has completed: at once on this thread if it already has.
   void then(std::function<void(Work&)> callback);
 
+  // Once this operation has succeeded, calls `next` (on the thread that completed it, as then()
+  // callbacks) to start the next operation, and returns at once a Work that completes when that
+  // one does, with its error and result. `next` may return nullptr: the chain then completes at
+  // once with this operation's result. This operation's error, or an exception thrown by `next`,
+  // completes the chain with that error without calling `next`. wait() on the chain helps run the
+  // current stage like wait() on the stage itself, and its safety-net deadline is this Work's.
+  // Ordering: `next` issues its collectives when this one completes, so every rank must chain the
+  // same operations and issue nothing on the same group in between that could interleave
+  // differently (as with any collective issued from a callback).
+  std::shared_ptr<Work> and_then(std::function<std::shared_ptr<Work>(Work&)> next);
+
+  // A typed result for the caller (e.g. output tensors); set by whoever started the operation,
+  // normally before it completes, and kept for the Work's lifetime. Thread-safe.
+  void set_result(std::any value);
+  // A copy of the result (empty when none was set).
+  std::any result() const;
+  // The result as a T; ConfigError naming the operation when there is none or it is not a T.
+  template <class T>
+  T result_as() const {
+    std::any value = result();
+    if (const T* typed = std::any_cast<T>(&value)) return *typed;
+    throw_bad_result(value.has_value() ? value.type().name() : nullptr);
+  }
+
   // Names the operation (e.g. "allreduce #7 (256 x float32, sum)"), for messages.
   virtual std::string description() const { return description_; }
 
@@ -69,6 +105,8 @@ class Work {
   explicit Work(std::chrono::milliseconds timeout) : timeout_(timeout) {}
 
  private:
+  friend class ChainedWork;
+  [[noreturn]] void throw_bad_result(const char* held_type) const;
   bool finished_or_own_callback() const;
   bool wait_until(std::chrono::steady_clock::time_point deadline);
 
@@ -82,6 +120,7 @@ class Work {
   // Completed and the callbacks registered before have run (set under mutex_, read without).
   std::atomic<bool> finished_{false};
   std::thread::id completing_thread_;
+  std::any result_;  // under mutex_
 };
 
 }  // namespace ddp

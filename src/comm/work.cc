@@ -24,6 +24,80 @@ void run_callback(const std::function<void(Work&)>& callback, Work& work) {
 
 }  // namespace
 
+// The Work of and_then(): completes when the stage started by the continuation does. Holds the
+// current stage so that wait() can help run it on the waiting thread (lazy wake-up, see
+// ring_process_group.cc) instead of sleeping until the worker gets to it.
+class ChainedWork final : public Work {
+ public:
+  ChainedWork(std::string description, std::chrono::milliseconds timeout,
+              std::shared_ptr<Work> stage)
+      : Work(std::move(description), timeout), stage_(std::move(stage)) {}
+
+  void set_stage(std::shared_ptr<Work> stage) {
+    std::lock_guard lock(stage_mutex_);
+    stage_ = std::move(stage);
+  }
+
+  // Completes the chain with `from`'s error and result; drops the stage (it holds callbacks that
+  // hold this Work).
+  void finish(Work* from, std::exception_ptr error) {
+    if (from != nullptr) {
+      std::any value = from->result();
+      if (value.has_value()) set_result(std::move(value));
+    }
+    set_stage(nullptr);
+    complete(std::move(error));
+  }
+
+ protected:
+  void help_until_completed() override {
+    // Each pass helps the current stage; completing it may start the next stage on this thread.
+    for (;;) {
+      std::shared_ptr<Work> stage;
+      {
+        std::lock_guard lock(stage_mutex_);
+        stage = stage_;
+      }
+      if (!stage || is_completed()) return;
+      if (!stage->is_completed()) stage->help_until_completed();
+      std::lock_guard lock(stage_mutex_);
+      if (stage_ == stage) return;  // not advanced: block in wait() like any Work
+    }
+  }
+
+ private:
+  std::mutex stage_mutex_;
+  std::shared_ptr<Work> stage_;
+};
+
+namespace {
+
+// Attaches the continuation to `stage`: on success calls `next`, which may start another stage.
+void continue_chain(const std::shared_ptr<ChainedWork>& chain, Work& stage,
+                    std::function<std::shared_ptr<Work>(Work&)> next) {
+  stage.then([chain, next = std::move(next)](Work& done) {
+    if (auto error = done.error()) {
+      chain->finish(nullptr, error);
+      return;
+    }
+    std::shared_ptr<Work> following;
+    try {
+      following = next ? next(done) : nullptr;
+    } catch (...) {
+      chain->finish(nullptr, std::current_exception());
+      return;
+    }
+    if (!following) {
+      chain->finish(&done, nullptr);
+      return;
+    }
+    chain->set_stage(following);
+    following->then([chain](Work& last) { chain->finish(&last, last.error()); });
+  });
+}
+
+}  // namespace
+
 Work::Work(std::string description, std::chrono::milliseconds timeout)
     : description_(std::move(description)), timeout_(timeout) {}
 
@@ -64,6 +138,33 @@ void Work::then(std::function<void(Work&)> callback) {
     }
   }
   run_callback(callback, *this);
+}
+
+std::shared_ptr<Work> Work::and_then(std::function<std::shared_ptr<Work>(Work&)> next) {
+  // The chain does not own this Work: whoever runs it (the group's queue) keeps it alive until it
+  // completes, and its callback keeps the chain alive until then.
+  auto chain = std::make_shared<ChainedWork>(description() + " and then more", timeout_, nullptr);
+  // For helping in wait(); a Work not owned by a shared_ptr is simply not helped.
+  chain->set_stage(weak_from_this().lock());
+  continue_chain(chain, *this, std::move(next));
+  return chain;
+}
+
+void Work::set_result(std::any value) {
+  std::lock_guard lock(mutex_);
+  result_ = std::move(value);
+}
+
+std::any Work::result() const {
+  std::lock_guard lock(mutex_);
+  return result_;
+}
+
+void Work::throw_bad_result(const char* held_type) const {
+  throw ConfigError(held_type == nullptr
+                        ? fmt::format("{} has no result", description())
+                        : fmt::format("the result of {} is a {}, not the type asked for",
+                                      description(), held_type));
 }
 
 bool Work::finished_or_own_callback() const {

@@ -78,6 +78,62 @@ TEST(Work, ThrowingCallbackDoesNotEscape) {
   EXPECT_NO_THROW(work.complete());
 }
 
+TEST(Work, AndThenStartsTheNextStageAndCompletesWithIt) {
+  auto first = std::make_shared<Work>("first", 1s);
+  auto second = std::make_shared<Work>("second", 1s);
+  int calls = 0;
+  auto chain = first->and_then([&](Work& done) {
+    EXPECT_TRUE(done.is_completed());
+    ++calls;
+    return second;
+  });
+  EXPECT_EQ(calls, 0);
+  first->complete();
+  EXPECT_EQ(calls, 1);
+  EXPECT_FALSE(chain->is_completed());  // waits for the stage the continuation started
+  second->set_result(std::string("done"));
+  second->complete();
+  EXPECT_TRUE(chain->is_completed());
+  EXPECT_NO_THROW(chain->wait());
+  EXPECT_EQ(chain->result_as<std::string>(), "done");
+  EXPECT_THROW(chain->result_as<int>(), ConfigError);
+}
+
+TEST(Work, AndThenPassesErrorsOnWithoutCallingTheContinuation) {
+  auto failing = std::make_shared<Work>("first", 1s);
+  bool called = false;
+  auto chain = failing->and_then([&](Work&) -> std::shared_ptr<Work> {
+    called = true;
+    return nullptr;
+  });
+  failing->complete(std::make_exception_ptr(TimeoutError("first timed out")));
+  EXPECT_FALSE(called);
+  EXPECT_THROW(chain->wait(), TimeoutError);
+  // A continuation that throws completes the chain with its exception; one that returns nullptr
+  // completes it at once with the stage's result.
+  auto done = std::make_shared<Work>("done", 1s);
+  done->set_result(7);
+  done->complete();
+  auto thrower =
+      done->and_then([](Work&) -> std::shared_ptr<Work> { throw ConfigError("no next stage"); });
+  EXPECT_THROW(thrower->wait(), ConfigError);
+  auto empty = done->and_then([](Work&) { return std::shared_ptr<Work>(); });
+  EXPECT_NO_THROW(empty->wait());
+  EXPECT_EQ(empty->result_as<int>(), 7);
+}
+
+TEST(ProcessGroupDefaults, LocalRankAndSizeNameTheBackendWhenUnknown) {
+  TempDir dir;
+  auto group = make_group(dir.path(), 0, 1);
+  try {
+    (void)group->local_size();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("ring"), std::string::npos) << e.what();
+    return;
+  }
+  SUCCEED() << "the ring backend knows its hosts (overridden)";
+}
+
 TEST(RingGroup, SingleRankCollectivesCopyOrKeep) {
   TempDir dir;
   auto pg = make_group(dir.path(), 0, 1);

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "comm/reduce_kernels.h"
 #include "ddp/error.h"
@@ -365,6 +367,163 @@ void check_alltoall(ProcessGroup& pg) {
   }
 }
 
+// Per-rank counts of the uneven collectives: some zero, all different, all zero, all equal (the
+// equal-size path), and one large block among small ones.
+std::vector<std::vector<std::size_t>> uneven_patterns(int size) {
+  const auto n = static_cast<std::size_t>(size);
+  std::vector<std::vector<std::size_t>> patterns(5, std::vector<std::size_t>(n));
+  for (std::size_t r = 0; r < n; ++r) {
+    patterns[0][r] = r % 3;
+    patterns[1][r] = r + 1;
+    patterns[2][r] = 0;
+    patterns[3][r] = 5;
+    patterns[4][r] = r == n - 1 ? 1009 : 2;
+  }
+  return patterns;
+}
+
+std::size_t sum_of(const std::vector<std::size_t>& counts, std::size_t first = 0,
+                   std::size_t last = std::size_t(-1)) {
+  std::size_t total = 0;
+  for (std::size_t i = first; i < std::min(last, counts.size()); ++i)
+    total += counts[i];
+  return total;
+}
+
+void check_allgather_v(ProcessGroup& pg) {
+  int salt = 8000;
+  const auto me = static_cast<std::size_t>(pg.rank());
+  for (const auto& counts : uneven_patterns(pg.size())) {
+    for (DType dtype : kAllDTypes) {
+      ++salt;
+      const Bytes input = make_input(dtype, counts[me], pg.rank(), salt);
+      Bytes want;
+      for (int r = 0; r < pg.size(); ++r) {
+        const Bytes b = make_input(dtype, counts[static_cast<std::size_t>(r)], r, salt);
+        want.insert(want.end(), b.begin(), b.end());
+      }
+      Bytes out(sum_of(counts) * dtype_size(dtype), kFill);
+      pg.allgather_v(input.data(), counts[me], out.data(), counts, dtype)->wait();
+      expect_equal(pg, out, want, dtype,
+                   label("allgather_v", dtype, sum_of(counts),
+                         fmt::format("counts {}", fmt::join(counts, ","))));
+    }
+  }
+}
+
+void check_alltoall_v(ProcessGroup& pg) {
+  int salt = 8500;
+  const int n = pg.size();
+  const auto un = static_cast<std::size_t>(n);
+  // What rank r sends to rank j, for three patterns (with zeros, all different, one large).
+  const std::function<std::size_t(int, int)> patterns[] = {
+      [](int r, int j) { return static_cast<std::size_t>((r + 2 * j) % 4); },
+      [n](int r, int j) { return static_cast<std::size_t>(r * n + j + 1); },
+      [n](int r, int j) { return r == n - 1 && j == 0 ? std::size_t{1009} : std::size_t{1}; },
+      [](int, int) { return std::size_t{3}; }};
+  for (const auto& sends : patterns) {
+    for (DType dtype : kAllDTypes) {
+      ++salt;
+      std::vector<std::size_t> send_counts(un);
+      std::vector<std::size_t> recv_counts(un);
+      Bytes input;
+      Bytes want;
+      for (int j = 0; j < n; ++j) {
+        send_counts[static_cast<std::size_t>(j)] = sends(pg.rank(), j);
+        recv_counts[static_cast<std::size_t>(j)] = sends(j, pg.rank());
+        const Bytes b = make_input(dtype, sends(pg.rank(), j), pg.rank() * n + j, salt);
+        input.insert(input.end(), b.begin(), b.end());
+        const Bytes w = make_input(dtype, sends(j, pg.rank()), j * n + pg.rank(), salt);
+        want.insert(want.end(), w.begin(), w.end());
+      }
+      Bytes out(sum_of(recv_counts) * dtype_size(dtype), kFill);
+      pg.alltoall_v(input.data(), send_counts, out.data(), recv_counts, dtype)->wait();
+      expect_equal(pg, out, want, dtype,
+                   label("alltoall_v", dtype, sum_of(recv_counts),
+                         fmt::format("send_counts {}", fmt::join(send_counts, ","))));
+    }
+  }
+}
+
+void check_reduce_scatter_v(ProcessGroup& pg) {
+  int salt = 9000;
+  const auto me = static_cast<std::size_t>(pg.rank());
+  for (const auto& counts : uneven_patterns(pg.size())) {
+    for (DType dtype : kAllDTypes) {
+      for (ReduceOp op : kAllOps) {
+        ++salt;
+        const std::size_t esz = dtype_size(dtype);
+        const std::size_t total = sum_of(counts);
+        const Bytes input = make_input(dtype, total, pg.rank(), salt);
+        const Bytes want = slice(expected_reduction(dtype, op, total, pg.size(), salt),
+                                 sum_of(counts, 0, me) * esz, counts[me] * esz);
+        Bytes out(counts[me] * esz, kFill);
+        pg.reduce_scatter_v(input.data(), out.data(), counts, dtype, op)->wait();
+        expect_equal(pg, out, want, dtype,
+                     label("reduce_scatter_v", dtype, op, total,
+                           fmt::format("counts {}", fmt::join(counts, ","))));
+      }
+    }
+  }
+}
+
+// Counts that differ between ranks: a ConfigError from the call on every rank (each rank reaches
+// the same verdict from the exchanged counts), and the group goes on working.
+void check_uneven_mismatch(ProcessGroup& pg) {
+  if (pg.size() < 2) return;
+  const auto un = static_cast<std::size_t>(pg.size());
+  const auto me = static_cast<std::size_t>(pg.rank());
+  auto expect_mismatch = [&](const char* what, auto&& call) {
+    try {
+      call();
+    } catch (const ConfigError& e) {
+      if (std::string_view(e.what()).find(what) == std::string_view::npos) {
+        throw std::runtime_error(
+            fmt::format("uneven_mismatch: {}: the error does not name the "
+                        "operation: {} (rank {})",
+                        what, e.what(), pg.rank()));
+      }
+      return;
+    }
+    throw std::runtime_error(fmt::format(
+        "uneven_mismatch: {} with counts that differ across ranks did not throw a ConfigError "
+        "(rank {})",
+        what, pg.rank()));
+  };
+  // allgather_v: rank 1 believes rank 0 sends one element more than it does.
+  std::vector<std::size_t> counts(un, 2);
+  if (me == 1) counts[0] = 3;
+  std::vector<float> in(4, 1.0F);
+  std::vector<float> out(4 * un, 0.0F);
+  expect_mismatch("allgather_v", [&] {
+    pg.allgather_v(in.data(), 2, out.data(), counts, DType::kFloat32)->wait();
+  });
+  // alltoall_v: rank 1 expects 3 elements from rank 0, which sends 2.
+  std::vector<std::size_t> sends(un, 2);
+  std::vector<std::size_t> recvs(un, 2);
+  if (me == 1) recvs[0] = 3;
+  std::vector<float> a2a_in(2 * un, 1.0F);
+  std::vector<float> a2a_out(2 * un + 1, 0.0F);
+  expect_mismatch("alltoall_v", [&] {
+    pg.alltoall_v(a2a_in.data(), sends, a2a_out.data(), recvs, DType::kFloat32)->wait();
+  });
+  // reduce_scatter_v: the last rank passes other counts.
+  std::vector<std::size_t> rs(un, 1);
+  if (me == un - 1) rs[0] = 2;
+  std::vector<float> rs_in(un + 1, 1.0F);
+  std::vector<float> rs_out(2, 0.0F);
+  expect_mismatch("reduce_scatter_v", [&] {
+    pg.reduce_scatter_v(rs_in.data(), rs_out.data(), rs, DType::kFloat32, ReduceOp::kSum)->wait();
+  });
+  // Still in step: a plain collective gives the right answer.
+  float x = 1.0F;
+  pg.allreduce(&x, 1, DType::kFloat32, ReduceOp::kSum)->wait();
+  if (x != static_cast<float>(pg.size())) {
+    throw std::runtime_error(fmt::format(
+        "uneven_mismatch: the allreduce after the refused calls gave {} (rank {})", x, pg.rank()));
+  }
+}
+
 void check_barrier(ProcessGroup& pg) {
   for (int i = 0; i < 5; ++i)
     pg.barrier()->wait();
@@ -626,6 +785,10 @@ const std::vector<NamedCheck>& all_checks() {
       {"scatter", check_scatter},
       {"reduce_scatter", check_reduce_scatter},
       {"alltoall", check_alltoall},
+      {"allgather_v", check_allgather_v},
+      {"alltoall_v", check_alltoall_v},
+      {"reduce_scatter_v", check_reduce_scatter_v},
+      {"uneven_mismatch", check_uneven_mismatch},
       {"barrier", check_barrier},
       {"send_recv", check_send_recv},
       {"many_in_flight", check_many_in_flight},

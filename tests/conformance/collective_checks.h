@@ -36,6 +36,12 @@ void check_gather(ProcessGroup& pg);
 void check_scatter(ProcessGroup& pg);
 void check_reduce_scatter(ProcessGroup& pg);
 void check_alltoall(ProcessGroup& pg);
+// Uneven sizes: allgather_v, alltoall_v, reduce_scatter_v with zero, different, equal and one
+// large count; counts that differ across ranks are a ConfigError on every rank.
+void check_allgather_v(ProcessGroup& pg);
+void check_alltoall_v(ProcessGroup& pg);
+void check_reduce_scatter_v(ProcessGroup& pg);
+void check_uneven_mismatch(ProcessGroup& pg);
 void check_barrier(ProcessGroup& pg);
 // send/recv: a root talking to every rank, an even/odd ring exchange, several tagged messages in
 // flight to one peer, empty messages. Does nothing on a group of one.

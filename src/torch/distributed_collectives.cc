@@ -1,0 +1,409 @@
+// The tensor collectives of the tensor-level API (distributed.h): argument checks, then one
+// engine call on the tensors' memory; list forms pack into (or unpack from) one flat buffer, the
+// unpacking a completion callback of the Work so that it has run when wait() returns.
+#include <cstring>
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "ddp/torch/distributed.h"
+#include "torch/distributed_checks.h"
+
+namespace ddp {
+
+using detail::check_collective;
+using detail::check_list_length;
+using detail::check_numel;
+using detail::check_tensor;
+using detail::check_tensor_like;
+using detail::dtype_of;
+using detail::element_count;
+
+namespace {
+
+using Tensors = std::vector<torch::Tensor>;
+using Bytes = std::vector<std::byte>;
+
+std::size_t bytes_of(const torch::Tensor& t) {
+  return element_count(t) * t.element_size();
+}
+
+// Marks `work`'s result as `outputs` (the Work then keeps them alive until it is destroyed), and
+// keeps `inputs` alive until the operation has completed: the caller may drop its handles (e.g. a
+// temporary) before the engine has read them.
+std::shared_ptr<Work> with_result(std::shared_ptr<Work> work, Tensors outputs,
+                                  Tensors inputs = {}) {
+  work->set_result(std::move(outputs));
+  if (!inputs.empty()) work->then([inputs = std::move(inputs)](Work&) {});
+  return work;
+}
+
+// The tensors of `list` one after the other in one buffer.
+std::shared_ptr<Bytes> pack(const Tensors& list) {
+  std::size_t total = 0;
+  for (const auto& t : list)
+    total += bytes_of(t);
+  auto flat = std::make_shared<Bytes>(total);
+  std::size_t at = 0;
+  for (const auto& t : list) {
+    if (bytes_of(t) > 0) std::memcpy(flat->data() + at, t.data_ptr(), bytes_of(t));
+    at += bytes_of(t);
+  }
+  return flat;
+}
+
+// Copies `flat` into the tensors of `list` once `work` has succeeded (plain memcpy: callbacks run
+// on the group's thread, where no autograd state is wanted).
+void unpack_on_success(Work& work, std::shared_ptr<Bytes> flat, Tensors list) {
+  work.then([flat = std::move(flat), list = std::move(list)](Work& done) {
+    if (done.error()) return;
+    std::size_t at = 0;
+    for (const auto& t : list) {
+      if (bytes_of(t) > 0) std::memcpy(t.data_ptr(), flat->data() + at, bytes_of(t));
+      at += bytes_of(t);
+    }
+  });
+}
+
+std::vector<std::size_t> counts_of(const Tensors& list) {
+  std::vector<std::size_t> counts;
+  counts.reserve(list.size());
+  for (const auto& t : list)
+    counts.push_back(element_count(t));
+  return counts;
+}
+
+bool all_same(const std::vector<std::size_t>& counts) {
+  return std::adjacent_find(counts.begin(), counts.end(), std::not_equal_to<>()) == counts.end();
+}
+
+void check_list(const Tensors& list, std::size_t want, const std::string& name,
+                const torch::Tensor& reference, const std::string& reference_name,
+                const std::string& why) {
+  check_list_length(list, want, name, why);
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    check_tensor_like(list[i], fmt::format("{}[{}]", name, i), reference, reference_name);
+  }
+}
+
+std::size_t world(ProcessGroup& g) {
+  return static_cast<std::size_t>(g.size());
+}
+
+}  // namespace
+
+std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] { check_tensor(tensor, "all_reduce: tensor"); });
+  return with_result(g.allreduce(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), op),
+                     {tensor});
+}
+void all_reduce(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
+  all_reduce_async(tensor, op, group)->wait();
+}
+
+std::shared_ptr<Work> broadcast_async(const torch::Tensor& tensor, int src, GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor"); });
+  return with_result(g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src),
+                     {tensor});
+}
+void broadcast(const torch::Tensor& tensor, int src, GroupRef group) {
+  broadcast_async(tensor, src, group)->wait();
+}
+
+std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, ReduceOp op,
+                                   GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] { check_tensor(tensor, "reduce: tensor"); });
+  void* recv = g.rank() == dst ? tensor.data_ptr() : nullptr;
+  return with_result(
+      g.reduce(tensor.data_ptr(), recv, element_count(tensor), dtype_of(tensor), op, dst),
+      {tensor});
+}
+void reduce(const torch::Tensor& tensor, int dst, ReduceOp op, GroupRef group) {
+  reduce_async(tensor, dst, op, group)->wait();
+}
+
+std::shared_ptr<Work> all_gather_async(const Tensors& tensor_list, const torch::Tensor& tensor,
+                                       GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_tensor(tensor, "all_gather: tensor");
+    check_list(tensor_list, world(g), "all_gather: tensor_list", tensor, "the input tensor",
+               "one per rank of the group");
+    check_numel(tensor_list[static_cast<std::size_t>(g.rank())], tensor.numel(),
+                fmt::format("all_gather: tensor_list[{}] (this rank's)", g.rank()),
+                "as many as the input tensor");
+  });
+  const auto counts = counts_of(tensor_list);
+  auto flat = std::make_shared<Bytes>(
+      std::accumulate(counts.begin(), counts.end(), std::size_t{0}) * tensor.element_size());
+  auto work = all_same(counts) ? g.allgather(tensor.data_ptr(), flat->data(), element_count(tensor),
+                                             dtype_of(tensor))
+                               : g.allgather_v(tensor.data_ptr(), element_count(tensor),
+                                               flat->data(), counts, dtype_of(tensor));
+  unpack_on_success(*work, flat, tensor_list);
+  return with_result(std::move(work), tensor_list, {tensor});
+}
+void all_gather(const Tensors& tensor_list, const torch::Tensor& tensor, GroupRef group) {
+  all_gather_async(tensor_list, tensor, group)->wait();
+}
+
+std::shared_ptr<Work> all_gather_into_tensor_async(const torch::Tensor& output,
+                                                   const torch::Tensor& input, GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_tensor(input, "all_gather_into_tensor: input");
+    check_tensor_like(output, "all_gather_into_tensor: output", input, "the input");
+    check_numel(output, input.numel() * g.size(), "all_gather_into_tensor: output",
+                fmt::format("world size {} x the input's {}", g.size(), input.numel()));
+  });
+  return with_result(
+      g.allgather(input.data_ptr(), output.data_ptr(), element_count(input), dtype_of(input)),
+      {output}, {input});
+}
+void all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& input,
+                            GroupRef group) {
+  all_gather_into_tensor_async(output, input, group)->wait();
+}
+
+std::shared_ptr<Work> reduce_scatter_async(const torch::Tensor& output, const Tensors& input_list,
+                                           ReduceOp op, GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_tensor(output, "reduce_scatter: output");
+    check_list(input_list, world(g), "reduce_scatter: input_list", output, "the output",
+               "one per rank of the group");
+    check_numel(output, input_list[static_cast<std::size_t>(g.rank())].numel(),
+                "reduce_scatter: output",
+                fmt::format("as many as input_list[{}], this rank's block", g.rank()));
+  });
+  const auto counts = counts_of(input_list);
+  auto flat = pack(input_list);
+  auto work = all_same(counts) ? g.reduce_scatter(flat->data(), output.data_ptr(),
+                                                  element_count(output), dtype_of(output), op)
+                               : g.reduce_scatter_v(flat->data(), output.data_ptr(), counts,
+                                                    dtype_of(output), op);
+  work->then([flat](Work&) {});  // keeps the packed input alive until the operation completes
+  return with_result(std::move(work), {output});
+}
+void reduce_scatter(const torch::Tensor& output, const Tensors& input_list, ReduceOp op,
+                    GroupRef group) {
+  reduce_scatter_async(output, input_list, op, group)->wait();
+}
+
+std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
+                                                  const torch::Tensor& input, ReduceOp op,
+                                                  GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_tensor(output, "reduce_scatter_tensor: output");
+    check_tensor_like(input, "reduce_scatter_tensor: input", output, "the output");
+    check_numel(input, output.numel() * g.size(), "reduce_scatter_tensor: input",
+                fmt::format("world size {} x the output's {}", g.size(), output.numel()));
+  });
+  return with_result(g.reduce_scatter(input.data_ptr(), output.data_ptr(), element_count(output),
+                                      dtype_of(output), op),
+                     {output}, {input});
+}
+void reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op,
+                           GroupRef group) {
+  reduce_scatter_tensor_async(output, input, op, group)->wait();
+}
+
+std::shared_ptr<Work> all_to_all_async(const Tensors& output_list, const Tensors& input_list,
+                                       GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_list_length(input_list, world(g), "all_to_all: input_list", "one per rank of the group");
+    check_tensor(input_list[0], "all_to_all: input_list[0]");
+    check_list(input_list, world(g), "all_to_all: input_list", input_list[0], "input_list[0]",
+               "one per rank of the group");
+    check_list(output_list, world(g), "all_to_all: output_list", input_list[0], "input_list[0]",
+               "one per rank of the group");
+  });
+  auto send = pack(input_list);
+  const auto recv_counts = counts_of(output_list);
+  auto recv = std::make_shared<Bytes>(
+      std::accumulate(recv_counts.begin(), recv_counts.end(), std::size_t{0}) *
+      input_list[0].element_size());
+  auto work = g.alltoall_v(send->data(), counts_of(input_list), recv->data(), recv_counts,
+                           dtype_of(input_list[0]));
+  work->then([send](Work&) {});
+  unpack_on_success(*work, recv, output_list);
+  return with_result(std::move(work), output_list);
+}
+void all_to_all(const Tensors& output_list, const Tensors& input_list, GroupRef group) {
+  all_to_all_async(output_list, input_list, group)->wait();
+}
+
+namespace {
+
+// Elements per row (dim 0) of `t`; ConfigError for a tensor without dimensions.
+std::size_t row_elements(const torch::Tensor& t, const std::string& what) {
+  if (t.dim() == 0) {
+    throw ConfigError(fmt::format(
+        "{} has no dimensions; all_to_all_single splits along dim 0 (use tensor.reshape({{-1}}))",
+        what));
+  }
+  std::size_t n = 1;
+  for (std::int64_t i = 1; i < t.dim(); ++i)
+    n *= static_cast<std::size_t>(t.size(i));
+  return n;
+}
+
+// The element counts of the blocks of `t` (rows per block `splits`, or equal blocks when empty).
+std::vector<std::size_t> block_counts(const torch::Tensor& t,
+                                      const std::vector<std::int64_t>& splits, std::size_t ranks,
+                                      const std::string& what, const std::string& splits_name) {
+  const std::size_t row = row_elements(t, what);
+  const auto rows = static_cast<std::size_t>(t.size(0));
+  std::vector<std::size_t> counts(ranks);
+  if (splits.empty()) {
+    if (rows % ranks != 0) {
+      throw ConfigError(fmt::format(
+          "all_to_all_single: {} has {} rows, which do not split evenly among {} ranks; pass {}",
+          what, rows, ranks, splits_name));
+    }
+    std::fill(counts.begin(), counts.end(), rows / ranks * row);
+    return counts;
+  }
+  if (splits.size() != ranks) {
+    throw ConfigError(
+        fmt::format("all_to_all_single: {} has {} entries; it needs one per rank ({})", splits_name,
+                    splits.size(), ranks));
+  }
+  std::int64_t sum = 0;
+  for (std::size_t j = 0; j < ranks; ++j) {
+    if (splits[j] < 0) {
+      throw ConfigError(
+          fmt::format("all_to_all_single: {}[{}] is negative ({})", splits_name, j, splits[j]));
+    }
+    sum += splits[j];
+    counts[j] = static_cast<std::size_t>(splits[j]) * row;
+  }
+  if (sum != t.size(0)) {
+    throw ConfigError(fmt::format(
+        "all_to_all_single: {} add up to {} rows but {} has {} (dim 0); they must add up to it",
+        splits_name, sum, what, t.size(0)));
+  }
+  return counts;
+}
+
+}  // namespace
+
+std::shared_ptr<Work> all_to_all_single_async(const torch::Tensor& output,
+                                              const torch::Tensor& input,
+                                              std::vector<std::int64_t> output_split_sizes,
+                                              std::vector<std::int64_t> input_split_sizes,
+                                              GroupRef group) {
+  ProcessGroup& g = group.get();
+  std::vector<std::size_t> send_counts;
+  std::vector<std::size_t> recv_counts;
+  check_collective(g, [&] {
+    check_tensor(input, "all_to_all_single: input");
+    check_tensor_like(output, "all_to_all_single: output", input, "the input");
+    send_counts =
+        block_counts(input, input_split_sizes, world(g), "the input", "input_split_sizes");
+    recv_counts =
+        block_counts(output, output_split_sizes, world(g), "the output", "output_split_sizes");
+    if (row_elements(input, "the input") != row_elements(output, "the output")) {
+      throw ConfigError(fmt::format(
+          "all_to_all_single: rows of the input have {} elements but rows of the output {}; "
+          "they must have the same shape after dim 0",
+          row_elements(input, "the input"), row_elements(output, "the output")));
+    }
+  });
+  if (input_split_sizes.empty() && output_split_sizes.empty()) {
+    return with_result(
+        g.alltoall(input.data_ptr(), output.data_ptr(), send_counts[0], dtype_of(input)), {output},
+        {input});
+  }
+  return with_result(g.alltoall_v(input.data_ptr(), std::move(send_counts), output.data_ptr(),
+                                  std::move(recv_counts), dtype_of(input)),
+                     {output}, {input});
+}
+void all_to_all_single(const torch::Tensor& output, const torch::Tensor& input,
+                       std::vector<std::int64_t> output_split_sizes,
+                       std::vector<std::int64_t> input_split_sizes, GroupRef group) {
+  all_to_all_single_async(output, input, std::move(output_split_sizes),
+                          std::move(input_split_sizes), group)
+      ->wait();
+}
+
+std::shared_ptr<Work> gather_async(const torch::Tensor& tensor, const Tensors& gather_list, int dst,
+                                   GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_tensor(tensor, "gather: tensor");
+    if (dst < 0 || dst >= g.size()) {
+      throw ConfigError(
+          fmt::format("gather: dst {} is not a rank of the group (0..{})", dst, g.size() - 1));
+    }
+    if (g.rank() != dst) {
+      check_list_length(gather_list, 0, "gather: gather_list",
+                        fmt::format("only dst {} receives; pass an empty list elsewhere", dst));
+      return;
+    }
+    check_list(gather_list, world(g), "gather: gather_list", tensor, "the input tensor",
+               "one per rank of the group, on dst");
+    for (std::size_t i = 0; i < gather_list.size(); ++i) {
+      check_numel(gather_list[i], tensor.numel(), fmt::format("gather: gather_list[{}]", i),
+                  "as many as the input tensor");
+    }
+  });
+  if (g.rank() != dst) {
+    return with_result(
+        g.gather(tensor.data_ptr(), nullptr, element_count(tensor), dtype_of(tensor), dst), {},
+        {tensor});
+  }
+  auto flat = std::make_shared<Bytes>(bytes_of(tensor) * world(g));
+  auto work =
+      g.gather(tensor.data_ptr(), flat->data(), element_count(tensor), dtype_of(tensor), dst);
+  unpack_on_success(*work, flat, gather_list);
+  return with_result(std::move(work), gather_list, {tensor});
+}
+void gather(const torch::Tensor& tensor, const Tensors& gather_list, int dst, GroupRef group) {
+  gather_async(tensor, gather_list, dst, group)->wait();
+}
+
+std::shared_ptr<Work> scatter_async(const torch::Tensor& tensor, const Tensors& scatter_list,
+                                    int src, GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_tensor(tensor, "scatter: tensor");
+    if (src < 0 || src >= g.size()) {
+      throw ConfigError(
+          fmt::format("scatter: src {} is not a rank of the group (0..{})", src, g.size() - 1));
+    }
+    if (g.rank() != src) {
+      check_list_length(scatter_list, 0, "scatter: scatter_list",
+                        fmt::format("only src {} sends; pass an empty list elsewhere", src));
+      return;
+    }
+    check_list(scatter_list, world(g), "scatter: scatter_list", tensor, "the output tensor",
+               "one per rank of the group, on src");
+    for (std::size_t i = 0; i < scatter_list.size(); ++i) {
+      check_numel(scatter_list[i], tensor.numel(), fmt::format("scatter: scatter_list[{}]", i),
+                  "as many as the output tensor");
+    }
+  });
+  std::shared_ptr<Bytes> flat = g.rank() == src ? pack(scatter_list) : nullptr;
+  auto work = g.scatter(flat ? flat->data() : nullptr, tensor.data_ptr(), element_count(tensor),
+                        dtype_of(tensor), src);
+  work->then([flat](Work&) {});
+  return with_result(std::move(work), {tensor});
+}
+void scatter(const torch::Tensor& tensor, const Tensors& scatter_list, int src, GroupRef group) {
+  scatter_async(tensor, scatter_list, src, group)->wait();
+}
+
+std::shared_ptr<Work> barrier_async(GroupRef group) {
+  return group.get().barrier();
+}
+void barrier(GroupRef group) {
+  barrier_async(group)->wait();
+}
+
+}  // namespace ddp
