@@ -26,6 +26,8 @@
 #include "comm/argument_checks.h"
 #include "comm/exchange.h"
 #include "comm/mesh_handshake.h"
+#include "comm/p2p/p2p_connect.h"
+#include "comm/p2p/p2p_engine.h"
 #include "comm/reduce_kernels.h"
 #include "comm/shm/shm_domain.h"
 #include "comm/wire.h"
@@ -172,6 +174,7 @@ class RingProcessGroup final : public ProcessGroup,
     worker_ = std::thread([this] { worker_loop(); });
   }
   void connect_mesh();
+  void start_p2p();
   // Poisons this group from its parent (a hierarchical step failed elsewhere): leaves `reason`
   // in the store and shuts the connections, so the peers fail now. Executor thread only.
   void abort_from_parent(const std::string& reason);
@@ -292,21 +295,14 @@ class RingProcessGroup final : public ProcessGroup,
                              CallOptions options) override {
     check_buffer(buf, count, "send", "buf");
     check_peer(dst, "send", "dst");
-    auto args =
-        make_args(OpKind::kSend, buf, nullptr, count, dtype, std::nullopt, tag, Algorithm::kDirect);
-    args.peer = dst;
-    return enqueue(std::move(args), options);
+    return p2p_->send(buf, count, dtype, dst, tag, options);  // not queued: see start_p2p
   }
 
   std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
                              CallOptions options) override {
     check_buffer(buf, count, "recv", "buf");
     check_peer(src, "recv", "src");
-    auto args =
-        make_args(OpKind::kSend, nullptr, buf, count, dtype, std::nullopt, tag, Algorithm::kDirect);
-    args.peer = src;
-    args.is_recv = true;
-    return enqueue(std::move(args), options);
+    return p2p_->recv(buf, count, dtype, src, tag, options);
   }
 
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
@@ -458,6 +454,9 @@ class RingProcessGroup final : public ProcessGroup,
   const OpArgs* current_ = nullptr;
   std::string op_text_;  // the description of the TCP step running (the exchange refers to it)
   std::function<void()> idle_check_;
+  // Point to point (start_p2p): declared last, so it is gone before what its callbacks use.
+  comm::HandshakeParams handshake_;
+  std::unique_ptr<comm::p2p::P2pEngine> p2p_;
 };
 
 void RingWork::help_until_completed() {
@@ -534,6 +533,7 @@ void RingProcessGroup::connect_mesh() {
       mine += fmt::format("{:02x}", byte);
     handshake.session = store_->compare_set(prefix_ + "auth/session", "", mine);
   }
+  handshake_ = handshake;
 
   // Lower ranks accept, higher ranks connect: rank r connects to every rank below it.
   for (int peer = 0; peer < rank(); ++peer) {
@@ -570,6 +570,29 @@ void RingProcessGroup::connect_mesh() {
   for (const auto& socket : peers_)
     peer_fds_.push_back(socket.valid() ? socket.fd() : -1);
   set_up_locality(transport, deadline);
+}
+
+// Sends and receives run on their own connections (TCP whatever the transport) and progress thread
+// (src/comm/p2p), never in this group's queue: they progress independently of each other and of
+// the collectives, so a cycle of sends posted before receives cannot deadlock.
+void RingProcessGroup::start_p2p() {
+  if (size() == 1) return;
+  comm::HandshakeParams params = handshake_;
+  params.group = name_ + "#p2p";  // a p2p connection cannot pass for a mesh one
+  auto sockets = comm::p2p::connect_p2p_peers(
+      *store_, params,
+      {.key_prefix = prefix_ + "p2p/",
+       .advertise_host = advertise_host(options_),
+       .socket_buffer_bytes = options_.socket_buffer_bytes,
+       .timeout = timeout_},
+      net::deadline_after(timeout_));
+  p2p_ = std::make_unique<comm::p2p::P2pEngine>(
+      std::move(sockets), comm::p2p::EngineOptions{.group = name_,
+                                                   .rank = rank(),
+                                                   .timeout = timeout_,
+                                                   .reason_of = [this](int peer) {
+                                                     return abort_reason_of(peer);
+                                                   }});
 }
 
 // Reads every rank's host identity and transport, groups the ranks by host and, with `auto`,
@@ -1034,6 +1057,7 @@ void RingProcessGroup::fail(RingWork& work, std::exception_ptr error) {
   // Local peers waiting in the segment, and remote ones waiting in the cross-host ring, fail now.
   if (domain_) domain_->abort(text);
   if (cross_) cross_->abort_from_parent(text);
+  if (p2p_) p2p_->abort(error);
 }
 
 void RingProcessGroup::run_op(const OpArgs& a, net::Deadline deadline) {
@@ -1549,6 +1573,7 @@ std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> sto
   }
   auto group = std::make_shared<RingProcessGroup>(std::move(store), rank, size, std::move(options));
   group->connect_mesh();
+  group->start_p2p();
   group->start();
   return group;
 }
