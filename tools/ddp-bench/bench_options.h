@@ -40,11 +40,14 @@ enum class Collective {
   kReduceScatter,
   kAlltoall,
   kBarrier,
+  // Point to point, not a collective: each rank sends the message to the next rank and receives
+  // one from the previous (both posted, then waited for). Not part of `--op all`.
+  kSendRecv,
 };
 
 // "allreduce", "reduce_scatter", ...
 std::string_view to_string(Collective collective);
-// Every collective, in the order `--op all` runs them.
+// Every collective, in the order `--op all` runs them (not sendrecv).
 const std::vector<Collective>& all_collectives();
 
 struct BenchOptions {

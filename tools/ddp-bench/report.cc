@@ -24,7 +24,8 @@ std::string table_header(const BenchOptions& options, int world_size, std::strin
       "# time_us: median over iterations; each iteration starts after a barrier and counts the\n"
       "#   slowest rank's time from issuing the call to Work::wait() returning\n"
       "# algbw = bytes / time (GB/s = 1e9 B/s); busbw = algbw * 2(N-1)/N (allreduce),\n"
-      "#   (N-1)/N (reduce_scatter, allgather, gather, scatter, alltoall), 1 (broadcast, reduce)\n"
+      "#   (N-1)/N (reduce_scatter, allgather, gather, scatter, alltoall), 1 (broadcast, reduce,\n"
+      "#   sendrecv)\n"
       "# wrong: elements that differ from the reference, summed over ranks and iterations\n"
       "#\n";
   out += fmt::format("# {:>14} {:>12} {:>11} {:>9} {:>12} {:>11} {:>11} {:>7}\n", "op", "bytes",
