@@ -579,20 +579,19 @@ void RingProcessGroup::start_p2p() {
   if (size() == 1) return;
   comm::HandshakeParams params = handshake_;
   params.group = name_ + "#p2p";  // a p2p connection cannot pass for a mesh one
-  auto sockets = comm::p2p::connect_p2p_peers(
-      *store_, params,
-      {.key_prefix = prefix_ + "p2p/",
-       .advertise_host = advertise_host(options_),
-       .socket_buffer_bytes = options_.socket_buffer_bytes,
-       .timeout = timeout_},
-      net::deadline_after(timeout_));
+  auto sockets = comm::p2p::connect_p2p_peers(*store_, params,
+                                              {.key_prefix = prefix_ + "p2p/",
+                                               .advertise_host = advertise_host(options_),
+                                               .socket_buffer_bytes = options_.socket_buffer_bytes,
+                                               .timeout = timeout_},
+                                              net::deadline_after(timeout_));
   p2p_ = std::make_unique<comm::p2p::P2pEngine>(
-      std::move(sockets), comm::p2p::EngineOptions{.group = name_,
-                                                   .rank = rank(),
-                                                   .timeout = timeout_,
-                                                   .reason_of = [this](int peer) {
-                                                     return abort_reason_of(peer);
-                                                   }});
+      std::move(sockets),
+      comm::p2p::EngineOptions{.group = name_,
+                               .rank = rank(),
+                               .timeout = timeout_,
+                               .spin = spin_,
+                               .reason_of = [this](int peer) { return abort_reason_of(peer); }});
 }
 
 // Reads every rank's host identity and transport, groups the ranks by host and, with `auto`,

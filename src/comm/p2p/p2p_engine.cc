@@ -15,6 +15,7 @@
 #include <limits>
 #include <list>
 #include <map>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -40,6 +41,28 @@ std::string error_text(int err) {
   char buf[256];
   return std::string(strerror_r(err, buf, sizeof buf));
 }
+
+// A Work whose wait() first drives its connection on the waiting thread for a moment.
+class P2pWork final : public Work {
+ public:
+  P2pWork(std::string description, milliseconds timeout, std::chrono::microseconds spin,
+          std::function<void()> help)
+      : Work(std::move(description), timeout), spin_(spin), help_(std::move(help)) {}
+
+ protected:
+  void help_until_completed() override {
+    if (spin_.count() <= 0) return;
+    const auto until = Clock::now() + spin_;
+    while (!is_completed() && Clock::now() < until) {
+      help_();
+      if (!is_completed()) std::this_thread::yield();
+    }
+  }
+
+ private:
+  std::chrono::microseconds spin_;
+  std::function<void()> help_;
+};
 
 struct SendOp {
   std::shared_ptr<Work> work;
@@ -147,6 +170,10 @@ struct P2pEngine::State {
   std::vector<std::pair<std::shared_ptr<Work>, std::exception_ptr>> completions;
   std::vector<std::byte> discard = std::vector<std::byte>(std::size_t{64} << 10);
 
+  ~State() {
+    if (wake_fd >= 0) ::close(wake_fd);
+  }
+
   // ---- helpers, all with `mutex` held ----
 
   void wake() {
@@ -227,14 +254,19 @@ struct P2pEngine::State {
     const int peer = peer_index(p);
     const std::string reason = options.reason_of ? options.reason_of(peer) : std::string();
     const std::string op = first_pending(p);
+    const std::string others = p.recvs.empty() ? std::string() : unmatched(p);
     return comm_error(
         fmt::format("rank {}: rank {} closed the point-to-point connection of group '{}'{} during "
-                    "{}{}",
+                    "{}{}{}",
                     options.rank, peer, options.group, detail, op,
-                    reason.empty() ? fmt::format(" (rank {} left no reason: it died, failed or "
-                                                 "destroyed its group)",
+                    reason.empty() ? fmt::format(" (rank {} left no reason: it died, failed, timed "
+                                                 "out or destroyed its group)",
                                                  peer)
-                                   : fmt::format("; rank {} reported: {}", peer, reason)),
+                                   : fmt::format("; rank {} reported: {}", peer, reason),
+                    others.empty() ? std::string()
+                                   : fmt::format("; rank {} had sent {}, which no receive took (a "
+                                                 "different tag?)",
+                                                 peer, others)),
         op, 0, peer);
   }
 
@@ -604,8 +636,9 @@ struct P2pEngine::State {
                       desc, op.header.message, peer);
   }
 
-  std::exception_ptr timeout_error(const Peer& p, const RecvOp& op) const {
-    const int peer = peer_index(p);
+  // The messages from `p` that arrived and that no receive took, e.g. "send(float32 x 4, tag 1)
+  // to rank 0 #3", or "" (for errors of receives that wait for another tag).
+  std::string unmatched(const Peer& p) const {
     std::string others;
     for (const auto& u : p.unexpected) {
       if (u.claimed || u.rejected) continue;
@@ -617,6 +650,12 @@ struct P2pEngine::State {
                             describe_send(static_cast<DType>(u.header.dtype), u.header.count,
                                           u.header.tag, options.rank, u.header.message));
     }
+    return others;
+  }
+
+  std::exception_ptr timeout_error(const Peer& p, const RecvOp& op) const {
+    const int peer = peer_index(p);
+    const std::string others = unmatched(p);
     const std::string desc = op.work->description();
     const std::string what =
         others.empty() ? fmt::format("rank {} sent no message with tag {} for it", peer, op.tag)
@@ -634,6 +673,27 @@ struct P2pEngine::State {
       next_check = deadline;
       wake();
     }
+  }
+
+  // One attempt to move `peer`'s bytes on the calling thread (a waiter, see P2pWork); gives way
+  // when the progress thread or a poster holds the lock.
+  void help(int peer) {
+    std::unique_lock lock(mutex, std::try_to_lock);
+    if (!lock.owns_lock() || stopping) return;
+    Peer& p = peers[static_cast<std::size_t>(peer)];
+    if (p.fd < 0 || p.failed || p.closed) return;
+    if (!p.out.empty()) write_to(p);
+    read_from(p);
+    if (!p.out.empty()) wake();  // what it could not write is the progress thread's
+    drain(lock);
+  }
+
+  std::shared_ptr<Work> make_work(std::string description, milliseconds timeout, int peer,
+                                  const std::shared_ptr<State>& self) {
+    std::weak_ptr<State> weak = self;
+    return std::make_shared<P2pWork>(std::move(description), timeout, options.spin, [weak, peer] {
+      if (auto s = weak.lock()) s->help(peer);
+    });
   }
 
   // ---- the progress thread ----
@@ -680,11 +740,22 @@ struct P2pEngine::State {
         if ((fds[i].revents & POLLOUT) && !p.failed) write_to(p);
       }
     }
+    // Stopped with operations pending (only when the group was dropped from a callback on this
+    // thread): they fail rather than never complete.
+    if (!all_idle()) {
+      const auto error =
+          comm_error(fmt::format("rank {}: group '{}' was destroyed with this operation pending",
+                                 options.rank, options.group),
+                     "point-to-point", 0, -1);
+      for (auto& p : peers)
+        fail_pending(p, error);
+      drain(lock);
+    }
   }
 };
 
 P2pEngine::P2pEngine(std::vector<net::Socket> peers, EngineOptions options)
-    : state_(std::make_unique<State>()) {
+    : state_(std::make_shared<State>()) {
   state_->options = std::move(options);
   state_->peers.resize(peers.size());
   for (std::size_t i = 0; i < peers.size(); ++i) {
@@ -696,11 +767,19 @@ P2pEngine::P2pEngine(std::vector<net::Socket> peers, EngineOptions options)
     throw Error(fmt::format("eventfd failed for the point-to-point engine of group '{}': {}",
                             state_->options.group, error_text(errno)));
   }
-  thread_ = std::thread([s = state_.get()] { s->run(); });
+  thread_ = std::thread([s = state_] { s->run(); });
 }
 
 P2pEngine::~P2pEngine() {
   State& s = *state_;
+  if (thread_.get_id() == std::this_thread::get_id()) {
+    // Dropped from a Work callback on the progress thread: it cannot wait for itself. It stops
+    // after the callback returns, and the state (and the connections) go with its reference.
+    std::lock_guard lock(s.mutex);
+    s.stopping = true;
+    thread_.detach();
+    return;
+  }
   {
     // Every operation has a deadline, so this wait is bounded.
     std::unique_lock lock(s.mutex);
@@ -725,7 +804,6 @@ P2pEngine::~P2pEngine() {
       ::usleep(1000);
     }
   }
-  ::close(s.wake_fd);
 }
 
 std::shared_ptr<Work> P2pEngine::send(const void* buf, std::size_t count, DType dtype, int dst,
@@ -748,8 +826,8 @@ std::shared_ptr<Work> P2pEngine::send(const void* buf, std::size_t count, DType 
   op->header.tag = tag;
   op->header.count = count;
   op->header.message = p.next_message++;
-  op->work = std::make_shared<Work>(describe_send(dtype, count, tag, dst, op->header.message),
-                                    op->timeout);
+  op->work = s.make_work(describe_send(dtype, count, tag, dst, op->header.message), op->timeout,
+                         dst, state_);
   auto work = op->work;
   std::exception_ptr error = s.poison ? s.poison : p.failed;
   if (!error && p.closed) {
@@ -800,7 +878,8 @@ std::shared_ptr<Work> P2pEngine::recv(void* buf, std::size_t count, DType dtype,
   std::unique_lock lock(s.mutex);
   Peer& p = s.peers[static_cast<std::size_t>(src)];
   op->number = p.next_recv++;
-  op->work = std::make_shared<Work>(describe_recv(dtype, count, tag, src, op->number), op->timeout);
+  op->work =
+      s.make_work(describe_recv(dtype, count, tag, src, op->number), op->timeout, src, state_);
   auto work = op->work;
   if (std::exception_ptr error = s.poison ? s.poison : p.failed) {
     lock.unlock();

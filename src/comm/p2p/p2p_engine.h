@@ -24,8 +24,9 @@
 // fails too) since the order of the streams can no longer be trusted. A closed connection fails
 // the operations with that peer, naming it. abort() fails everything (the group's poisoning).
 //
-// Threads: send/recv/abort from any thread. Works complete on the progress thread (or on the
-// posting thread when it can complete at once); callbacks run there.
+// Threads: send/recv/abort from any thread. Works complete on the progress thread, on the posting
+// thread when they can complete at once, or on a thread in Work::wait() (see spin); callbacks run
+// there.
 #pragma once
 
 #include <chrono>
@@ -53,6 +54,9 @@ struct EngineOptions {
   std::string group;  // the group's name, for messages
   int rank = 0;
   std::chrono::milliseconds timeout{0};  // the group's timeout (CallOptions::timeout == 0)
+  // Work::wait() drives the operation's connection itself for up to this long before it sleeps
+  // (no hand-off from the progress thread for a message that arrives meanwhile); 0 = never.
+  std::chrono::microseconds spin{0};
   // The reason `peer` left in the store when it failed, or "" (may be null). Called on the
   // progress thread when a connection closes.
   std::function<std::string(int peer)> reason_of;
@@ -80,7 +84,7 @@ class P2pEngine {
 
  private:
   struct State;
-  std::unique_ptr<State> state_;
+  std::shared_ptr<State> state_;  // shared with the progress thread (see the destructor)
   std::thread thread_;
 };
 
