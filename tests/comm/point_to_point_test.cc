@@ -233,6 +233,39 @@ TEST_P(PointToPointRules, CountOrDtypeMismatchNamesBothCallsOnBothRanks) {
   }
 }
 
+// A small send goes at once and may complete before its receiver sees the mismatch: the sender's
+// pending and later operations with that peer then fail with it, both calls named.
+TEST_P(PointToPointRules, SmallMessageMismatchFailsTheSendersNextCallWithThatPeer) {
+  TempDir dir;
+  auto results = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, 2, with_mode(GetParam(), {.timeout = 10s}));
+        std::vector<std::uint32_t> buf(16, 5);
+        const auto start = Clock::now();
+        std::string message;
+        if (rank == 0) {
+          auto sent = pg->send(buf.data(), 16, DType::kInt32, 1, 3);
+          sent->wait_for(5s);  // completes, or fails with the mismatch if rejected first
+          auto never = pg->recv(buf.data(), 16, DType::kInt32, 1, 9);
+          message = expect_comm_error([&] { never->wait(); });
+          if (sent->error() == nullptr) {
+            message =
+                expect_comm_error([&] { pg->send(buf.data(), 1, DType::kInt32, 1, 0)->wait(); });
+          }
+        } else {
+          message =
+              expect_comm_error([&] { pg->recv(buf.data(), 8, DType::kInt32, 0, 3)->wait(); });
+          if (buf[0] != 5) throw std::runtime_error("the mismatched receive wrote into its buffer");
+        }
+        expect_contains(message, "send(int32 x 16, tag 3) to rank 1 #0");
+        expect_contains(message, "recv(int32 x 8, tag 3) from rank 0 #0");
+        if (Clock::now() - start > 5s) throw std::runtime_error("the mismatch took the deadline");
+      },
+      60s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // Different tags never match: both ranks fail at their deadline, the receiver naming the message
 // that did arrive with another tag.
 TEST_P(PointToPointRules, TagMismatchFailsBothRanksAtTheDeadlineNamingTheOtherTag) {

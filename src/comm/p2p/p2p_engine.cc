@@ -95,6 +95,7 @@ struct OutItem {
   std::size_t bytes = 0;
   std::size_t done = 0;               // of kFrameBytes + bytes
   std::shared_ptr<SendOp> completes;  // the send this item finishes
+  P2pFrame own_payload{};             // kReject: the payload (the rejected message's frame)
 };
 
 // A message that arrived before a receive took it.
@@ -136,6 +137,9 @@ struct Peer {
   std::shared_ptr<RecvOp> in_recv;
   bool in_to_unexpected = false;
   std::list<Unexpected>::iterator in_unexpected;
+  bool in_reject = false;  // the payload is the rejected message's frame
+  P2pFrame in_reject_header{};
+  P2pFrame rejected_message{};
 
   bool idle() const { return sends.empty() && recvs.empty(); }
 };
@@ -185,14 +189,14 @@ struct P2pEngine::State {
     return std::all_of(peers.begin(), peers.end(), [](const Peer& p) { return p.idle(); });
   }
 
+  // An operation completes once: a send rejected while its payload is still being written is not
+  // completed again when the writing ends.
   void finish_send(Peer& p, const std::shared_ptr<SendOp>& op, std::exception_ptr error) {
-    p.sends.erase(op->header.message);
-    completions.emplace_back(op->work, error);
+    if (p.sends.erase(op->header.message) != 0) completions.emplace_back(op->work, error);
   }
 
   void finish_recv(Peer& p, const std::shared_ptr<RecvOp>& op, std::exception_ptr error) {
-    p.recvs.erase(op->number);
-    completions.emplace_back(op->work, error);
+    if (p.recvs.erase(op->number) != 0) completions.emplace_back(op->work, error);
   }
 
   // Completes the collected Works outside the lock (their callbacks may post new operations).
@@ -295,7 +299,7 @@ struct P2pEngine::State {
   void queue_frame(Peer& p, const P2pFrame& frame) { p.out.push_back(OutItem{frame}); }
 
   void return_credit(Peer& p, std::size_t bytes) {
-    if (bytes == 0 || p.failed) return;
+    if (bytes == 0 || p.failed || p.closed) return;
     if (!p.out.empty() && p.out.back().header.type == FrameType::kCredit &&
         p.out.back().done == 0) {
       p.out.back().header.count += bytes;
@@ -328,6 +332,38 @@ struct P2pEngine::State {
     f.message = m.message;
     f.count = op->count;
     queue_frame(p, f);
+    // Deque elements stay where they are while others come and go: the payload may point inside.
+    OutItem& item = p.out.back();
+    item.own_payload = m;
+    item.payload = reinterpret_cast<const std::byte*>(&item.own_payload);
+    item.bytes = kFrameBytes;
+  }
+
+  // Message `m` of ours met receive `r` of the peer with another count or dtype.
+  void on_reject(Peer& p, const P2pFrame& r, const P2pFrame& m) {
+    const int peer = peer_index(p);
+    auto it = p.sends.find(r.message);
+    const auto describe = [](const P2pFrame& f, bool as_send, int rank, std::uint64_t number) {
+      if (!valid_dtype(f.dtype)) return std::string(as_send ? "a send" : "a receive");
+      return as_send ? describe_send(static_cast<DType>(f.dtype), f.count, f.tag, rank, number)
+                     : describe_recv(static_cast<DType>(f.dtype), f.count, f.tag, rank, number);
+    };
+    const std::string mine =
+        it != p.sends.end() ? it->second->work->description() : describe(m, true, peer, r.message);
+    const std::string theirs = describe(r, false, options.rank, r.aux);
+    auto error = comm_error(
+        fmt::format("point-to-point mismatch in group '{}': rank {} called {} but rank {} "
+                    "received it with {}; a send and the receive it matches (same peer and tag, "
+                    "in posting order) must agree on count and dtype",
+                    options.group, options.rank, mine, peer, theirs),
+        mine, r.message, peer);
+    if (it != p.sends.end()) {
+      finish_send(p, it->second, error);
+    } else {
+      // A small send completed before the receiver saw it: the operations with this peer, pending
+      // and later, report it.
+      fail_peer(p, error);
+    }
   }
 
   bool agrees(const P2pFrame& m, const RecvOp& op) const {
@@ -388,6 +424,12 @@ struct P2pEngine::State {
 
   // The payload of the frame being read is all here.
   void payload_done(Peer& p) {
+    if (p.in_reject) {
+      p.in_reject = false;
+      p.in_dst = nullptr;
+      p.in_left = 0;
+      return on_reject(p, p.in_reject_header, p.rejected_message);
+    }
     if (p.in_recv) {
       finish_recv(p, p.in_recv, nullptr);
       p.in_recv.reset();
@@ -494,31 +536,11 @@ struct P2pEngine::State {
       case FrameType::kCredit:
         p.credit += m.count;
         return;
-      case FrameType::kReject: {
-        const int peer = peer_index(p);
-        auto it = p.sends.find(m.message);
-        const std::string theirs =
-            valid_dtype(m.dtype)
-                ? describe_recv(static_cast<DType>(m.dtype), m.count, m.tag, options.rank, m.aux)
-                : std::string("a receive");
-        const std::string mine = it != p.sends.end() ? it->second->work->description()
-                                                     : fmt::format("send(…, tag {}) to rank {} #{}",
-                                                                   m.tag, peer, m.message);
-        auto error = comm_error(
-            fmt::format("point-to-point mismatch in group '{}': rank {} called {} but rank {} "
-                        "received it with {}; a send and the receive it matches (same peer and "
-                        "tag, in posting order) must agree on count and dtype",
-                        options.group, options.rank, mine, peer, theirs),
-            mine, m.message, peer);
-        if (it != p.sends.end()) {
-          finish_send(p, it->second, error);
-        } else {
-          // An eager send completed before the receiver saw it: the next call with this peer
-          // reports it.
-          fail_peer(p, error);
-        }
-        return;
-      }
+      case FrameType::kReject:
+        p.in_reject = true;
+        p.in_reject_header = m;
+        return start_payload(p, reinterpret_cast<std::byte*>(&p.rejected_message), kFrameBytes,
+                             false);
     }
     fail_protocol(p, fmt::format("frame type {}", static_cast<int>(m.type)));
   }
@@ -560,6 +582,10 @@ struct P2pEngine::State {
 
   // Writes what is queued for `p` until the socket would block.
   void write_to(Peer& p) {
+    if (p.closed) {
+      p.out.clear();  // only control frames can be left for a peer that has gone
+      return;
+    }
     while (!p.out.empty() && !p.failed) {
       iovec iov[kMaxIov];
       int n_iov = 0;

@@ -22,7 +22,9 @@ enum class FrameType : std::uint8_t {
   kClearToSend = 3,  // receiver -> sender: send the payload of `message`
   kData = 4,         // payload of `message` (count elements of dtype)
   kCredit = 5,       // receiver -> sender: `count` bytes of eager buffer are free again
-  kReject = 6,       // receiver -> sender: `message` met a receive of (dtype, count, tag, aux)
+  kReject = 6,       // receiver -> sender: `message` met a receive of (dtype, count, tag, aux);
+                     // followed by the message's own frame (so a send that already completed
+                     // can still be named)
 };
 
 struct P2pFrame {
