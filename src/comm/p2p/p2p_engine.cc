@@ -191,11 +191,12 @@ struct P2pEngine::State {
 
   // An operation completes once: a send rejected while its payload is still being written is not
   // completed again when the writing ends.
-  void finish_send(Peer& p, const std::shared_ptr<SendOp>& op, std::exception_ptr error) {
+  // `op` by value: it may be the very entry the erase destroys.
+  void finish_send(Peer& p, std::shared_ptr<SendOp> op, std::exception_ptr error) {
     if (p.sends.erase(op->header.message) != 0) completions.emplace_back(op->work, error);
   }
 
-  void finish_recv(Peer& p, const std::shared_ptr<RecvOp>& op, std::exception_ptr error) {
+  void finish_recv(Peer& p, std::shared_ptr<RecvOp> op, std::exception_ptr error) {
     if (p.recvs.erase(op->number) != 0) completions.emplace_back(op->work, error);
   }
 
@@ -710,7 +711,8 @@ struct P2pEngine::State {
     if (p.fd < 0 || p.failed || p.closed) return;
     if (!p.out.empty()) write_to(p);
     read_from(p);
-    if (!p.out.empty()) wake();  // what it could not write is the progress thread's
+    if (!p.out.empty()) write_to(p);  // e.g. a rejection, before its receive fails
+    if (!p.out.empty()) wake();       // what it could not write is the progress thread's
     drain(lock);
   }
 
@@ -765,6 +767,11 @@ struct P2pEngine::State {
         if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) read_from(p);
         if ((fds[i].revents & POLLOUT) && !p.failed) write_to(p);
       }
+    }
+    // Control frames still queued (a rejection, credit) go out before the connections close:
+    // they are small, the sockets take them.
+    for (auto& p : peers) {
+      if (p.fd >= 0 && !p.failed && !p.out.empty()) write_to(p);
     }
     // Stopped with operations pending (only when the group was dropped from a callback on this
     // thread): they fail rather than never complete.
