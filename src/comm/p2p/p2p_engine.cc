@@ -156,6 +156,12 @@ std::string describe_recv(DType dtype, std::uint64_t count, int tag, int peer,
                      number);
 }
 
+// What an eager message takes of the sender's credit: its payload and its frame, so that empty
+// messages too are bounded in number while they wait for a receive.
+std::size_t eager_cost(std::size_t bytes) {
+  return bytes + kFrameBytes;
+}
+
 bool valid_dtype(std::uint8_t d) {
   return d <= static_cast<std::uint8_t>(DType::kInt64);
 }
@@ -299,8 +305,10 @@ struct P2pEngine::State {
 
   void queue_frame(Peer& p, const P2pFrame& frame) { p.out.push_back(OutItem{frame}); }
 
-  void return_credit(Peer& p, std::size_t bytes) {
-    if (bytes == 0 || p.failed || p.closed) return;
+  // An eager message of `message_bytes` was delivered (or dropped): its cost is free again.
+  void return_credit(Peer& p, std::size_t message_bytes) {
+    const std::size_t bytes = eager_cost(message_bytes);
+    if (p.failed || p.closed) return;
     if (!p.out.empty() && p.out.back().header.type == FrameType::kCredit &&
         p.out.back().done == 0) {
       p.out.back().header.count += bytes;
@@ -876,8 +884,8 @@ std::shared_ptr<Work> P2pEngine::send(const void* buf, std::size_t count, DType 
     return work;
   }
   p.sends[op->header.message] = op;
-  if (op->bytes <= kEagerMaxBytes && op->bytes <= p.credit) {
-    p.credit -= op->bytes;
+  if (op->bytes <= kEagerMaxBytes && eager_cost(op->bytes) <= p.credit) {
+    p.credit -= eager_cost(op->bytes);
     op->header.type = FrameType::kEager;
     p.out.push_back(OutItem{op->header, op->data, op->bytes, 0, op});
   } else {

@@ -13,10 +13,11 @@
 // Protocol (frames: p2p_frame.h): a message of up to kEagerMaxBytes goes eagerly while the sender
 // holds credit for it, so a small send completes without waiting for the receiver; the receiver
 // buffers such a message when no receive is posted yet. Each sender starts with kEagerWindowBytes
-// of credit per peer and gets it back as its eager messages are delivered: a receiver never
-// buffers more than that per peer. Larger messages, and any message without credit, send their
-// header only; the payload follows once the receiver has posted the matching receive, straight
-// into its buffer (the sender's memory is the back-pressure, no copy on either side).
+// of credit per peer and gets it back as its eager messages are delivered (each costs its payload
+// plus its 32-byte frame): a receiver never buffers more than that per peer. Larger messages, and
+// any message without credit, send their header only; the payload follows once the receiver has
+// posted the matching receive, straight into its buffer (the sender's memory is the back-pressure,
+// no copy on either side).
 //
 // Completion: a send once its bytes are written to the socket; a receive once its buffer is
 // filled. Deadlines: each operation fails at its timeout (CallOptions, or the group's), counted
