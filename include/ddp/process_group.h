@@ -13,9 +13,8 @@
 // Errors: ConfigError at once for bad arguments (null buffer with a non-zero count, root or peer
 // outside the group, unsorted ranks for new_group). CommError from Work::wait when the operation
 // fails: peer gone, deadline passed, or ranks issued different collectives (the message names
-// both calls). After the first CommError the group is poisoned: every pending and later call fails
-// at once with that error. Point-to-point send/recv between two ranks match in issue order and
-// must agree on count, dtype and tag; a send completes once its bytes are handed to the network.
+// both calls). After the first CommError of a collective the group is poisoned: every pending and
+// later call fails at once with that error. Point to point: see send/recv below.
 #pragma once
 
 #include <chrono>
@@ -31,7 +30,8 @@
 namespace ddp {
 
 struct CallOptions {
-  // Deadline of this call, counted from when it starts to run. 0 = the group's timeout.
+  // Deadline of this call, counted from when it starts to run (send/recv: from the call). 0 = the
+  // group's timeout.
   std::chrono::milliseconds timeout{0};
 };
 
@@ -134,7 +134,18 @@ class ProcessGroup {
   // Completes once every rank has called it.
   virtual std::shared_ptr<Work> barrier(CallOptions options = {}) = 0;
 
-  // Point to point. Matches the peer's recv(…, src = this rank) issued at the same position.
+  // Point to point, as MPI: a recv from `src` with `tag` matches the earliest send from `src` to
+  // this rank with that tag that no earlier recv matched (sends from one rank with one tag match
+  // in posting order; other tags do not hold it up). The two must agree on count and dtype, else
+  // both fail with a CommError naming both calls (the receive buffer is left as it was). Sends and
+  // receives progress independently of each other and of the collectives: they are not ordered
+  // against collectives (a recv posted before an allreduce may complete after it and does not
+  // hold it up), and a cycle in which every rank posts its send before its recv completes at any
+  // size. A send completes once its bytes are handed to the network (small ones at once, larger
+  // ones once the receiver has posted its recv); a recv once its buffer is filled. The deadline
+  // counts from the call. Ring backend: a p2p timeout or failure fails the point-to-point
+  // operations with that peer (and shuts that connection) but does not poison the collectives;
+  // a collective's failure fails pending sends and receives too.
   virtual std::shared_ptr<Work> send(const void* buf, std::size_t count, DType dtype, int dst,
                                      int tag = 0, CallOptions options = {}) = 0;
   virtual std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src,

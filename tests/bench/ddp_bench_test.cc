@@ -106,6 +106,47 @@ TEST(DdpBench, EveryCollectiveIsCorrectUnderDdprun) {
   expect_smoke_rows(json_rows(result.output), 2, result.output);
 }
 
+// --op sendrecv (each rank sends to the next and receives from the previous, both posted before
+// either is waited for) on three ranks, checked, up to 4 MiB (past the eager limit: rendezvous).
+TEST(DdpBench, SendRecvIsCorrectUnderDdprun) {
+  const std::vector<std::string> argv{built_program("ddprun"),
+                                      "--standalone",
+                                      "--nproc-per-node",
+                                      "3",
+                                      built_program("ddp-bench"),
+                                      "--op",
+                                      "sendrecv",
+                                      "--sizes",
+                                      "8,64K,4M",
+                                      "--iters",
+                                      "2",
+                                      "--warmup",
+                                      "1",
+                                      "--check",
+                                      "--json"};
+  const ExitStatus result = Subprocess::start(argv, clean_launch_env()).wait(180s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto rows = json_rows(result.output);
+  ASSERT_EQ(rows.size(), 3u) << result.output;
+  for (const auto& row : rows) {
+    EXPECT_EQ(row["op"].get<std::string>(), "sendrecv");
+    EXPECT_EQ(row["wrong"].get<long long>(), 0) << row.dump();
+    EXPECT_EQ(row["world_size"].get<int>(), 3);
+  }
+  EXPECT_EQ(rows[2]["bytes"].get<std::size_t>(), 4u << 20);
+}
+
+// --op sendrecv needs a peer: on one rank it is a usage error, not a hang or a crash.
+TEST(DdpBench, SendRecvOnOneRankIsAUsageError) {
+  const std::vector<std::string> argv{built_program("ddp-bench"), "--op", "sendrecv", "--sizes",
+                                      "1K"};
+  const ExitStatus result = Subprocess::start(argv, clean_launch_env()).wait(60s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_NE(result.output.find("needs at least 2 ranks"), std::string::npos) << result.output;
+}
+
 // The same, with the ranks started here with torchrun's variables (no launcher at all), three
 // ranks, another dtype and reduction, and a root that is not rank 0.
 TEST(DdpBench, RanksStartedWithTorchrunVariablesAgreeOnEveryResult) {

@@ -96,6 +96,9 @@ Bytes simulate(const CheckSpec& spec, const Layout& layout, int rank,
       case Collective::kAlltoall:
         v = from(static_cast<int>(j / block), r * block + j % block);
         break;
+      case Collective::kSend:
+        v = from((rank + spec.world_size - 1) % spec.world_size, j);
+        break;
       case Collective::kBarrier:
         break;
     }
@@ -119,7 +122,9 @@ bool is_reduction(Collective c) {
 TEST(BenchReference, AcceptsCorrectResultsAndCountsWrongOnes) {
   int cases = 0;
   for (int world_size : {1, 2, 3, 5}) {
-    for (Collective collective : all_collectives()) {
+    std::vector<Collective> collectives = all_collectives();
+    collectives.push_back(Collective::kSend);
+    for (Collective collective : collectives) {
       if (collective == Collective::kBarrier) continue;
       for (DType dtype : kDTypes) {
         for (ReduceOp op : kReduceOps) {
@@ -204,6 +209,7 @@ TEST(BenchLayout, BusBandwidthFactorsAreThoseOfNcclTests) {
   EXPECT_DOUBLE_EQ(bus_bandwidth_factor(Collective::kAlltoall, 4), 0.75);
   EXPECT_DOUBLE_EQ(bus_bandwidth_factor(Collective::kBroadcast, 4), 1.0);
   EXPECT_DOUBLE_EQ(bus_bandwidth_factor(Collective::kReduce, 4), 1.0);
+  EXPECT_DOUBLE_EQ(bus_bandwidth_factor(Collective::kSend, 4), 1.0);
   EXPECT_DOUBLE_EQ(bus_bandwidth_factor(Collective::kBarrier, 4), 0.0);
   EXPECT_DOUBLE_EQ(bus_bandwidth_factor(Collective::kAllreduce, 1), 0.0);
 }

@@ -24,6 +24,7 @@ constexpr std::array kCollectiveNames{
     std::pair{Collective::kReduceScatter, "reduce_scatter"},
     std::pair{Collective::kAlltoall, "alltoall"},
     std::pair{Collective::kBarrier, "barrier"},
+    std::pair{Collective::kSend, "sendrecv"},
 };
 
 constexpr std::array kDTypes{DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
@@ -104,11 +105,18 @@ std::vector<std::size_t> parse_size_list(const std::string& text) {
 
 }  // namespace
 
+std::string_view bench_name(Collective collective) {
+  for (const auto& [c, name] : kCollectiveNames)
+    if (c == collective) return name;
+  return to_string(collective);
+}
+
 const std::vector<Collective>& all_collectives() {
   static const std::vector<Collective> all = [] {
     std::vector<Collective> v;
-    for (const auto& entry : kCollectiveNames)
-      v.push_back(entry.first);
+    for (const auto& entry : kCollectiveNames) {
+      if (entry.first != Collective::kSend) v.push_back(entry.first);
+    }
     return v;
   }();
   return all;
@@ -185,13 +193,15 @@ std::optional<BenchOptions> parse_command_line(const std::vector<std::string>& a
       "Rank 0 prints one row per size: the median over --iters iterations of the slowest rank's\n"
       "time, each iteration started right after a barrier. algbw = bytes / time (GB/s, 1e9);\n"
       "busbw = algbw * 2(N-1)/N for allreduce, * (N-1)/N for reduce_scatter, allgather, gather,\n"
-      "scatter and alltoall, * 1 for broadcast and reduce. See docs/benchmarks.md.");
+      "scatter and alltoall, * 1 for broadcast, reduce and sendrecv. See docs/benchmarks.md.");
   app.add_option("--backend", options.backend,
                  "ring or mpi (default: DDP_BACKEND, else mpi under mpirun when built, else ring)")
       ->check(CLI::IsMember(std::vector<std::string>(kBackends.begin(), kBackends.end())));
-  app.add_option("--op", op_text,
-                 "allreduce (default), broadcast, reduce, allgather, gather, scatter, "
-                 "reduce_scatter, alltoall, barrier, all, or a comma-separated list");
+  app.add_option(
+      "--op", op_text,
+      "allreduce (default), broadcast, reduce, allgather, gather, scatter, "
+      "reduce_scatter, alltoall, barrier, all (these collectives), sendrecv (each rank sends "
+      "to the next and receives from the previous), or a comma-separated list");
   app.add_option("--dtype", dtype_text,
                  "float32 (default), float64, float16, bfloat16, int8, uint8, int32, int64");
   app.add_option("--reduce-op", reduce_op_text, "sum (default), avg, min, max, product");

@@ -32,8 +32,12 @@ class UsageError : public ConfigError {
 
 using ddp::Collective;  // the public enum (ddp/types.h)
 
-// Every collective, in the order `--op all` runs them.
+// ddp-bench measures point to point (Collective::kSend, named "sendrecv") as each rank sending
+// to the next and receiving from the previous, both posted, then waited for.
+// Every collective, in the order `--op all` runs them (not sendrecv).
 const std::vector<Collective>& all_collectives();
+// The name --op takes and reports print: to_string(), except "sendrecv" for kSend.
+std::string_view bench_name(Collective collective);
 
 struct BenchOptions {
   std::string backend;  // "" = ddp::resolve_backend's choice (DDP_BACKEND, else the default)

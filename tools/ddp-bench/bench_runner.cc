@@ -89,8 +89,15 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
         return group_.alltoall(send, recv, layout.block_count, dtype);
       case Collective::kBarrier:
         return group_.barrier();
-      case Collective::kSend:  // not a collective ddp-bench measures
-        break;
+      case Collective::kSend: {
+        // Both posted before either is waited for: the pattern that needs sends and receives to
+        // progress independently.
+        const int n = group_.size();
+        auto s = group_.send(send, layout.total_count, dtype, (rank + 1) % n, 0);
+        auto r = group_.recv(recv, layout.total_count, dtype, (rank + n - 1) % n, 0);
+        s->wait();
+        return r;
+      }
     }
     throw std::invalid_argument("ddp-bench: unknown collective");
   };

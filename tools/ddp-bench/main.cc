@@ -61,6 +61,12 @@ int main(int argc, char** argv) {
       }
       return kUsageExitCode;
     }
+    const bool p2p = std::find(options.collectives.begin(), options.collectives.end(),
+                               Collective::kSend) != options.collectives.end();
+    if (p2p && group->size() < 2) {
+      if (rank == 0) usage_error("--op sendrecv needs at least 2 ranks (each sends to the next)");
+      return kUsageExitCode;
+    }
     BenchRunner runner(*group, options);
     if (rank == 0 && !options.json) {
       std::cout << table_header(options, group->size(), group->backend()) << std::flush;

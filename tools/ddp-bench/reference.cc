@@ -193,10 +193,10 @@ double expected_typed(const CheckSpec& spec, int rank, const Layout& layout, std
       return input_value(spec, spec.root, r * block + j);
     case Collective::kAlltoall:
       return input_value(spec, static_cast<int>(j / block), r * block + j % block);
+    case Collective::kSend:
+      return input_value(spec, (rank + spec.world_size - 1) % spec.world_size, j);
     case Collective::kBarrier:
       return 0;
-    case Collective::kSend:  // not a collective ddp-bench measures
-      break;
   }
   throw std::invalid_argument("ddp-bench: unknown collective");
 }
@@ -277,11 +277,10 @@ double bus_bandwidth_factor(Collective collective, int world_size) {
       return (n - 1) / n;
     case Collective::kBroadcast:
     case Collective::kReduce:
+    case Collective::kSend:
       return 1.0;
     case Collective::kBarrier:
       return 0.0;
-    case Collective::kSend:  // not a collective ddp-bench measures
-      break;
   }
   throw std::invalid_argument("ddp-bench: unknown collective");
 }

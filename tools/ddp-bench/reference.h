@@ -41,7 +41,8 @@ Layout layout_for(Collective collective, std::size_t requested_bytes, DType dtyp
 
 // busbw / algbw, the factor that makes bandwidths comparable across world sizes (as
 // nccl-tests): 2(N-1)/N for allreduce; (N-1)/N for reduce_scatter, allgather, gather, scatter and
-// alltoall (each rank moves all but its own block); 1 for broadcast and reduce; 0 for barrier.
+// alltoall (each rank moves all but its own block); 1 for broadcast, reduce and sendrecv (each
+// rank sends and receives the whole message); 0 for barrier.
 double bus_bandwidth_factor(Collective collective, int world_size);
 
 // What is being checked: the collective, its dtype and reduction, the group and root.

@@ -11,7 +11,7 @@ namespace ddp::bench {
 std::string table_header(const BenchOptions& options, int world_size, std::string_view backend) {
   std::vector<std::string> ops;
   for (Collective c : options.collectives)
-    ops.emplace_back(to_string(c));
+    ops.emplace_back(bench_name(c));
   const char* transport = std::getenv("DDP_TRANSPORT");
   std::string out = fmt::format(
       "# ddp-bench: backend {}, world size {}, op {}, dtype {}, reduce-op {}, root {}\n"
@@ -24,7 +24,8 @@ std::string table_header(const BenchOptions& options, int world_size, std::strin
       "# time_us: median over iterations; each iteration starts after a barrier and counts the\n"
       "#   slowest rank's time from issuing the call to Work::wait() returning\n"
       "# algbw = bytes / time (GB/s = 1e9 B/s); busbw = algbw * 2(N-1)/N (allreduce),\n"
-      "#   (N-1)/N (reduce_scatter, allgather, gather, scatter, alltoall), 1 (broadcast, reduce)\n"
+      "#   (N-1)/N (reduce_scatter, allgather, gather, scatter, alltoall), 1 (broadcast, reduce,\n"
+      "#   sendrecv)\n"
       "# wrong: elements that differ from the reference, summed over ranks and iterations\n"
       "#\n";
   out += fmt::format("# {:>14} {:>12} {:>11} {:>9} {:>12} {:>11} {:>11} {:>7}\n", "op", "bytes",
@@ -34,14 +35,14 @@ std::string table_header(const BenchOptions& options, int world_size, std::strin
 
 std::string table_row(const BenchRow& row) {
   return fmt::format("  {:>14} {:>12} {:>11} {:>9} {:>12.2f} {:>11.3f} {:>11.3f} {:>7}\n",
-                     to_string(row.collective), row.layout.bytes, row.layout.total_count,
+                     bench_name(row.collective), row.layout.bytes, row.layout.total_count,
                      to_string(row.dtype), row.time_us, row.algbw_gbps, row.busbw_gbps,
                      row.wrong ? fmt::format("{}", *row.wrong) : std::string("N/A"));
 }
 
 nlohmann::json to_json(const BenchRow& row) {
   nlohmann::json j;
-  j["op"] = std::string(to_string(row.collective));
+  j["op"] = std::string(bench_name(row.collective));
   j["bytes"] = row.layout.bytes;
   j["count"] = row.layout.total_count;
   j["dtype"] = std::string(to_string(row.dtype));

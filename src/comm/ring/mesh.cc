@@ -14,6 +14,14 @@ namespace ddp::comm {
 
 using std::chrono::milliseconds;
 
+std::string draw_group_session(Store& store, const std::string& key) {
+  const auto nonce = store::random_nonce();
+  std::string mine;
+  for (const auto byte : nonce)
+    mine += fmt::format("{:02x}", byte);
+  return store.compare_set(key, "", mine);
+}
+
 std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& p,
                                            net::Deadline deadline) {
   std::vector<net::Socket> peers(static_cast<std::size_t>(p.size));
@@ -31,15 +39,7 @@ std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& p,
   if (!handshake.log) {
     handshake.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   }
-  if (!p.secret.empty()) {
-    // The group instance's id, bound into every handshake MAC: the first rank to get here draws
-    // it, the others read it.
-    const auto nonce = store::random_nonce();
-    std::string mine;
-    for (const auto byte : nonce)
-      mine += fmt::format("{:02x}", byte);
-    handshake.session = store.compare_set(p.prefix + "auth/session", "", mine);
-  }
+  if (!p.secret.empty()) handshake.session = draw_group_session(store, p.prefix + "auth/session");
 
   // Lower ranks accept, higher ranks connect: rank r connects to every rank below it.
   for (int peer = 0; peer < p.rank; ++peer) {

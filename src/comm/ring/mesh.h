@@ -28,6 +28,10 @@ struct MeshParams {
   std::chrono::milliseconds timeout{0};              // for the accept loop's messages
 };
 
+// With a secret: the group instance's id bound into every handshake MAC, equal on every rank (the
+// first rank to get here draws it into `key`, the others read it).
+std::string draw_group_session(Store& store, const std::string& key);
+
 // Returns one connected socket per rank (an invalid one for this rank), by rank. Throws CommError
 // naming the peer that could not be reached or failed the handshake, TimeoutError when the store
 // or the peers do not answer by `deadline`.

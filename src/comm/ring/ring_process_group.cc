@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -20,7 +21,10 @@
 #include "comm/ring/exchange.h"
 #include "comm/ring/hierarchical.h"
 #include "comm/ring/mesh.h"
+#include "comm/ring/mesh_handshake.h"
 #include "comm/ring/op_args.h"
+#include "comm/ring/p2p/p2p_connect.h"
+#include "comm/ring/p2p/p2p_engine.h"
 #include "comm/ring/shm/shm_domain.h"
 #include "comm/ring/tcp_algorithms.h"
 #include "comm/ring/topology.h"
@@ -116,6 +120,7 @@ class RingProcessGroup final : public ProcessGroup,
 
   void start() { queue_.start(weak_from_this()); }
   void connect_mesh();
+  void start_p2p();
   // Poisons this group from its parent (a hierarchical step failed elsewhere): leaves `reason`
   // in the store and shuts the connections, so the peers fail now. Executor thread only.
   void abort_from_parent(const std::string& reason);
@@ -241,21 +246,14 @@ class RingProcessGroup final : public ProcessGroup,
                              CallOptions options) override {
     check_buffer(buf, count, "send", "buf");
     check_peer(dst, "send", "dst");
-    auto args = make_args(Collective::kSend, buf, nullptr, count, dtype, std::nullopt, tag,
-                          Algorithm::kDirect);
-    args.peer = dst;
-    return enqueue(std::move(args), options);
+    return p2p_->send(buf, count, dtype, dst, tag, options);  // not queued: see start_p2p
   }
 
   std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
                              CallOptions options) override {
     check_buffer(buf, count, "recv", "buf");
     check_peer(src, "recv", "src");
-    auto args = make_args(Collective::kSend, nullptr, buf, count, dtype, std::nullopt, tag,
-                          Algorithm::kDirect);
-    args.peer = src;
-    args.is_recv = true;
-    return enqueue(std::move(args), options);
+    return p2p_->recv(buf, count, dtype, src, tag, options);
   }
 
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
@@ -334,6 +332,8 @@ class RingProcessGroup final : public ProcessGroup,
 
   // Order, threads, completion and poisoning of this group's operations; runs them through run().
   comm::OpQueue queue_;
+  // Point to point (start_p2p): declared last, so it is gone before what its callbacks use.
+  std::unique_ptr<comm::p2p::P2pEngine> p2p_;
 };
 
 RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> store, int rank, int size,
@@ -602,6 +602,38 @@ void RingProcessGroup::run(comm::QueuedWork& work, net::Deadline deadline) {
   }
 }
 
+// Sends and receives run on their own connections (TCP whatever the transport) and progress thread
+// (src/comm/ring/p2p), never in this group's queue: they progress independently of each other and
+// of the collectives, so a cycle of sends posted before receives cannot deadlock.
+void RingProcessGroup::start_p2p() {
+  if (size() == 1) return;
+  comm::HandshakeParams params{.group = name_ + "#p2p",  // cannot pass for a mesh connection
+                               .size = size(),
+                               .rank = rank(),
+                               .secret = options_.secret,
+                               .session = {},
+                               .log = options_.log};
+  if (!params.secret.empty()) {
+    params.session = comm::draw_group_session(*store_, prefix_ + "p2p/auth/session");
+  }
+  if (!params.log) {
+    params.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  }
+  auto sockets = comm::p2p::connect_p2p_peers(*store_, params,
+                                              {.key_prefix = prefix_ + "p2p/",
+                                               .advertise_host = advertise_host(options_),
+                                               .socket_buffer_bytes = options_.socket_buffer_bytes,
+                                               .timeout = timeout_},
+                                              net::deadline_after(timeout_));
+  p2p_ = std::make_unique<comm::p2p::P2pEngine>(
+      std::move(sockets),
+      comm::p2p::EngineOptions{.group = name_,
+                               .rank = rank(),
+                               .timeout = timeout_,
+                               .spin = spin_,
+                               .reason_of = [this](int peer) { return abort_reason_of(peer); }});
+}
+
 // The group is poisoned (the queue failed what was pending): leave the reason in the store for
 // the peers, and shut the connections so that peers blocked on this rank fail now instead of at
 // their deadline.
@@ -618,6 +650,7 @@ void RingProcessGroup::on_poison(const std::string& reason) noexcept {
   try {
     if (domain_) domain_->abort(reason);
     if (cross_) cross_->abort_from_parent(reason);
+    if (p2p_) p2p_->abort(std::make_exception_ptr(CommError(reason, name_, "point to point", 0, -1)));
   } catch (const std::exception&) {
     // Best effort, as the store above.
   }
@@ -708,6 +741,7 @@ std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> sto
   }
   auto group = std::make_shared<RingProcessGroup>(std::move(store), rank, size, std::move(options));
   group->connect_mesh();
+  group->start_p2p();
   group->start();
   return group;
 }

@@ -1,0 +1,343 @@
+// Point to point on the ring backend, in real processes: sends and receives progress on their
+// own (a cycle in which every rank sends 64 MiB before it receives completes; so does a halo
+// exchange posted sends-first), match by (source, tag) in posting order, do not wait for the
+// collective queue, and fail with a named CommError on both ranks for a count, dtype or tag
+// mismatch and on the receiver when the sender dies mid-message. Over TCP and over the auto
+// transport (shared memory for collectives; point to point runs over TCP for both).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <thread>
+
+#include "comm/comm_test_util.h"
+#include "support/multiprocess.h"
+
+namespace ddp::test {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// Element i of the message rank `from` sends with `salt`: cheap to fill and to check.
+std::uint32_t pattern(std::size_t i, int from, std::uint32_t salt) {
+  return static_cast<std::uint32_t>(i) * 2654435761u + static_cast<std::uint32_t>(from) * 40503u +
+         salt;
+}
+
+std::vector<std::uint32_t> make_message(std::size_t count, int from, std::uint32_t salt) {
+  std::vector<std::uint32_t> v(count);
+  for (std::size_t i = 0; i < count; ++i)
+    v[i] = pattern(i, from, salt);
+  return v;
+}
+
+void check_message(const std::vector<std::uint32_t>& got, int from, std::uint32_t salt,
+                   const std::string& what) {
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != pattern(i, from, salt)) {
+      throw std::runtime_error(fmt::format("{}: element {} of {} is {:#x}, expected {:#x}", what, i,
+                                           got.size(), got[i], pattern(i, from, salt)));
+    }
+  }
+}
+
+template <class F>
+std::string expect_comm_error(F&& call) {
+  try {
+    call();
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  throw std::runtime_error("expected a CommError, but the call succeeded");
+}
+
+void expect_contains(const std::string& text, const std::string& part) {
+  if (text.find(part) == std::string::npos) {
+    throw std::runtime_error(fmt::format("message lacks '{}': {}", part, text));
+  }
+}
+
+RingOptions with_mode(Mode mode, RingOptions o = {}) {
+  o.transport = mode == Mode::kTcp ? Transport::kTcp : Transport::kAuto;
+  return o;
+}
+
+class PointToPoint : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
+
+// Every rank posts its send to the next rank before its receive from the previous one: with one
+// operation at a time this deadlocks as soon as a message exceeds the socket buffers.
+TEST_P(PointToPoint, CycleOfSixtyFourMiBSendsBeforeReceivesCompletes) {
+  const int size = std::get<0>(GetParam());
+  const Mode mode = std::get<1>(GetParam());
+  TempDir dir;
+  auto results = run_ranks(
+      size,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, size, with_mode(mode, {.timeout = 30s}));
+        constexpr std::size_t kCount = (64u << 20) / 4;
+        const int next = (rank + 1) % size;
+        const int prev = (rank + size - 1) % size;
+        const auto mine = make_message(kCount, rank, 1);
+        std::vector<std::uint32_t> got(kCount, 0);
+        const auto start = Clock::now();
+        auto s = pg->send(mine.data(), kCount, DType::kInt32, next, 11);
+        auto r = pg->recv(got.data(), kCount, DType::kInt32, prev, 11);
+        s->wait();
+        r->wait();
+        const auto took = Clock::now() - start;
+        if (took > 20s) throw std::runtime_error("the cycle took more than 20 s");
+        check_message(got, prev, 1, "64 MiB from the previous rank");
+      },
+      90s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Each rank sends to both neighbours (tag 1 to the left, tag 2 to the right) before it receives
+// from them; tags say which direction a message travelled.
+TEST_P(PointToPoint, HaloExchangePostedSendsFirstCompletes) {
+  const int size = std::get<0>(GetParam());
+  const Mode mode = std::get<1>(GetParam());
+  TempDir dir;
+  auto results = run_ranks(
+      size,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, size, with_mode(mode, {.timeout = 30s}));
+        constexpr std::size_t kCount = (8u << 20) / 4;
+        constexpr int kToLeft = 1, kToRight = 2;
+        const int left = (rank + size - 1) % size;
+        const int right = (rank + 1) % size;
+        const auto to_left = make_message(kCount, rank, 100 + kToLeft);
+        const auto to_right = make_message(kCount, rank, 100 + kToRight);
+        std::vector<std::uint32_t> from_left(kCount), from_right(kCount);
+        std::vector<std::shared_ptr<Work>> works;
+        works.push_back(pg->send(to_left.data(), kCount, DType::kInt32, left, kToLeft));
+        works.push_back(pg->send(to_right.data(), kCount, DType::kInt32, right, kToRight));
+        // The left neighbour sent its message to the right (to this rank) and vice versa.
+        works.push_back(pg->recv(from_right.data(), kCount, DType::kInt32, right, kToLeft));
+        works.push_back(pg->recv(from_left.data(), kCount, DType::kInt32, left, kToRight));
+        for (auto& w : works)
+          w->wait();
+        check_message(from_left, left, 100 + kToRight, "halo from the left");
+        check_message(from_right, right, 100 + kToLeft, "halo from the right");
+      },
+      90s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<int, Mode>>& info) {
+  return mode_name(std::get<1>(info.param)) + "_world" + std::to_string(std::get<0>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, PointToPoint,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(Mode::kTcp, Mode::kShm)),
+                         param_name);
+
+class PointToPointRules : public ::testing::TestWithParam<Mode> {};
+
+// Rank 0 sends many messages of varying sizes with tags 0..3 interleaved; rank 1 posts its
+// receives one tag after another (tag 3 first). Per tag they match in posting order; messages
+// of the other tags wait (buffered up to a bound, then at the sender) without blocking them.
+TEST_P(PointToPointRules, ManySmallMessagesWithInterleavedTagsMatchPerTagInOrder) {
+  TempDir dir;
+  auto results = run_ranks(2, [&](int rank) {
+    auto pg = make_group(dir.path(), rank, 2, with_mode(GetParam(), {.timeout = 30s}));
+    constexpr int kMessages = 2000;
+    constexpr int kTags = 4;
+    auto count_of = [](int k) { return static_cast<std::size_t>(1 + (k * 37) % 3000); };
+    std::vector<std::vector<std::uint32_t>> bufs(kMessages);
+    std::vector<std::shared_ptr<Work>> works;
+    if (rank == 0) {
+      for (int k = 0; k < kMessages; ++k) {
+        bufs[static_cast<std::size_t>(k)] = make_message(count_of(k), 0, static_cast<unsigned>(k));
+        works.push_back(pg->send(bufs[static_cast<std::size_t>(k)].data(), count_of(k),
+                                 DType::kInt32, 1, k % kTags));
+      }
+    } else {
+      for (int tag = kTags - 1; tag >= 0; --tag) {
+        for (int k = tag; k < kMessages; k += kTags) {
+          bufs[static_cast<std::size_t>(k)].assign(count_of(k), 0);
+          works.push_back(pg->recv(bufs[static_cast<std::size_t>(k)].data(), count_of(k),
+                                   DType::kInt32, 0, tag));
+        }
+      }
+    }
+    for (auto& w : works)
+      w->wait();
+    if (rank == 1) {
+      for (int k = 0; k < kMessages; ++k) {
+        check_message(bufs[static_cast<std::size_t>(k)], 0, static_cast<unsigned>(k),
+                      fmt::format("message {} (tag {})", k, k % kTags));
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A receive posted before a collective does not hold the collective up (nor the reverse): rank 0
+// waits for its receive only after an allreduce that rank 1 joins before it sends.
+TEST_P(PointToPointRules, ReceivesDoNotWaitForCollectivesOrTheReverse) {
+  TempDir dir;
+  auto results = run_ranks(2, [&](int rank) {
+    auto pg = make_group(dir.path(), rank, 2, with_mode(GetParam(), {.timeout = 10s}));
+    std::vector<float> sum(1024, 1.0f);
+    auto got = std::vector<std::uint32_t>(1000);
+    const auto mine = make_message(1000, rank, 7);
+    if (rank == 0) {
+      auto r = pg->recv(got.data(), got.size(), DType::kInt32, 1, 0);
+      pg->allreduce(sum.data(), sum.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+      r->wait();
+      check_message(got, 1, 7, "message from rank 1");
+    } else {
+      pg->allreduce(sum.data(), sum.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+      pg->send(mine.data(), mine.size(), DType::kInt32, 0, 0)->wait();
+    }
+    if (sum[0] != 2.0f) throw std::runtime_error(fmt::format("allreduce gave {}", sum[0]));
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Same tag, different count (or dtype): both ranks fail at once with both calls named, and the
+// receive buffer keeps its contents (no partial or wrong data).
+TEST_P(PointToPointRules, CountOrDtypeMismatchNamesBothCallsOnBothRanks) {
+  for (const bool dtype_differs : {false, true}) {
+    TempDir dir;
+    const auto start = Clock::now();
+    auto results = run_ranks(
+        2,
+        [&](int rank) {
+          auto pg = make_group(dir.path(), rank, 2, with_mode(GetParam(), {.timeout = 20s}));
+          constexpr std::size_t kCount = 1 << 20;  // 4 MiB: more than is ever sent unasked
+          std::vector<std::uint32_t> buf(kCount, 0xabababab);
+          const std::string message = expect_comm_error([&] {
+            if (rank == 0) {
+              pg->send(buf.data(), kCount, DType::kInt32, 1, 7)->wait();
+            } else {
+              pg->recv(buf.data(), dtype_differs ? kCount : kCount / 2,
+                       dtype_differs ? DType::kFloat32 : DType::kInt32, 0, 7)
+                  ->wait();
+            }
+          });
+          expect_contains(message, "send(int32 x 1048576, tag 7)");
+          expect_contains(message, dtype_differs ? "recv(float32 x 1048576, tag 7)"
+                                                 : "recv(int32 x 524288, tag 7)");
+          if (rank == 1 && buf[0] != 0xabababab) {
+            throw std::runtime_error("the mismatched receive wrote into its buffer");
+          }
+        },
+        60s);
+    EXPECT_ALL_RANKS_OK(results);
+    EXPECT_LT(Clock::now() - start, 15s) << "a mismatch must fail at once, not at the deadline";
+  }
+}
+
+// A small send goes at once and may complete before its receiver sees the mismatch: the sender's
+// pending and later operations with that peer then fail with it, both calls named.
+TEST_P(PointToPointRules, SmallMessageMismatchFailsTheSendersNextCallWithThatPeer) {
+  TempDir dir;
+  auto results = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, 2, with_mode(GetParam(), {.timeout = 10s}));
+        std::vector<std::uint32_t> buf(16, 5);
+        const auto start = Clock::now();
+        std::string message;
+        if (rank == 0) {
+          auto sent = pg->send(buf.data(), 16, DType::kInt32, 1, 3);
+          sent->wait_for(5s);  // completes, or fails with the mismatch if rejected first
+          auto never = pg->recv(buf.data(), 16, DType::kInt32, 1, 9);
+          message = expect_comm_error([&] { never->wait(); });
+          if (sent->error() == nullptr) {
+            message =
+                expect_comm_error([&] { pg->send(buf.data(), 1, DType::kInt32, 1, 0)->wait(); });
+          }
+        } else {
+          message =
+              expect_comm_error([&] { pg->recv(buf.data(), 8, DType::kInt32, 0, 3)->wait(); });
+          if (buf[0] != 5) throw std::runtime_error("the mismatched receive wrote into its buffer");
+        }
+        expect_contains(message, "send(int32 x 16, tag 3) to rank 1 #0");
+        expect_contains(message, "recv(int32 x 8, tag 3) from rank 0 #0");
+        if (Clock::now() - start > 5s) throw std::runtime_error("the mismatch took the deadline");
+      },
+      60s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Different tags never match: both ranks fail at their deadline, the receiver naming the message
+// that did arrive with another tag.
+TEST_P(PointToPointRules, TagMismatchFailsBothRanksAtTheDeadlineNamingTheOtherTag) {
+  TempDir dir;
+  const auto start = Clock::now();
+  auto results = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, 2, with_mode(GetParam(), {.timeout = 2s}));
+        constexpr std::size_t kCount = 1 << 20;
+        std::vector<std::uint32_t> buf(kCount);
+        const std::string message = expect_comm_error([&] {
+          if (rank == 0) {
+            pg->send(buf.data(), kCount, DType::kInt32, 1, 1)->wait();
+          } else {
+            pg->recv(buf.data(), kCount, DType::kInt32, 0, 2)->wait();
+          }
+        });
+        if (rank == 0) {
+          expect_contains(message, "send(int32 x 1048576, tag 1)");
+        } else {
+          expect_contains(message, "recv(int32 x 1048576, tag 2) from rank 0");
+          expect_contains(message, "send(int32 x 1048576, tag 1)");
+        }
+      },
+      60s);
+  EXPECT_ALL_RANKS_OK(results);
+  EXPECT_LT(Clock::now() - start, 15s);
+}
+
+// The sender dies while a 256 MiB message is on the wire: the receiver fails within its deadline
+// with a CommError naming rank 0.
+TEST_P(PointToPointRules, SenderDyingMidMessageFailsTheReceiverNamingIt) {
+  TempDir dir;
+  const auto start = Clock::now();
+  auto results = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, 2, with_mode(GetParam(), {.timeout = 10s}));
+        constexpr std::size_t kCount = (256u << 20) / 4;
+        std::vector<std::uint32_t> buf(kCount, 1);
+        if (rank == 0) {
+          auto s = pg->send(buf.data(), kCount, DType::kInt32, 1, 0);
+          std::this_thread::sleep_for(10ms);
+          ::kill(::getpid(), SIGKILL);
+        }
+        const auto posted = Clock::now();
+        auto r = pg->recv(buf.data(), kCount, DType::kInt32, 0, 0);
+        CommError error("", "", "", 0, -1);
+        const std::string message = expect_comm_error([&] {
+          try {
+            r->wait();
+          } catch (const CommError& e) {
+            error = e;
+            throw;
+          }
+        });
+        if (Clock::now() - posted > 8s) throw std::runtime_error("failed only at the deadline");
+        if (error.peer() != 0) {
+          throw std::runtime_error(fmt::format("peer() is {}, not 0: {}", error.peer(), message));
+        }
+        expect_contains(message, "rank 0");
+      },
+      60s);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_EQ(results[0].signal, SIGKILL) << describe(results);
+  EXPECT_TRUE(results[1].ok()) << describe(results);
+  EXPECT_LT(Clock::now() - start, 30s);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, PointToPointRules, ::testing::Values(Mode::kTcp, Mode::kShm),
+                         [](const auto& info) { return mode_name(info.param); });
+
+}  // namespace
+}  // namespace ddp::test
