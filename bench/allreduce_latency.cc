@@ -22,7 +22,6 @@
 #include "ddp/ring_process_group.h"
 #include "ddp/tcp_store.h"
 #include "forked_ranks.h"
-#include "net/socket.h"
 
 namespace {
 
@@ -128,7 +127,7 @@ void run_rank(const Args& args, int rank, std::uint16_t port) {
 int main(int argc, char** argv) {
   try {
     const Args args = parse(argc, argv);
-    const std::uint16_t port = ddp::net::pick_free_port();
+    const std::uint16_t port = ddp::pick_free_port();
     return run_forked_ranks(args.world, [&](int rank) {
       run_rank(args, rank, port);
       return 0;

@@ -18,10 +18,10 @@
 #include <CLI/CLI.hpp>
 
 #include "ddp/init.h"
+#include "ddp/tcp_store.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "forked_ranks.h"
-#include "net/socket.h"
 
 namespace {
 
@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
   app.add_option("--repeats", repeats, "timed iterations")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
-  const int port = ddp::net::pick_free_port();
+  const int port = ddp::pick_free_port();
   return run_forked_ranks(world,
                           [&](int rank) { return run_rank(rank, world, port, warmup, repeats); });
 }

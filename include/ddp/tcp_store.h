@@ -104,4 +104,8 @@ class TcpStore final : public Store {
   std::unique_ptr<Client> client_;
 };
 
+// A TCP port that is free right now on this host (bind to 0, read, close), for a store server or
+// a MASTER_PORT. Another process may take it before it is used: callers retry or accept the risk.
+std::uint16_t pick_free_port();
+
 }  // namespace ddp

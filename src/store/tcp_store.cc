@@ -502,4 +502,8 @@ std::int64_t TcpStore::num_keys() {
   return reader.i64("count");
 }
 
+std::uint16_t pick_free_port() {
+  return net::pick_free_port();
+}
+
 }  // namespace ddp

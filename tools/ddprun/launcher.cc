@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "ddp/error.h"
+#include "ddp/tcp_store.h"
 #include "ddprun/env_tuning.h"
 #include "ddprun/line_assembler.h"
 #include "ddprun/worker_env.h"
-#include "net/socket.h"
 
 namespace ddp::ddprun {
 namespace {
@@ -181,7 +181,7 @@ Supervisor::Supervisor(const LaunchOptions& options) : options_(options) {
   cpu_count_ = usable_cpu_count();
   base_env_ = current_environment();
   if (options.env_tuning) tuning_ = choose_env_tuning(base_env_);
-  master_port_ = options.master_port != 0 ? options.master_port : net::pick_free_port();
+  master_port_ = options.master_port != 0 ? options.master_port : pick_free_port();
 
   sigemptyset(&handled_);
   sigaddset(&handled_, SIGCHLD);
