@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs, from Debian's packages, everything the build, the tests, the examples and the peer
-# comparisons need. Idempotent and quick when everything is already there: apt is only called
-# for packages that are missing.
+# Installs, from Debian's packages and (PyTorch's current release) from PyPI, everything the
+# build, the tests, the examples and the peer comparisons need. Idempotent and quick when
+# everything is already there: apt is only called for packages that are missing, pip only when
+# the pinned PyTorch is not in its environment yet.
 set -euo pipefail
 
 packages=(
