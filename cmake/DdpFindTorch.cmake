@@ -75,7 +75,7 @@ if(Torch_FOUND AND DDP_LIBTORCH STREQUAL "pytorch")
   # Nothing of another libtorch may come in: the libraries must be this one's.
   get_filename_component(_ddp_torch_prefix "${Torch_DIR}/../../.." ABSOLUTE)
   foreach(_file "${TORCH_LIBRARY}" "${c10_LIBRARY}" "${Caffe2_DIR}")
-    if(NOT _file MATCHES "^${_ddp_torch_prefix}/")
+    if(_file AND NOT _file MATCHES "^${_ddp_torch_prefix}/")
       message(FATAL_ERROR
         "ddp: the libtorch in ${_ddp_torch_prefix} resolved a part of itself to ${_file}, outside "
         "its folder (another libtorch on this machine). Remove the build folder's CMakeCache.txt "
@@ -83,6 +83,20 @@ if(Torch_FOUND AND DDP_LIBTORCH STREQUAL "pytorch")
         "Torch.")
     endif()
   endforeach()
+endif()
+if(Torch_FOUND AND DDP_LIBTORCH STREQUAL "pytorch")
+  # The wheel's CUDA libraries are other wheels (nvidia-*), found at run time through libtorch's
+  # RPATH ($ORIGIN/../../nvidia/...), which GNU ld does not expand when it checks libtorch_cuda's
+  # own dependencies at link time: it would take the system's older libnccl and fail. And
+  # TorchConfig adds the CUDA toolkit's libcudart and libnvrtc (13.0 here) to every link, though
+  # ddp calls neither; as DT_NEEDED entries they would load instead of the wheel's own (13.2)
+  # and run libtorch_cuda against an older runtime than it was built with. --as-needed drops
+  # them, so libtorch loads the CUDA it ships.
+  get_filename_component(_ddp_site "${Torch_DIR}/../../../.." ABSOLUTE)
+  file(GLOB _ddp_nvidia_libs LIST_DIRECTORIES true "${_ddp_site}/nvidia/*/lib")
+  string(REPLACE ";" ":" _ddp_nvidia_libs "${_ddp_nvidia_libs}")
+  target_link_options(ddp::libtorch INTERFACE "LINKER:--as-needed"
+                      "LINKER:-rpath-link,${_ddp_torch_prefix}/lib:${_ddp_nvidia_libs}")
 endif()
 if(Torch_FOUND)
   # TORCH_LIBRARIES holds the torch target (with TORCH_CXX_FLAGS as its compile options) and,
@@ -144,7 +158,7 @@ string(REGEX REPLACE ".*MAJOR ([0-9]+).*MINOR ([0-9]+).*PATCH ([0-9]+).*" "\\1.\
 # reducer's gradient-ready hook); tested with 2.15 (scripts/pytorch-env.sh pins the release).
 if(NOT DDP_LIBTORCH_VERSION MATCHES "^(1\\.13|2\\.([1-9]|[1-9][0-9]))\\.")
   message(FATAL_ERROR
-    "ddp: libtorch ${DDP_LIBTORCH_VERSION} (${DDP_TORCH_SOURCE}) is not supported; ddp builds "
+    "ddp: libtorch ${DDP_LIBTORCH_VERSION} (${DDP_TORCH_SOURCE}) is not supported, ddp builds "
     "against libtorch 1.13 (Debian's libtorch-dev) and 2.1 or later 2.x (tested: 2.15). Select one "
     "with DDP_LIBTORCH=debian|pytorch, or point Torch_DIR at a supported libtorch.")
 endif()
