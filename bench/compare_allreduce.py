@@ -10,6 +10,8 @@ Measures, for the same sizes and world size (default 2, all ranks on this host):
   ddp-mpi          ddp-bench --backend mpi under mpirun (when this build has the mpi backend)
   gloo             torch.distributed's gloo (bench/gloo_allreduce.py, Debian's python3-torch,
                    run by /usr/bin/python3; the processes are started here, not by torchrun)
+  gloo2            the same with PyTorch's current release (scripts/pytorch-python, the virtual
+                   environment of scripts/install-deps.sh; "not installed" where it is absent)
   openmpi-tcp      OpenMPI's MPI_Allreduce (bench/mpi_allreduce.c), --mca pml ob1 --mca btl
                    tcp,self: TCP over loopback only
   openmpi          the same with OpenMPI's default transports (shared memory)
@@ -42,7 +44,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = "/usr/bin/python3"  # sees Debian's python3-torch; a pyenv python3 may not
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
-PEERS = ["ddp-ring", "ddp-shm", "ddp-mpi", "gloo", "openmpi-tcp", "openmpi"]
+PYTORCH2_PYTHON = str(REPO / "scripts" / "pytorch-python")  # PyTorch 2.x from PyPI
+PEERS = ["ddp-ring", "ddp-shm", "ddp-mpi", "gloo", "gloo2", "openmpi-tcp", "openmpi"]
+GLOOS = ("gloo", "gloo2", "openmpi-tcp")  # the peers that ddp-ring's ratios are taken against
 
 
 def parse_size(text):
@@ -123,7 +127,10 @@ class Runner:
             return None, "not built (no mpi backend in this build)"
         return self.finish(code, output)
 
-    def gloo(self):
+    def gloo(self, python=SYSTEM_PYTHON):
+        if python != SYSTEM_PYTHON and subprocess.run(
+                [python, "-c", "import torch"], capture_output=True).returncode != 0:
+            return None, "not installed (no PyTorch 2.x environment: run scripts/install-deps.sh)"
         port = free_port()
         procs = []
         for rank in range(self.args.world_size):
@@ -131,7 +138,7 @@ class Runner:
                        WORLD_SIZE=str(self.args.world_size), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
             procs.append(subprocess.Popen(
-                [SYSTEM_PYTHON, str(REPO / "bench" / "gloo_allreduce.py"), *self.common,
+                [python, str(REPO / "bench" / "gloo_allreduce.py"), *self.common,
                  "--timeout", str(self.args.timeout)],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 start_new_session=True))
@@ -176,6 +183,8 @@ class Runner:
             return self.ddp_bench("mpi", check)
         if peer == "gloo":
             return self.gloo()
+        if peer == "gloo2":
+            return self.gloo(PYTORCH2_PYTHON)
         return self.openmpi(tcp_only=peer == "openmpi-tcp")
 
 
@@ -299,7 +308,9 @@ def main():
                  f"load average {load_before} before, {load_after} after")
     torch_version = tool_version([SYSTEM_PYTHON, "-c", "import torch; print(torch.__version__)"])
     commit = tool_version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
-    lines.append(f"- peers: gloo from torch {torch_version}; {tool_version(['mpirun', '--version'])}"
+    torch2_version = tool_version([PYTORCH2_PYTHON, "-c", "import torch; print(torch.__version__)"])
+    lines.append(f"- peers: gloo from torch {torch_version}, gloo2 from torch {torch2_version}; "
+                 f"{tool_version(['mpirun', '--version'])}"
                  f"; ddp {commit} (+ working tree)")
     lines.append(f"- method: median of {args.iters} iterations after {args.warmup} warm-up, each "
                  f"started after a barrier, slowest rank's time; median of {args.rounds} "
@@ -311,7 +322,7 @@ def main():
     for peer in peers:
         header += [f"{peer} µs", f"{peer} busbw"]
     if "ddp-ring" in peers:
-        header += [f"ring vs {p}" for p in ("gloo", "openmpi-tcp") if p in peers]
+        header += [f"ring vs {p}" for p in GLOOS if p in peers]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---:" for _ in header) + "|")
     ring = table.get("ddp-ring", {})
@@ -321,7 +332,7 @@ def main():
             row = table[peer].get(nbytes)
             cells += [fmt_time(row), fmt_bw(row)]
         if "ddp-ring" in peers:
-            for p in ("gloo", "openmpi-tcp"):
+            for p in GLOOS:
                 if p not in peers:
                     continue
                 a, b = ring.get(nbytes), table[p].get(nbytes)
@@ -353,6 +364,10 @@ def main():
                (1024, "openmpi-tcp", 1.0,
                 "1 KiB: ddp-ring {x:.2f}× OpenMPI-TCP's speed (target ≥ 1×)"),
                (64 << 20, "gloo", 1.5, "64 MiB: ddp-ring busbw {x:.2f}× gloo's (target ≥ 1.5×)"),
+               (1024, "gloo2", 20.0,
+                "1 KiB: ddp-ring {x:.1f}× faster than PyTorch 2.x's gloo (target ≥ 20×)"),
+               (64 << 20, "gloo2", 1.5,
+                "64 MiB: ddp-ring busbw {x:.2f}× PyTorch 2.x's gloo's (target ≥ 1.5×)"),
                (64 << 20, "openmpi-tcp", 1.0,
                 "64 MiB: ddp-ring busbw {x:.2f}× OpenMPI-TCP's (target ≥ 1×)")]
     checks = []
@@ -388,7 +403,8 @@ def main():
             {"date": started.isoformat(), "world_size": args.world_size, "cpus": os.cpu_count(),
              "cpu_model": machine_description(), "load_before": load_before,
              "load_after": load_after, "measured": measured, "errors": errors}, indent=1))
-    real_errors = {p: e for p, e in errors.items() if not e.startswith("not built")}
+    real_errors = {p: e for p, e in errors.items()
+                   if not e.startswith("not built") and not e.startswith("not installed")}
     return 1 if real_errors else 0
 
 

@@ -8,6 +8,12 @@ alternating the two `--repeats` times, and prints the median samples/s of each a
 `--no-env-tuning` runs both without that tuning. One torch thread per rank on both sides
 (OMP_NUM_THREADS=1).
 
+The PyTorch side runs twice: Debian's 1.13 (/usr/bin/python3) and PyTorch's current release
+from the virtual environment that scripts/install-deps.sh makes (scripts/pytorch-python; left
+out with a note where it is absent). `--bound` adds the no-communication bound: two independent
+single-process ddp-train-bench runs at once (their samples/s added up), what world 2 would reach
+if communication and synchronisation cost nothing on this machine.
+
   bench/compare_ddp.py --build build --models mlp cnn --worlds 1 2
 """
 import argparse
@@ -53,9 +59,36 @@ def run_ddp(build, model, world, args):
     return parse(out.stdout, "ddp-train-bench")
 
 
-def run_pytorch(build, model, world, args):
+PYTORCH_PYTHON = os.path.join(HERE, "..", "scripts", "pytorch-python")
+
+
+def pytorch2_available():
+    out = subprocess.run([PYTORCH_PYTHON, "-c", "import torch; print(torch.__version__)"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_bound(build, model, args):
+    """Two single-process runs at once: world 2 without any communication."""
+    cmd = ddprun(build, 1, args) + [
+           os.path.join(build, "bin", "ddp-train-bench"), "--model", model,
+           "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--batch-size", str(args.batch_size)] + view_flag(args) + args.ddp_args
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(cmd + [], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    total = 0.0
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"ddp-train-bench (bound) failed:\n{stdout}\n{stderr}")
+        total += parse(stdout, "ddp-train-bench (bound)")[1]
+    return total
+
+
+def run_pytorch(build, model, world, args, python="/usr/bin/python3"):
     cmd = ddprun(build, world, args) + [
-        "/usr/bin/python3", os.path.join(HERE, "pytorch_ddp_bench.py"), "--model", model,
+        python, os.path.join(HERE, "pytorch_ddp_bench.py"), "--model", model,
         "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--batch-size", str(args.batch_size)] + view_flag(args)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -79,6 +112,8 @@ def main():
                         help="pass gradient_as_bucket_view to both sides")
     parser.add_argument("--no-env-tuning", action="store_true",
                         help="run both sides with ddprun --no-env-tuning")
+    parser.add_argument("--bound", action="store_true",
+                        help="add the no-communication bound (two single-process runs at once)")
     parser.add_argument("--ddp-args", nargs=argparse.REMAINDER, default=[],
                         help="extra options for ddp-train-bench (last)")
     args = parser.parse_args()
@@ -91,29 +126,51 @@ def main():
           f"gradient_as_bucket_view={args.gradient_as_bucket_view}, "
           f"env tuning {'off' if args.no_env_tuning else 'on'} (both sides); "
           f"load average at start {os.getloadavg()[0]:.2f}")
+    torch2 = pytorch2_available()
+    print(f"# peers: torch 1.13 = Debian's python3-torch; torch 2 = "
+          + (f"PyTorch {torch2} (scripts/pytorch-python)" if torch2 else
+             "absent (no PyTorch 2.x environment: run scripts/install-deps.sh)"))
     header = (f"{'model':5} {'world':>5} {'ddp step ms':>12} {'ddp samples/s':>14} "
-              f"{'torch step ms':>14} {'torch samples/s':>16} {'ddp/torch':>10}")
+              f"{'1.13 samples/s':>15} {'ddp/1.13':>9}")
+    if torch2:
+        header += f" {'2.x samples/s':>14} {'ddp/2.x':>8}"
+    if args.bound:
+        header += f" {'bound samples/s':>16}"
     print(header)
     print("-" * len(header))
     results = {}
     for model in args.models:
         for world in args.worlds:
-            ours, theirs = [], []
+            ours, theirs, theirs2, bound = [], [], [], []
             for _ in range(args.repeats):
                 ours.append(run_ddp(args.build, model, world, args))
                 theirs.append(run_pytorch(args.build, model, world, args))
+                if torch2:
+                    theirs2.append(run_pytorch(args.build, model, world, args, PYTORCH_PYTHON))
+                if args.bound and world == 2:
+                    bound.append(run_bound(args.build, model, args))
             ours_ms = statistics.median(o[0] for o in ours)
             ours_sps = statistics.median(o[1] for o in ours)
-            theirs_ms = statistics.median(t[0] for t in theirs)
             theirs_sps = statistics.median(t[1] for t in theirs)
             results[(model, world)] = (ours_sps, theirs_sps)
-            print(f"{model:5} {world:>5} {ours_ms:>12.1f} {ours_sps:>14.1f} {theirs_ms:>14.1f} "
-                  f"{theirs_sps:>16.1f} {ours_sps / theirs_sps:>9.2f}x", flush=True)
+            line = (f"{model:5} {world:>5} {ours_ms:>12.1f} {ours_sps:>14.1f} "
+                    f"{theirs_sps:>15.1f} {ours_sps / theirs_sps:>8.2f}x")
+            if torch2:
+                theirs2_sps = statistics.median(t[1] for t in theirs2)
+                line += f" {theirs2_sps:>14.1f} {ours_sps / theirs2_sps:>7.2f}x"
+            if args.bound:
+                line += f" {statistics.median(bound):>16.1f}" if bound else f" {'':>16}"
+            print(line, flush=True)
+            print(f"#   runs: ddp {[round(o[1]) for o in ours]}, 1.13 "
+                  f"{[round(t[1]) for t in theirs]}"
+                  + (f", 2.x {[round(t[1]) for t in theirs2]}" if torch2 else "")
+                  + (f", bound {[round(b) for b in bound]}" if bound else ""), flush=True)
     for model in args.models:
         if (model, 1) in results and (model, 2) in results:
             o1, t1 = results[(model, 1)]
             o2, t2 = results[(model, 2)]
-            print(f"# {model}: world 2 / world 1 scaling: ddp {o2 / o1:.2f}x, torch {t2 / t1:.2f}x")
+            print(f"# {model}: world 2 / world 1 scaling: ddp {o2 / o1:.2f}x, torch 1.13 "
+                  f"{t2 / t1:.2f}x")
     print(f"# load average at end {os.getloadavg()[0]:.2f}")
 
 

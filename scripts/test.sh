@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds and runs every test, in stages (CTest labels: unit,
 # multiprocess, netns, slow, fuzz):
-#   main   the default build (build/): every test
+#   main   the default build against DDP_LIBTORCH's libtorch (debian: build/, pytorch:
+#          build-pytorch/): every test
+#   pytorch  when main is against Debian's libtorch: build-pytorch/ against PyTorch 2.x from PyPI,
+#          the tests of everything that links libtorch (ddp::torch, the trainer, the package, the
+#          configure checks, PyTorch's torchrun); the layers below (net, store, comm, init) do not
+#          link libtorch and are the same code as in main
 #   asan   build-asan/ (ASan+UBSan, no libtorch): the unit and multiprocess suites
 #   tsan   build-tsan/ (TSan, no libtorch): the net, store, engine (comm, shm) and init tests
 #   fuzz   build-fuzz/ (clang, libFuzzer+ASan+UBSan, no libtorch): each harness for
 #          DDP_FUZZ_SECONDS (default 15) from its seed corpus (docs/fuzzing.md)
-# DDP_TEST_STAGES picks stages (default: main,asan,tsan,fuzz), e.g.
+# DDP_TEST_STAGES picks stages (default: main,pytorch,asan,tsan,fuzz; without pytorch when
+# DDP_LIBTORCH=pytorch, as main covers it then), e.g.
 #   DDP_TEST_STAGES=asan bash scripts/test.sh
 # Extra arguments go to the main stage's ctest, e.g. `scripts/test.sh -L unit`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/libtorch-choice.sh
 
-stages=${DDP_TEST_STAGES:-main,asan,tsan,fuzz}
+if [[ $ddp_libtorch == debian ]]; then
+  stages=${DDP_TEST_STAGES:-main,pytorch,asan,tsan,fuzz}
+else
+  stages=${DDP_TEST_STAGES:-main,asan,tsan,fuzz}
+fi
 for s in ${stages//,/ }; do
-  case $s in main | asan | tsan | fuzz) ;; *)
-    echo "test.sh: unknown stage '$s' in DDP_TEST_STAGES (stages: main, asan, tsan, fuzz)" >&2
+  case $s in main | pytorch | asan | tsan | fuzz) ;; *)
+    echo "test.sh: unknown stage '$s' in DDP_TEST_STAGES (stages: main, pytorch, asan, tsan," \
+         "fuzz)" >&2
     exit 2
     ;;
   esac
@@ -39,10 +51,25 @@ bash scripts/install-deps.sh
 
 if want main; then
   stage_start main
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
-  cmake --build build
-  ctest --test-dir build --output-on-failure --timeout 600 -j "$jobs" "$@"
+  echo "test.sh: main stage against $ddp_libtorch_line ($ddp_build_dir/)"
+  cmake -S . -B "$ddp_build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    "${ddp_cmake_libtorch[@]}"
+  cmake --build "$ddp_build_dir"
+  ctest --test-dir "$ddp_build_dir" --output-on-failure --timeout 600 -j "$jobs" "$@"
   stage_end main
+fi
+
+if want pytorch; then
+  stage_start pytorch
+  DDP_LIBTORCH=pytorch source scripts/libtorch-choice.sh
+  echo "test.sh: pytorch stage against $ddp_libtorch_line ($ddp_build_dir/)"
+  cmake -S . -B "$ddp_build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    "${ddp_cmake_libtorch[@]}"
+  cmake --build "$ddp_build_dir"
+  for dir in tests/torch tests/torch_data tests/package tests/libtorch_select; do
+    ctest --test-dir "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs"
+  done
+  stage_end pytorch
 fi
 
 # Sanitizer builds: ddp's own code instrumented, libtorch left out (it is not sanitizer-built).

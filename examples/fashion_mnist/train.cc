@@ -37,6 +37,7 @@
 #include "ddp/torch/distributed_sampler.h"
 #include "ddp/torch/join.h"
 #include "ddp/torch/sync_batch_norm.h"
+#include "ddp/torch/version.h"
 #include "idx_reader.h"
 
 namespace {
@@ -210,6 +211,10 @@ int run(const Options& options) {
   const int rank = group->rank();
   const int world_size = group->size();
   const bool leader = rank == 0;
+  if (leader) {
+    // First, so that a log says which libtorch (DDP_LIBTORCH=debian|pytorch) produced it.
+    fmt::print("train-fashion-mnist: libtorch {}, {} ranks\n", ddp::libtorch_version(), world_size);
+  }
 
   Net net(options.model);
   // Before the optimizer and DDP, as in PyTorch (the conversion keeps the same tensors anyway).

@@ -8,14 +8,11 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include "ddp/error.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp_phase.h"
+#include "libtorch_compat.h"
 
 namespace ddp {
 
@@ -95,24 +92,14 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
   std::iota(reverse_order.rbegin(), reverse_order.rend(), std::size_t{0});
   assign_buckets(reverse_order);
 
-  grad_accumulators_.resize(parameters_.size());
-  hook_keys_.resize(parameters_.size());
+  grad_hooks_.resize(parameters_.size());
   for (std::size_t i = 0; i < parameters_.size(); ++i)
     attach_hook(i);
 }
 
 void Reducer::attach_hook(std::size_t param) {
-  // The gradient accumulators are owned weakly by the parameters; keep them alive so the hooks
-  // stay attached for the Reducer's lifetime.
-  auto accumulator = torch::autograd::impl::grad_accumulator(parameters_[param]);
-  hook_keys_[param] =
-      accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [this, param](const torch::autograd::variable_list& outputs,
-                        const torch::autograd::variable_list& /*inputs*/) {
-            autograd_hook(param);
-            return outputs;
-          }));
-  grad_accumulators_[param] = std::move(accumulator);
+  grad_hooks_[param] = std::make_unique<libtorch_compat::GradReadyHook>(
+      parameters_[param], [this, param] { autograd_hook(param); });
 }
 
 std::size_t Reducer::check_parameters(const std::vector<torch::Tensor>& parameters,
@@ -148,10 +135,7 @@ std::size_t Reducer::check_parameters(const std::vector<torch::Tensor>& paramete
           view.device().str()));
     }
     const bool same_tensor = now.unsafeGetTensorImpl() == parameters_[i].unsafeGetTensorImpl();
-    if (same_tensor &&
-        torch::autograd::impl::try_get_grad_accumulator(now).get() == grad_accumulators_[i].get()) {
-      continue;
-    }
+    if (same_tensor && grad_hooks_[i]->attached_to(now)) continue;
     if (!now.requires_grad() || !now.is_leaf()) {
       throw Error(fmt::format(
           "DistributedDataParallel: parameter '{}' was replaced by a tensor that is not a leaf "
@@ -160,18 +144,15 @@ std::size_t Reducer::check_parameters(const std::vector<torch::Tensor>& paramete
     }
     // A load (Module::load, torch::load) or a replaced tensor: the hook must follow the
     // parameter to its current accumulator, or its gradients would never be averaged again.
-    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
     parameters_[i] = now;
-    attach_hook(i);
+    attach_hook(i);  // and the hook on the old accumulator goes
     ++reattached;
   }
   return reattached;
 }
 
 Reducer::~Reducer() {
-  for (std::size_t i = 0; i < grad_accumulators_.size(); ++i) {
-    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
-  }
+  grad_hooks_.clear();  // first: no hook may run into a Reducer being destroyed
   std::lock_guard lock(mutex_);
   wait_for_launched_buckets();
 }
@@ -275,7 +256,7 @@ void Reducer::autograd_hook(std::size_t param) {
     timeline_.bucket_launched.resize(buckets_.size());
     timeline_.bucket_completed.resize(buckets_.size());
     timeline_.bucket_in_place.resize(buckets_.size());
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+    libtorch_compat::at_end_of_backward([this] { finalize_backward(); });
   }
   if (!unused_marked_) {
     // Parameters this pass does not use still have to fill their buckets (with zeros).
@@ -645,26 +626,10 @@ void Reducer::prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
 }
 
 void Reducer::find_unused(const std::vector<torch::Tensor>& outputs) {
-  std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack;
-  for (const auto& output : outputs) {
-    if (!output.defined() || !output.requires_grad()) continue;
-    auto fn = output.grad_fn();
-    torch::autograd::Node* node =
-        fn ? fn.get() : torch::autograd::impl::try_get_grad_accumulator(output).get();
-    if (node != nullptr && seen.insert(node).second) stack.push_back(node);
-  }
-  while (!stack.empty()) {
-    auto* node = stack.back();
-    stack.pop_back();
-    for (const auto& edge : node->next_edges()) {
-      auto* next = edge.function.get();
-      if (next != nullptr && seen.insert(next).second) stack.push_back(next);
-    }
-  }
+  const auto seen = libtorch_compat::reachable_nodes(outputs);
   unused_.clear();
   for (std::size_t i = 0; i < parameters_.size(); ++i) {
-    if (seen.count(grad_accumulators_[i].get()) == 0) unused_.push_back(i);
+    if (seen.count(grad_hooks_[i]->node()) == 0) unused_.push_back(i);
   }
 }
 

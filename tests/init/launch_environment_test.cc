@@ -64,6 +64,15 @@ TEST(LaunchEnvironment, ReadsTorchrunAndDdprunVariables) {
   EXPECT_EQ(e.launcher, "ddprun/torchrun");
 }
 
+TEST(LaunchEnvironment, TorchrunsAgentStoreIsNamedWithTheFix) {
+  Env env = kTorchrun;
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  expect_config_error(env, {"MASTER_PORT=29400 is the port of torchrun's own store",
+                            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"});
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";  // torchrun then leaves the port to rank 0
+  EXPECT_EQ(resolve(env).master_port, 29400);
+}
+
 TEST(LaunchEnvironment, ReadsOpenMpiVariables) {
   const auto e = resolve({{"OMPI_COMM_WORLD_RANK", "5"},
                           {"OMPI_COMM_WORLD_SIZE", "6"},

@@ -1,27 +1,42 @@
 #!/usr/bin/env bash
 # Installs the built project into a temporary prefix and builds and runs a separate project
-# against it through find_package(ddp): once with libtorch's CMake package, once with it hidden
-# (the path taken on systems whose libtorch ships no TorchConfig.cmake).
+# against it through find_package(ddp), with the libtorch the build used (DDP_LIBTORCH, read from
+# its cache): Debian's once with libtorch's CMake package and once with it hidden (the path taken
+# on systems whose libtorch ships no TorchConfig.cmake); PyPI's through its CMake package (it has
+# no other). The consumer must get the same libtorch version that ddp::torch was built against.
 set -euo pipefail
 build_dir=$1
 source_dir=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+cache_value() { sed -n "s/^$1:[A-Z]*=//p" "$build_dir/CMakeCache.txt"; }
+libtorch=$(cache_value DDP_LIBTORCH)
+libtorch=${libtorch:-debian}
+
 cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
 test -f "$work/prefix/lib/cmake/ddp/ddpConfig.cmake"
 
-for variant in torch-package system-headers; do
+variants=(torch-package)
+if [[ $libtorch == debian ]]; then variants+=(system-headers); fi
+for variant in "${variants[@]}"; do
   extra=()
   if [[ $variant == system-headers ]]; then extra=(-DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON); fi
   cmake -S "$source_dir/tests/package/consumer" -B "$work/$variant" -G Ninja \
-    -DCMAKE_PREFIX_PATH="$work/prefix" "${extra[@]}" > "$work/$variant.log"
+    -DCMAKE_PREFIX_PATH="$work/prefix" "${extra[@]}" > "$work/$variant.log" 2>&1 ||
+    { echo "consumer ($variant) failed to configure:"; cat "$work/$variant.log"; exit 1; }
   expected="Torch CMake package"
   if [[ $variant == system-headers ]]; then expected="system headers"; fi
-  grep -q "ddp: libtorch from $expected" "$work/$variant.log" ||
-    { echo "consumer ($variant) did not find libtorch through $expected:"; cat "$work/$variant.log"; exit 1; }
+  grep -q "ddp: libtorch .* (DDP_LIBTORCH=$libtorch) from $expected" "$work/$variant.log" ||
+    { echo "consumer ($variant) did not find $libtorch's libtorch through $expected:"
+      cat "$work/$variant.log"; exit 1; }
   cmake --build "$work/$variant" >> "$work/$variant.log"
   "$work/$variant/comm_consumer"
-  "$work/$variant/torch_consumer"
+  out=$("$work/$variant/torch_consumer")
+  echo "$variant: $out"
+  # The version ddp::torch reports is the one its consumer runs on.
+  version=$(sed -n 's/.*ddp: libtorch \([0-9.]*\) .*/\1/p' "$work/$variant.log" | head -1)
+  [[ $out == "libtorch $version sum 4"* ]] ||
+    { echo "consumer ($variant) runs on '$out', expected libtorch $version"; exit 1; }
 done
-echo "package test: both variants built and ran"
+echo "package test ($libtorch libtorch): ${variants[*]} built and ran"

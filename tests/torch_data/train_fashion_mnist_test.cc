@@ -94,6 +94,44 @@ TEST_F(TrainFashionMnistTest, OneShortEpochLearnsWellAboveChance) {
   EXPECT_LE(accuracy, 1.0);
 }
 
+TEST_F(TrainFashionMnistTest, FirstLineNamesTheLibtorch) {
+  const auto result = train({"--epochs", "1", "--limit-train", "256", "--log-every", "0"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto lines = rank0_lines(result.output);
+  ASSERT_FALSE(lines.empty()) << result.output;
+  EXPECT_EQ(lines.front(),
+            fmt::format("train-fashion-mnist: libtorch {}, 2 ranks", DDP_LIBTORCH_VERSION))
+      << result.output;
+}
+
+// PyTorch 2.x's own launcher (its torchrun runs on Python 3.11, Debian's 1.13 one does not),
+// starting the ddp program directly (--no-python), as a user coming from PyTorch would.
+TEST_F(TrainFashionMnistTest, TrainsUnderPyTorch2sTorchrun) {
+  if (!std::filesystem::exists(std::filesystem::path(DDP_PYTORCH_VENV) / "bin" / "python")) {
+    GTEST_SKIP() << "no PyTorch 2.x environment at " << DDP_PYTORCH_VENV
+                 << "; scripts/install-deps.sh installs it (scripts/pytorch-python runs it)";
+  }
+  auto process = Subprocess::start(
+      {DDP_PYTORCH_PYTHON, "-m", "torch.distributed.run", "--no-python", "--standalone",
+       "--nproc-per-node", "2", "--tee", "3", built_program("train-fashion-mnist"), "--epochs", "1",
+       "--limit-train", "1024", "--batch-size", "64", "--log-every", "0"},
+      {{"OMP_NUM_THREADS", "1"},
+       {"DDP_TIMEOUT", "120"},
+       {"DDP_PYTORCH_VENV", DDP_PYTORCH_VENV},
+       // Its rendezvous store is its own (c10d's), not ddp's: leave MASTER_PORT to rank 0.
+       {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}});
+  const auto result = process.wait(150s);
+  ASSERT_FALSE(result.timed_out) << "torchrun did not finish:\n" << result.output;
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  // torchrun's --tee prefixes each worker's lines with "[default0]:" (rank 0).
+  EXPECT_THAT(result.output, HasSubstr("[default0]:train-fashion-mnist: libtorch "));
+  EXPECT_THAT(result.output, HasSubstr(", 2 ranks"));
+  std::smatch match;
+  static const std::regex final_line(R"(\[default0\]:final test_accuracy=([0-9.]+) )");
+  ASSERT_TRUE(std::regex_search(result.output, match, final_line)) << result.output;
+  EXPECT_GT(std::stod(match[1].str()), 0.3) << result.output;  // chance is 0.1
+}
+
 TEST_F(TrainFashionMnistTest, SyncBatchNormTrainsTheCnn) {
   const auto result = train({"--sync-bn", "--epochs", "1", "--limit-train", "2048", "--batch-size",
                              "64", "--log-every", "0"});

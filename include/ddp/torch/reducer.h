@@ -44,6 +44,10 @@
 
 namespace ddp {
 
+namespace libtorch_compat {
+class GradReadyHook;  // src/torch/libtorch_compat.h
+}  // namespace libtorch_compat
+
 struct ReducerOptions {
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
@@ -147,8 +151,7 @@ class Reducer {
   CommHook comm_hook_;
   bool custom_hook_ = false;  // register_comm_hook was called: buckets go through comm_hook_
 
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
-  std::vector<std::uintptr_t> hook_keys_;
+  std::vector<std::unique_ptr<libtorch_compat::GradReadyHook>> grad_hooks_;  // per parameter
 
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;  // per parameter
