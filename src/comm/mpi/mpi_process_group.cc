@@ -42,6 +42,7 @@
 #include <fmt/ranges.h>
 
 #include "comm/argument_checks.h"
+#include "comm/mpi/mpi_p2p.h"
 #include "comm/mpi/mpi_runtime.h"
 #include "comm/op_queue.h"
 #include "comm/reduce_kernels.h"
@@ -177,6 +178,7 @@ struct BlockingWatch {
   std::mutex mutex;  // with cv: only to stop the watchdog
   std::condition_variable cv;
   bool stop = false;
+  bool p2p_posted = false;  // a point-to-point operation was posted: poll it
   std::atomic<std::uint64_t> id{0};
   std::atomic<std::int64_t> deadline_ns{0};  // steady clock
   std::atomic<std::int64_t> timeout_ms{0};
@@ -231,12 +233,14 @@ class MpiProcessGroup final : public ProcessGroup,
                               public comm::mpi::ExitListener,
                               public std::enable_shared_from_this<MpiProcessGroup> {
  public:
-  MpiProcessGroup(MPI_Comm comm, MPI_Comm check, MPI_Comm control, GroupOptions options, int rank,
-                  int size, int local_rank, int local_size, std::vector<int> world_ranks)
+  MpiProcessGroup(MPI_Comm comm, MPI_Comm check, MPI_Comm control, MPI_Comm p2p,
+                  GroupOptions options, int rank, int size, int local_rank, int local_size,
+                  std::vector<int> world_ranks)
       : ProcessGroup(rank, size),
         comm_(comm),
         check_(check),
         control_(control),
+        p2p_(p2p),
         options_(std::move(options)),
         name_(options_.name),
         timeout_(options_.timeout),
@@ -246,6 +250,12 @@ class MpiProcessGroup final : public ProcessGroup,
         queue_(*this,
                comm::OpQueue::Options{
                    .group = name_, .rank = rank, .size = size, .spin = waiter_spin(local_size)}) {
+    p2p_context_ = std::make_shared<const comm::mpi::P2pContext>(
+        comm::mpi::P2pContext{.group = name_,
+                              .notice_key = options_.notice_key,
+                              .rank = rank,
+                              .abort_on_failure = options_.abort_on_failure,
+                              .stall_check_after = options_.stall_check_after});
     MpiRuntime::instance().add_exit_listener(this);
   }
   ~MpiProcessGroup() override;
@@ -332,9 +342,10 @@ class MpiProcessGroup final : public ProcessGroup,
     check_buffer(buf, count, "send", "buf");
     check_peer(dst, "send", "dst");
     check_tag(tag, "send");
-    MpiOp op = make_op(OpKind::kSend, buf, nullptr, count, dtype, std::nullopt, tag);
-    op.peer = dst;
-    return enqueue(std::move(op), options);
+    return post_p2p(
+        comm::mpi::P2pCall{
+            .is_recv = false, .send = buf, .count = count, .dtype = dtype, .peer = dst, .tag = tag},
+        options);
   }
 
   std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
@@ -342,10 +353,10 @@ class MpiProcessGroup final : public ProcessGroup,
     check_buffer(buf, count, "recv", "buf");
     check_peer(src, "recv", "src");
     check_tag(tag, "recv");
-    MpiOp op = make_op(OpKind::kSend, nullptr, buf, count, dtype, std::nullopt, tag);
-    op.peer = src;
-    op.is_recv = true;
-    return enqueue(std::move(op), options);
+    return post_p2p(
+        comm::mpi::P2pCall{
+            .is_recv = true, .recv = buf, .count = count, .dtype = dtype, .peer = src, .tag = tag},
+        options);
   }
 
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
@@ -354,6 +365,10 @@ class MpiProcessGroup final : public ProcessGroup,
   MpiOp make_op(OpKind kind, const void* send, void* recv, std::size_t count, DType dtype,
                 std::optional<ReduceOp> op, int root) const;
   std::shared_ptr<Work> enqueue(MpiOp op, CallOptions options);
+  // Posts a send/recv at once, past the queue (comm/mpi/mpi_p2p.h).
+  std::shared_ptr<Work> post_p2p(comm::mpi::P2pCall call, CallOptions options);
+  // Starts the watchdog thread once (the first blocking call or point-to-point operation).
+  void ensure_watchdog();
 
   // comm::OpQueue::Runner.
   void run(comm::QueuedWork& work, net::Deadline deadline) override;
@@ -374,7 +389,11 @@ class MpiProcessGroup final : public ProcessGroup,
                    MPI_Status* status);
   bool use_checked_allreduce(const MpiOp& op) const;
   void run_checked_allreduce(MpiOp& op, Clock::time_point deadline);
-  void watchdog_loop();
+  void watchdog_loop(const std::weak_ptr<MpiProcessGroup>& weak,
+                     const std::shared_ptr<std::atomic<bool>>& destroyed_here);
+  // The watchdog's look at the blocking call in flight (run_checked_allreduce): ends the job when
+  // it passed its deadline or a stall check names why it cannot complete.
+  void check_blocking_call(std::uint64_t& announced_id);
   // For a call of this rank stalled in `header`: sends the peers its fingerprint (once per call)
   // and returns what makes the call impossible, if anything is known: a peer that issued a
   // different call at this sequence number, or a peer's notice (failed, left). Else empty.
@@ -401,6 +420,7 @@ class MpiProcessGroup final : public ProcessGroup,
   MPI_Comm comm_;
   MPI_Comm check_;
   MPI_Comm control_;
+  MPI_Comm p2p_;  // point-to-point only: never matches the collectives' traffic
   GroupOptions options_;
   std::string name_;
   milliseconds timeout_;
@@ -411,7 +431,13 @@ class MpiProcessGroup final : public ProcessGroup,
   std::atomic<bool> left_{false};  // the "left" notice went out
   IssueLog issue_log_;
   BlockingWatch watch_;
-  std::thread watchdog_;           // started with the first blocking call
+  std::thread watchdog_;  // started by ensure_watchdog
+  std::once_flag watchdog_once_;
+  // Set by the destructor: when the watchdog thread itself dropped the last reference, it must
+  // not touch the group any more.
+  std::shared_ptr<std::atomic<bool>> destroyed_ = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<const comm::mpi::P2pContext> p2p_context_;
+  comm::mpi::P2pPending p2p_pending_;
   std::vector<std::byte> packed_;  // run() only: the checked allreduce's buffers
   std::size_t packed_bytes_ = SIZE_MAX;
   MPI_Datatype packed_type_ = MPI_DATATYPE_NULL;
@@ -429,6 +455,7 @@ class MpiProcessGroup final : public ProcessGroup,
 MpiProcessGroup::~MpiProcessGroup() {
   MpiRuntime::instance().remove_exit_listener(this);
   queue_.stop();  // before the state run() uses goes away
+  destroyed_->store(true);
   if (watchdog_.joinable()) {
     {
       std::lock_guard lock(watch_.mutex);
@@ -455,6 +482,8 @@ MpiProcessGroup::~MpiProcessGroup() {
   MPI_Comm_free(&comm_);
   MPI_Comm_free(&check_);
   MPI_Comm_free(&control_);
+  // Point-to-point operations still pending complete on MPI's side first (MPI_Comm_free defers).
+  MPI_Comm_free(&p2p_);
 }
 
 std::string MpiProcessGroup::left_notice(std::string_view why) {
@@ -540,6 +569,27 @@ std::shared_ptr<Work> MpiProcessGroup::enqueue(MpiOp op, CallOptions options) {
   return work;
 }
 
+std::shared_ptr<Work> MpiProcessGroup::post_p2p(comm::mpi::P2pCall call, CallOptions options) {
+  comm::check_enums(call.is_recv ? "recv" : "send", call.dtype, std::nullopt);
+  call.timeout = comm::OpQueue::call_timeout(options, timeout_);
+  if (queue_.poisoned()) {
+    // As every operation of a failed group: its first error, at once.
+    auto failed = std::make_shared<comm::mpi::MpiP2pWork>(p2p_context_, call);
+    failed->complete(queue_.poison_error());
+    return failed;
+  }
+  auto work = comm::mpi::MpiP2pWork::post(p2p_context_, p2p_, call);
+  if (work->is_completed()) return work;
+  p2p_pending_.add(work);
+  ensure_watchdog();
+  {
+    std::lock_guard lock(watch_.mutex);
+    watch_.p2p_posted = true;
+  }
+  watch_.cv.notify_one();
+  return work;
+}
+
 // With abort_on_failure the first failure ends the job here, before any caller sees the error
 // (MPI cannot interrupt the peers' calls, so they would wait for their deadlines).
 void MpiProcessGroup::run(comm::QueuedWork& work, net::Deadline deadline) {
@@ -585,7 +635,7 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
   auto& runtime = MpiRuntime::instance();
   constexpr std::size_t kHeader = sizeof(comm::OpHeader);
   const std::size_t bytes = op.count * dtype_size(op.dtype);
-  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watchdog_loop(); });
+  ensure_watchdog();
   if (kHeader + bytes > kInBandMaxBytes) {
     // The fingerprints first (equal everywhere exactly when every rank issued this call), then
     // the data where it lies.
@@ -639,39 +689,73 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
   if (op.op == ReduceOp::kAvg) comm::divide(op.recv, op.count, op.dtype, size());
 }
 
-void MpiProcessGroup::watchdog_loop() {
+void MpiProcessGroup::ensure_watchdog() {
+  std::call_once(watchdog_once_, [this] {
+    watchdog_ = std::thread([this, weak = weak_from_this(), destroyed = destroyed_] {
+      watchdog_loop(weak, destroyed);
+    });
+  });
+}
+
+// Every kWatchdogInterval: the blocking call in flight. Every kP2pPollInterval while
+// point-to-point operations are pending (or at once when one is posted): polls them, completing
+// them and running their callbacks without a waiter.
+void MpiProcessGroup::watchdog_loop(const std::weak_ptr<MpiProcessGroup>& weak,
+                                    const std::shared_ptr<std::atomic<bool>>& destroyed_here) {
+  constexpr auto kP2pPollInterval = std::chrono::microseconds(500);
   std::uint64_t announced_id = 0;
-  std::unique_lock lock(watch_.mutex);
-  while (!watch_.stop) {
-    watch_.cv.wait_for(lock, kWatchdogInterval);
-    if (watch_.stop) break;
-    const std::uint64_t id = watch_.id.load(std::memory_order_acquire);
-    if (id % 2 == 0) continue;  // no call in flight
-    std::uint64_t words[4];
-    for (int i = 0; i < 4; ++i)
-      words[i] = watch_.header[i].load(std::memory_order_relaxed);
-    const Clock::time_point deadline{
-        Clock::duration(watch_.deadline_ns.load(std::memory_order_relaxed))};
-    const milliseconds timeout{watch_.timeout_ms.load(std::memory_order_relaxed)};
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (watch_.id.load(std::memory_order_relaxed) != id) continue;  // changed while read
-    const auto now = Clock::now();
-    if (now - (deadline - timeout) < options_.stall_check_after) continue;
-    MpiOp op;  // for the message
-    std::memcpy(&op.header, words, sizeof words);
-    op.kind = op.header.kind;
-    bool announced = announced_id == id;
-    announced_id = id;
-    lock.unlock();
-    const std::string problem = stall_problem(op.header, announced);
-    if (!problem.empty()) MpiRuntime::abort_job(problem);
-    if (now >= deadline) {
-      MpiRuntime::abort_job(
-          fmt::format("rank {} of group '{}' (mpi backend): {} did not complete within {} ms: "
-                      "a rank of the group did not issue it, or is stuck or gone",
-                      rank(), name_, op.description(), timeout.count()));
+  auto next_blocking_check = Clock::now() + kWatchdogInterval;
+  for (;;) {
+    {
+      const bool p2p = !p2p_pending_.empty();
+      std::unique_lock lock(watch_.mutex);
+      watch_.cv.wait_for(lock,
+                         p2p ? std::chrono::duration_cast<Clock::duration>(kP2pPollInterval)
+                             : std::chrono::duration_cast<Clock::duration>(kWatchdogInterval),
+                         [&] { return watch_.stop || watch_.p2p_posted; });
+      if (watch_.stop) return;
+      watch_.p2p_posted = false;
     }
-    lock.lock();
+    {
+      // Held while the group is used: a callback run here cannot destroy it meanwhile.
+      const std::shared_ptr<MpiProcessGroup> self = weak.lock();
+      if (!self) return;
+      p2p_pending_.poll_all();
+      if (Clock::now() >= next_blocking_check) {
+        next_blocking_check = Clock::now() + kWatchdogInterval;
+        check_blocking_call(announced_id);
+      }
+    }
+    // Released `self` last: the destructor ran on this thread, which must leave at once.
+    if (destroyed_here->load()) return;
+  }
+}
+
+void MpiProcessGroup::check_blocking_call(std::uint64_t& announced_id) {
+  const std::uint64_t id = watch_.id.load(std::memory_order_acquire);
+  if (id % 2 == 0) return;  // no call in flight
+  std::uint64_t words[4];
+  for (int i = 0; i < 4; ++i)
+    words[i] = watch_.header[i].load(std::memory_order_relaxed);
+  const Clock::time_point deadline{
+      Clock::duration(watch_.deadline_ns.load(std::memory_order_relaxed))};
+  const milliseconds timeout{watch_.timeout_ms.load(std::memory_order_relaxed)};
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (watch_.id.load(std::memory_order_relaxed) != id) return;  // changed while read
+  const auto now = Clock::now();
+  if (now - (deadline - timeout) < options_.stall_check_after) return;
+  MpiOp op;  // for the message
+  std::memcpy(&op.header, words, sizeof words);
+  op.kind = op.header.kind;
+  bool announced = announced_id == id;
+  announced_id = id;
+  const std::string problem = stall_problem(op.header, announced);
+  if (!problem.empty()) MpiRuntime::abort_job(problem);
+  if (now >= deadline) {
+    MpiRuntime::abort_job(
+        fmt::format("rank {} of group '{}' (mpi backend): {} did not complete within {} ms: "
+                    "a rank of the group did not issue it, or is stuck or gone",
+                    rank(), name_, op.description(), timeout.count()));
   }
 }
 
@@ -1051,15 +1135,18 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
   MPI_Comm sub = MPI_COMM_NULL;
   MPI_Comm sub_check = MPI_COMM_NULL;
   MPI_Comm sub_control = MPI_COMM_NULL;
+  MPI_Comm sub_p2p = MPI_COMM_NULL;
   {
     auto lock = runtime.lock();
     rc = MPI_Comm_split(control_, member ? 0 : MPI_UNDEFINED, key, &sub);
     if (rc == MPI_SUCCESS && member) rc = MPI_Comm_dup(sub, &sub_check);
     if (rc == MPI_SUCCESS && member) rc = MPI_Comm_dup(sub, &sub_control);
+    if (rc == MPI_SUCCESS && member) rc = MPI_Comm_dup(sub, &sub_p2p);
     if (rc == MPI_SUCCESS && member) {
       MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
       MPI_Comm_set_errhandler(sub_check, MPI_ERRORS_RETURN);
       MPI_Comm_set_errhandler(sub_control, MPI_ERRORS_RETURN);
+      MPI_Comm_set_errhandler(sub_p2p, MPI_ERRORS_RETURN);
     }
   }
   if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
@@ -1071,9 +1158,9 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
   std::vector<int> world_ranks;
   for (int r : ranks)
     world_ranks.push_back(world_ranks_[static_cast<std::size_t>(r)]);
-  auto group = std::make_shared<MpiProcessGroup>(sub, sub_check, sub_control, std::move(options),
-                                                 key, static_cast<int>(ranks.size()), local_rank,
-                                                 local_size, std::move(world_ranks));
+  auto group = std::make_shared<MpiProcessGroup>(
+      sub, sub_check, sub_control, sub_p2p, std::move(options), key, static_cast<int>(ranks.size()),
+      local_rank, local_size, std::move(world_ranks));
   group->start();
   return group;
 }
@@ -1145,12 +1232,20 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
       MPI_Comm_set_errhandler(comms[i], MPI_ERRORS_RETURN);
   }
   if (count == 4) runtime.set_notice_comm(comms[3]);
+  // Point-to-point's own communicator (blocking: every rank completed the duplications above).
+  MPI_Comm p2p = MPI_COMM_NULL;
+  {
+    auto lock = runtime.lock();
+    rc = MPI_Comm_dup(comms[0], &p2p);
+    if (rc == MPI_SUCCESS) MPI_Comm_set_errhandler(p2p, MPI_ERRORS_RETURN);
+  }
+  if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
   const auto [local_rank, local_size] = local_layout(comms[2]);
   std::vector<int> world_ranks(static_cast<std::size_t>(world_size));
   for (int r = 0; r < world_size; ++r)
     world_ranks[static_cast<std::size_t>(r)] = r;
   auto group = std::make_shared<MpiProcessGroup>(
-      comms[0], comms[1], comms[2],
+      comms[0], comms[1], comms[2], p2p,
       GroupOptions{.name = options.group_name,
                    .notice_key = std::to_string(runtime.next_world_group()),
                    .timeout = timeout,
