@@ -74,16 +74,12 @@ struct MpiOp {
   std::size_t count = 0;
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
-  int root = -1;  // or the tag of a send/recv
-  int peer = -1;  // send/recv
-  bool is_recv = false;
+  int root = -1;          // or the tag of a send/recv
   comm::OpHeader header;  // the fingerprint compared across ranks (collectives)
   milliseconds timeout{0};
 
   // Formatted when needed (errors), not on every call: it allocates.
-  std::string description() const {
-    return kind == OpKind::kSend ? comm::describe(header, peer, is_recv) : comm::describe(header);
-  }
+  std::string description() const { return comm::describe(header); }
 };
 
 bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes);
@@ -180,7 +176,6 @@ class MpiWork final : public comm::QueuedWork {
  protected:
   void on_sequenced(std::uint64_t sequence) override {
     op_.header.sequence = sequence;
-    if (op_.kind == OpKind::kSend) return;
     std::lock_guard lock(log_->mutex);
     log_->issued = sequence + 1;
     log_->last = op_.header;
@@ -344,12 +339,11 @@ class MpiProcessGroup final : public ProcessGroup,
     const std::string description = op.description();
     return CommError(
         fmt::format("rank {} of group '{}' (mpi backend): {} {}", rank(), name_, description, what),
-        name_, description, op.header.sequence, op.peer);
+        name_, description, op.header.sequence, -1);
   }
   // Polls the data request and the fingerprint request of `op` until both completed; throws the
   // CommError of a mismatch, an MPI error, a peer's notice or the deadline.
-  void wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data, MPI_Request& check,
-                   MPI_Status* status);
+  void wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data, MPI_Request& check);
   bool use_checked_allreduce(const MpiOp& op) const;
   void run_checked_allreduce(MpiOp& op, Clock::time_point deadline);
   void watchdog_loop(const std::weak_ptr<MpiProcessGroup>& weak,

@@ -170,12 +170,8 @@ std::shared_ptr<Work> MpiProcessGroup::enqueue(MpiOp op, CallOptions options) {
                             : comm::kNoReduceOp;
   op.header.count = op.count;
   op.header.root = op.root;
-  using Channel = comm::OpQueue::Channel;
-  const Channel channel = op.kind != OpKind::kSend ? Channel::collective()
-                          : op.is_recv             ? Channel::recv_from(op.peer)
-                                                   : Channel::send_to(op.peer);
   auto work = std::make_shared<MpiWork>(std::move(op), &issue_log_);
-  queue_.enqueue(work, channel);
+  queue_.enqueue(work);
   return work;
 }
 
@@ -228,9 +224,8 @@ void MpiProcessGroup::on_poison(const std::string& reason) noexcept {
 
 void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
   if (use_checked_allreduce(op)) return run_checked_allreduce(op, deadline);
-  const bool collective = op.kind != OpKind::kSend;
   MPI_Request check = MPI_REQUEST_NULL;
-  if (collective && size() > 1) {
+  if (size() > 1) {
     const std::uint64_t h = hash_bytes(&op.header, sizeof op.header);
     check_buffers_->mine[0] = h;
     check_buffers_->mine[1] = ~h;
@@ -244,23 +239,13 @@ void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
   MPI_Request request = MPI_REQUEST_NULL;
   // Zero elements move nothing; the fingerprint check still runs (a count of 0 on one rank and 8
   // on another is a mismatch).
-  if (op.count != 0 || op.kind == OpKind::kBarrier || op.kind == OpKind::kSend) {
+  if (op.count != 0 || op.kind == OpKind::kBarrier) {
     const int rc = start(op, &request);
     if (rc != MPI_SUCCESS) throw error(op, fmt::format("could not start: {}", mpi_error_text(rc)));
   }
-  MPI_Status status;
-  wait_for_op(op, deadline, request, check, op.is_recv ? &status : MPI_STATUS_IGNORE);
-  if (op.count == 0 && op.kind != OpKind::kBarrier && op.kind != OpKind::kSend) return;
+  wait_for_op(op, deadline, request, check);
+  if (op.count == 0 && op.kind != OpKind::kBarrier) return;
   const std::size_t bytes = op.count * dtype_size(op.dtype);
-  if (op.is_recv) {
-    int received = 0;
-    MPI_Get_count(&status, MpiRuntime::instance().datatype(op.dtype), &received);
-    if (received != static_cast<int>(op.count)) {
-      throw error(op, fmt::format("received {} elements from rank {} but expected {}: sender and "
-                                  "receiver must agree on count and dtype",
-                                  received, op.peer, op.count));
-    }
-  }
   const bool average = op.op == ReduceOp::kAvg;
   switch (op.kind) {
     case OpKind::kAllreduce:
@@ -283,11 +268,10 @@ void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
 }
 
 void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data,
-                                  MPI_Request& check, MPI_Status* status) {
+                                  MPI_Request& check) {
   const auto start = Clock::now();
   const auto stall = start + options_.stall_check_after;
   auto next_notice_check = stall;
-  const bool collective = op.kind != OpKind::kSend;
   bool announced = false;
   int data_rc = MPI_SUCCESS;
   for (int idle = 0;; ++idle) {
@@ -304,7 +288,7 @@ void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Req
     }
     // An error (MPI_ERR_TRUNCATE for a count mismatch, say) is reported once the fingerprints
     // are known, so that a mismatch is named as one.
-    if (data != MPI_REQUEST_NULL) test_request(data, data_rc, status);
+    if (data != MPI_REQUEST_NULL) test_request(data, data_rc, MPI_STATUS_IGNORE);
     if (data == MPI_REQUEST_NULL && check == MPI_REQUEST_NULL) break;
     const auto now = Clock::now();
     if (now >= deadline) {
@@ -319,14 +303,9 @@ void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Req
     }
     if (now >= next_notice_check) {
       next_notice_check = now + milliseconds(10);
-      if (collective) {
-        const std::string problem = stall_problem(op.header, announced);
-        if (!problem.empty())
-          throw CommError(problem, name_, op.description(), op.header.sequence, -1);
-      } else {
-        const std::string notice = receive_notice();
-        if (!notice.empty()) throw error(op, fmt::format("cannot complete: {}", notice));
-      }
+      const std::string problem = stall_problem(op.header, announced);
+      if (!problem.empty())
+        throw CommError(problem, name_, op.description(), op.header.sequence, -1);
     }
     back_off(idle);
   }
@@ -408,13 +387,8 @@ int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
       auto lock = runtime.lock();
       return MPI_Ibarrier(comm_, request);
     }
-    case OpKind::kSend: {
-      auto lock = runtime.lock();
-      if (op.is_recv) {
-        return MPI_Irecv(op.recv, count, type, op.peer, op.root, comm_, request);
-      }
-      return MPI_Isend(op.send, count, type, op.peer, op.root, comm_, request);
-    }
+    case OpKind::kSend:
+      break;  // send/recv never run from the queue (mpi_p2p.h)
   }
   return MPI_ERR_OTHER;
 }
