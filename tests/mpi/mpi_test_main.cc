@@ -14,6 +14,10 @@
 //                          exit): every rank must get a CommError naming both calls (or the rank
 //                          that left) within seconds
 //   mpi_test local         local_rank()/local_size() agree with OMPI_COMM_WORLD_LOCAL_RANK/SIZE
+//   mpi_test p2p           (2+ ranks) point-to-point without deadlock: a cycle of 64 MiB sends
+//                          posted before the receives, a halo exchange, interleaved tags, a then()
+//                          callback run without a waiter, a count mismatch named on the receiver,
+//                          a receive that nobody matches failing at its deadline
 //
 // Modes whose job must fail as a whole (tests/mpi/expect_job_failure.sh checks the exit status,
 // the time and the output): rank 1 of 2 ...
@@ -26,6 +30,8 @@
 //   mpi_test mismatch_abort_count[_large]  allreduces 4 (2048) floats where rank 0 does 8 (4096)
 //   mpi_test mismatch_abort_skip  calls a barrier where rank 0 calls an allreduce
 //   mpi_test skip_exit     returns 0 from main where rank 0 calls an allreduce
+//   mpi_test p2p_abort     sleeps where rank 0 waits in a recv from it (default options: rank 0
+//                          ends the job at the recv's 1500 ms deadline)
 //
 // Exits 0 when every check passed on this rank; otherwise prints the failure and leaves at once
 // (without MPI_Finalize, so that mpirun ends the other ranks instead of letting them wait for
@@ -33,6 +39,7 @@
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -42,6 +49,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -300,6 +308,173 @@ int run_mismatch(const std::string& kind) {
   return 0;
 }
 
+// The value rank `src` sends as element `i` of the message with `tag`.
+float p2p_value(int src, int tag, std::size_t i) {
+  return static_cast<float>(src * 1000 + tag * 100) + static_cast<float>(i % 97);
+}
+
+std::vector<float> p2p_message(int src, int tag, std::size_t count) {
+  std::vector<float> v(count);
+  for (std::size_t i = 0; i < count; ++i)
+    v[i] = p2p_value(src, tag, i);
+  return v;
+}
+
+void expect_message(const std::vector<float>& got, int src, int tag, const std::string& what) {
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != p2p_value(src, tag, i)) {
+      die(fmt::format("{}: element {} is {}, expected {} (from rank {}, tag {})", what, i, got[i],
+                      p2p_value(src, tag, i), src, tag));
+    }
+  }
+}
+
+void run_p2p() {
+  auto pg = ddp::make_mpi_process_group({.timeout = 30s, .abort_on_failure = false});
+  const int rank = pg->rank();
+  const int size = pg->size();
+  expect(size >= 2, "the p2p test needs 2 ranks or more");
+  const int next = (rank + 1) % size;
+  const int prev = (rank + size - 1) % size;
+  constexpr auto f32 = ddp::DType::kFloat32;
+
+  // 1. Every rank sends 64 MiB to the next before it receives from the previous: far above any
+  // eager limit, so this completes only if sends and receives progress independently.
+  {
+    constexpr std::size_t kCount = (64u << 20) / sizeof(float);
+    const std::vector<float> out = p2p_message(rank, 1, kCount);
+    std::vector<float> in(kCount, -1.0f);
+    const auto start = Clock::now();
+    auto send = pg->send(out.data(), kCount, f32, next, 1, {.timeout = 20s});
+    auto recv = pg->recv(in.data(), kCount, f32, prev, 1, {.timeout = 20s});
+    send->wait();
+    recv->wait();
+    expect_message(in, prev, 1, "64 MiB cycle");
+    std::printf("rank %d: 64 MiB cycle on %d ranks in %lld ms\n", rank, size, ms_since(start));
+  }
+  pg->barrier()->wait();
+
+  // 2. A halo exchange: both boundaries to both neighbours at once (tag = direction), sends first.
+  {
+    constexpr std::size_t kHalo = 4096;
+    const std::vector<float> to_left = p2p_message(rank, 2, kHalo);
+    const std::vector<float> to_right = p2p_message(rank, 3, kHalo);
+    std::vector<float> from_left(kHalo, -1.0f);
+    std::vector<float> from_right(kHalo, -1.0f);
+    std::vector<std::shared_ptr<ddp::Work>> works;
+    works.push_back(pg->send(to_left.data(), kHalo, f32, prev, 2));
+    works.push_back(pg->send(to_right.data(), kHalo, f32, next, 3));
+    works.push_back(pg->recv(from_left.data(), kHalo, f32, prev, 3));   // prev sent it rightwards
+    works.push_back(pg->recv(from_right.data(), kHalo, f32, next, 2));  // next sent it leftwards
+    for (auto& w : works)
+      w->wait();
+    expect_message(from_left, prev, 3, "halo from the left");
+    expect_message(from_right, next, 2, "halo from the right");
+  }
+
+  // 3. Interleaved tags: sent in the order 13, 11, 12, 10, 11 and received in the order 10, 11,
+  // 11, 12, 13; the two messages of tag 11 arrive in the order they were sent.
+  {
+    constexpr std::size_t kCount = 1000;
+    std::vector<std::vector<float>> outs;
+    for (int tag : {13, 11, 12, 10})
+      outs.push_back(p2p_message(rank, tag, kCount));
+    outs.push_back(p2p_message(rank, 11, kCount));
+    for (float& v : outs.back())
+      v = -v;  // the second message of tag 11
+    std::vector<std::shared_ptr<ddp::Work>> sends;
+    const int send_tags[] = {13, 11, 12, 10, 11};
+    for (int i = 0; i < 5; ++i)
+      sends.push_back(pg->send(outs[i].data(), kCount, f32, next, send_tags[i]));
+    std::vector<std::vector<float>> ins(5, std::vector<float>(kCount, 0.0f));
+    const int recv_tags[] = {10, 11, 11, 12, 13};
+    std::vector<std::shared_ptr<ddp::Work>> recvs;
+    for (int i = 0; i < 5; ++i)
+      recvs.push_back(pg->recv(ins[i].data(), kCount, f32, prev, recv_tags[i]));
+    for (int i = 4; i >= 0; --i)
+      recvs[i]->wait();
+    for (auto& w : sends)
+      w->wait();
+    expect_message(ins[0], prev, 10, "tag 10");
+    expect_message(ins[1], prev, 11, "first tag 11");
+    for (float& v : ins[2])
+      v = -v;
+    expect_message(ins[2], prev, 11, "second tag 11 (negated)");
+    expect_message(ins[3], prev, 12, "tag 12");
+    expect_message(ins[4], prev, 13, "tag 13");
+  }
+
+  // 4. then() runs without anyone waiting (the group's watchdog polls).
+  {
+    std::vector<float> out = p2p_message(rank, 4, 256);
+    std::vector<float> in(256, -1.0f);
+    std::atomic<bool> received{false};
+    auto recv = pg->recv(in.data(), 256, f32, prev, 4);
+    recv->then([&](ddp::Work& w) { received = w.error() == nullptr; });
+    auto send = pg->send(out.data(), 256, f32, next, 4);
+    const auto until = Clock::now() + 10s;
+    while (!received && Clock::now() < until)
+      std::this_thread::sleep_for(1ms);
+    expect(received.load(), "a recv's then() callback did not run within 10 s without a waiter");
+    expect_message(in, prev, 4, "then() recv");
+    send->wait();
+  }
+  pg->barrier()->wait();
+
+  // 5. A count mismatch is named on the receiver: a receive shorter than the message
+  // (MPI_ERR_TRUNCATE). The group stays usable.
+  if (rank == 0) {
+    const std::vector<float> out = p2p_message(rank, 5, 6);
+    pg->send(out.data(), 6, f32, 1, 5)->wait();
+  } else if (rank == 1) {
+    std::vector<float> in(4, -1.0f);
+    try {
+      pg->recv(in.data(), 4, f32, 0, 5)->wait();
+      die("a recv of 4 elements matched a send of 6");
+    } catch (const ddp::CommError& e) {
+      const std::string_view what = e.what();
+      std::printf("rank 1 got: %s\n", e.what());
+      for (std::string_view word : {"recv(float32 x 4) from rank 0, tag 5", "more than the 4"}) {
+        expect(what.find(word) != std::string_view::npos,
+               fmt::format("the count mismatch error does not name '{}': {}", word, what));
+      }
+      expect(e.peer() == 0, fmt::format("CommError::peer() is {}, expected 0", e.peer()));
+    }
+  }
+  pg->barrier()->wait();
+
+  // 6. A receive nobody matches fails at its deadline, naming the peer and the tag; the group
+  // stays usable.
+  if (rank == 1) {
+    float buf[8];
+    const auto start = Clock::now();
+    try {
+      pg->recv(buf, 8, f32, 0, 77, {.timeout = 500ms})->wait();
+      die("a recv that no rank matched completed");
+    } catch (const ddp::CommError& e) {
+      const long long took = ms_since(start);
+      expect(took >= 450 && took < 5000,
+             fmt::format("the unmatched recv failed after {} ms, expected about 500 ms", took));
+      const std::string_view what = e.what();
+      for (std::string_view word : {"from rank 0, tag 77", "500 ms"}) {
+        expect(what.find(word) != std::string_view::npos,
+               fmt::format("the deadline error does not name '{}': {}", word, what));
+      }
+    }
+  }
+  pg->barrier()->wait();
+  // Still usable after the failures above.
+  {
+    std::vector<float> out = p2p_message(rank, 6, 100);
+    std::vector<float> in(100, -1.0f);
+    auto send = pg->send(out.data(), 100, f32, next, 6);
+    pg->recv(in.data(), 100, f32, prev, 6)->wait();
+    send->wait();
+    expect_message(in, prev, 6, "after the failures");
+  }
+  pg->barrier()->wait();
+}
+
 void run_local() {
   auto pg = ddp::make_mpi_process_group({.timeout = 30s});
   const char* local_rank = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
@@ -362,6 +537,15 @@ int run_failing(const std::string& mode) {
     work->wait();
     die("the mismatched call completed");
   }
+  if (mode == "p2p_abort") {
+    float buf[8] = {};
+    if (pg->rank() == 0) {
+      pg->recv(buf, 8, ddp::DType::kFloat32, 1, 5, {.timeout = 1500ms})->wait();
+      die("the recv without its peer completed");
+    }
+    std::this_thread::sleep_for(60s);  // only rank 0's abort ends this
+    die("rank 1 was not ended by rank 0's failure");
+  }
   if (mode == "poison") {
     if (pg->rank() == 0) {
       pg->allreduce(x, 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum, {.timeout = 1500ms})->wait();
@@ -387,7 +571,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   // Outside the try below: these must reach the mpi runtime's handlers as a program's would.
   if (mode == "throw" || mode == "terminate" || mode == "exit_status" || mode == "poison" ||
-      mode.rfind("mismatch_abort", 0) == 0 || mode == "skip_exit") {
+      mode.rfind("mismatch_abort", 0) == 0 || mode == "skip_exit" || mode == "p2p_abort") {
     return run_failing(mode);
   }
   try {
@@ -407,11 +591,14 @@ int main(int argc, char** argv) {
       return status;
     } else if (mode == "local") {
       run_local();
+    } else if (mode == "p2p") {
+      run_p2p();
     } else {
-      std::fprintf(stderr,
-                   "usage: %s conformance|serialized|funneled|timeout|mismatch KIND|local|throw|"
-                   "terminate|exit_status|poison|mismatch_abort (under mpirun)\n",
-                   argv[0]);
+      std::fprintf(
+          stderr,
+          "usage: %s conformance|serialized|funneled|timeout|mismatch KIND|local|p2p|throw|"
+          "terminate|exit_status|poison|mismatch_abort|p2p_abort (under mpirun)\n",
+          argv[0]);
       return 2;
     }
   } catch (const std::exception& e) {

@@ -1,0 +1,412 @@
+// The mpi backend's process group (internal; one concept per file):
+//   mpi_group.h                this class and its state
+//   mpi_process_group.cc       the calls: checks, the queue glue, running a polled operation
+//   mpi_checked_allreduce.cc   the blocking allreduce/barrier with in-band fingerprints
+//   mpi_watchdog.cc            the watchdog thread (blocking calls' deadlines, polling p2p)
+//   mpi_mismatch.cc            naming mismatched calls (fingerprints, stall notices)
+//   mpi_group_create.cc        make_mpi_process_group and new_group (communicators)
+//   mpi_p2p.h                  point to point, past the queue
+//
+// How it works: the per-group queue and worker, deadlines over MPI_Test, mismatch detection,
+// poisoning (and aborting the job), subgroups.
+//
+// Each group owns four duplicates of its communicator: `comm_` carries the operations' data and
+// `check_` their fingerprints and the notices between ranks (both used by whichever thread runs
+// the operations, in issue order), `control_` is used only by new_group on the caller's thread,
+// and `p2p_` only by send/recv (posted on the caller's thread, past the queue: mpi_p2p.h).
+// Separate communicators keep new_group's own collectives from interleaving, in a different order
+// on different ranks, with the operations running meanwhile, and keep a mismatched data operation
+// (which MPI may match with the wrong call) from disturbing the fingerprint exchange.
+//
+// Mismatches. Alongside every collective, a 16-byte MPI_Iallreduce(MAX) on `check_` combines the
+// (hash, ~hash) of each rank's call (kind, dtype, count, root, reduce op, sequence number): the
+// result equals this rank's pair on every rank exactly when every rank issued the same call. It
+// is polled together with the data operation (measured: no added latency at world 2, since MPI
+// progresses both at once; docs/benchmarks.md) and the operation completes only when both have,
+// so a count mismatch that MPI answers with a short receive (no error, wrong data) is still named.
+// On a mismatch every rank gathers all 32-byte headers on `check_` and names every call. A rank
+// that issues nothing more on the group leaves no fingerprint: a call still running after
+// stall_check_after reads the notices its peers sent on `check_` (a peer failed, or left the group
+// or the process), so those are named within seconds as well.
+//
+// An operation is one non-blocking MPI call (MPI_Iallreduce, MPI_Ibcast, ...) followed by
+// MPI_Test polling until it completes or its deadline passes: polling keeps the deadline ours (MPI
+// has none) and drives MPI's progress engine; it backs off from yielding to short sleeps so that
+// ranks oversubscribing the cores leave them to each other. Collectives run one at a time so that
+// a later call sees the buffers of an earlier one completed, as with the ring backend.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "comm/argument_checks.h"
+#include "comm/mpi/mpi_p2p.h"
+#include "comm/mpi/mpi_runtime.h"
+#include "comm/op_queue.h"
+#include "comm/reduce_kernels.h"
+#include "comm/ring/wire.h"
+#include "ddp/error.h"
+#include "ddp/mpi_process_group.h"
+#include "ddp/process_group.h"
+#include "ddp/rendezvous.h"
+
+namespace ddp::comm::mpi {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+struct MpiOp {
+  OpKind kind = OpKind::kAllreduce;
+  const std::byte* send = nullptr;
+  std::byte* recv = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = -1;          // or the tag of a send/recv
+  comm::OpHeader header;  // the fingerprint compared across ranks (collectives)
+  milliseconds timeout{0};
+
+  // Formatted when needed (errors), not on every call: it allocates.
+  std::string description() const { return comm::describe(header); }
+};
+
+bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes);
+// One poll of `request`: whether it completed (or failed), with MPI's code in `rc`.
+bool test_request(MPI_Request& request, int& rc, MPI_Status* status);
+// Between two polls: spin at first (each MPI_Test drives MPI's progress; a small collective
+// completes within microseconds, and a yield costs a system call each), then yield, then sleep
+// up to 250 µs so that ranks oversubscribing the cores leave them to each other.
+void back_off(int idle);
+// MPI_Comm_idup / MPI_Iallreduce etc. polled against a deadline; false when it passed.
+bool wait_request(MPI_Request& request, std::chrono::steady_clock::time_point deadline, int& rc,
+                  MPI_Status* status = MPI_STATUS_IGNORE);
+// How long a caller waiting for an operation that the worker runs polls before it sleeps (as the
+// ring backend): a sleeping waiter's wake-up costs milliseconds on a busy host. Not when this
+// host's ranks outnumber its cores, where polling would take a core from a peer.
+std::chrono::microseconds waiter_spin(int local_size);
+std::uint64_t hash_bytes(const void* data, std::size_t n);  // FNV-1a
+
+struct GroupOptions {
+  std::string name;
+  // Identifies the group in notices, also against an earlier group of the same name: the world
+  // group's creation count in the process (the same on every rank, since creating one is
+  // collective over MPI_COMM_WORLD), then "/sub<k>" per level of subgroup.
+  std::string notice_key;
+  milliseconds timeout{0};
+  bool abort_on_failure = true;
+  milliseconds stall_check_after{1000};
+};
+
+// The fingerprint exchange's buffers: on the heap, since after a failure MPI may still write the
+// abandoned request's result into them (they are then leaked with the communicator).
+struct CheckBuffers {
+  std::uint64_t mine[2] = {};
+  std::uint64_t combined[2] = {};
+};
+
+// With abort_on_failure on, allreduces (and barriers) run as blocking MPI_Allreduce calls
+// (run_checked_allreduce): MPI's non-blocking collectives cost about 1 µs more than the blocking
+// ones, nearly all of a 1 KiB allreduce, and polling them costs more again once the host is busy
+// (docs/benchmarks.md, "mpi backend").
+// Up to this many bytes with its 32-byte header, the fingerprint travels in-band (one call);
+// above, in a 16-byte allreduce of its own before the data (two calls, no copies). 4 KiB is
+// OpenMPI's shared-memory eager limit (btl_vader_eager_limit): a message past it takes a
+// rendezvous round trip, which made a packed 4 KiB allreduce 1.45x slower than the plain one.
+constexpr std::size_t kInBandMaxBytes = 4096;
+// How often the watchdog of blocking calls looks at the one in flight.
+constexpr auto kWatchdogInterval = milliseconds(50);
+
+// The blocking call in flight (run_checked_allreduce), for the group's watchdog thread. The
+// executor publishes it with a few relaxed stores and one release store of an odd `id` (even
+// again when the call returned): no lock and no wake-up on the path of every small allreduce. The
+// watchdog polls it every kWatchdogInterval and reads it as a sequence lock (id unchanged around
+// the reads).
+struct BlockingWatch {
+  std::mutex mutex;  // with cv: only to stop the watchdog
+  std::condition_variable cv;
+  bool stop = false;
+  bool p2p_posted = false;  // a point-to-point operation was posted: poll it
+  std::atomic<std::uint64_t> id{0};
+  std::atomic<std::int64_t> deadline_ns{0};  // steady clock
+  std::atomic<std::int64_t> timeout_ms{0};
+  std::atomic<std::uint64_t> header[4] = {};  // the call's OpHeader
+
+  void begin(const comm::OpHeader& h, Clock::time_point deadline, milliseconds timeout) {
+    std::uint64_t words[4];
+    std::memcpy(words, &h, sizeof words);
+    for (int i = 0; i < 4; ++i)
+      header[i].store(words[i], std::memory_order_relaxed);
+    deadline_ns.store(deadline.time_since_epoch().count(), std::memory_order_relaxed);
+    timeout_ms.store(timeout.count(), std::memory_order_relaxed);
+    id.store(id.load(std::memory_order_relaxed) + 1, std::memory_order_release);  // odd
+  }
+  void end() { id.store(id.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+};
+static_assert(sizeof(comm::OpHeader) == 4 * sizeof(std::uint64_t));
+
+// The last collective a group issued (for the notice when this rank leaves the group). Written
+// by MpiWork::on_sequenced under the queue's lock, read by whoever sends the notice.
+struct IssueLog {
+  std::mutex mutex;
+  std::uint64_t issued = 0;
+  comm::OpHeader last;
+};
+
+// An operation on the group's comm::OpQueue (src/comm/op_queue.h: issue order, worker, inline
+// execution by a waiting caller, poisoning).
+class MpiWork final : public comm::QueuedWork {
+ public:
+  MpiWork(MpiOp op, IssueLog* log)
+      : QueuedWork(op.timeout, op.count * dtype_size(op.dtype)), op_(std::move(op)), log_(log) {}
+  MpiOp& op() { return op_; }
+  std::string description() const override { return op_.description(); }
+
+ protected:
+  void on_sequenced(std::uint64_t sequence) override {
+    op_.header.sequence = sequence;
+    std::lock_guard lock(log_->mutex);
+    log_->issued = sequence + 1;
+    log_->last = op_.header;
+  }
+
+ private:
+  MpiOp op_;
+  IssueLog* log_;  // the group's; outlives every enqueue
+};
+
+class MpiProcessGroup final : public ProcessGroup,
+                              public comm::OpQueue::Runner,
+                              public comm::mpi::ExitListener,
+                              public std::enable_shared_from_this<MpiProcessGroup> {
+ public:
+  MpiProcessGroup(MPI_Comm comm, MPI_Comm check, MPI_Comm control, MPI_Comm p2p,
+                  GroupOptions options, int rank, int size, int local_rank, int local_size,
+                  std::vector<int> world_ranks)
+      : ProcessGroup(rank, size),
+        comm_(comm),
+        check_(check),
+        control_(control),
+        p2p_(p2p),
+        options_(std::move(options)),
+        name_(options_.name),
+        timeout_(options_.timeout),
+        local_rank_(local_rank),
+        local_size_(local_size),
+        world_ranks_(std::move(world_ranks)),
+        queue_(*this,
+               comm::OpQueue::Options{
+                   .group = name_, .rank = rank, .size = size, .spin = waiter_spin(local_size)}) {
+    p2p_context_ = std::make_shared<const comm::mpi::P2pContext>(
+        comm::mpi::P2pContext{.group = name_,
+                              .notice_key = options_.notice_key,
+                              .rank = rank,
+                              .abort_on_failure = options_.abort_on_failure,
+                              .stall_check_after = options_.stall_check_after});
+    MpiRuntime::instance().add_exit_listener(this);
+  }
+  ~MpiProcessGroup() override;
+  void start() { queue_.start(weak_from_this()); }
+
+  std::string_view backend() const override { return "mpi"; }
+  int local_rank() const override { return local_rank_; }
+  int local_size() const override { return local_size_; }
+  void on_process_exit() override { notify_peers(left_notice("the process exited")); }
+  using ProcessGroup::allreduce;
+
+  std::shared_ptr<Work> allreduce(const void* send, void* recv, std::size_t count, DType dtype,
+                                  ReduceOp op, CallOptions options) override {
+    check_buffer(send, count, "allreduce", "send");
+    check_buffer(recv, count, "allreduce", "recv");
+    return enqueue(make_op(OpKind::kAllreduce, send, recv, count, dtype, op, -1), options);
+  }
+
+  std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,
+                                  CallOptions options) override {
+    check_buffer(buf, count, "broadcast", "buf");
+    check_rank(root, "broadcast", "root");
+    return enqueue(make_op(OpKind::kBroadcast, buf, buf, count, dtype, std::nullopt, root),
+                   options);
+  }
+
+  std::shared_ptr<Work> reduce(const void* send, void* recv, std::size_t count, DType dtype,
+                               ReduceOp op, int root, CallOptions options) override {
+    check_rank(root, "reduce", "root");
+    check_buffer(send, count, "reduce", "send");
+    if (rank() == root) check_buffer(recv, count, "reduce", "recv (at the root)");
+    return enqueue(make_op(OpKind::kReduce, send, recv, count, dtype, op, root), options);
+  }
+
+  std::shared_ptr<Work> allgather(const void* send, void* recv, std::size_t count_per_rank,
+                                  DType dtype, CallOptions options) override {
+    check_buffer(send, count_per_rank, "allgather", "send");
+    check_buffer(recv, count_per_rank, "allgather", "recv");
+    return enqueue(make_op(OpKind::kAllgather, send, recv, count_per_rank, dtype, std::nullopt, -1),
+                   options);
+  }
+
+  std::shared_ptr<Work> gather(const void* send, void* recv, std::size_t count_per_rank,
+                               DType dtype, int root, CallOptions options) override {
+    check_rank(root, "gather", "root");
+    check_buffer(send, count_per_rank, "gather", "send");
+    if (rank() == root) check_buffer(recv, count_per_rank, "gather", "recv (at the root)");
+    return enqueue(make_op(OpKind::kGather, send, recv, count_per_rank, dtype, std::nullopt, root),
+                   options);
+  }
+
+  std::shared_ptr<Work> scatter(const void* send, void* recv, std::size_t count_per_rank,
+                                DType dtype, int root, CallOptions options) override {
+    check_rank(root, "scatter", "root");
+    if (rank() == root) check_buffer(send, count_per_rank, "scatter", "send (at the root)");
+    check_buffer(recv, count_per_rank, "scatter", "recv");
+    return enqueue(make_op(OpKind::kScatter, send, recv, count_per_rank, dtype, std::nullopt, root),
+                   options);
+  }
+
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, std::size_t count_per_rank,
+                                       DType dtype, ReduceOp op, CallOptions options) override {
+    check_buffer(send, count_per_rank, "reduce_scatter", "send");
+    check_buffer(recv, count_per_rank, "reduce_scatter", "recv");
+    return enqueue(make_op(OpKind::kReduceScatter, send, recv, count_per_rank, dtype, op, -1),
+                   options);
+  }
+
+  std::shared_ptr<Work> alltoall(const void* send, void* recv, std::size_t count_per_rank,
+                                 DType dtype, CallOptions options) override {
+    check_buffer(send, count_per_rank, "alltoall", "send");
+    check_buffer(recv, count_per_rank, "alltoall", "recv");
+    return enqueue(make_op(OpKind::kAlltoall, send, recv, count_per_rank, dtype, std::nullopt, -1),
+                   options);
+  }
+
+  std::shared_ptr<Work> barrier(CallOptions options) override {
+    return enqueue(make_op(OpKind::kBarrier, nullptr, nullptr, 0, DType::kUInt8, std::nullopt, -1),
+                   options);
+  }
+
+  std::shared_ptr<Work> send(const void* buf, std::size_t count, DType dtype, int dst, int tag,
+                             CallOptions options) override {
+    check_buffer(buf, count, "send", "buf");
+    check_peer(dst, "send", "dst");
+    check_tag(tag, "send");
+    return post_p2p(
+        comm::mpi::P2pCall{
+            .is_recv = false, .send = buf, .count = count, .dtype = dtype, .peer = dst, .tag = tag},
+        options);
+  }
+
+  std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
+                             CallOptions options) override {
+    check_buffer(buf, count, "recv", "buf");
+    check_peer(src, "recv", "src");
+    check_tag(tag, "recv");
+    return post_p2p(
+        comm::mpi::P2pCall{
+            .is_recv = true, .recv = buf, .count = count, .dtype = dtype, .peer = src, .tag = tag},
+        options);
+  }
+
+  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
+
+ private:
+  MpiOp make_op(OpKind kind, const void* send, void* recv, std::size_t count, DType dtype,
+                std::optional<ReduceOp> op, int root) const;
+  std::shared_ptr<Work> enqueue(MpiOp op, CallOptions options);
+  // Posts a send/recv at once, past the queue (comm/mpi/mpi_p2p.h).
+  std::shared_ptr<Work> post_p2p(comm::mpi::P2pCall call, CallOptions options);
+  // Starts the watchdog thread once (the first blocking call or point-to-point operation).
+  void ensure_watchdog();
+
+  // comm::OpQueue::Runner.
+  void run(comm::QueuedWork& work, net::Deadline deadline) override;
+  void on_poison(const std::string& reason) noexcept override;
+
+  void run_op(MpiOp& op, Clock::time_point deadline);
+  // Starts the MPI call of `op` (under the runtime lock); returns MPI's code.
+  int start(MpiOp& op, MPI_Request* request);
+  CommError error(const MpiOp& op, const std::string& what) const {
+    const std::string description = op.description();
+    return CommError(
+        fmt::format("rank {} of group '{}' (mpi backend): {} {}", rank(), name_, description, what),
+        name_, description, op.header.sequence, -1);
+  }
+  // Polls the data request and the fingerprint request of `op` until both completed; throws the
+  // CommError of a mismatch, an MPI error, a peer's notice or the deadline.
+  void wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data, MPI_Request& check);
+  bool use_checked_allreduce(const MpiOp& op) const;
+  void run_checked_allreduce(MpiOp& op, Clock::time_point deadline);
+  void watchdog_loop(const std::weak_ptr<MpiProcessGroup>& weak,
+                     const std::shared_ptr<std::atomic<bool>>& destroyed_here);
+  // The watchdog's look at the blocking call in flight (run_checked_allreduce): ends the job when
+  // it passed its deadline or a stall check names why it cannot complete.
+  void check_blocking_call(std::uint64_t& announced_id);
+  // For a call of this rank stalled in `header`: sends the peers its fingerprint (once per call)
+  // and returns what makes the call impossible, if anything is known: a peer that issued a
+  // different call at this sequence number, or a peer's notice (failed, left). Else empty.
+  std::string stall_problem(const comm::OpHeader& header, bool& announced);
+  [[noreturn]] void fail_mismatch(const MpiOp& op, Clock::time_point deadline,
+                                  const CommError* fallback = nullptr);
+  // The first notice a peer sent about this group (empty when none).
+  // (Not the stall fingerprints: stall_problem reads those.)
+  std::string receive_notice() {
+    for (std::string& text : MpiRuntime::instance().notices(options_.notice_key)) {
+      if (text.rfind("stall ", 0) != 0) return std::move(text);
+    }
+    return {};
+  }
+  // Sends `text` to every other rank of the group, without waiting (never blocks). Once.
+  void notify_peers(const std::string& text);
+  std::string left_notice(std::string_view why);
+
+  void check_buffer(const void* p, std::size_t count, const char* op, const char* name) const;
+  void check_rank(int r, const char* op, const char* name) const;
+  void check_peer(int r, const char* op, const char* name) const;
+  void check_tag(int tag, const char* op) const;
+
+  MPI_Comm comm_;
+  MPI_Comm check_;
+  MPI_Comm control_;
+  MPI_Comm p2p_;  // point-to-point only: never matches the collectives' traffic
+  GroupOptions options_;
+  std::string name_;
+  milliseconds timeout_;
+  int local_rank_;
+  int local_size_;
+  std::vector<int> world_ranks_;  // of each rank of the group, for notices
+  std::unique_ptr<CheckBuffers> check_buffers_ = std::make_unique<CheckBuffers>();
+  std::atomic<bool> left_{false};  // the "left" notice went out
+  IssueLog issue_log_;
+  BlockingWatch watch_;
+  std::thread watchdog_;  // started by ensure_watchdog
+  std::once_flag watchdog_once_;
+  // Set by the destructor: when the watchdog thread itself dropped the last reference, it must
+  // not touch the group any more.
+  std::shared_ptr<std::atomic<bool>> destroyed_ = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<const comm::mpi::P2pContext> p2p_context_;
+  comm::mpi::P2pPending p2p_pending_;
+  std::vector<std::byte> packed_;  // run() only: the checked allreduce's buffers
+  std::size_t packed_bytes_ = SIZE_MAX;
+  MPI_Datatype packed_type_ = MPI_DATATYPE_NULL;
+
+  std::mutex new_group_mutex_;
+  int subgroups_created_ = 0;
+  std::exception_ptr control_error_;  // new_group timed out: control_ is unusable
+
+  // run() only (one thread at a time): copies of inputs that overlap outputs.
+  std::vector<std::byte> scratch_;
+  // Last: stopped first (in the destructor), before the state run() uses goes away.
+  comm::OpQueue queue_;
+};
+
+}  // namespace ddp::comm::mpi
