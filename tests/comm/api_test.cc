@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "comm/comm_test_util.h"
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "net/socket.h"
 
 namespace ddp::test {

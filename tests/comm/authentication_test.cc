@@ -18,7 +18,7 @@
 
 #include "comm/comm_test_util.h"
 #include "comm/ring/mesh_handshake.h"
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
 

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using ddp::comm::OpHeader;

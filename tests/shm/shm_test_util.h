@@ -20,7 +20,7 @@
 #include "comm/file_store.h"
 #include "comm/reduce_kernels.h"
 #include "comm/ring/shm/shm_domain.h"
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "support/reference_values.h"
 #include "support/temp_dir.h"
 

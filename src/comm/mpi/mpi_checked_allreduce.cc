@@ -8,7 +8,7 @@ bool MpiProcessGroup::use_checked_allreduce(const MpiOp& op) const {
   // under MPI_THREAD_SERIALIZED it would hold the process-wide MPI lock for its whole duration.
   // A barrier is the checked allreduce of a header alone (that is also what keeps the ranks'
   // exit from it as close together as MPI_Barrier's).
-  return (op.kind == OpKind::kAllreduce || op.kind == OpKind::kBarrier) && size() > 1 &&
+  return (op.kind == Collective::kAllreduce || op.kind == Collective::kBarrier) && size() > 1 &&
          options_.abort_on_failure && MpiRuntime::instance().thread_level() == MPI_THREAD_MULTIPLE;
 }
 

@@ -56,11 +56,11 @@
 #include "comm/mpi/mpi_runtime.h"
 #include "comm/op_queue.h"
 #include "comm/reduce_kernels.h"
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "ddp/error.h"
 #include "ddp/mpi_process_group.h"
 #include "ddp/process_group.h"
-#include "ddp/rendezvous.h"
+#include "settings/settings.h"
 
 namespace ddp::comm::mpi {
 
@@ -68,7 +68,7 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 struct MpiOp {
-  OpKind kind = OpKind::kAllreduce;
+  Collective kind = Collective::kAllreduce;
   const std::byte* send = nullptr;
   std::byte* recv = nullptr;
   std::size_t count = 0;
@@ -229,14 +229,14 @@ class MpiProcessGroup final : public ProcessGroup,
                                   ReduceOp op, CallOptions options) override {
     check_buffer(send, count, "allreduce", "send");
     check_buffer(recv, count, "allreduce", "recv");
-    return enqueue(make_op(OpKind::kAllreduce, send, recv, count, dtype, op, -1), options);
+    return enqueue(make_op(Collective::kAllreduce, send, recv, count, dtype, op, -1), options);
   }
 
   std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,
                                   CallOptions options) override {
     check_buffer(buf, count, "broadcast", "buf");
     check_rank(root, "broadcast", "root");
-    return enqueue(make_op(OpKind::kBroadcast, buf, buf, count, dtype, std::nullopt, root),
+    return enqueue(make_op(Collective::kBroadcast, buf, buf, count, dtype, std::nullopt, root),
                    options);
   }
 
@@ -245,15 +245,16 @@ class MpiProcessGroup final : public ProcessGroup,
     check_rank(root, "reduce", "root");
     check_buffer(send, count, "reduce", "send");
     if (rank() == root) check_buffer(recv, count, "reduce", "recv (at the root)");
-    return enqueue(make_op(OpKind::kReduce, send, recv, count, dtype, op, root), options);
+    return enqueue(make_op(Collective::kReduce, send, recv, count, dtype, op, root), options);
   }
 
   std::shared_ptr<Work> allgather(const void* send, void* recv, std::size_t count_per_rank,
                                   DType dtype, CallOptions options) override {
     check_buffer(send, count_per_rank, "allgather", "send");
     check_buffer(recv, count_per_rank, "allgather", "recv");
-    return enqueue(make_op(OpKind::kAllgather, send, recv, count_per_rank, dtype, std::nullopt, -1),
-                   options);
+    return enqueue(
+        make_op(Collective::kAllgather, send, recv, count_per_rank, dtype, std::nullopt, -1),
+        options);
   }
 
   std::shared_ptr<Work> gather(const void* send, void* recv, std::size_t count_per_rank,
@@ -261,8 +262,9 @@ class MpiProcessGroup final : public ProcessGroup,
     check_rank(root, "gather", "root");
     check_buffer(send, count_per_rank, "gather", "send");
     if (rank() == root) check_buffer(recv, count_per_rank, "gather", "recv (at the root)");
-    return enqueue(make_op(OpKind::kGather, send, recv, count_per_rank, dtype, std::nullopt, root),
-                   options);
+    return enqueue(
+        make_op(Collective::kGather, send, recv, count_per_rank, dtype, std::nullopt, root),
+        options);
   }
 
   std::shared_ptr<Work> scatter(const void* send, void* recv, std::size_t count_per_rank,
@@ -270,15 +272,16 @@ class MpiProcessGroup final : public ProcessGroup,
     check_rank(root, "scatter", "root");
     if (rank() == root) check_buffer(send, count_per_rank, "scatter", "send (at the root)");
     check_buffer(recv, count_per_rank, "scatter", "recv");
-    return enqueue(make_op(OpKind::kScatter, send, recv, count_per_rank, dtype, std::nullopt, root),
-                   options);
+    return enqueue(
+        make_op(Collective::kScatter, send, recv, count_per_rank, dtype, std::nullopt, root),
+        options);
   }
 
   std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, std::size_t count_per_rank,
                                        DType dtype, ReduceOp op, CallOptions options) override {
     check_buffer(send, count_per_rank, "reduce_scatter", "send");
     check_buffer(recv, count_per_rank, "reduce_scatter", "recv");
-    return enqueue(make_op(OpKind::kReduceScatter, send, recv, count_per_rank, dtype, op, -1),
+    return enqueue(make_op(Collective::kReduceScatter, send, recv, count_per_rank, dtype, op, -1),
                    options);
   }
 
@@ -286,13 +289,15 @@ class MpiProcessGroup final : public ProcessGroup,
                                  DType dtype, CallOptions options) override {
     check_buffer(send, count_per_rank, "alltoall", "send");
     check_buffer(recv, count_per_rank, "alltoall", "recv");
-    return enqueue(make_op(OpKind::kAlltoall, send, recv, count_per_rank, dtype, std::nullopt, -1),
-                   options);
+    return enqueue(
+        make_op(Collective::kAlltoall, send, recv, count_per_rank, dtype, std::nullopt, -1),
+        options);
   }
 
   std::shared_ptr<Work> barrier(CallOptions options) override {
-    return enqueue(make_op(OpKind::kBarrier, nullptr, nullptr, 0, DType::kUInt8, std::nullopt, -1),
-                   options);
+    return enqueue(
+        make_op(Collective::kBarrier, nullptr, nullptr, 0, DType::kUInt8, std::nullopt, -1),
+        options);
   }
 
   std::shared_ptr<Work> send(const void* buf, std::size_t count, DType dtype, int dst, int tag,
@@ -320,7 +325,7 @@ class MpiProcessGroup final : public ProcessGroup,
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
 
  private:
-  MpiOp make_op(OpKind kind, const void* send, void* recv, std::size_t count, DType dtype,
+  MpiOp make_op(Collective kind, const void* send, void* recv, std::size_t count, DType dtype,
                 std::optional<ReduceOp> op, int root) const;
   std::shared_ptr<Work> enqueue(MpiOp op, CallOptions options);
   // Posts a send/recv at once, past the queue (comm/mpi/mpi_p2p.h).

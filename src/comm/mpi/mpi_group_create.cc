@@ -141,8 +141,8 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
     throw ConfigError(fmt::format("MpiOptions::stall_check_after must be positive (got {} ms)",
                                   options.stall_check_after.count()));
   }
-  const milliseconds timeout =
-      options.timeout.count() > 0 ? options.timeout : resolve_timeout(std::nullopt);
+  // The option, else DDP_TIMEOUT, else the default.
+  const milliseconds timeout = options.timeout.count() > 0 ? options.timeout : settings::timeout();
   auto& runtime = MpiRuntime::instance();
   int world_rank = 0;
   int world_size = 0;

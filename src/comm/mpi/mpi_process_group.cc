@@ -144,7 +144,7 @@ void MpiProcessGroup::check_tag(int tag, const char* op) const {
   }
 }
 
-MpiOp MpiProcessGroup::make_op(OpKind kind, const void* send, void* recv, std::size_t count,
+MpiOp MpiProcessGroup::make_op(Collective kind, const void* send, void* recv, std::size_t count,
                                DType dtype, std::optional<ReduceOp> op, int root) const {
   comm::check_enums(std::string(comm::to_string(kind)).c_str(), dtype, op);
   MpiOp result;
@@ -164,8 +164,8 @@ std::shared_ptr<Work> MpiProcessGroup::enqueue(MpiOp op, CallOptions options) {
   // sets the sequence number.
   op.header.kind = op.kind;
   op.header.dtype = static_cast<std::uint8_t>(op.dtype);
-  op.header.reduce_op = op.kind == OpKind::kAllreduce || op.kind == OpKind::kReduce ||
-                                op.kind == OpKind::kReduceScatter
+  op.header.reduce_op = op.kind == Collective::kAllreduce || op.kind == Collective::kReduce ||
+                                op.kind == Collective::kReduceScatter
                             ? static_cast<std::uint8_t>(op.op)
                             : comm::kNoReduceOp;
   op.header.count = op.count;
@@ -239,23 +239,23 @@ void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
   MPI_Request request = MPI_REQUEST_NULL;
   // Zero elements move nothing; the fingerprint check still runs (a count of 0 on one rank and 8
   // on another is a mismatch).
-  if (op.count != 0 || op.kind == OpKind::kBarrier) {
+  if (op.count != 0 || op.kind == Collective::kBarrier) {
     const int rc = start(op, &request);
     if (rc != MPI_SUCCESS) throw error(op, fmt::format("could not start: {}", mpi_error_text(rc)));
   }
   wait_for_op(op, deadline, request, check);
-  if (op.count == 0 && op.kind != OpKind::kBarrier) return;
+  if (op.count == 0 && op.kind != Collective::kBarrier) return;
   const std::size_t bytes = op.count * dtype_size(op.dtype);
   const bool average = op.op == ReduceOp::kAvg;
   switch (op.kind) {
-    case OpKind::kAllreduce:
-    case OpKind::kReduceScatter:
+    case Collective::kAllreduce:
+    case Collective::kReduceScatter:
       if (average) comm::divide(op.recv, op.count, op.dtype, size());
       break;
-    case OpKind::kReduce:
+    case Collective::kReduce:
       if (average && rank() == op.root) comm::divide(op.recv, op.count, op.dtype, size());
       break;
-    case OpKind::kScatter:
+    case Collective::kScatter:
       // The root scattered with MPI_IN_PLACE (its block stayed in `send`); copying it only now
       // keeps a `recv` that overlaps other blocks of `send` from corrupting them.
       if (rank() == op.root) {
@@ -330,29 +330,29 @@ int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
     return overlaps(op.send, send_bytes, op.recv, recv_bytes) ? private_copy(send_bytes) : op.send;
   };
   switch (op.kind) {
-    case OpKind::kAllreduce: {
+    case Collective::kAllreduce: {
       const void* in = input(bytes, bytes);
       auto lock = runtime.lock();
       return MPI_Iallreduce(in, op.recv, count, type, reduce_op, comm_, request);
     }
-    case OpKind::kBroadcast: {
+    case Collective::kBroadcast: {
       auto lock = runtime.lock();
       return MPI_Ibcast(op.recv, count, type, op.root, comm_, request);
     }
-    case OpKind::kReduce: {
+    case Collective::kReduce: {
       const void* in = rank() == op.root ? input(bytes, bytes) : op.send;
       auto lock = runtime.lock();
       return MPI_Ireduce(in, rank() == op.root ? op.recv : nullptr, count, type, reduce_op, op.root,
                          comm_, request);
     }
-    case OpKind::kAllgather: {
+    case Collective::kAllgather: {
       std::byte* own = op.recv + static_cast<std::size_t>(rank()) * bytes;
       if (own != op.send) std::memmove(own, op.send, bytes);
       auto lock = runtime.lock();
       return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, op.recv, count, type, comm_,
                             request);
     }
-    case OpKind::kGather: {
+    case Collective::kGather: {
       auto lock = std::unique_lock<std::mutex>();
       if (rank() == op.root) {
         std::byte* own = op.recv + static_cast<std::size_t>(rank()) * bytes;
@@ -364,7 +364,7 @@ int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
       lock = runtime.lock();
       return MPI_Igather(op.send, count, type, nullptr, count, type, op.root, comm_, request);
     }
-    case OpKind::kScatter: {
+    case Collective::kScatter: {
       auto lock = runtime.lock();
       if (rank() == op.root) {
         return MPI_Iscatter(op.send, count, type, MPI_IN_PLACE, count, type, op.root, comm_,
@@ -372,22 +372,22 @@ int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
       }
       return MPI_Iscatter(nullptr, count, type, op.recv, count, type, op.root, comm_, request);
     }
-    case OpKind::kReduceScatter: {
+    case Collective::kReduceScatter: {
       const void* in = input(all_bytes, bytes);
       auto lock = runtime.lock();
       return MPI_Ireduce_scatter_block(in, op.recv, count, type, reduce_op, comm_, request);
     }
-    case OpKind::kAlltoall: {
+    case Collective::kAlltoall: {
       const void* in =
           overlaps(op.send, all_bytes, op.recv, all_bytes) ? private_copy(all_bytes) : op.send;
       auto lock = runtime.lock();
       return MPI_Ialltoall(in, count, type, op.recv, count, type, comm_, request);
     }
-    case OpKind::kBarrier: {
+    case Collective::kBarrier: {
       auto lock = runtime.lock();
       return MPI_Ibarrier(comm_, request);
     }
-    case OpKind::kSend:
+    case Collective::kSend:
       break;  // send/recv never run from the queue (mpi_p2p.h)
   }
   return MPI_ERR_OTHER;

@@ -12,7 +12,7 @@
 #include <fmt/format.h>
 
 #include "comm/reduce_kernels.h"
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "ddp/error.h"
 
 namespace ddp::comm::mpi {

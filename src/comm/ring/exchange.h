@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "ddp/comm_error.h"
 #include "net/socket.h"
 

@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "store/auth.h"

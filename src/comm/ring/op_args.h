@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "ddp/process_group.h"
 #include "ddp/types.h"
 

@@ -28,7 +28,7 @@
 #include "comm/ring/shm/shm_domain.h"
 #include "comm/ring/tcp_algorithms.h"
 #include "comm/ring/topology.h"
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "ddp/error.h"
 #include "net/socket.h"
 #include "settings/settings.h"
@@ -650,7 +650,8 @@ void RingProcessGroup::on_poison(const std::string& reason) noexcept {
   try {
     if (domain_) domain_->abort(reason);
     if (cross_) cross_->abort_from_parent(reason);
-    if (p2p_) p2p_->abort(std::make_exception_ptr(CommError(reason, name_, "point to point", 0, -1)));
+    if (p2p_)
+      p2p_->abort(std::make_exception_ptr(CommError(reason, name_, "point to point", 0, -1)));
   } catch (const std::exception&) {
     // Best effort, as the store above.
   }

@@ -17,7 +17,7 @@
 
 #include "comm/ring/exchange.h"
 #include "comm/ring/op_args.h"
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "net/socket.h"
 
 namespace ddp::comm {

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 
 namespace ddp::comm::shm {
 

@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 #include "ddp/comm_error.h"
 #include "ddp/process_group.h"
 #include "ddp/store.h"

@@ -1,4 +1,4 @@
-#include "comm/ring/wire.h"
+#include "comm/wire.h"
 
 #include <fmt/format.h>
 

@@ -1,6 +1,7 @@
-// Wire format of the ring backend (internal).
+// The operation header both backends fingerprint their calls with (internal): the ring backend's
+// wire format, and the fingerprint the mpi backend checks in-band or on a stall.
 //
-// Every message of an operation starts with a 32-byte OpHeader: the operation's fingerprint
+// Every message of a ring operation starts with a 32-byte OpHeader: the operation's fingerprint
 // (kind, dtype, reduce op, algorithm, count, root or tag) and its sequence number. The receiver
 // compares it with the header it expects (four 64-bit compares), so ranks that issue different
 // operations fail with both calls named instead of exchanging wrong bytes or hanging.
@@ -19,8 +20,6 @@ inline constexpr std::uint32_t kHeaderMagic = 0x48504444;     // "DDPH"
 inline constexpr std::uint32_t kHandshakeMagic = 0x52504444;  // "DDPR"
 inline constexpr std::uint32_t kProtocolVersion = 1;
 
-// The mpi backend's name for ddp::Collective, until it moves over (do not use in new code).
-using OpKind = Collective;
 // ddp::to_string(Collective/DType/ReduceOp) beside to_string(Algorithm) below.
 using ddp::to_string;
 
