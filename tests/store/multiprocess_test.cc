@@ -82,8 +82,13 @@ TEST(TcpStoreProcesses, ServerProcessKilledGivesClientsAStoreError) {
   const auto port = static_cast<std::uint16_t>(test::free_port());
   const auto results = test::run_ranks(2, [&](int rank) {
     if (rank == 0) {
-      TcpStore store("127.0.0.1", port, rank_options(0, 2));
-      // Die abruptly once rank 1 is parked in its get.
+      // The server does not wait for the workers: a wait of its own would be a parked request
+      // too, still counted for an instant after it is answered, and the kill could then land
+      // before rank 1 is in its get.
+      TcpStoreOptions options = rank_options(0, 2);
+      options.wait_for_workers = false;
+      TcpStore store("127.0.0.1", port, options);
+      // Die abruptly once rank 1 is parked in its get (the only request that ever parks).
       const auto deadline = std::chrono::steady_clock::now() + kRankTimeout;
       while (store.server()->num_parked_requests() == 0) {
         require(std::chrono::steady_clock::now() < deadline, "rank 1 never parked");
