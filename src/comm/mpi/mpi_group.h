@@ -110,7 +110,8 @@ struct GroupOptions {
 };
 
 // The fingerprint exchange's buffers: on the heap, since after a failure MPI may still write the
-// abandoned request's result into them (they are then leaked with the communicator).
+// abandoned request's result into them (they are then kept until exit,
+// MpiRuntime::keep_until_exit).
 struct CheckBuffers {
   std::uint64_t mine[2] = {};
   std::uint64_t combined[2] = {};

@@ -57,7 +57,7 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
   // all hashes are equal. The Iallreduce also bounds the wait for the other ranks by a deadline;
   // the blocking MPI_Comm_split after it then finds every rank there.
   const std::uint64_t h = hash_ranks(ranks);
-  // On the heap: after a timeout MPI may still write `most`, so the buffer is then leaked.
+  // On the heap: after a timeout MPI may still write `most`, so the buffer is then kept until exit.
   auto buffer = std::make_unique<std::uint64_t[]>(4);
   std::uint64_t* mine = buffer.get();
   std::uint64_t* most = buffer.get() + 2;
@@ -72,7 +72,7 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
   if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
   if (!wait_request(request, Clock::now() + timeout_, rc)) {
     // The request stays posted on control_ (and writes `most` if the peers come): never reuse it.
-    static_cast<void>(buffer.release());
+    MpiRuntime::instance().keep_until_exit(std::shared_ptr<void>(std::move(buffer)));
     control_error_ = std::make_exception_ptr(comm_error(fmt::format(
         "timed out after {} ms waiting for the other ranks of the group to call it (every rank "
         "of the group calls new_group, members or not)",
@@ -146,9 +146,9 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
   auto& runtime = MpiRuntime::instance();
   int world_rank = 0;
   int world_size = 0;
-  // On the heap: after a timeout MPI may still complete the duplication into it (then leaked).
-  // Data, check and control communicators (see the top of this file).
-  // The first group also makes the process-wide communicator of notices (MpiRuntime).
+  // On the heap: after a timeout MPI may still complete the duplication into it (then kept until
+  // exit). Data, check and control communicators (see the top of this file). The first group also
+  // makes the process-wide communicator of notices (MpiRuntime).
   const int count = runtime.has_notice_comm() ? 3 : 4;
   auto comms_buffer = std::make_unique<MPI_Comm[]>(4);
   MPI_Comm* comms = comms_buffer.get();
@@ -178,7 +178,7 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
   const auto deadline = Clock::now() + timeout;
   for (int i = 0; i < count; ++i) {
     if (!wait_request(requests[i], deadline, rc)) {
-      static_cast<void>(comms_buffer.release());
+      MpiRuntime::instance().keep_until_exit(std::shared_ptr<void>(std::move(comms_buffer)));
       throw comm_error(
           fmt::format("timed out after {} ms waiting for every rank of "
                       "MPI_COMM_WORLD to call make_mpi_process_group",

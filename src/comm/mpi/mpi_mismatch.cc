@@ -49,7 +49,7 @@ std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& a
 void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline,
                                     const CommError* fallback) {
   constexpr std::size_t kHeaderBytes = sizeof(comm::OpHeader);
-  // On the heap and leaked on a timeout: MPI may still write it later.
+  // On the heap and kept until exit on a timeout: MPI may still write it later.
   auto headers = std::make_unique<comm::OpHeader[]>(static_cast<std::size_t>(size()) + 1);
   headers[0] = op.header;
   MPI_Request request = MPI_REQUEST_NULL;
@@ -69,7 +69,7 @@ void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline,
   if (rc != MPI_SUCCESS) throw unknown;
   const auto limit = std::min(deadline, Clock::now() + std::chrono::seconds(fallback ? 2 : 10));
   if (!wait_request(request, limit, rc) || rc != MPI_SUCCESS) {
-    static_cast<void>(headers.release());
+    MpiRuntime::instance().keep_until_exit(std::shared_ptr<void>(std::move(headers)));
     throw unknown;
   }
   // Group the ranks by the call they issued: "rank 1 called broadcast(...) #3".

@@ -83,7 +83,8 @@ MpiProcessGroup::~MpiProcessGroup() {
   // A poisoned communicator may still have an abandoned request posted: leave it to MPI_Finalize,
   // and its buffers to MPI.
   if (finalized || queue_.poisoned()) {
-    static_cast<void>(check_buffers_.release());
+    MpiRuntime::instance().keep_until_exit(
+        std::shared_ptr<CheckBuffers>(std::move(check_buffers_)));
     return;
   }
   // A peer still waiting in a call of this group learns that this rank will not issue it.

@@ -271,12 +271,18 @@ void MpiRuntime::set_notice_comm(MPI_Comm comm) {
   notice_comm_ = comm;
 }
 
+void MpiRuntime::keep_until_exit(std::shared_ptr<void> buffer) {
+  std::lock_guard lock(kept_mutex_);
+  kept_.push_back(std::move(buffer));
+}
+
 void MpiRuntime::send_notice(const std::string& group, const std::vector<int>& world_ranks,
                              const std::string& text) {
   std::lock_guard guard(notices_mutex_);
   if (notice_comm_ == MPI_COMM_NULL || world_ranks.empty()) return;
-  // Never freed: the sends may complete at any time (a few short texts per group at most).
-  auto* message = new std::string(group);
+  // Kept until exit: the sends may complete at any time (a few short texts per group at most).
+  auto message = std::make_shared<std::string>(group);
+  keep_until_exit(message);
   message->push_back('\0');
   message->append(text);
   auto lock = this->lock();

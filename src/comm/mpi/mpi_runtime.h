@@ -22,6 +22,7 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -43,6 +44,11 @@ class ExitListener {
 class MpiRuntime {
  public:
   static MpiRuntime& instance();
+
+  // Keeps `buffer` alive until the process exits: memory that MPI may still read or write after
+  // ddp is done with it (the text of a notice sent with a freed request, the fingerprint buffers
+  // of a failed group's abandoned request). Bounded: a few per group. Any thread.
+  void keep_until_exit(std::shared_ptr<void> buffer);
 
   // Prints "ddp (mpi backend): rank R of N: <reason>" to stderr and ends every rank of the job
   // (MPI_Abort on MPI_COMM_WORLD with `code`). Any thread; the first caller wins, later ones wait
@@ -99,6 +105,8 @@ class MpiRuntime {
   MPI_Op checked_op_ = MPI_OP_NULL;
   std::mutex packed_mutex_;
   std::vector<std::pair<std::size_t, MPI_Datatype>> packed_types_;
+  std::mutex kept_mutex_;
+  std::vector<std::shared_ptr<void>> kept_;  // keep_until_exit
   std::mutex notices_mutex_;
   MPI_Comm notice_comm_ = MPI_COMM_NULL;
   std::vector<std::pair<std::string, std::string>> notices_;  // (group, text), oldest first
