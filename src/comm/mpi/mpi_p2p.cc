@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/mpi/mpi_group.h"  // back_off, shared with the collectives
 #include "ddp/comm_error.h"
 
 namespace ddp::comm::mpi {
@@ -15,19 +16,6 @@ namespace {
 constexpr auto kCancelGrace = std::chrono::milliseconds(200);
 // How often a stalled operation reads its peers' notices.
 constexpr auto kNoticeInterval = std::chrono::milliseconds(10);
-
-// Between two polls of a waiter: spin, then yield, then sleep up to 250 µs (as the collectives).
-void back_off(int idle) {
-  constexpr int kSpins = 256;
-  constexpr int kYields = 64;
-  if (idle < kSpins) return;
-  if (idle < kSpins + kYields) {
-    std::this_thread::yield();
-  } else {
-    std::this_thread::sleep_for(
-        std::chrono::microseconds(std::min(250, 2 * (idle - kSpins - kYields + 1))));
-  }
-}
 
 }  // namespace
 
