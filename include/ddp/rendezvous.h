@@ -40,6 +40,9 @@ struct InitOptions {
   std::string backend;                  // "" = DDP_BACKEND, else chosen from the launcher
   std::optional<Milliseconds> timeout;  // "" = DDP_TIMEOUT, else kDefaultTimeout
   std::shared_ptr<Store> store;         // use this store instead of connecting to the master
+  // Backend "mpi" only (MpiOptions::abort_on_failure): on the group's first failure end the whole
+  // job with MPI_Abort (true), or throw the CommError to this rank only (false).
+  bool mpi_abort_on_failure = true;
 };
 
 struct World {

@@ -61,7 +61,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
         {.timeout = world.timeout, .group_name = "default", .secret = world.environment.secret});
   } else {  // "mpi": resolve_backend accepts it only when it was built
     // MPI has its own rendezvous; the launcher's variables are only checked against it.
-    group = make_mpi_process_group({.timeout = resolve_timeout(options.timeout)});
+    group = make_mpi_process_group({.timeout = resolve_timeout(options.timeout),
+                                    .abort_on_failure = options.mpi_abort_on_failure});
     if (options.launch.rank && *options.launch.rank != group->rank()) {
       throw ConfigError(fmt::format("options.rank={} but MPI says this process is rank {}",
                                     *options.launch.rank, group->rank()));

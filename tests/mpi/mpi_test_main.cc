@@ -9,6 +9,8 @@
 //   mpi_test funneled      an MPI initialised with MPI_THREAD_FUNNELED: a ConfigError
 //   mpi_test timeout       (2 ranks) rank 0 calls an allreduce that rank 1 never calls: it must
 //                          fail with a CommError at its deadline, and later calls at once
+//   mpi_test timeout_via_init  the same on a group from init_process_group with
+//                          InitOptions::mpi_abort_on_failure off
 //   mpi_test mismatch KIND (2+ ranks, abort_on_failure off) the last rank issues a different call
 //                          (KIND: op, count, zero_count, dtype, root, reduce_op, skip, leave,
 //                          exit): every rank must get a CommError naming both calls (or the rank
@@ -56,6 +58,7 @@
 #include "conformance/collective_checks.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
+#include "ddp/init.h"
 #include "ddp/mpi_process_group.h"
 
 namespace {
@@ -184,8 +187,11 @@ void run_user_initialised(int level) {
   MPI_Finalize();
 }
 
-void run_timeout() {
-  auto pg = ddp::make_mpi_process_group({.timeout = 20s, .abort_on_failure = false});
+// through_init: the group comes from init_process_group (InitOptions::mpi_abort_on_failure).
+void run_timeout(bool through_init) {
+  auto pg = through_init ? ddp::init_process_group(
+                               {.backend = "mpi", .timeout = 20s, .mpi_abort_on_failure = false})
+                         : ddp::make_mpi_process_group({.timeout = 20s, .abort_on_failure = false});
   expect(pg->size() == 2, fmt::format("the timeout test needs 2 ranks, got {}", pg->size()));
   if (pg->rank() == 0) {
     constexpr auto kDeadline = 1500ms;
@@ -584,7 +590,9 @@ int main(int argc, char** argv) {
     } else if (mode == "funneled") {
       run_user_initialised(MPI_THREAD_FUNNELED);
     } else if (mode == "timeout") {
-      run_timeout();
+      run_timeout(/*through_init=*/false);
+    } else if (mode == "timeout_via_init") {
+      run_timeout(/*through_init=*/true);
     } else if (mode == "mismatch" && argc > 2) {
       const int status = run_mismatch(argv[2]);
       std::fflush(stdout);
@@ -594,11 +602,11 @@ int main(int argc, char** argv) {
     } else if (mode == "p2p") {
       run_p2p();
     } else {
-      std::fprintf(
-          stderr,
-          "usage: %s conformance|serialized|funneled|timeout|mismatch KIND|local|p2p|throw|"
-          "terminate|exit_status|poison|mismatch_abort|p2p_abort (under mpirun)\n",
-          argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s conformance|serialized|funneled|timeout|timeout_via_init|mismatch "
+                   "KIND|local|p2p|throw|"
+                   "terminate|exit_status|poison|mismatch_abort|p2p_abort (under mpirun)\n",
+                   argv[0]);
       return 2;
     }
   } catch (const std::exception& e) {
