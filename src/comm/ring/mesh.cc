@@ -14,6 +14,10 @@ namespace ddp::comm {
 
 using std::chrono::milliseconds;
 
+namespace {
+
+// With a secret: the group instance's id bound into every handshake MAC, equal on every rank (the
+// first rank to get here draws it into `key`, the others read it).
 std::string draw_group_session(Store& store, const std::string& key) {
   const auto nonce = store::random_nonce();
   std::string mine;
@@ -21,6 +25,8 @@ std::string draw_group_session(Store& store, const std::string& key) {
     mine += fmt::format("{:02x}", byte);
   return store.compare_set(key, "", mine);
 }
+
+}  // namespace
 
 std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& p,
                                            net::Deadline deadline) {

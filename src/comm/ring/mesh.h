@@ -4,6 +4,8 @@
 // `<prefix>addr/<rank>`; rank r connects to every rank below it and accepts every rank above it,
 // each connection opening with the checked (and, with a secret, authenticated) handshake of
 // mesh_handshake.h. Connections that fail the handshake are refused and logged; the wait goes on.
+// Point-to-point connections (ring/p2p) are set up the same way under a group name and prefix of
+// their own.
 #pragma once
 
 #include <chrono>
@@ -27,10 +29,6 @@ struct MeshParams {
   std::function<void(const std::string& line)> log;  // refused connections; null = stderr
   std::chrono::milliseconds timeout{0};              // for the accept loop's messages
 };
-
-// With a secret: the group instance's id bound into every handshake MAC, equal on every rank (the
-// first rank to get here draws it into `key`, the others read it).
-std::string draw_group_session(Store& store, const std::string& key);
 
 // Returns one connected socket per rank (an invalid one for this rank), by rank. Throws CommError
 // naming the peer that could not be reached or failed the handshake, TimeoutError when the store

@@ -23,7 +23,6 @@
 #include "comm/ring/mesh.h"
 #include "comm/ring/mesh_handshake.h"
 #include "comm/ring/op_args.h"
-#include "comm/ring/p2p/p2p_connect.h"
 #include "comm/ring/p2p/p2p_engine.h"
 #include "comm/ring/shm/shm_domain.h"
 #include "comm/ring/tcp_algorithms.h"
@@ -607,24 +606,24 @@ void RingProcessGroup::run(comm::QueuedWork& work, net::Deadline deadline) {
 // of the collectives, so a cycle of sends posted before receives cannot deadlock.
 void RingProcessGroup::start_p2p() {
   if (size() == 1) return;
-  comm::HandshakeParams params{.group = name_ + "#p2p",  // cannot pass for a mesh connection
-                               .size = size(),
-                               .rank = rank(),
-                               .secret = options_.secret,
-                               .session = {},
-                               .log = options_.log};
-  if (!params.secret.empty()) {
-    params.session = comm::draw_group_session(*store_, prefix_ + "p2p/auth/session");
-  }
-  if (!params.log) {
-    params.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
-  }
-  auto sockets = comm::p2p::connect_p2p_peers(*store_, params,
-                                              {.key_prefix = prefix_ + "p2p/",
+  // Set up as the mesh, under a group name of its own (a p2p connection cannot pass for a mesh
+  // connection, or the reverse) and store keys of its own.
+  auto sockets =
+      comm::connect_full_mesh(*store_,
+                              comm::MeshParams{.group = name_ + "#p2p",
+                                               .prefix = prefix_ + "p2p/",
+                                               .rank = rank(),
+                                               .size = size(),
                                                .advertise_host = advertise_host(options_),
                                                .socket_buffer_bytes = options_.socket_buffer_bytes,
+                                               .secret = options_.secret,
+                                               .log = options_.log,
                                                .timeout = timeout_},
-                                              net::deadline_after(timeout_));
+                              net::deadline_after(timeout_));
+  // The progress thread polls them.
+  for (auto& socket : sockets) {
+    if (socket.valid()) socket.set_nonblocking(true);
+  }
   p2p_ = std::make_unique<comm::p2p::P2pEngine>(
       std::move(sockets),
       comm::p2p::EngineOptions{.group = name_,

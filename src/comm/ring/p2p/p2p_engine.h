@@ -1,9 +1,10 @@
 // P2pEngine: the ring backend's point-to-point sends and receives (internal).
 //
 // Sends and receives progress independently of each other, of other peers and of the group's
-// collective queue: a progress thread polls one TCP connection per peer (p2p_connect.h), writes
-// posted sends as the socket takes them and reads into posted receives as bytes arrive. So a
-// cycle in which every rank sends before it receives completes whatever the message size.
+// collective queue: a progress thread polls one TCP connection per peer (set up as the mesh,
+// comm/ring/mesh.h), writes posted sends as the socket takes them and reads into posted receives as
+// bytes arrive. So a cycle in which every rank sends before it receives completes whatever the
+// message size.
 //
 // Matching (as MPI): a receive from `src` with `tag` takes the earliest message from `src` with
 // that tag that no earlier receive took; messages from one sender with one tag match in posting
