@@ -133,6 +133,14 @@ TEST_P(SecretJob, CollectivesAreCorrect) {
     std::vector<int> buf(16, pg->rank() == 1 ? 7 : 0);
     pg->broadcast(buf.data(), buf.size(), DType::kInt32, 1)->wait();
     if (buf != std::vector<int>(16, 7)) throw std::runtime_error("broadcast from rank 1 is wrong");
+    // Point to point runs on connections of its own, authenticated the same way.
+    const int next = (pg->rank() + 1) % world;
+    const int previous = (pg->rank() + world - 1) % world;
+    std::vector<int> out(1000, pg->rank()), in(1000, -1);
+    auto sent = pg->send(out.data(), out.size(), DType::kInt32, next, 5);
+    pg->recv(in.data(), in.size(), DType::kInt32, previous, 5)->wait();
+    sent->wait();
+    if (in != std::vector<int>(1000, previous)) throw std::runtime_error("recv got wrong data");
   });
   EXPECT_ALL_RANKS_OK(results);
 }
