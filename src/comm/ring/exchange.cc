@@ -42,10 +42,6 @@ void Exchange::add_recv_stream(int peer, int fd, std::byte* scratch, std::size_t
                                      0});
 }
 
-void Exchange::set_expected(const OpHeader& header) {
-  recv_streams_.back().expected = header;
-}
-
 int Exchange::add_recv_copy(void* dst, std::size_t len) {
   recv_pieces_.push_back(
       RecvPiece{static_cast<std::byte*>(dst), nullptr, len, 0, ReduceOp::kSum, 0});
@@ -182,9 +178,8 @@ void Exchange::check_header(const RecvStream& s) const {
 }
 
 void Exchange::fail_mismatch(int peer, const OpHeader& expected, const OpHeader& got) const {
-  const bool p2p = expected.kind == Collective::kSend;
-  std::string mine = p2p ? describe(expected, peer, /*as_receiver=*/true) : describe(expected);
-  std::string theirs = got.kind == Collective::kSend ? describe(got, context_.rank) : describe(got);
+  std::string mine = describe(expected);
+  std::string theirs = describe(got);
   if (mine == theirs) {
     mine += fmt::format(" [algorithm {}]", to_string(expected.algorithm));
     theirs += fmt::format(" [algorithm {}]", to_string(got.algorithm));
@@ -207,8 +202,7 @@ void Exchange::peek_idle_peer(int peer) {
   OpHeader got;
   const ssize_t n = ::recv(context_.peer_fds[peer], &got, sizeof got, MSG_PEEK | MSG_DONTWAIT);
   if (n != static_cast<ssize_t>(sizeof got)) return;
-  if (got.magic == kHeaderMagic && got.kind != Collective::kSend &&
-      got.sequence == header_.sequence && !(got == header_)) {
+  if (got.magic == kHeaderMagic && got.sequence == header_.sequence && !(got == header_)) {
     fail_mismatch(peer, header_, got);
   }
 }
@@ -287,7 +281,7 @@ void Exchange::run(net::Deadline deadline, std::chrono::microseconds spin,
     }
     const std::size_t stream_polls = pollfds_.size();
     polled_idle_peers_.clear();
-    if (context_.peer_fds != nullptr && header_.kind != Collective::kSend) {
+    if (context_.peer_fds != nullptr) {
       for (int peer = 0; peer < context_.size; ++peer) {
         const int fd = context_.peer_fds[peer];
         if (fd < 0 || idle_peer_done_[static_cast<std::size_t>(peer)]) continue;

@@ -54,7 +54,7 @@ struct ExchangeContext {
 class Exchange {
  public:
   // Starts a new step: forgets the streams of the previous one. `header` is sent on every send
-  // stream and expected on every recv stream (p2p: see set_expected).
+  // stream and expected on every recv stream.
   void reset(const OpHeader& header, DType dtype, const ExchangeContext& context);
 
   // Streams. Pieces belong to the stream added last of their direction.
@@ -62,8 +62,6 @@ class Exchange {
   void add_send_piece(const void* data, std::size_t len, int gate = -1);
   void add_recv_stream(int peer, int fd, std::byte* scratch = nullptr,
                        std::size_t scratch_bytes = 0);
-  // Overrides the header expected on the recv stream added last (point to point).
-  void set_expected(const OpHeader& header);
   // Returns the piece's index, usable as a gate.
   int add_recv_copy(void* dst, std::size_t len);
   int add_recv_reduce(void* dst, const void* a, std::size_t len, ReduceOp op, int avg_divisor);

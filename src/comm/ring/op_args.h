@@ -23,19 +23,16 @@ struct OpArgs {
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
   int root = 0;
-  int peer = -1;  // p2p
-  bool is_recv = false;
   int avg_divisor = 0;  // avg: divide by this instead of the group size (hierarchical steps)
   std::chrono::milliseconds timeout{0};
-  OpHeader header;    // sent (and for collectives, expected)
-  OpHeader expected;  // p2p recv: what the sender's header must be
+  OpHeader header;    // sent, and expected from every peer
   std::string label;  // replaces the description (the steps of a hierarchical allreduce)
   std::vector<BufferSegment> segments;  // allreduce_segments over shared memory (send/recv null)
 
   // Formatted when needed (errors, TCP steps), not on every call: it allocates.
   std::string description() const {
     if (!label.empty()) return label;
-    return kind == Collective::kSend ? describe(header, peer, is_recv) : describe(header);
+    return describe(header);
   }
 };
 

@@ -101,10 +101,7 @@ class RingWork final : public comm::QueuedWork {
   std::string description() const override { return args_.description(); }
 
  protected:
-  void on_sequenced(std::uint64_t sequence) override {
-    args_.header.sequence = sequence;
-    if (args_.kind == Collective::kSend && args_.is_recv) args_.expected = args_.header;
-  }
+  void on_sequenced(std::uint64_t sequence) override { args_.header.sequence = sequence; }
 
  private:
   OpArgs args_;
@@ -505,8 +502,7 @@ void RingProcessGroup::check_sockets_for_other_call() {
     OpHeader got;
     const ssize_t n = ::recv(fd, &got, sizeof got, MSG_PEEK | MSG_DONTWAIT);
     if (n == static_cast<ssize_t>(sizeof got) && got.magic == comm::kHeaderMagic &&
-        got.kind != Collective::kSend && got.sequence == current_->header.sequence &&
-        !(got == current_->header)) {
+        got.sequence == current_->header.sequence && !(got == current_->header)) {
       fail_cross_transport_mismatch(peer, got);
     }
   }
@@ -552,12 +548,8 @@ OpArgs RingProcessGroup::make_args(Collective kind, const void* send, void* recv
 
 std::shared_ptr<Work> RingProcessGroup::enqueue(OpArgs args, CallOptions options) {
   args.timeout = comm::OpQueue::call_timeout(options, timeout_);
-  using Channel = comm::OpQueue::Channel;
-  const Channel channel = args.kind != Collective::kSend ? Channel::collective()
-                          : args.is_recv                 ? Channel::recv_from(args.peer)
-                                                         : Channel::send_to(args.peer);
   auto work = std::make_shared<RingWork>(std::move(args));
-  queue_.enqueue(work, channel);
+  queue_.enqueue(work);
   return work;
 }
 

@@ -5,6 +5,10 @@
 #include <bit>
 #include <cstring>
 
+#include <fmt/format.h>
+
+#include "ddp/comm_error.h"
+
 namespace ddp::comm {
 
 TcpContext::TcpContext(const std::string& group, int rank, int size, std::size_t chunk_bytes,
@@ -12,11 +16,9 @@ TcpContext::TcpContext(const std::string& group, int rank, int size, std::size_t
     : group_(group), rank_(rank), size_(size), spin_(spin), chunk_(chunk_bytes) {}
 
 Exchange& TcpContext::begin(const OpArgs& a) {
-  // Point to point has no partner call to check for over shared memory.
-  exchange_.reset(
-      a.header, a.dtype,
-      ExchangeContext{&group_, rank_, op_text_ = a.description(), peer_fds_.data(), size_,
-                      idle_check_ && a.kind != Collective::kSend ? &idle_check_ : nullptr});
+  exchange_.reset(a.header, a.dtype,
+                  ExchangeContext{&group_, rank_, op_text_ = a.description(), peer_fds_.data(),
+                                  size_, idle_check_ ? &idle_check_ : nullptr});
   return exchange_;
 }
 
@@ -67,9 +69,12 @@ void run_tcp(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
       return scatter_direct(tcp, a, deadline);
     case Collective::kAlltoall:
       return alltoall_direct(tcp, a, deadline);
-    case Collective::kSend:
-      return point_to_point(tcp, a, deadline);
+    case Collective::kSend:  // point to point runs on connections of its own (ring/p2p)
+      break;
   }
+  throw CommError(
+      fmt::format("rank {}: {} has no TCP collective path", tcp.rank(), a.description()),
+      tcp.group(), a.description(), a.header.sequence, -1);
 }
 
 // Ring allreduce: reduce-scatter then allgather as one pipelined stream per direction. The
@@ -371,20 +376,6 @@ void alltoall_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
     if (peer == r) continue;
     tcp.exchange().add_recv_stream(peer, tcp.fd(peer));
     tcp.exchange().add_recv_copy(a.recv + static_cast<std::size_t>(peer) * block, block);
-  }
-  tcp.finish(a, deadline);
-}
-
-void point_to_point(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
-  const std::size_t bytes = a.count * dtype_size(a.dtype);
-  tcp.begin(a);
-  if (a.is_recv) {
-    tcp.exchange().add_recv_stream(a.peer, tcp.fd(a.peer));
-    tcp.exchange().set_expected(a.expected);
-    tcp.exchange().add_recv_copy(a.recv, bytes);
-  } else {
-    tcp.exchange().add_send_stream(a.peer, tcp.fd(a.peer));
-    tcp.exchange().add_send_piece(a.send, bytes);
   }
   tcp.finish(a, deadline);
 }

@@ -90,6 +90,5 @@ void reduce_scatter_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadlin
 void gather_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
 void scatter_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
 void alltoall_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void point_to_point(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
 
 }  // namespace ddp::comm
