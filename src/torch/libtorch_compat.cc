@@ -1,7 +1,9 @@
 #include "libtorch_compat.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/version.h>
 
 namespace ddp::libtorch_compat {
 
@@ -47,6 +49,33 @@ std::unordered_set<const torch::autograd::Node*> reachable_nodes(
 
 void at_end_of_backward(std::function<void()> fn) {
   torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
+}
+
+// 1.13 has CPU-specific functions; 2.x takes the device type (the old names were removed).
+bool cpu_autocast_enabled() {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::autocast::is_autocast_enabled(at::kCPU);
+#else
+  return at::autocast::is_cpu_enabled();
+#endif
+}
+
+at::ScalarType cpu_autocast_dtype() {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::autocast::get_autocast_dtype(at::kCPU);
+#else
+  return at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+
+void set_cpu_autocast(bool enabled, at::ScalarType dtype) {
+#if TORCH_VERSION_MAJOR >= 2
+  at::autocast::set_autocast_dtype(at::kCPU, dtype);
+  at::autocast::set_autocast_enabled(at::kCPU, enabled);
+#else
+  at::autocast::set_autocast_cpu_dtype(dtype);
+  at::autocast::set_cpu_enabled(enabled);
+#endif
 }
 
 }  // namespace ddp::libtorch_compat

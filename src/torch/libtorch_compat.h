@@ -60,4 +60,9 @@ std::unordered_set<const torch::autograd::Node*> reachable_nodes(
 // REQUIRES: called from within a backward pass, e.g. from a GradReadyHook.
 void at_end_of_backward(std::function<void()> fn);
 
+// CPU autocast state of this thread (at::autocast's CPU functions, renamed in 2.x).
+bool cpu_autocast_enabled();
+at::ScalarType cpu_autocast_dtype();
+void set_cpu_autocast(bool enabled, at::ScalarType dtype);
+
 }  // namespace ddp::libtorch_compat
