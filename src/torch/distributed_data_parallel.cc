@@ -228,6 +228,21 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
 
   reducer_ =
       std::make_unique<Reducer>(std::move(params), std::move(names), group_, reducer_options);
+  if (options_.reduce_dtype) {
+    switch (*options_.reduce_dtype) {
+      case torch::kBFloat16:
+        reducer_->register_comm_hook(bf16_compress_hook());
+        break;
+      case torch::kHalf:
+        reducer_->register_comm_hook(fp16_compress_hook());
+        break;
+      default:
+        throw ConfigError(fmt::format(
+            "DdpOptions::reduce_dtype is {}; gradients are reduced in torch::kBFloat16 or "
+            "torch::kHalf (or leave it unset for their own dtype)",
+            c10::toString(*options_.reduce_dtype)));
+    }
+  }
 }
 
 std::size_t DistributedDataParallelBase::check_parameters() {

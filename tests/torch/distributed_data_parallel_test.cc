@@ -95,6 +95,26 @@ TEST(DistributedDataParallel, Fp16CompressionIsCloseToOneProcess) {
                          [](auto& model) { model->register_comm_hook(fp16_compress_hook()); });
 }
 
+TEST(DistributedDataParallel, ReduceDtypeBf16IsCloseToOneProcess) {
+  check_equivalence<Mlp>(2, 8, {20}, {.reduce_dtype = torch::kBFloat16}, 5e-2);
+}
+
+TEST(DistributedDataParallel, ReduceDtypeOtherThanBf16OrHalfIsRefused) {
+  const int port = test::free_port();
+  const auto results = run_ranks(1, [&](int rank) {
+    auto pg = join_group(rank, 1, port);
+    Mlp net;
+    try {
+      DistributedDataParallel model(net.ptr(), pg, {.reduce_dtype = torch::kFloat64});
+    } catch (const ConfigError& e) {
+      if (std::string(e.what()).find("reduce_dtype") != std::string::npos) return;
+      throw;
+    }
+    throw std::runtime_error("reduce_dtype = kFloat64 was accepted");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(DistributedDataParallel, Bf16CompressionIsCloseToOneProcess) {
   check_equivalence<Mlp>(2, 8, {20}, {}, 5e-2,
                          [](auto& model) { model->register_comm_hook(bf16_compress_hook()); });

@@ -37,6 +37,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -63,6 +64,11 @@ struct DdpOptions {
   // allgather of 8 bytes per parameter) and throw Error naming the first that differs. 0 = off,
   // unless the environment sets DDP_DIVERGENCE_CHECK_EVERY=N.
   std::int64_t divergence_check_every = 0;
+  // Mixed precision for the gradient reduction (PyTorch's mixed_precision.reduce_dtype):
+  // torch::kBFloat16 or torch::kHalf reduces every bucket in that dtype (half the bytes on the
+  // wire) while parameters and .grad stay fp32; the same as registering bf16_compress_hook() or
+  // fp16_compress_hook(), which a later register_comm_hook replaces. nullopt: the gradients' dtype.
+  std::optional<torch::ScalarType> reduce_dtype;
 };
 
 // Restores the previous synchronisation mode when it goes out of scope.
