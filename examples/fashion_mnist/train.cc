@@ -35,6 +35,7 @@
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_sampler.h"
+#include "ddp/torch/grad_scaler.h"
 #include "ddp/torch/join.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/version.h"
@@ -64,6 +65,7 @@ struct Options {
   bool uneven = false;          // no sampler padding, rank r skips r * uneven_skew batches
   int uneven_skew = 10;         // batches per epoch that each higher rank has fewer
   bool sync_bn = false;         // BatchNorm statistics over every rank's batch (SyncBatchNorm)
+  std::string mixed_precision = "none";  // bf16: autocast forward, bf16 gradient reduction
 };
 
 // Batches per epoch of `rank`: its unpadded share with --uneven, less rank * uneven_skew (an
@@ -236,7 +238,10 @@ int run(const Options& options) {
                  info.epoch, first_epoch);
     }
   }
-  auto model = ddp::DistributedDataParallel(net.ptr(), group);
+  const bool bf16 = options.mixed_precision == "bf16";
+  ddp::DdpOptions ddp_options;
+  if (bf16) ddp_options.reduce_dtype = torch::kBFloat16;
+  auto model = ddp::DistributedDataParallel(net.ptr(), group, ddp_options);
 
   const auto samples = static_cast<std::size_t>(train.size());
   ddp::DistributedSampler sampler(samples, *group,
@@ -251,9 +256,10 @@ int run(const Options& options) {
   if (leader) {
     fmt::print(
         "training {} on {} samples ({} per rank, {} batches of {} per rank and epoch), "
-        "{} ranks, {} thread(s) each, lr {} ({}) momentum {} weight decay {}\n",
+        "{} ranks, {} thread(s) each, lr {} ({}) momentum {} weight decay {}{}\n",
         options.model, train.size(), per_rank, batches, batch, world_size, torch::get_num_threads(),
-        options.lr, options.schedule, options.momentum, options.weight_decay);
+        options.lr, options.schedule, options.momentum, options.weight_decay,
+        bf16 ? ", mixed precision bf16 (autocast forward, bf16 gradient reduction)" : "");
     if (options.uneven) {
       std::vector<std::int64_t> counts;
       for (int r = 0; r < world_size; ++r)
@@ -289,7 +295,12 @@ int run(const Options& options) {
       const auto y = train.labels.index_select(0, rows);
       set_learning_rate(optimizer, learning_rate(options, step++, total_steps));
       optimizer.zero_grad();
-      const auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      torch::Tensor loss;
+      {
+        // bf16 has fp32's exponent range: no loss scaling needed (as PyTorch's recipe for it).
+        ddp::AutocastGuard autocast(torch::kBFloat16, /*enabled=*/bf16);
+        loss = torch::nn::functional::cross_entropy(model->forward(x).to(torch::kFloat32), y);
+      }
       loss.backward();
       optimizer.step();
 
@@ -415,6 +426,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--sync-bn", options.sync_bn,
                "replace the cnn's BatchNorms by ddp::SyncBatchNorm (statistics over all ranks)");
+  app.add_option("--mixed-precision", options.mixed_precision,
+                 "bf16: forward under CPU autocast in bfloat16 and gradients reduced in bfloat16 "
+                 "(parameters and optimizer stay fp32)")
+      ->check(CLI::IsMember({"none", "bf16"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   try {

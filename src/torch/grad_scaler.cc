@@ -160,6 +160,12 @@ AutocastGuard::AutocastGuard(torch::ScalarType dtype, bool enabled)
     throw ConfigError(fmt::format("AutocastGuard: CPU autocast runs in bfloat16 or float16, not {}",
                                   c10::toString(dtype)));
   }
+  if (dtype == torch::kFloat16 && !libtorch_compat::cpu_autocast_supports_half()) {
+    // libtorch would warn and run everything in fp32: refuse rather than be silently different.
+    throw ConfigError(
+        "AutocastGuard: this libtorch's CPU autocast runs in bfloat16 only; use "
+        "torch::kBFloat16, or libtorch 2.x for float16");
+  }
   libtorch_compat::set_cpu_autocast(enabled, dtype);
   at::autocast::increment_nesting();
 }

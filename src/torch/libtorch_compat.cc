@@ -68,6 +68,10 @@ at::ScalarType cpu_autocast_dtype() {
 #endif
 }
 
+bool cpu_autocast_supports_half() {
+  return TORCH_VERSION_MAJOR >= 2;
+}
+
 void set_cpu_autocast(bool enabled, at::ScalarType dtype) {
 #if TORCH_VERSION_MAJOR >= 2
   at::autocast::set_autocast_dtype(at::kCPU, dtype);

@@ -64,5 +64,7 @@ void at_end_of_backward(std::function<void()> fn);
 bool cpu_autocast_enabled();
 at::ScalarType cpu_autocast_dtype();
 void set_cpu_autocast(bool enabled, at::ScalarType dtype);
+// Whether CPU autocast runs in float16 (2.x does; 1.13 warns and disables itself).
+bool cpu_autocast_supports_half();
 
 }  // namespace ddp::libtorch_compat

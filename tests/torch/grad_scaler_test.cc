@@ -7,6 +7,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/version.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_models.h"
 #include "torch/ddp_test_util.h"
@@ -232,6 +233,13 @@ TEST(AutocastGuard, RunsLinearInBfloat16AndRestoresTheState) {
   }
   EXPECT_EQ(linear(x).scalar_type(), torch::kFloat32);
   EXPECT_THROW(AutocastGuard bad(torch::kFloat64), ConfigError);
+  if (libtorch_version().rfind("1.", 0) == 0) {
+    EXPECT_THROW(AutocastGuard half(torch::kFloat16), ConfigError)
+        << "1.13 would silently use fp32";
+  } else {
+    AutocastGuard half(torch::kFloat16);
+    EXPECT_EQ(linear(x).scalar_type(), torch::kFloat16);
+  }
 }
 
 }  // namespace

@@ -188,8 +188,17 @@ TEST_F(TrainFashionMnistTest, MissingDataFolderFailsNamingThePath) {
   EXPECT_THAT(result.output, HasSubstr("/nonexistent/fmnist-data does not exist"));
 }
 
+TEST_F(TrainFashionMnistTest, MixedPrecisionBf16Trains) {
+  const auto result = train({"--mixed-precision", "bf16", "--epochs", "1", "--limit-train", "2048",
+                             "--batch-size", "64", "--log-every", "0"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("mixed precision bf16"));
+  EXPECT_GT(final_accuracy(result.output), 0.5) << result.output;  // chance is 0.1
+}
+
 TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
   for (const std::vector<std::string>& args : {std::vector<std::string>{"--model", "resnet"},
+                                               {"--mixed-precision", "fp8"},
                                                {"--epochs", "0"},
                                                {"--lr", "-1"},
                                                {"--resume"}}) {

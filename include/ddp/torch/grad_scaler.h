@@ -83,7 +83,8 @@ class GradScaler {
 
 // Autocast on the CPU for the guard's lifetime (bf16 or fp16): eligible ops (matmul, linear,
 // convolution, ...) run in that dtype, the rest in fp32, as torch.autocast("cpu"). Restores the
-// previous state on destruction. Per thread, as libtorch's autocast state.
+// previous state on destruction. Per thread, as libtorch's autocast state. ConfigError for another
+// dtype, and for float16 with libtorch 1.13 (its CPU autocast supports bfloat16 only).
 class AutocastGuard {
  public:
   explicit AutocastGuard(torch::ScalarType dtype = torch::kBFloat16, bool enabled = true);
