@@ -324,6 +324,38 @@ TEST(Ddprun, WorkerThatClosesItsStdoutIsStillSupervised) {
   EXPECT_THAT(r.output, HasSubstr("rank 0 exited with code 4"));
 }
 
+TEST(Ddprun, NoPrefixPassesTheBytesThroughUntouched) {
+  // No "[r] ", no newline added to the unterminated last line, and --no_python is accepted.
+  const std::string text = "plain line\n{\"k\": [1, 2]}\n\nlast without newline";
+  for (const char* no_python : {"--no-python", "--no_python"}) {
+    const auto r =
+        run_ddprun({"--no-prefix", no_python, "/bin/sh", "-c", "printf '%s' \"$0\"", text});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output, text);
+  }
+}
+
+TEST(Ddprun, NoPrefixOutputOfARealJobParsesAsJson) {
+  // What a user pipes: ddp-bench's JSON rows through ddprun into a JSON reader.
+  const std::string bench = built_program("ddp-bench");
+  if (::access(bench.c_str(), X_OK) != 0) GTEST_SKIP() << "ddp-bench is not built";
+  if (::access("/usr/bin/python3", X_OK) != 0) GTEST_SKIP() << "/usr/bin/python3 is missing";
+  const std::string reader =
+      "import json, sys\n"
+      "rows = [json.loads(line) for line in sys.stdin]\n"
+      "assert rows and all(row['op'] == 'allreduce' for row in rows), rows\n"
+      "print('parsed', len(rows), 'rows')";
+  const std::string pipeline = fmt::format(
+      "set -o pipefail 2>/dev/null; '{}' --no-prefix --standalone --nproc-per-node 2 '{}' --op "
+      "allreduce --min-bytes 1K --max-bytes 4K --iters 3 --warmup 1 --json | /usr/bin/python3 -c "
+      "\"$0\"",
+      ddprun(), bench);
+  auto p = Subprocess::start({"/bin/bash", "-c", pipeline, reader});
+  const auto r = p.wait(60s);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("parsed 3 rows"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Failures
 

@@ -74,6 +74,13 @@ TEST(ParseCommandLine, AcceptsTorchrunSpellingsAndADoubleDash) {
   EXPECT_EQ(options.args, (std::vector<std::string>{"a"}));
 }
 
+TEST(ParseCommandLine, NoPrefixAndTorchrunsNoPythonAreAccepted) {
+  EXPECT_TRUE(parse({"/bin/true"}).prefix_output);
+  EXPECT_FALSE(parse({"--no-prefix", "/bin/true"}).prefix_output);
+  EXPECT_FALSE(parse({"--no_prefix", "--no_python", "/bin/true"}).prefix_output);
+  EXPECT_EQ(parse({"--no-python", "/bin/echo", "x"}).args, (std::vector<std::string>{"x"}));
+}
+
 TEST(ParseCommandLine, FindsTheProgramOnPath) {
   const LaunchOptions options = parse({"sh", "-c", "true"});
   EXPECT_EQ(options.program, "sh");

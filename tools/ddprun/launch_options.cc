@@ -158,6 +158,14 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   app.add_flag("--no-env-tuning", no_env_tuning,
                "Do not add GLIBC_TUNABLES (malloc keeps freed memory) and OPENBLAS_CORETYPE (when "
                "OpenBLAS does not know this CPU) to the workers' environment");
+  bool no_prefix = false;
+  app.add_flag("--no-prefix,--no_prefix", no_prefix,
+               "Pass the workers' output through exactly as written, without the '[rank] ' in "
+               "front of each line (lines stay whole); for machine-readable output");
+  bool no_python = false;
+  app.add_flag("--no-python,--no_python", no_python,
+               "Accepted for torchrun compatibility; ddprun always runs PROGRAM directly (a "
+               "Python script needs its interpreter: 'ddprun python3 train.py')");
   app.add_option("--secret-file,--secret_file", options.secret_file,
                  "File holding the job's secret (not readable by other users): turns on "
                  "authentication of the store and of every connection between workers; the "
@@ -254,6 +262,7 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   options.program_path = resolve_program(options.program, std::getenv("PATH"));
   options.args.assign(command.begin() + 1, command.end());
   options.env_tuning = !no_env_tuning;
+  options.prefix_output = !no_prefix;
   return options;
 }
 

@@ -40,6 +40,9 @@ struct LaunchOptions {
   int max_restarts = 0;
   // Add the variables of env_tuning.h to the workers' environment (--no-env-tuning: don't).
   bool env_tuning = true;
+  // Put "[rank] " in front of each line on the console (--no-prefix: pass the bytes through as
+  // written, still in whole lines, so machine-readable output survives).
+  bool prefix_output = true;
   // How long stopping workers get between SIGTERM (or the forwarded signal) and SIGKILL.
   std::chrono::milliseconds grace_period{5000};
   // --secret-file: absolute path of a file holding the job's secret (checked when parsed). The

@@ -286,12 +286,18 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
   ::fcntl(out_pipe[0], F_SETFL, O_NONBLOCK);
   ::fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
 
-  const std::string prefix = fmt::format("[{}] ", worker.global_rank);
+  // --no-prefix keeps lines whole (two workers' JSON lines must not mix) but adds no byte.
+  const std::string prefix =
+      options_.prefix_output ? fmt::format("[{}] ", worker.global_rank) : std::string();
+  const auto ending = options_.prefix_output ? LineAssembler::Ending::kAddNewline
+                                             : LineAssembler::Ending::kVerbatim;
   worker.pid = pid;
   worker.running = true;
   worker.wait_status = 0;
-  worker.out = Stream{out_pipe[0], &stdout_sink_, LineAssembler(prefix)};
-  worker.err = Stream{err_pipe[0], &stderr_sink_, LineAssembler(prefix)};
+  worker.out = Stream{out_pipe[0], &stdout_sink_,
+                      LineAssembler(prefix, LineAssembler::kDefaultMaxLine, ending)};
+  worker.err = Stream{err_pipe[0], &stderr_sink_,
+                      LineAssembler(prefix, LineAssembler::kDefaultMaxLine, ending)};
 
   // The pipe closes on a successful exec (CLOEXEC) or carries errno when exec failed.
   int exec_errno = 0;
