@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ddprun/env_tuning.h"
+#include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
 
@@ -435,6 +436,26 @@ TEST(Ddprun, RendezvousOptionsReachTheWorkers) {
     EXPECT_EQ(env.at("MASTER_PORT"), "29577") << rank;
     EXPECT_EQ(env.at("TORCHELASTIC_RUN_ID"), "job42") << rank;
   }
+}
+
+TEST(Ddprun, ARendezvousThatWaitsLongWarnsUntilItsDeadline) {
+  // Node 0 of a two-node job is started alone: its rank waits for node 1, says so every 0.4 s
+  // (DDP_WAIT_WARN_SECONDS), and fails at the 1.5 s deadline naming the missing rank.
+  const std::string bench = built_program("ddp-bench");
+  if (::access(bench.c_str(), X_OK) != 0) GTEST_SKIP() << "ddp-bench is not built";
+  const auto r = run_ddprun({"--nnodes", "2", "--node-rank", "0", "--master-port",
+                             std::to_string(free_port()), bench, "--op", "barrier"},
+                            {{"DDP_WAIT_WARN_SECONDS", "0.4"}, {"DDP_TIMEOUT", "1.5"}});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const std::regex warning(
+      R"(\[0\] ddp: rank 0: the rendezvous has waited [0-9.]+ s for 1 of 2 ranks: missing rank\(s\) 1 on node\(s\) 1 \(of 2\); it gives up after 1\.5 s \(DDP_TIMEOUT\))");
+  int warnings = 0;
+  for (const auto& line : split_lines(r.output)) {
+    if (std::regex_match(line, warning)) ++warnings;
+  }
+  EXPECT_GE(warnings, 2) << r.output;
+  EXPECT_LE(warnings, 3) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("missing rank(s): 1"));
 }
 
 // ---------------------------------------------------------------------------------------------
