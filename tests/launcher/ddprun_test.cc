@@ -425,6 +425,25 @@ TEST(Ddprun, LogDirKeepsEachRestartAttemptApartAndAPresetDumpDir) {
   EXPECT_EQ(read_file(dir.file("logs") + "/none/attempt_0/0/stdout.log"), "second run\n");
 }
 
+TEST(Ddprun, ALogFileThatCannotBeWrittenIsReportedAndTheJobGoesOn) {
+  if (::access("/dev/full", W_OK) != 0) GTEST_SKIP() << "/dev/full is not available";
+  TempDir dir;
+  // Rank 0's stdout.log is a link to /dev/full: every write fails with ENOSPC, like a full disk.
+  const std::string rank_dir = dir.file("logs") + "/none/attempt_0/0";
+  std::filesystem::create_directories(rank_dir);
+  std::filesystem::create_symlink("/dev/full", rank_dir + "/stdout.log");
+  const auto r = run_ddprun(
+      {"--log-dir", dir.file("logs"), "/bin/sh", "-c", "echo one; echo two; echo three >&2"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("ddprun: cannot write '" + rank_dir +
+                                  "/stdout.log': No space left on device; the rest of this "
+                                  "stream is not logged"));
+  // Once per stream, and the console still has everything.
+  EXPECT_EQ(r.output.find("cannot write"), r.output.rfind("cannot write")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[0] one\n[0] two\n"));
+  EXPECT_EQ(read_file(rank_dir + "/stderr.log"), "three\n");
+}
+
 TEST(Ddprun, RendezvousOptionsReachTheWorkers) {
   const auto r = run_ddprun({"--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29577",
                              "--rdzv-id", "job42", "--nproc-per-node", "2", "/usr/bin/env"});

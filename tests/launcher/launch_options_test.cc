@@ -247,6 +247,8 @@ TEST(ParseCommandLine, RendezvousOptionsMapOntoTheMastersAddress) {
   EXPECT_THAT(usage_error({"--rdzv-endpoint", "h:1", "--standalone", "/bin/true"}),
               HasSubstr("--standalone"));
   EXPECT_THAT(usage_error({"--rdzv-id", "", "/bin/true"}), HasSubstr("--rdzv-id"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "h:0", "--nnodes", "2", "/bin/true"}),
+              HasSubstr("--rdzv-endpoint port 0"));
 }
 
 TEST(ResolveProgram, ReportsMissingAndNonExecutablePrograms) {

@@ -437,9 +437,10 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
                                  options.nnodes));
   }
   if (options.master_port == 0 && options.nnodes > 1) {
-    throw UsageError(
-        "--master-port 0 (pick a free port) works only with --nnodes 1: every node must be "
-        "given the same port");
+    throw UsageError(fmt::format(
+        "{} 0 (pick a free port) works only with --nnodes 1: every node must be given the same "
+        "port",
+        rdzv_endpoint.empty() ? "--master-port" : "--rdzv-endpoint port"));
   }
   if (options.master_addr.empty()) throw UsageError("--master-addr is empty");
   if (static_cast<long>(options.nnodes) * options.nproc_per_node > (1L << 24)) {
