@@ -175,7 +175,11 @@ std::shared_ptr<Store> connect_store_warning(const LaunchEnvironment& env, Milli
       return connect_store(env, timeout, slice);
     } catch (const TimeoutError&) {
       if (slice_end >= deadline || net::Clock::now() >= deadline) throw;
-      if (!warnings.due()) continue;  // a connect that gave up early: try again
+      if (!warnings.due()) {
+        // A connect that gave up before its slice ended: try again, without spinning.
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        continue;
+      }
       warnings.warn(fmt::format(
           "for the rendezvous store at {}:{}, which global rank 0 hosts (is rank 0 running, and "
           "do MASTER_ADDR and MASTER_PORT point at its host?)",
