@@ -14,6 +14,10 @@
 //
 // Deadline: InitOptions::timeout, else the environment variable DDP_TIMEOUT (seconds), else
 // 300 s. It bounds connecting, and waiting for the other ranks.
+// While it waits longer than InitOptions::wait_warning (else DDP_WAIT_WARN_SECONDS, else 30 s),
+// local rank 0 of each node warns, and again at every such interval until the deadline, naming
+// what it waits for: rank 0's store, or which ranks (and nodes) have not arrived, how many of
+// how many.
 //
 // Errors (nothing waits past the deadline):
 //   ConfigError   bad launch variables (see launch_environment.h), MASTER_PORT already in use on
@@ -26,6 +30,7 @@
 // store: destroy it after a final barrier.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -40,6 +45,10 @@ struct InitOptions {
   std::string backend;                  // "" = DDP_BACKEND, else chosen from the launcher
   std::optional<Milliseconds> timeout;  // "" = DDP_TIMEOUT, else kDefaultTimeout
   std::shared_ptr<Store> store;         // use this store instead of connecting to the master
+  // Interval of the waiting warnings: unset = DDP_WAIT_WARN_SECONDS, else 30 s; zero = none.
+  std::optional<Milliseconds> wait_warning;
+  // Receives each warning line; default: the line on stderr.
+  std::function<void(const std::string& line)> warn;
   // Backend "mpi" only (MpiOptions::abort_on_failure): on the group's first failure end the whole
   // job with MPI_Abort (true), or throw the CommError to this rank only (false).
   bool mpi_abort_on_failure = true;

@@ -2,13 +2,17 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
+#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "ddp/error.h"
 #include "ddp/tcp_store.h"
@@ -56,14 +60,86 @@ std::string store_listen_host(const LaunchEnvironment& env) {
   return env.master_addr;
 }
 
-std::shared_ptr<Store> connect_store(const LaunchEnvironment& env, Milliseconds timeout) {
+// Says what a rank waits for while the rendezvous takes longer than `interval`, and again every
+// interval: one line from local rank 0 of each node, so that a node's log shows why it stalls
+// without one line per rank.
+class WaitWarnings {
+ public:
+  WaitWarnings(const LaunchEnvironment& env, Milliseconds interval, Milliseconds timeout,
+               std::function<void(const std::string&)> sink)
+      : env_(env),
+        interval_(env.local_rank == 0 ? interval : Milliseconds(0)),
+        timeout_(timeout),
+        sink_(std::move(sink)),
+        start_(net::Clock::now()),
+        next_(start_ + interval_) {
+    if (!sink_) sink_ = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  }
+
+  // The next moment a warning is due (the far future when warnings are off).
+  net::Clock::time_point next() const {
+    return interval_.count() > 0 ? next_ : net::Clock::time_point::max();
+  }
+  bool due() const { return net::Clock::now() >= next(); }
+
+  // Emits `what` ("for ...") with the time waited so far, and schedules the next warning.
+  void warn(const std::string& what) {
+    const auto waited = std::chrono::duration_cast<Milliseconds>(net::Clock::now() - start_);
+    const std::string line = fmt::format(
+        "ddp: rank {}: the rendezvous has waited {} {}; it gives up after {} "
+        "(DDP_TIMEOUT)",
+        env_.rank, seconds_text(waited), what, seconds_text(timeout_));
+    try {
+      sink_(line);
+    } catch (...) {
+      // A failing warning sink must not turn a slow start into a failed one.
+    }
+    while (next_ <= net::Clock::now())
+      next_ += interval_;
+  }
+
+ private:
+  const LaunchEnvironment& env_;
+  Milliseconds interval_;
+  Milliseconds timeout_;
+  std::function<void(const std::string&)> sink_;
+  net::Clock::time_point start_;
+  net::Clock::time_point next_;
+};
+
+// "1, 4, 5" or, for a long list, its start and how many more.
+std::string rank_list(const std::vector<int>& ranks) {
+  constexpr std::size_t kShown = 16;
+  if (ranks.size() <= kShown) return fmt::format("{}", fmt::join(ranks, ", "));
+  return fmt::format("{}, ... ({} more)", fmt::join(ranks.begin(), ranks.begin() + kShown, ", "),
+                     ranks.size() - kShown);
+}
+
+// The nodes of `ranks` when the job has the same number of ranks on every node (as ddprun and
+// torchrun start them), e.g. " on node(s) 1, 3"; "" for a one-node job or an uneven layout.
+std::string node_list(const std::vector<int>& ranks, const LaunchEnvironment& env) {
+  if (env.local_world_size <= 0 || env.local_world_size >= env.world_size ||
+      env.world_size % env.local_world_size != 0) {
+    return "";
+  }
+  std::vector<int> nodes;
+  for (const int rank : ranks) {
+    const int node = rank / env.local_world_size;
+    if (nodes.empty() || nodes.back() != node) nodes.push_back(node);
+  }
+  return fmt::format(" on node(s) {} (of {})", rank_list(nodes),
+                     env.world_size / env.local_world_size);
+}
+
+std::shared_ptr<Store> connect_store(const LaunchEnvironment& env, Milliseconds timeout,
+                                     Milliseconds connect_timeout) {
   const bool is_server = env.rank == 0;
   try {
     return std::make_shared<TcpStore>(
         env.master_addr, env.master_port,
         TcpStoreOptions{.is_server = is_server,
                         .timeout = timeout,
-                        .connect_timeout = timeout,
+                        .connect_timeout = connect_timeout,
                         .listen_host = is_server ? store_listen_host(env) : std::string(),
                         .auth_secret = env.secret});
   } catch (const ConfigError& e) {
@@ -83,6 +159,32 @@ std::shared_ptr<Store> connect_store(const LaunchEnvironment& env, Milliseconds 
         "rank {} could not reach the rendezvous store at {}:{} within {}: is rank 0 running, and "
         "do MASTER_ADDR and MASTER_PORT point at its host? ({})",
         env.rank, env.master_addr, env.master_port, seconds_text(timeout), e.what()));
+  }
+}
+
+// connect_store within `timeout`, in slices that end when a warning is due, so that a rank that
+// waits for rank 0's store says so.
+std::shared_ptr<Store> connect_store_warning(const LaunchEnvironment& env, Milliseconds timeout,
+                                             WaitWarnings& warnings) {
+  const auto deadline = net::deadline_after(timeout);
+  for (;;) {
+    const auto slice_end = std::min(deadline, warnings.next());
+    const auto slice = std::max(
+        Milliseconds(1), std::chrono::duration_cast<Milliseconds>(slice_end - net::Clock::now()));
+    try {
+      return connect_store(env, timeout, slice);
+    } catch (const TimeoutError&) {
+      if (slice_end >= deadline || net::Clock::now() >= deadline) throw;
+      if (!warnings.due()) {
+        // A connect that gave up before its slice ended: try again, without spinning.
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        continue;
+      }
+      warnings.warn(fmt::format(
+          "for the rendezvous store at {}:{}, which global rank 0 hosts (is rank 0 running, and "
+          "do MASTER_ADDR and MASTER_PORT point at its host?)",
+          env.master_addr, env.master_port));
+    }
   }
 }
 
@@ -106,7 +208,7 @@ std::vector<int> missing_ranks(Store& store, const Keys& keys, int world_size) {
 }
 
 void wait_for_world(Store& store, const Keys& keys, const LaunchEnvironment& env,
-                    Milliseconds timeout) {
+                    Milliseconds timeout, WaitWarnings& warnings) {
   const auto deadline = net::deadline_after(timeout);
   const std::vector<std::string> complete{keys.complete()};
   const std::vector<std::string> error{keys.error()};
@@ -121,6 +223,11 @@ void wait_for_world(Store& store, const Keys& keys, const LaunchEnvironment& env
         throw ConfigError(value);
       }
       if (net::Clock::now() >= deadline) break;
+      if (warnings.due()) {
+        const auto missing = missing_ranks(store, keys, env.world_size);
+        warnings.warn(fmt::format("for {} of {} ranks: missing rank(s) {}{}", missing.size(),
+                                  env.world_size, rank_list(missing), node_list(missing, env)));
+      }
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(50));
     }
@@ -168,7 +275,16 @@ World rendezvous(const InitOptions& options) {
   world.timeout = resolve_timeout(options.timeout);
   const auto& env = world.environment;
 
-  world.store = options.store ? options.store : connect_store(env, world.timeout);
+  WaitWarnings warnings(env,
+                        options.wait_warning ? *options.wait_warning : settings::wait_warning(),
+                        world.timeout, options.warn);
+  if (options.store) {
+    world.store = options.store;
+  } else if (env.rank == 0) {
+    world.store = connect_store(env, world.timeout, world.timeout);  // it starts the server
+  } else {
+    world.store = connect_store_warning(env, world.timeout, warnings);
+  }
   Store& store = *world.store;
   const Keys keys{fmt::format("ddp/rendezvous/{}", env.restart_count)};
 
@@ -189,7 +305,7 @@ World rendezvous(const InitOptions& options) {
                                 env.rank, size_text, agreed_size));
   }
   if (store.add(keys.arrived(), 1) == env.world_size) store.set(keys.complete(), "1");
-  wait_for_world(store, keys, env, world.timeout);
+  wait_for_world(store, keys, env, world.timeout, warnings);
   return world;
 }
 

@@ -37,6 +37,22 @@ Milliseconds timeout(const Lookup& lookup) {
   return Milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
 }
 
+Milliseconds wait_warning(const Lookup& lookup) {
+  const auto text = lookup("DDP_WAIT_WARN_SECONDS");
+  if (!text) return kDefaultWaitWarning;
+  double seconds = 0;
+  const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+  if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() ||
+      !std::isfinite(seconds) || seconds < 0 || seconds > 1e9) {
+    throw ConfigError(fmt::format(
+        "DDP_WAIT_WARN_SECONDS='{}' is not a number of seconds (e.g. DDP_WAIT_WARN_SECONDS=30; 0 "
+        "turns the warnings off)",
+        *text));
+  }
+  if (seconds == 0) return Milliseconds(0);
+  return Milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
+}
+
 std::string transport(const Lookup& lookup) {
   return value_or_empty(lookup, "DDP_TRANSPORT");
 }

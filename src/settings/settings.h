@@ -24,6 +24,13 @@ std::optional<std::string> environment(const std::string& name);
 // DDP_TIMEOUT (seconds, may be fractional) when set, else kDefaultTimeout.
 Milliseconds timeout(const Lookup& lookup = environment);
 
+// How long a wait (the rendezvous) goes on before a warning names what it waits for; the warning
+// repeats at this interval until the deadline.
+inline constexpr Milliseconds kDefaultWaitWarning{30'000};
+// DDP_WAIT_WARN_SECONDS (seconds, may be fractional; 0 = never warn) when set, else
+// kDefaultWaitWarning.
+Milliseconds wait_warning(const Lookup& lookup = environment);
+
 // The ring backend's variables ("" when unset or empty):
 // DDP_TRANSPORT: "auto" or "tcp" (checked by the backend, which names the valid values).
 std::string transport(const Lookup& lookup = environment);

@@ -3,8 +3,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <cstdlib>
 #include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "ddp/error.h"
 #include "net/socket.h"
@@ -138,6 +143,69 @@ TEST(Rendezvous, MissingRanksAreNamedAfterTheDeadline) {
     EXPECT_EQ(r.exit_code, 1) << test::describe(results);
     EXPECT_THAT(r.error, HasSubstr("missing rank(s): 2")) << test::describe(results);
   }
+}
+
+TEST(Rendezvous, LongWaitsWarnNamingTheMissingRanksUntilTheDeadline) {
+  // Two nodes of two ranks; rank 3 (node 1) never comes. Local rank 0 of each node warns every
+  // 300 ms until the 1.6 s deadline; local rank 1 stays quiet.
+  const int port = test::free_port();
+  const auto results = run_ranks(
+      3,
+      [&](int rank) {
+        std::vector<std::string> lines;
+        InitOptions options = options_for(rank, 4, port, 1600ms);
+        options.launch.local_rank = rank % 2;
+        options.launch.local_world_size = 2;
+        options.wait_warning = 300ms;
+        options.warn = [&](const std::string& line) { lines.push_back(line); };
+        try {
+          rendezvous(options);
+        } catch (const TimeoutError&) {
+        }
+        const std::string all = fmt::format("{}", fmt::join(lines, "\n"));
+        if (rank == 1) {
+          if (!lines.empty()) throw std::runtime_error("local rank 1 warned: " + all);
+          return;
+        }
+        if (lines.size() < 2 || lines.size() > 6) {
+          throw std::runtime_error(fmt::format("{} warnings: {}", lines.size(), all));
+        }
+        for (const std::string& line : lines) {
+          for (const std::string& needle :
+               {fmt::format("ddp: rank {}: the rendezvous has waited", rank),
+                std::string("for 1 of 4 ranks: missing rank(s) 3 on node(s) 1 (of 2)"),
+                std::string("it gives up after 1.6 s")}) {
+            if (line.find(needle) == std::string::npos) {
+              throw std::runtime_error(fmt::format("'{}' lacks '{}'", line, needle));
+            }
+          }
+        }
+      },
+      30s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Rendezvous, ARankWaitingForTheStoreWarnsThatItWaitsForRankZero) {
+  const int port = test::free_port();  // nobody listens: rank 0 never starts
+  std::vector<std::string> lines;
+  InitOptions options = options_for(1, 2, port, 1200ms);
+  options.launch.local_rank = 0;  // the first rank of node 1
+  options.launch.local_world_size = 1;
+  options.wait_warning = 250ms;
+  options.warn = [&](const std::string& line) { lines.push_back(line); };
+  EXPECT_THROW(rendezvous(options), TimeoutError);
+  ASSERT_GE(lines.size(), 2u);
+  EXPECT_LE(lines.size(), 5u) << fmt::format("{}", fmt::join(lines, "\n"));
+  EXPECT_THAT(lines[0], HasSubstr(fmt::format("ddp: rank 1: the rendezvous has waited 0.2")));
+  EXPECT_THAT(lines[0],
+              HasSubstr(fmt::format(
+                  "for the rendezvous store at 127.0.0.1:{}, which global rank 0 hosts", port)));
+  // Zero turns the warnings off.
+  lines.clear();
+  options.wait_warning = 0ms;
+  options.timeout = 600ms;
+  EXPECT_THROW(rendezvous(options), TimeoutError);
+  EXPECT_TRUE(lines.empty());
 }
 
 TEST(Rendezvous, JobOfOneNeedsNoLauncher) {

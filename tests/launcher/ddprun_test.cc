@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ddprun/env_tuning.h"
+#include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
 
@@ -322,6 +323,158 @@ TEST(Ddprun, WorkerThatClosesItsStdoutIsStillSupervised) {
   EXPECT_THAT(r.output, HasSubstr("[0] before\n"));
   EXPECT_THAT(r.output, HasSubstr("[0] after\n"));
   EXPECT_THAT(r.output, HasSubstr("rank 0 exited with code 4"));
+}
+
+TEST(Ddprun, NoPrefixPassesTheBytesThroughUntouched) {
+  // No "[r] ", no newline added to the unterminated last line, and --no_python is accepted.
+  const std::string text = "plain line\n{\"k\": [1, 2]}\n\nlast without newline";
+  for (const char* no_python : {"--no-python", "--no_python"}) {
+    const auto r =
+        run_ddprun({"--no-prefix", no_python, "/bin/sh", "-c", "printf '%s' \"$0\"", text});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output, text);
+  }
+}
+
+TEST(Ddprun, NoPrefixOutputOfARealJobParsesAsJson) {
+  // What a user pipes: ddp-bench's JSON rows through ddprun into a JSON reader.
+  const std::string bench = built_program("ddp-bench");
+  if (::access(bench.c_str(), X_OK) != 0) GTEST_SKIP() << "ddp-bench is not built";
+  if (::access("/usr/bin/python3", X_OK) != 0) GTEST_SKIP() << "/usr/bin/python3 is missing";
+  const std::string reader =
+      "import json, sys\n"
+      "rows = [json.loads(line) for line in sys.stdin]\n"
+      "assert rows and all(row['op'] == 'allreduce' for row in rows), rows\n"
+      "print('parsed', len(rows), 'rows')";
+  const std::string pipeline = fmt::format(
+      "set -o pipefail 2>/dev/null; '{}' --no-prefix --standalone --nproc-per-node 2 '{}' --op "
+      "allreduce --min-bytes 1K --max-bytes 4K --iters 3 --warmup 1 --json | /usr/bin/python3 -c "
+      "\"$0\"",
+      ddprun(), bench);
+  auto p = Subprocess::start({"/bin/bash", "-c", pipeline, reader});
+  const auto r = p.wait(60s);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("parsed 3 rows"));
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+TEST(Ddprun, LogDirGetsEveryStreamAsWrittenAndTheConsoleFollowsRedirectsTeeAndFilter) {
+  TempDir dir;
+  // Rank 0: stdout to the file only. Rank 1: both streams redirected, stderr teed back. Rank 2:
+  // filtered off the console. Every file gets its stream byte for byte.
+  auto p = Subprocess::start(
+      {"/bin/sh", "-c", R"(exec "$0" "$@" 2>")" + dir.file("console-err") + "\"", ddprun(),
+       "--nproc-per-node", "3", "--log-dir", dir.file("logs"), "--redirects", "0:1,1:3", "--tee",
+       "1:2", "--local-ranks-filter", "0,1", "/bin/sh", "-c",
+       R"(printf 'out %s\nno newline' "$RANK"; printf 'err %s\n' "$RANK" >&2; echo "dump=$DDP_DUMP_DIR" >&2)"},
+      {{"DDP_DUMP_DIR", std::nullopt}});
+  const auto r = p.wait(30s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string console_err = read_file(dir.file("console-err"));
+  const std::string attempt = dir.file("logs") + "/none/attempt_0";
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE(fmt::format("rank {}", rank));
+    EXPECT_EQ(read_file(fmt::format("{}/{}/stdout.log", attempt, rank)),
+              fmt::format("out {}\nno newline", rank));
+    EXPECT_EQ(read_file(fmt::format("{}/{}/stderr.log", attempt, rank)),
+              fmt::format("err {}\ndump={}\n", rank, attempt));
+  }
+  // The console (stdout of ddprun in r.output, its stderr in console-err).
+  EXPECT_THAT(r.output, Not(HasSubstr("out 0")));
+  EXPECT_THAT(r.output, Not(HasSubstr("out 1")));
+  EXPECT_THAT(r.output, Not(HasSubstr("out 2")));
+  EXPECT_THAT(console_err, HasSubstr("[0] err 0\n"));
+  EXPECT_THAT(console_err, HasSubstr("[1] err 1\n"));
+  EXPECT_THAT(console_err, Not(HasSubstr("err 2")));
+  EXPECT_THAT(console_err, HasSubstr("ddprun: writing the workers' output to " + attempt));
+
+  // Without --redirects every stream reaches the console as well as the files.
+  const auto both = run_ddprun({"--nproc-per-node", "2", "--log-dir", dir.file("logs2"),
+                                "--rdzv-id", "run-2", "/bin/sh", "-c", "echo hello $RANK"});
+  ASSERT_EQ(both.exit_code, 0) << both.output;
+  EXPECT_THAT(both.output, HasSubstr("[0] hello 0\n"));
+  EXPECT_THAT(both.output, HasSubstr("[1] hello 1\n"));
+  EXPECT_EQ(read_file(dir.file("logs2") + "/run-2/attempt_0/1/stdout.log"), "hello 1\n");
+}
+
+TEST(Ddprun, LogDirKeepsEachRestartAttemptApartAndAPresetDumpDir) {
+  TempDir dir;
+  // The first attempt fails, the second succeeds: each writes its own folder.
+  const auto r = run_ddprun(
+      {"--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", dir.file("logs"),
+       "--grace-period", "0.2", "/bin/sh", "-c",
+       R"(echo "attempt $DDP_RESTART_COUNT dump $DDP_DUMP_DIR"; [ "$DDP_RESTART_COUNT" = 1 ] || [ "$RANK" = 0 ] || exit 3)"},
+      {{"DDP_DUMP_DIR", "/somewhere/else"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(read_file(fmt::format("{}/none/attempt_{}/{}/stdout.log", dir.file("logs"), attempt,
+                                      rank)),
+                fmt::format("attempt {} dump /somewhere/else\n", attempt));
+    }
+  }
+  // A second run with the same run id replaces the files, and says so.
+  const auto again =
+      run_ddprun({"--log-dir", dir.file("logs"), "/bin/sh", "-c", "echo second run"});
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_THAT(again.output, HasSubstr("replacing the logs of an earlier run"));
+  EXPECT_EQ(read_file(dir.file("logs") + "/none/attempt_0/0/stdout.log"), "second run\n");
+}
+
+TEST(Ddprun, ALogFileThatCannotBeWrittenIsReportedAndTheJobGoesOn) {
+  if (::access("/dev/full", W_OK) != 0) GTEST_SKIP() << "/dev/full is not available";
+  TempDir dir;
+  // Rank 0's stdout.log is a link to /dev/full: every write fails with ENOSPC, like a full disk.
+  const std::string rank_dir = dir.file("logs") + "/none/attempt_0/0";
+  std::filesystem::create_directories(rank_dir);
+  std::filesystem::create_symlink("/dev/full", rank_dir + "/stdout.log");
+  const auto r = run_ddprun(
+      {"--log-dir", dir.file("logs"), "/bin/sh", "-c", "echo one; echo two; echo three >&2"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("ddprun: cannot write '" + rank_dir +
+                                  "/stdout.log': No space left on device; the rest of this "
+                                  "stream is not logged"));
+  // Once per stream, and the console still has everything.
+  EXPECT_EQ(r.output.find("cannot write"), r.output.rfind("cannot write")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[0] one\n[0] two\n"));
+  EXPECT_EQ(read_file(rank_dir + "/stderr.log"), "three\n");
+}
+
+TEST(Ddprun, RendezvousOptionsReachTheWorkers) {
+  const auto r = run_ddprun({"--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29577",
+                             "--rdzv-id", "job42", "--nproc-per-node", "2", "/usr/bin/env"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto envs = env_by_rank(r.output);
+  ASSERT_EQ(envs.size(), 2u) << r.output;
+  for (const auto& [rank, env] : envs) {
+    EXPECT_EQ(env.at("MASTER_ADDR"), "127.0.0.1") << rank;
+    EXPECT_EQ(env.at("MASTER_PORT"), "29577") << rank;
+    EXPECT_EQ(env.at("TORCHELASTIC_RUN_ID"), "job42") << rank;
+  }
+}
+
+TEST(Ddprun, ARendezvousThatWaitsLongWarnsUntilItsDeadline) {
+  // Node 0 of a two-node job is started alone: its rank waits for node 1, says so every 0.4 s
+  // (DDP_WAIT_WARN_SECONDS), and fails at the 1.5 s deadline naming the missing rank.
+  const std::string bench = built_program("ddp-bench");
+  if (::access(bench.c_str(), X_OK) != 0) GTEST_SKIP() << "ddp-bench is not built";
+  const auto r = run_ddprun({"--nnodes", "2", "--node-rank", "0", "--master-port",
+                             std::to_string(free_port()), bench, "--op", "barrier"},
+                            {{"DDP_WAIT_WARN_SECONDS", "0.4"}, {"DDP_TIMEOUT", "1.5"}});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const std::regex warning(
+      R"(\[0\] ddp: rank 0: the rendezvous has waited [0-9.]+ s for 1 of 2 ranks: missing rank\(s\) 1 on node\(s\) 1 \(of 2\); it gives up after 1\.5 s \(DDP_TIMEOUT\))");
+  int warnings = 0;
+  for (const auto& line : split_lines(r.output)) {
+    if (std::regex_match(line, warning)) ++warnings;
+  }
+  EXPECT_GE(warnings, 2) << r.output;
+  EXPECT_LE(warnings, 3) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("missing rank(s): 1"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -638,6 +791,13 @@ TEST(Ddprun, BadOptionsExitWithTwoBeforeStartingAnything) {
       {{"--master-port", "65536"}, "--master-port"},
       {{"--grace-period", "soon"}, "--grace-period"},
       {{"--no-such-option"}, "--no-such-option"},
+      {{"--log-dir", "/dev/null/logs"}, "--log-dir: cannot create the folder"},
+      {{"--log-dir", dir.file("logs"), "--redirects", "4"}, "--redirects"},
+      {{"--log-dir", dir.file("logs"), "--tee", "0:3,x"}, "--tee"},
+      {{"--redirects", "3"}, "--log-dir"},
+      {{"--local-ranks-filter", "0,1"}, "--local-ranks-filter: local rank 1 does not exist"},
+      {{"--rdzv-backend", "etcd-v2"}, "--rdzv-backend"},
+      {{"--rdzv-endpoint", "host:"}, "--rdzv-endpoint"},
   };
   for (const auto& [options, named] : cases) {
     std::vector<std::string> args = options;

@@ -74,6 +74,13 @@ TEST(ParseCommandLine, AcceptsTorchrunSpellingsAndADoubleDash) {
   EXPECT_EQ(options.args, (std::vector<std::string>{"a"}));
 }
 
+TEST(ParseCommandLine, NoPrefixAndTorchrunsNoPythonAreAccepted) {
+  EXPECT_TRUE(parse({"/bin/true"}).prefix_output);
+  EXPECT_FALSE(parse({"--no-prefix", "/bin/true"}).prefix_output);
+  EXPECT_FALSE(parse({"--no_prefix", "--no_python", "/bin/true"}).prefix_output);
+  EXPECT_EQ(parse({"--no-python", "/bin/echo", "x"}).args, (std::vector<std::string>{"x"}));
+}
+
 TEST(ParseCommandLine, FindsTheProgramOnPath) {
   const LaunchOptions options = parse({"sh", "-c", "true"});
   EXPECT_EQ(options.program, "sh");
@@ -93,6 +100,19 @@ TEST(ParseCommandLine, HelpReturnsNothing) {
   std::ostringstream help;
   EXPECT_FALSE(parse_command_line({"--help"}, help).has_value());
   EXPECT_THAT(help.str(), HasSubstr("--nproc-per-node"));
+  EXPECT_THAT(help.str(), HasSubstr("Usage: ddprun [OPTIONS] PROGRAM [ARGS...]"));
+  for (const char* group : {"Job size:", "Rendezvous:", "Failures and restarts:", "Output:"}) {
+    EXPECT_THAT(help.str(), HasSubstr(group));
+  }
+  for (const char* option : {"--log-dir", "--redirects", "--tee", "--local-ranks-filter",
+                             "--no-prefix", "--no-python", "--rdzv-endpoint"}) {
+    EXPECT_THAT(help.str(), HasSubstr(option));
+  }
+  // No line wider than a terminal.
+  std::istringstream lines(help.str());
+  for (std::string line; std::getline(lines, line);) {
+    EXPECT_LE(line.size(), 100u) << line;
+  }
 }
 
 TEST(ParseCommandLine, BadInputNamesTheOption) {
@@ -112,6 +132,123 @@ TEST(ParseCommandLine, BadInputNamesTheOption) {
   EXPECT_THAT(usage_error({"--no-such-option", "/bin/true"}), HasSubstr("--no-such-option"));
   EXPECT_THAT(usage_error({}), HasSubstr("PROGRAM"));
   EXPECT_THAT(usage_error({"--nproc-per-node", "2"}), HasSubstr("PROGRAM"));
+}
+
+TEST(ParseCommandLine, RedirectsTeeAndFilterFollowTorchrunsValues) {
+  char dir_template[] = "/tmp/ddprun-logs-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const LaunchOptions plain = parse({"--nproc-per-node", "3", "/bin/true"});
+  EXPECT_FALSE(plain.log_dir.enabled());
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_TRUE(plain.output.to_console(rank, kStdout));
+    EXPECT_TRUE(plain.output.to_console(rank, kStderr));
+  }
+  // One value for every rank: 1 = stdout to the files only.
+  const LaunchOptions all =
+      parse({"--nproc-per-node", "2", "--log-dir", dir, "--redirects", "1", "/bin/true"});
+  EXPECT_TRUE(all.log_dir.enabled());
+  EXPECT_EQ(all.log_dir.run_dir(), dir + "/none");
+  EXPECT_FALSE(all.output.to_console(1, kStdout));
+  EXPECT_TRUE(all.output.to_console(1, kStderr));
+  // Pairs (ranks not named get 0), --tee puts a redirected stream back, the filter hides ranks.
+  const LaunchOptions pairs =
+      parse({"--nproc_per_node", "3", "--log_dir", dir, "-r", "0:3,2:2", "--tee", "0:2",
+             "--local_ranks_filter", "0,2", "--rdzv-id", "job-7", "/bin/true"});
+  EXPECT_EQ(pairs.log_dir.run_dir(), dir + "/job-7");
+  EXPECT_EQ(pairs.log_dir.rank_dir(1, 5), dir + "/job-7/attempt_1/5");
+  EXPECT_EQ(pairs.run_id, "job-7");
+  EXPECT_FALSE(pairs.output.to_console(0, kStdout));
+  EXPECT_TRUE(pairs.output.to_console(0, kStderr));
+  EXPECT_FALSE(pairs.output.to_console(1, kStdout));  // filtered out
+  EXPECT_FALSE(pairs.output.to_console(1, kStderr));
+  EXPECT_TRUE(pairs.output.to_console(2, kStdout));
+  EXPECT_FALSE(pairs.output.to_console(2, kStderr));
+  // The run's folder was made (and proven writable) while parsing, before any worker.
+  EXPECT_TRUE(std::filesystem::is_directory(dir + "/job-7"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir + "/job-7"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ParseCommandLine, BadOutputOptionsAreNamed) {
+  char dir_template[] = "/tmp/ddprun-logs-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const auto with_logs = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {"--nproc-per-node", "2", "--log-dir", dir});
+    args.push_back("/bin/true");
+    return usage_error(args);
+  };
+  EXPECT_THAT(with_logs({"--redirects", "4"}), HasSubstr("--redirects: expected 0 (none)"));
+  EXPECT_THAT(with_logs({"--redirects", "both"}), HasSubstr("got 'both'"));
+  EXPECT_THAT(with_logs({"--tee", "-1"}), HasSubstr("--tee"));
+  EXPECT_THAT(with_logs({"--tee", "0:1,1"}), HasSubstr("'1' in '0:1,1' is not LOCAL_RANK:VALUE"));
+  EXPECT_THAT(with_logs({"--tee", "0:5"}), HasSubstr("--tee: expected 0 (none)"));
+  EXPECT_THAT(with_logs({"--tee", "0:"}), HasSubstr("--tee"));
+  EXPECT_THAT(with_logs({"--redirects", "0:1,0:2"}), HasSubstr("local rank 0 is named twice"));
+  EXPECT_THAT(with_logs({"--redirects", "2:3"}),
+              HasSubstr("--redirects: local rank 2 does not exist: --nproc-per-node is 2"));
+  EXPECT_THAT(with_logs({"--local-ranks-filter", "0,2"}),
+              HasSubstr("--local-ranks-filter: local rank 2 does not exist"));
+  EXPECT_THAT(with_logs({"--local-ranks-filter", "0,,1"}),
+              HasSubstr("--local-ranks-filter: '' in '0,,1' is not a local rank"));
+  EXPECT_THAT(with_logs({"--local-ranks-filter", "x"}),
+              HasSubstr("'x' in 'x' is not a local rank"));
+  // Files need a folder.
+  EXPECT_THAT(usage_error({"--redirects", "3", "/bin/true"}), HasSubstr("give --log-dir DIR"));
+  EXPECT_THAT(usage_error({"--tee", "1", "/bin/true"}), HasSubstr("give --log-dir DIR"));
+  // A folder that cannot be made: inside a regular file (even root cannot).
+  const std::string file = dir + "/a-file";
+  std::ofstream(file) << "x";
+  EXPECT_THAT(usage_error({"--log-dir", file + "/logs", "/bin/true"}),
+              HasSubstr("--log-dir: cannot create the folder '" + file + "/logs/none'"));
+  EXPECT_THAT(usage_error({"--log-dir", file, "/bin/true"}), HasSubstr("--log-dir"));
+  EXPECT_THAT(usage_error({"--log-dir", dir, "--rdzv-id", "../up", "/bin/true"}),
+              HasSubstr("--rdzv-id: '../up' is not a usable run id"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ParseCommandLine, UnwritableLogDirIsAUsageError) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root may write in a read-only folder";
+  char dir_template[] = "/tmp/ddprun-logs-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  ::chmod(dir.c_str(), 0500);
+  EXPECT_THAT(usage_error({"--log-dir", dir + "/logs", "/bin/true"}),
+              HasSubstr("--log-dir: cannot create the folder"));
+  ::chmod(dir.c_str(), 0700);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ParseCommandLine, RendezvousOptionsMapOntoTheMastersAddress) {
+  const LaunchOptions c10d = parse(
+      {"--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:1234", "--nnodes", "2", "/bin/true"});
+  EXPECT_EQ(c10d.master_addr, "node1");
+  EXPECT_EQ(c10d.master_port, 1234);
+  const LaunchOptions no_port =
+      parse({"--rdzv_backend=static", "--rdzv_endpoint=10.0.0.2", "/bin/true"});
+  EXPECT_EQ(no_port.master_addr, "10.0.0.2");
+  EXPECT_EQ(no_port.master_port, 29400);  // torchrun's default rendezvous port
+  const LaunchOptions v6 = parse({"--rdzv-endpoint", "[::1]:29555", "/bin/true"});
+  EXPECT_EQ(v6.master_addr, "::1");
+  EXPECT_EQ(v6.master_port, 29555);
+  EXPECT_EQ(parse({"--rdzv-id", "abc_1.2", "/bin/true"}).run_id, "abc_1.2");
+
+  EXPECT_THAT(usage_error({"--rdzv-backend", "etcd", "/bin/true"}),
+              HasSubstr("--rdzv-backend 'etcd' is not supported"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "h:port", "/bin/true"}),
+              HasSubstr("--rdzv-endpoint: 'h:port' has port 'port'"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "h:70000", "/bin/true"}),
+              HasSubstr("--rdzv-endpoint"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", ":1234", "/bin/true"}), HasSubstr("names no host"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "::1:5", "/bin/true"}), HasSubstr("[ ]"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "h:1", "--master-port", "2", "/bin/true"}),
+              HasSubstr("give one of them"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "h:1", "--standalone", "/bin/true"}),
+              HasSubstr("--standalone"));
+  EXPECT_THAT(usage_error({"--rdzv-id", "", "/bin/true"}), HasSubstr("--rdzv-id"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "h:0", "--nnodes", "2", "/bin/true"}),
+              HasSubstr("--rdzv-endpoint port 0"));
 }
 
 TEST(ResolveProgram, ReportsMissingAndNonExecutablePrograms) {

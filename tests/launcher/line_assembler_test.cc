@@ -77,5 +77,17 @@ TEST(LineAssembler, ByteAtATimeGivesTheSameLines) {
   EXPECT_EQ(got, expected);
 }
 
+TEST(LineAssembler, VerbatimModeGivesBackExactlyTheBytesFedIn) {
+  // --no-prefix: lines stay whole, but a cut or an unterminated tail gets no newline added.
+  const std::string text = "{\"a\": 1}\nabcdefghij\n\nno end";
+  LineAssembler lines("", 4, LineAssembler::Ending::kVerbatim);
+  std::string out;
+  for (char c : text)
+    lines.feed(std::string_view(&c, 1), out);
+  lines.finish(out);
+  EXPECT_EQ(out, text);
+  EXPECT_FALSE(lines.has_partial_line());
+}
+
 }  // namespace
 }  // namespace ddp::ddprun

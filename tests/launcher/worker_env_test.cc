@@ -71,6 +71,34 @@ TEST(WorkerEnvironment, OmpNumThreadsIsAtLeastOneAndUserChoiceWins) {
   EXPECT_EQ(preset["OMP_NUM_THREADS"], "7");
 }
 
+TEST(WorkerEnvironment, LogDirBecomesTheDumpDirUnlessSetAndRunIdIsPassedOn) {
+  LaunchOptions options = two_nodes_of_four();
+  options.run_id = "job-7";
+  Environment env;
+  apply_worker_variables(env, options,
+                         {.local_rank = 0,
+                          .restart_count = 2,
+                          .master_port = 1,
+                          .cpu_count = 1,
+                          .dump_dir = "/logs/job-7/attempt_2"});
+  EXPECT_EQ(env["DDP_DUMP_DIR"], "/logs/job-7/attempt_2");
+  EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "job-7");
+
+  Environment preset{{"DDP_DUMP_DIR", "/mine"}};
+  apply_worker_variables(preset, options,
+                         {.local_rank = 0,
+                          .restart_count = 0,
+                          .master_port = 1,
+                          .cpu_count = 1,
+                          .dump_dir = "/logs/job-7/attempt_0"});
+  EXPECT_EQ(preset["DDP_DUMP_DIR"], "/mine");
+
+  Environment no_log_dir;
+  apply_worker_variables(no_log_dir, options,
+                         {.local_rank = 0, .restart_count = 0, .master_port = 1, .cpu_count = 1});
+  EXPECT_FALSE(no_log_dir.contains("DDP_DUMP_DIR"));
+}
+
 TEST(WorkerEnvironment, EnvpStringsAreKeyEqualsValue) {
   const auto strings = to_envp_strings({{"A", "1"}, {"B", "x=y"}});
   EXPECT_EQ(strings, (std::vector<std::string>{"A=1", "B=x=y"}));

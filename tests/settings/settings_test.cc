@@ -37,6 +37,20 @@ TEST(Settings, AMalformedTimeoutIsAConfigErrorNamingTheVariable) {
   }
 }
 
+TEST(Settings, WaitWarningIsThirtySecondsUnlessSetAndZeroTurnsItOff) {
+  EXPECT_EQ(settings::wait_warning(from({})), 30s);
+  EXPECT_EQ(settings::wait_warning(from({{"DDP_WAIT_WARN_SECONDS", "0.5"}})), 500ms);
+  EXPECT_EQ(settings::wait_warning(from({{"DDP_WAIT_WARN_SECONDS", "0"}})), 0ms);
+  for (const char* bad : {"", "soon", "-1", "30s", "nan"}) {
+    try {
+      settings::wait_warning(from({{"DDP_WAIT_WARN_SECONDS", bad}}));
+      ADD_FAILURE() << "DDP_WAIT_WARN_SECONDS='" << bad << "' was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("DDP_WAIT_WARN_SECONDS"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Settings, RingVariablesAreEmptyWhenUnset) {
   EXPECT_EQ(settings::transport(from({})), "");
   EXPECT_EQ(settings::host_id(from({})), "");

@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <ostream>
@@ -36,7 +38,7 @@ CLI::Validator whole_number(long min, long max) {
         }
         return {};
       },
-      fmt::format("INT in [{}, {}]", min, max));
+      "");  // the range is in the option's description
 }
 
 int parse_nproc(const std::string& text) {
@@ -57,16 +59,18 @@ int parse_nproc(const std::string& text) {
   return static_cast<int>(value);
 }
 
-constexpr std::string_view kFooter = R"(
-Workers get torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME,
-MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
-TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE=False, DDP_RESTART_COUNT, and
-OMP_NUM_THREADS (CPUs / local workers) unless it is already set; with --secret-file,
-DDP_SECRET_FILE (its absolute path; an inherited DDP_SECRET is removed). Unless --no-env-tuning,
-they also get GLIBC_TUNABLES (malloc keeps freed memory) and, when OpenBLAS does not know
-this CPU, OPENBLAS_CORETYPE, each only where not already set (docs/ddprun.md).
-Output lines are prefixed with the global rank: "[3] text".
+constexpr std::string_view kFooter =
+    R"(Workers get torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
+TORCHELASTIC_USE_AGENT_STORE=False, DDP_RESTART_COUNT, and OMP_NUM_THREADS (CPUs / local
+workers) unless it is already set; with --secret-file, DDP_SECRET_FILE (an inherited DDP_SECRET
+is removed); with --log-dir, DDP_DUMP_DIR (the attempt's folder) unless it is already set.
+Unless --no-env-tuning, they also get GLIBC_TUNABLES and, when OpenBLAS does not know this CPU,
+OPENBLAS_CORETYPE, each only where not already set (docs/ddprun.md).
+
+Output lines are prefixed with the global rank, "[3] text", unless --no-prefix. With --log-dir
+DIR, each worker's output is also written to DIR/<run-id>/attempt_<k>/<rank>/{stdout,stderr}.log.
 If a worker fails, the others are stopped and ddprun exits with 1 (after --max-restarts
 restarts of the whole local group). Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to
 ddprun is forwarded to the workers and ddprun exits with 128+signal.
@@ -74,7 +78,115 @@ ddprun is forwarded to the workers and ddprun exits with 128+signal.
 Examples:
   ddprun --nproc-per-node 4 ./train --epochs 3
   ddprun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
-  ddprun --standalone --nproc-per-node 2 python3 train.py)";
+  ddprun --standalone --nproc-per-node 2 python3 train.py
+  ddprun --no-prefix --nproc-per-node 2 ddp-bench --json | python3 -c 'import json, sys; ...'
+  ddprun --log-dir logs --redirects 3 --local-ranks-filter 0 --nproc-per-node 4 ./train)";
+
+// ddprun's help: the usage line names PROGRAM [ARGS...] (CLI11 2.1 cannot be told otherwise),
+// and descriptions are wrapped to the terminal's usual width.
+class HelpFormatter : public CLI::Formatter {
+ public:
+  static constexpr std::size_t kColumn = 32;
+  static constexpr std::size_t kWidth = 100;
+
+  HelpFormatter() { column_width(kColumn); }
+
+  std::string make_usage(const CLI::App* app, std::string name) const override {
+    return fmt::format("Usage: {} [OPTIONS] PROGRAM [ARGS...]\n\n{}\n\n", name,
+                       app->get_description());
+  }
+  std::string make_description(const CLI::App*) const override { return {}; }  // in the usage
+
+  // One blank line between groups (CLI11 2.1 puts two).
+  std::string make_group(std::string group, bool is_positional,
+                         std::vector<const CLI::Option*> opts) const override {
+    std::string out = group + ":\n";
+    for (const CLI::Option* option : opts)
+      out += make_option(option, is_positional);
+    return out;
+  }
+
+  std::string make_option_desc(const CLI::Option* option) const override {
+    // Word-wrapped; format_help indents each continuation line to the column.
+    const std::string& text = option->get_description();
+    std::string out;
+    std::size_t line_length = 0;
+    std::size_t begin = 0;
+    while (begin < text.size()) {
+      std::size_t end = text.find(' ', begin);
+      if (end == std::string::npos) end = text.size();
+      const std::string_view word(text.data() + begin, end - begin);
+      if (line_length > 0 && line_length + 1 + word.size() > kWidth - kColumn) {
+        out += '\n';
+        line_length = 0;
+      } else if (line_length > 0) {
+        out += ' ';
+        ++line_length;
+      }
+      out += word;
+      line_length += word.size();
+      begin = end + 1;
+    }
+    return out;
+  }
+};
+
+// torchrun's --rdzv-endpoint: HOST, HOST:PORT or [IPv6]:PORT; torchrun's default port is 29400.
+std::pair<std::string, int> parse_endpoint(const std::string& text) {
+  const auto bad = [&](std::string_view why) {
+    return UsageError(fmt::format(
+        "--rdzv-endpoint: '{}' {}; expected HOST or HOST:PORT (e.g. 10.0.0.1:29400, [::1]:29400)",
+        text, why));
+  };
+  std::string host = text;
+  std::string port_text;
+  if (text.starts_with('[')) {
+    const std::size_t close = text.find(']');
+    if (close == std::string::npos) throw bad("has no ']' after the IPv6 address");
+    host = text.substr(1, close - 1);
+    if (close + 1 < text.size()) {
+      if (text[close + 1] != ':') throw bad("has something other than ':PORT' after ']'");
+      port_text = text.substr(close + 2);
+      if (port_text.empty()) throw bad("has no port after ':'");
+    }
+  } else if (const std::size_t colon = text.rfind(':'); colon != std::string::npos) {
+    if (text.find(':') != colon) throw bad("has several ':' (put an IPv6 address in [ ])");
+    host = text.substr(0, colon);
+    port_text = text.substr(colon + 1);
+    if (port_text.empty()) throw bad("has no port after ':'");
+  }
+  if (host.empty()) throw bad("names no host");
+  int port = 29400;
+  if (!port_text.empty()) {
+    std::size_t used = 0;
+    long value = -1;
+    try {
+      value = std::stol(port_text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != port_text.size() || value < 0 || value > 65535) {
+      throw bad(fmt::format("has port '{}', not a number from 0 to 65535", port_text));
+    }
+    port = static_cast<int>(value);
+  }
+  return {host, port};
+}
+
+void check_run_id(const std::string& id) {
+  // It names a folder under --log-dir, so it must be one plain path component.
+  const bool plain =
+      !id.empty() && id.size() <= 128 && id != "." && id != ".." &&
+      std::all_of(id.begin(), id.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+      });
+  if (!plain) {
+    throw UsageError(fmt::format(
+        "--rdzv-id: '{}' is not a usable run id; use 1 to 128 letters, digits, '-', '_' or '.' "
+        "(it names the run's folder under --log-dir)",
+        id));
+  }
+}
 
 }  // namespace
 
@@ -138,33 +250,72 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
       "ddprun: starts the local workers of a data-parallel job (like torchrun).\n"
       "Every worker runs PROGRAM [ARGS...]; everything from PROGRAM on is passed untouched.",
       "ddprun"};
+  app.formatter(std::make_shared<HelpFormatter>());
   app.footer(std::string(kFooter));
   app.prefix_command();  // the first word that is not an option is PROGRAM; the rest is its own
+  app.set_help_flag();   // added again at the end, so that the groups come first
+
+  constexpr const char* kJobSize = "Job size";
   app.add_option("--nproc-per-node,--nproc_per_node", nproc_text,
-                 "Workers on this node: a number, or 'cpu'/'auto' for one per CPU (default 1)");
+                 "Workers on this node: a number, or 'cpu'/'auto' for one per CPU (default 1)")
+      ->type_name("N")
+      ->group(kJobSize);
   app.add_option("--nnodes", options.nnodes, "Number of nodes (default 1)")
-      ->check(whole_number(1, 1 << 20));
+      ->check(whole_number(1, 1 << 20))
+      ->type_name("N")
+      ->group(kJobSize);
   app.add_option("--node-rank,--node_rank", options.node_rank,
                  "This node's index, 0 to nnodes-1 (default 0)")
-      ->check(whole_number(0, 1 << 20));
-  app.add_option("--master-addr,--master_addr", options.master_addr,
-                 "Host of global rank 0, which hosts the rendezvous store (default 127.0.0.1)");
-  app.add_option("--master-port,--master_port", options.master_port,
-                 "Port of the rendezvous store on the master; 0 picks a free one (default 29500)")
-      ->check(whole_number(0, 65535));
+      ->check(whole_number(0, 1 << 20))
+      ->type_name("R")
+      ->group(kJobSize);
+
+  constexpr const char* kRendezvous = "Rendezvous";
+  auto* master_addr =
+      app.add_option("--master-addr,--master_addr", options.master_addr,
+                     "Host of global rank 0, which hosts the rendezvous store (default 127.0.0.1)")
+          ->type_name("HOST")
+          ->group(kRendezvous);
+  auto* master_port =
+      app.add_option("--master-port,--master_port", options.master_port,
+                     "Port of the rendezvous store on the master; 0 picks a free one (default "
+                     "29500)")
+          ->check(whole_number(0, 65535))
+          ->type_name("PORT")
+          ->group(kRendezvous);
   app.add_flag("--standalone", options.standalone,
-               "Single-node job on a free local port (implies --nnodes 1 --master-port 0)");
-  bool no_env_tuning = false;
-  app.add_flag("--no-env-tuning", no_env_tuning,
-               "Do not add GLIBC_TUNABLES (malloc keeps freed memory) and OPENBLAS_CORETYPE (when "
-               "OpenBLAS does not know this CPU) to the workers' environment");
+               "Single-node job on a free local port (implies --nnodes 1 --master-port 0)")
+      ->group(kRendezvous);
+  std::string rdzv_backend;
+  app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend,
+                 "torchrun's rendezvous backend: 'c10d' or 'static' (both mean ddp's store on "
+                 "global rank 0; others are not supported)")
+      ->type_name("NAME")
+      ->group(kRendezvous);
+  std::string rdzv_endpoint;
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint,
+                 "HOST[:PORT] of the rendezvous store, as --master-addr and "
+                 "--master-port (port default 29400, torchrun's)")
+      ->type_name("HOST:PORT")
+      ->group(kRendezvous);
+  app.add_option("--rdzv-id,--rdzv_id", options.run_id,
+                 "The job's run id: TORCHELASTIC_RUN_ID and the folder under --log-dir (default "
+                 "'none')")
+      ->type_name("ID")
+      ->group(kRendezvous);
   app.add_option("--secret-file,--secret_file", options.secret_file,
                  "File holding the job's secret (not readable by other users): turns on "
                  "authentication of the store and of every connection between workers; the "
-                 "workers get its path as DDP_SECRET_FILE, never the secret itself");
+                 "workers get its path as DDP_SECRET_FILE, never the secret itself")
+      ->type_name("PATH")
+      ->group(kRendezvous);
+
+  constexpr const char* kRestarts = "Failures and restarts";
   app.add_option("--max-restarts,--max_restarts", options.max_restarts,
                  "Restart the whole local group up to this many times after a failure (default 0)")
-      ->check(whole_number(0, 1000000));
+      ->check(whole_number(0, 1000000))
+      ->type_name("K")
+      ->group(kRestarts);
   app.add_option("--grace-period,--grace_period", grace_seconds,
                  "Seconds between asking workers to stop and killing them (default 5)")
       ->check(CLI::Validator(
@@ -182,7 +333,51 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
             }
             return {};
           },
-          "SECONDS"));
+          ""))
+      ->type_name("SECONDS")
+      ->group(kRestarts);
+
+  constexpr const char* kOutput = "Output";
+  bool no_prefix = false;
+  app.add_flag("--no-prefix,--no_prefix", no_prefix,
+               "Pass the workers' output through exactly as written, without the '[rank] ' in "
+               "front of each line (lines stay whole); for machine-readable output")
+      ->group(kOutput);
+  std::string log_dir;
+  app.add_option("--log-dir,--log_dir", log_dir,
+                 "Also write each worker's stdout and stderr to "
+                 "DIR/<run-id>/attempt_<k>/<rank>/{stdout,stderr}.log, and give the workers "
+                 "DDP_DUMP_DIR=DIR/<run-id>/attempt_<k> unless it is set")
+      ->type_name("DIR")
+      ->group(kOutput);
+  OutputRoutingText routing_text;
+  app.add_option("-r,--redirects", routing_text.redirects,
+                 "Streams sent to the --log-dir files only, not the console: 0 none, 1 stdout, 2 "
+                 "stderr, 3 both; or LOCAL_RANK:VALUE pairs, e.g. 0:1,1:3 (default 0)")
+      ->type_name("STREAMS")
+      ->group(kOutput);
+  app.add_option("-t,--tee", routing_text.tee,
+                 "Streams written to both the console and the --log-dir files (the files always "
+                 "get every stream; this undoes --redirects), same values as --redirects")
+      ->type_name("STREAMS")
+      ->group(kOutput);
+  app.add_option("--local-ranks-filter,--local_ranks_filter", routing_text.local_ranks_filter,
+                 "Only these local ranks' output reaches the console, e.g. 0,2 (files keep all)")
+      ->type_name("RANKS")
+      ->group(kOutput);
+
+  constexpr const char* kWorkers = "Workers";
+  bool no_env_tuning = false;
+  app.add_flag("--no-env-tuning", no_env_tuning,
+               "Do not add GLIBC_TUNABLES (malloc keeps freed memory) and OPENBLAS_CORETYPE (when "
+               "OpenBLAS does not know this CPU) to the workers' environment")
+      ->group(kWorkers);
+  bool no_python = false;
+  app.add_flag("--no-python,--no_python", no_python,
+               "Accepted for torchrun compatibility; ddprun always runs PROGRAM directly (a "
+               "Python script needs its interpreter: 'ddprun python3 train.py')")
+      ->group(kWorkers);
+  app.set_help_flag("-h,--help", "Print this help and exit")->group(kWorkers);
 
   // CLI11 wants argv order reversed in a vector; parse(vector) does that for us.
   std::vector<std::string> reversed(args.rbegin(), args.rend());
@@ -209,6 +404,26 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   }
 
   options.nproc_per_node = parse_nproc(nproc_text);
+  if (!rdzv_backend.empty() && rdzv_backend != "c10d" && rdzv_backend != "static") {
+    throw UsageError(
+        fmt::format("--rdzv-backend '{}' is not supported: ddprun's rendezvous is ddp's store on "
+                    "global rank 0, "
+                    "which --rdzv-backend c10d or static (or no --rdzv-backend) selects, with "
+                    "--rdzv-endpoint HOST:PORT",
+                    rdzv_backend));
+  }
+  if (!rdzv_endpoint.empty()) {
+    if (master_addr->count() > 0 || master_port->count() > 0) {
+      throw UsageError(
+          "--rdzv-endpoint and --master-addr/--master-port both say where the rendezvous store "
+          "is; give one of them");
+    }
+    if (options.standalone) {
+      throw UsageError("--standalone picks a free local port itself; drop --rdzv-endpoint");
+    }
+    std::tie(options.master_addr, options.master_port) = parse_endpoint(rdzv_endpoint);
+  }
+  check_run_id(options.run_id);
   options.grace_period = std::chrono::milliseconds(std::llround(grace_seconds * 1000.0));
   if (options.standalone) {
     if (options.nnodes != 1) {
@@ -222,9 +437,10 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
                                  options.nnodes));
   }
   if (options.master_port == 0 && options.nnodes > 1) {
-    throw UsageError(
-        "--master-port 0 (pick a free port) works only with --nnodes 1: every node must be "
-        "given the same port");
+    throw UsageError(fmt::format(
+        "{} 0 (pick a free port) works only with --nnodes 1: every node must be given the same "
+        "port",
+        rdzv_endpoint.empty() ? "--master-port" : "--rdzv-endpoint port"));
   }
   if (options.master_addr.empty()) throw UsageError("--master-addr is empty");
   if (static_cast<long>(options.nnodes) * options.nproc_per_node > (1L << 24)) {
@@ -254,6 +470,21 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   options.program_path = resolve_program(options.program, std::getenv("PATH"));
   options.args.assign(command.begin() + 1, command.end());
   options.env_tuning = !no_env_tuning;
+  options.prefix_output = !no_prefix;
+  options.output = parse_output_routing(routing_text, options.nproc_per_node);
+  if (log_dir.empty() && options.output.wants_files()) {
+    throw UsageError(
+        "--redirects and --tee write the workers' output to files: give --log-dir DIR too");
+  }
+  if (!log_dir.empty()) {
+    // Checked now, so that an unusable folder is a usage error before any worker starts.
+    try {
+      options.log_dir = LogDir(log_dir, options.run_id);
+      options.log_dir.check_writable();
+    } catch (const ConfigError& e) {
+      throw UsageError(e.what());
+    }
+  }
   return options;
 }
 

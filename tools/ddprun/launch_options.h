@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "ddp/error.h"
+#include "ddprun/log_dir.h"
+#include "ddprun/output_routing.h"
 
 namespace ddp::ddprun {
 
@@ -40,6 +42,16 @@ struct LaunchOptions {
   int max_restarts = 0;
   // Add the variables of env_tuning.h to the workers' environment (--no-env-tuning: don't).
   bool env_tuning = true;
+  // Put "[rank] " in front of each line on the console (--no-prefix: pass the bytes through as
+  // written, still in whole lines, so machine-readable output survives).
+  bool prefix_output = true;
+  // --log-dir: the workers' output files (disabled when not given); see log_dir.h.
+  LogDir log_dir;
+  // --redirects, --tee, --local-ranks-filter: which streams reach the console (one entry per
+  // local rank); see output_routing.h.
+  OutputRouting output;
+  // --rdzv-id: the job's run id (TORCHELASTIC_RUN_ID, and the folder under --log-dir).
+  std::string run_id = "none";
   // How long stopping workers get between SIGTERM (or the forwarded signal) and SIGKILL.
   std::chrono::milliseconds grace_period{5000};
   // --secret-file: absolute path of a file holding the job's secret (checked when parsed). The

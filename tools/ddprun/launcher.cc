@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -86,11 +87,15 @@ class OutputSink {
   bool broken_ = false;
 };
 
-// One end of a worker's stdout or stderr pipe.
+// One end of a worker's stdout or stderr pipe, and where what it carries goes: whole lines to
+// the console (unless --redirects or --local-ranks-filter keep it off), the bytes as written to
+// its --log-dir file.
 struct Stream {
   int fd = -1;
-  OutputSink* sink = nullptr;
+  OutputSink* sink = nullptr;  // nullptr: not shown on the console
   LineAssembler lines{""};
+  int file_fd = -1;
+  std::string file_path;
 };
 
 struct Worker {
@@ -135,7 +140,7 @@ class Supervisor {
  private:
   // Starts every local worker; on failure to exec one, reports it and returns false.
   bool start_workers(int restart_count);
-  pid_t spawn(Worker& worker, const std::vector<std::string>& env_strings);
+  pid_t spawn(Worker& worker, const std::vector<std::string>& env_strings, int restart_count);
   // Runs the event loop until every worker succeeded, one failed, or ddprun got a signal.
   Outcome supervise();
   // Asks every process ddprun started to stop with `first_signal`, waits up to the grace period,
@@ -153,6 +158,7 @@ class Supervisor {
   void poll_once(int timeout_ms);
   void pump(Stream& stream, std::size_t limit);
   void close_stream(Stream& stream);
+  void write_file(Stream& stream, std::string_view data);
   void drain_and_close_all();
   // Sends `sig` to every process ddprun started that may still run, skipping those in `already`.
   void signal_all(int sig, std::set<pid_t>& already);
@@ -233,7 +239,23 @@ Worker* Supervisor::find_worker(pid_t pid) {
   return nullptr;
 }
 
-pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_strings) {
+pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_strings,
+                        int restart_count) {
+  // The log files first: one that cannot be opened stops the job before this worker starts.
+  std::string file_paths[2];
+  int file_fds[2] = {-1, -1};
+  if (options_.log_dir.enabled()) {
+    const char* names[2] = {"stdout.log", "stderr.log"};
+    for (int i = 0; i < 2; ++i) {
+      file_paths[i] = options_.log_dir.rank_dir(restart_count, worker.global_rank) + "/" + names[i];
+      try {
+        file_fds[i] = options_.log_dir.open_file(restart_count, worker.global_rank, names[i]);
+      } catch (const ConfigError&) {
+        if (i == 1) ::close(file_fds[0]);
+        throw;
+      }
+    }
+  }
   int out_pipe[2];
   int err_pipe[2];
   int exec_error_pipe[2];
@@ -257,7 +279,7 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
   if (pid < 0) {
     const int error = errno;
     for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1], exec_error_pipe[0],
-                   exec_error_pipe[1]}) {
+                   exec_error_pipe[1], file_fds[0], file_fds[1]}) {
       ::close(fd);
     }
     errno = error;
@@ -286,12 +308,21 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
   ::fcntl(out_pipe[0], F_SETFL, O_NONBLOCK);
   ::fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
 
-  const std::string prefix = fmt::format("[{}] ", worker.global_rank);
+  // --no-prefix keeps lines whole (two workers' JSON lines must not mix) but adds no byte.
+  const std::string prefix =
+      options_.prefix_output ? fmt::format("[{}] ", worker.global_rank) : std::string();
+  const auto ending = options_.prefix_output ? LineAssembler::Ending::kAddNewline
+                                             : LineAssembler::Ending::kVerbatim;
   worker.pid = pid;
   worker.running = true;
   worker.wait_status = 0;
-  worker.out = Stream{out_pipe[0], &stdout_sink_, LineAssembler(prefix)};
-  worker.err = Stream{err_pipe[0], &stderr_sink_, LineAssembler(prefix)};
+  const auto make_stream = [&](int fd, int stream_bit, OutputSink& sink, int file) {
+    return Stream{fd, options_.output.to_console(worker.local_rank, stream_bit) ? &sink : nullptr,
+                  LineAssembler(prefix, LineAssembler::kDefaultMaxLine, ending), file_fds[file],
+                  file_paths[file]};
+  };
+  worker.out = make_stream(out_pipe[0], kStdout, stdout_sink_, 0);
+  worker.err = make_stream(err_pipe[0], kStderr, stderr_sink_, 1);
 
   // The pipe closes on a successful exec (CLOEXEC) or carries errno when exec failed.
   int exec_errno = 0;
@@ -309,6 +340,15 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
 }
 
 bool Supervisor::start_workers(int restart_count) {
+  std::string dump_dir;
+  if (options_.log_dir.enabled()) {
+    dump_dir = options_.log_dir.attempt_dir(restart_count);
+    std::error_code ec;
+    if (std::filesystem::exists(dump_dir, ec)) {
+      note(fmt::format("replacing the logs of an earlier run in {}", dump_dir));
+    }
+    note(fmt::format("writing the workers' output to {}/<rank>/{{stdout,stderr}}.log", dump_dir));
+  }
   workers_.clear();
   workers_.resize(static_cast<std::size_t>(options_.nproc_per_node));
   for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
@@ -320,9 +360,10 @@ bool Supervisor::start_workers(int restart_count) {
                            {.local_rank = local_rank,
                             .restart_count = restart_count,
                             .master_port = master_port_,
-                            .cpu_count = cpu_count_});
+                            .cpu_count = cpu_count_,
+                            .dump_dir = dump_dir});
     env.insert(tuning_.begin(), tuning_.end());  // never replaces a variable already there
-    if (spawn(worker, to_envp_strings(env)) < 0) return false;
+    if (spawn(worker, to_envp_strings(env), restart_count) < 0) return false;
   }
   return true;
 }
@@ -388,8 +429,12 @@ void Supervisor::pump(Stream& stream, std::size_t limit) {
     const ssize_t n = ::read(stream.fd, buffer, sizeof buffer);
     if (n > 0) {
       total += static_cast<std::size_t>(n);
-      stream.lines.feed(std::string_view(buffer, static_cast<std::size_t>(n)), pending_);
-      stream.sink->write(pending_);
+      const std::string_view data(buffer, static_cast<std::size_t>(n));
+      write_file(stream, data);
+      if (stream.sink != nullptr) {
+        stream.lines.feed(data, pending_);
+        stream.sink->write(pending_);
+      }
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
@@ -398,7 +443,29 @@ void Supervisor::pump(Stream& stream, std::size_t limit) {
   }
 }
 
+void Supervisor::write_file(Stream& stream, std::string_view data) {
+  std::size_t done = 0;
+  while (stream.file_fd >= 0 && done < data.size()) {
+    const ssize_t n = ::write(stream.file_fd, data.data() + done, data.size() - done);
+    if (n > 0) {
+      done += static_cast<std::size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      // A full disk must not stop the job: say so once, and keep relaying to the console.
+      note(fmt::format("cannot write '{}': {}; the rest of this stream is not logged",
+                       stream.file_path, n < 0 ? std::strerror(errno) : "no progress"));
+      ::close(stream.file_fd);
+      stream.file_fd = -1;
+    }
+  }
+}
+
 void Supervisor::close_stream(Stream& stream) {
+  if (stream.file_fd >= 0) {
+    ::close(stream.file_fd);
+    stream.file_fd = -1;
+  }
   if (stream.fd < 0) return;
   ::close(stream.fd);
   stream.fd = -1;

@@ -2,10 +2,10 @@
 
 namespace ddp::ddprun {
 
-void LineAssembler::emit(std::string_view line, std::string& out) const {
+void LineAssembler::emit(std::string_view line, bool whole, std::string& out) const {
   out.append(prefix_);
   out.append(line);
-  out.push_back('\n');
+  if (whole || ending_ == Ending::kAddNewline) out.push_back('\n');
 }
 
 void LineAssembler::feed(std::string_view data, std::string& out) {
@@ -16,7 +16,7 @@ void LineAssembler::feed(std::string_view data, std::string& out) {
     if (take > room) {
       // The line is longer than max_line_: emit what fits as a line of its own.
       partial_.append(data.substr(0, room));
-      emit(partial_, out);
+      emit(partial_, false, out);
       partial_.clear();
       data.remove_prefix(room);
       continue;
@@ -26,10 +26,10 @@ void LineAssembler::feed(std::string_view data, std::string& out) {
       return;
     }
     if (partial_.empty()) {
-      emit(data.substr(0, newline), out);  // the common case: no copy into partial_
+      emit(data.substr(0, newline), true, out);  // the common case: no copy into partial_
     } else {
       partial_.append(data.substr(0, newline));
-      emit(partial_, out);
+      emit(partial_, true, out);
       partial_.clear();
     }
     data.remove_prefix(newline + 1);
@@ -38,7 +38,7 @@ void LineAssembler::feed(std::string_view data, std::string& out) {
 
 void LineAssembler::finish(std::string& out) {
   if (partial_.empty()) return;
-  emit(partial_, out);
+  emit(partial_, false, out);
   partial_.clear();
 }
 

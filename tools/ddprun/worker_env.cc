@@ -42,7 +42,7 @@ void apply_worker_variables(Environment& env, const LaunchOptions& options,
   set("MASTER_PORT", slot.master_port);
   set("TORCHELASTIC_RESTART_COUNT", slot.restart_count);
   set("TORCHELASTIC_MAX_RESTARTS", options.max_restarts);
-  set("TORCHELASTIC_RUN_ID", "none");
+  set("TORCHELASTIC_RUN_ID", options.run_id);
   // ddprun hosts no store: global rank 0 must start the server itself (PyTorch reads this too).
   set("TORCHELASTIC_USE_AGENT_STORE", "False");
   set("DDP_RESTART_COUNT", slot.restart_count);
@@ -52,6 +52,10 @@ void apply_worker_variables(Environment& env, const LaunchOptions& options,
     // DDP_SECRET, like every other flag over inherited variables.
     env.erase("DDP_SECRET");
     set("DDP_SECRET_FILE", options.secret_file);
+  }
+  if (!slot.dump_dir.empty() && !env.contains("DDP_DUMP_DIR")) {
+    // The flight recorder dumps next to the logs of the same attempt (docs/ddprun.md).
+    set("DDP_DUMP_DIR", slot.dump_dir);
   }
   if (env.find("OMP_NUM_THREADS") == env.end()) {
     set("OMP_NUM_THREADS", std::max(1, slot.cpu_count / std::max(1, options.nproc_per_node)));

@@ -23,14 +23,16 @@ struct WorkerSlot {
   int restart_count = 0;
   int master_port = 0;  // the resolved port (never 0)
   int cpu_count = 1;    // CPUs this node may use, shared by its local workers
+  // The attempt's --log-dir folder: the workers' DDP_DUMP_DIR unless set ("" = no --log-dir).
+  std::string dump_dir;
 };
 
 // The variables of this process (environ), as a map.
 Environment current_environment();
 
 // Sets the worker variables in `env`, replacing any value inherited from ddprun's own environment
-// (a RANK left over in the shell must not leak into a worker), except OMP_NUM_THREADS, which is
-// only set when absent so that a user's choice wins.
+// (a RANK left over in the shell must not leak into a worker), except OMP_NUM_THREADS and
+// DDP_DUMP_DIR, which are only set when absent so that a user's choice wins.
 void apply_worker_variables(Environment& env, const LaunchOptions& options, const WorkerSlot& slot);
 
 // "KEY=VALUE" strings, for execve.
