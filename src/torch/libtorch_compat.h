@@ -15,6 +15,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <sstream>
+#include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -59,5 +62,21 @@ std::unordered_set<const torch::autograd::Node*> reachable_nodes(
 // Runs `fn` once the current backward pass has finished (the engine's final callback).
 // REQUIRES: called from within a backward pass, e.g. from a GradReadyHook.
 void at_end_of_backward(std::function<void()> fn);
+
+// The key of `param` in torch::optim::Optimizer::state(): its TensorImpl's address as text in
+// 1.13 (as libtorch's own serialisation writes it), the
+// address itself in 2.x.
+using OptimizerStateKey =
+    std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+template <class Key = OptimizerStateKey>
+Key optimizer_state_key(const torch::Tensor& param) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;  // what c10::guts::to_string(TensorImpl*) writes
+    text << static_cast<const void*>(param.unsafeGetTensorImpl());
+    return text.str();
+  } else {
+    return static_cast<Key>(param.unsafeGetTensorImpl());
+  }
+}
 
 }  // namespace ddp::libtorch_compat
