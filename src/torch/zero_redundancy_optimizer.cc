@@ -8,6 +8,7 @@
 
 #include <c10/util/Type.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "ddp/error.h"
 #include "ddp/torch/distributed_objects.h"
@@ -273,7 +274,9 @@ void ZeroRedundancyOptimizer::build_buckets() {
       const std::int64_t element = static_cast<std::int64_t>(c10::elementSize(dtype));
       std::int64_t offset = 0;
       for (std::size_t i = 0; i < mine.size();) {
-        Bucket bucket{.owner = owner, .dtype = dtype};
+        Bucket bucket;
+        bucket.owner = owner;
+        bucket.dtype = dtype;
         do {
           bucket.params.push_back(mine[i]);
           bucket.numel += mine[i].numel();

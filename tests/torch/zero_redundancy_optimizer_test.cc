@@ -196,6 +196,53 @@ TEST(ZeroRedundancyOptimizer, BucketViewAndSmallBucketsChangeNothing) {
   }
 }
 
+// step(closure) runs the closure once per rank (its backward averages through DDP), and options
+// changed on param_groups() (a scheduler's lr) reach every shard.
+TEST(ZeroRedundancyOptimizer, ClosureAndLearningRateChangesReachTheShards) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    auto net_full = make_model();
+    DistributedDataParallel ddp_full(net_full, pg);
+    auto full = factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(net_full->parameters())});
+    auto net = make_model();
+    DistributedDataParallel model(net, pg);
+    ZeroRedundancyOptimizer zero(model->parameters(), factory(Kind::kAdam), pg);
+    for (int step = 0; step < 8; ++step) {
+      if (step == 4) {
+        for (auto* opt : {static_cast<torch::optim::Optimizer*>(full.get()),
+                          static_cast<torch::optim::Optimizer*>(&zero)}) {
+          opt->param_groups()[0].options().set_lr(0.1);
+        }
+      }
+      auto [x, y] = make_batch(rank, 2, step);
+      full->zero_grad();
+      torch::mse_loss(ddp_full->forward(x), y).backward();
+      full->step();
+      int calls = 0;
+      auto loss = zero.step([&] {
+        ++calls;
+        zero.zero_grad();
+        auto l = torch::mse_loss(model->forward(x), y);
+        l.backward();
+        return l;
+      });
+      if (calls != 1 || !loss.defined()) throw std::runtime_error("closure not run once");
+    }
+    const auto want = snapshot(net_full);
+    const auto got = snapshot(net);
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (!torch::equal(got[i], want[i])) {
+        throw std::runtime_error(fmt::format("parameter {} differs", i));
+      }
+    }
+    if (zero.local_optimizer().param_groups()[0].options().get_lr() != 0.1) {
+      throw std::runtime_error("the local optimizer did not get the new lr");
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(ZeroRedundancyOptimizer, PartitionIsPyTorchsGreedyLargestFirst) {
   const int port = test::free_port();
   const auto results = run_ranks(3, [&](int rank) {
