@@ -308,13 +308,12 @@ TEST(ZeroRedundancyOptimizer, DifferentModelsOrOptimizersAcrossRanksAreNamedOnEv
   expect_error_on_every_rank(results, "LBFGS cannot be sharded");
 }
 
-// Adam, 10 steps with ZeRO at `save_world`, consolidated on rank 1 and saved with the model; then
-// a fresh ZeRO at `load_world` loads both and trains 10 more: the parameters equal 20
-// uninterrupted steps of DDP + Adam (run at save_world).
+// Adam, 10 steps with ZeRO at `save_world`, consolidated on rank 1 and saved with the model
+// (ddp::save_checkpoint); then a fresh ZeRO at `load_world` loads both (ddp::load_checkpoint) and
+// trains 10 more: the parameters equal 20 uninterrupted steps of DDP + Adam (run at save_world).
 void check_resume(int save_world, int load_world) {
   test::TempDir dir;
-  const auto model_file = (dir.path() / "model.pt").string();
-  const auto optimizer_file = dir.path() / "optimizer.pt";
+  const auto checkpoint = dir.path() / "checkpoint.pt";
   const auto reference_file = (dir.path() / "reference.pt").string();
   constexpr int kTo = 1;
   int port = test::free_port();
@@ -346,15 +345,20 @@ void check_resume(int save_world, int load_world) {
           throw std::runtime_error(fmt::format("consolidated state of parameter {} differs", i));
         }
       }
-      torch::serialize::OutputArchive archive;
-      zero.save(archive);
-      save_archive_atomically(archive, optimizer_file);
-      torch::save(net, model_file);
-      // A plain Adam over the full model loads it.
-      auto plain = factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(net->parameters())});
-      auto in = load_archive(optimizer_file);
-      plain->load(in);
+      save_checkpoint(checkpoint, *net, zero, {.epoch = 10});
+      // A plain Adam over the full model loads it, with the same state.
+      auto plain_net = make_model();
+      auto plain =
+          factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(plain_net->parameters())});
+      load_checkpoint(checkpoint, *plain_net, *plain);
       if (plain->state().size() != params.size()) throw std::runtime_error("plain Adam: states");
+      const auto& first = static_cast<const torch::optim::AdamParamState&>(
+          *plain->state().at(libtorch_compat::optimizer_state_key(plain_net->parameters()[0])));
+      const auto& first_full = static_cast<const torch::optim::AdamParamState&>(
+          *full->state().at(libtorch_compat::optimizer_state_key(full_params[0])));
+      if (!torch::equal(first.exp_avg_sq(), first_full.exp_avg_sq())) {
+        throw std::runtime_error("plain Adam loaded another state");
+      }
     } else {
       try {
         zero.state_dict();
@@ -374,11 +378,9 @@ void check_resume(int save_world, int load_world) {
   results = run_ranks(load_world, [&](int rank) {
     auto pg = join_group(rank, load_world, port);
     auto net = make_model();
-    torch::load(net, model_file);
     DistributedDataParallel model(net, pg);
     ZeroRedundancyOptimizer zero(net->parameters(), factory(Kind::kAdam), pg);
-    auto archive = load_archive(optimizer_file);
-    zero.load(archive);
+    if (load_checkpoint(checkpoint, *net, zero).epoch != 10) throw std::runtime_error("epoch");
     train_steps(model, zero, rank, load_world, kSteps / 2, kSteps);
     auto reference = make_model();
     torch::load(reference, reference_file);
