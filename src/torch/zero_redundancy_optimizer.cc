@@ -25,6 +25,16 @@ using torch::optim::OptimizerParamGroup;
 // The archive entry that names the optimizer kind (a plain optimizer's load ignores it).
 constexpr const char* kKindEntry = "ddp_zero_optimizer_kind";
 
+// FNV-1a: the same on every rank and build (std::hash is not specified to be).
+std::int64_t fingerprint(const std::string& text) {
+  std::uint64_t hash = 14695981039346656037ull;
+  for (const unsigned char c : text) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  return static_cast<std::int64_t>(hash);
+}
+
 std::string shape_text(const torch::Tensor& t) {
   return fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
 }
@@ -219,8 +229,7 @@ void ZeroRedundancyOptimizer::check_across_ranks(const std::string& description,
                                                  const std::string& local_error) {
   const std::string mine = local_error.empty() ? description : "error: " + local_error;
   // One small allgather of a hash; the descriptions travel only when they differ.
-  auto hash =
-      torch::tensor({static_cast<std::int64_t>(std::hash<std::string>{}(mine))}, torch::kInt64);
+  auto hash = torch::tensor({fingerprint(mine)}, torch::kInt64);
   auto hashes = torch::empty({group_->size()}, torch::kInt64);
   all_gather_into_tensor(hashes, hash, *group_);
   if ((hashes == hashes[0]).all().item<bool>() && local_error.empty()) return;

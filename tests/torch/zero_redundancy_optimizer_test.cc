@@ -243,6 +243,47 @@ TEST(ZeroRedundancyOptimizer, ClosureAndLearningRateChangesReachTheShards) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// Two parameters at world 3: rank 2 owns nothing, steps an optimizer of empty groups, still
+// takes part in every broadcast, and can be the rank that consolidates.
+TEST(ZeroRedundancyOptimizer, RanksThatOwnNothingTakePart) {
+  const int port = test::free_port();
+  test::TempDir dir;
+  const auto path = dir.path() / "state.pt";
+  const auto results = run_ranks(3, [&](int rank) {
+    auto pg = join_group(rank, 3, port);
+    torch::manual_seed(5);
+    torch::nn::Linear full_net(kIn, 2);
+    torch::manual_seed(5);
+    torch::nn::Linear net(kIn, 2);
+    DistributedDataParallel ddp_full(full_net, pg);
+    DistributedDataParallel model(net, pg);
+    auto full = factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(ddp_full->parameters())});
+    ZeroRedundancyOptimizer zero(model->parameters(), factory(Kind::kAdam), pg);
+    if (!zero.shard_parameters(2).empty()) throw std::runtime_error("rank 2 owns something");
+    train_steps(ddp_full, *full, rank, 3, 0, 3);
+    train_steps(model, zero, rank, 3, 0, 3);
+    for (std::size_t i = 0; i < 2; ++i) {
+      if (!torch::equal(net->parameters()[i], full_net->parameters()[i])) {
+        throw std::runtime_error(fmt::format("parameter {} differs", i));
+      }
+    }
+    if (rank == 2 && zero.local_state_bytes() != 0) throw std::runtime_error("state on rank 2");
+    zero.consolidate_state_dict(2);
+    if (rank == 2) {
+      if (zero.state_dict().state().size() != 2) throw std::runtime_error("states missing");
+      torch::serialize::OutputArchive archive;
+      zero.save(archive);
+      save_archive_atomically(archive, path);
+    }
+    barrier(pg);
+    auto archive = load_archive(path);
+    zero.load(archive);
+    const std::int64_t want = rank == 2 ? 0 : 8 * zero.shard_parameters(rank)[0].numel();
+    if (zero.local_state_bytes() != want) throw std::runtime_error("reloaded state bytes");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(ZeroRedundancyOptimizer, PartitionIsPyTorchsGreedyLargestFirst) {
   const int port = test::free_port();
   const auto results = run_ranks(3, [&](int rank) {
