@@ -4,12 +4,18 @@
 //   ddprun --standalone --nproc-per-node 2 ddp-train-bench --model mlp --steps 30
 //
 // A step is zero_grad + forward + cross-entropy + backward (gradients averaged over the ranks
-// when it returns) + SGD step. Each rank takes the median of its step times; the slowest rank's
-// median is reported. Rank 0's last line: `step_ms=<median> samples_per_s=<world*batch/median>`.
+// when it returns) + optimizer step (`--optimizer sgd|adam`; `--sharding zero1` shards its state
+// with ddp::ZeroRedundancyOptimizer, docs/sharding.md). Each rank takes the median of its step
+// times; the slowest rank's median is reported. Rank 0's last line:
+// `step_ms=<median> samples_per_s=<world*batch/median> peak_mem_mb=<x>`, where x is the largest
+// rank's peak resident memory (VmHWM) minus its resident memory before the model was built.
 // With one process the model is trained without DistributedDataParallel, as the Python peer does.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include <fmt/format.h>
@@ -21,11 +27,17 @@
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "ddp/torch/zero_redundancy_optimizer.h"
 
 namespace {
 
 torch::nn::Sequential make_model(const std::string& name) {
   namespace nn = torch::nn;
+  if (name == "large") {  // 53.6 M parameters
+    return nn::Sequential(nn::Flatten(), nn::Linear(784, 4096), nn::ReLU(), nn::Linear(4096, 4096),
+                          nn::ReLU(), nn::Linear(4096, 4096), nn::ReLU(), nn::Linear(4096, 4096),
+                          nn::ReLU(), nn::Linear(4096, 10));
+  }
   if (name == "mlp") {
     return nn::Sequential(nn::Flatten(), nn::Linear(784, 4096), nn::ReLU(), nn::Linear(4096, 4096),
                           nn::ReLU(), nn::Linear(4096, 10));
@@ -35,6 +47,15 @@ torch::nn::Sequential make_model(const std::string& name) {
                         nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1)), nn::BatchNorm2d(64),
                         nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(3136, 128),
                         nn::ReLU(), nn::Linear(128, 10));
+}
+
+// A field of /proc/self/status in MiB (VmRSS: resident now, VmHWM: peak resident), 0 if absent.
+double status_mib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  }
+  return 0.0;
 }
 
 double median(std::vector<double> values) {
@@ -62,7 +83,15 @@ int main(int argc, char** argv) {
   std::int64_t divergence_check_every = 0;
   bool check_costs = false;
   bool sync_bn = false;
-  app.add_option("--model", model_name, "cnn or mlp")->check(CLI::IsMember({"cnn", "mlp"}));
+  app.add_option("--model", model_name, "cnn, mlp or large (an mlp of 53.6 M parameters)")
+      ->check(CLI::IsMember({"cnn", "mlp", "large"}));
+  std::string optimizer_name = "sgd";
+  app.add_option("--optimizer", optimizer_name, "sgd (momentum 0.9) or adam")
+      ->check(CLI::IsMember({"sgd", "adam"}));
+  std::string sharding = "ddp";
+  app.add_option("--sharding", sharding,
+                 "ddp (every rank holds the optimizer state) or zero1 (ZeroRedundancyOptimizer)")
+      ->check(CLI::IsMember({"ddp", "zero1"}));
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
   app.add_option("--batch-size", batch_size, "samples per rank and step")
@@ -98,6 +127,7 @@ int main(int argc, char** argv) {
     const int rank = group->rank();
     const int world = group->size();
     torch::manual_seed(1234);
+    const double rss_before_model_mib = status_mib("VmRSS");
     auto net = make_model(model_name);
     if (sync_bn) ddp::convert_sync_batchnorm(net.ptr(), group);
     std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
@@ -112,7 +142,20 @@ int main(int argc, char** argv) {
       if (hook == "fp16") ddp_model->register_comm_hook(ddp::fp16_compress_hook());
       if (hook == "bf16") ddp_model->register_comm_hook(ddp::bf16_compress_hook());
     }
-    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
+    const auto adam = torch::optim::AdamOptions(1e-3);
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    if (sharding == "zero1") {
+      optimizer =
+          optimizer_name == "adam"
+              ? std::make_unique<ddp::ZeroRedundancyOptimizer>(net->parameters(), adam, group)
+              : std::make_unique<ddp::ZeroRedundancyOptimizer>(net->parameters(), sgd, group);
+    } else if (optimizer_name == "adam") {
+      optimizer = std::make_unique<torch::optim::Adam>(net->parameters(), adam);
+    } else {
+      optimizer = std::make_unique<torch::optim::SGD>(net->parameters(), sgd);
+    }
+    auto& opt = *optimizer;
     torch::manual_seed(100 + rank);
     const auto x = torch::randn({batch_size, 1, 28, 28});
     const auto y = torch::randint(0, 10, {batch_size});
@@ -175,12 +218,17 @@ int main(int argc, char** argv) {
     }
     double step_s = median(step_seconds);
     group->allreduce(&step_s, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
+    double peak_mem_mb = status_mib("VmHWM") - rss_before_model_mib;
+    group->allreduce(&peak_mem_mb, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
     group->barrier()->wait();
     if (rank == 0) {
-      fmt::print("model={} world_size={} batch_size={} threads={} steps={} backend={}\n",
-                 model_name, world, batch_size, threads, steps, group->backend());
-      fmt::print("step_ms={:.3f} samples_per_s={:.1f}\n", step_s * 1e3,
-                 world * batch_size / step_s);
+      fmt::print(
+          "model={} world_size={} batch_size={} threads={} steps={} backend={} optimizer={} "
+          "sharding={}\n",
+          model_name, world, batch_size, threads, steps, group->backend(), optimizer_name,
+          sharding);
+      fmt::print("step_ms={:.3f} samples_per_s={:.1f} peak_mem_mb={:.1f}\n", step_s * 1e3,
+                 world * batch_size / step_s, peak_mem_mb);
     }
     return 0;
   } catch (const ddp::Error& e) {

@@ -15,6 +15,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <sstream>
+#include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -66,5 +69,20 @@ at::ScalarType cpu_autocast_dtype();
 void set_cpu_autocast(bool enabled, at::ScalarType dtype);
 // Whether CPU autocast runs in float16 (2.x does; 1.13 warns and disables itself).
 bool cpu_autocast_supports_half();
+// The key of `param` in torch::optim::Optimizer::state(): its TensorImpl's address as text in
+// 1.13 (as libtorch's own serialisation writes it), the
+// address itself in 2.x.
+using OptimizerStateKey =
+    std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+template <class Key = OptimizerStateKey>
+Key optimizer_state_key(const torch::Tensor& param) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;  // what c10::guts::to_string(TensorImpl*) writes
+    text << static_cast<const void*>(param.unsafeGetTensorImpl());
+    return text.str();
+  } else {
+    return static_cast<Key>(param.unsafeGetTensorImpl());
+  }
+}
 
 }  // namespace ddp::libtorch_compat
