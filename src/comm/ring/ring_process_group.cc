@@ -86,6 +86,11 @@ std::string_view transport_name(Transport t) {
   return t == Transport::kTcp ? "tcp" : "auto";
 }
 
+// DDP_FLIGHT_RECORDER_ENTRIES and DDP_DUMP_DIR, read where the group is made.
+comm::FlightRecorderOptions flight_recorder_options() {
+  return {.entries = settings::flight_recorder_entries(), .dump_dir = settings::dump_dir()};
+}
+
 std::string advertise_host(const RingOptions& options) {
   if (!options.advertise_host.empty()) return options.advertise_host;
   if (std::string env = settings::advertise_address(); !env.empty()) return env;
@@ -100,6 +105,7 @@ class RingWork final : public comm::QueuedWork {
       : QueuedWork(args.timeout, args.count * dtype_size(args.dtype)), args_(std::move(args)) {}
   const OpArgs& args() const { return args_; }
   std::string description() const override { return args_.description(); }
+  const OpHeader* fingerprint() const override { return &args_.header; }
 
  protected:
   void on_sequenced(std::uint64_t sequence) override {
@@ -350,7 +356,11 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> store, int rank, int s
                                            .rank = rank,
                                            .size = size,
                                            .worker_linger = options_.worker_linger,
-                                           .spin = spin_}) {}
+                                           .spin = spin_,
+                                           .flight_recorder = flight_recorder_options(),
+                                           .backend = "ring",
+                                           .job_rank = settings::job_place().rank,
+                                           .job_world_size = settings::job_place().world_size}) {}
 
 RingProcessGroup::~RingProcessGroup() {
   queue_.stop();  // before the state run() uses goes away
