@@ -85,10 +85,11 @@ class GroupAnalysis {
     std::string reasons;
     for (const FlightDump* d : dumps_) {
       if (d->size != size_) {
-        problem(fmt::format(
-            "  {} says the group has {} ranks, {} says {}: dumps of two "
-            "different jobs in one folder?",
-            dumps_.front()->path.filename().string(), size_, d->path.filename().string(), d->size));
+        problem(
+            fmt::format("group '{}': {} says the group has {} ranks, {} says {}: dumps of two "
+                        "different jobs in one folder?",
+                        group_, dumps_.front()->path.filename().string(), size_,
+                        d->path.filename().string(), d->size));
         return false;
       }
       auto& slot = views_[d->rank].dump;
