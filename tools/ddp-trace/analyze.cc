@@ -270,10 +270,16 @@ class GroupAnalysis {
         ++more;
         continue;
       }
+      // In rank order: the group holding rank 0 (or the lowest rank) first.
+      std::vector<std::pair<std::vector<int>, const DumpEntry*>> calls_by_ranks;
+      for (const auto& [fp, ranks] : by_fingerprint)
+        calls_by_ranks.emplace_back(ranks, example[fp]);
+      std::sort(calls_by_ranks.begin(), calls_by_ranks.end(),
+                [](const auto& a, const auto& b) { return a.first.front() < b.first.front(); });
       std::string calls;
-      for (const auto& [fp, ranks] : by_fingerprint) {
+      for (const auto& [ranks, call] : calls_by_ranks) {
         calls += fmt::format("{}{} called {}", calls.empty() ? "" : "; ", ranks_text(ranks),
-                             example[fp]->describe());
+                             call->describe());
       }
       problem(fmt::format("  mismatch at #{}: {}", s, calls));
       ++listed;
