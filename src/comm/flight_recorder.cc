@@ -218,6 +218,10 @@ std::string FlightRecorder::to_json(const FlightIdentity& identity, std::size_t 
       algorithm = json_string(to_string(e.algorithm));
       if (e.root >= 0) root = std::to_string(e.root);
     }
+    const std::string bytes =
+        e.has_fingerprint && e.dtype <= static_cast<std::uint8_t>(DType::kInt64)
+            ? std::to_string(e.count * dtype_size(static_cast<DType>(e.dtype)))
+            : std::string("null");
     const std::string duration = e.started_ns != 0 && e.ended_ns != 0
                                      ? std::to_string((e.ended_ns - e.started_ns) / 1000)
                                      : std::string("null");
@@ -227,7 +231,7 @@ std::string FlightRecorder::to_json(const FlightIdentity& identity, std::size_t 
         "\"algorithm\": {}, \"state\": {}, \"enqueued_us\": {}, \"started_us\": {}, "
         "\"ended_us\": {}, \"duration_us\": {}}}",
         e.id, e.sequence, json_string(to_string(e.channel)), int_or_null(e.peer), op, dtype,
-        e.count, e.bytes, reduce, root, algorithm, json_string(to_string(e.state)),
+        e.count, bytes, reduce, root, algorithm, json_string(to_string(e.state)),
         wall_us(e.enqueued_ns), wall_us(e.started_ns), wall_us(e.ended_ns), duration);
   }
   out += entries.empty() ? "]\n}\n" : "\n  ]\n}\n";

@@ -33,12 +33,12 @@ enum class FlightChannel : std::uint8_t { kCollective, kSend, kRecv };
 std::string_view to_string(FlightState state);
 std::string_view to_string(FlightChannel channel);
 
-// One operation. Times are steady-clock nanoseconds since its epoch, 0 while not reached.
-struct FlightEntry {
+// One operation, one cache line (an operation writes one line of the ring). Times are
+// steady-clock nanoseconds since its epoch, 0 while not reached.
+struct alignas(64) FlightEntry {
   std::uint64_t id = 0;  // the recorder's running count of operations (slot = id % capacity)
   std::uint64_t sequence = 0;
-  std::uint64_t count = 0;  // elements, as the call's fingerprint has it
-  std::uint64_t bytes = 0;  // this rank's payload
+  std::uint64_t count = 0;  // elements, as the call's fingerprint has it (bytes: from dtype)
   std::int64_t enqueued_ns = 0;
   std::int64_t started_ns = 0;
   std::int64_t ended_ns = 0;
@@ -52,6 +52,7 @@ struct FlightEntry {
   FlightState state = FlightState::kQueued;
   bool has_fingerprint = false;  // kind..algorithm are known (the backend gave a header)
 };
+static_assert(sizeof(FlightEntry) == 64);
 
 struct FlightRecorderOptions {
   std::size_t entries = 2000;  // 0: off (every call is a no-op)
@@ -78,17 +79,23 @@ class FlightRecorder {
   bool enabled() const { return !ring_.empty(); }
   std::size_t capacity() const { return ring_.size(); }
 
-  // REQUIRES: guard held. Records a queued operation and returns its id for the calls below.
+  // Which entry an operation has (its id, and the slot, kept to spare a division per call).
+  struct Handle {
+    std::uint64_t id = 0;
+    std::size_t slot = 0;
+  };
+
+  // REQUIRES: guard held. Records a queued operation and returns its handle for the calls below.
   // `header` may be null (no fingerprint known).
-  std::uint64_t record_enqueued(const OpHeader* header, FlightChannel channel, int peer,
-                                std::uint64_t sequence, std::size_t bytes,
-                                net::Clock::time_point enqueued) {
-    if (ring_.empty()) return 0;
-    const std::uint64_t id = next_id_++;
-    FlightEntry& e = ring_[id % ring_.size()];
+  Handle record_enqueued(const OpHeader* header, FlightChannel channel, int peer,
+                         std::uint64_t sequence, net::Clock::time_point enqueued) {
+    if (ring_.empty()) return {};
+    const Handle handle{next_id_++, next_slot_};
+    if (++next_slot_ == ring_.size()) next_slot_ = 0;
+    FlightEntry& e = ring_[handle.slot];
+    const std::uint64_t id = handle.id;
     e.id = id;
     e.sequence = sequence;
-    e.bytes = bytes;
     e.enqueued_ns = enqueued.time_since_epoch().count();
     e.started_ns = 0;
     e.ended_ns = 0;
@@ -107,24 +114,24 @@ class FlightRecorder {
       e.count = 0;
       e.root = -1;
     }
-    return id;
+    return handle;
   }
   // REQUIRES: guard held. No-ops for an entry already overwritten by a newer one.
-  void record_started(std::uint64_t id, net::Clock::time_point at) {
-    if (FlightEntry* e = live(id)) {
+  void record_started(Handle handle, net::Clock::time_point at) {
+    if (FlightEntry* e = live(handle)) {
       e->started_ns = at.time_since_epoch().count();
       e->state = FlightState::kStarted;
     }
   }
-  void record_ended(std::uint64_t id, net::Clock::time_point at, bool ok) {
-    if (FlightEntry* e = live(id); e != nullptr && e->state != FlightState::kFailed) {
+  void record_ended(Handle handle, net::Clock::time_point at, bool ok) {
+    if (FlightEntry* e = live(handle); e != nullptr && e->state != FlightState::kFailed) {
       e->ended_ns = at.time_since_epoch().count();
       e->state = ok ? FlightState::kCompleted : FlightState::kFailed;
     }
   }
   // An operation that failed without running (the group was poisoned first): no end time.
-  void record_cancelled(std::uint64_t id) {
-    if (FlightEntry* e = live(id)) e->state = FlightState::kFailed;
+  void record_cancelled(Handle handle) {
+    if (FlightEntry* e = live(handle)) e->state = FlightState::kFailed;
   }
 
   // REQUIRES: guard held. The recorded entries, oldest first.
@@ -144,10 +151,10 @@ class FlightRecorder {
   const std::string& dump_dir() const { return options_.dump_dir; }
 
  private:
-  FlightEntry* live(std::uint64_t id) {
+  FlightEntry* live(Handle handle) {
     if (ring_.empty()) return nullptr;
-    FlightEntry& e = ring_[id % ring_.size()];
-    return e.id == id ? &e : nullptr;
+    FlightEntry& e = ring_[handle.slot];
+    return e.id == handle.id ? &e : nullptr;
   }
 
   const FlightIdentity identity_;
@@ -155,6 +162,7 @@ class FlightRecorder {
   std::mutex& guard_;
   std::vector<FlightEntry> ring_;  // guarded by guard_
   std::uint64_t next_id_ = 0;      // guarded by guard_
+  std::size_t next_slot_ = 0;      // next_id_ % capacity, guarded by guard_
   std::mutex dump_mutex_;          // one dump of this recorder at a time
 };
 

@@ -128,9 +128,10 @@ void OpQueue::enqueue(const std::shared_ptr<QueuedWork>& work, Channel channel) 
     }
     work->sequence_ = sequence;
     work->on_sequenced(sequence);
-    work->flight_id_ =
-        recorder_.record_enqueued(work->fingerprint(), flight_channel(channel.kind), channel.peer,
-                                  sequence, work->bytes(), work->enqueued_at());
+    if (recorder_.enabled()) {
+      work->flight_ = recorder_.record_enqueued(work->fingerprint(), flight_channel(channel.kind),
+                                                channel.peer, sequence, work->enqueued_at());
+    }
     if (!poisoned_.load(std::memory_order_acquire)) {
       const bool idle = queue_.empty() && !executing_ && !worker_lingering_;
       queue_.push_back(work);
@@ -152,7 +153,7 @@ void OpQueue::enqueue(const std::shared_ptr<QueuedWork>& work, Channel channel) 
   } else {
     {
       std::lock_guard lock(mutex_);
-      recorder_.record_cancelled(work->flight_id_);
+      recorder_.record_cancelled(work->flight_);
     }
     work->complete(poison_error());
   }
@@ -181,10 +182,10 @@ void OpQueue::worker_loop() {
       lock.unlock();
       bool ok = false;
       now = execute(*next, now, ok);
-      const std::uint64_t flight_id = next->flight_id_;
+      const FlightRecorder::Handle flight = next->flight_;
       next.reset();  // callbacks may hold the last references; drop them outside the lock
       lock.lock();
-      if (ok) recorder_.record_ended(flight_id, now, true);
+      if (ok) recorder_.record_ended(flight, now, true);
     }
     executing_ = false;
     linger(lock);
@@ -280,10 +281,10 @@ void OpQueue::run_inline_until(QueuedWork& work) {
     lock.unlock();
     bool ok = false;
     now = execute(*next, now, ok);
-    const std::uint64_t flight_id = next->flight_id_;
+    const FlightRecorder::Handle flight = next->flight_;
     next.reset();  // callbacks may hold the last references; drop them outside the lock
     lock.lock();
-    if (ok) recorder_.record_ended(flight_id, now, true);
+    if (ok) recorder_.record_ended(flight, now, true);
   }
   executing_ = false;
   // Whatever was queued behind this work is the worker's again.
@@ -294,7 +295,7 @@ std::shared_ptr<QueuedWork> OpQueue::pop_front(net::Clock::time_point now) {
   std::shared_ptr<QueuedWork> next = std::move(queue_.front());
   queue_.pop_front();
   // One that execute() fails at once (the group is poisoned) never started.
-  if (!poisoned()) recorder_.record_started(next->flight_id_, now);
+  if (!poisoned()) recorder_.record_started(next->flight_, now);
   return next;
 }
 
@@ -303,7 +304,7 @@ net::Clock::time_point OpQueue::execute(QueuedWork& work, net::Clock::time_point
   if (poisoned()) {
     {
       std::lock_guard lock(mutex_);
-      recorder_.record_cancelled(work.flight_id_);
+      recorder_.record_cancelled(work.flight_);
     }
     work.complete(poison_error());
     return net::Clock::now();
@@ -345,7 +346,7 @@ void OpQueue::fail(QueuedWork& work, std::exception_ptr error) {
   error = keep_first_error(std::move(error), first);
   {
     std::lock_guard lock(mutex_);
-    recorder_.record_ended(work.flight_id_, net::Clock::now(), false);
+    recorder_.record_ended(work.flight_, net::Clock::now(), false);
   }
   if (first) dump_first_error(error);
   work.complete(error);
@@ -382,7 +383,7 @@ void OpQueue::fail_queued(const std::exception_ptr& error) {
     std::lock_guard lock(mutex_);
     pending.swap(queue_);
     for (const auto& w : pending)
-      recorder_.record_cancelled(w->flight_id_);
+      recorder_.record_cancelled(w->flight_);
   }
   for (auto& w : pending)
     w->complete(error);

@@ -77,7 +77,7 @@ class QueuedWork : public Work {
   const std::size_t bytes_;
   const net::Clock::time_point enqueued_at_;
   std::uint64_t sequence_ = 0;
-  std::uint64_t flight_id_ = 0;  // its entry in the queue's FlightRecorder
+  FlightRecorder::Handle flight_;  // its entry in the queue's FlightRecorder
   OpQueue* queue_ = nullptr;
   std::weak_ptr<const void> owner_;  // keeps the backend (and its queue) alive while helping
 };

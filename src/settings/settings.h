@@ -33,6 +33,11 @@ std::string host_id(const Lookup& lookup = environment);
 // DDP_ADVERTISE_ADDR: the address peers use to reach this rank.
 std::string advertise_address(const Lookup& lookup = environment);
 
+// DDP_WAIT_WARNING: seconds a collective may wait for a peer before it logs a warning naming
+// what it waits for (default 30; 0 = never).
+inline constexpr Milliseconds kDefaultWaitWarning{30'000};
+Milliseconds wait_warning(const Lookup& lookup = environment);
+
 // The flight recorder (docs/observability.md):
 // DDP_FLIGHT_RECORDER_ENTRIES: how many operations each group keeps (default 2000; 0 = off).
 inline constexpr std::size_t kDefaultFlightRecorderEntries = 2000;

@@ -16,7 +16,8 @@ Exchange& TcpContext::begin(const OpArgs& a) {
   exchange_.reset(
       a.header, a.dtype,
       ExchangeContext{&group_, rank_, op_text_ = a.description(), peer_fds_.data(), size_,
-                      idle_check_ && a.kind != Collective::kSend ? &idle_check_ : nullptr});
+                      idle_check_ && a.kind != Collective::kSend ? &idle_check_ : nullptr,
+                      wait_warning_, &warn_});
   return exchange_;
 }
 
