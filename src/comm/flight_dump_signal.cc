@@ -118,6 +118,11 @@ void unregister_for_signal_dumps(FlightRecorder* recorder) {
                     r.recorders.end());
 }
 
+bool signal_dumps_installed() {
+  struct sigaction current {};
+  return ::sigaction(SIGUSR1, nullptr, &current) == 0 && current.sa_handler == on_sigusr1;
+}
+
 void dump_all_flight_recorders() {
   dump_registered(registry());
 }

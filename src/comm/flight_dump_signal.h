@@ -16,6 +16,9 @@ void register_for_signal_dumps(FlightRecorder* recorder);
 // Returns once no dump of `recorder` is running or can start.
 void unregister_for_signal_dumps(FlightRecorder* recorder);
 
+// Whether SIGUSR1 is ddp's (the program had no handler of its own when the first recorder came).
+bool signal_dumps_installed();
+
 // Dumps every registered recorder now (what SIGUSR1 does, from the dump thread); for tests.
 void dump_all_flight_recorders();
 

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -224,11 +225,16 @@ class Backend final : public comm::OpQueue::Runner {
  public:
   void run(comm::QueuedWork& work, net::Deadline) override {
     if (static_cast<Work&>(work).id == fail_id) {
+      // Fails only once the test has queued what comes after it.
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (!release.load() && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(1ms);
       throw CommError("rank 0 timed out after 5 ms waiting for rank 1", "g", "op", 0, 1);
     }
   }
   void on_poison(const std::string&) noexcept override {}
   int fail_id = -1;
+  std::atomic<bool> release{false};
 };
 
 struct Group {
@@ -259,6 +265,7 @@ TEST(FlightRecorder, TheQueueDumpsOnItsFirstErrorWithTheFailedAndQueuedOperation
   EXPECT_FALSE(std::filesystem::exists(file)) << "no dump without a failure";
   for (int i = 2; i < 5; ++i)
     g->queue.enqueue(works[static_cast<std::size_t>(i)]);
+  g->backend.release = true;
   EXPECT_THROW(works[2]->wait(), CommError);
   // The dump was written before the error reached the caller.
   ASSERT_TRUE(std::filesystem::exists(file));
@@ -288,8 +295,6 @@ TEST(FlightRecorder, TheQueueDumpsOnItsFirstErrorWithTheFailedAndQueuedOperation
 
 // SIGUSR1: the handler only wakes the dump thread, which dumps every live recorder.
 TEST(FlightRecorder, SigUsr1DumpsEveryLiveRecorder) {
-  struct sigaction current {};
-  ASSERT_EQ(::sigaction(SIGUSR1, nullptr, &current), 0);
   std::mutex guard_a, guard_b;
   TempDir dir("ddp-flight");
   FlightRecorder a({.group = "a", .rank = 0, .size = 1}, {.entries = 4, .dump_dir = dir.path()},
@@ -303,9 +308,7 @@ TEST(FlightRecorder, SigUsr1DumpsEveryLiveRecorder) {
     a.record_enqueued(&h, FlightChannel::kCollective, -1, 0, net::Clock::now());
     b.record_enqueued(&h, FlightChannel::kCollective, -1, 0, net::Clock::now());
   }
-  struct sigaction installed {};
-  ASSERT_EQ(::sigaction(SIGUSR1, nullptr, &installed), 0);
-  if (current.sa_handler != SIG_DFL && installed.sa_handler == current.sa_handler) {
+  if (!comm::signal_dumps_installed()) {
     GTEST_SKIP() << "SIGUSR1 had a handler before ddp's (the test runner's?): not replaced";
   }
   ASSERT_EQ(::raise(SIGUSR1), 0);  // the process survives: ddp handles it
