@@ -132,6 +132,20 @@ TEST(TraceAnalyze, ARankWithoutADumpIsNamed) {
   EXPECT_NE(text_of(report).find("no dump from rank 1"), std::string::npos) << text_of(report);
 }
 
+TEST(TraceAnalyze, SequenceNumbersFarApartAndHugeSizesDoNotHangOrExhaustMemory) {
+  TempDir dir("ddp-trace");
+  const std::uint64_t far = 18'446'744'073'709'551'000ull;
+  write_dump(dir, 0, 2,
+             {{0, "allreduce", 8, "completed", 1000}, {far, "allreduce", 8, "started", 2000}});
+  write_dump(dir, 1, 2, {{0, "allreduce", 8, "completed", 1000}});
+  const auto report = analyze(read_flight_dumps(dir.path()));
+  EXPECT_TRUE(report.problem);
+  EXPECT_NE(text_of(report).find(fmt::format("#{} never matched", far)), std::string::npos)
+      << text_of(report);
+  write_dump(dir, 1, 2'000'000'000, {{0, "allreduce", 8, "completed", 1000}});
+  EXPECT_THROW(read_flight_dumps(dir.path()), TraceError);
+}
+
 TEST(TraceAnalyze, EmptyMissingAndCorruptFoldersAreClearErrors) {
   TempDir dir("ddp-trace");
   const auto message = [](const std::filesystem::path& p) {

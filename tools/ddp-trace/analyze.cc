@@ -15,10 +15,13 @@ namespace {
 // Findings per kind beyond which the rest are counted, not listed.
 constexpr std::size_t kMaxListed = 5;
 
+// "rank 3", "ranks 0, 2", "ranks 0, 1, ... and 990 more".
 std::string ranks_text(const std::vector<int>& ranks) {
+  constexpr std::size_t kMaxNamed = 16;
   std::string list;
-  for (const int r : ranks)
-    list += fmt::format("{}{}", list.empty() ? "" : ", ", r);
+  for (std::size_t i = 0; i < ranks.size() && i < kMaxNamed; ++i)
+    list += fmt::format("{}{}", list.empty() ? "" : ", ", ranks[i]);
+  if (ranks.size() > kMaxNamed) list += fmt::format(" and {} more", ranks.size() - kMaxNamed);
   return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", list);
 }
 
@@ -208,8 +211,15 @@ class GroupAnalysis {
       const std::uint64_t next = view.last_completed ? *view.last_completed + 1 : view.window_start;
       if (!from || next < *from) from = next;
     }
+    // Only the sequence numbers some rank issued: a dump's numbers may be far apart.
+    std::set<std::uint64_t> sequences;
+    for (const auto& [rank, view] : views_) {
+      for (auto it = view.issued.lower_bound(*from); it != view.issued.end() && it->first <= *top;
+           ++it)
+        sequences.insert(it->first);
+    }
     std::size_t listed = 0, more = 0;
-    for (std::uint64_t s = *from; s <= *top; ++s) {
+    for (const std::uint64_t s : sequences) {
       std::vector<int> missing, completed, failed, running;
       const DumpEntry* example = nullptr;
       std::vector<int> issued_on;

@@ -95,7 +95,8 @@ FlightDump parse_flight_dump(const std::string& text, const std::filesystem::pat
   dump.backend = string_or_empty(doc, "backend");
   dump.rank = field(doc, "rank", json::value_t::number_integer, path, "the dump").get<int>();
   dump.size = field(doc, "size", json::value_t::number_integer, path, "the dump").get<int>();
-  if (dump.size < 1 || dump.rank < 0 || dump.rank >= dump.size) {
+  constexpr int kMaxSize = 1 << 22;  // far above any job; bounds what the analysis allocates
+  if (dump.size < 1 || dump.size > kMaxSize || dump.rank < 0 || dump.rank >= dump.size) {
     throw TraceError(fmt::format("{}: rank {} of size {} is not a rank of a group", path.string(),
                                  dump.rank, dump.size));
   }
