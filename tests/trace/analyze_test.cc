@@ -164,6 +164,8 @@ TEST(TraceAnalyze, EmptyMissingAndCorruptFoldersAreClearErrors) {
   EXPECT_NE(message(dir.path()).find("ddp_flight_default_rank0.json: not valid JSON"),
             std::string::npos)
       << message(dir.path());
+  std::ofstream(dir / "ddp_flight_default_rank0.json") << R"({"format": 5e777777})";
+  EXPECT_NE(message(dir.path()).find("not valid JSON"), std::string::npos) << message(dir.path());
   std::ofstream(dir / "ddp_flight_default_rank0.json") << R"({"something": "else"})";
   EXPECT_NE(message(dir.path()).find("not a ddp flight recorder dump"), std::string::npos);
   std::ofstream(dir / "ddp_flight_default_rank0.json")

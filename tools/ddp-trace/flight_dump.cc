@@ -72,7 +72,7 @@ FlightDump parse_flight_dump(const std::string& text, const std::filesystem::pat
   json doc;
   try {
     doc = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a huge number
     throw TraceError(
         fmt::format("{}: not valid JSON ({}); a truncated dump? ranks write them atomically, so a "
                     "partial file was not written by ddp",
