@@ -29,6 +29,31 @@ std::string text_of(const std::exception_ptr& error) {
   }
 }
 
+FlightChannel flight_channel(OpQueue::Channel::Kind kind) {
+  switch (kind) {
+    case OpQueue::Channel::Kind::kSend:
+      return FlightChannel::kSend;
+    case OpQueue::Channel::Kind::kRecv:
+      return FlightChannel::kRecv;
+    default:
+      return FlightChannel::kCollective;
+  }
+}
+
+// What kind of first error a dump records: read from the texts the backends give (both name a
+// passed deadline "timed out", a mismatch "mismatch").
+std::string_view failure_kind(const std::exception_ptr& error, const std::string& text) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const TimeoutError&) {
+    return "timeout";
+  } catch (...) {
+  }
+  if (text.find("mismatch") != std::string::npos) return "mismatch";
+  if (text.find("timed out") != std::string::npos) return "timeout";
+  return "failure";
+}
+
 }  // namespace
 
 void QueuedWork::help_until_completed() {
@@ -40,7 +65,14 @@ OpQueue::OpQueue(Runner& runner, Options options)
     : runner_(runner),
       options_(std::move(options)),
       send_sequence_(static_cast<std::size_t>(std::max(options_.size, 1)), 0),
-      recv_sequence_(static_cast<std::size_t>(std::max(options_.size, 1)), 0) {}
+      recv_sequence_(static_cast<std::size_t>(std::max(options_.size, 1)), 0),
+      recorder_(FlightIdentity{.group = options_.group,
+                               .backend = options_.backend,
+                               .rank = options_.rank,
+                               .size = options_.size,
+                               .job_rank = options_.job_rank,
+                               .job_world_size = options_.job_world_size},
+                options_.flight_recorder, mutex_) {}
 
 OpQueue::~OpQueue() {
   stop();
@@ -96,6 +128,10 @@ void OpQueue::enqueue(const std::shared_ptr<QueuedWork>& work, Channel channel) 
     }
     work->sequence_ = sequence;
     work->on_sequenced(sequence);
+    if (recorder_.enabled()) {
+      work->flight_ = recorder_.record_enqueued(work->fingerprint(), flight_channel(channel.kind),
+                                                channel.peer, sequence, work->enqueued_at());
+    }
     if (!poisoned_.load(std::memory_order_acquire)) {
       const bool idle = queue_.empty() && !executing_ && !worker_lingering_;
       queue_.push_back(work);
@@ -115,6 +151,10 @@ void OpQueue::enqueue(const std::shared_ptr<QueuedWork>& work, Channel channel) 
     // Only an idle worker needs waking: an executor picks the new work up after its current one.
     if (wake_worker) cv_.notify_one();
   } else {
+    {
+      std::lock_guard lock(mutex_);
+      recorder_.record_cancelled(work->flight_);
+    }
     work->complete(poison_error());
   }
 }
@@ -135,12 +175,17 @@ void OpQueue::worker_loop() {
     }
     executing_ = true;
     while (!queue_.empty()) {
-      std::shared_ptr<QueuedWork> next = std::move(queue_.front());
-      queue_.pop_front();
+      // A fresh start for each: the previous operation's callbacks ran since its end. (The inline
+      // path below reuses the end instead, saving a clock read where latency counts most.)
+      auto now = net::Clock::now();
+      std::shared_ptr<QueuedWork> next = pop_front(now);
       lock.unlock();
-      execute(*next);
+      bool ok = false;
+      now = execute(*next, now, ok);
+      const FlightRecorder::Handle flight = next->flight_;
       next.reset();  // callbacks may hold the last references; drop them outside the lock
       lock.lock();
+      if (ok) recorder_.record_ended(flight, now, true);
     }
     executing_ = false;
     linger(lock);
@@ -232,36 +277,50 @@ void OpQueue::run_inline_until(QueuedWork& work) {
   executing_ = true;
   work_left_to_caller_ = false;  // whatever this thread leaves queued is the worker's
   while (!work.is_completed() && !queue_.empty()) {
-    std::shared_ptr<QueuedWork> next = std::move(queue_.front());
-    queue_.pop_front();
+    std::shared_ptr<QueuedWork> next = pop_front(now);
     lock.unlock();
-    execute(*next, now);
+    bool ok = false;
+    now = execute(*next, now, ok);
+    const FlightRecorder::Handle flight = next->flight_;
     next.reset();  // callbacks may hold the last references; drop them outside the lock
     lock.lock();
-    now = net::Clock::now();
+    if (ok) recorder_.record_ended(flight, now, true);
   }
   executing_ = false;
   // Whatever was queued behind this work is the worker's again.
   if (!queue_.empty() || stopping_) cv_.notify_one();
 }
 
-void OpQueue::execute(QueuedWork& work, net::Clock::time_point start) {
+std::shared_ptr<QueuedWork> OpQueue::pop_front(net::Clock::time_point now) {
+  std::shared_ptr<QueuedWork> next = std::move(queue_.front());
+  queue_.pop_front();
+  // One that execute() fails at once (the group is poisoned) never started.
+  if (!poisoned()) recorder_.record_started(next->flight_, now);
+  return next;
+}
+
+net::Clock::time_point OpQueue::execute(QueuedWork& work, net::Clock::time_point start, bool& ok) {
+  ok = false;
   if (poisoned()) {
+    {
+      std::lock_guard lock(mutex_);
+      recorder_.record_cancelled(work.flight_);
+    }
     work.complete(poison_error());
-    return;
+    return net::Clock::now();
   }
   try {
     runner_.run(work, net::deadline_after(work.timeout(), start));
   } catch (const CommError&) {
     fail(work, std::current_exception());
-    return;
+    return net::Clock::now();
   } catch (const std::exception& e) {
     const std::string what = work.description();
     fail(work, std::make_exception_ptr(
                    CommError(fmt::format("rank {}: {} in group '{}' failed: {}", options_.rank,
                                          what, options_.group, e.what()),
                              options_.group, what, work.sequence(), -1)));
-    return;
+    return net::Clock::now();
   } catch (...) {
     const std::string what = work.description();
     fail(work, std::make_exception_ptr(
@@ -269,26 +328,48 @@ void OpQueue::execute(QueuedWork& work, net::Clock::time_point start) {
                                          "exception",
                                          options_.rank, what, options_.group),
                              options_.group, what, work.sequence(), -1)));
-    return;
+    return net::Clock::now();
   }
+  // The end, read before complete(): the caller may wait for nothing else.
+  const auto end = net::Clock::now();
+  ok = true;
   work.complete();
+  return end;
 }
 
 // Poisons the queue with the first error: fails `work` and everything queued, then lets the
 // backend tell its peers.
+// The dump is written before the caller sees the error, and while the operations still queued
+// show as queued (they never ran).
 void OpQueue::fail(QueuedWork& work, std::exception_ptr error) {
-  error = keep_first_error(std::move(error));
+  bool first = false;
+  error = keep_first_error(std::move(error), first);
+  {
+    std::lock_guard lock(mutex_);
+    recorder_.record_ended(work.flight_, net::Clock::now(), false);
+  }
+  if (first) dump_first_error(error);
   work.complete(error);
   fail_queued(error);
 }
 
 void OpQueue::poison(std::exception_ptr error) {
-  fail_queued(keep_first_error(std::move(error)));
+  bool first = false;
+  error = keep_first_error(std::move(error), first);
+  if (first) dump_first_error(error);
+  fail_queued(error);
 }
 
-std::exception_ptr OpQueue::keep_first_error(std::exception_ptr error) {
+void OpQueue::dump_first_error(const std::exception_ptr& error) {
+  if (!recorder_.enabled()) return;
+  const std::string text = text_of(error);
+  recorder_.dump(failure_kind(error, text), text);
+}
+
+std::exception_ptr OpQueue::keep_first_error(std::exception_ptr error, bool& first) {
   {
     std::lock_guard lock(poison_mutex_);
+    first = !poison_;
     if (!poison_) poison_ = std::move(error);
     error = poison_;
   }
@@ -301,6 +382,8 @@ void OpQueue::fail_queued(const std::exception_ptr& error) {
   {
     std::lock_guard lock(mutex_);
     pending.swap(queue_);
+    for (const auto& w : pending)
+      recorder_.record_cancelled(w->flight_);
   }
   for (auto& w : pending)
     w->complete(error);

@@ -12,7 +12,10 @@
 //  - completion: every QueuedWork is completed exactly once, with its error or successfully;
 //  - failure: the first error poisons the queue: the failing operation, everything queued and
 //    everything queued later complete with that first error, and the backend's on_poison hook runs
-//    (to tell the peers and shut its connections).
+//    (to tell the peers and shut its connections);
+//  - the flight recorder (flight_recorder.h): the queue records each operation's queueing, start
+//    and end in its group's FlightRecorder, under its lock and with the times it takes anyway, and
+//    dumps it on the first error (timeout, mismatch, failure).
 // What the backend supplies is Runner::run: "run this operation by this deadline", which throws
 // on failure (CommError; any other std::exception is wrapped in a CommError naming the
 // operation). run() is called on one thread at a time (the worker or a waiting caller), so a
@@ -35,6 +38,8 @@
 #include <thread>
 #include <vector>
 
+#include "comm/flight_recorder.h"
+#include "comm/wire.h"
 #include "ddp/process_group.h"
 #include "ddp/work.h"
 #include "net/socket.h"
@@ -56,6 +61,9 @@ class QueuedWork : public Work {
   net::Clock::time_point enqueued_at() const { return enqueued_at_; }
   // Assigned by OpQueue::enqueue.
   std::uint64_t sequence() const { return sequence_; }
+  // The operation's fingerprint for the flight recorder (kind, dtype, count, root, reduce op), or
+  // null when the backend has none. Read under the queue's lock right after on_sequenced.
+  virtual const OpHeader* fingerprint() const { return nullptr; }
 
  protected:
   // Called once by OpQueue::enqueue under the queue's lock, with the operation's sequence number
@@ -69,6 +77,7 @@ class QueuedWork : public Work {
   const std::size_t bytes_;
   const net::Clock::time_point enqueued_at_;
   std::uint64_t sequence_ = 0;
+  FlightRecorder::Handle flight_;  // its entry in the queue's FlightRecorder
   OpQueue* queue_ = nullptr;
   std::weak_ptr<const void> owner_;  // keeps the backend (and its queue) alive while helping
 };
@@ -96,6 +105,12 @@ class OpQueue {
     std::chrono::microseconds worker_linger{0};
     // A caller waiting for an operation another thread runs polls this long before it sleeps.
     std::chrono::microseconds spin{0};
+    // The flight recorder: off unless the backend passes the resolved settings
+    // (DDP_FLIGHT_RECORDER_ENTRIES, DDP_DUMP_DIR), and what its dumps say about this process.
+    FlightRecorderOptions flight_recorder{.entries = 0, .dump_dir = {}};
+    std::string backend;
+    int job_rank = -1;
+    int job_world_size = -1;
   };
 
   // Which sequence counter an operation takes.
@@ -136,6 +151,13 @@ class OpQueue {
   // The first error, or null.
   std::exception_ptr poison_error() const;
 
+  // Writes the flight recorder's dump now (e.g. before a backend ends the process on a failure);
+  // `reason` as FlightRecorder::dump. Must not be called with the queue's lock held. Any thread.
+  void dump_flight_recorder(std::string_view reason, const std::string& error) {
+    recorder_.dump(reason, error);
+  }
+  const FlightRecorder& flight_recorder() const { return recorder_; }
+
   // Runs queued operations on the calling thread until `work` is done, unless another thread runs
   // them already (then polls for up to Options::spin and returns). For Work::wait.
   void run_inline_until(QueuedWork& work);
@@ -145,11 +167,17 @@ class OpQueue {
   bool worker_should_run(net::Clock::time_point now) const;
   void worker_idle_wait(std::unique_lock<std::mutex>& lock);
   void linger(std::unique_lock<std::mutex>& lock);
-  // Runs `work` on this thread; its deadline counts from `start` (now, or just before).
-  void execute(QueuedWork& work, net::Clock::time_point start = net::Clock::now());
+  // Pops the next operation and records its start at `now`. REQUIRES: mutex_ held.
+  std::shared_ptr<QueuedWork> pop_front(net::Clock::time_point now);
+  // Runs `work` on this thread; its deadline counts from `start` (now, or just before). Returns
+  // when it ended (read once, also the next operation's start); records a failure itself, and the
+  // caller records a success under mutex_ (`ok`).
+  net::Clock::time_point execute(QueuedWork& work, net::Clock::time_point start, bool& ok);
   void fail(QueuedWork& work, std::exception_ptr error);
-  // Sets the poison (the first error wins) and returns it.
-  std::exception_ptr keep_first_error(std::exception_ptr error);
+  // Sets the poison (the first error wins) and returns it; `first`: whether it was this one.
+  std::exception_ptr keep_first_error(std::exception_ptr error, bool& first);
+  // The first error's dump: "timeout", "mismatch" or "failure", with its text.
+  void dump_first_error(const std::exception_ptr& error);
   // Completes everything queued with `error`, then calls Runner::on_poison.
   void fail_queued(const std::exception_ptr& error);
 
@@ -177,6 +205,9 @@ class OpQueue {
   bool work_left_to_caller_ = false;
   net::Clock::time_point last_enqueue_{};
   std::thread worker_;
+
+  // Written under mutex_ (see FlightRecorder).
+  FlightRecorder recorder_;
 
   std::atomic<bool> poisoned_{false};
   mutable std::mutex poison_mutex_;

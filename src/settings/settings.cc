@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -63,6 +64,56 @@ std::string host_id(const Lookup& lookup) {
 
 std::string advertise_address(const Lookup& lookup) {
   return value_or_empty(lookup, "DDP_ADVERTISE_ADDR");
+}
+
+Milliseconds wait_warning(const Lookup& lookup) {
+  const auto text = lookup("DDP_WAIT_WARNING");
+  if (!text) return kDefaultWaitWarning;
+  double seconds = 0;
+  const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+  if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() ||
+      !std::isfinite(seconds) || seconds < 0 || seconds > 1e9) {
+    throw ConfigError(fmt::format(
+        "DDP_WAIT_WARNING='{}' is not a number of seconds >= 0 (e.g. DDP_WAIT_WARNING=30; 0 = "
+        "never warn)",
+        *text));
+  }
+  return Milliseconds(std::llround(seconds * 1000.0));
+}
+
+std::size_t flight_recorder_entries(const Lookup& lookup) {
+  constexpr std::size_t kMax = 10'000'000;
+  const auto text = lookup("DDP_FLIGHT_RECORDER_ENTRIES");
+  if (!text) return kDefaultFlightRecorderEntries;
+  std::size_t entries = 0;
+  const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), entries);
+  if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() || entries > kMax) {
+    throw ConfigError(fmt::format(
+        "DDP_FLIGHT_RECORDER_ENTRIES='{}' is not a number of operations from 0 (off) to {} "
+        "(e.g. DDP_FLIGHT_RECORDER_ENTRIES=2000)",
+        *text, kMax));
+  }
+  return entries;
+}
+
+std::string dump_dir(const Lookup& lookup) {
+  return value_or_empty(lookup, "DDP_DUMP_DIR");
+}
+
+JobPlace job_place(const Lookup& lookup) {
+  const auto number = [&](const char* name) {
+    const auto text = lookup(name);
+    if (!text || text->empty()) return -1;
+    int value = -1;
+    const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), value);
+    return ec == std::errc() && ptr == text->data() + text->size() && value >= 0 ? value : -1;
+  };
+  for (const auto& [rank, size] :
+       {std::pair{"RANK", "WORLD_SIZE"}, std::pair{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+        std::pair{"SLURM_PROCID", "SLURM_NTASKS"}}) {
+    if (const int r = number(rank); r >= 0) return {r, number(size)};
+  }
+  return {};
 }
 
 }  // namespace ddp::settings

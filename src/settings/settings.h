@@ -7,6 +7,7 @@
 // as nobody modifies the environment concurrently (getenv's own rule).
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <optional>
 #include <string>
@@ -38,5 +39,24 @@ std::string transport(const Lookup& lookup = environment);
 std::string host_id(const Lookup& lookup = environment);
 // DDP_ADVERTISE_ADDR: the address peers use to reach this rank.
 std::string advertise_address(const Lookup& lookup = environment);
+
+// DDP_WAIT_WARNING: seconds a collective may wait for a peer before it logs a warning naming
+// what it waits for (default 30; 0 = never).
+inline constexpr Milliseconds kDefaultWaitWarning{30'000};
+Milliseconds wait_warning(const Lookup& lookup = environment);
+
+// The flight recorder (docs/observability.md):
+// DDP_FLIGHT_RECORDER_ENTRIES: how many operations each group keeps (default 2000; 0 = off).
+inline constexpr std::size_t kDefaultFlightRecorderEntries = 2000;
+std::size_t flight_recorder_entries(const Lookup& lookup = environment);
+// DDP_DUMP_DIR: where dumps go ("" when unset: the working directory).
+std::string dump_dir(const Lookup& lookup = environment);
+// The job's rank and world size as the launcher gave them (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*,
+// SLURM_PROCID/SLURM_NTASKS), for the dumps only: -1 where unknown or malformed.
+struct JobPlace {
+  int rank = -1;
+  int world_size = -1;
+};
+JobPlace job_place(const Lookup& lookup = environment);
 
 }  // namespace ddp::settings

@@ -75,3 +75,34 @@ write("fuzz_idx_reader", "labels", b"\x02" + labels)
 write("fuzz_idx_reader", "labels_gzip_raw", b"\x03" + gzip.compress(labels, mtime=0))
 write("fuzz_idx_reader", "images_gzip_raw", b"\x01" + gzip.compress(images, mtime=0))
 write("fuzz_idx_reader", "truncated", b"\x00" + images[:100])
+
+
+# --- flight recorder dumps (docs/observability.md); first byte = the rank (fuzz_flight_dump.cc) ---
+def flight_entry(seq, op, state, extra=""):
+    return ('{"id": %d, "sequence": %d, "channel": "collective", "peer": null, "op": "%s", '
+            '"dtype": "float32", "count": 256, "bytes": 1024, "reduce_op": "sum", "root": null, '
+            '"algorithm": "ring", "state": "%s", "enqueued_us": %d, "started_us": %d, '
+            '"ended_us": %s, "duration_us": null%s}'
+            % (seq, seq, op, state, 1000 * seq, 1000 * seq + 1,
+               "null" if state == "started" else str(1000 * seq + 9), extra))
+
+
+def flight_dump(rank, size, entries, reason="timeout", error="rank 0 timed out"):
+    return ('{"format": "ddp-flight-recorder", "version": 1, "group": "default", "backend": '
+            '"ring", "rank": %d, "size": %d, "job_rank": %d, "job_world_size": %d, "pid": 42, '
+            '"host": "h", "dump_time": "2026-11-30T20:00:00.000000Z", "dump_time_unix_us": '
+            '1796068800000000, "reason": "%s", "error": "%s", "capacity": 2000, "recorded": %d, '
+            '"entries": [%s]}' % (rank, size, rank, size, reason, error, len(entries),
+                                  ", ".join(entries))).encode()
+
+
+write("fuzz_flight_dump", "timeout", b"\x00" + flight_dump(0, 2, [
+    flight_entry(0, "allreduce", "completed"), flight_entry(1, "broadcast", "completed"),
+    flight_entry(2, "allreduce", "failed")]))
+write("fuzz_flight_dump", "behind", b"\x01" + flight_dump(1, 2, [
+    flight_entry(0, "allreduce", "completed"), flight_entry(1, "broadcast", "completed")],
+    reason="signal"))
+write("fuzz_flight_dump", "hang", b"\x02" + flight_dump(2, 4, [
+    flight_entry(0, "barrier", "completed"), flight_entry(1, "allreduce", "started")],
+    reason="signal"))
+

@@ -173,6 +173,7 @@ class MpiWork final : public comm::QueuedWork {
       : QueuedWork(op.timeout, op.count * dtype_size(op.dtype)), op_(std::move(op)), log_(log) {}
   MpiOp& op() { return op_; }
   std::string description() const override { return op_.description(); }
+  const comm::OpHeader* fingerprint() const override { return &op_.header; }
 
  protected:
   void on_sequenced(std::uint64_t sequence) override {
@@ -206,9 +207,16 @@ class MpiProcessGroup final : public ProcessGroup,
         local_rank_(local_rank),
         local_size_(local_size),
         world_ranks_(std::move(world_ranks)),
-        queue_(*this,
-               comm::OpQueue::Options{
-                   .group = name_, .rank = rank, .size = size, .spin = waiter_spin(local_size)}) {
+        queue_(*this, comm::OpQueue::Options{
+                          .group = name_,
+                          .rank = rank,
+                          .size = size,
+                          .spin = waiter_spin(local_size),
+                          .flight_recorder = {.entries = settings::flight_recorder_entries(),
+                                              .dump_dir = settings::dump_dir()},
+                          .backend = "mpi",
+                          .job_rank = settings::job_place().rank,
+                          .job_world_size = settings::job_place().world_size}) {
     p2p_context_ = std::make_shared<const comm::mpi::P2pContext>(
         comm::mpi::P2pContext{.group = name_,
                               .notice_key = options_.notice_key,

@@ -205,6 +205,12 @@ void MpiProcessGroup::run(comm::QueuedWork& work, net::Deadline deadline) {
   try {
     run_op(op, deadline);
   } catch (const std::exception& e) {
+    // The queue's own dump would come too late: the job ends here.
+    queue_.dump_flight_recorder(
+        std::string_view(e.what()).find("mismatch") != std::string_view::npos    ? "mismatch"
+        : std::string_view(e.what()).find("timed out") != std::string_view::npos ? "timeout"
+                                                                                 : "failure",
+        e.what());
     MpiRuntime::abort_job(
         fmt::format("{} (MpiOptions::abort_on_failure is on; turn it off to "
                     "handle the CommError in the program instead)",

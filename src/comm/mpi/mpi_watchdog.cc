@@ -65,12 +65,18 @@ void MpiProcessGroup::check_blocking_call(std::uint64_t& announced_id) {
   bool announced = announced_id == id;
   announced_id = id;
   const std::string problem = stall_problem(op.header, announced);
-  if (!problem.empty()) MpiRuntime::abort_job(problem);
+  if (!problem.empty()) {
+    queue_.dump_flight_recorder(
+        problem.find("mismatch") != std::string::npos ? "mismatch" : "failure", problem);
+    MpiRuntime::abort_job(problem);
+  }
   if (now >= deadline) {
-    MpiRuntime::abort_job(
-        fmt::format("rank {} of group '{}' (mpi backend): {} did not complete within {} ms: "
-                    "a rank of the group did not issue it, or is stuck or gone",
-                    rank(), name_, op.description(), timeout.count()));
+    const std::string text = fmt::format(
+        "rank {} of group '{}' (mpi backend): {} did not complete within {} ms: "
+        "a rank of the group did not issue it, or is stuck or gone",
+        rank(), name_, op.description(), timeout.count());
+    queue_.dump_flight_recorder("timeout", text);  // before the job ends
+    MpiRuntime::abort_job(text);
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -216,9 +217,9 @@ void Exchange::fail_io(int peer, int err, const char* what) const {
       *context_.group, std::string(context_.op), header_.sequence, peer);
 }
 
-void Exchange::fail_timeout(std::chrono::milliseconds timeout) const {
+std::string Exchange::waiting_for(int& peer) const {
   std::string waiting;
-  int peer = -1;
+  peer = -1;
   for (const auto& s : recv_streams_) {
     if (s.fd < 0) continue;
     std::size_t got = 0, total = 0;
@@ -237,6 +238,30 @@ void Exchange::fail_timeout(std::chrono::milliseconds timeout) const {
     waiting +=
         fmt::format("{}rank {} to read what it was sent", waiting.empty() ? "" : ", ", s.peer);
   }
+  return waiting;
+}
+
+// Once per operation: a wait this long is no network delay but a rank that is behind or stuck;
+// saying so long before the deadline (and the flight recorder's dump) lets an operator look.
+void Exchange::warn_waiting(std::chrono::milliseconds waited, std::chrono::milliseconds left) {
+  warned_for_ = header_.sequence + 1;
+  int peer = -1;
+  const std::string line = fmt::format(
+      "ddp: warning: rank {} has waited {} s in {} in group '{}' for {}; it fails in {} s unless "
+      "that changes (is a rank behind or stuck? SIGUSR1 dumps the flight recorder, "
+      "docs/observability.md)",
+      context_.rank, waited.count() / 1000, context_.op, *context_.group, waiting_for(peer),
+      left.count() / 1000);
+  if (context_.warn != nullptr && *context_.warn) {
+    (*context_.warn)(line);
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+}
+
+void Exchange::fail_timeout(std::chrono::milliseconds timeout) const {
+  int peer = -1;
+  const std::string waiting = waiting_for(peer);
   throw CommError(
       fmt::format("rank {} timed out after {} ms in {} in group '{}' waiting for {}; "
                   "the peer is stuck, stopped, or did not issue this collective",
@@ -263,6 +288,12 @@ void Exchange::run(net::Deadline deadline, std::chrono::microseconds spin,
     }
     const auto now = net::Clock::now();
     if (now >= deadline) fail_timeout(timeout_for_message);
+    if (context_.wait_warning.count() > 0 && warned_for_ != header_.sequence + 1 &&
+        now - (deadline - timeout_for_message) >= context_.wait_warning) {
+      warn_waiting(std::chrono::duration_cast<std::chrono::milliseconds>(
+                       now - (deadline - timeout_for_message)),
+                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now));
+    }
     if (spin.count() > 0) {
       if (!spinning) {
         spinning = true;
@@ -291,6 +322,13 @@ void Exchange::run(net::Deadline deadline, std::chrono::microseconds spin,
     }
     int timeout_ms = net::poll_timeout_ms(deadline);
     if (context_.idle_check != nullptr && (timeout_ms < 0 || timeout_ms > 10)) timeout_ms = 10;
+    if (context_.wait_warning.count() > 0 && warned_for_ != header_.sequence + 1) {
+      // Wake for the warning too.
+      const auto until_warning = std::chrono::ceil<std::chrono::milliseconds>(
+          deadline - timeout_for_message + context_.wait_warning - now);
+      const int warning_ms = static_cast<int>(std::max<long long>(1, until_warning.count()));
+      if (timeout_ms < 0 || timeout_ms > warning_ms) timeout_ms = warning_ms;
+    }
     const int rc = ::poll(pollfds_.data(), pollfds_.size(), timeout_ms);
     if (rc < 0 && errno != EINTR) fail_io(-1, errno, "polling");
     if (rc == 0 && context_.idle_check != nullptr) (*context_.idle_check)();

@@ -49,6 +49,10 @@ struct ExchangeContext {
   // Called at least every 10 ms while the step sleeps (null: never); may throw CommError. The
   // ring backend uses it to notice a peer that runs a different call over shared memory.
   const std::function<void()>* idle_check = nullptr;
+  // A step still waiting this long after its operation started logs one warning naming what it
+  // waits for (0: never); `warn` gets the line (null: stderr).
+  std::chrono::milliseconds wait_warning{0};
+  const std::function<void(const std::string&)>* warn = nullptr;
 };
 
 class Exchange {
@@ -111,12 +115,16 @@ class Exchange {
   void peek_idle_peer(int peer);
   [[noreturn]] void fail_io(int peer, int err, const char* what) const;
   [[noreturn]] void fail_timeout(std::chrono::milliseconds timeout) const;
+  // "data from rank 1 (0 of 1024 bytes), ..."; `peer`: the first rank named.
+  std::string waiting_for(int& peer) const;
+  void warn_waiting(std::chrono::milliseconds waited, std::chrono::milliseconds left);
   bool done() const { return streams_done_ == send_streams_.size() + recv_streams_.size(); }
 
   OpHeader header_{};
   DType dtype_ = DType::kFloat32;
   std::size_t element_size_ = 4;
   ExchangeContext context_;
+  std::uint64_t warned_for_ = 0;  // 1 + the sequence number of the operation last warned about
   std::vector<SendPiece> send_pieces_;
   std::vector<RecvPiece> recv_pieces_;
   std::vector<SendStream> send_streams_;

@@ -85,6 +85,11 @@ std::string_view transport_name(Transport t) {
   return t == Transport::kTcp ? "tcp" : "auto";
 }
 
+// DDP_FLIGHT_RECORDER_ENTRIES and DDP_DUMP_DIR, read where the group is made.
+comm::FlightRecorderOptions flight_recorder_options() {
+  return {.entries = settings::flight_recorder_entries(), .dump_dir = settings::dump_dir()};
+}
+
 std::string advertise_host(const RingOptions& options) {
   if (!options.advertise_host.empty()) return options.advertise_host;
   if (std::string env = settings::advertise_address(); !env.empty()) return env;
@@ -99,6 +104,7 @@ class RingWork final : public comm::QueuedWork {
       : QueuedWork(args.timeout, args.count * dtype_size(args.dtype)), args_(std::move(args)) {}
   const OpArgs& args() const { return args_; }
   std::string description() const override { return args_.description(); }
+  const OpHeader* fingerprint() const override { return &args_.header; }
 
  protected:
   void on_sequenced(std::uint64_t sequence) override { args_.header.sequence = sequence; }
@@ -311,6 +317,8 @@ class RingProcessGroup final : public ProcessGroup,
   // scratch pool, and the shared-memory dispatch's temporary, reused across operations.
   comm::TcpContext tcp_;
   std::vector<std::byte> shm_scratch_;
+  // DDP_WAIT_WARNING: a collective waiting this long for a peer says so (0: never).
+  milliseconds wait_warning_{0};
 
   // Locality (fixed at creation): which ranks share a host, and what runs where.
   Mode mode_ = Mode::kTcp;
@@ -342,11 +350,18 @@ RingProcessGroup::RingProcessGroup(std::shared_ptr<Store> store, int rank, int s
       spin_(resolve_spin(options_.spin, size)),
       peers_(static_cast<std::size_t>(size)),
       tcp_(name_, rank, size, options_.chunk_bytes, spin_),
+      wait_warning_(settings::wait_warning()),
       queue_(*this, comm::OpQueue::Options{.group = name_,
                                            .rank = rank,
                                            .size = size,
                                            .worker_linger = options_.worker_linger,
-                                           .spin = spin_}) {}
+                                           .spin = spin_,
+                                           .flight_recorder = flight_recorder_options(),
+                                           .backend = "ring",
+                                           .job_rank = settings::job_place().rank,
+                                           .job_world_size = settings::job_place().world_size}) {
+  tcp_.set_wait_warning(wait_warning_, options_.log);
+}
 
 RingProcessGroup::~RingProcessGroup() {
   queue_.stop();  // before the state run() uses goes away
@@ -412,6 +427,8 @@ void RingProcessGroup::set_up_locality(Transport transport, net::Deadline deadli
     return;
   }
   comm::shm::ShmOptions shm{.group = name_};
+  shm.wait_warning = wait_warning_;
+  shm.warn = options_.log;
   // A host's domain numbers its ranks 0..L-1: let its errors name this group's ranks.
   if (hosts.size() > 1) shm.ranks = local;
   shm.on_nap = [this] { check_sockets_for_other_call(); };

@@ -16,9 +16,10 @@ TcpContext::TcpContext(const std::string& group, int rank, int size, std::size_t
     : group_(group), rank_(rank), size_(size), spin_(spin), chunk_(chunk_bytes) {}
 
 Exchange& TcpContext::begin(const OpArgs& a) {
-  exchange_.reset(a.header, a.dtype,
-                  ExchangeContext{&group_, rank_, op_text_ = a.description(), peer_fds_.data(),
-                                  size_, idle_check_ ? &idle_check_ : nullptr});
+  exchange_.reset(
+      a.header, a.dtype,
+      ExchangeContext{&group_, rank_, op_text_ = a.description(), peer_fds_.data(), size_,
+                      idle_check_ ? &idle_check_ : nullptr, wait_warning_, &warn_});
   return exchange_;
 }
 

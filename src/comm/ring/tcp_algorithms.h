@@ -39,6 +39,12 @@ class TcpContext {
   int fd(int peer) const { return peer_fds_[static_cast<std::size_t>(peer)]; }
   // Called while a collective's step sleeps (see ExchangeContext::idle_check); null: none.
   void set_idle_check(std::function<void()> check) { idle_check_ = std::move(check); }
+  // See ExchangeContext::wait_warning.
+  void set_wait_warning(std::chrono::milliseconds after,
+                        std::function<void(const std::string&)> warn) {
+    wait_warning_ = after;
+    warn_ = std::move(warn);
+  }
 
   // One step of `a`: reset() the exchange, add streams to exchange(), then finish().
   Exchange& begin(const OpArgs& a);
@@ -64,6 +70,8 @@ class TcpContext {
   const std::chrono::microseconds spin_;
   std::vector<int> peer_fds_;
   std::function<void()> idle_check_;
+  std::chrono::milliseconds wait_warning_{0};
+  std::function<void(const std::string&)> warn_;
   Exchange exchange_;
   std::string op_text_;  // the description of the step running (the exchange refers to it)
   std::vector<std::byte> chunk_;

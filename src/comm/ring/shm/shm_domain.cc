@@ -10,6 +10,7 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#include <cstdio>
 
 #include <algorithm>
 #include <atomic>
@@ -310,6 +311,24 @@ void ShmDomain::fail(const std::string& what, int peer, bool peer_error) const {
   throw CommError(message, options_.group, op, header_.sequence, blamed);
 }
 
+// Once per call: a wait this long is no scheduling delay but a rank that is behind or stuck.
+void ShmDomain::warn_waiting(int peer, net::Clock::time_point now) {
+  wait_warned_ = true;
+  const std::string line = fmt::format(
+      "ddp: warning: shm group '{}' rank {} has waited {} s in {} for rank {} (alive, but it has "
+      "not reached this step of the call); it fails in {} s unless that changes (is a rank "
+      "behind or stuck? SIGUSR1 dumps the flight recorder, docs/observability.md)",
+      options_.group, rank_number(options_, rank_),
+      std::chrono::duration_cast<std::chrono::seconds>(now - call_start_).count(),
+      describe(header_), rank_number(options_, peer),
+      std::chrono::duration_cast<std::chrono::seconds>(deadline_ - now).count());
+  if (options_.warn) {
+    options_.warn(line);
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+}
+
 int ShmDomain::group_rank(int r) const {
   return r < 0 || options_.ranks.empty() ? r : options_.ranks[static_cast<std::size_t>(r)];
 }
@@ -400,6 +419,10 @@ void ShmDomain::wait_word(std::uint32_t& word, std::uint32_t& sleepers_word, std
                std::chrono::round<std::chrono::milliseconds>(deadline_ - call_start_).count(),
                rank_number(options_, peer)),
            peer);
+    }
+    if (options_.wait_warning.count() > 0 && !wait_warned_ &&
+        now - call_start_ >= options_.wait_warning) {
+      warn_waiting(blame(), now);
     }
     const auto nap =
         std::min<std::chrono::nanoseconds>(deadline_ - now, options_.liveness_interval);
@@ -532,6 +555,7 @@ void ShmDomain::guarded(const OpHeader& header, Deadline deadline, Fn&& body) {
   header_ = header;
   deadline_ = deadline;
   call_start_ = {};  // set by the first wait of the call (a clock read saved per small call)
+  wait_warned_ = false;
   try {
     body();
   } catch (const ShmPeerError& e) {

@@ -70,6 +70,10 @@ struct ShmOptions {
   std::size_t small_bytes = 16 * 1024;
   // How often a sleeping rank wakes to check that its peers are alive and the deadline.
   std::chrono::milliseconds liveness_interval{10};
+  // A call still waiting for a peer this long after its first wait logs one warning naming the
+  // peer (0: never); `warn` gets the line (null: stderr).
+  std::chrono::milliseconds wait_warning{0};
+  std::function<void(const std::string&)> warn;
   // Name of the group, for error messages.
   std::string group = "shm";
   // The rank in the enclosing group of each rank of the domain (index: domain rank), when the
@@ -181,6 +185,7 @@ class ShmDomain {
   [[noreturn]] void fail_aborted(int peer) const;
   // `peer` is a domain rank (or -1); the CommError carries its group_rank().
   [[noreturn]] void fail(const std::string& what, int peer, bool peer_error = false) const;
+  void warn_waiting(int peer, net::Clock::time_point now);
   int group_rank(int r) const;  // options_.ranks[r], or r without a mapping
   void abort_domain(const std::string& reason) noexcept;
 
@@ -205,6 +210,7 @@ class ShmDomain {
   std::string op_text_;
   Deadline deadline_{};
   net::Clock::time_point call_start_{};  // first wait of the call, for "timed out after N ms"
+  bool wait_warned_ = false;             // this call logged its wait_warning
   std::uint32_t events_ = 0;  // events this rank has published (mirrors its shared counter)
   std::uint64_t calls_ = 0;   // calls made (their parity picks the header and small buffers)
 
