@@ -280,26 +280,27 @@ BucketReduction powersgd_reduce(const std::shared_ptr<PowerSGDState>& state_ptr,
   }
   const double epsilon = options.orthogonalization_epsilon;
   auto work = allreduce_tensor(group, *first, ReduceOp::kSum);
-  auto chain = work->and_then([plan, first, p_memory, q_memory, world, epsilon,
-                               &group](Work&) mutable -> std::shared_ptr<Work> {
+  // The Q stage runs in finish, on the autograd thread, in bucket order: issued from a
+  // completion callback (Work::and_then) it could interleave with the next bucket's first
+  // allreduce differently on different ranks (measured: a collective mismatch on the mlp).
+  const bool is_last = bucket.is_last;
+  auto finish = [state_ptr, plan, first, p_memory, q_memory, input, input_copy, index, world,
+                 epsilon, is_last, &group]() mutable {
     torch::NoGradGuard no_grad;
+    PowerSGDState& state = *state_ptr;
     std::int64_t at = 0;
     for (auto& t : plan->uncompressed) {
       t.copy_(first->narrow(0, at, t.numel()).view_as(t).div(world));
       at += t.numel();
     }
     p_memory.copy_(first->narrow(0, at, p_memory.numel()));
-    if (plan->batches.empty()) return nullptr;
-    for (auto& p : plan->ps)
-      powersgd_detail::orthogonalize(p, epsilon);
-    for (std::size_t i = 0; i < plan->batches.size(); ++i)
-      at::bmm_out(plan->qs[i], plan->batches[i].transpose(1, 2), plan->ps[i]);
-    return allreduce_tensor(group, q_memory, ReduceOp::kSum);
-  });
-  const bool is_last = bucket.is_last;
-  auto finish = [state_ptr, plan, q_memory, input, input_copy, index, world, is_last]() mutable {
-    torch::NoGradGuard no_grad;
-    PowerSGDState& state = *state_ptr;
+    if (!plan->batches.empty()) {
+      for (auto& p : plan->ps)
+        powersgd_detail::orthogonalize(p, epsilon);
+      for (std::size_t i = 0; i < plan->batches.size(); ++i)
+        at::bmm_out(plan->qs[i], plan->batches[i].transpose(1, 2), plan->ps[i]);
+      allreduce_tensor(group, q_memory, ReduceOp::kSum)->wait();
+    }
     q_memory.div_(world);
     for (std::size_t i = 0; i < plan->batches.size(); ++i)
       at::bmm_out(plan->batches[i], plan->ps[i], plan->qs[i].transpose(1, 2));
@@ -323,7 +324,7 @@ BucketReduction powersgd_reduce(const std::shared_ptr<PowerSGDState>& state_ptr,
     }
     if (is_last) ++Access::iter(state);
   };
-  return {std::move(chain), std::move(finish), bytes};
+  return {std::move(work), std::move(finish), bytes};
 }
 
 BucketReduction batched_powersgd_reduce(const std::shared_ptr<PowerSGDState>& state_ptr,
@@ -382,18 +383,16 @@ BucketReduction batched_powersgd_reduce(const std::shared_ptr<PowerSGDState>& st
     auto lock = Access::lock(state);
     Access::bytes(state) += bytes;
   }
-  auto chain = allreduce_tensor(group, p, ReduceOp::kSum)
-                   ->and_then([p, q, matrix, &group](Work&) mutable -> std::shared_ptr<Work> {
-                     torch::NoGradGuard no_grad;
-                     powersgd_detail::orthogonalize(p.unsqueeze(0), 0);
-                     at::matmul_out(q, matrix.t(), p);
-                     return allreduce_tensor(group, q, ReduceOp::kSum);
-                   });
+  auto work = allreduce_tensor(group, p, ReduceOp::kSum);
+  // The Q stage in finish, in bucket order (see powersgd_reduce).
   const bool is_last = bucket.is_last;
-  auto finish = [state_ptr, p, q, matrix, padded, padded_copy, input, total, index, world,
-                 is_last]() mutable {
+  auto finish = [state_ptr, p, q, matrix, padded, padded_copy, input, total, index, world, is_last,
+                 &group]() mutable {
     torch::NoGradGuard no_grad;
     PowerSGDState& state = *state_ptr;
+    powersgd_detail::orthogonalize(p.unsqueeze(0), 0);
+    at::matmul_out(q, matrix.t(), p);
+    allreduce_tensor(group, q, ReduceOp::kSum)->wait();
     q.div_(world);
     at::matmul_out(matrix, p, q.t());
     input.copy_(padded.narrow(0, 0, total));
@@ -406,7 +405,7 @@ BucketReduction batched_powersgd_reduce(const std::shared_ptr<PowerSGDState>& st
     }
     if (is_last) ++Access::iter(state);
   };
-  return {std::move(chain), std::move(finish), bytes};
+  return {std::move(work), std::move(finish), bytes};
 }
 
 std::shared_ptr<PowerSGDState> checked(std::shared_ptr<PowerSGDState> state, const char* hook) {

@@ -478,7 +478,11 @@ void Reducer::finalize_backward() {
       const auto done = bucket.completed_ns ? bucket.completed_ns->load() : 0;
       timeline_.bucket_completed[b] =
           done != 0 ? Clock::time_point(Clock::duration(done)) : Clock::now();
-      if (bucket.reduction.finish) bucket.reduction.finish();
+      // A finish step may make further collectives (PowerSGD's Q): their errors name the bucket.
+      detail::in_ddp_phase([&] { return bucket_phase(b); },
+                           [&] {
+                             if (bucket.reduction.finish) bucket.reduction.finish();
+                           });
     }
     if (used_work) {
       detail::in_ddp_phase([] { return std::string("unused-parameter map after backward"); },
@@ -563,8 +567,8 @@ void Reducer::shadow_backward() {
       detail::in_ddp_phase([&] { return "joined rank shadowing " + bucket_phase(b); },
                            [&] {
                              if (reductions[b].work) reductions[b].work->wait();
+                             if (reductions[b].finish) reductions[b].finish();
                            });
-      if (reductions[b].finish) reductions[b].finish();
     }
     if (used_work) {
       detail::in_ddp_phase([] { return std::string("joined rank shadowing the unused map"); },

@@ -236,6 +236,43 @@ TEST(PowerSgd, BatchedDdpTrainingConverges) {
   check_training(&batched_powersgd_hook);
 }
 
+// Many buckets with two collectives each: every rank must issue them in the same order (a
+// second stage issued from a completion callback raced with the next bucket's first allreduce).
+TEST(PowerSgd, ManyBucketsStayInStepAndIdenticalAcrossRanks) {
+  const int port = test::free_port();
+  const auto results = run_ranks(3, [&](int rank) {
+    auto pg = join_group(rank, 3, port);
+    torch::manual_seed(3);
+    torch::nn::Sequential net(
+        torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
+        torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 10));
+    DistributedDataParallel model(net.ptr(), pg,
+                                  {.bucket_cap_mb = 0.01, .first_bucket_cap_mb = 0.005});
+    auto state = std::make_shared<PowerSGDState>(
+        PowerSGDOptions{.matrix_approximation_rank = 2, .start_powersgd_iter = 2});
+    model->register_comm_hook(powersgd_hook(state));
+    torch::optim::SGD opt(model->parameters(), 0.05);
+    torch::manual_seed(70 + rank);
+    for (int step = 0; step < 30; ++step) {
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(model->forward(torch::randn({8, 64})),
+                                           torch::randint(0, 10, {8}))
+          .backward();
+      opt.step();
+    }
+    test::expect_identical_across_ranks(*pg, model->parameters(), "after 30 steps");
+    if (model->reducer().bucket_assignment().size() < 3) {
+      throw std::runtime_error(fmt::format("expected several buckets, got {}",
+                                           model->reducer().bucket_assignment().size()));
+    }
+    const auto timeline = model->reducer().last_timeline();
+    if (timeline.bytes_sent == 0 || timeline.bytes_sent >= 4u * (3 * 64 * 65 + 650)) {
+      throw std::runtime_error(fmt::format("bytes per step {}", timeline.bytes_sent));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(PowerSgd, SavedStateContinuesExactlyLikeTheOriginal) {
   const int port = test::free_port();
   test::TempDir dir("ddp-powersgd");

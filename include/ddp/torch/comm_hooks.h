@@ -44,8 +44,13 @@ struct GradBucket {
 };
 
 struct BucketReduction {
-  std::shared_ptr<Work> work;    // may be null: then nothing is waited for
-  std::function<void()> finish;  // may be empty; runs after work completed successfully
+  std::shared_ptr<Work> work;  // may be null: then nothing is waited for
+  // May be empty; runs after work completed successfully, on the autograd thread, in bucket
+  // order on every rank. It may make further collectives and wait for them (PowerSGD's second
+  // allreduce): that order is the same on every rank. Issuing them from a Work callback
+  // (Work::and_then) instead would race with the next bucket's collectives and could pair them
+  // differently on different ranks.
+  std::function<void()> finish;
   // Payload bytes this rank hands to the collectives of this reduction (see above).
   std::optional<std::size_t> bytes_sent;
 };

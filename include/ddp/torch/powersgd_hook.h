@@ -12,7 +12,9 @@
 // (n + m) * r * min_compression_rate < n * m are compressed to P = M Q (n x r) and Q = M^T P
 // (m x r), the others (biases, small layers) are averaged uncompressed. One allreduce carries the
 // uncompressed tensors and every P (PyTorch makes these two allreduces in sequence: the sums are
-// the same), then P is orthogonalised, Q computed and allreduced, and M ~ P Q^T / world_size.
+// the same); in the bucket's finish step (on the autograd thread, in bucket order, so that every
+// rank issues the same collectives in the same order) P is orthogonalised, Q = M^T P computed
+// and allreduced, and M ~ P Q^T / world_size.
 // Error feedback adds last step's local compression error to the gradient first; warm start
 // keeps Q between steps. batched_powersgd_hook compresses the whole bucket as one square matrix
 // (faster, usually much less accurate unless rank 1; PyTorch's own batched hook fails an
