@@ -385,6 +385,38 @@ TEST(PowerSgd, ThrowingHookIsANamedErrorOnEveryRank) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);
 }
 
+// Rank 0 compresses, rank 1 averages plainly: the collectives differ, and the engine's
+// mismatch check turns that into a named error on both ranks instead of wrong numbers.
+TEST(PowerSgd, RanksWithDifferentHooksFailWithANamedError) {
+  const int port = test::free_port();
+  const auto results = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg = join_group(rank, 2, port, 5s);
+        torch::manual_seed(1);
+        torch::nn::Linear net(torch::nn::LinearOptions(64, 32).bias(false));
+        DistributedDataParallel model(net.ptr(), pg);
+        if (rank == 0) {
+          model->register_comm_hook(powersgd_hook(std::make_shared<PowerSGDState>(PowerSGDOptions{
+              .start_powersgd_iter = 0, .use_error_feedback = false, .warm_start = false})));
+        } else {
+          model->register_comm_hook(allreduce_hook());
+        }
+        try {
+          model->forward(torch::randn({4, 64})).sum().backward();
+        } catch (const std::exception& e) {
+          const std::string what = e.what();
+          if (what.find("gradient bucket") == std::string::npos) {
+            throw std::runtime_error("the error does not name the bucket: " + what);
+          }
+          return;
+        }
+        throw std::runtime_error("different hooks went unnoticed on rank " + std::to_string(rank));
+      },
+      60s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // PyTorch 2.x's powerSGD_hook on the same gradients (written to files; the Python script runs
 // the hook on gloo ranks with a stand-in bucket). The random initial Q is not fed in: ddp
 // reproduces PyTorch's seeding (numpy RandomState(random_seed).randint(1e9) -> torch.manual_seed
