@@ -7,8 +7,12 @@
 // when it returns) + optimizer step (`--optimizer sgd|adam`; `--sharding zero1` shards its state
 // with ddp::ZeroRedundancyOptimizer, docs/sharding.md). Each rank takes the median of its step
 // times; the slowest rank's median is reported. Rank 0's last line:
-// `step_ms=<median> samples_per_s=<world*batch/median> peak_mem_mb=<x>`, where x is the largest
-// rank's peak resident memory (VmHWM) minus its resident memory before the model was built.
+// `step_ms=<median> samples_per_s=<world*batch/median> peak_mem_mb=<x> bytes_per_step=<B>`, where
+// x is the largest rank's peak resident memory (VmHWM) minus its resident memory before the model
+// was built, and B the payload one rank handed to collectives for the gradients in a step
+// (BackwardTimeline::bytes_sent; 0 with one process). --comm-hook powersgd|batched-powersgd
+// (--powersgd-rank r, compression from iteration --powersgd-start-iter, default 2, so within
+// the warm-up) and int8 compress it.
 // With one process the model is trained without DistributedDataParallel, as the Python peer does.
 #include <algorithm>
 #include <chrono>
@@ -25,6 +29,8 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/powersgd_hook.h"
+#include "ddp/torch/quantized_hook.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
@@ -101,8 +107,15 @@ int main(int argc, char** argv) {
   app.add_option("--first-bucket-cap-mb", first_bucket_cap_mb, "DDP cap of the first bucket")
       ->check(CLI::PositiveNumber);
   app.add_flag("--gradient-as-bucket-view", as_view, "gradients are views of the buckets");
-  app.add_option("--comm-hook", hook, "none, fp16 or bf16")
-      ->check(CLI::IsMember({"none", "fp16", "bf16"}));
+  int powersgd_rank = 1;
+  std::int64_t powersgd_start = 2;
+  app.add_option("--comm-hook", hook, "none, fp16, bf16, powersgd, batched-powersgd or int8")
+      ->check(CLI::IsMember({"none", "fp16", "bf16", "powersgd", "batched-powersgd", "int8"}));
+  app.add_option("--powersgd-rank", powersgd_rank, "PowerSGD's matrix_approximation_rank")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--powersgd-start-iter", powersgd_start,
+                 "PowerSGD's start_powersgd_iter (>= 2; keep it <= --warmup to time compression)")
+      ->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 40));
   app.add_flag(
       "!--no-broadcast-buffers", broadcast_buffers,
       "DDP option broadcast_buffers = false (rank 0's buffers are not broadcast in forward)");
@@ -141,6 +154,13 @@ int main(int argc, char** argv) {
                       .ptr();
       if (hook == "fp16") ddp_model->register_comm_hook(ddp::fp16_compress_hook());
       if (hook == "bf16") ddp_model->register_comm_hook(ddp::bf16_compress_hook());
+      if (hook == "powersgd" || hook == "batched-powersgd") {
+        auto state = std::make_shared<ddp::PowerSGDState>(ddp::PowerSGDOptions{
+            .matrix_approximation_rank = powersgd_rank, .start_powersgd_iter = powersgd_start});
+        ddp_model->register_comm_hook(hook == "powersgd" ? ddp::powersgd_hook(state)
+                                                         : ddp::batched_powersgd_hook(state));
+      }
+      if (hook == "int8") ddp_model->register_comm_hook(ddp::int8_quantize_hook());
     }
     const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
     const auto adam = torch::optim::AdamOptions(1e-3);
@@ -165,6 +185,7 @@ int main(int argc, char** argv) {
       return std::chrono::duration<double, std::milli>(d).count();
     };
     std::vector<double> step_seconds;
+    std::vector<double> step_bytes;
     // zero_grad, forward, backward compute, waiting for the reductions, optimizer step (ms).
     std::vector<std::vector<double>> phase_ms(5);
     for (int step = 0; step < warmup + steps; ++step) {
@@ -180,6 +201,8 @@ int main(int argc, char** argv) {
       const std::chrono::duration<double> elapsed = stop - start;
       if (step < warmup) continue;
       step_seconds.push_back(elapsed.count());
+      step_bytes.push_back(
+          ddp_model ? static_cast<double>(ddp_model->reducer().last_timeline().bytes_sent) : 0.0);
       const auto computed =
           ddp_model ? ddp_model->reducer().last_timeline().backward_finished : backward_returned;
       phase_ms[0].push_back(ms(zeroed - start));
@@ -227,8 +250,8 @@ int main(int argc, char** argv) {
           "sharding={}\n",
           model_name, world, batch_size, threads, steps, group->backend(), optimizer_name,
           sharding);
-      fmt::print("step_ms={:.3f} samples_per_s={:.1f} peak_mem_mb={:.1f}\n", step_s * 1e3,
-                 world * batch_size / step_s, peak_mem_mb);
+      fmt::print("step_ms={:.3f} samples_per_s={:.1f} peak_mem_mb={:.1f} bytes_per_step={:.0f}\n",
+                 step_s * 1e3, world * batch_size / step_s, peak_mem_mb, median(step_bytes));
     }
     return 0;
   } catch (const ddp::Error& e) {

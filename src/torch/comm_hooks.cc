@@ -9,12 +9,13 @@ namespace {
 CommHook compress_hook(c10::ScalarType wire_type) {
   return [wire_type](ProcessGroup& group, GradBucket& bucket) -> BucketReduction {
     if (bucket.buffer.scalar_type() == wire_type) {
-      return {allreduce_tensor(group, bucket.buffer, ReduceOp::kAvg), {}};
+      return {allreduce_tensor(group, bucket.buffer, ReduceOp::kAvg), {}, bucket.buffer.nbytes()};
     }
     auto compressed = std::make_shared<torch::Tensor>(bucket.buffer.to(wire_type));
     auto work = allreduce_tensor(group, *compressed, ReduceOp::kAvg);
     torch::Tensor target = bucket.buffer;
-    return {std::move(work), [compressed, target]() mutable { target.copy_(*compressed); }};
+    return {std::move(work), [compressed, target]() mutable { target.copy_(*compressed); },
+            compressed->nbytes()};
   };
 }
 
@@ -22,7 +23,7 @@ CommHook compress_hook(c10::ScalarType wire_type) {
 
 CommHook allreduce_hook() {
   return [](ProcessGroup& group, GradBucket& bucket) -> BucketReduction {
-    return {allreduce_tensor(group, bucket.buffer, ReduceOp::kAvg), {}};
+    return {allreduce_tensor(group, bucket.buffer, ReduceOp::kAvg), {}, bucket.buffer.nbytes()};
   };
 }
 

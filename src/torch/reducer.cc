@@ -256,6 +256,7 @@ void Reducer::autograd_hook(std::size_t param) {
     timeline_.bucket_launched.resize(buckets_.size());
     timeline_.bucket_completed.resize(buckets_.size());
     timeline_.bucket_in_place.resize(buckets_.size());
+    timeline_.bucket_bytes_sent.resize(buckets_.size());
     libtorch_compat::at_end_of_backward([this] { finalize_backward(); });
   }
   if (!unused_marked_) {
@@ -327,6 +328,8 @@ void Reducer::launch_ready_buckets() {
     } else {
       launch_through_hook(b);
     }
+    timeline_.bucket_bytes_sent[b] =
+        bucket.reduction.bytes_sent.value_or(static_cast<std::size_t>(bucket.contents.nbytes()));
     if (bucket.reduction.work) {
       bucket.reduction.work->then([done = bucket.completed_ns](Work&) {
         done->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
@@ -366,8 +369,33 @@ void Reducer::launch_through_hook(std::size_t b) {
       --bucket.left_in_place_count;
     }
   }
+  bucket.reduction = run_comm_hook(b, "");
+}
+
+BucketReduction Reducer::run_comm_hook(std::size_t b, const char* context) {
   GradBucket grad_bucket = hook_bucket(b);
-  bucket.reduction = comm_hook_(*group_, grad_bucket);
+  try {
+    return comm_hook_(*group_, grad_bucket);
+  } catch (const std::exception& e) {
+    hook_failure_ = fmt::format(
+        "DistributedDataParallel (rank {}): the comm hook threw{} for {}: {}. This rank did not "
+        "make the bucket's collectives, so the other ranks fail in them within the group's "
+        "timeout; the ranks are out of step and this DistributedDataParallel refuses to "
+        "synchronise again: fix the hook, then start again with a new process group (from a "
+        "checkpoint)",
+        group_->rank(), context, bucket_phase(b), e.what());
+  }
+  // Drain what this pass already started (the others make those collectives too), and leave the
+  // Reducer ready to report hook_failure_ instead of waiting for buckets that never start.
+  wait_for_launched_buckets();
+  reset_iteration();
+  throw Error(hook_failure_);
+}
+
+void Reducer::throw_if_hook_failed() const {
+  if (!hook_failure_.empty()) {
+    throw Error("refusing to synchronise gradients after an earlier failure: " + hook_failure_);
+  }
 }
 
 GradBucket Reducer::hook_bucket(std::size_t b) const {
@@ -450,7 +478,11 @@ void Reducer::finalize_backward() {
       const auto done = bucket.completed_ns ? bucket.completed_ns->load() : 0;
       timeline_.bucket_completed[b] =
           done != 0 ? Clock::time_point(Clock::duration(done)) : Clock::now();
-      if (bucket.reduction.finish) bucket.reduction.finish();
+      // A finish step may make further collectives (PowerSGD's Q): their errors name the bucket.
+      detail::in_ddp_phase([&] { return bucket_phase(b); },
+                           [&] {
+                             if (bucket.reduction.finish) bucket.reduction.finish();
+                           });
     }
     if (used_work) {
       detail::in_ddp_phase([] { return std::string("unused-parameter map after backward"); },
@@ -485,6 +517,9 @@ void Reducer::finalize_backward() {
     throw;
   }
   timeline_.synchronised = Clock::now();
+  timeline_.bytes_sent = 0;
+  for (const auto bytes : timeline_.bucket_bytes_sent)
+    timeline_.bytes_sent += bytes;
   last_timeline_ = timeline_;
   after_synchronised_pass();
   reset_iteration();
@@ -509,6 +544,7 @@ std::string Reducer::bucket_phase(std::size_t b) const {
 
 void Reducer::shadow_backward() {
   std::lock_guard lock(mutex_);
+  throw_if_hook_failed();
   torch::NoGradGuard no_grad;
   // The same collectives, in the same order, as a synchronised backward on a rank that trains:
   // every bucket through the same path (the default path's allreduce_segments is the same
@@ -517,8 +553,7 @@ void Reducer::shadow_backward() {
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     auto& bucket = buckets_[b];
     bucket.contents.zero_();
-    GradBucket grad_bucket = hook_bucket(b);
-    reductions.push_back(comm_hook_(*group_, grad_bucket));
+    reductions.push_back(run_comm_hook(b, " while this joined rank shadowed the others"));
   }
   std::vector<std::int32_t> unused_map;
   std::shared_ptr<Work> used_work;
@@ -532,8 +567,8 @@ void Reducer::shadow_backward() {
       detail::in_ddp_phase([&] { return "joined rank shadowing " + bucket_phase(b); },
                            [&] {
                              if (reductions[b].work) reductions[b].work->wait();
+                             if (reductions[b].finish) reductions[b].finish();
                            });
-      if (reductions[b].finish) reductions[b].finish();
     }
     if (used_work) {
       detail::in_ddp_phase([] { return std::string("joined rank shadowing the unused map"); },
@@ -619,6 +654,7 @@ void Reducer::rebuild_buckets() {
 void Reducer::prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
   std::lock_guard lock(mutex_);
   if (!require_sync_) return;
+  throw_if_hook_failed();
   expect_hooks_ = true;
   if (!options_.find_unused_parameters && !options_.static_graph) return;
   if (options_.static_graph && unused_known_) return;

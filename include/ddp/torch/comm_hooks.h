@@ -10,12 +10,22 @@
 //
 // Built-ins: allreduce_hook() (default: in-place allreduce with ReduceOp::kAvg),
 // fp16_compress_hook() and bf16_compress_hook() (halve the bytes on the wire: cast to 16 bits,
-// average, cast back; lossy, as in PyTorch).
+// average, cast back; lossy, as in PyTorch); powersgd_hook() and batched_powersgd_hook()
+// (powersgd_hook.h: low-rank compression with PyTorch's semantics) and int8_quantize_hook()
+// (quantized_hook.h: int8 with a per-bucket scale and error feedback).
+//
+// Bytes: a hook sets BucketReduction::bytes_sent to the payload it hands to collectives for the
+// bucket (this rank's input bytes, summed over its collectives); the reducer sums them per
+// backward pass (BackwardTimeline::bytes_sent). A hook that leaves it unset is counted as sending
+// the bucket's size. A hook that throws fails backward() on its rank with an Error naming the
+// bucket, and the reducer refuses every later backward (the ranks are out of step); the other
+// ranks fail in that bucket's collective within the group's timeout.
 #pragma once
 
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,8 +44,15 @@ struct GradBucket {
 };
 
 struct BucketReduction {
-  std::shared_ptr<Work> work;    // may be null: then nothing is waited for
-  std::function<void()> finish;  // may be empty; runs after work completed successfully
+  std::shared_ptr<Work> work;  // may be null: then nothing is waited for
+  // May be empty; runs after work completed successfully, on the autograd thread, in bucket
+  // order on every rank. It may make further collectives and wait for them (PowerSGD's second
+  // allreduce): that order is the same on every rank. Issuing them from a Work callback
+  // (Work::and_then) instead would race with the next bucket's collectives and could pair them
+  // differently on different ranks.
+  std::function<void()> finish;
+  // Payload bytes this rank hands to the collectives of this reduction (see above).
+  std::optional<std::size_t> bytes_sent;
 };
 
 using CommHook = std::function<BucketReduction(ProcessGroup& group, GradBucket& bucket)>;

@@ -17,7 +17,9 @@
 // the thread that runs forward. Do not run two backward passes over one Reducer at once.
 // Lifetime: destroying the Reducer waits (bounded by the group's timeout) for reductions in flight
 // and removes its hooks; it must not be destroyed while a backward pass over its parameters runs.
-// Errors surface from backward(): a parameter that received no gradient without
+// Errors surface from backward(): a comm hook that threw (Error naming the bucket; the Reducer
+// then refuses every later synchronised forward and backward), a parameter that received no
+// gradient without
 // find_unused_parameters (Error naming the parameters and the option), a gradient received twice
 // in one pass, a backward over a forward that did not go through DistributedDataParallel (or ran
 // inside no_sync), and the group's CommError (its message names the bucket and its parameters).
@@ -67,6 +69,10 @@ struct BackwardTimeline {
   // instead of through the bucket's flat buffer and the comm hook. Happens with the default hook,
   // gradient_as_bucket_view off and contiguous gradients.
   std::vector<bool> bucket_in_place;
+  // Per bucket: the payload bytes its reduction handed to collectives (BucketReduction::
+  // bytes_sent, or the bucket's size); and their sum over the pass.
+  std::vector<std::size_t> bucket_bytes_sent;
+  std::size_t bytes_sent = 0;
   TimePoint backward_finished{};  // when autograd finished computing (final callback)
   TimePoint synchronised{};       // when every average was in place
 };
@@ -135,6 +141,8 @@ class Reducer {
   bool can_reduce_in_place(const torch::Tensor& grad) const;
   void reduce_in_place(Bucket& bucket);
   void launch_through_hook(std::size_t bucket);
+  BucketReduction run_comm_hook(std::size_t bucket, const char* context);
+  void throw_if_hook_failed() const;
   GradBucket hook_bucket(std::size_t bucket) const;  // what the comm hook gets for a bucket
   void finalize_backward();
   void wait_for_launched_buckets() noexcept;
@@ -150,6 +158,9 @@ class Reducer {
   ReducerOptions options_;
   CommHook comm_hook_;
   bool custom_hook_ = false;  // register_comm_hook was called: buckets go through comm_hook_
+  // Set when the comm hook threw: this rank skipped a collective the others made, so every later
+  // synchronised pass is refused (it would pair with the wrong collectives).
+  std::string hook_failure_;
 
   std::vector<std::unique_ptr<libtorch_compat::GradReadyHook>> grad_hooks_;  // per parameter
 

@@ -1,0 +1,546 @@
+#include "ddp/torch/powersgd_hook.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "ddp/error.h"
+#include "ddp/torch/tensor_collectives.h"
+
+namespace ddp {
+
+// The hooks' access to the state's members (kept private so that users go through the
+// accessors, which lock).
+struct PowerSGDAccess {
+  static std::unique_lock<std::mutex> lock(PowerSGDState& s) { return std::unique_lock(s.mutex_); }
+  static const PowerSGDOptions& options(PowerSGDState& s) { return s.options_; }
+  static std::int64_t& iter(PowerSGDState& s) { return s.iter_; }
+  static std::int64_t& before(PowerSGDState& s) { return s.numel_before_; }
+  static std::int64_t& after(PowerSGDState& s) { return s.numel_after_; }
+  static std::uint64_t& bytes(PowerSGDState& s) { return s.bytes_sent_; }
+  static std::mt19937& rng(PowerSGDState& s) { return s.rng_; }
+  static std::map<std::size_t, torch::Tensor>& error(PowerSGDState& s) { return s.error_; }
+  static std::map<std::size_t, torch::Tensor>& p(PowerSGDState& s) { return s.p_memory_; }
+  static std::map<std::size_t, torch::Tensor>& q(PowerSGDState& s) { return s.q_memory_; }
+};
+
+namespace powersgd_detail {
+
+void orthogonalize(torch::Tensor matrices, double epsilon) {
+  if (matrices.dim() != 3 || matrices.size(2) > matrices.size(1)) {
+    throw ConfigError(fmt::format(
+        "PowerSGD orthogonalize: expected a batch of n x r matrices with r <= n, got shape {}",
+        fmt::join(matrices.sizes(), "x")));
+  }
+  const auto rank = matrices.size(2);
+  const auto type = matrices.scalar_type();
+  if (rank <= 2 || type == torch::kHalf || type == torch::kBFloat16) {
+    // Gram-Schmidt, column by column, as PyTorch's _orthogonalize_gram_schmidt.
+    for (std::int64_t i = 0; i < rank; ++i) {
+      auto col = matrices.narrow(2, i, 1);
+      auto norm = at::linalg_vector_norm(col, 2, std::vector<std::int64_t>{1}, true);
+      if (epsilon == 0) {
+        col.div_(norm);
+      } else {
+        col.div_(norm + epsilon);
+      }
+      if (i + 1 < rank) {
+        auto rest = matrices.narrow(2, i + 1, rank - i - 1);
+        rest.sub_(torch::sum(col * rest, 1, true) * col);
+      }
+    }
+  } else {
+    matrices.copy_(std::get<0>(at::linalg_qr(matrices)));
+  }
+}
+
+std::int64_t numpy_randint(std::mt19937& rng, std::uint32_t high) {
+  // numpy's legacy RandomState.randint(high): masked rejection sampling on 32-bit draws of the
+  // same MT19937 (seeded as std::mt19937 is) — numpy/random/src/distributions.
+  if (high <= 1) return 0;
+  const std::uint32_t max = high - 1;
+  std::uint32_t mask = max;
+  for (int shift = 1; shift < 32; shift <<= 1)
+    mask |= mask >> shift;
+  for (;;) {
+    const std::uint32_t value = static_cast<std::uint32_t>(rng()) & mask;
+    if (value <= max) return value;
+  }
+}
+
+}  // namespace powersgd_detail
+
+namespace {
+
+using Access = PowerSGDAccess;
+
+constexpr std::uint32_t kSeedBound = 1'000'000'000;  // PyTorch: rng.randint(1_000_000_000)
+
+// A random generator seeded as PyTorch seeds the global one under fork_rng for the initial Q.
+at::Generator q_generator(PowerSGDState& state) {
+  const auto seed = powersgd_detail::numpy_randint(Access::rng(state), kSeedBound);
+  return at::detail::createCPUGenerator(static_cast<std::uint64_t>(seed));
+}
+
+// Plain averaging (before start_powersgd_iter, and for non-floating buckets). The iteration is
+// counted at the last bucket: at once before compression starts (as PyTorch), else in finish,
+// after the compressed buckets of the pass.
+BucketReduction plain_average(const std::shared_ptr<PowerSGDState>& state, ProcessGroup& group,
+                              GradBucket& bucket, bool count_iteration_now) {
+  const auto bytes = static_cast<std::size_t>(bucket.buffer.nbytes());
+  {
+    auto lock = Access::lock(*state);
+    Access::bytes(*state) += bytes;
+    if (count_iteration_now && bucket.is_last) ++Access::iter(*state);
+  }
+  BucketReduction reduction{allreduce_tensor(group, bucket.buffer, ReduceOp::kAvg), {}, bytes};
+  if (!count_iteration_now && bucket.is_last) {
+    reduction.finish = [state] {
+      auto lock = Access::lock(*state);
+      ++Access::iter(*state);
+    };
+  }
+  return reduction;
+}
+
+// The bucket's memory of `which` (error, P or Q) with `numel` elements: reused when present and
+// of that size, else ConfigError (a state from another model or bucket layout).
+void check_memory_size(const torch::Tensor& memory, std::int64_t numel, const char* which,
+                       std::size_t bucket) {
+  if (memory.numel() != numel) {
+    throw ConfigError(fmt::format(
+        "PowerSGD: the state's {} memory of gradient bucket {} has {} elements but this bucket "
+        "needs {}: the state belongs to another model or bucket layout (one PowerSGDState per "
+        "DDP model; load a saved state only into the model it was saved with, and keep "
+        "start_powersgd_iter >= 2 so that compression starts after DDP rebuilds its buckets)",
+        which, bucket, memory.numel(), numel));
+  }
+}
+
+// Adds the bucket's error to `input` (creating a zero one first) and returns a copy of the
+// error-corrected input, as PyTorch's hooks do before compressing.
+torch::Tensor apply_error_feedback(PowerSGDState& state, std::size_t index, torch::Tensor& input) {
+  auto lock = Access::lock(state);
+  auto& errors = Access::error(state);
+  auto it = errors.find(index);
+  if (it != errors.end()) {
+    check_memory_size(it->second, input.numel(), "error", index);
+    input.add_(it->second);
+  } else {
+    errors.emplace(index, torch::zeros_like(input));
+  }
+  return input.clone();
+}
+
+struct CompressionPlan {
+  std::vector<torch::Tensor> uncompressed;  // gradient views, averaged as they are
+  std::int64_t uncompressed_numel = 0;
+  // Matrices to compress, grouped by shape in the order shapes first appear (PyTorch's
+  // shape_to_tensors), each [1, n, m] or, batched, [k, n, m].
+  std::vector<std::vector<torch::Tensor>> by_shape;
+  std::vector<torch::Tensor> batches;  // what is compressed: views of the bucket or stacks
+  std::vector<torch::Tensor> ps, qs;   // views of the bucket's P and Q memories, per batch
+  std::int64_t p_numel = 0, q_numel = 0;
+};
+
+CompressionPlan plan_compression(PowerSGDState& state, const GradBucket& bucket) {
+  const auto& options = Access::options(state);
+  CompressionPlan plan;
+  std::vector<std::vector<std::int64_t>> shapes;
+  std::int64_t before = 0, after = 0;
+  for (const auto& grad : bucket.gradients) {
+    if (grad.dim() == 0) {
+      plan.uncompressed.push_back(grad);
+      plan.uncompressed_numel += 1;
+      before += 1;
+      after += 1;
+      continue;
+    }
+    auto matrix = grad.view({grad.size(0), -1});
+    const auto n = matrix.size(0), m = matrix.size(1);
+    const auto rank = std::min<std::int64_t>({n, m, options.matrix_approximation_rank});
+    const auto compressed = (n + m) * rank;
+    before += n * m;
+    if (static_cast<double>(compressed) * options.min_compression_rate <
+        static_cast<double>(n * m)) {
+      const std::vector<std::int64_t> shape{n, m};
+      auto it = std::find(shapes.begin(), shapes.end(), shape);
+      if (it == shapes.end()) {
+        shapes.push_back(shape);
+        plan.by_shape.emplace_back();
+        it = shapes.end() - 1;
+      }
+      plan.by_shape[it - shapes.begin()].push_back(matrix);
+      plan.p_numel += n * rank;
+      plan.q_numel += m * rank;
+      after += compressed;
+    } else {
+      plan.uncompressed.push_back(grad);
+      plan.uncompressed_numel += grad.numel();
+      after += n * m;
+    }
+  }
+  for (const auto& group : plan.by_shape) {
+    if (options.batch_tensors_with_same_shape && group.size() > 1) {
+      plan.batches.push_back(torch::stack(group));
+    } else {
+      for (const auto& matrix : group)
+        plan.batches.push_back(matrix.unsqueeze(0));
+    }
+  }
+  auto lock = Access::lock(state);
+  Access::before(state) += before;
+  Access::after(state) += after;
+  return plan;
+}
+
+BucketReduction powersgd_reduce(const std::shared_ptr<PowerSGDState>& state_ptr,
+                                ProcessGroup& group, GradBucket& bucket) {
+  PowerSGDState& state = *state_ptr;
+  const auto& options = Access::options(state);
+  torch::NoGradGuard no_grad;
+  {
+    auto lock = Access::lock(state);
+    if (Access::iter(state) < options.start_powersgd_iter) {
+      lock.unlock();
+      return plain_average(state_ptr, group, bucket, /*count_iteration_now=*/true);
+    }
+  }
+  if (!bucket.buffer.is_floating_point()) {
+    return plain_average(state_ptr, group, bucket, /*count_iteration_now=*/false);
+  }
+  torch::Tensor input = bucket.buffer;
+  const std::size_t index = bucket.index;
+  const double world = group.size();
+  torch::Tensor input_copy;
+  if (options.use_error_feedback) input_copy = apply_error_feedback(state, index, input);
+
+  auto plan = std::make_shared<CompressionPlan>(plan_compression(state, bucket));
+  const auto dtype = input.scalar_type();
+  torch::Tensor p_memory, q_memory;
+  bool randomize = false;
+  {
+    auto lock = Access::lock(state);
+    auto& ps = Access::p(state);
+    auto& qs = Access::q(state);
+    if (!options.warm_start || ps.count(index) == 0) {
+      randomize = true;
+      ps[index] = torch::empty({plan->p_numel}, input.options());
+      qs[index] = torch::empty({plan->q_numel}, input.options());
+    }
+    check_memory_size(ps[index], plan->p_numel, "P", index);
+    check_memory_size(qs[index], plan->q_numel, "Q", index);
+    p_memory = ps[index];
+    q_memory = qs[index];
+  }
+  std::int64_t p_at = 0, q_at = 0;
+  for (const auto& batch : plan->batches) {
+    const auto k = batch.size(0), n = batch.size(1), m = batch.size(2);
+    const auto rank = std::min<std::int64_t>({n, m, options.matrix_approximation_rank});
+    plan->ps.push_back(p_memory.narrow(0, p_at, k * n * rank).view({k, n, rank}));
+    plan->qs.push_back(q_memory.narrow(0, q_at, k * m * rank).view({k, m, rank}));
+    p_at += k * n * rank;
+    q_at += k * m * rank;
+  }
+  if (!randomize) {
+    for (auto& q : plan->qs)
+      powersgd_detail::orthogonalize(q, options.orthogonalization_epsilon);
+  } else {
+    at::Generator generator;
+    {
+      auto lock = Access::lock(state);
+      generator = q_generator(state);
+    }
+    for (auto& q : plan->qs) {
+      q.copy_(torch::randn(q.sizes(), generator, torch::TensorOptions().dtype(dtype)));
+      powersgd_detail::orthogonalize(q, options.orthogonalization_epsilon);
+    }
+  }
+  for (std::size_t i = 0; i < plan->batches.size(); ++i)
+    at::bmm_out(plan->ps[i], plan->batches[i], plan->qs[i]);
+
+  // One allreduce for the uncompressed tensors and every P (both sums).
+  std::vector<torch::Tensor> pieces;
+  for (const auto& t : plan->uncompressed)
+    pieces.push_back(t.reshape({-1}));
+  pieces.push_back(p_memory);
+  auto first = std::make_shared<torch::Tensor>(torch::cat(pieces));
+  const std::size_t elem = input.element_size();
+  const std::size_t bytes = (first->numel() + plan->q_numel) * elem;
+  {
+    auto lock = Access::lock(state);
+    Access::bytes(state) += bytes;
+  }
+  const double epsilon = options.orthogonalization_epsilon;
+  auto work = allreduce_tensor(group, *first, ReduceOp::kSum);
+  // The Q stage runs in finish, on the autograd thread, in bucket order: issued from a
+  // completion callback (Work::and_then) it could interleave with the next bucket's first
+  // allreduce differently on different ranks (measured: a collective mismatch on the mlp).
+  const bool is_last = bucket.is_last;
+  auto finish = [state_ptr, plan, first, p_memory, q_memory, input, input_copy, index, world,
+                 epsilon, is_last, &group]() mutable {
+    torch::NoGradGuard no_grad;
+    PowerSGDState& state = *state_ptr;
+    std::int64_t at = 0;
+    for (auto& t : plan->uncompressed) {
+      t.copy_(first->narrow(0, at, t.numel()).view_as(t).div(world));
+      at += t.numel();
+    }
+    p_memory.copy_(first->narrow(0, at, p_memory.numel()));
+    if (!plan->batches.empty()) {
+      for (auto& p : plan->ps)
+        powersgd_detail::orthogonalize(p, epsilon);
+      for (std::size_t i = 0; i < plan->batches.size(); ++i)
+        at::bmm_out(plan->qs[i], plan->batches[i].transpose(1, 2), plan->ps[i]);
+      allreduce_tensor(group, q_memory, ReduceOp::kSum)->wait();
+    }
+    q_memory.div_(world);
+    for (std::size_t i = 0; i < plan->batches.size(); ++i)
+      at::bmm_out(plan->batches[i], plan->ps[i], plan->qs[i].transpose(1, 2));
+    // Stacked batches are copies: write them back into the bucket.
+    if (Access::options(state).batch_tensors_with_same_shape) {
+      std::size_t b = 0;
+      for (const auto& shape_group : plan->by_shape) {
+        if (shape_group.size() > 1) {
+          for (std::size_t i = 0; i < shape_group.size(); ++i)
+            shape_group[i].copy_(plan->batches[b][static_cast<std::int64_t>(i)]);
+        }
+        ++b;
+      }
+    }
+    auto lock = Access::lock(state);
+    const auto& options = Access::options(state);
+    if (options.use_error_feedback) Access::error(state)[index] = input_copy - input;
+    if (!options.warm_start) {
+      Access::p(state).erase(index);
+      Access::q(state).erase(index);
+    }
+    if (is_last) ++Access::iter(state);
+  };
+  return {std::move(work), std::move(finish), bytes};
+}
+
+BucketReduction batched_powersgd_reduce(const std::shared_ptr<PowerSGDState>& state_ptr,
+                                        ProcessGroup& group, GradBucket& bucket) {
+  PowerSGDState& state = *state_ptr;
+  const auto& options = Access::options(state);
+  torch::NoGradGuard no_grad;
+  {
+    auto lock = Access::lock(state);
+    if (Access::iter(state) < options.start_powersgd_iter) {
+      lock.unlock();
+      return plain_average(state_ptr, group, bucket, /*count_iteration_now=*/true);
+    }
+  }
+  if (!bucket.buffer.is_floating_point()) {
+    return plain_average(state_ptr, group, bucket, /*count_iteration_now=*/false);
+  }
+  torch::Tensor input = bucket.buffer;
+  const std::size_t index = bucket.index;
+  const double world = group.size();
+  const auto total = input.numel();
+  const auto side = static_cast<std::int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
+  // PyTorch uses the configured rank here; a rank above the side would fail its assertion.
+  const auto rank = std::min<std::int64_t>(side, options.matrix_approximation_rank);
+  {
+    auto lock = Access::lock(state);
+    Access::before(state) += total;
+    Access::after(state) += side * options.matrix_approximation_rank * 2;
+  }
+  // PyTorch resizes the bucket in place; the reducer's bucket is fixed, so pad a copy.
+  auto padded = torch::zeros({side * side}, input.options());
+  padded.narrow(0, 0, total).copy_(input);
+  torch::Tensor padded_copy;
+  if (options.use_error_feedback) padded_copy = apply_error_feedback(state, index, padded);
+  auto matrix = padded.view({side, side});
+  torch::Tensor p, q;
+  {
+    auto lock = Access::lock(state);
+    auto& ps = Access::p(state);
+    auto& qs = Access::q(state);
+    if (!options.warm_start || ps.count(index) == 0) {
+      ps[index] = torch::empty({side, rank}, input.options());
+      auto generator = q_generator(state);
+      qs[index] =
+          torch::randn({side, rank}, generator, torch::TensorOptions().dtype(input.dtype()));
+    }
+    check_memory_size(ps[index], side * rank, "P", index);
+    check_memory_size(qs[index], side * rank, "Q", index);
+    p = ps[index];
+    q = qs[index];
+  }
+  powersgd_detail::orthogonalize(q.unsqueeze(0), 0);
+  at::matmul_out(p, matrix, q);
+  const std::size_t bytes = 2 * static_cast<std::size_t>(side * rank) * input.element_size();
+  {
+    auto lock = Access::lock(state);
+    Access::bytes(state) += bytes;
+  }
+  auto work = allreduce_tensor(group, p, ReduceOp::kSum);
+  // The Q stage in finish, in bucket order (see powersgd_reduce).
+  const bool is_last = bucket.is_last;
+  auto finish = [state_ptr, p, q, matrix, padded, padded_copy, input, total, index, world, is_last,
+                 &group]() mutable {
+    torch::NoGradGuard no_grad;
+    PowerSGDState& state = *state_ptr;
+    powersgd_detail::orthogonalize(p.unsqueeze(0), 0);
+    at::matmul_out(q, matrix.t(), p);
+    allreduce_tensor(group, q, ReduceOp::kSum)->wait();
+    q.div_(world);
+    at::matmul_out(matrix, p, q.t());
+    input.copy_(padded.narrow(0, 0, total));
+    auto lock = Access::lock(state);
+    const auto& options = Access::options(state);
+    if (options.use_error_feedback) Access::error(state)[index] = padded_copy - padded;
+    if (!options.warm_start) {
+      Access::p(state).erase(index);
+      Access::q(state).erase(index);
+    }
+    if (is_last) ++Access::iter(state);
+  };
+  return {std::move(work), std::move(finish), bytes};
+}
+
+std::shared_ptr<PowerSGDState> checked(std::shared_ptr<PowerSGDState> state, const char* hook) {
+  if (!state) {
+    throw ConfigError(fmt::format(
+        "{}: the state is null; pass std::make_shared<ddp::PowerSGDState>(options)", hook));
+  }
+  return state;
+}
+
+}  // namespace
+
+PowerSGDState::PowerSGDState(PowerSGDOptions options)
+    : options_(options), rng_(options.random_seed) {
+  if (options_.matrix_approximation_rank < 1) {
+    throw ConfigError(fmt::format(
+        "PowerSGDOptions::matrix_approximation_rank is {}; it must be at least 1 (the number of "
+        "columns of the low-rank factors P and Q; try 1, 2, 4, ...)",
+        options_.matrix_approximation_rank));
+  }
+  if (options_.start_powersgd_iter < 0 || !(options_.min_compression_rate >= 0) ||
+      !(options_.orthogonalization_epsilon >= 0)) {
+    throw ConfigError(
+        fmt::format("PowerSGDOptions: start_powersgd_iter ({}), min_compression_rate ({}) and "
+                    "orthogonalization_epsilon ({}) must not be negative",
+                    options_.start_powersgd_iter, options_.min_compression_rate,
+                    options_.orthogonalization_epsilon));
+  }
+  if ((options_.use_error_feedback || options_.warm_start) && options_.start_powersgd_iter <= 1) {
+    throw ConfigError(fmt::format(
+        "PowerSGDOptions::start_powersgd_iter is {}; with use_error_feedback or warm_start it "
+        "must be at least 2, because DDP rebuilds its buckets after the first iteration and the "
+        "per-bucket memories must not be made before (as in PyTorch)",
+        options_.start_powersgd_iter));
+  }
+}
+
+std::int64_t PowerSGDState::iteration() const {
+  std::lock_guard lock(mutex_);
+  return iter_;
+}
+std::int64_t PowerSGDState::numel_before_compression() const {
+  std::lock_guard lock(mutex_);
+  return numel_before_;
+}
+std::int64_t PowerSGDState::numel_after_compression() const {
+  std::lock_guard lock(mutex_);
+  return numel_after_;
+}
+std::uint64_t PowerSGDState::bytes_sent() const {
+  std::lock_guard lock(mutex_);
+  return bytes_sent_;
+}
+
+namespace {
+constexpr const char* kPrefix = "powersgd/";
+
+void write_memories(torch::serialize::OutputArchive& archive, const char* name,
+                    const std::map<std::size_t, torch::Tensor>& memories) {
+  for (const auto& [index, tensor] : memories)
+    archive.write(fmt::format("{}{}/{}", kPrefix, name, index), tensor);
+}
+
+std::map<std::size_t, torch::Tensor> read_memories(torch::serialize::InputArchive& archive,
+                                                   const std::vector<std::string>& keys,
+                                                   const std::string& name) {
+  std::map<std::size_t, torch::Tensor> memories;
+  const std::string prefix = kPrefix + name + "/";
+  for (const auto& key : keys) {
+    if (key.rfind(prefix, 0) != 0) continue;
+    torch::Tensor tensor;
+    archive.read(key, tensor);
+    memories[std::stoul(key.substr(prefix.size()))] = tensor;
+  }
+  return memories;
+}
+}  // namespace
+
+void PowerSGDState::save(torch::serialize::OutputArchive& archive) const {
+  std::lock_guard lock(mutex_);
+  std::ostringstream rng;
+  rng << rng_;
+  archive.write(std::string(kPrefix) + "iteration", c10::IValue(iter_));
+  archive.write(std::string(kPrefix) + "numel_before", c10::IValue(numel_before_));
+  archive.write(std::string(kPrefix) + "numel_after", c10::IValue(numel_after_));
+  archive.write(std::string(kPrefix) + "bytes_sent",
+                c10::IValue(static_cast<std::int64_t>(bytes_sent_)));
+  archive.write(std::string(kPrefix) + "rng", c10::IValue(rng.str()));
+  write_memories(archive, "error", error_);
+  write_memories(archive, "p", p_memory_);
+  write_memories(archive, "q", q_memory_);
+}
+
+void PowerSGDState::load(torch::serialize::InputArchive& archive) {
+  c10::IValue iteration, before, after, bytes, rng_text;
+  if (!archive.try_read(std::string(kPrefix) + "iteration", iteration) ||
+      !archive.try_read(std::string(kPrefix) + "rng", rng_text)) {
+    throw ConfigError(
+        "PowerSGDState::load: the archive holds no PowerSGD state (no 'powersgd/iteration'); "
+        "save it with PowerSGDState::save into the archive you load from");
+  }
+  archive.read(std::string(kPrefix) + "numel_before", before);
+  archive.read(std::string(kPrefix) + "numel_after", after);
+  archive.read(std::string(kPrefix) + "bytes_sent", bytes);
+  const auto keys = archive.keys();
+  auto errors = read_memories(archive, keys, "error");
+  auto ps = read_memories(archive, keys, "p");
+  auto qs = read_memories(archive, keys, "q");
+  std::mt19937 rng;
+  std::istringstream in(rng_text.toStringRef());
+  in >> rng;
+  if (!in) throw ConfigError("PowerSGDState::load: the saved random generator state is corrupt");
+  std::lock_guard lock(mutex_);
+  iter_ = iteration.toInt();
+  numel_before_ = before.toInt();
+  numel_after_ = after.toInt();
+  bytes_sent_ = static_cast<std::uint64_t>(bytes.toInt());
+  rng_ = rng;
+  error_ = std::move(errors);
+  p_memory_ = std::move(ps);
+  q_memory_ = std::move(qs);
+}
+
+CommHook powersgd_hook(std::shared_ptr<PowerSGDState> state) {
+  state = checked(std::move(state), "powersgd_hook");
+  return [state](ProcessGroup& group, GradBucket& bucket) {
+    return powersgd_reduce(state, group, bucket);
+  };
+}
+
+CommHook batched_powersgd_hook(std::shared_ptr<PowerSGDState> state) {
+  state = checked(std::move(state), "batched_powersgd_hook");
+  return [state](ProcessGroup& group, GradBucket& bucket) {
+    return batched_powersgd_reduce(state, group, bucket);
+  };
+}
+
+}  // namespace ddp

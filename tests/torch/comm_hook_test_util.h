@@ -1,0 +1,64 @@
+// Helpers for the comm hook tests: a GradBucket over a flat buffer (as the reducer builds it) and
+// one reduction through a hook, waited for and finished as the reducer does.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "ddp/process_group.h"
+#include "ddp/torch/comm_hooks.h"
+
+namespace ddp::test {
+
+using Shapes = std::vector<std::vector<std::int64_t>>;
+
+inline std::int64_t total_numel(const Shapes& shapes) {
+  std::int64_t total = 0;
+  for (const auto& shape : shapes) {
+    std::int64_t n = 1;
+    for (const auto d : shape)
+      n *= d;
+    total += n;
+  }
+  return total;
+}
+
+// A bucket whose gradients are views of `buffer` with `shapes`, in order.
+inline GradBucket make_bucket(torch::Tensor buffer, const Shapes& shapes, std::size_t index = 0,
+                              bool is_last = true) {
+  GradBucket bucket{.index = index, .buffer = buffer, .is_last = is_last};
+  std::int64_t at = 0;
+  for (const auto& shape : shapes) {
+    const auto n = total_numel({shape});
+    bucket.gradients.push_back(buffer.narrow(0, at, n).view(shape));
+    bucket.parameter_names.push_back("p" + std::to_string(bucket.gradients.size() - 1));
+    at += n;
+  }
+  return bucket;
+}
+
+// Runs `hook` on a copy of `gradients` (flat) and returns the averaged bucket; adds the
+// reduction's bytes to *bytes when given.
+inline torch::Tensor reduce_with(const CommHook& hook, ProcessGroup& group,
+                                 const torch::Tensor& gradients, const Shapes& shapes,
+                                 std::size_t* bytes = nullptr) {
+  auto buffer = gradients.clone();
+  auto bucket = make_bucket(buffer, shapes);
+  auto reduction = hook(group, bucket);
+  if (reduction.work) reduction.work->wait();
+  if (reduction.finish) reduction.finish();
+  if (bytes) *bytes += reduction.bytes_sent.value_or(0);
+  return buffer;
+}
+
+// Every rank's flat tensor, gathered: [world, numel].
+inline torch::Tensor gather_all(ProcessGroup& group, const torch::Tensor& mine) {
+  auto flat = mine.contiguous();
+  auto all = torch::empty({group.size(), flat.numel()}, flat.options());
+  group.allgather(flat.data_ptr(), all.data_ptr(), flat.numel(), DType::kFloat32)->wait();
+  return all;
+}
+
+}  // namespace ddp::test
