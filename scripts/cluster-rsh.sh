@@ -19,6 +19,5 @@ if [[ ! $host =~ ^${prefix}-h[0-9]+$ ]] || ! ip netns list | awk '{print $1}' | 
   echo "cluster-rsh.sh: '$host' is not a host of the cluster '$prefix' (scripts/cluster.sh status)" >&2
   exit 255
 fi
-r=${host#"${prefix}"-h}
-exec ip netns exec "$host" env -u DDP_HOST_ID "DDP_ADVERTISE_ADDR=10.77.0.$((r + 1))" \
-  GLOO_SOCKET_IFNAME=eth0 "DDP_CLUSTER_HOST=$r" /bin/sh -c "$*"
+# cluster.sh exec gives the command the host's environment (its address for ddp and gloo).
+exec "$(dirname "${BASH_SOURCE[0]}")/cluster.sh" exec "${host#"${prefix}"-h}" -- /bin/sh -c "$*"
