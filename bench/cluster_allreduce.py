@@ -23,7 +23,8 @@ this machine's CPUs allow at all (at 10gbit on 2 cores the CPU, not the link, ma
 Every engine times the same way (a barrier before each iteration, the slowest rank's time, the
 median over iterations). Sizes below --large-from run --small-iters iterations, the others
 --large-iters (a 256 MiB allreduce takes seconds at 1 Gbit/s). ddp's results are verified in a
-separate short ddp-bench --check run; the peers check their last iteration.
+separate short ddp-bench --check run; the peers check their last iteration. --rounds N measures
+every engine N times at each rate, interleaved, and shows the median round (the faster of two).
 busbw here is per host link: algbw * 2(K-1)/K with K hosts, the bytes each host's link carries
 each way divided by the time (for 1 rank per host this is ddp-bench's busbw; for ddp-hier it
 counts hosts, not ranks, so it compares with the link rate). The physical limit is the link's
@@ -332,6 +333,17 @@ def tool_version(argv):
         return "unknown"
 
 
+def median_of_rounds(rounds):
+    """Per size, the round whose median time is the median of the rounds' (the lower middle one
+    for an even count, i.e. the faster of two), with every round's time kept."""
+    table = {}
+    for nbytes in sorted({b for r in rounds for b in r}):
+        rows = sorted((r[nbytes] for r in rounds if nbytes in r), key=lambda row: row["time_us"])
+        table[nbytes] = dict(rows[(len(rows) - 1) // 2],
+                             rounds_time_us=[row["time_us"] for row in rows])
+    return table
+
+
 def link_busbw(row, hosts):
     """busbw per host link (GB/s): algbw * 2(K-1)/K."""
     return row["bytes"] / (row["time_us"] * 1e-6) / 1e9 * 2 * (hosts - 1) / hosts
@@ -354,6 +366,9 @@ def main():
     parser.add_argument("--small-warmup", type=int, default=3)
     parser.add_argument("--large-iters", type=int, default=3)
     parser.add_argument("--large-warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times every engine is measured at each rate, interleaved; the table "
+                             "shows the median round (the faster of two) (default 1)")
     parser.add_argument("--link-seconds", type=float, default=3.0,
                         help="duration of the raw TCP ring measurement (default 3)")
     parser.add_argument("--no-unshaped", action="store_true",
@@ -383,7 +398,7 @@ def main():
         except argparse.ArgumentTypeError as e:
             parser.error(f"--rates: {e}")
     for value, name, low in ((args.hosts, "--hosts", 2), (args.small_iters, "--small-iters", 1),
-                             (args.large_iters, "--large-iters", 1),
+                             (args.large_iters, "--large-iters", 1), (args.rounds, "--rounds", 1),
                              (args.small_warmup, "--small-warmup", 0),
                              (args.large_warmup, "--large-warmup", 0)):
         if value < low:
@@ -412,6 +427,7 @@ def main():
     results = {}  # rate -> {"link": ..., engine: {bytes: row}}
     errors = {}  # (rate, engine) -> text
     checked = {}  # engine -> wrong elements in the checked run
+    check_sizes = []  # the sizes of that run
     interrupted = False
 
     def measure(rate, which):
@@ -440,25 +456,32 @@ def main():
                         if engine not in engines:
                             continue
                         measure(rate, f"{engine} --check")
-                        check_sizes = [s for s in (1024, 1 << 20, 64 << 20) if s <= max(sizes)]
+                        check_sizes[:] = [s for s in (1024, 1 << 20, 64 << 20)
+                                          if s <= max(sizes)]
                         rows, err = bench.ddp(nproc, check_sizes, check=True)
                         if err:
                             errors[(rate, engine + " check")] = err
                         else:
                             checked[engine] = sum(r["wrong"] or 0 for r in rows.values())
-                for engine in rate_engines:
-                    measure(rate, engine)
-                    if engine == "ddp-ring":
-                        rows, err = bench.ddp(1, rate_sizes)
-                    elif engine == "ddp-hier":
-                        rows, err = bench.ddp(2, rate_sizes)
-                    elif engine == "gloo":
-                        rows, err = bench.gloo(rate_sizes)
-                    else:
-                        rows, err = bench.openmpi(rate_sizes)
-                    res[engine] = rows
-                    if err:
-                        errors[(rate, engine)] = err
+                rounds = {engine: [] for engine in rate_engines}
+                for round_index in range(args.rounds):
+                    for engine in rate_engines:
+                        if (rate, engine) in errors:
+                            continue
+                        measure(rate, f"{engine} (round {round_index + 1}/{args.rounds})")
+                        if engine == "ddp-ring":
+                            rows, err = bench.ddp(1, rate_sizes)
+                        elif engine == "ddp-hier":
+                            rows, err = bench.ddp(2, rate_sizes)
+                        elif engine == "gloo":
+                            rows, err = bench.gloo(rate_sizes)
+                        else:
+                            rows, err = bench.openmpi(rate_sizes)
+                        rounds[engine].append(rows)
+                        if err:
+                            errors[(rate, engine)] = err
+                for engine, measured in rounds.items():
+                    res[engine] = median_of_rounds(measured)
             finally:
                 code, out = bench.down()
                 if code != 0:
@@ -484,7 +507,8 @@ def main():
                  f"(full duplex), MTU {args.mtu}; no delay or loss")
     lines.append(f"- method: median of {args.small_iters} iterations after {args.small_warmup} "
                  f"warm-up below {human(args.large_from)}, of {args.large_iters} after "
-                 f"{args.large_warmup} from there; each after a barrier, slowest rank's time. "
+                 f"{args.large_warmup} from there; each after a barrier, slowest rank's time; "
+                 f"{args.rounds} round(s) per engine, interleaved, the median round shown. "
                  f"busbw = algbw · 2(K−1)/K per host link (K = {k}), GB/s = 1e9 B/s")
     lines.append("")
     summary = []
@@ -545,7 +569,8 @@ def main():
         lines.append("")
     if checked:
         lines.append("- wrong elements: " + ", ".join(f"{e} {w}" for e, w in checked.items())
-                     + " (ddp: a ddp-bench --check run of 1 KiB, 1 MiB, 64 MiB at the first rate); "
+                     + f" (ddp: a ddp-bench --check run of {', '.join(map(human, check_sizes))} at the first "
+                     "rate); "
                      + ", ".join(f"{p} {sum((r.get('wrong') or 0) for res in results.values() for r in res.get(p, {}).values())}"
                                  for p in PEERS if p in engines)
                      + " (the peers: the last iteration of every size)")
