@@ -353,6 +353,12 @@ $BUILD_DIR --target ddprun) or set DDP_BUILD_DIR"
     ) &
     jobs[r]=$!
   done
+  # The hosts' ddpruns are in sessions of their own (a terminal's Ctrl-C does not reach them):
+  # when this script is interrupted or terminated, it stops them before it exits.
+  # shellcheck disable=SC2064
+  trap "stop_and_exit 130 '$tmp' $n" INT
+  # shellcheck disable=SC2064
+  trap "stop_and_exit 143 '$tmp' $n" TERM
   # Like ddprun with its workers: the first host that fails stops the others, so that they do
   # not wait for it until their collective timeout; at the deadline every host is stopped.
   local -a code=()
@@ -399,6 +405,25 @@ stopping the other hosts" >&2
   [[ $stop_reason == timeout ]] && die 1 "run: timed out after ${timeout}s"
   ((failed)) && die 1 "run: failed on at least one host"
   return 0
+}
+
+# On SIGINT/SIGTERM during `run`: SIGTERM to every host's ddprun, SIGKILL to what is left after
+# 10 s, then exit with CODE.
+stop_and_exit() {  # stop_and_exit CODE TMP N
+  echo "cluster.sh: run: interrupted; stopping every host's ddprun" >&2
+  signal_hosts TERM "$2" "$3"
+  local until=$(($(now_ms) + 10000)) r left
+  while (($(now_ms) < until)); do
+    left=0
+    for ((r = 0; r < $3; r++)); do
+      [[ -s $2/pid.$r ]] && kill -0 "$(cat "$2/pid.$r")" 2>/dev/null && left=1
+    done
+    ((left)) || break
+    sleep 0.1
+  done
+  signal_hosts KILL "$2" "$3"
+  rm -rf "$2"
+  exit "$1"
 }
 
 now_ms() { echo $((${EPOCHREALTIME/./} / 1000)); }

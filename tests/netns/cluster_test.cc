@@ -3,10 +3,12 @@
 // its own (ddpt<pid>) so that it never touches a cluster someone else has up. Needs root and
 // `ip netns`; skips with the script's reason otherwise (exit code 77).
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -147,6 +149,35 @@ TEST(ClusterScript, AFailingRunNamesTheHostAndDownLeavesNothingBehind) {
   EXPECT_EQ(twice.exit_code, 0) << "down must be safe to repeat: " << twice.output;
   const auto status = cluster.script({"status"}, 30s);
   EXPECT_EQ(status.exit_code, 3) << status.output;
+}
+
+TEST(ClusterScript, AnInterruptedRunStopsEveryHost) {
+  Cluster cluster;
+  if (const auto why = up(cluster, {"--hosts", "2", "--rate", "1gbit"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  // The hosts' ddpruns run in sessions of their own, out of reach of the caller's signals:
+  // the script must stop them itself when it is terminated.
+  auto run = Subprocess::start(
+      {cluster_script(), "run", "--timeout", "60", "--", "sh", "-c", "echo started; sleep 60"},
+      {{"DDP_CLUSTER_PREFIX", cluster.prefix()}, {"DDP_BUILD_DIR", build_dir()}});
+  const auto started = std::chrono::steady_clock::now();
+  while (run.output_so_far().find("started") == std::string::npos &&
+         std::chrono::steady_clock::now() - started < 20s) {
+    std::this_thread::sleep_for(50ms);
+  }
+  ::kill(run.pid(), SIGTERM);  // the script only, as a service manager would
+  const auto r = run.wait(30s);
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 143) << r.output;
+  EXPECT_NE(r.output.find("interrupted; stopping every host's ddprun"), std::string::npos)
+      << r.output;
+  for (int host = 0; host < 2; ++host) {
+    const auto pids =
+        Subprocess::start({"ip", "netns", "pids", fmt::format("{}-h{}", cluster.prefix(), host)})
+            .wait(10s);
+    EXPECT_EQ(pids.output, "") << "processes left in host " << host;
+  }
 }
 
 TEST(ClusterScript, DelayNeedsNetemAndIsRefusedWithTheReasonWithoutIt) {
