@@ -151,14 +151,14 @@ cmd_up() {
       *) usage_error "up: unknown argument '$1'" ;;
     esac
   done
-  [[ $hosts =~ ^[0-9]+$ ]] && ((hosts >= 1 && hosts <= 250)) ||
+  [[ $hosts =~ ^[1-9][0-9]*$ ]] && ((hosts >= 1 && hosts <= 250)) ||
     usage_error "--hosts '$hosts' must be a whole number from 1 to 250"
   [[ -n $rate ]] || usage_error "up needs --rate (e.g. --rate 1gbit, or --rate none)"
   local bits ppm=0
   bits=$(rate_bits "$rate") || exit $?
   [[ -n $loss ]] && { ppm=$(loss_ppm "$loss") || exit $?; }
   [[ -n $delay ]] && { check_delay "$delay" || exit $?; }
-  [[ $mtu =~ ^[0-9]+$ ]] && ((mtu >= 576 && mtu <= 65535)) ||
+  [[ $mtu =~ ^[1-9][0-9]*$ ]] && ((mtu >= 576 && mtu <= 65535)) ||
     usage_error "--mtu '$mtu' must be from 576 to 65535"
   need_root
   if ((ppm > 0)); then
@@ -297,7 +297,7 @@ cmd_exec() {
   need_cluster
   local n
   n=$(host_count)
-  [[ $r =~ ^[0-9]+$ ]] && ((r < n)) || usage_error "exec: host '$r' is not one of 0..$((n - 1))"
+  [[ $r =~ ^(0|[1-9][0-9]*)$ ]] && ((r < n)) || usage_error "exec: host '$r' is not one of 0..$((n - 1))"
   # shellcheck disable=SC2046
   exec ip netns exec "$(host_ns "$r")" env -u DDP_HOST_ID $(host_env "$r") "$@"
 }
@@ -329,7 +329,7 @@ cmd_run() {
   done
   (($#)) || usage_error "run needs a command after --, e.g. run -- build/bin/ddp-bench"
   [[ $nproc =~ ^[1-9][0-9]*$ ]] || usage_error "--nproc-per-host '$nproc' must be a positive number"
-  [[ $port =~ ^[0-9]+$ ]] && ((port >= 1 && port <= 65535)) ||
+  [[ $port =~ ^[1-9][0-9]*$ ]] && ((port >= 1 && port <= 65535)) ||
     usage_error "--master-port '$port' must be from 1 to 65535"
   [[ $timeout =~ ^[1-9][0-9]*$ ]] || usage_error "--timeout '$timeout' must be whole seconds"
   local ddprun="$BUILD_DIR/bin/ddprun"
