@@ -6,6 +6,7 @@
 #   scripts/cluster.sh run [--nproc-per-host 2] [--master-port 29500] [--timeout 900] -- CMD...
 #   scripts/cluster.sh exec HOST -- CMD...      # one command inside host HOST's namespace
 #   scripts/cluster.sh hostfile [--slots N]     # an OpenMPI hostfile (see scripts/cluster-rsh.sh)
+#   scripts/cluster.sh link HOST down|up        # pull (and put back) host HOST's cable
 #   scripts/cluster.sh status
 #   scripts/cluster.sh down                     # removes everything; safe to repeat
 #
@@ -261,7 +262,10 @@ cmd_status() {
   echo "cluster '$PREFIX': $n hosts, bridge in namespace $BRIDGE_NS"
   for ns in $(host_namespaces); do
     r=${ns#"$PREFIX"-h}
-    echo "  host $r: namespace $ns, address $(host_addr "$r")"
+    local state
+    state=$(ip -n "$BRIDGE_NS" -o link show "p$r" 2>/dev/null | grep -q 'state UP' && echo up ||
+      echo "DOWN (cut: cluster.sh link $r up)")
+    echo "  host $r: namespace $ns, address $(host_addr "$r"), link $state"
     echo "    egress:  $(tc -n "$ns" qdisc show dev "$HOST_IF" 2>/dev/null | tr '\n' ';')"
     echo "    ingress: $(tc -n "$BRIDGE_NS" qdisc show dev "p$r" 2>/dev/null | tr '\n' ';')"
     local rule
@@ -300,6 +304,22 @@ cmd_exec() {
   [[ $r =~ ^(0|[1-9][0-9]*)$ ]] && ((r < n)) || usage_error "exec: host '$r' is not one of 0..$((n - 1))"
   # shellcheck disable=SC2046
   exec ip netns exec "$(host_ns "$r")" env -u DDP_HOST_ID $(host_env "$r") "$@"
+}
+
+# Cuts or restores host R's link (its bridge port goes down: the host sees no carrier and every
+# packet to or from it is lost), for fault tests: a cable pulled mid-run.
+cmd_link() {  # link R down|up
+  (($# == 2)) || usage_error "link needs a host number and down or up: link 1 down"
+  local r=$1 state=$2
+  [[ $state == down || $state == up ]] || usage_error "link: '$state' is neither down nor up"
+  need_root
+  need_cluster
+  local n
+  n=$(host_count)
+  [[ $r =~ ^(0|[1-9][0-9]*)$ ]] && ((r < n)) || usage_error "link: host '$r' is not one of 0..$((n - 1))"
+  ip -n "$BRIDGE_NS" link set "p$r" "$state" || die 1 "link: could not set host $r's link $state"
+  echo "cluster.sh: link: host $r ($(host_ns "$r")) is $( [[ $state == down ]] && echo cut off ||
+    echo connected again)"
 }
 
 cmd_hostfile() {
@@ -448,8 +468,9 @@ main() {
     run) cmd_run "$@" ;;
     exec) cmd_exec "$@" ;;
     hostfile) cmd_hostfile "$@" ;;
+    link) cmd_link "$@" ;;
     -h | --help | help) usage ;;
-    *) usage_error "unknown command '$command'; choose up, run, exec, hostfile, status or down" ;;
+    *) usage_error "unknown command '$command'; choose up, run, exec, hostfile, link, status or down" ;;
   esac
 }
 

@@ -180,6 +180,37 @@ TEST(ClusterScript, AnInterruptedRunStopsEveryHost) {
   }
 }
 
+TEST(ClusterScript, ACutLinkFailsTheRunWithANamedTimeoutInsteadOfAHang) {
+  Cluster cluster;
+  if (const auto why = up(cluster, {"--hosts", "2", "--rate", "1gbit"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  // 1 KiB first: its row says the group is up and collectives flow; then 64 MiB allreduces (about
+  // 0.6 s each at 1gbit) are running when host 1's cable is pulled.
+  auto run = Subprocess::start(
+      {cluster_script(), "run", "--timeout", "60", "--", build_dir() + "/bin/ddp-bench", "--sizes",
+       "1K,64M", "--iters", "50", "--warmup", "0", "--json", "--timeout", "5"},
+      {{"DDP_CLUSTER_PREFIX", cluster.prefix()}, {"DDP_BUILD_DIR", build_dir()}});
+  const auto started = std::chrono::steady_clock::now();
+  while (run.output_so_far().find("\"bytes\":1024") == std::string::npos &&
+         std::chrono::steady_clock::now() - started < 30s) {
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_NE(run.output_so_far().find("\"bytes\":1024"), std::string::npos) << run.output_so_far();
+  const auto cut = cluster.script({"link", "1", "down"}, 30s);
+  ASSERT_EQ(cut.exit_code, 0) << cut.output;
+  const auto cut_at = std::chrono::steady_clock::now();
+  const auto r = run.wait(60s);
+  const auto took = std::chrono::steady_clock::now() - cut_at;
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  // Both ranks name the collective, the peer and the deadline (ddp-bench --timeout 5).
+  EXPECT_NE(r.output.find("timed out after 5000 ms in allreduce"), std::string::npos) << r.output;
+  EXPECT_LT(took, 25s) << "the run took too long to fail after the cut";
+  const auto status = cluster.script({"status"}, 30s);
+  EXPECT_NE(status.output.find("link DOWN"), std::string::npos) << status.output;
+}
+
 TEST(ClusterScript, DelayNeedsNetemAndIsRefusedWithTheReasonWithoutIt) {
   Cluster cluster;
   const auto r = cluster.script({"up", "--hosts", "2", "--rate", "1gbit", "--delay", "1ms"}, 60s);
