@@ -459,6 +459,9 @@ signal_hosts() {  # signal_hosts SIG TMP N
 
 main() {
   (($#)) || { usage >&2; exit 2; }
+  # The prefix goes into namespace names, patterns and an nftables table name.
+  [[ $PREFIX =~ ^[A-Za-z][A-Za-z0-9]{0,15}$ ]] || usage_error "DDP_CLUSTER_PREFIX '$PREFIX' must \
+be a letter and up to 15 letters or digits"
   local command=$1
   shift
   case "$command" in

@@ -238,7 +238,7 @@ TEST(ClusterScript, WithoutRootItSaysSoAndExitsWithTheSkipCode) {
   const auto r =
       Subprocess::start({"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash",
                          cluster_script(), "up", "--hosts", "2", "--rate", "1gbit"},
-                        {{"DDP_CLUSTER_PREFIX", "ddpt-nobody"}})
+                        {{"DDP_CLUSTER_PREFIX", "ddptnobody"}})
           .wait(30s);
   if (r.exit_code == 127 || r.output.find("setpriv:") != std::string::npos) {
     GTEST_SKIP() << "cannot drop privileges with setpriv: " << r.output;
