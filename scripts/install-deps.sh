@@ -15,6 +15,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libfmt-dev nlohmann-json3-dev zlib1g-dev libssl-dev
   iproute2 procps
+  nftables  # scripts/cluster.sh --loss (this kernel has no netem)
 )
 
 missing=()
