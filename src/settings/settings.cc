@@ -66,21 +66,6 @@ std::string advertise_address(const Lookup& lookup) {
   return value_or_empty(lookup, "DDP_ADVERTISE_ADDR");
 }
 
-Milliseconds wait_warning(const Lookup& lookup) {
-  const auto text = lookup("DDP_WAIT_WARNING");
-  if (!text) return kDefaultWaitWarning;
-  double seconds = 0;
-  const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-  if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() ||
-      !std::isfinite(seconds) || seconds < 0 || seconds > 1e9) {
-    throw ConfigError(fmt::format(
-        "DDP_WAIT_WARNING='{}' is not a number of seconds >= 0 (e.g. DDP_WAIT_WARNING=30; 0 = "
-        "never warn)",
-        *text));
-  }
-  return Milliseconds(std::llround(seconds * 1000.0));
-}
-
 std::size_t flight_recorder_entries(const Lookup& lookup) {
   constexpr std::size_t kMax = 10'000'000;
   const auto text = lookup("DDP_FLIGHT_RECORDER_ENTRIES");

@@ -25,8 +25,8 @@ std::optional<std::string> environment(const std::string& name);
 // DDP_TIMEOUT (seconds, may be fractional) when set, else kDefaultTimeout.
 Milliseconds timeout(const Lookup& lookup = environment);
 
-// How long a wait (the rendezvous) goes on before a warning names what it waits for; the warning
-// repeats at this interval until the deadline.
+// How long a wait (the rendezvous, or a collective waiting for a peer) goes on before a warning
+// names what it waits for; the rendezvous repeats it at this interval until the deadline.
 inline constexpr Milliseconds kDefaultWaitWarning{30'000};
 // DDP_WAIT_WARN_SECONDS (seconds, may be fractional; 0 = never warn) when set, else
 // kDefaultWaitWarning.
@@ -39,11 +39,6 @@ std::string transport(const Lookup& lookup = environment);
 std::string host_id(const Lookup& lookup = environment);
 // DDP_ADVERTISE_ADDR: the address peers use to reach this rank.
 std::string advertise_address(const Lookup& lookup = environment);
-
-// DDP_WAIT_WARNING: seconds a collective may wait for a peer before it logs a warning naming
-// what it waits for (default 30; 0 = never).
-inline constexpr Milliseconds kDefaultWaitWarning{30'000};
-Milliseconds wait_warning(const Lookup& lookup = environment);
 
 // The flight recorder (docs/observability.md):
 // DDP_FLIGHT_RECORDER_ENTRIES: how many operations each group keeps (default 2000; 0 = off).

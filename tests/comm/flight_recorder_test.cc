@@ -354,12 +354,12 @@ TEST(FlightRecorderSettings, EntriesDefaultOffAndBadValues) {
       settings::job_place(lookup({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
   EXPECT_EQ(mpi.rank, 1);
   EXPECT_EQ(settings::job_place(lookup({{"RANK", "x"}})).rank, -1);
-  // The wait warning (DDP_WAIT_WARNING, seconds): default 30 s, 0 = never.
+  // The wait warning (DDP_WAIT_WARN_SECONDS, seconds): default 30 s, 0 = never.
   EXPECT_EQ(settings::wait_warning(lookup({})), std::chrono::seconds(30));
-  EXPECT_EQ(settings::wait_warning(lookup({{"DDP_WAIT_WARNING", "0.25"}})), 250ms);
-  EXPECT_EQ(settings::wait_warning(lookup({{"DDP_WAIT_WARNING", "0"}})), 0ms);
-  EXPECT_THROW(settings::wait_warning(lookup({{"DDP_WAIT_WARNING", "-1"}})), ConfigError);
-  EXPECT_THROW(settings::wait_warning(lookup({{"DDP_WAIT_WARNING", "soon"}})), ConfigError);
+  EXPECT_EQ(settings::wait_warning(lookup({{"DDP_WAIT_WARN_SECONDS", "0.25"}})), 250ms);
+  EXPECT_EQ(settings::wait_warning(lookup({{"DDP_WAIT_WARN_SECONDS", "0"}})), 0ms);
+  EXPECT_THROW(settings::wait_warning(lookup({{"DDP_WAIT_WARN_SECONDS", "-1"}})), ConfigError);
+  EXPECT_THROW(settings::wait_warning(lookup({{"DDP_WAIT_WARN_SECONDS", "soon"}})), ConfigError);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// DDP_WAIT_WARNING: a collective that waits for a peer longer than the threshold logs one warning
+// DDP_WAIT_WARN_SECONDS: a collective that waits for a peer longer than the threshold logs one warning
 // naming the operation, its sequence number and the rank it waits for, and still completes when
 // the peer arrives (over TCP and over shared memory).
 #include <gtest/gtest.h>
@@ -25,7 +25,7 @@ TEST_P(WaitWarning, ALongWaitNamesTheOperationAndThePeerOnceAndTheCallStillCompl
   auto results = run_ranks(
       2,
       [&](int rank) {
-        ::setenv("DDP_WAIT_WARNING", "0.2", 1);
+        ::setenv("DDP_WAIT_WARN_SECONDS", "0.2", 1);
         std::mutex mutex;
         std::vector<std::string> lines;
         RingOptions options = apply_mode(GetParam(), rank, 2, {.timeout = 20s});

@@ -317,7 +317,7 @@ class RingProcessGroup final : public ProcessGroup,
   // scratch pool, and the shared-memory dispatch's temporary, reused across operations.
   comm::TcpContext tcp_;
   std::vector<std::byte> shm_scratch_;
-  // DDP_WAIT_WARNING: a collective waiting this long for a peer says so (0: never).
+  // DDP_WAIT_WARN_SECONDS: a collective waiting this long for a peer says so (0: never).
   milliseconds wait_warning_{0};
 
   // Locality (fixed at creation): which ranks share a host, and what runs where.
