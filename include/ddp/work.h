@@ -16,11 +16,15 @@
 // the group.
 //
 // Chains and results: and_then() starts the next operation when this one has succeeded and returns
-// a Work for the whole chain, so a comm hook can run several collectives in a row without blocking:
+// a Work for the whole chain, so several collectives can run in a row without blocking the caller:
 //
 //   auto chain = pg->allreduce(p, n, dt, ddp::ReduceOp::kSum)
 //                    ->and_then([&](ddp::Work&) { return pg->allreduce(q, m, dt, kSum); });
 //   chain->wait();                        // both done (or the first error of either)
+//
+// Not for DDP comm hooks: a chain's next stage is issued when the previous one completes, which can
+// fall before or after the next bucket's collectives differently on each rank; a hook with several
+// collectives uses BucketReduction::finish (comm_hooks.h), which runs in bucket order everywhere.
 //
 // A Work may carry a typed result (set_result / result_as), e.g. the output tensors of a
 // torch-level collective; a chain carries the result of its last operation.
