@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -110,6 +111,23 @@ BucketReduction plain_average(const std::shared_ptr<PowerSGDState>& state, Proce
   return reduction;
 }
 
+// Both variants average plainly before start_powersgd_iter and for non-floating buckets; else
+// nullopt: the bucket is compressed.
+std::optional<BucketReduction> plain_average_unless_compressing(
+    const std::shared_ptr<PowerSGDState>& state, ProcessGroup& group, GradBucket& bucket) {
+  {
+    auto lock = Access::lock(*state);
+    if (Access::iter(*state) < Access::options(*state).start_powersgd_iter) {
+      lock.unlock();
+      return plain_average(state, group, bucket, /*count_iteration_now=*/true);
+    }
+  }
+  if (!bucket.buffer.is_floating_point()) {
+    return plain_average(state, group, bucket, /*count_iteration_now=*/false);
+  }
+  return std::nullopt;
+}
+
 // The bucket's memory of `which` (error, P or Q) with `numel` elements: reused when present and
 // of that size, else ConfigError (a state from another model or bucket layout).
 void check_memory_size(const torch::Tensor& memory, std::int64_t numel, const char* which,
@@ -206,16 +224,7 @@ BucketReduction powersgd_reduce(const std::shared_ptr<PowerSGDState>& state_ptr,
   PowerSGDState& state = *state_ptr;
   const auto& options = Access::options(state);
   torch::NoGradGuard no_grad;
-  {
-    auto lock = Access::lock(state);
-    if (Access::iter(state) < options.start_powersgd_iter) {
-      lock.unlock();
-      return plain_average(state_ptr, group, bucket, /*count_iteration_now=*/true);
-    }
-  }
-  if (!bucket.buffer.is_floating_point()) {
-    return plain_average(state_ptr, group, bucket, /*count_iteration_now=*/false);
-  }
+  if (auto plain = plain_average_unless_compressing(state_ptr, group, bucket)) return *plain;
   torch::Tensor input = bucket.buffer;
   const std::size_t index = bucket.index;
   const double world = group.size();
@@ -332,16 +341,7 @@ BucketReduction batched_powersgd_reduce(const std::shared_ptr<PowerSGDState>& st
   PowerSGDState& state = *state_ptr;
   const auto& options = Access::options(state);
   torch::NoGradGuard no_grad;
-  {
-    auto lock = Access::lock(state);
-    if (Access::iter(state) < options.start_powersgd_iter) {
-      lock.unlock();
-      return plain_average(state_ptr, group, bucket, /*count_iteration_now=*/true);
-    }
-  }
-  if (!bucket.buffer.is_floating_point()) {
-    return plain_average(state_ptr, group, bucket, /*count_iteration_now=*/false);
-  }
+  if (auto plain = plain_average_unless_compressing(state_ptr, group, bucket)) return *plain;
   torch::Tensor input = bucket.buffer;
   const std::size_t index = bucket.index;
   const double world = group.size();

@@ -98,28 +98,8 @@ TEST(Int8Hook, DdpTrainingConvergesAndReportsBytes) {
   const int port = test::free_port();
   const auto results = run_ranks(2, [&](int rank) {
     auto pg = join_group(rank, 2, port);
-    torch::manual_seed(5);
-    const auto truth = torch::randn({32, 16});
-    torch::nn::Linear net(torch::nn::LinearOptions(32, 16).bias(false));
-    DistributedDataParallel model(net.ptr(), pg);
     auto state = std::make_shared<Int8QuantizeState>();
-    model->register_comm_hook(int8_quantize_hook(state));
-    torch::optim::SGD opt(model->parameters(), 0.1);
-    torch::manual_seed(50 + rank);
-    double first = 0, last = 0;
-    for (int step = 0; step < 300; ++step) {
-      const auto x = torch::randn({16, 32});
-      const auto loss = torch::mse_loss(model->forward(x), torch::matmul(x, truth));
-      opt.zero_grad();
-      loss.backward();
-      opt.step();
-      if (step == 0) first = loss.item<double>();
-      last = loss.item<double>();
-    }
-    test::expect_identical_across_ranks(*pg, model->parameters(), "after training");
-    if (!(last < first * 1e-3)) {
-      throw std::runtime_error(fmt::format("loss {:g} -> {:g}: did not converge", first, last));
-    }
+    auto model = test::train_regression_with_hook(pg, int8_quantize_hook(state));
     const auto timeline = model->reducer().last_timeline();
     if (timeline.bytes_sent != 32 * 16 + 4 || state->bytes_sent() != 300u * (32 * 16 + 4)) {
       throw std::runtime_error(

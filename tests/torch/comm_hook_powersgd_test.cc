@@ -201,29 +201,9 @@ void check_training(CommHook (*make_hook)(std::shared_ptr<PowerSGDState>)) {
   const int port = test::free_port();
   const auto results = run_ranks(2, [&](int rank) {
     auto pg = join_group(rank, 2, port);
-    torch::manual_seed(5);
-    const auto truth = torch::randn({32, 16});
-    torch::nn::Linear net(torch::nn::LinearOptions(32, 16).bias(false));
-    DistributedDataParallel model(net.ptr(), pg);
     auto state = std::make_shared<PowerSGDState>(
         PowerSGDOptions{.matrix_approximation_rank = 2, .start_powersgd_iter = 5});
-    model->register_comm_hook(make_hook(state));
-    torch::optim::SGD opt(model->parameters(), 0.1);
-    torch::manual_seed(50 + rank);
-    double first = 0, last = 0;
-    for (int step = 0; step < 300; ++step) {
-      const auto x = torch::randn({16, 32});
-      const auto loss = torch::mse_loss(model->forward(x), torch::matmul(x, truth));
-      opt.zero_grad();
-      loss.backward();
-      opt.step();
-      if (step == 0) first = loss.item<double>();
-      last = loss.item<double>();
-    }
-    test::expect_identical_across_ranks(*pg, model->parameters(), "after training");
-    if (!(last < first * 1e-3)) {
-      throw std::runtime_error(fmt::format("loss {:g} -> {:g}: did not converge", first, last));
-    }
+    test::train_regression_with_hook(pg, make_hook(state));
     if (state->iteration() != 300) throw std::runtime_error("iteration count");
   });
   EXPECT_ALL_RANKS_OK(results);

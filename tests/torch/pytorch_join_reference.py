@@ -12,9 +12,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from reference_ranks import run_ranks_and_print
 
 IN, HIDDEN, OUT, BATCH = 6, 8, 3, 5
 
@@ -79,20 +80,7 @@ def run(rank, world, base_steps, divide, port, queue):
 
 def main():
     world, base_steps, divide, port = (int(a) for a in sys.argv[1:5])
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=run, args=(r, world, base_steps, bool(divide), port, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=120)
-    for p in procs:
-        p.join(timeout=120)
-        if p.exitcode != 0:
-            sys.exit(f"rank process exited with {p.exitcode}")
-    print(result)
+    run_ranks_and_print(run, world, (world, base_steps, bool(divide), port))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from reference_ranks import run_ranks_and_print
 
 IN, GLOBAL_BATCH = 6, 12
 
@@ -88,20 +89,7 @@ def run(rank, world, steps, optimizers, port, queue):
 def main():
     world, steps = int(sys.argv[1]), int(sys.argv[2])
     optimizers, port = sys.argv[3].split(","), int(sys.argv[4])
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=run, args=(r, world, steps, optimizers, port, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=120)
-    for p in procs:
-        p.join(timeout=120)
-        if p.exitcode != 0:
-            sys.exit(f"rank process exited with {p.exitcode}")
-    print(result)
+    run_ranks_and_print(run, world, (world, steps, optimizers, port))
 
 
 if __name__ == "__main__":
