@@ -657,6 +657,27 @@ TEST(Ddprun, SigintIsForwardedToTheWorkers) {
   check_signal_is_forwarded(SIGINT, "INT", 130);
 }
 
+TEST(Ddprun, SigusrOneReachesTheWorkersThatHandleItAndSparesTheOthers) {
+  // Rank 0 handles SIGUSR1 (as a ddp process group's flight recorder does); rank 1 does not and
+  // would die of it. Both exit 0 once rank 0 got the signal.
+  TempDir dir;
+  const std::string done = dir.file("done");
+  const std::string script = fmt::format(R"(
+      if [ "$LOCAL_RANK" = 0 ]; then trap 'echo got USR1; touch {0}; exit 0' USR1; fi
+      echo ready
+      i=0; while [ ! -f {0} ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+      [ -f {0} ])",
+                                         done);
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", script});
+  ASSERT_TRUE(wait_for_output(p, {"[0] ready", "[1] ready"}, 15s)) << p.output_so_far();
+  ASSERT_EQ(::kill(p.pid(), SIGUSR1), 0);
+  const auto r = p.wait(40s);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[0] got USR1"));
+  EXPECT_THAT(r.output, HasSubstr("SIGUSR1 passed on to rank(s) [0]"));
+  EXPECT_THAT(r.output, HasSubstr("not to rank(s) [1]"));
+}
+
 TEST(Ddprun, SecondSignalSkipsTheGracePeriod) {
   // Workers that ignore both signals would hold ddprun for the whole 60 s grace period.
   auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "--grace-period", "60", "/bin/sh",

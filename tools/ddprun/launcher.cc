@@ -147,8 +147,12 @@ class Supervisor {
   // kills what is left, and reaps everything. Returns the signal ddprun received meanwhile, if any.
   std::optional<int> stop_everything(int first_signal, std::optional<int> already_signalled);
 
-  // Reads pending signals; returns a terminating one (SIGINT/SIGTERM/SIGHUP) if there was one.
+  // Reads pending signals; passes SIGUSR1 on to the workers; returns a terminating one
+  // (SIGINT/SIGTERM/SIGHUP) if there was one.
   std::optional<int> read_signals();
+  // Sends SIGUSR1 to every running worker that catches it (a ddp process group's flight-recorder
+  // handler); one that does not would die of it, so it is skipped and named.
+  void forward_dump_request();
   // Reaps every exited child and, with `failure`, keeps the rank to blame: the first failure of
   // the highest blame_class. Returns false when ddprun has no children left at all.
   bool reap_children(Outcome* failure);
@@ -191,7 +195,9 @@ Supervisor::Supervisor(const LaunchOptions& options) : options_(options) {
 
   sigemptyset(&handled_);
   sigaddset(&handled_, SIGCHLD);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+  // SIGUSR1 asks every worker for a flight-recorder dump (docs/observability.md): ddprun passes
+  // it on to each worker's process group and goes on.
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) {
     // A signal ignored when ddprun started (nohup, `cmd &` in a script) stays ignored, for ddprun
     // as for its workers, which inherit that disposition.
     struct sigaction current {};
@@ -375,9 +381,44 @@ std::optional<int> Supervisor::read_signals() {
     const ssize_t n = ::read(signal_fd_, &info, sizeof info);
     if (n != static_cast<ssize_t>(sizeof info)) break;  // EAGAIN: nothing more pending
     const int sig = static_cast<int>(info.ssi_signo);
+    if (sig == SIGUSR1) {
+      forward_dump_request();
+      continue;
+    }
     if (sig != SIGCHLD && !terminating) terminating = sig;
   }
   return terminating;
+}
+
+// Whether `pid` has a handler for `sig`: the SigCgt mask of /proc/PID/status.
+bool catches_signal(pid_t pid, int sig) {
+  std::ifstream status(fmt::format("/proc/{}/status", pid));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("SigCgt:", 0) == 0) {
+      const unsigned long long mask = std::stoull(line.substr(7), nullptr, 16);
+      return (mask >> (sig - 1)) & 1ULL;
+    }
+  }
+  return false;
+}
+
+void Supervisor::forward_dump_request() {
+  std::vector<int> sent, skipped;
+  for (const auto& worker : workers_) {
+    if (!worker.running) continue;
+    if (catches_signal(worker.pid, SIGUSR1) && ::kill(worker.pid, SIGUSR1) == 0) {
+      sent.push_back(worker.global_rank);
+    } else {
+      skipped.push_back(worker.global_rank);
+    }
+  }
+  note(fmt::format("SIGUSR1 passed on to rank(s) [{}] for flight-recorder dumps{}",
+                   fmt::join(sent, ", "),
+                   skipped.empty() ? std::string()
+                                   : fmt::format("; not to rank(s) [{}], which do not handle it "
+                                                 "(no ddp process group yet) and would die of it",
+                                                 fmt::join(skipped, ", "))));
 }
 
 bool Supervisor::reap_children(Outcome* failure) {
