@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "byte_sizes.h"
 #include "ddp/ring_process_group.h"
 #include "ddp/tcp_store.h"
 #include "forked_ranks.h"
@@ -54,15 +55,7 @@ Args parse(int argc, char** argv) {
     } else if (flag == "--iters") {
       args.iters = std::stoi(value());
     } else if (flag == "--sizes") {
-      args.sizes.clear();
-      std::string list = value();
-      std::size_t start = 0;
-      while (start < list.size()) {
-        const auto comma = list.find(',', start);
-        args.sizes.push_back(std::stoull(list.substr(start, comma - start)));
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-      }
+      args.sizes = parse_byte_sizes(value());
     } else {
       throw std::runtime_error("unknown flag " + flag +
                                " (--world N --algorithm auto|ring|rd --iters K --sizes a,b,c "

@@ -15,6 +15,10 @@ Measures, for the same sizes and world size (default 2, all ranks on this host):
   openmpi-tcp      OpenMPI's MPI_Allreduce (bench/mpi_allreduce.c), --mca pml ob1 --mca btl
                    tcp,self: TCP over loopback only
   openmpi          the same with OpenMPI's default transports (shared memory)
+  tcp-bound        bench/tcp_exchange_bound (world 2 only): a world-2 ring allreduce's data
+                   movement over one loopback TCP connection, both directions at once, with no
+                   reduction and no engine: the most any TCP allreduce of this pattern can reach
+                   on this machine (not in the default --peers)
 Every program times the same way: a barrier before each iteration (not timed), each rank times
 its own call, the slowest rank's time counts, the median over --iters iterations is reported.
 ddp-bench's timed runs do nothing between iterations but the barrier, like the peers; a separate
@@ -46,6 +50,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"  # sees Debian's python3-torch; a pyenv pytho
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 PYTORCH2_PYTHON = str(REPO / "scripts" / "pytorch-python")  # PyTorch 2.x from PyPI
 PEERS = ["ddp-ring", "ddp-shm", "ddp-mpi", "gloo", "gloo2", "openmpi-tcp", "openmpi"]
+EXTRA_PEERS = ["tcp-bound"]  # measured only when --peers names them
 GLOOS = ("gloo", "gloo2", "openmpi-tcp")  # the peers that ddp-ring's ratios are taken against
 
 
@@ -185,7 +190,17 @@ class Runner:
             return self.gloo()
         if peer == "gloo2":
             return self.gloo(PYTORCH2_PYTHON)
+        if peer == "tcp-bound":
+            return self.tcp_bound()
         return self.openmpi(tcp_only=peer == "openmpi-tcp")
+
+    def tcp_bound(self):
+        program = self.bin / "tcp_exchange_bound"
+        if self.args.world_size != 2:
+            return None, "world size 2 only"
+        if not program.exists():
+            return None, f"not built: {program}"
+        return self.finish(*run([str(program), *self.common], self.env, self.args.timeout))
 
 
 def machine_description():
@@ -240,7 +255,7 @@ def main():
                         help="times every peer is measured, interleaved (default 3)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per program run")
     parser.add_argument("--peers", default=",".join(PEERS),
-                        help=f"comma-separated subset of {','.join(PEERS)}")
+                        help=f"comma-separated subset of {','.join(PEERS + EXTRA_PEERS)}")
     parser.add_argument("--mpi-bind-to", default="none",
                         help="mpirun's --bind-to (default none: ddprun and the gloo processes are "
                              "not pinned either; OpenMPI's own default is core)")
@@ -251,8 +266,9 @@ def main():
                              (args.warmup, "--warmup", 0), (args.rounds, "--rounds", 1)):
         if value < low:
             parser.error(f"{name} must be at least {low}, got {value}")
-    if unknown := [p for p in peers if p not in PEERS]:
-        parser.error(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    if unknown := [p for p in peers if p not in PEERS + EXTRA_PEERS]:
+        parser.error(f"unknown peer(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(PEERS + EXTRA_PEERS)}")
     for program in ("ddp-bench", "ddprun"):
         if not (Path(args.build_dir) / "bin" / program).exists():
             parser.error(f"{args.build_dir}/bin/{program} does not exist: build it first "
@@ -376,6 +392,21 @@ def main():
             # Same bytes and factor: the busbw ratio equals the time ratio.
             x = table[peer][nbytes]["time_us"] / ring[nbytes]["time_us"]
             checks.append(wording.format(x=x) + (": PASS" if x >= minimum else ": FAIL"))
+    # Against the TCP bound: how much of loopback TCP's capacity ddp-ring uses, and whether the
+    # bound itself leaves room for a busbw target of 1.5x a peer.
+    bound = table.get("tcp-bound", {})
+    for nbytes in sizes:
+        if nbytes in bound and nbytes >= 1 << 20:
+            parts = []
+            if nbytes in ring:
+                share = bound[nbytes]["time_us"] / ring[nbytes]["time_us"]
+                parts.append(f"ddp-ring at {100 * share:.0f}% of the TCP bound")
+            for p in ("gloo", "gloo2"):
+                if nbytes in table.get(p, {}):
+                    x = table[p][nbytes]["time_us"] / bound[nbytes]["time_us"]
+                    parts.append(f"the bound is {x:.2f}× {p}'s busbw")
+            if parts:
+                checks.append(f"{human(nbytes)}: " + "; ".join(parts))
     if checks:
         lines.append("")
         scope = "" if args.world_size == 2 else " (defined for world size 2)"

@@ -25,6 +25,7 @@
 
 #include <fmt/format.h>
 
+#include "byte_sizes.h"
 #include "comm/ring/shm/shm_domain.h"
 #include "ddp/tcp_store.h"
 #include "forked_ranks.h"
@@ -71,17 +72,6 @@ int bind_to_core(int rank) {
   return -1;
 }
 
-std::size_t parse_size(const std::string& text) {
-  std::size_t pos = 0;
-  std::size_t value = std::stoull(text, &pos);
-  const std::string unit = text.substr(pos);
-  if (unit.empty() || unit == "B") return value;
-  if (unit == "K" || unit == "KiB" || unit == "k") return value << 10;
-  if (unit == "M" || unit == "MiB" || unit == "m") return value << 20;
-  if (unit == "G" || unit == "GiB" || unit == "g") return value << 30;
-  throw std::runtime_error("bad size '" + text + "' (use 1024, 64K, 1M, ...)");
-}
-
 Args parse(int argc, char** argv) {
   Args args;
   for (int i = 1; i < argc; ++i) {
@@ -97,9 +87,9 @@ Args parse(int argc, char** argv) {
     } else if (flag == "--warmup") {
       args.warmup = std::stoi(value());
     } else if (flag == "--slot-bytes") {
-      args.shm.slot_bytes = parse_size(value());
+      args.shm.slot_bytes = parse_byte_size(value());
     } else if (flag == "--small-bytes") {
-      args.shm.small_bytes = parse_size(value());
+      args.shm.small_bytes = parse_byte_size(value());
     } else if (flag == "--spin-us") {
       args.shm.spin = std::chrono::microseconds(std::stoi(value()));
     } else if (flag == "--yield-us") {
@@ -111,15 +101,7 @@ Args parse(int argc, char** argv) {
     } else if (flag == "--memcpy") {
       args.memcpy_bandwidth = true;
     } else if (flag == "--sizes") {
-      args.sizes.clear();
-      std::string list = value();
-      std::size_t start = 0;
-      while (start < list.size()) {
-        const auto comma = list.find(',', start);
-        args.sizes.push_back(parse_size(list.substr(start, comma - start)));
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-      }
+      args.sizes = parse_byte_sizes(value());
     } else {
       throw std::runtime_error(
           "unknown flag " + flag +
