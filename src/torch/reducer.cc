@@ -551,7 +551,8 @@ void Reducer::record_pass_stats() {
 void Reducer::trace_pass() const {
   // Emitted once per pass from the times the timeline holds anyway, so the hooks stay untouched.
   const auto& t = timeline_;
-  const int lane = trace_thread_lane();
+  // A lane of its own: these spans overlap the training script's "backward" on the main thread.
+  const int lane = trace_lane("DDP backward");
   if (t.backward_prepared != BackwardTimeline::TimePoint{}) {
     trace_complete("backward compute (DDP)", "ddp", lane, trace_clock_ns(t.backward_prepared),
                    trace_clock_ns(t.backward_finished),
