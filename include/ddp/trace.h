@@ -68,21 +68,28 @@ struct TraceOptions {
   std::chrono::nanoseconds clock_shift{0};
 };
 
-// One argument of an event: an integer, a floating-point number, a boolean or a string.
+// One argument of an event: an integer, a floating-point number, a boolean or a string. Holds
+// the value as given (a string is not copied: it must outlive the recording call), so building
+// arguments costs nothing measurable when no trace runs; it is formatted only when recorded.
 class TraceArg {
  public:
   template <typename T>
-  requires std::is_integral_v<T> &&(!std::is_same_v<T, bool>)TraceArg(T value)
-      : json_(std::to_string(value)) {}                      // NOLINT(google-explicit-constructor)
-  TraceArg(double value);                                    // NOLINT(google-explicit-constructor)
-  TraceArg(bool value) : json_(value ? "true" : "false") {}  // NOLINT
-  TraceArg(std::string_view value);                          // NOLINT(google-explicit-constructor)
+  requires std::is_integral_v<T> &&
+      (!std::is_same_v<T, bool>)TraceArg(T value)  // NOLINT(google-explicit-constructor)
+      : kind_(Kind::kInteger), integer_(static_cast<std::int64_t>(value)) {}
+  TraceArg(double value) : kind_(Kind::kReal), real_(value) {}               // NOLINT
+  TraceArg(bool value) : kind_(Kind::kBool), integer_(value ? 1 : 0) {}      // NOLINT
+  TraceArg(std::string_view value) : kind_(Kind::kText), text_(value) {}     // NOLINT
   TraceArg(const char* value) : TraceArg(std::string_view(value)) {}         // NOLINT
   TraceArg(const std::string& value) : TraceArg(std::string_view(value)) {}  // NOLINT
-  const std::string& json() const { return json_; }  // the value as JSON text
+  std::string json() const;  // the value as JSON text
 
  private:
-  std::string json_;
+  enum class Kind { kInteger, kReal, kBool, kText };
+  Kind kind_;
+  std::int64_t integer_ = 0;
+  double real_ = 0.0;
+  std::string_view text_;
 };
 using TraceArgs = std::initializer_list<std::pair<std::string_view, TraceArg>>;
 
@@ -139,20 +146,19 @@ class [[nodiscard]] TraceSpan {
  public:
   TraceSpan() = default;
   TraceSpan(std::string_view name, std::string_view category, TraceArgs args);
-  TraceSpan(TraceSpan&& other) noexcept;
+  TraceSpan(TraceSpan&& other) noexcept : open_(std::exchange(other.open_, nullptr)) {}
   TraceSpan& operator=(TraceSpan&&) = delete;
   TraceSpan(const TraceSpan&) = delete;
   TraceSpan& operator=(const TraceSpan&) = delete;
-  ~TraceSpan() { end(); }
+  ~TraceSpan() {
+    if (open_ != nullptr) end();
+  }
   // Records the event now (once).
   void end() noexcept;
 
  private:
-  std::string name_;
-  std::string category_;
-  std::vector<std::pair<std::string, std::string>> args_;  // name, JSON value
-  std::int64_t start_ns_ = 0;
-  bool open_ = false;
+  struct Open;  // name, category, arguments and start time; null when nothing is recorded
+  Open* open_ = nullptr;
 };
 
 inline TraceSpan trace_span(std::string_view name, std::string_view category = "user",

@@ -536,6 +536,7 @@ void Reducer::finalize_backward() {
 void Reducer::record_pass_stats() {
   const auto& t = timeline_;
   ++stats_.iterations;
+  last_unused_ = unused_;  // reset_iteration clears unused_ (outside static_graph)
   if (t.backward_prepared != BackwardTimeline::TimePoint{}) {
     stats_.backward_compute += t.backward_finished - t.backward_prepared;
   }
@@ -760,7 +761,7 @@ std::vector<std::size_t> Reducer::bucket_sizes_bytes() const {
 std::vector<std::string> Reducer::unused_parameter_names() const {
   std::lock_guard lock(mutex_);
   std::vector<std::string> names;
-  for (const auto i : unused_)
+  for (const auto i : last_unused_)
     names.push_back(names_[i]);
   return names;
 }

@@ -143,8 +143,8 @@ class Reducer {
   ReducerStats stats() const;
   // Per bucket, in launch order: its size in bytes.
   std::vector<std::size_t> bucket_sizes_bytes() const;
-  // Names of the parameters found unused by the last search (find_unused_parameters or
-  // static_graph's first pass); empty otherwise.
+  // Names of the parameters unused in the last synchronised backward pass, as found by
+  // find_unused_parameters or static_graph; empty otherwise.
   std::vector<std::string> unused_parameter_names() const;
   const ReducerOptions& options() const { return options_; }
 
@@ -208,6 +208,7 @@ class Reducer {
   BackwardTimeline timeline_;
   BackwardTimeline last_timeline_;
   BackwardTimeline::TimePoint prepared_at_{};
+  std::vector<std::size_t> last_unused_;  // unused_ of the last synchronised pass
   ReducerStats stats_;
   // Bucket rebuilding.
   std::vector<std::size_t> ready_order_;

@@ -1,6 +1,7 @@
 // The process's one trace recorder behind include/ddp/trace.h.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -124,13 +125,21 @@ void flush_at_exit() {
 
 }  // namespace
 
-TraceArg::TraceArg(double value) : json_(fmt::format("{}", value)) {
-  if (json_ == "inf" || json_ == "-inf" || json_ == "nan" || json_ == "-nan") {
-    json_ = comm::json_string(json_);  // JSON has no literal for them
+std::string TraceArg::json() const {
+  switch (kind_) {
+    case Kind::kInteger:
+      return std::to_string(integer_);
+    case Kind::kBool:
+      return integer_ != 0 ? "true" : "false";
+    case Kind::kText:
+      return comm::json_string(text_);
+    case Kind::kReal:
+      break;
   }
+  std::string text = fmt::format("{}", real_);
+  // JSON has no literal for infinities and NaN.
+  return std::isfinite(real_) ? text : comm::json_string(text);
 }
-
-TraceArg::TraceArg(std::string_view value) : json_(comm::json_string(value)) {}
 
 std::int64_t trace_clock_ns() noexcept {
   return steady_ns(SteadyClock::now()) + clock_shift_ns.load(std::memory_order_relaxed);
@@ -270,29 +279,25 @@ void trace_instant(std::string_view name, std::string_view category, int lane, s
           .args = args_text(args)});
 }
 
-TraceSpan::TraceSpan(std::string_view name, std::string_view category, TraceArgs args)
-    : name_(name), category_(category), start_ns_(trace_clock_ns()), open_(true) {
-  for (const auto& [key, value] : args)
-    args_.emplace_back(std::string(key), value.json());
+struct TraceSpan::Open {
+  std::string name;
+  std::string category;
+  std::string
+      args;  // JSON members, formatted at the start (the argument strings may not outlive it)
+  std::int64_t start_ns = 0;
+};
+
+TraceSpan::TraceSpan(std::string_view name, std::string_view category, TraceArgs args) {
+  open_ = new Open{.name = std::string(name),
+                   .category = std::string(category),
+                   .args = args_text(args),
+                   .start_ns = trace_clock_ns()};
 }
 
-TraceSpan::TraceSpan(TraceSpan&& other) noexcept
-    : name_(std::move(other.name_)),
-      category_(std::move(other.category_)),
-      args_(std::move(other.args_)),
-      start_ns_(other.start_ns_),
-      open_(std::exchange(other.open_, false)) {}
-
 void TraceSpan::end() noexcept {
-  if (!open_) return;
-  open_ = false;
-  if (!trace_enabled()) return;
+  std::unique_ptr<Open> open(std::exchange(open_, nullptr));
+  if (!open || !trace_enabled()) return;
   try {
-    std::string args;
-    for (const auto& [key, value] : args_) {
-      if (!args.empty()) args += ", ";
-      args += comm::json_string(key) + ": " + value;
-    }
     const std::int64_t end_ns = trace_clock_ns();
     auto& t = tracer();
     int lane = 0;
@@ -302,11 +307,11 @@ void TraceSpan::end() noexcept {
     }
     record({.phase = 'X',
             .lane = lane,
-            .start_ns = start_ns_,
-            .duration_ns = end_ns - start_ns_,
-            .name = std::move(name_),
-            .category = std::move(category_),
-            .args = std::move(args)});
+            .start_ns = open->start_ns,
+            .duration_ns = end_ns - open->start_ns,
+            .name = std::move(open->name),
+            .category = std::move(open->category),
+            .args = std::move(open->args)});
   } catch (...) {  // out of memory: the event is lost, the program goes on
   }
 }
