@@ -39,8 +39,10 @@
 #include "ddp/torch/join.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/version.h"
+#include "ddp/trace.h"
 #include "idx_reader.h"
-
+#include "metrics_log.h"
+#include "progress_bar.h"
 namespace {
 
 // Fashion-MNIST's pixel mean and standard deviation (of x / 255, over the training set).
@@ -66,6 +68,7 @@ struct Options {
   int uneven_skew = 10;         // batches per epoch that each higher rank has fewer
   bool sync_bn = false;         // BatchNorm statistics over every rank's batch (SyncBatchNorm)
   std::string mixed_precision = "none";  // bf16: autocast forward, bf16 gradient reduction
+  std::string metrics;                   // rank 0 writes JSON lines here (metrics_log.h)
 };
 
 // Batches per epoch of `rank`: its unpadded share with --uneven, less rank * uneven_skew (an
@@ -213,6 +216,11 @@ int run(const Options& options) {
   const int rank = group->rank();
   const int world_size = group->size();
   const bool leader = rank == 0;
+  std::optional<fmnist::MetricsLog> metrics;
+  if (leader && !options.metrics.empty()) metrics.emplace(options.metrics);
+  // A bar on a terminal; plain lines (unchanged) otherwise.
+  std::optional<fmnist::ProgressBar> bar;
+  if (leader && options.log_every > 0 && ::isatty(STDOUT_FILENO) == 1) bar.emplace();
   if (leader) {
     // First, so that a log says which libtorch (DDP_LIBTORCH=debian|pytorch) produced it.
     fmt::print("train-fashion-mnist: libtorch {}, {} ranks\n", ddp::libtorch_version(), world_size);
@@ -288,11 +296,17 @@ int run(const Options& options) {
     double loss_sum = 0.0;
     double window_loss = 0.0;
     std::int64_t window_batches = 0;
+    auto window_start = std::chrono::steady_clock::now();
+    if (bar) bar->start(epoch, static_cast<std::int64_t>(sampler.total_size()));
     for (std::int64_t b = 0; b < batches; ++b) {
       const auto start = b * batch;
-      const auto rows = indices.narrow(0, start, std::min(batch, per_rank - start));
-      const auto x = train.images.index_select(0, rows);
-      const auto y = train.labels.index_select(0, rows);
+      torch::Tensor x, y;
+      {
+        auto span = ddp::trace_span("data loading", "train", {{"step", step}});
+        const auto rows = indices.narrow(0, start, std::min(batch, per_rank - start));
+        x = train.images.index_select(0, rows);
+        y = train.labels.index_select(0, rows);
+      }
       set_learning_rate(optimizer, learning_rate(options, step++, total_steps));
       optimizer.zero_grad();
       torch::Tensor loss;
@@ -301,26 +315,53 @@ int run(const Options& options) {
         ddp::AutocastGuard autocast(torch::kBFloat16, /*enabled=*/bf16);
         loss = torch::nn::functional::cross_entropy(model->forward(x).to(torch::kFloat32), y);
       }
-      loss.backward();
-      optimizer.step();
-
+      {
+        auto span = ddp::trace_span("backward", "train", {{"step", step}});
+        loss.backward();
+      }
+      {
+        auto span = ddp::trace_span("optimizer step", "train", {{"step", step}});
+        optimizer.step();
+      }
       const double value = loss.item<double>();
       loss_sum += value;
       window_loss += value;
       ++window_batches;
+      const auto seen = std::min<std::int64_t>((b + 1) * batch, per_rank) * world_size;
+      if (bar) bar->update(seen, window_loss / static_cast<double>(window_batches));
       if (leader && options.log_every > 0 && (b + 1) % options.log_every == 0) {
-        const auto seen = std::min<std::int64_t>((b + 1) * batch, per_rank) * world_size;
-        fmt::print("epoch {} [{}/{}] loss {:.4f}\n", epoch, seen, sampler.total_size(),
-                   window_loss / static_cast<double>(window_batches));
-        std::fflush(stdout);
+        if (!bar) {
+          fmt::print("epoch {} [{}/{}] loss {:.4f}\n", epoch, seen, sampler.total_size(),
+                     window_loss / static_cast<double>(window_batches));
+          std::fflush(stdout);
+        }
+        if (metrics) {
+          const double window_seconds = seconds_since(window_start);
+          metrics->write(
+              {.kind = "step",
+               .epoch = epoch,
+               .step = step,
+               .loss = window_loss / static_cast<double>(window_batches),
+               .samples_per_s =
+                   static_cast<double>(window_batches * batch * world_size) / window_seconds,
+               .step_time_s = window_seconds / static_cast<double>(window_batches),
+               .bytes_per_step =
+                   static_cast<std::int64_t>(model->reducer().last_timeline().bytes_sent),
+               .world_size = world_size,
+               .time_s = seconds_since(job_start)});
+        }
         window_loss = 0.0;
         window_batches = 0;
+        window_start = std::chrono::steady_clock::now();
       }
     }
     const double train_seconds = seconds_since(epoch_start);
-
+    if (bar) bar->finish();
     if (leader) {
-      accuracy = evaluate(net, test);
+      {
+        auto span = ddp::trace_span("evaluate", "train", {{"epoch", epoch}});
+        accuracy = evaluate(net, test);
+      }
       evaluated = true;
       if (!options.checkpoint.empty()) {
         ddp::save_checkpoint(options.checkpoint, *net, optimizer,
@@ -333,6 +374,20 @@ int run(const Options& options) {
                  accuracy, static_cast<double>(sampler.total_size()) / train_seconds,
                  seconds_since(epoch_start));
       std::fflush(stdout);
+      if (metrics) {
+        metrics->write(
+            {.kind = "epoch",
+             .epoch = epoch,
+             .step = step,
+             .loss = loss_sum / static_cast<double>(std::max<std::int64_t>(batches, 1)),
+             .accuracy = accuracy,
+             .samples_per_s = static_cast<double>(sampler.total_size()) / train_seconds,
+             .step_time_s = train_seconds / static_cast<double>(std::max<std::int64_t>(batches, 1)),
+             .bytes_per_step =
+                 static_cast<std::int64_t>(model->reducer().last_timeline().bytes_sent),
+             .world_size = world_size,
+             .time_s = seconds_since(job_start)});
+      }
     }
   }
   if (join) join->finish();
@@ -431,6 +486,9 @@ int main(int argc, char** argv) {
                  "(parameters and optimizer stay fp32)")
       ->check(CLI::IsMember({"none", "bf16"}))
       ->capture_default_str();
+  app.add_option("--metrics", options.metrics,
+                 "rank 0 writes one JSON line per logged step and per epoch to this file (loss, "
+                 "accuracy, samples/s, step time, bytes per step; docs/fashion-mnist.md)");
   CLI11_PARSE(app, argc, argv);
 
   try {

@@ -1,59 +1,19 @@
 #include "comm/flight_recorder.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
-#include <system_error>
 
 #include <fmt/format.h>
 
 #include "comm/flight_dump_signal.h"
+#include "comm/json_file.h"
 
 namespace ddp::comm {
 namespace {
-
-std::string error_text(int err) {
-  return std::generic_category().message(err);  // thread-safe, unlike strerror
-}
-
-// JSON string literal of `text` (UTF-8 passes through; control characters are escaped).
-std::string json_string(std::string_view text) {
-  std::string out;
-  out.reserve(text.size() + 2);
-  out += '"';
-  for (const char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
-        } else {
-          out += c;
-        }
-    }
-  }
-  out += '"';
-  return out;
-}
 
 std::string int_or_null(long long value) {
   return value < 0 ? std::string("null") : std::to_string(value);
@@ -75,37 +35,6 @@ std::string iso_time(std::chrono::system_clock::time_point t) {
   return fmt::format("{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z", utc.tm_year + 1900,
                      utc.tm_mon + 1, utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec,
                      us % 1'000'000);
-}
-
-// Writes `text` to `path` through a temporary file in the same folder and a rename, so that a
-// reader sees the old file or the whole new one. Returns "" or what went wrong.
-std::string write_atomically(const std::filesystem::path& path, const std::string& text) {
-  const std::string temp = fmt::format("{}.tmp.{}", path.string(), ::getpid());
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return fmt::format("cannot create {}: {}", temp, error_text(errno));
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string why = error_text(n < 0 ? errno : ENOSPC);
-      ::close(fd);
-      ::unlink(temp.c_str());
-      return fmt::format("cannot write {}: {}", temp, why);
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  if (::close(fd) != 0) {
-    const std::string why = error_text(errno);
-    ::unlink(temp.c_str());
-    return fmt::format("cannot write {}: {}", temp, why);
-  }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const std::string why = error_text(errno);
-    ::unlink(temp.c_str());
-    return fmt::format("cannot rename {} to {}: {}", temp, path.string(), why);
-  }
-  return {};
 }
 
 }  // namespace
@@ -257,8 +186,8 @@ std::string FlightRecorder::dump(std::string_view reason, const std::string& err
   const std::filesystem::path path = dir / file_name(identity_.group, identity_.rank);
   std::string problem;
   try {
-    problem =
-        write_atomically(path, to_json(identity_, ring_.size(), recorded, entries, reason, error));
+    problem = write_file_atomically(
+        path, to_json(identity_, ring_.size(), recorded, entries, reason, error));
   } catch (const std::exception& e) {  // formatting (allocation)
     problem = e.what();
   }

@@ -1,6 +1,7 @@
 #include "ddp/init.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -10,12 +11,31 @@
 #include "ddp/mpi_process_group.h"
 #include "ddp/prefix_store.h"
 #include "ddp/ring_process_group.h"
+#include "ddp/trace.h"
+#include "settings/settings.h"
 
 namespace ddp {
 namespace {
 
 std::mutex default_group_mutex;
 std::shared_ptr<ProcessGroup> default_group;
+
+// DDP_TRACE=DIR: starts this rank's timeline and aligns its clock with rank 0's through the new
+// group. A folder that cannot be written is a warning and the job trains untraced; the clock
+// exchange runs on every rank anyway (every rank sees the same DDP_TRACE), so ranks whose trace
+// did start still pair their messages.
+void start_trace_from_environment(ProcessGroup& group) {
+  const std::string dir = settings::trace_dir();
+  if (dir.empty()) return;
+  const std::size_t max_events = settings::trace_max_events();
+  try {
+    start_trace(
+        {.dir = dir, .rank = group.rank(), .world_size = group.size(), .max_events = max_events});
+  } catch (const TraceError& e) {
+    std::fprintf(stderr, "ddp: warning: %s (from DDP_TRACE)\n", e.what());
+  }
+  synchronize_trace_clock(group);
+}
 
 }  // namespace
 
@@ -72,6 +92,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                     *options.launch.world_size, group->size()));
     }
   }
+  start_trace_from_environment(*group);
   std::lock_guard lock(default_group_mutex);
   default_group = group;
   return group;

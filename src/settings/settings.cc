@@ -81,6 +81,26 @@ std::size_t flight_recorder_entries(const Lookup& lookup) {
   return entries;
 }
 
+std::string trace_dir(const Lookup& lookup) {
+  return value_or_empty(lookup, "DDP_TRACE");
+}
+
+std::size_t trace_max_events(const Lookup& lookup) {
+  constexpr std::size_t kMax = 100'000'000;
+  const auto text = lookup("DDP_TRACE_MAX_EVENTS");
+  if (!text) return kDefaultTraceMaxEvents;
+  std::size_t events = 0;
+  const auto [ptr, ec] = std::from_chars(text->data(), text->data() + text->size(), events);
+  if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() || events < 1 ||
+      events > kMax) {
+    throw ConfigError(
+        fmt::format("DDP_TRACE_MAX_EVENTS='{}' is not a number of events from 1 to {} (e.g. "
+                    "DDP_TRACE_MAX_EVENTS=200000)",
+                    *text, kMax));
+  }
+  return events;
+}
+
 std::string dump_dir(const Lookup& lookup) {
   return value_or_empty(lookup, "DDP_DUMP_DIR");
 }

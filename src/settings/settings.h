@@ -46,6 +46,12 @@ inline constexpr std::size_t kDefaultFlightRecorderEntries = 2000;
 std::size_t flight_recorder_entries(const Lookup& lookup = environment);
 // DDP_DUMP_DIR: where dumps go ("" when unset: the working directory).
 std::string dump_dir(const Lookup& lookup = environment);
+// The timeline (include/ddp/trace.h, docs/observability.md):
+// DDP_TRACE: the folder init_process_group writes each rank's trace into ("" when unset: off).
+std::string trace_dir(const Lookup& lookup = environment);
+// DDP_TRACE_MAX_EVENTS: how many events each rank keeps (default 200000, at least 1).
+inline constexpr std::size_t kDefaultTraceMaxEvents = 200'000;
+std::size_t trace_max_events(const Lookup& lookup = environment);
 // The job's rank and world size as the launcher gave them (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*,
 // SLURM_PROCID/SLURM_NTASKS), for the dumps only: -1 where unknown or malformed.
 struct JobPlace {

@@ -1,10 +1,12 @@
 #include "ddp/torch/distributed_data_parallel.h"
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <unordered_set>
 
 #include <fmt/format.h>
@@ -13,6 +15,7 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "ddp/trace.h"
 #include "ddp_phase.h"
 
 namespace ddp {
@@ -231,10 +234,10 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
   if (options_.reduce_dtype) {
     switch (*options_.reduce_dtype) {
       case torch::kBFloat16:
-        reducer_->register_comm_hook(bf16_compress_hook());
+        reducer_->register_comm_hook(bf16_compress_hook(), "bf16_compress_hook");
         break;
       case torch::kHalf:
-        reducer_->register_comm_hook(fp16_compress_hook());
+        reducer_->register_comm_hook(fp16_compress_hook(), "fp16_compress_hook");
         break;
       default:
         throw ConfigError(fmt::format(
@@ -253,6 +256,7 @@ std::size_t DistributedDataParallelBase::check_parameters() {
 }
 
 void DistributedDataParallelBase::pre_forward() {
+  forward_started_ = std::chrono::steady_clock::now();
   check_parameters();
   // Only in training mode: evaluation (often on rank 0 alone) must not wait for other ranks.
   if (!is_training()) return;
@@ -285,6 +289,68 @@ void DistributedDataParallelBase::post_forward(const std::vector<torch::Tensor>&
   // As PyTorch: a forward with gradients enabled prepares the synchronised backward, whatever
   // the mode (a backward after an eval-mode forward is averaged too).
   if (torch::GradMode::is_enabled()) reducer_->prepare_for_backward(outputs);
+  const auto finished = std::chrono::steady_clock::now();
+  if (is_training()) {
+    ++timed_forwards_;
+    forward_time_ += finished - forward_started_;
+  }
+  if (trace_enabled()) {
+    trace_complete("forward", "ddp", trace_thread_lane(), trace_clock_ns(forward_started_),
+                   trace_clock_ns(finished), {{"training", is_training()}});
+  }
+}
+
+DdpLoggingData DistributedDataParallelBase::logging_data() const {
+  DdpLoggingData data;
+  data.world_size = group_->size();
+  data.rank = group_->rank();
+  data.backend_name = std::string(group_->backend());
+  const auto& options = reducer_->options();
+  data.bucket_cap_bytes = options.bucket_cap_bytes;
+  data.first_bucket_cap_bytes = options.first_bucket_cap_bytes;
+  data.broadcast_buffers = options_.broadcast_buffers;
+  data.find_unused_parameters = options.find_unused_parameters;
+  data.gradient_as_bucket_view = options.gradient_as_bucket_view;
+  data.static_graph = options.static_graph;
+  data.comm_hook = reducer_->comm_hook_name();
+
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  collect_trainable(*wrapped_, params, names);
+  std::map<std::string, std::int64_t> bytes_by_name;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto bytes = static_cast<std::int64_t>(params[i].nbytes());
+    data.total_parameter_size_bytes += bytes;
+    bytes_by_name[names[i]] = bytes;
+    const std::string dtype = c10::toString(params[i].scalar_type());
+    if (std::find(data.dtypes.begin(), data.dtypes.end(), dtype) == data.dtypes.end()) {
+      data.dtypes.push_back(dtype);
+    }
+  }
+  data.num_parameter_tensors = static_cast<std::int64_t>(params.size());
+  for (const auto bytes : reducer_->bucket_sizes_bytes())
+    data.bucket_sizes.push_back(static_cast<std::int64_t>(bytes));
+  for (const auto& bucket : reducer_->bucket_assignment())
+    data.bucket_parameter_counts.push_back(static_cast<std::int64_t>(bucket.size()));
+  data.has_rebuilt_buckets = reducer_->buckets_rebuilt();
+  data.unused_parameter_names = reducer_->unused_parameter_names();
+  for (const auto& name : data.unused_parameter_names) {
+    if (const auto it = bytes_by_name.find(name); it != bytes_by_name.end()) {
+      data.unused_parameter_size += it->second;
+    }
+  }
+  const ReducerStats stats = reducer_->stats();
+  data.iteration = stats.iterations;
+  data.forward_passes = timed_forwards_;
+  if (timed_forwards_ > 0) data.avg_forward_compute_time = forward_time_.count() / timed_forwards_;
+  if (stats.iterations > 0) {
+    data.avg_backward_compute_time = stats.backward_compute.count() / stats.iterations;
+    data.avg_backward_comm_time = stats.backward_comm.count() / stats.iterations;
+    data.avg_backward_compute_comm_overlap_time =
+        stats.backward_compute_comm_overlap.count() / stats.iterations;
+  }
+  data.last_bytes_sent = static_cast<std::int64_t>(reducer_->last_timeline().bytes_sent);
+  return data;
 }
 
 void DistributedDataParallelBase::broadcast_buffers_from(int root) {

@@ -11,6 +11,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "ddp/trace.h"
 #include "ddp_phase.h"
 #include "libtorch_compat.h"
 
@@ -253,6 +254,8 @@ void Reducer::autograd_hook(std::size_t param) {
   if (!callback_queued_) {
     callback_queued_ = true;
     timeline_ = BackwardTimeline{};
+    timeline_.backward_prepared = prepared_at_;
+    timeline_.bucket_ready.resize(buckets_.size());
     timeline_.bucket_launched.resize(buckets_.size());
     timeline_.bucket_completed.resize(buckets_.size());
     timeline_.bucket_in_place.resize(buckets_.size());
@@ -310,7 +313,10 @@ void Reducer::mark_ready(std::size_t param, bool has_grad) {
   } else {
     view.zero_();
   }
-  if (--bucket.pending == 0) launch_ready_buckets();
+  if (--bucket.pending == 0) {
+    timeline_.bucket_ready[slot.bucket] = Clock::now();
+    launch_ready_buckets();
+  }
 }
 
 void Reducer::launch_ready_buckets() {
@@ -521,8 +527,54 @@ void Reducer::finalize_backward() {
   for (const auto bytes : timeline_.bucket_bytes_sent)
     timeline_.bytes_sent += bytes;
   last_timeline_ = timeline_;
+  record_pass_stats();
+  if (trace_enabled()) trace_pass();
   after_synchronised_pass();
   reset_iteration();
+}
+
+void Reducer::record_pass_stats() {
+  const auto& t = timeline_;
+  ++stats_.iterations;
+  last_unused_ = unused_;  // reset_iteration clears unused_ (outside static_graph)
+  if (t.backward_prepared != BackwardTimeline::TimePoint{}) {
+    stats_.backward_compute += t.backward_finished - t.backward_prepared;
+  }
+  if (t.bucket_launched.empty()) return;
+  const auto comm_start = *std::min_element(t.bucket_launched.begin(), t.bucket_launched.end());
+  const auto comm_end = *std::max_element(t.bucket_completed.begin(), t.bucket_completed.end());
+  stats_.backward_comm += comm_end - comm_start;
+  if (t.backward_finished > comm_start) {
+    stats_.backward_compute_comm_overlap += t.backward_finished - comm_start;
+  }
+}
+
+void Reducer::trace_pass() const {
+  // Emitted once per pass from the times the timeline holds anyway, so the hooks stay untouched.
+  const auto& t = timeline_;
+  // A lane of its own: these spans overlap the training script's "backward" on the main thread.
+  const int lane = trace_lane("DDP backward");
+  if (t.backward_prepared != BackwardTimeline::TimePoint{}) {
+    trace_complete("backward compute (DDP)", "ddp", lane, trace_clock_ns(t.backward_prepared),
+                   trace_clock_ns(t.backward_finished),
+                   {{"iteration", stats_.iterations}, {"from", "end of forward"}});
+  }
+  trace_complete("wait for gradient buckets", "ddp", lane, trace_clock_ns(t.backward_finished),
+                 trace_clock_ns(t.synchronised),
+                 {{"iteration", stats_.iterations}, {"bytes_sent", t.bytes_sent}});
+  for (std::size_t b = 0; b < t.bucket_launched.size(); ++b) {
+    const int bucket_lane = trace_lane(fmt::format("bucket {} collective", b));
+    trace_instant("bucket ready", "ddp", bucket_lane, trace_clock_ns(t.bucket_ready[b]),
+                  {{"bucket", b}, {"parameters", buckets_[b].params.size()}});
+    trace_complete(custom_hook_ ? comm_hook_name_ : std::string("allreduce"), "comm", bucket_lane,
+                   trace_clock_ns(t.bucket_launched[b]), trace_clock_ns(t.bucket_completed[b]),
+                   {{"bucket", b},
+                    {"bytes", static_cast<std::size_t>(buckets_[b].contents.nbytes())},
+                    {"bytes_sent", t.bucket_bytes_sent[b]},
+                    {"parameters", buckets_[b].params.size()},
+                    {"in_place", static_cast<bool>(t.bucket_in_place[b])},
+                    {"iteration", stats_.iterations}});
+  }
 }
 
 void Reducer::after_synchronised_pass() {
@@ -656,6 +708,7 @@ void Reducer::prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
   if (!require_sync_) return;
   throw_if_hook_failed();
   expect_hooks_ = true;
+  prepared_at_ = Clock::now();
   if (!options_.find_unused_parameters && !options_.static_graph) return;
   if (options_.static_graph && unused_known_) return;
   find_unused(outputs);
@@ -679,11 +732,38 @@ bool Reducer::require_sync() const {
   return require_sync_;
 }
 
-void Reducer::register_comm_hook(CommHook hook) {
+void Reducer::register_comm_hook(CommHook hook, std::string name) {
   if (!hook) throw ConfigError("register_comm_hook: the hook is empty");
   std::lock_guard lock(mutex_);
   comm_hook_ = std::move(hook);
+  comm_hook_name_ = std::move(name);
   custom_hook_ = true;
+}
+
+std::string Reducer::comm_hook_name() const {
+  std::lock_guard lock(mutex_);
+  return comm_hook_name_;
+}
+
+ReducerStats Reducer::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+std::vector<std::size_t> Reducer::bucket_sizes_bytes() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::size_t> sizes;
+  for (const auto& bucket : buckets_)
+    sizes.push_back(static_cast<std::size_t>(bucket.contents.nbytes()));
+  return sizes;
+}
+
+std::vector<std::string> Reducer::unused_parameter_names() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> names;
+  for (const auto i : last_unused_)
+    names.push_back(names_[i]);
+  return names;
 }
 
 std::vector<std::vector<std::size_t>> Reducer::bucket_assignment() const {

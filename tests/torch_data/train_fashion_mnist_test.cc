@@ -9,12 +9,16 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
@@ -40,11 +44,14 @@ class TrainFashionMnistTest : public ::testing::Test {
   // ddprun --standalone --nproc-per-node 2 train-fashion-mnist ARGS, with one thread per rank
   // and a bounded rendezvous, so that a broken run fails instead of waiting.
   static ExitStatus train(const std::vector<std::string>& args,
-                          std::chrono::milliseconds timeout = 150s) {
+                          std::chrono::milliseconds timeout = 150s,
+                          std::map<std::string, std::optional<std::string>> env = {}) {
     std::vector<std::string> argv{built_program("ddprun"), "--standalone", "--nproc-per-node", "2",
                                   built_program("train-fashion-mnist")};
     argv.insert(argv.end(), args.begin(), args.end());
-    auto process = Subprocess::start(argv, {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "120"}});
+    env.emplace("OMP_NUM_THREADS", "1");
+    env.emplace("DDP_TIMEOUT", "120");
+    auto process = Subprocess::start(argv, env);
     auto result = process.wait(timeout);
     EXPECT_FALSE(result.timed_out) << "train-fashion-mnist did not finish:\n" << result.output;
     return result;
@@ -92,6 +99,76 @@ TEST_F(TrainFashionMnistTest, OneShortEpochLearnsWellAboveChance) {
   const double accuracy = final_accuracy(result.output);
   EXPECT_GT(accuracy, 0.5) << result.output;  // chance is 0.1
   EXPECT_LE(accuracy, 1.0);
+}
+
+TEST_F(TrainFashionMnistTest, MetricsLinesParseAndTheTraceHasEveryPhase) {
+  TempDir dir("ddp-fmnist-metrics");
+  const std::string metrics = dir.file("metrics.jsonl");
+  const std::string traces = dir.file("traces");
+  const auto result = train({"--epochs", "1", "--limit-train", "1024", "--batch-size", "64",
+                             "--log-every", "4", "--metrics", metrics},
+                            150s, {{"DDP_TRACE", traces}});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  // Not a terminal: today's plain lines, no bar.
+  EXPECT_THAT(result.output, HasSubstr("[0] epoch 1 [512/1024] loss "));
+  EXPECT_THAT(result.output, Not(HasSubstr("ETA")));
+
+  std::ifstream in(metrics);
+  int steps = 0;
+  int epochs = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto record = nlohmann::json::parse(line);  // every line is one JSON object
+    for (const char* field : {"kind", "epoch", "step", "loss", "samples_per_s", "step_time_s",
+                              "bytes_per_step", "world_size", "time_s"}) {
+      EXPECT_TRUE(record.contains(field)) << field << " missing in " << line;
+    }
+    EXPECT_EQ(record["world_size"], 2) << line;
+    EXPECT_GT(record["samples_per_s"].get<double>(), 0.0) << line;
+    EXPECT_GT(record["step_time_s"].get<double>(), 0.0) << line;
+    EXPECT_GT(record["bytes_per_step"].get<std::int64_t>(), 0) << line;
+    if (record["kind"] == "step") {
+      ++steps;
+    } else {
+      ++epochs;
+      EXPECT_EQ(record["kind"], "epoch") << line;
+      EXPECT_GT(record["accuracy"].get<double>(), 0.1) << line;
+    }
+  }
+  EXPECT_EQ(steps, 2);  // 8 batches per rank, a line every 4
+  EXPECT_EQ(epochs, 1);
+
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream trace_file(std::filesystem::path(traces) /
+                             fmt::format("trace_rank{}.json", rank));
+    const auto trace = nlohmann::json::parse(trace_file);
+    std::set<std::string> names;
+    for (const auto& e : trace["traceEvents"])
+      names.insert(e.value("name", ""));
+    for (const char* name :
+         {"data loading", "forward", "backward", "optimizer step", "allreduce", "bucket ready"}) {
+      EXPECT_TRUE(names.count(name)) << "rank " << rank << " trace lacks " << name;
+    }
+  }
+  // ddp-trace merge joins them.
+  const std::string merged = dir.file("merged.json");
+  auto merge = Subprocess::start({built_program("ddp-trace"), "merge", traces, "-o", merged});
+  const auto merge_result = merge.wait(30s);
+  ASSERT_EQ(merge_result.exit_code, 0) << merge_result.output;
+  EXPECT_THAT(merge_result.output, HasSubstr("ping-pong"));
+  std::ifstream merged_file(merged);
+  const auto joined = nlohmann::json::parse(merged_file);
+  std::set<int> pids;
+  for (const auto& e : joined["traceEvents"])
+    pids.insert(e["pid"].get<int>());
+  EXPECT_EQ(pids, (std::set<int>{0, 1}));
+}
+
+TEST_F(TrainFashionMnistTest, AnUnwritableMetricsFileIsANamedErrorBeforeTraining) {
+  const auto result = train({"--epochs", "1", "--limit-train", "256", "--log-every", "0",
+                             "--metrics", "/nonexistent-folder/metrics.jsonl"});
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("--metrics /nonexistent-folder/metrics.jsonl: cannot open"));
+  EXPECT_THAT(result.output, Not(HasSubstr("epoch 1 loss")));
 }
 
 TEST_F(TrainFashionMnistTest, FirstLineNamesTheLibtorch) {

@@ -36,6 +36,7 @@
 // ranks or parameters without gradients (see reducer.h), CommError from the group.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +49,7 @@
 
 #include "ddp/process_group.h"
 #include "ddp/torch/comm_hooks.h"
+#include "ddp/torch/ddp_logging_data.h"
 #include "ddp/torch/join.h"
 #include "ddp/torch/reducer.h"
 
@@ -95,7 +97,12 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
 
   // Gradients of backward passes inside the guard's scope are not synchronised.
   NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
-  void register_comm_hook(CommHook hook) { reducer_->register_comm_hook(std::move(hook)); }
+  // `name` labels the hook in logging_data() and in traces.
+  void register_comm_hook(CommHook hook, std::string name = "custom") {
+    reducer_->register_comm_hook(std::move(hook), std::move(name));
+  }
+  // Configuration, buckets and average times so far (ddp/torch/ddp_logging_data.h). Local.
+  DdpLoggingData logging_data() const;
 
   // Copies rank 0's buffers to every rank (collective). E.g. before evaluating on every rank.
   void sync_buffers();
@@ -132,6 +139,10 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   std::vector<torch::Tensor> buffers_;
   std::unique_ptr<Reducer> reducer_;
   std::int64_t training_forwards_ = 0;
+  // Training-mode forwards timed from pre_forward to post_forward (logging_data, traces).
+  std::chrono::steady_clock::time_point forward_started_{};
+  std::int64_t timed_forwards_ = 0;
+  std::chrono::nanoseconds forward_time_{0};
 };
 
 namespace detail {

@@ -63,6 +63,9 @@ struct ReducerOptions {
 // What happened in the last synchronised backward pass (for tests and profiling).
 struct BackwardTimeline {
   using TimePoint = std::chrono::steady_clock::time_point;
+  TimePoint backward_prepared{};  // end of the forward that prepared this pass (its backward starts
+                                  // later)
+  std::vector<TimePoint> bucket_ready;      // per bucket, when its last gradient arrived
   std::vector<TimePoint> bucket_launched;   // per bucket, when its reduction started
   std::vector<TimePoint> bucket_completed;  // per bucket, when its reduction finished
   // Per bucket: its gradients were averaged where they lie (ProcessGroup::allreduce_segments)
@@ -75,6 +78,17 @@ struct BackwardTimeline {
   std::size_t bytes_sent = 0;
   TimePoint backward_finished{};  // when autograd finished computing (final callback)
   TimePoint synchronised{};       // when every average was in place
+};
+
+// Totals over every synchronised backward pass so far (DistributedDataParallel::logging_data).
+// The intervals are PyTorch's (c10d::Logger): compute = prepare (end of forward) to the end of
+// autograd, communication = first bucket launched to last bucket completed, overlap = first
+// bucket launched to the end of autograd (0 when communication started after it).
+struct ReducerStats {
+  std::int64_t iterations = 0;  // synchronised backward passes
+  std::chrono::nanoseconds backward_compute{0};
+  std::chrono::nanoseconds backward_comm{0};
+  std::chrono::nanoseconds backward_compute_comm_overlap{0};
 };
 
 class Reducer {
@@ -118,12 +132,21 @@ class Reducer {
   bool require_sync() const;
 
   // Replaces how buckets are reduced (default allreduce_hook()). Call before the first backward.
-  void register_comm_hook(CommHook hook);
+  // `name` labels it in logging data and traces.
+  void register_comm_hook(CommHook hook, std::string name = "custom");
+  std::string comm_hook_name() const;  // "allreduce" (the default) or the registered name
 
   // Parameter indices per bucket, in launch order.
   std::vector<std::vector<std::size_t>> bucket_assignment() const;
   BackwardTimeline last_timeline() const;
   bool buckets_rebuilt() const;
+  ReducerStats stats() const;
+  // Per bucket, in launch order: its size in bytes.
+  std::vector<std::size_t> bucket_sizes_bytes() const;
+  // Names of the parameters unused in the last synchronised backward pass, as found by
+  // find_unused_parameters or static_graph; empty otherwise.
+  std::vector<std::string> unused_parameter_names() const;
+  const ReducerOptions& options() const { return options_; }
 
  private:
   struct Bucket;
@@ -150,6 +173,8 @@ class Reducer {
   void attach_hook(std::size_t param);
   std::string bucket_phase(std::size_t bucket) const;
   void after_synchronised_pass();
+  void record_pass_stats();
+  void trace_pass() const;
   void find_unused(const std::vector<torch::Tensor>& outputs);
 
   std::vector<torch::Tensor> parameters_;
@@ -157,6 +182,7 @@ class Reducer {
   std::shared_ptr<ProcessGroup> group_;
   ReducerOptions options_;
   CommHook comm_hook_;
+  std::string comm_hook_name_ = "allreduce";
   bool custom_hook_ = false;  // register_comm_hook was called: buckets go through comm_hook_
   // Set when the comm hook threw: this rank skipped a collective the others made, so every later
   // synchronised pass is refused (it would pair with the wrong collectives).
@@ -181,6 +207,9 @@ class Reducer {
   bool unused_known_ = false;  // static_graph: unused_ found once
   BackwardTimeline timeline_;
   BackwardTimeline last_timeline_;
+  BackwardTimeline::TimePoint prepared_at_{};
+  std::vector<std::size_t> last_unused_;  // unused_ of the last synchronised pass
+  ReducerStats stats_;
   // Bucket rebuilding.
   std::vector<std::size_t> ready_order_;
   bool record_ready_order_ = true;
