@@ -1,0 +1,244 @@
+#!/usr/bin/python3
+"""Fault trial: kill a random worker of a Fashion-MNIST run at a random moment and check that
+ddprun --max-restarts and train-fashion-mnist --checkpoint-every-steps bring it to the end.
+
+    bench/fault_trial.py [--runs 20] [--epochs 4] [--limit-train 0] [--nproc 2]
+                         [--checkpoint-every 100] [--max-restarts 3] [--kills 1]
+                         [--build-dir build] [--seed 1] [--run-timeout 3600] [--json-out FILE]
+                         [--data-dir /usr/share/datasets/fashion-mnist]
+
+First one uninterrupted run (the reference), then --runs runs of the same command, each under
+`ddprun --standalone --nproc-per-node N --max-restarts K` with `--checkpoint FILE
+--checkpoint-every-steps C --resume`. In each run, --kills times, at a moment drawn uniformly
+over the reference's training time (from its first progress line to its last; over a --kills-th
+of it, from the restarted attempt's first step, for later kills), one worker drawn at random
+among ddprun's children gets SIGKILL. Rank 0 prints a progress line every step
+(--log-every 1), so the step reached when the kill lands is known; the resumed attempt prints
+the step it resumed from ("resumed from ... global step S"). Per run:
+  finished        ddprun exited 0 and rank 0 printed "final test_accuracy="
+  accuracy        the final test accuracy, and its difference to the reference's (points)
+  redone          steps reached before the kill minus the step resumed from, per failure
+                  (bounded by --checkpoint-every by construction; measured here)
+The issue's target: 20 of 20 finish, |accuracy - reference| <= 0.3 points, redone <= 100 steps
+per failure, with --epochs 4 --checkpoint-every 100. A resume at the same world size replays
+the same steps (the sampler, schedule, optimizer and generators are restored), so the accuracy
+is expected to equal the reference's exactly.
+
+Prints a table (markdown) and, with --json-out, writes every run's numbers. Exit status 0 when
+every run finished and met the bounds, 1 otherwise, 77 (skipped) without the dataset. Uses only the standard library.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+PROGRESS = re.compile(r"^\[0\] epoch (\d+) \[(\d+)/(\d+)\] loss")
+RESUMED = re.compile(r"^\[0\] resumed from .* global step (\d+) ")
+FINAL = re.compile(r"^\[0\] final test_accuracy=([0-9.]+)")
+SKIPPED = 77  # the exit status ctest's SKIP_RETURN_CODE expects
+TRAINING = re.compile(r"^\[0\] training .* \((\d+) per rank, (\d+) batches of (\d+) per rank")
+
+
+class Run:
+    """One ddprun process whose output lines are read on a thread, with their arrival times."""
+
+    def __init__(self, argv, log_path):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines = []  # (time, line)
+        self.lock = threading.Lock()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self.lock:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+            self.log.write(line)
+            self.log.flush()
+
+    def snapshot(self):
+        with self.lock:
+            return list(self.lines)
+
+    def wait(self, timeout):
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.reader.join(5)
+            return None
+        self.reader.join(5)
+        self.log.close()
+        return self.proc.returncode
+
+
+def workers_of(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def global_step(line, steps_per_epoch, per_step):
+    """The step rank 0 finished when it printed progress `line` (fixed world size)."""
+    m = PROGRESS.match(line)
+    if not m:
+        return None
+    epoch, seen = int(m.group(1)), int(m.group(2))
+    return (epoch - 1) * steps_per_epoch + (seen + per_step - 1) // per_step
+
+
+def command(args, checkpoint):
+    return [os.path.join(args.build_dir, "bin", "ddprun"), "--standalone", "--nproc-per-node",
+            str(args.nproc), "--max-restarts", str(args.max_restarts),
+            os.path.join(args.build_dir, "bin", "train-fashion-mnist"), "--epochs",
+            str(args.epochs), "--limit-train", str(args.limit_train), "--checkpoint", checkpoint,
+            "--checkpoint-every-steps", str(args.checkpoint_every), "--resume", "--log-every", "1",
+            "--seed", "42", "--data-dir", args.data_dir]
+
+
+def shape_of(lines):
+    for _, line in lines:
+        m = TRAINING.match(line)
+        if m:
+            return int(m.group(2)), int(m.group(3))
+    raise RuntimeError("no 'training ...' line from rank 0")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--limit-train", type=int, default=60000)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=1, help="kills per run (<= --max-restarts)")
+    parser.add_argument("--build-dir", default="build")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--run-timeout", type=float, default=3600.0)
+    parser.add_argument("--accuracy-tolerance", type=float, default=0.3, help="points")
+    parser.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    if not os.path.exists(os.path.join(args.data_dir, "train-images-idx3-ubyte.gz")):
+        print(f"fault_trial: SKIP: no Fashion-MNIST in {args.data_dir} (scripts/install-deps.sh "
+              "installs it; or give --data-dir)")
+        return SKIPPED
+    if args.kills > args.max_restarts:
+        parser.error(f"--kills {args.kills} exceeds --max-restarts {args.max_restarts}")
+    rng = random.Random(args.seed)
+    folder = tempfile.mkdtemp(prefix="ddp-fault-trial-")
+    print(f"fault_trial: logs and checkpoints in {folder}", flush=True)
+
+    # The reference: the same command, never interrupted.
+    reference = Run(command(args, os.path.join(folder, "reference.pt")),
+                    os.path.join(folder, "reference.log"))
+    code = reference.wait(args.run_timeout)
+    lines = reference.snapshot()
+    final = [FINAL.match(l) for _, l in lines if FINAL.match(l)]
+    if code != 0 or not final:
+        print(f"fault_trial: the reference run failed (exit {code}); see {folder}/reference.log")
+        return 1
+    reference_accuracy = float(final[0].group(1))
+    steps_per_epoch, batch = shape_of(lines)
+    per_step = batch * args.nproc
+    progress_times = [t for t, l in lines if PROGRESS.match(l)]
+    train_start, train_end = progress_times[0], progress_times[-1]
+    print(f"fault_trial: reference accuracy {reference_accuracy:.4f}, {steps_per_epoch} steps per "
+          f"epoch, training {train_end - train_start:.0f} s", flush=True)
+
+    results = []
+    for index in range(args.runs):
+        checkpoint = os.path.join(folder, f"run{index}.pt")
+        run = Run(command(args, checkpoint), os.path.join(folder, f"run{index}.log"))
+        # Each kill lands at a moment drawn uniformly over the reference's training time (over
+        # a --kills-th of it with several kills), counted from the current attempt's first step.
+        span = (train_end - train_start) / args.kills
+        kill_offsets = [rng.uniform(0.0, span) for _ in range(args.kills)]
+        failures = []  # per kill: victim, step reached, then step resumed from and steps redone
+        attempt_from = 0  # index of the current attempt's first line
+        started = None
+        deadline = time.monotonic() + args.run_timeout
+        while run.proc.poll() is None and time.monotonic() < deadline and kill_offsets:
+            lines = run.snapshot()
+            if started is None:
+                first = [t for t, l in lines[attempt_from:] if PROGRESS.match(l)]
+                if first:
+                    started = first[0]
+            if started is not None and time.monotonic() - started >= kill_offsets[0]:
+                workers = workers_of(run.proc.pid)
+                steps = [global_step(l, steps_per_epoch, per_step) for _, l in lines]
+                steps = [s for s in steps if s is not None]
+                if workers and steps:
+                    victim = rng.choice(workers)
+                    try:
+                        os.kill(victim, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    failures.append({"victim_pid": victim, "step_reached": steps[-1],
+                                     "lines_before": len(lines)})
+                    kill_offsets.pop(0)
+                    attempt_from = len(lines)
+                    started = None
+            time.sleep(0.05)
+        code = run.wait(max(1.0, deadline - time.monotonic()))
+        lines = [l for _, l in run.snapshot()]
+        for failure in failures:
+            after = lines[failure.pop("lines_before"):]
+            resumed = [int(RESUMED.match(l).group(1)) for l in after if RESUMED.match(l)]
+            failure["resumed_from"] = resumed[0] if resumed else 0
+            failure["redone"] = failure["step_reached"] - failure["resumed_from"]
+        final = [FINAL.match(l) for l in lines if FINAL.match(l)]
+        accuracy = float(final[0].group(1)) if final else None
+        result = {
+            "run": index,
+            "exit": code,
+            "finished": code == 0 and accuracy is not None,
+            "accuracy": accuracy,
+            "accuracy_diff_points": None if accuracy is None else
+            round(100.0 * (accuracy - reference_accuracy), 4),
+            "failures": failures,
+            "restarts": sum(1 for l in lines if "ddprun: restart " in l),
+        }
+        results.append(result)
+        print(f"fault_trial: run {index}: {json.dumps(result)}", flush=True)
+
+    finished = sum(r["finished"] for r in results)
+    diffs = [abs(r["accuracy_diff_points"]) for r in results if r["accuracy_diff_points"] is not None]
+    redone = [f["redone"] for r in results for f in r["failures"]]
+    killed = sum(len(r["failures"]) for r in results)
+    ok = (finished == len(results) and all(d <= args.accuracy_tolerance for d in diffs)
+          and all(x <= args.checkpoint_every for x in redone))
+    print()
+    print("| runs | epochs | limit-train | ranks | checkpoint every | kills | finished | "
+          "reference acc | max abs acc diff (points) | redone steps per failure: median / max |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {len(results)} | {args.epochs} | {args.limit_train} | {args.nproc} | "
+          f"{args.checkpoint_every} | {killed} | {finished}/{len(results)} | "
+          f"{reference_accuracy:.4f} | {max(diffs) if diffs else float('nan'):.2f} | "
+          f"{statistics.median(redone) if redone else 0} / {max(redone) if redone else 0} |")
+    print(f"\nfault_trial: {'PASS' if ok else 'FAIL'} (target: all finish, |diff| <= "
+          f"{args.accuracy_tolerance} points, redone <= {args.checkpoint_every} steps per failure)")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "reference_accuracy": reference_accuracy,
+                       "steps_per_epoch": steps_per_epoch, "runs": results, "pass": ok}, f,
+                      indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
