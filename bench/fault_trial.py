@@ -9,10 +9,10 @@ ddprun --max-restarts and train-fashion-mnist --checkpoint-every-steps bring it 
 
 First one uninterrupted run (the reference), then --runs runs of the same command, each under
 `ddprun --standalone --nproc-per-node N --max-restarts K` with `--checkpoint FILE
---checkpoint-every-steps C --resume`. In each run, --kills times, at a moment drawn uniformly
-over the reference's training time (from its first progress line to its last; over a --kills-th
-of it, from the restarted attempt's first step, for later kills), one worker drawn at random
-among ddprun's children gets SIGKILL. Rank 0 prints a progress line every step
+--checkpoint-every-steps C --resume`. In each run, --kills times, one worker drawn at random
+among ddprun's children gets SIGKILL at a random moment: when rank 0 has reported a step drawn
+uniformly over the run's steps, plus a delay drawn uniformly over one step's time (the
+reference's), so the kill may land in any phase of a step, a checkpoint write included. Rank 0 prints a progress line every step
 (--log-every 1), so the step reached when the kill lands is known; the resumed attempt prints
 the step it resumed from ("resumed from ... global step S"). Per run:
   finished        ddprun exited 0 and rank 0 printed "final test_accuracy="
@@ -50,6 +50,8 @@ TRAINING = re.compile(r"^\[0\] training .* \((\d+) per rank, (\d+) batches of (\
 class Run:
     """One ddprun process whose output lines are read on a thread, with their arrival times."""
 
+    started = []  # every Run, so that the script's exit stops what is still running
+
     def __init__(self, argv, log_path):
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -58,6 +60,7 @@ class Run:
         self.lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        Run.started.append(self)
 
     def _read(self):
         for line in self.proc.stdout:
@@ -157,43 +160,45 @@ def main():
     per_step = batch * args.nproc
     progress_times = [t for t, l in lines if PROGRESS.match(l)]
     train_start, train_end = progress_times[0], progress_times[-1]
+    step_seconds = (train_end - train_start) / max(1, len(progress_times) - 1)
     print(f"fault_trial: reference accuracy {reference_accuracy:.4f}, {steps_per_epoch} steps per "
-          f"epoch, training {train_end - train_start:.0f} s", flush=True)
+          f"epoch, training {train_end - train_start:.0f} s ({step_seconds:.2f} s per step)",
+          flush=True)
 
     results = []
     for index in range(args.runs):
         checkpoint = os.path.join(folder, f"run{index}.pt")
         run = Run(command(args, checkpoint), os.path.join(folder, f"run{index}.log"))
-        # Each kill lands at a moment drawn uniformly over the reference's training time (over
-        # a --kills-th of it with several kills), counted from the current attempt's first step.
-        span = (train_end - train_start) / args.kills
-        kill_offsets = [rng.uniform(0.0, span) for _ in range(args.kills)]
+        # Each kill lands at a random moment of the run: once rank 0 reported a step drawn
+        # uniformly over the run's steps (later kills: over the steps after the previous one),
+        # plus a delay drawn uniformly over one step's time, so that it may hit any phase of a
+        # step (forward, the allreduce, the optimizer, a checkpoint being written).
+        total_steps = steps_per_epoch * args.epochs
+        targets = sorted(rng.randint(1, total_steps - 1) for _ in range(args.kills))
         failures = []  # per kill: victim, step reached, then step resumed from and steps redone
-        attempt_from = 0  # index of the current attempt's first line
-        started = None
+        kill_at = None  # monotonic time of the next kill, once its target step was reached
         deadline = time.monotonic() + args.run_timeout
-        while run.proc.poll() is None and time.monotonic() < deadline and kill_offsets:
+        while run.proc.poll() is None and time.monotonic() < deadline and targets:
             lines = run.snapshot()
-            if started is None:
-                first = [t for t, l in lines[attempt_from:] if PROGRESS.match(l)]
-                if first:
-                    started = first[0]
-            if started is not None and time.monotonic() - started >= kill_offsets[0]:
+            steps = [global_step(l, steps_per_epoch, per_step) for _, l in lines]
+            steps = [s for s in steps if s is not None]
+            if kill_at is None and steps and steps[-1] >= targets[0]:
+                kill_at = time.monotonic() + rng.uniform(0.0, step_seconds)
+            if kill_at is not None and time.monotonic() >= kill_at:
                 workers = workers_of(run.proc.pid)
-                steps = [global_step(l, steps_per_epoch, per_step) for _, l in lines]
-                steps = [s for s in steps if s is not None]
-                if workers and steps:
+                if workers:
                     victim = rng.choice(workers)
                     try:
                         os.kill(victim, signal.SIGKILL)
                     except ProcessLookupError:
                         continue
-                    failures.append({"victim_pid": victim, "step_reached": steps[-1],
-                                     "lines_before": len(lines)})
-                    kill_offsets.pop(0)
-                    attempt_from = len(lines)
-                    started = None
-            time.sleep(0.05)
+                    failures.append({"victim_pid": victim, "target_step": targets[0],
+                                     "step_reached": steps[-1], "lines_before": len(lines)})
+                    targets.pop(0)
+                    kill_at = None
+                    # A later target already passed by the restarted run moves past the kill.
+                    targets = [max(t, steps[-1] + 1) for t in targets]
+            time.sleep(0.02)
         code = run.wait(max(1.0, deadline - time.monotonic()))
         lines = [l for _, l in run.snapshot()]
         for failure in failures:
@@ -240,5 +245,16 @@ def main():
     return 0 if ok else 1
 
 
+def stop_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # A run in progress (its own session) is stopped with the script, by Ctrl-C or SIGTERM.
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        sys.exit(main())
+    finally:
+        for run in Run.started:
+            if run.proc.poll() is None:
+                os.killpg(run.proc.pid, signal.SIGTERM)

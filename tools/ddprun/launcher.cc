@@ -593,13 +593,18 @@ void Supervisor::start_restart_rounds() {
   const std::string secret = options_.secret_file.empty()
                                  ? resolve_job_secret(std::nullopt)
                                  : read_secret_file(options_.secret_file, "--secret-file");
+  // A node does not beat while it stops its workers (up to the grace period plus kKillWait), so
+  // silence counts as death only well beyond that.
+  const Milliseconds silence =
+      std::max(Milliseconds(30'000), 2 * options_.grace_period + kKillWait + Milliseconds(10'000));
   rounds_ = std::make_unique<RestartRounds>(RestartRoundsOptions{.host = options_.master_addr,
                                                                  .port = options_.agent_port,
                                                                  .nnodes = options_.nnodes,
                                                                  .node_rank = options_.node_rank,
                                                                  .run_id = options_.run_id,
                                                                  .secret = secret,
-                                                                 .join_timeout = join_timeout});
+                                                                 .join_timeout = join_timeout,
+                                                                 .heartbeat_timeout = silence});
 }
 
 std::optional<int> Supervisor::await_other_nodes(int round, bool& all_succeeded) {
