@@ -41,6 +41,7 @@ import threading
 import time
 
 PROGRESS = re.compile(r"^\[0\] epoch (\d+) \[(\d+)/(\d+)\] loss")
+FROM_SCRATCH = re.compile(r"^\[0\] no checkpoint at .* yet; starting from scratch")
 RESUMED = re.compile(r"^\[0\] resumed from .* global step (\d+) ")
 FINAL = re.compile(r"^\[0\] final test_accuracy=([0-9.]+)")
 SKIPPED = 77  # the exit status ctest's SKIP_RETURN_CODE expects
@@ -201,11 +202,17 @@ def main():
             time.sleep(0.02)
         code = run.wait(max(1.0, deadline - time.monotonic()))
         lines = [l for _, l in run.snapshot()]
-        for failure in failures:
-            after = lines[failure.pop("lines_before"):]
-            resumed = [int(RESUMED.match(l).group(1)) for l in after if RESUMED.match(l)]
-            failure["resumed_from"] = resumed[0] if resumed else 0
-            failure["redone"] = failure["step_reached"] - failure["resumed_from"]
+        # The attempt after each kill says where it starts: "resumed from ... global step S", or
+        # "no checkpoint at ... yet; starting from scratch" (step 0) when the kill came before
+        # the first checkpoint. Only its own lines count (up to the next kill).
+        bounds = [f["lines_before"] for f in failures] + [len(lines)]
+        for k, failure in enumerate(failures):
+            attempt = lines[failure.pop("lines_before"):bounds[k + 1]]
+            starts = [int(RESUMED.match(l).group(1)) if RESUMED.match(l) else 0
+                      for l in attempt if RESUMED.match(l) or FROM_SCRATCH.match(l)]
+            failure["resumed_from"] = starts[0] if starts else None
+            failure["redone"] = (None if failure["resumed_from"] is None else
+                                 failure["step_reached"] - failure["resumed_from"])
         final = [FINAL.match(l) for l in lines if FINAL.match(l)]
         accuracy = float(final[0].group(1)) if final else None
         result = {
@@ -223,10 +230,11 @@ def main():
 
     finished = sum(r["finished"] for r in results)
     diffs = [abs(r["accuracy_diff_points"]) for r in results if r["accuracy_diff_points"] is not None]
-    redone = [f["redone"] for r in results for f in r["failures"]]
+    redone = [f["redone"] for r in results for f in r["failures"] if f["redone"] is not None]
+    unmeasured = sum(1 for r in results for f in r["failures"] if f["redone"] is None)
     killed = sum(len(r["failures"]) for r in results)
     ok = (finished == len(results) and all(d <= args.accuracy_tolerance for d in diffs)
-          and all(x <= args.checkpoint_every for x in redone))
+          and all(x <= args.checkpoint_every for x in redone) and unmeasured == 0)
     print()
     print("| runs | epochs | limit-train | ranks | checkpoint every | kills | finished | "
           "reference acc | max abs acc diff (points) | redone steps per failure: median / max |")

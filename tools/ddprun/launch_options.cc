@@ -72,8 +72,9 @@ OPENBLAS_CORETYPE, each only where not already set (docs/ddprun.md).
 Output lines are prefixed with the global rank, "[3] text", unless --no-prefix. With --log-dir
 DIR, each worker's output is also written to DIR/<run-id>/attempt_<k>/<rank>/{stdout,stderr}.log.
 If a worker fails, the others are stopped and ddprun exits with 1 (after --max-restarts
-restarts of the whole local group). Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to
-ddprun is forwarded to the workers and ddprun exits with 128+signal.
+restarts of the whole job: with --nnodes > 1 every node restarts together, through node 0's
+ddprun on --agent-port). Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to ddprun is
+forwarded to the workers and ddprun exits with 128+signal.
 
 Examples:
   ddprun --nproc-per-node 4 ./train --epochs 3
