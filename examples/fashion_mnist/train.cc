@@ -38,6 +38,7 @@
 #include "ddp/torch/grad_scaler.h"
 #include "ddp/torch/join.h"
 #include "ddp/torch/sync_batch_norm.h"
+#include "ddp/torch/train_state.h"
 #include "ddp/torch/version.h"
 #include "ddp/trace.h"
 #include "idx_reader.h"
@@ -69,6 +70,7 @@ struct Options {
   bool sync_bn = false;         // BatchNorm statistics over every rank's batch (SyncBatchNorm)
   std::string mixed_precision = "none";  // bf16: autocast forward, bf16 gradient reduction
   std::string metrics;                   // rank 0 writes JSON lines here (metrics_log.h)
+  int checkpoint_every_steps = 0;        // > 0: a ddp::TrainState every N steps (mid-epoch resume)
 };
 
 // Batches per epoch of `rank`: its unpadded share with --uneven, less rank * uneven_skew (an
@@ -199,6 +201,15 @@ int run(const Options& options) {
     throw ddp::ConfigError("--resume needs --checkpoint PATH (the file to resume from)");
   }
   if (!options.checkpoint.empty()) check_checkpoint_folder(options.checkpoint);
+  const bool train_state_file = options.checkpoint_every_steps > 0;
+  if (train_state_file && options.checkpoint.empty()) {
+    throw ddp::ConfigError("--checkpoint-every-steps needs --checkpoint PATH (where to write)");
+  }
+  if (train_state_file && options.uneven) {
+    throw ddp::ConfigError(
+        "--checkpoint-every-steps cannot be combined with --uneven (ranks make different numbers "
+        "of steps there, so no single step marks a position of the whole job)");
+  }
   torch::set_num_threads(options.threads > 0 ? options.threads : default_threads());
   torch::manual_seed(options.seed);
 
@@ -237,7 +248,26 @@ int run(const Options& options) {
                                                      .weight_decay(options.weight_decay));
 
   int first_epoch = 1;
-  if (options.resume) {
+  // With --checkpoint-every-steps the file is a ddp::TrainState (mid-epoch position included).
+  ddp::TrainState train_state(*net, optimizer, {.tag = options.model});
+  std::optional<ddp::TrainProgress> resumed;
+  if (options.resume && train_state_file) {
+    // Under `ddprun --max-restarts`, every attempt runs the same command line: the first one
+    // finds no file yet and starts from scratch.
+    if (std::filesystem::exists(options.checkpoint)) {
+      resumed = train_state.load(options.checkpoint);
+      first_epoch = static_cast<int>(resumed->epoch) + 1;
+      if (leader) {
+        fmt::print(
+            "resumed from {} at epoch {}, {} samples into it, global step {} (saved at world "
+            "size {}, now {})\n",
+            options.checkpoint, first_epoch, resumed->epoch_offset, resumed->global_step,
+            resumed->world_size, world_size);
+      }
+    } else if (leader) {
+      fmt::print("no checkpoint at {} yet; starting from scratch\n", options.checkpoint);
+    }
+  } else if (options.resume) {
     // Every rank loads the same file, so ranks agree before DDP's broadcast makes sure of it.
     const auto info = ddp::load_checkpoint(options.checkpoint, *net, optimizer, options.model);
     first_epoch = static_cast<int>(info.epoch) + 1;
@@ -286,24 +316,40 @@ int run(const Options& options) {
 
   double accuracy = 0.0;
   bool evaluated = false;
-  std::int64_t step = (first_epoch - 1) * batches;
+  std::int64_t step = (first_epoch - 1) * batches;  // of the learning-rate schedule
+  std::int64_t global_step = step;                  // optimizer steps
+  if (resumed) {
+    global_step = resumed->global_step;
+    // At the saved world size the schedule continues at its step; at another, steps per epoch
+    // differ, so the schedule continues at the step of the data position instead.
+    const auto per_step = static_cast<std::uint64_t>(batch * world_size);
+    step = resumed->world_size == world_size
+               ? resumed->scheduler_step
+               : (first_epoch - 1) * batches +
+                     static_cast<std::int64_t>((resumed->epoch_offset + per_step - 1) / per_step);
+  }
   for (int epoch = first_epoch; epoch <= options.epochs; ++epoch) {
     const auto epoch_start = std::chrono::steady_clock::now();
-    sampler.set_epoch(static_cast<std::uint64_t>(epoch - 1));
+    const std::uint64_t start_offset = resumed && epoch == first_epoch ? resumed->epoch_offset : 0;
+    sampler.set_epoch(static_cast<std::uint64_t>(epoch - 1), start_offset);
     const auto indices_vector = sampler.indices();
     const auto indices = torch::tensor(indices_vector, torch::kInt64);
+    // A resumed epoch has fewer batches (sampler.size() counts what is left of it).
+    const auto epoch_per_rank = static_cast<std::int64_t>(sampler.size());
+    const std::int64_t epoch_batches =
+        options.uneven ? batches : (epoch_per_rank + batch - 1) / batch;
 
     double loss_sum = 0.0;
     double window_loss = 0.0;
     std::int64_t window_batches = 0;
     auto window_start = std::chrono::steady_clock::now();
-    if (bar) bar->start(epoch, static_cast<std::int64_t>(sampler.total_size()));
-    for (std::int64_t b = 0; b < batches; ++b) {
+    if (bar) bar->start(epoch, static_cast<std::int64_t>(samples));
+    for (std::int64_t b = 0; b < epoch_batches; ++b) {
       const auto start = b * batch;
       torch::Tensor x, y;
       {
         auto span = ddp::trace_span("data loading", "train", {{"step", step}});
-        const auto rows = indices.narrow(0, start, std::min(batch, per_rank - start));
+        const auto rows = indices.narrow(0, start, std::min(batch, epoch_per_rank - start));
         x = train.images.index_select(0, rows);
         y = train.labels.index_select(0, rows);
       }
@@ -323,15 +369,33 @@ int run(const Options& options) {
         auto span = ddp::trace_span("optimizer step", "train", {{"step", step}});
         optimizer.step();
       }
+      ++global_step;
+      if (leader && train_state_file && global_step % options.checkpoint_every_steps == 0 &&
+          b + 1 < epoch_batches) {
+        auto span = ddp::trace_span("checkpoint", "train", {{"step", step}});
+        const auto consumed = sampler.consumed_after(
+            static_cast<std::uint64_t>(std::min<std::int64_t>((b + 1) * batch, epoch_per_rank)));
+        train_state.save(options.checkpoint,
+                         {.epoch = static_cast<std::uint64_t>(epoch - 1),
+                          .epoch_offset = consumed,
+                          .global_step = global_step,
+                          .scheduler_step = step},
+                         world_size);
+        fmt::print("checkpoint global_step {} epoch {} offset {}\n", global_step, epoch, consumed);
+        std::fflush(stdout);
+      }
+
       const double value = loss.item<double>();
       loss_sum += value;
       window_loss += value;
       ++window_batches;
-      const auto seen = std::min<std::int64_t>((b + 1) * batch, per_rank) * world_size;
+      // Global samples of the epoch done, counting those before a resume.
+      const auto seen = static_cast<std::int64_t>(sampler.consumed_after(
+          static_cast<std::uint64_t>(std::min<std::int64_t>((b + 1) * batch, epoch_per_rank))));
       if (bar) bar->update(seen, window_loss / static_cast<double>(window_batches));
       if (leader && options.log_every > 0 && (b + 1) % options.log_every == 0) {
         if (!bar) {
-          fmt::print("epoch {} [{}/{}] loss {:.4f}\n", epoch, seen, sampler.total_size(),
+          fmt::print("epoch {} [{}/{}] loss {:.4f}\n", epoch, seen, samples,
                      window_loss / static_cast<double>(window_batches));
           std::fflush(stdout);
         }
@@ -363,14 +427,22 @@ int run(const Options& options) {
         accuracy = evaluate(net, test);
       }
       evaluated = true;
-      if (!options.checkpoint.empty()) {
+      if (train_state_file) {
+        train_state.save(options.checkpoint,
+                         {.epoch = static_cast<std::uint64_t>(epoch),
+                          .epoch_offset = 0,
+                          .global_step = global_step,
+                          .scheduler_step = step},
+                         world_size);
+        fmt::print("checkpoint global_step {} epoch {} offset 0\n", global_step, epoch + 1);
+      } else if (!options.checkpoint.empty()) {
         ddp::save_checkpoint(options.checkpoint, *net, optimizer,
                              {.epoch = epoch, .tag = options.model});
       }
       // loss: the mean over rank 0's batches (a loss averaged over ranks would cost a
       // collective per epoch for a number only printed).
       fmt::print("epoch {} loss {:.4f} test_accuracy {:.4f} samples_per_s {:.0f} time {:.1f}\n",
-                 epoch, loss_sum / static_cast<double>(std::max<std::int64_t>(batches, 1)),
+                 epoch, loss_sum / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
                  accuracy, static_cast<double>(sampler.total_size()) / train_seconds,
                  seconds_since(epoch_start));
       std::fflush(stdout);
@@ -379,10 +451,11 @@ int run(const Options& options) {
             {.kind = "epoch",
              .epoch = epoch,
              .step = step,
-             .loss = loss_sum / static_cast<double>(std::max<std::int64_t>(batches, 1)),
+             .loss = loss_sum / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
              .accuracy = accuracy,
              .samples_per_s = static_cast<double>(sampler.total_size()) / train_seconds,
-             .step_time_s = train_seconds / static_cast<double>(std::max<std::int64_t>(batches, 1)),
+             .step_time_s =
+                 train_seconds / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
              .bytes_per_step =
                  static_cast<std::int64_t>(model->reducer().last_timeline().bytes_sent),
              .world_size = world_size,
@@ -462,6 +535,12 @@ int main(int argc, char** argv) {
                  "rank 0 writes model, optimizer and epoch here after every epoch (atomically)");
   app.add_flag("--resume", options.resume,
                "continue from --checkpoint (every rank loads it) at the epoch after it");
+  app.add_option("--checkpoint-every-steps", options.checkpoint_every_steps,
+                 "rank 0 writes a training state (model, optimizer, schedule, sampler position, "
+                 "RNG) to --checkpoint every N steps and after every epoch; with --resume, "
+                 "training continues mid-epoch from it, also at another world size (and starts "
+                 "from scratch when the file does not exist yet)")
+      ->check(CLI::Range(1, 100000000));
   app.add_option("--threads", options.threads,
                  "torch threads per rank (default: OMP_NUM_THREADS, else 1)")
       ->check(CLI::Range(1, 256));

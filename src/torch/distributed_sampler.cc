@@ -1,5 +1,7 @@
 #include "ddp/torch/distributed_sampler.h"
 
+#include <algorithm>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -44,6 +46,30 @@ DistributedSampler::DistributedSampler(std::size_t dataset_size, int rank, int w
       options_(options),
       num_samples_(samples_per_rank(dataset_size, rank, world_size, options)) {}
 
+void DistributedSampler::set_epoch(std::uint64_t epoch, std::uint64_t start_offset) {
+  const std::size_t remaining =
+      start_offset >= dataset_size_ ? 0 : dataset_size_ - static_cast<std::size_t>(start_offset);
+  // Only on a resume: a whole epoch with fewer samples than ranks keeps PyTorch's behaviour (no
+  // indices), but a resume that silently drops the rest of an epoch would skip samples.
+  if (options_.drop_last && start_offset > 0 && remaining > 0 &&
+      remaining < static_cast<std::size_t>(world_size_)) {
+    throw ConfigError(fmt::format(
+        "DistributedSampler: resuming epoch {} at global offset {} leaves {} of {} samples, fewer "
+        "than the world size {}, and drop_last would drop them all; resume with at most {} "
+        "ranks or without drop_last",
+        epoch, start_offset, remaining, dataset_size_, world_size_, remaining));
+  }
+  epoch_ = epoch;
+  start_offset_ = start_offset;
+  num_samples_ = samples_per_rank(remaining, rank_, world_size_, options_);
+}
+
+std::uint64_t DistributedSampler::consumed_after(std::uint64_t local_samples) const {
+  const std::uint64_t consumed =
+      start_offset_ + local_samples * static_cast<std::uint64_t>(world_size_);
+  return std::min<std::uint64_t>(consumed, dataset_size_);
+}
+
 DistributedSampler::DistributedSampler(std::size_t dataset_size, const ProcessGroup& group,
                                        SamplerOptions options)
     : DistributedSampler(dataset_size, group.rank(), group.size(), options) {}
@@ -64,15 +90,19 @@ std::vector<std::int64_t> DistributedSampler::indices() const {
       order[static_cast<std::size_t>(i)] = i;
   }
 
+  // Resumed mid-epoch: the first start_offset_ positions are done; the rest is dealt as a whole
+  // epoch would be.
+  const std::size_t skip = std::min<std::size_t>(start_offset_, dataset_size_);
+  const std::size_t remaining = dataset_size_ - skip;
   // Rank r reads positions r, r + world, ... of the order, padded by repeating it from the start
   // (drop_last instead cuts total_size() short of N, so no padding is needed then).
-  const std::size_t total = options_.pad || options_.drop_last ? total_size() : dataset_size_;
+  const std::size_t total = options_.pad || options_.drop_last ? total_size() : remaining;
   const auto world = static_cast<std::size_t>(world_size_);
   std::vector<std::int64_t> mine;
   mine.reserve(num_samples_);
   for (std::size_t position = static_cast<std::size_t>(rank_); position < total;
        position += world) {
-    mine.push_back(order[position % dataset_size_]);
+    mine.push_back(order[skip + position % remaining]);
   }
   return mine;
 }

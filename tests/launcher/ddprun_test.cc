@@ -164,17 +164,28 @@ TEST(Ddprun, EveryWorkerGetsTorchrunsVariables) {
 }
 
 TEST(Ddprun, SecondNodeNumbersItsWorkersAfterTheFirstNodes) {
+  // With --max-restarts the nodes' ddprun meet in node 0's restart-round store, so node 0 runs
+  // too (its workers do nothing).
+  const std::string port = std::to_string(free_port());
+  const std::string agent_port = std::to_string(free_port());
+  const auto node_args = [&](const std::string& node, const std::string& program) {
+    return std::vector<std::string>{ddprun(),    "--nnodes",         "2",  "--node-rank",
+                                    node,        "--nproc-per-node", "2",  "--master-addr",
+                                    "127.0.0.1", "--master-port",    port, "--agent-port",
+                                    agent_port,  "--max-restarts",   "4",  program};
+  };
+  auto node0 = Subprocess::start(node_args("0", "/bin/true"));
   const auto r =
-      run_ddprun({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr",
-                  "10.1.2.3", "--master-port", "12345", "--max-restarts", "4", "/usr/bin/env"},
-                 {{"OMP_NUM_THREADS", std::nullopt}});
+      Subprocess::start(node_args("1", "/usr/bin/env"), {{"OMP_NUM_THREADS", std::nullopt}})
+          .wait(30s);
+  EXPECT_EQ(node0.wait(30s).exit_code, 0);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_torchrun_variables(r.output, {.nproc_per_node = 2,
                                        .nnodes = 2,
                                        .node_rank = 1,
                                        .max_restarts = 4,
-                                       .master_addr = "10.1.2.3",
-                                       .master_port = "12345"});
+                                       .master_addr = "127.0.0.1",
+                                       .master_port = port});
 }
 
 TEST(Ddprun, PresetOmpNumThreadsIsLeftAlone) {
@@ -598,6 +609,86 @@ TEST(Ddprun, MaxRestartsGivesUpAfterKPlusOneAttempts) {
       << r.output;
   EXPECT_THAT(r.output, HasSubstr("rank 0 exited with code 3"));
   EXPECT_THAT(r.output, HasSubstr("giving up after 2 restarts"));
+}
+
+// Two ddprun processes as the two nodes of one job on loopback, with whole-job restarts.
+struct TwoNodes {
+  int master_port = free_port();
+  int agent_port = free_port();
+  std::vector<std::string> node_args(int node, int max_restarts) const {
+    return {"--nnodes",       "2",
+            "--node-rank",    std::to_string(node),
+            "--master-addr",  "127.0.0.1",
+            "--master-port",  std::to_string(master_port),
+            "--agent-port",   std::to_string(agent_port),
+            "--max-restarts", std::to_string(max_restarts)};
+  }
+  // Runs `script` (sh) as the one worker of each node; returns both nodes' results.
+  std::pair<ExitStatus, ExitStatus> run(int max_restarts, const std::string& script,
+                                        std::chrono::milliseconds timeout = 60s) const {
+    std::vector<Subprocess> nodes;
+    for (int node = 0; node < 2; ++node) {
+      std::vector<std::string> argv{ddprun()};
+      const auto args = node_args(node, max_restarts);
+      argv.insert(argv.end(), args.begin(), args.end());
+      argv.insert(argv.end(), {"/bin/sh", "-c", script});
+      nodes.push_back(Subprocess::start(argv, {{"DDP_TIMEOUT", "20"}}));
+    }
+    auto first = nodes[0].wait(timeout);
+    auto second = nodes[1].wait(timeout);
+    return {first, second};
+  }
+};
+
+TEST(Ddprun, AFailureOnOneNodeRestartsEveryNodeTogether) {
+  const TwoNodes job;
+  const auto start = Clock::now();
+  // Rank 1 (node 1) fails on the first attempt; rank 0 would still be busy then, so node 0 must
+  // stop it and start it again rather than wait for it.
+  const auto [node0, node1] = job.run(3, R"(echo "attempt $TORCHELASTIC_RESTART_COUNT"
+      if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then
+        if [ "$RANK" = 1 ]; then sleep 0.5; exit 1; fi
+        sleep 30
+      fi
+      echo "done $TORCHELASTIC_RESTART_COUNT")");
+  EXPECT_EQ(node0.exit_code, 0) << node0.output;
+  EXPECT_EQ(node1.exit_code, 0) << node1.output;
+  EXPECT_LT(seconds_since(start), 25.0) << "node 0 waited for its worker instead of restarting it";
+  EXPECT_THAT(node0.output, HasSubstr("[0] attempt 0\n"));
+  EXPECT_THAT(node0.output, HasSubstr("[0] attempt 1\n"));
+  EXPECT_THAT(node0.output, HasSubstr("[0] done 1\n"));
+  EXPECT_THAT(node0.output, Not(HasSubstr("done 0")));
+  EXPECT_THAT(node0.output, HasSubstr("another node failed (rank 1 (node 1) exited with code 1)"));
+  EXPECT_THAT(node1.output, HasSubstr("[1] done 1\n"));
+  EXPECT_THAT(node1.output, HasSubstr("restart 1 of 3: starting the workers of every node again"));
+  EXPECT_THAT(node0.output, Not(HasSubstr("attempt 2")));
+}
+
+TEST(Ddprun, WholeJobRestartsExhaustedFailEveryNodeNamingTheRank) {
+  const TwoNodes job;
+  const auto [node0, node1] = job.run(1, R"(echo "attempt $TORCHELASTIC_RESTART_COUNT"
+      if [ "$RANK" = 1 ]; then exit 1; fi
+      sleep 30)");
+  EXPECT_EQ(node0.exit_code, 1) << node0.output;
+  EXPECT_EQ(node1.exit_code, 1) << node1.output;
+  for (const auto* r : {&node0, &node1}) {
+    EXPECT_THAT(r->output, HasSubstr("giving up after 1 restarts; the job's last failure: rank 1 "
+                                     "(node 1) exited with code 1"))
+        << r->output;
+  }
+  EXPECT_THAT(node0.output, HasSubstr("[0] attempt 1\n"));
+  EXPECT_THAT(node0.output, Not(HasSubstr("attempt 2")));
+}
+
+TEST(Ddprun, ANodeThatNeverJoinsTheRestartRoundIsNamedAtTheDeadline) {
+  const TwoNodes job;
+  std::vector<std::string> argv{ddprun()};
+  const auto args = job.node_args(0, 1);
+  argv.insert(argv.end(), args.begin(), args.end());
+  argv.insert(argv.end(), {"/bin/true"});
+  const auto r = Subprocess::start(argv, {{"DDP_TIMEOUT", "2"}}).wait(30s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("restart round 0: node(s) 1 did not join within 2 s"));
 }
 
 TEST(Ddprun, ProgramThatCannotBeExecutedIsReported) {

@@ -251,6 +251,19 @@ TEST(ParseCommandLine, RendezvousOptionsMapOntoTheMastersAddress) {
               HasSubstr("--rdzv-endpoint port 0"));
 }
 
+TEST(ParseCommandLine, AgentPortDefaultsToTheMasterPortPlusOneWithSeveralNodes) {
+  EXPECT_EQ(parse({"/bin/true"}).agent_port, 0);  // one node: no restart-round store
+  EXPECT_EQ(parse({"--nnodes", "2", "--master-port", "4000", "/bin/true"}).agent_port, 4001);
+  EXPECT_EQ(parse({"--nnodes", "2", "--master-port", "4000", "--agent-port", "5000", "/bin/true"})
+                .agent_port,
+            5000);
+  EXPECT_THAT(
+      usage_error({"--nnodes", "2", "--master-port", "4000", "--agent-port", "4000", "/bin/true"}),
+      HasSubstr("--agent-port 4000 is --master-port too"));
+  EXPECT_THAT(usage_error({"--nnodes", "2", "--master-port", "65535", "/bin/true"}),
+              HasSubstr("give --agent-port"));
+}
+
 TEST(ResolveProgram, ReportsMissingAndNonExecutablePrograms) {
   EXPECT_THROW(resolve_program("ddprun-no-such-program", "/bin:/usr/bin"), UsageError);
   EXPECT_THROW(resolve_program("./ddprun-no-such-program", nullptr), UsageError);

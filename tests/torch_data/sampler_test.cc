@@ -179,5 +179,103 @@ TEST(DistributedSamplerTest, BadWorldSizeOrRankIsAConfigErrorNamingTheValue) {
   }
 }
 
+// The indices every rank of `world` reads after set_epoch(epoch, offset), in rank order.
+std::vector<std::vector<std::int64_t>> resumed_ranks(std::size_t n, int world,
+                                                     SamplerOptions options, std::uint64_t epoch,
+                                                     std::uint64_t offset) {
+  std::vector<std::vector<std::int64_t>> result;
+  for (int rank = 0; rank < world; ++rank) {
+    DistributedSampler sampler(n, rank, world, options);
+    sampler.set_epoch(epoch, offset);
+    result.push_back(sampler.indices());
+    EXPECT_EQ(result.back().size(), sampler.size()) << "rank " << rank;
+  }
+  return result;
+}
+
+// The epoch's order positions [0, steps * batch * world) as dealt: what `steps` steps consumed.
+std::vector<std::int64_t> consumed(const std::vector<std::vector<std::int64_t>>& ranks,
+                                   std::size_t steps, std::size_t batch) {
+  std::vector<std::int64_t> out;
+  for (const auto& indices : ranks) {
+    out.insert(
+        out.end(), indices.begin(),
+        indices.begin() + static_cast<std::ptrdiff_t>(std::min(steps * batch, indices.size())));
+  }
+  return out;
+}
+
+TEST(DistributedSamplerResumeTest, SameWorldSizeContinuesEachRanksOwnList) {
+  const SamplerOptions options{.shuffle = true, .seed = 5};
+  const auto whole = all_ranks(100, 2, options, 3);
+  // 6 steps of 4 per rank at world 2 consumed 48 global samples.
+  const auto rest = resumed_ranks(100, 2, options, 3, 48);
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto& mine = whole[static_cast<std::size_t>(rank)];
+    EXPECT_EQ(rest[static_cast<std::size_t>(rank)],
+              std::vector<std::int64_t>(mine.begin() + 24, mine.end()))
+        << "rank " << rank;
+  }
+}
+
+TEST(DistributedSamplerResumeTest, OtherWorldSizesRepeatNoSampleAndSkipNone) {
+  const SamplerOptions options{.shuffle = true, .seed = 9};
+  const std::size_t n = 103;
+  const auto before = all_ranks(n, 2, options, 1);
+  const auto done = consumed(before, 5, 4);  // 40 samples
+  for (int world : {1, 3, 4, 7}) {
+    const auto rest = resumed_ranks(n, world, options, 1, 40);
+    std::map<std::int64_t, int> count;
+    for (auto i : done)
+      ++count[i];
+    std::size_t resumed_total = 0;
+    for (const auto& indices : rest) {
+      resumed_total += indices.size();
+      for (auto i : indices) {
+        EXPECT_EQ(std::count(done.begin(), done.end(), i), 0)
+            << "world " << world << ": sample " << i << " trained again";
+        ++count[i];
+      }
+    }
+    EXPECT_EQ(count.size(), n) << "world " << world << ": a sample was skipped";
+    const std::size_t w = static_cast<std::size_t>(world);
+    EXPECT_EQ(resumed_total, (n - 40 + w - 1) / w * w) << "world " << world;
+    // Ranks still get equal shares (padding as configured).
+    for (const auto& indices : rest)
+      EXPECT_EQ(indices.size(), rest[0].size()) << "world " << world;
+  }
+}
+
+TEST(DistributedSamplerResumeTest, OffsetsAddUpOverSeveralResumes) {
+  const SamplerOptions options{.shuffle = false};
+  DistributedSampler at_two(20, 1, 2, options);
+  at_two.set_epoch(0, 0);
+  EXPECT_EQ(at_two.consumed_after(3), 6u);
+  DistributedSampler at_three(20, 2, 3, options);
+  at_three.set_epoch(0, 6);
+  // Without shuffle the order is 0..19: positions 6.. are dealt round-robin to 3 ranks.
+  EXPECT_THAT(at_three.indices(), ElementsAre(8, 11, 14, 17, 6));  // padded with position 6
+  EXPECT_EQ(at_three.consumed_after(2), 12u);
+  EXPECT_EQ(at_three.consumed_after(100), 20u);  // never beyond the dataset
+  DistributedSampler done(20, 0, 2, options);
+  done.set_epoch(0, 20);
+  EXPECT_EQ(done.size(), 0u);
+  EXPECT_TRUE(done.indices().empty());
+}
+
+TEST(DistributedSamplerResumeTest, DropLastWithFewerSamplesLeftThanRanksIsAConfigError) {
+  DistributedSampler sampler(100, 0, 4, {.drop_last = true});
+  try {
+    sampler.set_epoch(2, 97);  // 3 left for 4 ranks
+    FAIL() << "3 remaining samples split over 4 ranks with drop_last";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("leaves 3 of 100 samples"));
+    EXPECT_THAT(e.what(), HasSubstr("world size 4"));
+  }
+  EXPECT_EQ(sampler.epoch(), 0u) << "a refused set_epoch changed the sampler";
+  sampler.set_epoch(2, 96);  // 4 left: one each
+  EXPECT_EQ(sampler.size(), 1u);
+}
+
 }  // namespace
 }  // namespace ddp::test

@@ -336,6 +336,26 @@ TEST(TrainFashionMnistOptionsTest, CheckpointFolderIsCheckedBeforeTrainingStarts
   }
 }
 
+TEST(TrainFashionMnistOptionsTest, CheckpointEveryStepsNeedsACheckpointAndEvenInputs) {
+  const std::string program = built_program("train-fashion-mnist");
+  // Both named before the data is read (its folder is missing too).
+  auto result = Subprocess::start(
+                    {program, "--checkpoint-every-steps", "10", "--data-dir", "/nonexistent/data"})
+                    .wait(30s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("--checkpoint-every-steps needs --checkpoint PATH"));
+  TempDir dir;
+  result = Subprocess::start({program, "--checkpoint-every-steps", "10", "--checkpoint",
+                              (dir.path() / "s.pt").string(), "--uneven", "--data-dir",
+                              "/nonexistent/data"})
+               .wait(30s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("cannot be combined with --uneven"));
+  result = Subprocess::start({program, "--checkpoint-every-steps", "0"}).wait(30s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("--checkpoint-every-steps"));
+}
+
 TEST_F(TrainFashionMnistTest, UnevenInputsUnderJoinFinishAtWorldThree) {
   // 2000 samples over 3 ranks: 11 batches of 64 each, less 3 per higher rank: 11, 8, 5 per epoch,
   // for two epochs under one Join.

@@ -72,8 +72,9 @@ OPENBLAS_CORETYPE, each only where not already set (docs/ddprun.md).
 Output lines are prefixed with the global rank, "[3] text", unless --no-prefix. With --log-dir
 DIR, each worker's output is also written to DIR/<run-id>/attempt_<k>/<rank>/{stdout,stderr}.log.
 If a worker fails, the others are stopped and ddprun exits with 1 (after --max-restarts
-restarts of the whole local group). Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to
-ddprun is forwarded to the workers and ddprun exits with 128+signal.
+restarts of the whole job: with --nnodes > 1 every node restarts together, through node 0's
+ddprun on --agent-port). Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to ddprun is
+forwarded to the workers and ddprun exits with 128+signal.
 
 Examples:
   ddprun --nproc-per-node 4 ./train --epochs 3
@@ -312,9 +313,17 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
 
   constexpr const char* kRestarts = "Failures and restarts";
   app.add_option("--max-restarts,--max_restarts", options.max_restarts,
-                 "Restart the whole local group up to this many times after a failure (default 0)")
+                 "Restart the whole job (every node, together) up to this many times after a "
+                 "worker fails (default 0)")
       ->check(whole_number(0, 1000000))
       ->type_name("K")
+      ->group(kRestarts);
+  app.add_option("--agent-port,--agent_port", options.agent_port,
+                 "With --nnodes > 1 and --max-restarts: port on --master-addr where node 0's "
+                 "ddprun serves the restart rounds to the other nodes' ddprun (default: "
+                 "--master-port + 1)")
+      ->check(whole_number(1, 65535))
+      ->type_name("PORT")
       ->group(kRestarts);
   app.add_option("--grace-period,--grace_period", grace_seconds,
                  "Seconds between asking workers to stop and killing them (default 5)")
@@ -443,6 +452,20 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
         rdzv_endpoint.empty() ? "--master-port" : "--rdzv-endpoint port"));
   }
   if (options.master_addr.empty()) throw UsageError("--master-addr is empty");
+  if (options.agent_port == 0 && options.nnodes > 1) {
+    if (options.master_port >= 65535) {
+      throw UsageError(
+          "--master-port 65535 leaves no port for the restart rounds; give "
+          "--agent-port");
+    }
+    options.agent_port = options.master_port + 1;
+  }
+  if (options.agent_port != 0 && options.agent_port == options.master_port) {
+    throw UsageError(fmt::format(
+        "--agent-port {} is --master-port too: the workers' store and the restart rounds need "
+        "two ports",
+        options.agent_port));
+  }
   if (static_cast<long>(options.nnodes) * options.nproc_per_node > (1L << 24)) {
     throw UsageError(fmt::format("--nnodes {} x --nproc-per-node {} is too many workers",
                                  options.nnodes, options.nproc_per_node));

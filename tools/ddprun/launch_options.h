@@ -40,6 +40,10 @@ struct LaunchOptions {
   int master_port = 29500;
   bool standalone = false;
   int max_restarts = 0;
+  // Port on --master-addr of the store that node 0's ddprun serves to every node's ddprun to
+  // restart the whole job together (restart_round.h); used with --nnodes > 1 and
+  // --max-restarts > 0. 0 = --master-port + 1.
+  int agent_port = 0;
   // Add the variables of env_tuning.h to the workers' environment (--no-env-tuning: don't).
   bool env_tuning = true;
   // Put "[rank] " in front of each line on the console (--no-prefix: pass the bytes through as

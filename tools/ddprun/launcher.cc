@@ -16,15 +16,18 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "ddp/error.h"
+#include "ddp/job_secret.h"
 #include "ddp/tcp_store.h"
 #include "ddprun/env_tuning.h"
 #include "ddprun/line_assembler.h"
+#include "ddprun/restart_round.h"
 #include "ddprun/worker_env.h"
 
 namespace ddp::ddprun {
@@ -108,7 +111,8 @@ struct Worker {
   Stream err;
 };
 
-enum class OutcomeKind { kSucceeded, kWorkerFailed, kSignalled };
+// kRestartRequested: another node moved the job to the next restart round (restart_round.h).
+enum class OutcomeKind { kSucceeded, kWorkerFailed, kSignalled, kRestartRequested };
 
 struct Outcome {
   OutcomeKind kind = OutcomeKind::kSucceeded;
@@ -141,8 +145,14 @@ class Supervisor {
   // Starts every local worker; on failure to exec one, reports it and returns false.
   bool start_workers(int restart_count);
   pid_t spawn(Worker& worker, const std::vector<std::string>& env_strings, int restart_count);
-  // Runs the event loop until every worker succeeded, one failed, or ddprun got a signal.
-  Outcome supervise();
+  // Runs the event loop until every worker succeeded, one failed, ddprun got a signal, or (whole-
+  // job restarts) the job moved past `round`.
+  Outcome supervise(int round);
+  // Whole-job restarts, after this node's workers all succeeded in `round`: waits until every
+  // node's did (true) or the job moved to another round (false). Returns a signal ddprun got.
+  std::optional<int> await_other_nodes(int round, bool& all_succeeded);
+  // Creates rounds_ when the job spans nodes and may restart.
+  void start_restart_rounds();
   // Asks every process ddprun started to stop with `first_signal`, waits up to the grace period,
   // kills what is left, and reaps everything. Returns the signal ddprun received meanwhile, if any.
   std::optional<int> stop_everything(int first_signal, std::optional<int> already_signalled);
@@ -183,6 +193,7 @@ class Supervisor {
   OutputSink stdout_sink_{STDOUT_FILENO};
   OutputSink stderr_sink_{STDERR_FILENO};
   std::vector<Worker> workers_;
+  std::unique_ptr<RestartRounds> rounds_;  // whole-job restarts (nnodes > 1, max_restarts > 0)
   std::vector<pollfd> pollfds_;
   std::string pending_;  // scratch for assembled lines
 };
@@ -576,14 +587,22 @@ void Supervisor::signal_all(int sig, std::set<pid_t>& already) {
   }
 }
 
-Outcome Supervisor::supervise() {
+Outcome Supervisor::supervise(int round) {
   Outcome outcome;
   for (;;) {
-    // The timeout is only a safety net; SIGCHLD and output wake the loop.
-    poll_once(1000);
+    // The timeout is only a safety net; SIGCHLD and output wake the loop. With whole-job
+    // restarts it is also how often the store's round is looked at.
+    poll_once(rounds_ ? 200 : 1000);
     const std::optional<int> sig = read_signals();
     reap_children(&outcome);
     if (sig) return Outcome{.kind = OutcomeKind::kSignalled, .signal = *sig};
+    if (rounds_ && outcome.kind != OutcomeKind::kWorkerFailed) {
+      if (const int silent = rounds_->beat(); silent >= 0) {
+        rounds_->report_failure(
+            round, fmt::format("node {}'s ddprun stopped responding (no heartbeat)", silent));
+      }
+      if (rounds_->current_round() > round) return Outcome{.kind = OutcomeKind::kRestartRequested};
+    }
     if (outcome.kind == OutcomeKind::kWorkerFailed) {
       if (const auto settle_sig = settle_blame(outcome)) {
         return Outcome{.kind = OutcomeKind::kSignalled, .signal = *settle_sig};
@@ -593,6 +612,59 @@ Outcome Supervisor::supervise() {
     if (std::none_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) {
       return outcome;  // every worker exited with 0
     }
+  }
+}
+
+void Supervisor::start_restart_rounds() {
+  if (options_.nnodes < 2 || options_.max_restarts < 1) return;
+  Milliseconds join_timeout = kDefaultTimeout;
+  if (const auto it = base_env_.find("DDP_TIMEOUT"); it != base_env_.end()) {
+    double seconds = 0;
+    try {
+      seconds = std::stod(it->second);
+    } catch (const std::exception&) {
+    }
+    if (!(seconds > 0)) {
+      throw ConfigError(
+          fmt::format("DDP_TIMEOUT='{}' is not a positive number of seconds (e.g. DDP_TIMEOUT=60)",
+                      it->second));
+    }
+    join_timeout = Milliseconds(static_cast<long long>(seconds * 1000.0));
+  }
+  const std::string secret = options_.secret_file.empty()
+                                 ? resolve_job_secret(std::nullopt)
+                                 : read_secret_file(options_.secret_file, "--secret-file");
+  // A node does not beat while it stops its workers (up to the grace period plus kKillWait), so
+  // silence counts as death only well beyond that.
+  const Milliseconds silence =
+      std::max(Milliseconds(30'000), 2 * options_.grace_period + kKillWait + Milliseconds(10'000));
+  rounds_ = std::make_unique<RestartRounds>(RestartRoundsOptions{.host = options_.master_addr,
+                                                                 .port = options_.agent_port,
+                                                                 .nnodes = options_.nnodes,
+                                                                 .node_rank = options_.node_rank,
+                                                                 .run_id = options_.run_id,
+                                                                 .secret = secret,
+                                                                 .join_timeout = join_timeout,
+                                                                 .heartbeat_timeout = silence});
+}
+
+std::optional<int> Supervisor::await_other_nodes(int round, bool& all_succeeded) {
+  rounds_->report_success(round);
+  for (;;) {
+    if (rounds_->all_succeeded(round)) {
+      all_succeeded = true;
+      return std::nullopt;
+    }
+    if (rounds_->current_round() > round) {
+      all_succeeded = false;
+      return std::nullopt;
+    }
+    if (const int silent = rounds_->beat(); silent >= 0) {
+      rounds_->report_failure(
+          round, fmt::format("node {}'s ddprun stopped responding (no heartbeat)", silent));
+    }
+    poll_once(200);
+    if (const std::optional<int> sig = read_signals()) return sig;
   }
 }
 
@@ -629,38 +701,83 @@ std::optional<int> Supervisor::stop_everything(int first_signal,
 }
 
 int Supervisor::run() {
+  start_restart_rounds();
+  // Whole-job restarts: the job's failure of the round, named on every node when it gives up.
+  const auto give_up_or_restart = [&](int restart_count, const std::string& cause) {
+    if (restart_count >= options_.max_restarts) {
+      if (options_.max_restarts > 0) {
+        note(fmt::format("giving up after {} restarts{}", options_.max_restarts,
+                         cause.empty() ? "" : "; the job's last failure: " + cause));
+      }
+      if (rounds_) rounds_->leave();
+      return false;
+    }
+    note(fmt::format("restart {} of {}: starting the {} again{}", restart_count + 1,
+                     options_.max_restarts, rounds_ ? "workers of every node" : "local workers",
+                     cause.empty() ? "" : " (" + cause + ")"));
+    return true;
+  };
   for (int restart_count = 0;; ++restart_count) {
+    if (rounds_) rounds_->join(restart_count);
     if (!start_workers(restart_count)) {
       stop_everything(SIGTERM, std::nullopt);
+      if (rounds_) {
+        rounds_->report_failure(
+            restart_count, fmt::format("node {} could not start its workers", options_.node_rank));
+        rounds_->leave();
+      }
       return kWorkerFailedExitCode;
     }
-    const Outcome outcome = supervise();
+    const Outcome outcome = supervise(restart_count);
     switch (outcome.kind) {
-      case OutcomeKind::kSucceeded:
+      case OutcomeKind::kSucceeded: {
         // Every worker is done; stop whatever they left running in the background.
         if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
-        return 0;
+        if (!rounds_) return 0;
+        bool all_succeeded = false;
+        if (const auto sig = await_other_nodes(restart_count, all_succeeded)) return 128 + *sig;
+        if (all_succeeded) {
+          rounds_->leave();
+          return 0;
+        }
+        // Another node failed after this one's workers were done: the whole job goes again.
+        if (!give_up_or_restart(restart_count, rounds_->failure(restart_count))) {
+          return kWorkerFailedExitCode;
+        }
+        break;
+      }
       case OutcomeKind::kSignalled: {
         note(fmt::format("received {}; forwarding it to the workers", signal_name(outcome.signal)));
         stop_everything(outcome.signal, outcome.signal);
         return 128 + outcome.signal;
       }
       case OutcomeKind::kWorkerFailed: {
-        note(fmt::format("rank {} {}; stopping the other workers", outcome.rank,
-                         describe_wait_status(outcome.wait_status)));
+        const std::string what =
+            fmt::format("rank {} {}", outcome.rank, describe_wait_status(outcome.wait_status));
+        note(fmt::format("{}; stopping the other workers", what));
         if (!outcome.others.empty()) {
           note(fmt::format("also failed (likely in consequence): {}",
                            fmt::join(outcome.others, "; ")));
         }
-        if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
-        if (restart_count >= options_.max_restarts) {
-          if (options_.max_restarts > 0) {
-            note(fmt::format("giving up after {} restarts", options_.max_restarts));
-          }
-          return kWorkerFailedExitCode;
+        std::string cause;
+        if (rounds_) {
+          // Before stopping anything (that takes up to the grace period), so that this cause is
+          // recorded before the consequences on other nodes; it moves every node to the next
+          // round, and the first failure recorded is the one every node names.
+          cause = rounds_->report_failure(
+              restart_count, fmt::format("rank {} (node {}) {}", outcome.rank, options_.node_rank,
+                                         describe_wait_status(outcome.wait_status)));
         }
-        note(fmt::format("restart {} of {}: starting the local workers again", restart_count + 1,
-                         options_.max_restarts));
+        if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
+        if (!give_up_or_restart(restart_count, cause)) return kWorkerFailedExitCode;
+        break;
+      }
+      case OutcomeKind::kRestartRequested: {
+        const std::string cause = rounds_->failure(restart_count);
+        note(fmt::format("another node failed ({}); stopping the local workers",
+                         cause.empty() ? "no cause recorded" : cause));
+        if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
+        if (!give_up_or_restart(restart_count, cause)) return kWorkerFailedExitCode;
         break;
       }
     }

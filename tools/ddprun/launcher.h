@@ -15,13 +15,19 @@
 // signal other than SIGABRT/SIGPIPE beats an exit code (a rank whose peer died exits with an
 // error, and may be reaped first); see docs/ddprun.md.
 //
+// Restarts (--max-restarts K): the local workers are started again after a failure; with
+// --nnodes > 1 every node's ddprun restarts together through restart rounds in a store that node
+// 0's ddprun serves on --agent-port (restart_round.h, docs/ddprun.md "Whole-job restarts").
+//
 // Exit codes: 0 when every worker exited with 0; 1 when a worker failed (after --max-restarts
 // restarts) or could not be started; 128+N when ddprun received signal N (130 for SIGINT).
 //
 // run_workers blocks SIGCHLD/SIGINT/SIGTERM/SIGHUP and ignores SIGPIPE in the calling process
 // (workers get the original settings back), so call it from the main thread of a process that
 // runs nothing else, once. It throws ddp::Error when the kernel refuses a pipe, fork or signalfd,
-// or when no free port can be had for --master-port 0; the workers are killed first.
+// or when no free port can be had for --master-port 0, and ddp::Error when the restart-round
+// store fails (a node missing at the join deadline, node 0's ddprun gone); the workers are
+// killed first.
 #pragma once
 
 #include <string>
