@@ -16,6 +16,7 @@ packages=(
   libcli11-dev libfmt-dev nlohmann-json3-dev zlib1g-dev libssl-dev
   iproute2 procps
   nftables  # scripts/cluster.sh --loss (this kernel has no netem)
+  python3-matplotlib  # bench/plot_cluster.py (the PNGs in docs/img/)
 )
 
 missing=()
