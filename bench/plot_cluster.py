@@ -23,6 +23,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 from bench_common import REPO, parse_rate  # noqa: E402
 
@@ -72,7 +73,10 @@ def plot_train(data, out):
     ax.set_yscale("log")
     ax.set_xticks(bits)
     ax.set_xticklabels([rate_label(b) for b in bits])
-    ax.minorticks_off()
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(ticker.FuncFormatter(
+        lambda v, _: f"{v:g}" if f"{v:.1e}"[0] in "25" else ""))
     ax.set_xlabel("link rate per host (tbf)")
     ax.set_ylabel("training step, median (ms, log scale)")
     ax.set_title(f"{data['model']} DDP step, {data['hosts']} hosts × 1 rank, batch "
