@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 
 namespace ddp::test {
 namespace {
@@ -229,7 +230,9 @@ TEST(ClusterScript, ACutLinkDuringPowerSgdTrainingFailsWithANamedTimeoutAndNoRes
     GTEST_SKIP() << why;
   }
   // A full epoch (469 steps per rank) takes far longer than the test waits: the cut comes
-  // mid-epoch, after rank 0 reported 5 steps (PowerSGD compresses from step 2).
+  // mid-epoch, after rank 0 reported 5 steps (PowerSGD compresses from step 2). The failing
+  // ranks' flight-recorder dumps go to a folder of the test's own.
+  const TempDir dumps("ddp-cluster-cut");
   auto run = Subprocess::start(
       {cluster_script(), "run", "--timeout", "90", "--", build_dir() + "/bin/train-fashion-mnist",
        "--comm-hook", "powersgd", "--powersgd-rank", "2", "--powersgd-start-iter", "2", "--epochs",
@@ -237,6 +240,7 @@ TEST(ClusterScript, ACutLinkDuringPowerSgdTrainingFailsWithANamedTimeoutAndNoRes
       {{"DDP_CLUSTER_PREFIX", cluster.prefix()},
        {"DDP_BUILD_DIR", build_dir()},
        {"DDP_TIMEOUT", "5"},
+       {"DDP_DUMP_DIR", dumps.path().string()},
        {"OMP_NUM_THREADS", "1"}});
   const auto started = std::chrono::steady_clock::now();
   while (run.output_so_far().find("epoch 1 [") == std::string::npos &&
