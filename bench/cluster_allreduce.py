@@ -39,81 +39,21 @@ import datetime
 import json
 import os
 import platform
-import re
-import signal
 import socket
-import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-CLUSTER = str(REPO / "scripts" / "cluster.sh")
+from bench_common import (REPO, SKIPPED, SYSTEM_PYTHON, Cluster, clean_environment, cpu_model,
+                          human, json_rows, load_average, parse_rate, parse_size, tail,
+                          tool_version)
+
 RSH_AGENT = str(REPO / "scripts" / "cluster-rsh.sh")
-SYSTEM_PYTHON = "/usr/bin/python3"  # sees Debian's python3-torch
 SUBNET = "10.77.0"  # scripts/cluster.sh: host R is SUBNET.(R+1)
 ENGINES = ["ddp-ring", "ddp-hier", "gloo", "openmpi-tcp"]
 PEERS = ("gloo", "openmpi-tcp")
-SKIPPED = 77
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M,256M"
-
-
-def parse_size(text):
-    match = re.fullmatch(r"(\d+)([kmg]?)(i?b)?", text.strip().lower())
-    if not match or int(match.group(1)) == 0:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a byte size (e.g. 1K, 64K, 1M)")
-    return int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[match.group(2)]
-
-
-def parse_rate(text):
-    """tc's rate syntax -> bit/s (0 for none)."""
-    t = text.strip().lower()
-    if t == "none":
-        return 0
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)", t)
-    if not match:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a rate (e.g. 1gbit, 10gbit)")
-    return float(match.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9,
-                                     "tbit": 1e12}[match.group(2)]
-
-
-def human(nbytes):
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
-
-
-def run(argv, env, timeout):
-    """Runs argv in its own process group; returns (exit code, output). Never outlives timeout."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, output
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # cluster.sh run stops its hosts on SIGTERM too
-        try:
-            output, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        return 124, output + f"\n(killed after {timeout} s)"
-
-
-def json_rows(output):
-    """JSON objects in the output, after cluster.sh's '[hR] ' and ddprun's '[rank] ' prefixes."""
-    rows = []
-    for line in output.splitlines():
-        line = re.sub(r"^(\[h?\d+\] )+", "", line.strip())
-        if line.startswith("{"):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows
 
 
 # --- the raw TCP ring (runs inside every host, started by cluster.sh run) --------------------
@@ -176,40 +116,16 @@ def tcp_ring_worker(port, seconds):
 
 # --- the benchmark -----------------------------------------------------------------------------
 
-class Bench:
+class Bench(Cluster):
     def __init__(self, args):
         self.args = args
         self.build = Path(args.build_dir).resolve()
         self.bin = self.build / "bin"
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", DDP_BUILD_DIR=str(self.build),
-                        DDP_CLUSTER_PREFIX=args.prefix)
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                     "DDP_BACKEND", "DDP_TRANSPORT", "DDP_HOST_ID"):
-            self.env.pop(name, None)
-        self.commands = []  # every distinct command line, for the report
+        super().__init__(self.build, args.prefix, args.hosts, mtu=args.mtu, timeout=args.timeout,
+                         env=clean_environment(OMP_NUM_THREADS="1"))
 
     def cluster(self, *argv, timeout=120):
-        return run([CLUSTER, *argv], self.env, timeout)
-
-    def note(self, argv):
-        text = " ".join(argv)
-        text = text.replace(str(REPO) + "/", "")
-        if text not in self.commands:
-            self.commands.append(text)
-
-    def up(self, rate):
-        argv = ["up", "--hosts", str(self.args.hosts), "--rate", rate, "--mtu", str(self.args.mtu)]
-        self.note(["scripts/cluster.sh", *argv])
-        return self.cluster(*argv)
-
-    def down(self):
-        return self.cluster("down")
-
-    def host_run(self, nproc, command, timeout=None):
-        timeout = timeout or self.args.timeout
-        argv = ["run", "--nproc-per-host", str(nproc), "--timeout", str(timeout), "--", *command]
-        self.note(["scripts/cluster.sh", *argv])
-        return self.cluster(*argv, timeout=timeout + 60)
+        return self.script(*argv, timeout=timeout)
 
     def link(self):
         """Raw TCP ring: the slowest host's receive rate (GB/s of payload)."""
@@ -302,37 +218,6 @@ class Bench:
         return rows, "; ".join(errors) or None
 
 
-def tail(output, lines=4):
-    return " | ".join(output.strip().splitlines()[-lines:])
-
-
-def machine():
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return model
-
-
-def load_average():
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
-
-
-def tool_version(argv):
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
-        return out.splitlines()[0] if out else "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
 def median_of_rounds(rounds):
     """Per size, the round whose median time is the median of the rounds' (the lower middle one
     for an even count, i.e. the faster of two), with every round's time kept."""
@@ -381,7 +266,8 @@ def main():
     parser.add_argument("--prefix", default="ddpcb",
                         help="cluster.sh's DDP_CLUSTER_PREFIX for the bench's cluster (ddpcb)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per program run")
-    parser.add_argument("--json-out", help="also write every measurement to this file")
+    parser.add_argument("--json-out", "--json", dest="json_out",
+                        help="also write every measurement to this file (bench/plot_cluster.py)")
     parser.add_argument("--tcp-ring-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=5201, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -496,7 +382,7 @@ def main():
     lines = [f"# Allreduce float32 sum on a simulated cluster: {k} hosts", ""]
     lines.append(f"- date: {started:%Y-%m-%d %H:%M} UTC; host {platform.node()}, kernel "
                  f"{platform.release()}")
-    lines.append(f"- machine: {os.cpu_count()} CPUs ({machine()}) shared by every host; load "
+    lines.append(f"- machine: {os.cpu_count()} CPUs ({cpu_model()}) shared by every host; load "
                  f"average {load_before} before, {load_after} after")
     commit = tool_version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
     torch_version = tool_version([SYSTEM_PYTHON, "-c", "import torch; print(torch.__version__)"])
@@ -586,7 +472,7 @@ def main():
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({
             "date": started.isoformat(), "hosts": k, "cpus": os.cpu_count(),
-            "cpu_model": machine(), "kernel": platform.release(), "load_before": load_before,
+            "cpu_model": cpu_model(), "kernel": platform.release(), "load_before": load_before,
             "load_after": load_after, "mtu": args.mtu, "mpi_yield_when_idle": args.mpi_yield,
             "results": {rate: {e: (rows if e == "link" else {str(b): r for b, r in rows.items()})
                                for e, rows in res.items()} for rate, res in results.items()},

@@ -37,64 +37,25 @@ import datetime
 import json
 import os
 import platform
-import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-SYSTEM_PYTHON = "/usr/bin/python3"  # sees Debian's python3-torch; a pyenv python3 may not
+from bench_common import (PYTORCH2_PYTHON, REPO, SYSTEM_PYTHON, cpu_model, human, json_rows,
+                          load_average, parse_size, run, tool_version)
+
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
-PYTORCH2_PYTHON = str(REPO / "scripts" / "pytorch-python")  # PyTorch 2.x from PyPI
 PEERS = ["ddp-ring", "ddp-shm", "ddp-mpi", "gloo", "gloo2", "openmpi-tcp", "openmpi"]
 EXTRA_PEERS = ["tcp-bound"]  # measured only when --peers names them
 GLOOS = ("gloo", "gloo2", "openmpi-tcp")  # the peers that ddp-ring's ratios are taken against
-
-
-def parse_size(text):
-    match = re.fullmatch(r"(\d+)([kmg]?)(i?b)?", text.strip().lower())
-    if not match or int(match.group(1)) == 0:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a byte size (e.g. 1K, 64K, 1M)")
-    return int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[match.group(2)]
-
-
-def human(nbytes):
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
 
 
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def run(argv, env, timeout):
-    """Runs argv in its own process group; returns (exit code, output). Never outlives timeout."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, output
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return 124, output + f"\n(killed after {timeout} s)"
-
-
-def json_rows(output):
-    """JSON objects in the output, one per line, after ddprun's '[rank] ' prefix if any."""
-    rows = []
-    for line in output.splitlines():
-        line = re.sub(r"^\[\d+\] ", "", line.strip())
-        if line.startswith("{"):
-            rows.append(json.loads(line))
-    return rows
 
 
 class Runner:
@@ -203,33 +164,6 @@ class Runner:
         return self.finish(*run([str(program), *self.common], self.env, self.args.timeout))
 
 
-def machine_description():
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return model
-
-
-def load_average():
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
-
-
-def tool_version(argv):
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
-        return out.splitlines()[0] if out else "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
 def fmt_time(row):
     return f"{row['time_us']:.1f}" if row else "–"
 
@@ -320,7 +254,7 @@ def main():
     lines.append(f"# Allreduce float32 sum, world size {args.world_size}, one host")
     lines.append("")
     lines.append(f"- date: {started:%Y-%m-%d %H:%M} UTC; host {platform.node()}")
-    lines.append(f"- machine: {os.cpu_count()} CPUs ({machine_description()}), "
+    lines.append(f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), "
                  f"load average {load_before} before, {load_after} after")
     torch_version = tool_version([SYSTEM_PYTHON, "-c", "import torch; print(torch.__version__)"])
     commit = tool_version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
@@ -432,7 +366,7 @@ def main():
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
             {"date": started.isoformat(), "world_size": args.world_size, "cpus": os.cpu_count(),
-             "cpu_model": machine_description(), "load_before": load_before,
+             "cpu_model": cpu_model(), "load_before": load_before,
              "load_after": load_after, "measured": measured, "errors": errors}, indent=1))
     real_errors = {p: e for p, e in errors.items()
                    if not e.startswith("not built") and not e.startswith("not installed")}

@@ -28,9 +28,8 @@
 
 #include "ddp/error.h"
 #include "ddp/init.h"
+#include "ddp/torch/comm_hook_by_name.h"
 #include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/powersgd_hook.h"
-#include "ddp/torch/quantized_hook.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
@@ -110,7 +109,7 @@ int main(int argc, char** argv) {
   int powersgd_rank = 1;
   std::int64_t powersgd_start = 2;
   app.add_option("--comm-hook", hook, "none, fp16, bf16, powersgd, batched-powersgd or int8")
-      ->check(CLI::IsMember({"none", "fp16", "bf16", "powersgd", "batched-powersgd", "int8"}));
+      ->check(CLI::IsMember(ddp::comm_hook_names()));
   app.add_option("--powersgd-rank", powersgd_rank, "PowerSGD's matrix_approximation_rank")
       ->check(CLI::PositiveNumber);
   app.add_option("--powersgd-start-iter", powersgd_start,
@@ -152,15 +151,9 @@ int main(int argc, char** argv) {
                                                 .gradient_as_bucket_view = as_view,
                                                 .divergence_check_every = divergence_check_every})
                       .ptr();
-      if (hook == "fp16") ddp_model->register_comm_hook(ddp::fp16_compress_hook());
-      if (hook == "bf16") ddp_model->register_comm_hook(ddp::bf16_compress_hook());
-      if (hook == "powersgd" || hook == "batched-powersgd") {
-        auto state = std::make_shared<ddp::PowerSGDState>(ddp::PowerSGDOptions{
-            .matrix_approximation_rank = powersgd_rank, .start_powersgd_iter = powersgd_start});
-        ddp_model->register_comm_hook(hook == "powersgd" ? ddp::powersgd_hook(state)
-                                                         : ddp::batched_powersgd_hook(state));
-      }
-      if (hook == "int8") ddp_model->register_comm_hook(ddp::int8_quantize_hook());
+      auto chosen = ddp::comm_hook_from_name(
+          hook, {.powersgd_rank = powersgd_rank, .powersgd_start_iter = powersgd_start});
+      if (chosen.hook) ddp_model->register_comm_hook(*chosen.hook, hook);
     }
     const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
     const auto adam = torch::optim::AdamOptions(1e-3);

@@ -6,6 +6,16 @@ the gloo backend, with the same models, batch and synthetic data as ddp-train-be
 per rank with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (bench/compare_ddp.sh does;
 Debian's torchrun does not start under Python 3.11). Rank 0's last line is
 `step_ms=<median> samples_per_s=<world*batch/median>`.
+
+--comm-hook fp16|powersgd|batched-powersgd registers PyTorch's own hooks (fp16_compress_hook,
+powerSGD_hook, batched_powerSGD_hook from torch.distributed.algorithms.ddp_comm_hooks) with
+PowerSGDState(matrix_approximation_rank=--powersgd-rank, start_powerSGD_iter=
+--powersgd-start-iter), as ddp-train-bench does for ddp's. Use PyTorch 2.x (scripts/pytorch-python)
+for PowerSGD: Debian's 1.13 hook crashes on gloo (docs/ddp.md, comm hooks). 2.x's does too when
+the model has more than one bucket (`enforce fail at gloo/transport/tcp/pair.cc:464
+op.preamble.length <= op.nbytes`): the hook's second allreduce is issued from a future's callback
+and races with the next bucket's allreduce, so the ranks pair different collectives. With one
+bucket (--bucket-cap-mb larger than the model's gradients) it runs.
 """
 import argparse
 import os
@@ -30,6 +40,22 @@ def make_model(name):
     raise SystemExit(f"unknown model {name!r}: use cnn or mlp")
 
 
+def register_comm_hook(model, args):
+    if args.comm_hook == "none":
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    if args.comm_hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return
+    state = powersgd.PowerSGDState(process_group=None,
+                                   matrix_approximation_rank=args.powersgd_rank,
+                                   start_powerSGD_iter=args.powersgd_start_iter)
+    hook = powersgd.powerSGD_hook if args.comm_hook == "powersgd" else \
+        powersgd.batched_powerSGD_hook
+    model.register_comm_hook(state, hook)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="mlp", choices=["cnn", "mlp"])
@@ -38,7 +64,20 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gradient-as-bucket-view", action="store_true")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket_cap_mb (default: PyTorch's, 25 with a 1 MiB first "
+                             "bucket); a value also sets the first bucket's cap")
+    parser.add_argument("--comm-hook", default="none",
+                        choices=["none", "fp16", "powersgd", "batched-powersgd"])
+    parser.add_argument("--powersgd-rank", type=int, default=1,
+                        help="PowerSGDState's matrix_approximation_rank")
+    parser.add_argument("--powersgd-start-iter", type=int, default=2,
+                        help="PowerSGDState's start_powerSGD_iter (>= 2; keep it <= --warmup)")
     args = parser.parse_args()
+    if args.powersgd_rank < 1:
+        parser.error(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
+    if args.powersgd_start_iter < 2:
+        parser.error(f"--powersgd-start-iter must be at least 2, got {args.powersgd_start_iter}")
 
     torch.set_num_threads(args.threads)
     rank = int(os.environ.get("RANK", "0"))
@@ -49,7 +88,9 @@ def main():
     if distributed:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = nn.parallel.DistributedDataParallel(
-            model, gradient_as_bucket_view=args.gradient_as_bucket_view)
+            model, gradient_as_bucket_view=args.gradient_as_bucket_view,
+            bucket_cap_mb=args.bucket_cap_mb)
+        register_comm_hook(model, args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(100 + rank)
     x = torch.randn(args.batch_size, 1, 28, 28)

@@ -16,7 +16,7 @@ packages=(
   libcli11-dev libfmt-dev nlohmann-json3-dev zlib1g-dev libssl-dev
   iproute2 procps
   nftables  # scripts/cluster.sh --loss (this kernel has no netem)
-  python3-matplotlib  # scripts/plot_metrics.py and scripts/plot_trace.py
+  python3-matplotlib  # the plots: scripts/plot_metrics.py, scripts/plot_trace.py, bench/plot_cluster.py
 )
 
 missing=()

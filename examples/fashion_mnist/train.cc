@@ -33,6 +33,7 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/checkpoint.h"
+#include "ddp/torch/comm_hook_by_name.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_sampler.h"
 #include "ddp/torch/grad_scaler.h"
@@ -71,6 +72,9 @@ struct Options {
   std::string mixed_precision = "none";  // bf16: autocast forward, bf16 gradient reduction
   std::string metrics;                   // rank 0 writes JSON lines here (metrics_log.h)
   int checkpoint_every_steps = 0;        // > 0: a ddp::TrainState every N steps (mid-epoch resume)
+  std::string comm_hook = "none";        // ddp::comm_hook_from_name's names
+  int powersgd_rank = 4;
+  std::int64_t powersgd_start_iter = 10;
 };
 
 // Batches per epoch of `rank`: its unpadded share with --uneven, less rank * uneven_skew (an
@@ -210,6 +214,16 @@ int run(const Options& options) {
         "--checkpoint-every-steps cannot be combined with --uneven (ranks make different numbers "
         "of steps there, so no single step marks a position of the whole job)");
   }
+  if (options.comm_hook != "none" && options.mixed_precision != "none") {
+    throw ddp::ConfigError(fmt::format(
+        "--comm-hook {} with --mixed-precision {}: the hook would replace the {} gradient "
+        "reduction; use one of the two",
+        options.comm_hook, options.mixed_precision, options.mixed_precision));
+  }
+  // Before loading the data, so that bad PowerSGD options fail at once.
+  const auto hook = ddp::comm_hook_from_name(
+      options.comm_hook,
+      {.powersgd_rank = options.powersgd_rank, .powersgd_start_iter = options.powersgd_start_iter});
   torch::set_num_threads(options.threads > 0 ? options.threads : default_threads());
   torch::manual_seed(options.seed);
 
@@ -280,6 +294,7 @@ int run(const Options& options) {
   ddp::DdpOptions ddp_options;
   if (bf16) ddp_options.reduce_dtype = torch::kBFloat16;
   auto model = ddp::DistributedDataParallel(net.ptr(), group, ddp_options);
+  if (hook.hook) model->register_comm_hook(*hook.hook, options.comm_hook);
 
   const auto samples = static_cast<std::size_t>(train.size());
   ddp::DistributedSampler sampler(samples, *group,
@@ -294,10 +309,15 @@ int run(const Options& options) {
   if (leader) {
     fmt::print(
         "training {} on {} samples ({} per rank, {} batches of {} per rank and epoch), "
-        "{} ranks, {} thread(s) each, lr {} ({}) momentum {} weight decay {}{}\n",
+        "{} ranks, {} thread(s) each, lr {} ({}) momentum {} weight decay {}{}{}\n",
         options.model, train.size(), per_rank, batches, batch, world_size, torch::get_num_threads(),
         options.lr, options.schedule, options.momentum, options.weight_decay,
-        bf16 ? ", mixed precision bf16 (autocast forward, bf16 gradient reduction)" : "");
+        bf16 ? ", mixed precision bf16 (autocast forward, bf16 gradient reduction)" : "",
+        hook.powersgd_state
+            ? fmt::format(", comm hook {} (rank {}, from step {})", options.comm_hook,
+                          options.powersgd_rank, options.powersgd_start_iter)
+        : hook.hook ? fmt::format(", comm hook {}", options.comm_hook)
+                    : "");
     if (options.uneven) {
       std::vector<std::int64_t> counts;
       for (int r = 0; r < world_size; ++r)
@@ -472,9 +492,9 @@ int run(const Options& options) {
   if (leader) {
     fmt::print(
         "final test_accuracy={:.4f} epochs={} world_size={} model={} batch_size={} "
-        "lr={} train_samples={} time_s={:.1f}\n",
+        "lr={} train_samples={} time_s={:.1f} bytes_per_step={}\n",
         accuracy, options.epochs, world_size, options.model, options.batch_size, options.lr,
-        train.size(), seconds_since(job_start));
+        train.size(), seconds_since(job_start), model->reducer().last_timeline().bytes_sent);
     std::fflush(stdout);
   }
   ddp::destroy_process_group();
@@ -568,6 +588,19 @@ int main(int argc, char** argv) {
   app.add_option("--metrics", options.metrics,
                  "rank 0 writes one JSON line per logged step and per epoch to this file (loss, "
                  "accuracy, samples/s, step time, bytes per step; docs/fashion-mnist.md)");
+  app.add_option("--comm-hook", options.comm_hook,
+                 "gradient reduction: none (DDP's allreduce), fp16, bf16, powersgd, "
+                 "batched-powersgd or int8 (docs/ddp.md, comm hooks)")
+      ->check(CLI::IsMember(ddp::comm_hook_names()))
+      ->capture_default_str();
+  app.add_option("--powersgd-rank", options.powersgd_rank,
+                 "with --comm-hook powersgd: PowerSGD's matrix_approximation_rank")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--powersgd-start-iter", options.powersgd_start_iter,
+                 "with --comm-hook powersgd: plain allreduce for the steps before (>= 2)")
+      ->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 40))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   try {

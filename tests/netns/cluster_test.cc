@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 
 namespace ddp::test {
 namespace {
@@ -209,6 +211,74 @@ TEST(ClusterScript, ACutLinkFailsTheRunWithANamedTimeoutInsteadOfAHang) {
   EXPECT_LT(took, 25s) << "the run took too long to fail after the cut";
   const auto status = cluster.script({"status"}, 30s);
   EXPECT_NE(status.output.find("link DOWN"), std::string::npos) << status.output;
+}
+
+// The same fault in the main job with a comm hook: train-fashion-mnist with PowerSGD (two
+// allreduces per bucket, the second from the hook's finish step) on two hosts, host 1's cable
+// pulled once training runs. Every rank must fail within the collective timeout with a named
+// error, and no accuracy may be reported.
+TEST(ClusterScript, ACutLinkDuringPowerSgdTrainingFailsWithANamedTimeoutAndNoResult) {
+#ifndef DDP_TRAINER_PROGRAM
+  GTEST_SKIP() << "this build has no train-fashion-mnist (DDP_BUILD_TORCH=OFF)";
+#else
+  if (!std::filesystem::exists(std::string(DDP_FMNIST_DIR) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << DDP_FMNIST_DIR << " has no Fashion-MNIST files; install Debian's "
+                 << "dataset-fashion-mnist to run this test";
+  }
+  Cluster cluster;
+  if (const auto why = up(cluster, {"--hosts", "2", "--rate", "1gbit"}); !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  // A full epoch (469 steps per rank) takes far longer than the test waits: the cut comes
+  // mid-epoch, after rank 0 reported 5 steps (PowerSGD compresses from step 2). The failing
+  // ranks' flight-recorder dumps go to a folder of the test's own.
+  const TempDir dumps("ddp-cluster-cut");
+  auto run = Subprocess::start(
+      {cluster_script(), "run", "--timeout", "90", "--", build_dir() + "/bin/train-fashion-mnist",
+       "--comm-hook", "powersgd", "--powersgd-rank", "2", "--powersgd-start-iter", "2", "--epochs",
+       "1", "--log-every", "5"},
+      {{"DDP_CLUSTER_PREFIX", cluster.prefix()},
+       {"DDP_BUILD_DIR", build_dir()},
+       {"DDP_TIMEOUT", "5"},
+       {"DDP_DUMP_DIR", dumps.path().string()},
+       {"OMP_NUM_THREADS", "1"}});
+  const auto started = std::chrono::steady_clock::now();
+  while (run.output_so_far().find("epoch 1 [") == std::string::npos &&
+         std::chrono::steady_clock::now() - started < 60s) {
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_NE(run.output_so_far().find("epoch 1 ["), std::string::npos) << run.output_so_far();
+  const auto cut = cluster.script({"link", "1", "down"}, 30s);
+  ASSERT_EQ(cut.exit_code, 0) << cut.output;
+  const auto cut_at = std::chrono::steady_clock::now();
+  const auto r = run.wait(60s);
+  const auto took = std::chrono::steady_clock::now() - cut_at;
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_LT(took, 25s) << "the run took too long to fail after the cut";
+  // Every host exits non-zero. The first rank to fail names the collective, the timeout
+  // (DDP_TIMEOUT=5) and the peer; cluster.sh run then stops the other hosts (as ddprun stops its
+  // workers), so a later rank may be stopped before its own timeout: every error printed must
+  // name the timeout, and at least one must be printed.
+  for (int host = 0; host < 2; ++host) {
+    const auto exited =
+        fmt::format("host {} ({}-h{}) exited with code ", host, cluster.prefix(), host);
+    EXPECT_NE(r.output.find(exited), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find(exited + "0\n"), std::string::npos) << r.output;
+  }
+  int errors = 0;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("train-fashion-mnist: error: ") == std::string::npos) continue;
+    ++errors;
+    EXPECT_NE(line.find("timed out after 5000 ms in allreduce"), std::string::npos) << line;
+    EXPECT_NE(line.find("waiting for data from rank"), std::string::npos) << line;
+  }
+  EXPECT_GE(errors, 1) << r.output;
+  EXPECT_EQ(r.output.find("final test_accuracy"), std::string::npos)
+      << "an accuracy was reported after the link was cut:\n"
+      << r.output;
+#endif
 }
 
 TEST(ClusterScript, DelayNeedsNetemAndIsRefusedWithTheReasonWithoutIt) {

@@ -273,9 +273,29 @@ TEST_F(TrainFashionMnistTest, MixedPrecisionBf16Trains) {
   EXPECT_GT(final_accuracy(result.output), 0.5) << result.output;  // chance is 0.1
 }
 
+// PowerSGD from step 2 (so nearly all of the 16 steps compress): it trains, and a step's
+// gradients cost far fewer bytes than the cnn's 421,738 fp32 parameters (1,686,952 bytes).
+TEST_F(TrainFashionMnistTest, PowerSgdCommHookTrains) {
+  const auto result =
+      train({"--comm-hook", "powersgd", "--powersgd-rank", "2", "--powersgd-start-iter", "2",
+             "--epochs", "1", "--limit-train", "2048", "--batch-size", "64", "--log-every", "0"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("comm hook powersgd (rank 2, from step 2)"));
+  EXPECT_GT(final_accuracy(result.output), 0.5) << result.output;  // chance is 0.1
+  std::smatch match;
+  static const std::regex bytes_field(R"(bytes_per_step=(\d+))");
+  ASSERT_TRUE(std::regex_search(result.output, match, bytes_field)) << result.output;
+  const auto bytes = std::stoll(match[1].str());
+  EXPECT_GT(bytes, 0);
+  EXPECT_LT(bytes, 1686952 / 4) << result.output;
+}
+
 TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
   for (const std::vector<std::string>& args : {std::vector<std::string>{"--model", "resnet"},
                                                {"--mixed-precision", "fp8"},
+                                               {"--comm-hook", "powersgd4"},
+                                               {"--comm-hook", "int8", "--mixed-precision", "bf16"},
+                                               {"--powersgd-rank", "0"},
                                                {"--epochs", "0"},
                                                {"--lr", "-1"},
                                                {"--resume"}}) {
