@@ -182,6 +182,25 @@ TEST(ClusterScript, AnInterruptedRunStopsEveryHost) {
   }
 }
 
+// Waits until `run` has printed `marker` (up to `marker_deadline`), pulls host 1's cable, and
+// waits up to 60 s for the run to end; *result gets its exit status, *took the time it took to
+// end after the cut. Fatal failure when the marker never comes or the cut fails.
+void cut_link_once_seen(const Cluster& cluster, Subprocess& run, const std::string& marker,
+                        std::chrono::seconds marker_deadline, ExitStatus* result,
+                        std::chrono::steady_clock::duration* took) {
+  const auto started = std::chrono::steady_clock::now();
+  while (run.output_so_far().find(marker) == std::string::npos &&
+         std::chrono::steady_clock::now() - started < marker_deadline) {
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_NE(run.output_so_far().find(marker), std::string::npos) << run.output_so_far();
+  const auto cut = cluster.script({"link", "1", "down"}, 30s);
+  ASSERT_EQ(cut.exit_code, 0) << cut.output;
+  const auto cut_at = std::chrono::steady_clock::now();
+  *result = run.wait(60s);
+  *took = std::chrono::steady_clock::now() - cut_at;
+}
+
 TEST(ClusterScript, ACutLinkFailsTheRunWithANamedTimeoutInsteadOfAHang) {
   Cluster cluster;
   if (const auto why = up(cluster, {"--hosts", "2", "--rate", "1gbit"}); !why.empty()) {
@@ -193,17 +212,9 @@ TEST(ClusterScript, ACutLinkFailsTheRunWithANamedTimeoutInsteadOfAHang) {
       {cluster_script(), "run", "--timeout", "60", "--", build_dir() + "/bin/ddp-bench", "--sizes",
        "1K,64M", "--iters", "50", "--warmup", "0", "--json", "--timeout", "5"},
       {{"DDP_CLUSTER_PREFIX", cluster.prefix()}, {"DDP_BUILD_DIR", build_dir()}});
-  const auto started = std::chrono::steady_clock::now();
-  while (run.output_so_far().find("\"bytes\":1024") == std::string::npos &&
-         std::chrono::steady_clock::now() - started < 30s) {
-    std::this_thread::sleep_for(50ms);
-  }
-  ASSERT_NE(run.output_so_far().find("\"bytes\":1024"), std::string::npos) << run.output_so_far();
-  const auto cut = cluster.script({"link", "1", "down"}, 30s);
-  ASSERT_EQ(cut.exit_code, 0) << cut.output;
-  const auto cut_at = std::chrono::steady_clock::now();
-  const auto r = run.wait(60s);
-  const auto took = std::chrono::steady_clock::now() - cut_at;
+  ExitStatus r;
+  std::chrono::steady_clock::duration took{};
+  ASSERT_NO_FATAL_FAILURE(cut_link_once_seen(cluster, run, "\"bytes\":1024", 30s, &r, &took));
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 1) << r.output;
   // Both ranks name the collective, the peer and the deadline (ddp-bench --timeout 5).
@@ -242,17 +253,9 @@ TEST(ClusterScript, ACutLinkDuringPowerSgdTrainingFailsWithANamedTimeoutAndNoRes
        {"DDP_TIMEOUT", "5"},
        {"DDP_DUMP_DIR", dumps.path().string()},
        {"OMP_NUM_THREADS", "1"}});
-  const auto started = std::chrono::steady_clock::now();
-  while (run.output_so_far().find("epoch 1 [") == std::string::npos &&
-         std::chrono::steady_clock::now() - started < 60s) {
-    std::this_thread::sleep_for(50ms);
-  }
-  ASSERT_NE(run.output_so_far().find("epoch 1 ["), std::string::npos) << run.output_so_far();
-  const auto cut = cluster.script({"link", "1", "down"}, 30s);
-  ASSERT_EQ(cut.exit_code, 0) << cut.output;
-  const auto cut_at = std::chrono::steady_clock::now();
-  const auto r = run.wait(60s);
-  const auto took = std::chrono::steady_clock::now() - cut_at;
+  ExitStatus r;
+  std::chrono::steady_clock::duration took{};
+  ASSERT_NO_FATAL_FAILURE(cut_link_once_seen(cluster, run, "epoch 1 [", 60s, &r, &took));
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_LT(took, 25s) << "the run took too long to fail after the cut";
