@@ -41,6 +41,7 @@
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/train_state.h"
 #include "ddp/torch/version.h"
+#include "ddp/torch/zero_redundancy_optimizer.h"
 #include "ddp/trace.h"
 #include "idx_reader.h"
 #include "metrics_log.h"
@@ -54,8 +55,10 @@ constexpr double kPixelStd = 0.3530;
 struct Options {
   std::string model = "cnn";
   int epochs = 4;
-  int batch_size = 64;  // per rank
-  double lr = 0.05;
+  int batch_size = 64;            // per rank
+  std::string optimizer = "sgd";  // sgd (with momentum) or adam
+  std::string sharding = "ddp";   // ddp (full optimizer state per rank) or zero1
+  double lr = 0.05;               // for sgd; adam's default is kAdamDefaultLr
   double momentum = 0.9;
   double weight_decay = 5e-4;
   std::string schedule = "cosine";  // of the learning rate: cosine (to 0 at the end) or constant
@@ -86,6 +89,9 @@ std::int64_t batches_of(const Options& options, std::size_t samples, int rank, i
   if (!options.uneven) return full;
   return std::max<std::int64_t>(1, full - static_cast<std::int64_t>(rank) * options.uneven_skew);
 }
+
+// Adam's usual rate (PyTorch's default); SGD's 0.05 would make Adam diverge.
+constexpr double kAdamDefaultLr = 1e-3;
 
 int default_threads() {
   if (const char* value = std::getenv("OMP_NUM_THREADS")) {
@@ -171,10 +177,30 @@ double learning_rate(const Options& options, std::int64_t step, std::int64_t tot
   return options.lr * 0.5 * (1.0 + std::cos(kPi * progress));
 }
 
-void set_learning_rate(torch::optim::SGD& optimizer, double lr) {
-  for (auto& group : optimizer.param_groups()) {
-    static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
+// On a ZeroRedundancyOptimizer this sets the rate of its param_groups(); its step() passes it on.
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups())
+    group.options().set_lr(lr);
+}
+
+// The optimizer of --optimizer over the model's parameters; with --sharding zero1 each rank
+// keeps the state of its shard only (ddp::ZeroRedundancyOptimizer, collective to build).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(
+    const Options& options, std::vector<torch::Tensor> parameters,
+    const std::shared_ptr<ddp::ProcessGroup>& group) {
+  const bool zero = options.sharding == "zero1";
+  if (options.optimizer == "adam") {
+    const auto defaults = torch::optim::AdamOptions(options.lr).weight_decay(options.weight_decay);
+    if (zero)
+      return std::make_unique<ddp::ZeroRedundancyOptimizer>(std::move(parameters), defaults, group);
+    return std::make_unique<torch::optim::Adam>(std::move(parameters), defaults);
   }
+  const auto defaults = torch::optim::SGDOptions(options.lr)
+                            .momentum(options.momentum)
+                            .weight_decay(options.weight_decay);
+  if (zero)
+    return std::make_unique<ddp::ZeroRedundancyOptimizer>(std::move(parameters), defaults, group);
+  return std::make_unique<torch::optim::SGD>(std::move(parameters), defaults);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -213,6 +239,12 @@ int run(const Options& options) {
     throw ddp::ConfigError(
         "--checkpoint-every-steps cannot be combined with --uneven (ranks make different numbers "
         "of steps there, so no single step marks a position of the whole job)");
+  }
+  if (options.sharding == "zero1" && options.uneven) {
+    throw ddp::ConfigError(
+        "--sharding zero1 cannot be combined with --uneven: ranks that have run out of data "
+        "would have to keep taking part in the optimizer's broadcasts, which ddp::Join does not "
+        "do for ZeroRedundancyOptimizer yet; use --sharding ddp with --uneven");
   }
   if (options.comm_hook != "none" && options.mixed_precision != "none") {
     throw ddp::ConfigError(fmt::format(
@@ -257,9 +289,13 @@ int run(const Options& options) {
     ddp::convert_sync_batchnorm(net.ptr(), group);
     if (leader) fmt::print("BatchNorm statistics are synchronised across ranks (SyncBatchNorm)\n");
   }
-  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(options.lr)
-                                                     .momentum(options.momentum)
-                                                     .weight_decay(options.weight_decay));
+  const auto optimizer_owner = make_optimizer(options, net->parameters(), group);
+  torch::optim::Optimizer& optimizer = *optimizer_owner;
+  // Rank 0 writes checkpoints; with ZeRO every rank first sends it its optimizer shard.
+  auto* zero_optimizer = dynamic_cast<ddp::ZeroRedundancyOptimizer*>(optimizer_owner.get());
+  const auto gather_optimizer_state = [&] {
+    if (zero_optimizer) zero_optimizer->consolidate_state_dict(0);
+  };
 
   int first_epoch = 1;
   // With --checkpoint-every-steps the file is a ddp::TrainState (mid-epoch position included).
@@ -309,9 +345,11 @@ int run(const Options& options) {
   if (leader) {
     fmt::print(
         "training {} on {} samples ({} per rank, {} batches of {} per rank and epoch), "
-        "{} ranks, {} thread(s) each, lr {} ({}) momentum {} weight decay {}{}{}\n",
+        "{} ranks, {} thread(s) each, {}{}, lr {} ({}) weight decay {}{}{}\n",
         options.model, train.size(), per_rank, batches, batch, world_size, torch::get_num_threads(),
-        options.lr, options.schedule, options.momentum, options.weight_decay,
+        options.optimizer == "sgd" ? fmt::format("sgd momentum {}", options.momentum) : "adam",
+        options.sharding == "zero1" ? " sharded by ZeroRedundancyOptimizer (ZeRO stage 1)" : "",
+        options.lr, options.schedule, options.weight_decay,
         bf16 ? ", mixed precision bf16 (autocast forward, bf16 gradient reduction)" : "",
         hook.powersgd_state
             ? fmt::format(", comm hook {} (rank {}, from step {})", options.comm_hook,
@@ -390,6 +428,10 @@ int run(const Options& options) {
         optimizer.step();
       }
       ++global_step;
+      if (train_state_file && global_step % options.checkpoint_every_steps == 0 &&
+          b + 1 < epoch_batches) {
+        gather_optimizer_state();
+      }
       if (leader && train_state_file && global_step % options.checkpoint_every_steps == 0 &&
           b + 1 < epoch_batches) {
         auto span = ddp::trace_span("checkpoint", "train", {{"step", step}});
@@ -441,6 +483,7 @@ int run(const Options& options) {
     }
     const double train_seconds = seconds_since(epoch_start);
     if (bar) bar->finish();
+    if (!options.checkpoint.empty()) gather_optimizer_state();
     if (leader) {
       {
         auto span = ddp::trace_span("evaluate", "train", {{"epoch", epoch}});
@@ -530,15 +573,23 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", options.batch_size, "samples per batch and rank")
       ->check(CLI::Range(1, 60000))
       ->capture_default_str();
-  app.add_option("--lr", options.lr, "SGD learning rate")
-      ->check(kFinite)
-      ->check(CLI::Range(1e-6, 10.0))
+  app.add_option("--optimizer", options.optimizer, "sgd (with --momentum) or adam")
+      ->check(CLI::IsMember({"sgd", "adam"}))
       ->capture_default_str();
+  app.add_option("--sharding", options.sharding,
+                 "ddp (every rank holds the whole optimizer state) or zero1 (each rank holds its "
+                 "shard's, ddp::ZeroRedundancyOptimizer; docs/sharding.md)")
+      ->check(CLI::IsMember({"ddp", "zero1"}))
+      ->capture_default_str();
+  auto* lr_option =
+      app.add_option("--lr", options.lr, "learning rate (default: 0.05 with sgd, 0.001 with adam)")
+          ->check(kFinite)
+          ->check(CLI::Range(1e-6, 10.0));
   app.add_option("--momentum", options.momentum, "SGD momentum")
       ->check(kFinite)
       ->check(CLI::Range(0.0, 0.999))
       ->capture_default_str();
-  app.add_option("--weight-decay", options.weight_decay, "SGD weight decay (L2)")
+  app.add_option("--weight-decay", options.weight_decay, "weight decay (L2, added to the gradient)")
       ->check(kFinite)
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
@@ -602,6 +653,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 40))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (options.optimizer == "adam" && lr_option->count() == 0) options.lr = kAdamDefaultLr;
 
   try {
     return run(options);
