@@ -29,17 +29,6 @@ std::string text_of(const std::exception_ptr& error) {
   }
 }
 
-FlightChannel flight_channel(OpQueue::Channel::Kind kind) {
-  switch (kind) {
-    case OpQueue::Channel::Kind::kSend:
-      return FlightChannel::kSend;
-    case OpQueue::Channel::Kind::kRecv:
-      return FlightChannel::kRecv;
-    default:
-      return FlightChannel::kCollective;
-  }
-}
-
 // What kind of first error a dump records: read from the texts the backends give (both name a
 // passed deadline "timed out", a mismatch "mismatch").
 std::string_view failure_kind(const std::exception_ptr& error, const std::string& text) {
@@ -64,8 +53,6 @@ void QueuedWork::help_until_completed() {
 OpQueue::OpQueue(Runner& runner, Options options)
     : runner_(runner),
       options_(std::move(options)),
-      send_sequence_(static_cast<std::size_t>(std::max(options_.size, 1)), 0),
-      recv_sequence_(static_cast<std::size_t>(std::max(options_.size, 1)), 0),
       recorder_(FlightIdentity{.group = options_.group,
                                .backend = options_.backend,
                                .rank = options_.rank,
@@ -112,25 +99,19 @@ std::exception_ptr OpQueue::poison_error() const {
   return poison_;
 }
 
-void OpQueue::enqueue(const std::shared_ptr<QueuedWork>& work, Channel channel) {
+void OpQueue::enqueue(const std::shared_ptr<QueuedWork>& work) {
   work->queue_ = this;
   work->owner_ = owner_;
   bool queued = false;
   bool wake_worker = false;
   {
     std::lock_guard lock(mutex_);
-    std::uint64_t sequence;
-    if (channel.kind == Channel::Kind::kCollective) {
-      sequence = next_sequence_++;
-    } else {
-      auto& counters = channel.kind == Channel::Kind::kRecv ? recv_sequence_ : send_sequence_;
-      sequence = counters.at(static_cast<std::size_t>(channel.peer))++;
-    }
+    const std::uint64_t sequence = next_sequence_++;
     work->sequence_ = sequence;
     work->on_sequenced(sequence);
     if (recorder_.enabled()) {
-      work->flight_ = recorder_.record_enqueued(work->fingerprint(), flight_channel(channel.kind),
-                                                channel.peer, sequence, work->enqueued_at());
+      work->flight_ = recorder_.record_enqueued(work->fingerprint(), FlightChannel::kCollective,
+                                                /*peer=*/-1, sequence, work->enqueued_at());
     }
     if (!poisoned_.load(std::memory_order_acquire)) {
       const bool idle = queue_.empty() && !executing_ && !worker_lingering_;

@@ -99,7 +99,7 @@ class OpQueue {
   struct Options {
     std::string group;  // for messages
     int rank = 0;       // for messages
-    int size = 1;       // point-to-point sequence counters: one per peer
+    int size = 1;       // for messages and the flight recorder
     // After its last operation the worker stays awake this long, yielding the core, so that
     // back-to-back calls need no wake-up (0: it sleeps at once).
     std::chrono::microseconds worker_linger{0};
@@ -111,16 +111,6 @@ class OpQueue {
     std::string backend;
     int job_rank = -1;
     int job_world_size = -1;
-  };
-
-  // Which sequence counter an operation takes.
-  struct Channel {
-    enum class Kind { kCollective, kSend, kRecv };
-    Kind kind = Kind::kCollective;
-    int peer = -1;  // kSend/kRecv: the other rank, 0..size-1
-    static Channel collective() { return {}; }
-    static Channel send_to(int peer) { return {Kind::kSend, peer}; }
-    static Channel recv_from(int peer) { return {Kind::kRecv, peer}; }
   };
 
   OpQueue(Runner& runner, Options options);
@@ -140,9 +130,10 @@ class OpQueue {
   static std::chrono::milliseconds call_timeout(const CallOptions& options,
                                                 std::chrono::milliseconds fallback);
 
-  // Assigns `work` its sequence number on `channel` and queues it; completes it at once with the
-  // poison error when the queue is poisoned. Any thread.
-  void enqueue(const std::shared_ptr<QueuedWork>& work, Channel channel = Channel::collective());
+  // Assigns `work` the group's next sequence number and queues it; completes it at once with the
+  // poison error when the queue is poisoned. Any thread. (Point-to-point operations do not come
+  // here: each backend's p2p engine matches them by peer and tag, so they progress independently.)
+  void enqueue(const std::shared_ptr<QueuedWork>& work);
 
   // Poisons the queue from outside an operation (e.g. a parent group failed): keeps the first
   // error, fails everything queued, calls on_poison. Any thread.
@@ -191,8 +182,6 @@ class OpQueue {
   std::deque<std::shared_ptr<QueuedWork>> queue_;
   bool stopping_ = false;
   std::uint64_t next_sequence_ = 0;
-  std::vector<std::uint64_t> send_sequence_;  // point-to-point, per peer
-  std::vector<std::uint64_t> recv_sequence_;
 
   // Whether a thread (the worker, or a waiter) holds the executor role. Guarded by mutex_.
   bool executing_ = false;

@@ -94,31 +94,6 @@ TEST(OpQueue, RunsInIssueOrderAndNumbersCollectivesFromZero) {
   EXPECT_EQ(g->backend.ran, expected);
 }
 
-TEST(OpQueue, PointToPointCountsPerPeerAndDirection) {
-  auto g = started_group();
-  using Channel = OpQueue::Channel;
-  auto c0 = std::make_shared<FakeWork>(0);
-  auto s1a = std::make_shared<FakeWork>(1);
-  auto s1b = std::make_shared<FakeWork>(2);
-  auto s2 = std::make_shared<FakeWork>(3);
-  auto r1 = std::make_shared<FakeWork>(4);
-  auto c1 = std::make_shared<FakeWork>(5);
-  g->queue.enqueue(c0);
-  g->queue.enqueue(s1a, Channel::send_to(1));
-  g->queue.enqueue(s1b, Channel::send_to(1));
-  g->queue.enqueue(s2, Channel::send_to(2));
-  g->queue.enqueue(r1, Channel::recv_from(1));
-  g->queue.enqueue(c1);
-  for (const auto& w : {c0, s1a, s1b, s2, r1, c1})
-    w->wait();
-  EXPECT_EQ(c0->sequence(), 0u);
-  EXPECT_EQ(s1a->sequence(), 0u);
-  EXPECT_EQ(s1b->sequence(), 1u);
-  EXPECT_EQ(s2->sequence(), 0u);
-  EXPECT_EQ(r1->sequence(), 0u);
-  EXPECT_EQ(c1->sequence(), 1u);
-}
-
 TEST(OpQueue, TheFirstErrorFailsEverythingPendingAndLater) {
   auto g = started_group();
   g->backend.fail_comm = 1;
