@@ -13,6 +13,8 @@
 
 #include "ddp/error.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 class CommError : public Error {
@@ -43,3 +45,4 @@ class CommError : public Error {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -15,6 +15,8 @@
 #include <stdexcept>
 #include <string>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 class Error : public std::runtime_error {
@@ -43,3 +45,4 @@ class ProtocolError : public Error {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

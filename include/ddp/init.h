@@ -20,6 +20,8 @@
 #include "ddp/process_group.h"
 #include "ddp/rendezvous.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
@@ -42,3 +44,4 @@ std::string resolve_backend(const std::string& requested = {},
                             const std::string& source = "InitOptions::backend");
 
 }  // namespace ddp
+#pragma GCC visibility pop

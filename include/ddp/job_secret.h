@@ -21,6 +21,8 @@
 
 #include "ddp/launch_environment.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 inline constexpr std::size_t kMaxSecretBytes = 64 * 1024;
@@ -33,3 +35,4 @@ std::string resolve_job_secret(const std::optional<std::string>& explicit_secret
                                const EnvironmentLookup& lookup = process_environment);
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -22,6 +22,8 @@
 #include <optional>
 #include <string>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct LaunchOptions {
@@ -64,3 +66,4 @@ LaunchEnvironment resolve_launch_environment(const LaunchOptions& options = {},
                                              const EnvironmentLookup& lookup = process_environment);
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -44,6 +44,8 @@
 
 #include "ddp/process_group.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct MpiOptions {
@@ -67,3 +69,4 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options = {});
 bool mpi_backend_available();
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -18,6 +18,8 @@
 
 #include "ddp/store.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 class PrefixStore final : public Store {
@@ -52,3 +54,4 @@ class PrefixStore final : public Store {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -27,6 +27,8 @@
 #include "ddp/types.h"
 #include "ddp/work.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct CallOptions {
@@ -162,3 +164,4 @@ class ProcessGroup {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

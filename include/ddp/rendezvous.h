@@ -38,6 +38,8 @@
 #include "ddp/launch_environment.h"
 #include "ddp/store.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct InitOptions {
@@ -73,3 +75,4 @@ Milliseconds resolve_timeout(std::optional<Milliseconds> explicit_timeout,
                              const EnvironmentLookup& lookup = process_environment);
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -37,6 +37,8 @@
 #include "ddp/process_group.h"
 #include "ddp/store.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 enum class Transport {
@@ -95,3 +97,4 @@ std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> sto
 std::string ring_transport_of(const ProcessGroup& group);
 
 }  // namespace ddp
+#pragma GCC visibility pop

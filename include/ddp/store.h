@@ -23,6 +23,8 @@
 
 #include "ddp/timeouts.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 using Bytes = std::vector<std::uint8_t>;
@@ -73,3 +75,4 @@ class Store {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -33,6 +33,8 @@
 #include "ddp/store.h"
 #include "ddp/tcp_store_server.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 // Limits of the protocol; requests beyond them throw ConfigError on the client, and a peer that
@@ -109,3 +111,4 @@ class TcpStore final : public Store {
 std::uint16_t pick_free_port();
 
 }  // namespace ddp
+#pragma GCC visibility pop

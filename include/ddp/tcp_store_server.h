@@ -25,6 +25,8 @@
 
 #include "ddp/store.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 // How much time and memory the server grants a connection. The defaults never bother a
@@ -92,3 +94,4 @@ class TcpStoreServer {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -3,6 +3,8 @@
 
 #include <chrono>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 using Milliseconds = std::chrono::milliseconds;
@@ -11,3 +13,4 @@ using Milliseconds = std::chrono::milliseconds;
 inline constexpr Milliseconds kDefaultTimeout{300'000};
 
 }  // namespace ddp
+#pragma GCC visibility pop

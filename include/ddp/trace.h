@@ -47,6 +47,8 @@
 
 #include "ddp/error.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 class ProcessGroup;
@@ -168,3 +170,4 @@ inline TraceSpan trace_span(std::string_view name, std::string_view category = "
 }
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <string_view>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 enum class DType : std::uint8_t {
@@ -59,3 +61,4 @@ enum class Collective : std::uint8_t {
 std::string_view to_string(Collective collective);
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -42,6 +42,8 @@
 #include <thread>
 #include <vector>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 class Work : public std::enable_shared_from_this<Work> {
@@ -128,3 +130,4 @@ class Work : public std::enable_shared_from_this<Work> {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -36,6 +36,8 @@
 
 #include <torch/torch.h>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct CheckpointInfo {
@@ -67,3 +69,4 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Mod
                                const std::string& expected_tag = {});
 
 }  // namespace ddp
+#pragma GCC visibility pop

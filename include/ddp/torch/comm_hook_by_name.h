@@ -28,6 +28,8 @@
 #include "ddp/torch/powersgd_hook.h"
 #include "ddp/torch/quantized_hook.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct CommHookByNameOptions {
@@ -49,3 +51,4 @@ NamedCommHook comm_hook_from_name(const std::string& name,
                                   const CommHookByNameOptions& options = {});
 
 }  // namespace ddp
+#pragma GCC visibility pop

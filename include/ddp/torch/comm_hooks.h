@@ -33,6 +33,8 @@
 
 #include "ddp/process_group.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct GradBucket {
@@ -62,3 +64,4 @@ CommHook fp16_compress_hook();
 CommHook bf16_compress_hook();
 
 }  // namespace ddp
+#pragma GCC visibility pop

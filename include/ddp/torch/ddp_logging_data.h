@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct DdpLoggingData {
@@ -52,3 +54,4 @@ struct DdpLoggingData {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -49,6 +49,8 @@
 
 #include "ddp/process_group.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 // The group a call runs on: a given one, or (default-constructed) the default group, looked up
@@ -243,3 +245,4 @@ void print_main(const Args&... args) {
 }
 
 }  // namespace ddp
+#pragma GCC visibility pop

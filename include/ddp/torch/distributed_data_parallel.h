@@ -53,6 +53,8 @@
 #include "ddp/torch/join.h"
 #include "ddp/torch/reducer.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct DdpOptions {
@@ -221,3 +223,4 @@ DistributedDataParallel(torch::nn::ModuleHolder<Contained>, std::shared_ptr<Proc
                         DdpOptions = {}) -> DistributedDataParallel<Contained>;
 
 }  // namespace ddp
+#pragma GCC visibility pop

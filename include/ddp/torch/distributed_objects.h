@@ -32,6 +32,8 @@
 #include "ddp/error.h"
 #include "ddp/torch/distributed.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 // An object could not be encoded (on some rank: the message names it) or decoded (on this rank).
@@ -192,3 +194,4 @@ void scatter_object_list(std::vector<T>& scatter_object_output_list,
 }
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -41,6 +41,8 @@
 #include <cstdint>
 #include <vector>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 class ProcessGroup;
@@ -100,3 +102,4 @@ class DistributedSampler {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

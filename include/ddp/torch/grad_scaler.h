@@ -29,6 +29,8 @@
 
 #include "ddp/process_group.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct GradScalerOptions {
@@ -98,3 +100,4 @@ class AutocastGuard {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -35,6 +35,8 @@
 
 #include "ddp/process_group.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct JoinOptions {
@@ -107,3 +109,4 @@ class Join {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -12,6 +12,8 @@
 
 #include "ddp/torch/distributed_objects.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 template <>
@@ -21,3 +23,4 @@ struct ObjectCodec<nlohmann::json> {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -36,6 +36,8 @@
 
 #include "ddp/torch/comm_hooks.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct PowerSGDOptions {
@@ -97,3 +99,4 @@ std::int64_t numpy_randint(std::mt19937& rng, std::uint32_t high);
 }  // namespace powersgd_detail
 
 }  // namespace ddp
+#pragma GCC visibility pop

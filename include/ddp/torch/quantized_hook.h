@@ -27,6 +27,8 @@
 
 #include "ddp/torch/comm_hooks.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct Int8QuantizeOptions {
@@ -56,3 +58,4 @@ CommHook int8_quantize_hook(
     std::shared_ptr<Int8QuantizeState> state = std::make_shared<Int8QuantizeState>());
 
 }  // namespace ddp
+#pragma GCC visibility pop

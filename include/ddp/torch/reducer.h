@@ -44,6 +44,8 @@
 #include "ddp/process_group.h"
 #include "ddp/torch/comm_hooks.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 namespace libtorch_compat {
@@ -218,3 +220,4 @@ class Reducer {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

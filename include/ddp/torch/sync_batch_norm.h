@@ -53,6 +53,8 @@
 
 #include "ddp/process_group.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 struct SyncBatchNormOptions {
@@ -117,3 +119,4 @@ std::shared_ptr<torch::nn::Module> convert_sync_batchnorm(
     std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group = nullptr);
 
 }  // namespace ddp
+#pragma GCC visibility pop

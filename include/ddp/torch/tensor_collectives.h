@@ -17,6 +17,8 @@
 
 #include "ddp/process_group.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 // The collective element type of a tensor's dtype; ConfigError for unsupported dtypes.
@@ -35,3 +37,4 @@ void broadcast_coalesced(ProcessGroup& group, std::vector<torch::Tensor> tensors
                          std::size_t buffer_bytes = std::size_t{64} << 20);
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -49,6 +49,8 @@
 
 #include <torch/torch.h>
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 // Where a run is. Every field is the caller's to keep current; TrainState stores and returns it.
@@ -89,3 +91,4 @@ class TrainState {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop

@@ -54,6 +54,8 @@
 #include "ddp/process_group.h"
 #include "ddp/torch/distributed.h"
 
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
 namespace ddp {
 
 // Builds the local optimizer over the given groups (each without options takes the factory's
@@ -151,3 +153,4 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer {
 };
 
 }  // namespace ddp
+#pragma GCC visibility pop
