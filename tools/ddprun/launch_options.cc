@@ -74,12 +74,16 @@ Output lines are prefixed with the global rank, "[3] text", unless --no-prefix. 
 DIR, each worker's output is also written to DIR/<run-id>/attempt_<k>/<rank>/{stdout,stderr}.log.
 If a worker fails, the others are stopped and ddprun exits with 1 (after --max-restarts
 restarts of the whole job: with --nnodes > 1 every node restarts together, through node 0's
-ddprun on --agent-port). Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to ddprun is
-forwarded to the workers and ddprun exits with 128+signal.
+ddprun on --agent-port). With --nnodes MIN:MAX, nodes may leave (a failed round) and join (a
+round that costs no restart) between rounds; the job ends below MIN nodes or without node 0.
+Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to ddprun is forwarded to the workers and
+ddprun exits with 128+signal.
 
 Examples:
   ddprun --nproc-per-node 4 ./train --epochs 3
   ddprun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
+  ddprun --nnodes 1:4 --node-rank 0 --master-addr 10.0.0.1 ./train  (elastic; the others
+      run the same without --node-rank)
   ddprun --standalone --nproc-per-node 2 python3 train.py
   ddprun --no-prefix --nproc-per-node 2 ddp-bench --json | python3 -c 'import json, sys; ...'
   ddprun --log-dir logs --redirects 3 --local-ranks-filter 0 --nproc-per-node 4 ./train)";

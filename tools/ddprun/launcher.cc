@@ -648,10 +648,10 @@ void Supervisor::start_restart_rounds() {
   const std::string secret = options_.secret_file.empty()
                                  ? resolve_job_secret(std::nullopt)
                                  : read_secret_file(options_.secret_file, "--secret-file");
-  // A node does not beat while it stops its workers (up to the grace period plus kKillWait), so
-  // silence counts as death only well beyond that.
-  // Elastic agents beat while they stop their workers too (stop_everything), so their silence
-  // means a dead host much sooner: it decides how fast a round goes on without it.
+  // A static job's node does not beat while it stops its workers (up to the grace period plus
+  // kKillWait), so silence counts as death only well beyond that. Elastic agents beat while they
+  // stop their workers too (stop_everything), so their silence means a dead host much sooner: it
+  // decides how fast a round goes on without a host whose workers were idle.
   const Milliseconds silence =
       options_.elastic() ? kElasticSilence
                          : std::max(Milliseconds(30'000),
