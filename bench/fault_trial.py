@@ -231,6 +231,9 @@ def main():
     rng = random.Random(args.seed)
     folder = tempfile.mkdtemp(prefix="ddp-fault-trial-")
     print(f"fault_trial: logs and checkpoints in {folder}", flush=True)
+    # The flight-recorder dumps of the ranks that fail when their peer is killed go there too,
+    # not into the working directory.
+    os.environ.setdefault("DDP_DUMP_DIR", folder)
 
     # The reference: the same command, never interrupted.
     reference = Run(command(args, os.path.join(folder, "reference.pt")),
@@ -326,6 +329,9 @@ def host_trial(args):
     rng = random.Random(args.seed)
     folder = tempfile.mkdtemp(prefix="ddp-fault-trial-host-")
     print(f"fault_trial: logs and checkpoints in {folder}", flush=True)
+    # The flight-recorder dumps of the ranks that fail when their peer is killed go there too,
+    # not into the working directory.
+    os.environ.setdefault("DDP_DUMP_DIR", folder)
     reference = HostJob(args, os.path.join(folder, "reference.pt"),
                         os.path.join(folder, "reference"), "reference")
     code = reference.wait(args.run_timeout)
