@@ -811,6 +811,27 @@ TEST(Ddprun, ElasticJobBelowMinFailsOnEverySurvivorNamingWhy) {
   }
 }
 
+TEST(Ddprun, ElasticJobGivesUpOnEveryNodeAfterMaxRestarts) {
+  ElasticJob job{.nnodes = "2:3", .max_restarts = 1};
+  // Rank 1 fails in every round; the second round is the last --max-restarts 1 allows.
+  const std::string script = R"(echo "round $TORCHELASTIC_RESTART_COUNT"
+      if [ "$RANK" = 1 ]; then exit 3; fi
+      sleep 60)";
+  job.start_agent(script);
+  job.start_agent(script);
+  const ExitStatus node0 = job.agents[0].wait(40s);
+  const ExitStatus other = job.agents[1].wait(40s);
+  for (const ExitStatus* r : {&node0, &other}) {
+    EXPECT_EQ(r->exit_code, 1) << r->output;
+    EXPECT_THAT(r->output, HasSubstr("giving up after 1 restarts; the job's last failure: rank 1 "
+                                     "(node 1) exited with code 3"))
+        << r->output;
+    EXPECT_THAT(r->output, HasSubstr("elastic round 1: 2 node(s)")) << r->output;
+    EXPECT_THAT(r->output, HasSubstr("1 of 1 restarts used")) << r->output;
+    EXPECT_THAT(r->output, Not(HasSubstr("elastic round 2"))) << r->output;
+  }
+}
+
 TEST(Ddprun, ElasticJobEndsWithANamedErrorWhenTheRendezvousAgentDies) {
   ElasticJob job{.nnodes = "1:2", .max_restarts = 3};
   const std::string script = elastic_worker("true");
