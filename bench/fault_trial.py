@@ -1,11 +1,23 @@
 #!/usr/bin/python3
-"""Fault trial: kill a random worker of a Fashion-MNIST run at a random moment and check that
-ddprun --max-restarts and train-fashion-mnist --checkpoint-every-steps bring it to the end.
+"""Fault trial: kill a random worker (or a whole host) of a Fashion-MNIST run at a random moment
+and check that ddprun --max-restarts and train-fashion-mnist --checkpoint-every-steps bring it to
+the end.
 
     bench/fault_trial.py [--runs 20] [--epochs 4] [--limit-train 0] [--nproc 2]
                          [--checkpoint-every 100] [--max-restarts 3] [--kills 1]
+                         [--kill worker|host] [--rejoin-after SECONDS]
                          [--build-dir build] [--seed 1] [--run-timeout 3600] [--json-out FILE]
                          [--data-dir /usr/share/datasets/fashion-mnist]
+
+--kill host: the job runs as 2 nodes, two ddprun agents on loopback with --nnodes 1:2 and
+--nproc-per-node N each (default N = 1), and the kill takes a whole node: the second agent and its
+workers, all SIGKILL at once (the first agent serves the rendezvous; losing it ends an elastic
+job). The job goes on at the smaller world size (the training state resumes at another world
+size); with --rejoin-after S the node is started again S seconds later and the job grows back
+to 2 nodes in its next round (a membership change, which costs no restart but restarts the
+workers from the last checkpoint: it is counted as one more interruption). Redone work is
+measured in samples (the resume line says where it starts) and reported in steps of the world
+that lost it.
 
 First one uninterrupted run (the reference), then --runs runs of the same command, each under
 `ddprun --standalone --nproc-per-node N --max-restarts K` with `--checkpoint FILE
@@ -43,6 +55,11 @@ import time
 PROGRESS = re.compile(r"^\[0\] epoch (\d+) \[(\d+)/(\d+)\] loss")
 FROM_SCRATCH = re.compile(r"^\[0\] no checkpoint at .* yet; starting from scratch")
 RESUMED = re.compile(r"^\[0\] resumed from .* global step (\d+) ")
+RESUMED_AT = re.compile(r"^\[0\] resumed from .* at epoch (\d+), (\d+) samples into it, "
+                        r"global step (\d+) \(saved at world size (\d+), now (\d+)\)")
+ELASTIC_ROUND = re.compile(r"^ddprun: elastic round (\d+): (\d+) node\(s\).*world size (\d+);"
+                           r".* (\d+) of (\d+) restarts used")
+JOINING = re.compile(r"^ddprun: .*node\(s\) waiting to join")
 FINAL = re.compile(r"^\[0\] final test_accuracy=([0-9.]+)")
 SKIPPED = 77  # the exit status ctest's SKIP_RETURN_CODE expects
 TRAINING = re.compile(r"^\[0\] training .* \((\d+) per rank, (\d+) batches of (\d+) per rank")
@@ -113,6 +130,60 @@ def command(args, checkpoint):
             "--seed", "42", "--data-dir", args.data_dir]
 
 
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def host_commands(args, checkpoint, run_id):
+    """The two agents of an elastic 2-node job on loopback (--kill host)."""
+    master_port, agent_port = free_port(), free_port()
+    while agent_port == master_port:
+        agent_port = free_port()
+    ddprun = [os.path.join(args.build_dir, "bin", "ddprun"), "--nnodes", "1:2",
+              "--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1",
+              "--master-port", str(master_port), "--agent-port", str(agent_port),
+              "--max-restarts", str(args.max_restarts), "--rdzv-last-call", "2",
+              "--rdzv-id", run_id]
+    program = command(args, checkpoint)[command(args, checkpoint).index("--max-restarts") + 2:]
+    return ddprun + ["--node-rank", "0"] + program, ddprun + program
+
+
+class HostJob:
+    """--kill host: agent 0 (serves the rendezvous, runs global rank 0) and agent 1, the node
+    that is killed (and maybe started again)."""
+
+    def __init__(self, args, checkpoint, log_prefix, run_id):
+        self.argv0, self.argv1 = host_commands(args, checkpoint, run_id)
+        self.log_prefix = log_prefix
+        self.agent0 = Run(self.argv0, log_prefix + ".node0.log")
+        self.agent1 = Run(self.argv1, log_prefix + ".node1.log")
+        self.rejoined = None
+
+    def kill_node(self):
+        """SIGKILL to the second agent and all its workers at once: a host that vanished."""
+        victims = workers_of(self.agent1.proc.pid) + [self.agent1.proc.pid]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return victims
+
+    def rejoin(self):
+        self.rejoined = Run(self.argv1, self.log_prefix + ".node1-rejoined.log")
+
+    def wait(self, timeout):
+        deadline = time.monotonic() + timeout
+        code = self.agent0.wait(timeout)
+        others = [self.agent1] + ([self.rejoined] if self.rejoined else [])
+        for other in others:
+            other.wait(max(1.0, deadline - time.monotonic()))
+        return code
+
+
 def shape_of(lines):
     for _, line in lines:
         m = TRAINING.match(line)
@@ -126,10 +197,15 @@ def main():
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--limit-train", type=int, default=60000)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="workers per node (default 2, or 1 per node with --kill host)")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--kills", type=int, default=1, help="kills per run (<= --max-restarts)")
+    parser.add_argument("--kill", choices=["worker", "host"], default="worker",
+                        help="what a kill takes: one worker, or a whole node (agent + workers)")
+    parser.add_argument("--rejoin-after", type=float, default=None,
+                        help="--kill host: start the killed node again this many seconds later")
     parser.add_argument("--build-dir", default="build")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
@@ -143,9 +219,21 @@ def main():
         return SKIPPED
     if args.kills > args.max_restarts:
         parser.error(f"--kills {args.kills} exceeds --max-restarts {args.max_restarts}")
+    if args.nproc is None:
+        args.nproc = 1 if args.kill == "host" else 2
+    if args.kill == "host" and args.kills != 1:
+        parser.error("--kill host kills the one node that can leave (2 nodes, the first serves "
+                     "the rendezvous): use --kills 1")
+    if args.kill == "worker" and args.rejoin_after is not None:
+        parser.error("--rejoin-after goes with --kill host")
+    if args.kill == "host":
+        return host_trial(args)
     rng = random.Random(args.seed)
     folder = tempfile.mkdtemp(prefix="ddp-fault-trial-")
     print(f"fault_trial: logs and checkpoints in {folder}", flush=True)
+    # The flight-recorder dumps of the ranks that fail when their peer is killed go there too,
+    # not into the working directory.
+    os.environ.setdefault("DDP_DUMP_DIR", folder)
 
     # The reference: the same command, never interrupted.
     reference = Run(command(args, os.path.join(folder, "reference.pt")),
@@ -228,6 +316,133 @@ def main():
         results.append(result)
         print(f"fault_trial: run {index}: {json.dumps(result)}", flush=True)
 
+    return report(args, results, reference_accuracy, steps_per_epoch)
+
+
+def position(line_match, samples):
+    """Global sample position (epochs before + samples into the epoch) of a progress line."""
+    return (int(line_match.group(1)) - 1) * samples + int(line_match.group(2))
+
+
+def host_trial(args):
+    """--kill host: the same checks, with whole nodes of an elastic job as the victims."""
+    rng = random.Random(args.seed)
+    folder = tempfile.mkdtemp(prefix="ddp-fault-trial-host-")
+    print(f"fault_trial: logs and checkpoints in {folder}", flush=True)
+    # The flight-recorder dumps of the ranks that fail when their peer is killed go there too,
+    # not into the working directory.
+    os.environ.setdefault("DDP_DUMP_DIR", folder)
+    reference = HostJob(args, os.path.join(folder, "reference.pt"),
+                        os.path.join(folder, "reference"), "reference")
+    code = reference.wait(args.run_timeout)
+    lines = reference.agent0.snapshot()
+    final = [FINAL.match(l) for _, l in lines if FINAL.match(l)]
+    rounds = [ELASTIC_ROUND.match(l) for _, l in lines if ELASTIC_ROUND.match(l)]
+    if code != 0 or not final or not rounds or int(rounds[0].group(2)) != 2:
+        print(f"fault_trial: the reference run failed or did not run on 2 nodes (exit {code}); "
+              f"see {folder}/reference.node0.log")
+        return 1
+    reference_accuracy = float(final[0].group(1))
+    steps_per_epoch, batch = shape_of(lines)
+    world = 2 * args.nproc
+    samples = None
+    progress = [(t, PROGRESS.match(l)) for t, l in lines if PROGRESS.match(l)]
+    samples = int(progress[0][1].group(3))
+    train_start, train_end = progress[0][0], progress[-1][0]
+    step_seconds = (train_end - train_start) / max(1, len(progress) - 1)
+    print(f"fault_trial: reference accuracy {reference_accuracy:.4f} (2 nodes, world {world}), "
+          f"{steps_per_epoch} steps per epoch, training {train_end - train_start:.0f} s "
+          f"({step_seconds:.2f} s per step)", flush=True)
+
+    results = []
+    total_steps = steps_per_epoch * args.epochs
+    for index in range(args.runs):
+        job = HostJob(args, os.path.join(folder, f"run{index}.pt"),
+                      os.path.join(folder, f"run{index}"), f"run{index}")
+        target = rng.randint(1, total_steps - 1)
+        interruptions = []  # kill, then maybe the rejoin: where each one stood
+        kill_at = None
+        rejoin_at = None
+        deadline = time.monotonic() + args.run_timeout
+        while job.agent0.proc.poll() is None and time.monotonic() < deadline:
+            lines = job.agent0.snapshot()
+            steps = [global_step(l, steps_per_epoch, batch * world) for _, l in lines]
+            steps = [x for x in steps if x is not None]
+            if not interruptions:
+                if kill_at is None and steps and steps[-1] >= target:
+                    kill_at = time.monotonic() + rng.uniform(0.0, step_seconds)
+                if kill_at is not None and time.monotonic() >= kill_at:
+                    positions = [position(PROGRESS.match(l), samples) for _, l in lines
+                                 if PROGRESS.match(l)]
+                    victims = job.kill_node()
+                    interruptions.append({"what": "host killed", "victim_pids": victims,
+                                          "target_step": target, "step_reached": steps[-1],
+                                          "samples_reached": positions[-1], "world": world,
+                                          "lines_before": len(lines)})
+                    if args.rejoin_after is not None:
+                        rejoin_at = time.monotonic() + args.rejoin_after
+                    else:
+                        break
+            elif rejoin_at is not None and job.rejoined is None and time.monotonic() >= rejoin_at:
+                job.rejoin()
+            elif job.rejoined is not None and len(interruptions) == 1:
+                # The round change that takes the node back in: where rank 0 was when it came.
+                marks = [i for i, (_, l) in enumerate(lines) if JOINING.match(l)]
+                if marks:
+                    before = [position(PROGRESS.match(l), samples) for _, l in lines[:marks[0]]
+                              if PROGRESS.match(l)]
+                    rounds = [ELASTIC_ROUND.match(l) for _, l in lines[:marks[0]]
+                              if ELASTIC_ROUND.match(l)]
+                    interruptions.append({"what": "host rejoined",
+                                          "samples_reached": before[-1] if before else 0,
+                                          "world": int(rounds[-1].group(3)),
+                                          "lines_before": marks[0]})
+                    break
+            time.sleep(0.02)
+        code = job.wait(max(1.0, deadline - time.monotonic()))
+        lines = [l for _, l in job.agent0.snapshot()]
+        bounds = [f["lines_before"] for f in interruptions] + [len(lines)]
+        for k, event in enumerate(interruptions):
+            attempt = lines[event.pop("lines_before"):bounds[k + 1]]
+            start = None
+            for l in attempt:
+                m = RESUMED_AT.match(l)
+                if m:
+                    start = (int(m.group(1)) - 1) * samples + int(m.group(2))
+                    event["resumed_from_step"] = int(m.group(3))
+                    event["resumed_at_world"] = int(m.group(5))
+                    break
+                if FROM_SCRATCH.match(l):
+                    start = 0
+                    break
+            event["samples_resumed_from"] = start
+            # The last progress line is a lower bound of where rank 0 was (the kill lands up to
+            # a step later, maybe after a checkpoint it had not printed yet): never below 0.
+            event["redone_samples"] = (None if start is None else
+                                       max(0, event["samples_reached"] - start))
+            # In steps of the world that lost the work.
+            event["redone"] = (None if start is None else
+                               -(-event["redone_samples"] // (batch * event["world"])))
+        final = [FINAL.match(l) for l in lines if FINAL.match(l)]
+        accuracy = float(final[0].group(1)) if final else None
+        rounds = [ELASTIC_ROUND.match(l) for l in lines if ELASTIC_ROUND.match(l)]
+        result = {
+            "run": index,
+            "exit": code,
+            "finished": code == 0 and accuracy is not None,
+            "accuracy": accuracy,
+            "accuracy_diff_points": None if accuracy is None else
+            round(100.0 * (accuracy - reference_accuracy), 4),
+            "failures": interruptions,
+            "worlds": [int(r.group(3)) for r in rounds],
+            "restarts": int(rounds[-1].group(4)) if rounds else None,
+        }
+        results.append(result)
+        print(f"fault_trial: run {index}: {json.dumps(result)}", flush=True)
+    return report(args, results, reference_accuracy, steps_per_epoch)
+
+
+def report(args, results, reference_accuracy, steps_per_epoch):
     finished = sum(r["finished"] for r in results)
     diffs = [abs(r["accuracy_diff_points"]) for r in results if r["accuracy_diff_points"] is not None]
     redone = [f["redone"] for r in results for f in r["failures"] if f["redone"] is not None]
@@ -236,10 +451,13 @@ def main():
     ok = (finished == len(results) and all(d <= args.accuracy_tolerance for d in diffs)
           and all(x <= args.checkpoint_every for x in redone) and unmeasured == 0)
     print()
-    print("| runs | epochs | limit-train | ranks | checkpoint every | kills | finished | "
-          "reference acc | max abs acc diff (points) | redone steps per failure: median / max |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {len(results)} | {args.epochs} | {args.limit_train} | {args.nproc} | "
+    print("| runs | kill | epochs | limit-train | ranks | checkpoint every | interruptions | "
+          "finished | reference acc | max abs acc diff (points) | redone steps per interruption: "
+          "median / max |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    kind = args.kill if args.rejoin_after is None else f"host, rejoin after {args.rejoin_after:g} s"
+    ranks = args.nproc if args.kill == "worker" else f"2 x {args.nproc}"
+    print(f"| {len(results)} | {kind} | {args.epochs} | {args.limit_train} | {ranks} | "
           f"{args.checkpoint_every} | {killed} | {finished}/{len(results)} | "
           f"{reference_accuracy:.4f} | {max(diffs) if diffs else float('nan'):.2f} | "
           f"{statistics.median(redone) if redone else 0} / {max(redone) if redone else 0} |")

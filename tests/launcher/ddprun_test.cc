@@ -691,6 +691,160 @@ TEST(Ddprun, ANodeThatNeverJoinsTheRestartRoundIsNamedAtTheDeadline) {
   EXPECT_THAT(r.output, HasSubstr("restart round 0: node(s) 1 did not join within 2 s"));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Elastic membership (--nnodes MIN:MAX): several ddprun on loopback as the agents of one job.
+
+// Agent 0 (--node-rank 0, serves the rendezvous) and the others (no --node-rank) of one job.
+struct ElasticJob {
+  std::string nnodes;
+  int max_restarts = 0;
+  int master_port = free_port();
+  int agent_port = free_port();
+  std::vector<Subprocess> agents;
+
+  // Starts one more agent running `script` (sh) as its one worker.
+  Subprocess& start_agent(const std::string& script) {
+    std::vector<std::string> argv{ddprun(),
+                                  "--nnodes",
+                                  nnodes,
+                                  "--master-addr",
+                                  "127.0.0.1",
+                                  "--master-port",
+                                  std::to_string(master_port),
+                                  "--agent-port",
+                                  std::to_string(agent_port),
+                                  "--max-restarts",
+                                  std::to_string(max_restarts),
+                                  "--rdzv-last-call",
+                                  "2",
+                                  "--grace-period",
+                                  "1"};
+    if (agents.empty()) argv.insert(argv.end(), {"--node-rank", "0"});
+    argv.insert(argv.end(), {"/bin/sh", "-c", script});
+    agents.push_back(Subprocess::start(argv, {{"DDP_TIMEOUT", "20"}}));
+    return agents.back();
+  }
+};
+
+// Each worker prints its round's place; `hold` decides (sh) whether it stays busy for 60 s.
+std::string elastic_worker(const std::string& hold) {
+  return fmt::format(
+      R"(echo "round $TORCHELASTIC_RESTART_COUNT rank $RANK of $WORLD_SIZE group $GROUP_RANK of $GROUP_WORLD_SIZE"
+      if {}; then sleep 60; fi
+      echo "done at world $WORLD_SIZE")",
+      hold);
+}
+
+TEST(Ddprun, ElasticJobGoesOnAtASmallerWorldWhenAWholeHostIsKilled) {
+  ElasticJob job{.nnodes = "2:3", .max_restarts = 1};
+  // Busy until the kill: in round 0, and at world 3 (a loaded machine may start the third agent
+  // after round 0 closed with two; it then joins in round 1).
+  const std::string script =
+      elastic_worker(R"([ "$WORLD_SIZE" = 3 ] || [ "$TORCHELASTIC_RESTART_COUNT" = 0 ])");
+  for (int i = 0; i < 3; ++i)
+    job.start_agent(script);
+  for (auto& agent : job.agents)
+    ASSERT_TRUE(wait_for_output(agent, {"of 3 group"}, 30s)) << agent.output_so_far();
+  EXPECT_THAT(job.agents[0].output_so_far(), HasSubstr(" rank 0 of 3 group 0 of 3\n"));
+  // A whole host: its ddprun and (through PR_SET_PDEATHSIG) its worker, with no goodbye.
+  job.agents[1].signal_group(SIGKILL);
+  const auto start = Clock::now();
+  const ExitStatus killed = job.agents[1].wait(10s);
+  EXPECT_EQ(killed.signal, SIGKILL);
+  const ExitStatus node0 = job.agents[0].wait(40s);
+  const ExitStatus other = job.agents[2].wait(40s);
+  EXPECT_EQ(node0.exit_code, 0) << node0.output;
+  EXPECT_EQ(other.exit_code, 0) << other.output;
+  EXPECT_LT(seconds_since(start), 30.0);
+  for (const ExitStatus* r : {&node0, &other}) {
+    EXPECT_THAT(r->output, HasSubstr("stopped responding (no heartbeat)")) << r->output;
+    EXPECT_THAT(r->output, HasSubstr("1 of 1 restarts used")) << r->output;
+  }
+  // The survivors keep their order: agent 0 is node 0, the third agent is node 1 now.
+  EXPECT_THAT(node0.output, HasSubstr(" rank 0 of 2 group 0 of 2\n"));
+  EXPECT_THAT(node0.output, HasSubstr("[0] done at world 2\n"));
+  EXPECT_THAT(other.output, HasSubstr(" rank 1 of 2 group 1 of 2\n"));
+  EXPECT_THAT(other.output, HasSubstr("[1] done at world 2\n"));
+  EXPECT_THAT(node0.output, Not(HasSubstr("done at world 3")));
+}
+
+TEST(Ddprun, ElasticJobTakesInANodeThatComesLaterWithoutCountingARestart) {
+  ElasticJob job{.nnodes = "2:3", .max_restarts = 0};
+  const std::string script = elastic_worker(R"([ "$WORLD_SIZE" -lt 3 ])");
+  job.start_agent(script);
+  job.start_agent(script);
+  for (auto& agent : job.agents)
+    ASSERT_TRUE(wait_for_output(agent, {"round 0 rank"}, 20s)) << agent.output_so_far();
+  EXPECT_THAT(job.agents[0].output_so_far(), HasSubstr("[0] round 0 rank 0 of 2 group 0 of 2\n"));
+  job.start_agent(script);
+  std::vector<ExitStatus> results;
+  for (auto& agent : job.agents)
+    results.push_back(agent.wait(40s));
+  for (const ExitStatus& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("elastic round 1: 3 node(s)")) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("0 of 0 restarts used")) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("done at world 3")) << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("done at world 2"))) << r.output;
+  }
+  EXPECT_THAT(results[0].output,
+              HasSubstr("1 node(s) waiting to join; restarting the workers in round 1 (not "
+                        "counted against --max-restarts)"));
+  EXPECT_THAT(results[2].output, HasSubstr("[2] round 1 rank 2 of 3 group 2 of 3\n"));
+}
+
+TEST(Ddprun, ElasticJobBelowMinFailsOnEverySurvivorNamingWhy) {
+  ElasticJob job{.nnodes = "3:4", .max_restarts = 3};
+  const std::string script = elastic_worker("true");
+  for (int i = 0; i < 3; ++i)
+    job.start_agent(script);
+  for (auto& agent : job.agents)
+    ASSERT_TRUE(wait_for_output(agent, {"round 0 rank"}, 20s)) << agent.output_so_far();
+  job.agents[2].signal_group(SIGKILL);
+  const ExitStatus node0 = job.agents[0].wait(40s);
+  const ExitStatus other = job.agents[1].wait(40s);
+  for (const ExitStatus* r : {&node0, &other}) {
+    EXPECT_EQ(r->exit_code, 1) << r->output;
+    EXPECT_THAT(r->output, HasSubstr("elastic round 1: 2 node(s) left, fewer than the 3 of "
+                                     "--nnodes 3:4"))
+        << r->output;
+  }
+}
+
+TEST(Ddprun, ElasticJobGivesUpOnEveryNodeAfterMaxRestarts) {
+  ElasticJob job{.nnodes = "2:3", .max_restarts = 1};
+  // Rank 1 fails in every round; the second round is the last --max-restarts 1 allows.
+  const std::string script = R"(echo "round $TORCHELASTIC_RESTART_COUNT"
+      if [ "$RANK" = 1 ]; then exit 3; fi
+      sleep 60)";
+  job.start_agent(script);
+  job.start_agent(script);
+  const ExitStatus node0 = job.agents[0].wait(40s);
+  const ExitStatus other = job.agents[1].wait(40s);
+  for (const ExitStatus* r : {&node0, &other}) {
+    EXPECT_EQ(r->exit_code, 1) << r->output;
+    EXPECT_THAT(r->output, HasSubstr("giving up after 1 restarts; the job's last failure: rank 1 "
+                                     "(node 1) exited with code 3"))
+        << r->output;
+    EXPECT_THAT(r->output, HasSubstr("elastic round 1: 2 node(s)")) << r->output;
+    EXPECT_THAT(r->output, HasSubstr("1 of 1 restarts used")) << r->output;
+    EXPECT_THAT(r->output, Not(HasSubstr("elastic round 2"))) << r->output;
+  }
+}
+
+TEST(Ddprun, ElasticJobEndsWithANamedErrorWhenTheRendezvousAgentDies) {
+  ElasticJob job{.nnodes = "1:2", .max_restarts = 3};
+  const std::string script = elastic_worker("true");
+  job.start_agent(script);
+  job.start_agent(script);
+  for (auto& agent : job.agents)
+    ASSERT_TRUE(wait_for_output(agent, {"of 2 group"}, 30s)) << agent.output_so_far();
+  job.agents[0].signal_group(SIGKILL);
+  const ExitStatus other = job.agents[1].wait(30s);
+  EXPECT_EQ(other.exit_code, 1) << other.output;
+  EXPECT_THAT(other.output, HasSubstr("the ddprun with --node-rank 0, which serves it, is gone"));
+}
+
 TEST(Ddprun, ProgramThatCannotBeExecutedIsReported) {
   TempDir dir;
   const std::string program = dir.file("not-a-program");

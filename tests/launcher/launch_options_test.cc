@@ -314,4 +314,41 @@ TEST(ParseCommandLine, SecretFileIsCheckedAndMadeAbsolute) {
 }
 
 }  // namespace
+TEST(ParseCommandLine, NnodesMinMaxMakesAnElasticJob) {
+  const LaunchOptions elastic =
+      parse({"--nnodes", "1:4", "--node-rank", "0", "--master-port", "4000", "/bin/true"});
+  EXPECT_EQ(elastic.min_nnodes, 1);
+  EXPECT_EQ(elastic.nnodes, 4);
+  EXPECT_TRUE(elastic.elastic());
+  EXPECT_TRUE(elastic.serves_rounds());
+  EXPECT_EQ(elastic.agent_port, 4001);
+  EXPECT_EQ(elastic.rdzv_last_call, std::chrono::milliseconds(3000));
+  // No --node-rank: an agent whose rank each round assigns, not the one serving the rendezvous.
+  const LaunchOptions joiner = parse({"--nnodes", "2:3", "--rdzv-last-call", "0.5", "/bin/true"});
+  EXPECT_EQ(joiner.node_rank, -1);
+  EXPECT_FALSE(joiner.serves_rounds());
+  EXPECT_EQ(joiner.rdzv_last_call, std::chrono::milliseconds(500));
+  // MIN = MAX is today's static job.
+  const LaunchOptions fixed = parse({"--nnodes", "2:2", "--node-rank", "1", "/bin/true"});
+  EXPECT_FALSE(fixed.elastic());
+  EXPECT_EQ(fixed.nnodes, 2);
+  EXPECT_EQ(fixed.node_rank, 1);
+}
+
+TEST(ParseCommandLine, BadNnodesAndElasticNodeRanksAreNamed) {
+  EXPECT_THAT(usage_error({"--nnodes", "3:2", "/bin/true"}),
+              HasSubstr("--nnodes 3:2: MIN 3 is more than MAX 2"));
+  EXPECT_THAT(usage_error({"--nnodes", "0:2", "/bin/true"}),
+              HasSubstr("--nnodes 0:2: 0 is out of range"));
+  EXPECT_THAT(usage_error({"--nnodes", "a:b", "/bin/true"}),
+              HasSubstr("--nnodes: expected N or MIN:MAX with whole numbers"));
+  EXPECT_THAT(usage_error({"--nnodes", "2:", "/bin/true"}), HasSubstr("got '2:'"));
+  EXPECT_THAT(usage_error({"--nnodes", "1:2", "--node-rank", "1", "/bin/true"}),
+              HasSubstr("--node-rank 1 cannot be honoured with --nnodes 1:2"));
+  EXPECT_THAT(usage_error({"--standalone", "--nnodes", "1:2", "/bin/true"}),
+              HasSubstr("--standalone runs on one node, but --nnodes is 1:2"));
+  EXPECT_THAT(usage_error({"--nnodes", "1:2", "--rdzv-last-call", "-1", "/bin/true"}),
+              HasSubstr("--rdzv-last-call"));
+}
+
 }  // namespace ddp::ddprun

@@ -49,6 +49,30 @@ TEST(WorkerEnvironment, FollowsTorchrunsContract) {
   EXPECT_EQ(env, expected);
 }
 
+TEST(WorkerEnvironment, AnElasticRoundsPlacementGivesTheRanks) {
+  LaunchOptions options = two_nodes_of_four();
+  options.min_nnodes = 1;
+  options.nnodes = 4;
+  options.node_rank = -1;
+  Environment env;
+  // Third of three members, after nodes of 4 and 2 workers: ranks 6.. of 10.
+  apply_worker_variables(env, options,
+                         {.local_rank = 1,
+                          .restart_count = 5,
+                          .master_port = 29501,
+                          .cpu_count = 4,
+                          .placement = RoundPlacement{
+                              .node_rank = 2, .nnodes = 3, .first_rank = 6, .world_size = 10}});
+  EXPECT_EQ(env["RANK"], "7");
+  EXPECT_EQ(env["ROLE_RANK"], "7");
+  EXPECT_EQ(env["WORLD_SIZE"], "10");
+  EXPECT_EQ(env["ROLE_WORLD_SIZE"], "10");
+  EXPECT_EQ(env["GROUP_RANK"], "2");
+  EXPECT_EQ(env["GROUP_WORLD_SIZE"], "3");
+  EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "4");
+  EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "5");
+}
+
 TEST(WorkerEnvironment, ReplacesInheritedRankVariables) {
   Environment env{{"RANK", "99"}, {"WORLD_SIZE", "99"}, {"MASTER_PORT", "1"}};
   apply_worker_variables(

@@ -15,6 +15,7 @@
 #include <ostream>
 #include <string_view>
 #include <thread>
+#include <tuple>
 
 namespace ddp::ddprun {
 namespace {
@@ -73,12 +74,16 @@ Output lines are prefixed with the global rank, "[3] text", unless --no-prefix. 
 DIR, each worker's output is also written to DIR/<run-id>/attempt_<k>/<rank>/{stdout,stderr}.log.
 If a worker fails, the others are stopped and ddprun exits with 1 (after --max-restarts
 restarts of the whole job: with --nnodes > 1 every node restarts together, through node 0's
-ddprun on --agent-port). Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to ddprun is
-forwarded to the workers and ddprun exits with 128+signal.
+ddprun on --agent-port). With --nnodes MIN:MAX, nodes may leave (a failed round) and join (a
+round that costs no restart) between rounds; the job ends below MIN nodes or without node 0.
+Bad options exit with 2; a SIGINT/SIGTERM/SIGHUP to ddprun is forwarded to the workers and
+ddprun exits with 128+signal.
 
 Examples:
   ddprun --nproc-per-node 4 ./train --epochs 3
   ddprun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
+  ddprun --nnodes 1:4 --node-rank 0 --master-addr 10.0.0.1 ./train  (elastic; the others
+      run the same without --node-rank)
   ddprun --standalone --nproc-per-node 2 python3 train.py
   ddprun --no-prefix --nproc-per-node 2 ddp-bench --json | python3 -c 'import json, sys; ...'
   ddprun --log-dir logs --redirects 3 --local-ranks-filter 0 --nproc-per-node 4 ./train)";
@@ -174,6 +179,62 @@ std::pair<std::string, int> parse_endpoint(const std::string& text) {
   return {host, port};
 }
 
+// --nnodes: N (MIN = MAX = N) or torchrun's MIN:MAX (elastic membership, docs/ddprun.md).
+std::pair<int, int> parse_nnodes(const std::string& text) {
+  const auto number = [&](const std::string& part) {
+    std::size_t used = 0;
+    long value = -1;
+    try {
+      value = std::stol(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != part.size() || part[0] == '+' || part[0] == '-') {
+      throw UsageError(fmt::format(
+          "--nnodes: expected N or MIN:MAX with whole numbers (e.g. 2, or 1:4 for an elastic job "
+          "of 1 to 4 nodes), got '{}'",
+          text));
+    }
+    if (value < 1 || value > (1 << 20)) {
+      throw UsageError(
+          fmt::format("--nnodes {}: {} is out of range, every node count must be from 1 to {}",
+                      text, value, 1 << 20));
+    }
+    return static_cast<int>(value);
+  };
+  const std::size_t colon = text.find(':');
+  if (colon == std::string::npos) {
+    const int n = number(text);
+    return {n, n};
+  }
+  const int min = number(text.substr(0, colon));
+  const int max = number(text.substr(colon + 1));
+  if (min > max) {
+    throw UsageError(fmt::format(
+        "--nnodes {}: MIN {} is more than MAX {}; write MIN:MAX with MIN <= MAX", text, min, max));
+  }
+  return {min, max};
+}
+
+// Seconds from 0 to `max`, for options whose values CLI11 checks as text.
+CLI::Validator seconds_up_to(double max) {
+  return CLI::Validator(
+      [max](std::string& text) -> std::string {
+        std::size_t used = 0;
+        double value = -1;
+        try {
+          value = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size() || !std::isfinite(value) || value < 0 || value > max) {
+          return fmt::format("expected seconds from 0 to {}, got '{}'", max, text);
+        }
+        return {};
+      },
+      "");
+}
+
 void check_run_id(const std::string& id) {
   // It names a folder under --log-dir, so it must be one plain path component.
   const bool plain =
@@ -261,15 +322,20 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
                  "Workers on this node: a number, or 'cpu'/'auto' for one per CPU (default 1)")
       ->type_name("N")
       ->group(kJobSize);
-  app.add_option("--nnodes", options.nnodes, "Number of nodes (default 1)")
-      ->check(whole_number(1, 1 << 20))
-      ->type_name("N")
+  std::string nnodes_text = "1";
+  app.add_option("--nnodes", nnodes_text,
+                 "Number of nodes (default 1), or MIN:MAX for an elastic job: each round runs "
+                 "with the nodes that are there, at least MIN and at most MAX")
+      ->type_name("N|MIN:MAX")
       ->group(kJobSize);
-  app.add_option("--node-rank,--node_rank", options.node_rank,
-                 "This node's index, 0 to nnodes-1 (default 0)")
-      ->check(whole_number(0, 1 << 20))
-      ->type_name("R")
-      ->group(kJobSize);
+  auto* node_rank =
+      app.add_option("--node-rank,--node_rank", options.node_rank,
+                     "This node's index, 0 to nnodes-1 (default 0); with --nnodes MIN:MAX, "
+                     "give --node-rank 0 to the node on --master-addr (it serves the "
+                     "rendezvous) and none to the others (their ranks are assigned per round)")
+          ->check(whole_number(0, 1 << 20))
+          ->type_name("R")
+          ->group(kJobSize);
 
   constexpr const char* kRendezvous = "Rendezvous";
   auto* master_addr =
@@ -298,6 +364,14 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
                  "HOST[:PORT] of the rendezvous store, as --master-addr and "
                  "--master-port (port default 29400, torchrun's)")
       ->type_name("HOST:PORT")
+      ->group(kRendezvous);
+  double last_call_seconds = 3.0;
+  app.add_option("--rdzv-last-call,--rdzv_last_call", last_call_seconds,
+                 "With --nnodes MIN:MAX: a round closes this many seconds after its last "
+                 "newcomer once MIN nodes are in (at once with MAX); torchrun's "
+                 "last_call_timeout (default 3)")
+      ->check(seconds_up_to(3600))
+      ->type_name("SECONDS")
       ->group(kRendezvous);
   app.add_option("--rdzv-id,--rdzv_id", options.run_id,
                  "The job's run id: TORCHELASTIC_RUN_ID and the folder under --log-dir (default "
@@ -413,6 +487,8 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   }
 
   options.nproc_per_node = parse_nproc(nproc_text);
+  std::tie(options.min_nnodes, options.nnodes) = parse_nnodes(nnodes_text);
+  options.rdzv_last_call = std::chrono::milliseconds(std::llround(last_call_seconds * 1000.0));
   if (!rdzv_backend.empty() && rdzv_backend != "c10d" && rdzv_backend != "static") {
     throw UsageError(
         fmt::format("--rdzv-backend '{}' is not supported: ddprun's rendezvous is ddp's store on "
@@ -437,11 +513,22 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
   if (options.standalone) {
     if (options.nnodes != 1) {
       throw UsageError(
-          fmt::format("--standalone runs on one node, but --nnodes is {}", options.nnodes));
+          fmt::format("--standalone runs on one node, but --nnodes is {}", nnodes_text));
     }
     options.master_port = 0;
   }
-  if (options.node_rank >= options.nnodes) {
+  if (options.elastic()) {
+    // Ranks are assigned per round; the only fixed role is the agent that serves the rendezvous.
+    if (node_rank->count() > 0 && options.node_rank != 0) {
+      throw UsageError(fmt::format(
+          "--node-rank {} cannot be honoured with --nnodes {}: an elastic job assigns node ranks "
+          "per round (the nodes that are there, in the order they came); give --node-rank 0 to "
+          "the node on --master-addr, which serves the rendezvous, and no --node-rank to the "
+          "others",
+          options.node_rank, nnodes_text));
+    }
+    if (node_rank->count() == 0) options.node_rank = -1;
+  } else if (options.node_rank >= options.nnodes) {
     throw UsageError(fmt::format("--node-rank {} must be less than --nnodes {}", options.node_rank,
                                  options.nnodes));
   }

@@ -33,8 +33,15 @@ class UsageError : public ConfigError {
 
 struct LaunchOptions {
   int nproc_per_node = 1;
+  // --nnodes N or MIN:MAX: nnodes is MAX (the node count of a static job), min_nnodes MIN.
   int nnodes = 1;
+  int min_nnodes = 1;
+  // Static jobs: this node's index. Elastic jobs (min_nnodes < nnodes): 0 for the agent that
+  // serves the rendezvous (--node-rank 0), -1 for every other (its rank is assigned per round).
   int node_rank = 0;
+  // --rdzv-last-call: an elastic round closes this long after its last newcomer once
+  // min_nnodes agents are in (round_membership.h, restart_round.h).
+  std::chrono::milliseconds rdzv_last_call{3000};
   std::string master_addr = "127.0.0.1";
   // 0 means "pick a free port" (also what --standalone asks for); see resolve_master_port.
   int master_port = 29500;
@@ -66,6 +73,12 @@ struct LaunchOptions {
   std::string program_path;       // where it was found (PATH lookup done), used for exec
   std::vector<std::string> args;  // the workers' argv[1..]
 
+  // Nodes may join and leave between rounds (--nnodes MIN:MAX with MIN < MAX).
+  bool elastic() const { return min_nnodes != nnodes; }
+  // This ddprun serves the restart rounds' store (node 0 of a static job, --node-rank 0 of an
+  // elastic one).
+  bool serves_rounds() const { return node_rank == 0; }
+  // A static job's world (an elastic job's comes from each round, round_membership.h).
   int world_size() const { return nnodes * nproc_per_node; }
   int global_rank(int local_rank) const { return node_rank * nproc_per_node + local_rank; }
 };

@@ -50,6 +50,9 @@ constexpr std::size_t kFinalDrainLimit = 8 * 1024 * 1024;
 // a rank whose peer was killed notices within milliseconds (a closed socket, a pidfd) and can
 // be reaped before the killed rank when both exit within one turn of the loop.
 constexpr milliseconds kBlameSettle{500};
+// Elastic jobs: how long agent 0 accepts a member's heartbeat standing still before it calls the
+// member's host gone (every agent beats about every 500 ms, also while it stops its workers).
+constexpr milliseconds kElasticSilence{10'000};
 
 [[noreturn]] void throw_errno(const std::string& what) {
   throw Error(fmt::format("ddprun: {} failed: {}", what, std::strerror(errno)));
@@ -142,6 +145,12 @@ class Supervisor {
   int run();
 
  private:
+  // The round loop of an elastic job (--nnodes MIN:MAX): rounds closed by agent 0 with the nodes
+  // that are there; membership changes restart the workers without costing a restart.
+  int run_elastic();
+  int run_elastic_rounds();
+  // This node's index in the current round (static: --node-rank).
+  int node_rank() const { return placement_ ? placement_->node_rank : options_.node_rank; }
   // Starts every local worker; on failure to exec one, reports it and returns false.
   bool start_workers(int restart_count);
   pid_t spawn(Worker& worker, const std::vector<std::string>& env_strings, int restart_count);
@@ -193,7 +202,8 @@ class Supervisor {
   OutputSink stdout_sink_{STDOUT_FILENO};
   OutputSink stderr_sink_{STDERR_FILENO};
   std::vector<Worker> workers_;
-  std::unique_ptr<RestartRounds> rounds_;  // whole-job restarts (nnodes > 1, max_restarts > 0)
+  std::unique_ptr<RestartRounds> rounds_;    // whole-job restarts (nnodes > 1, max_restarts > 0)
+  std::optional<RoundPlacement> placement_;  // elastic jobs: this node's place in the round
   std::vector<pollfd> pollfds_;
   std::string pending_;  // scratch for assembled lines
 };
@@ -371,14 +381,16 @@ bool Supervisor::start_workers(int restart_count) {
   for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
     Worker& worker = workers_[static_cast<std::size_t>(local_rank)];
     worker.local_rank = local_rank;
-    worker.global_rank = options_.global_rank(local_rank);
+    worker.global_rank =
+        placement_ ? placement_->first_rank + local_rank : options_.global_rank(local_rank);
     Environment env = base_env_;
     apply_worker_variables(env, options_,
                            {.local_rank = local_rank,
                             .restart_count = restart_count,
                             .master_port = master_port_,
                             .cpu_count = cpu_count_,
-                            .dump_dir = dump_dir});
+                            .dump_dir = dump_dir,
+                            .placement = placement_});
     env.insert(tuning_.begin(), tuning_.end());  // never replaces a variable already there
     if (spawn(worker, to_envp_strings(env), restart_count) < 0) return false;
   }
@@ -598,9 +610,10 @@ Outcome Supervisor::supervise(int round) {
     if (sig) return Outcome{.kind = OutcomeKind::kSignalled, .signal = *sig};
     if (rounds_ && outcome.kind != OutcomeKind::kWorkerFailed) {
       if (const int silent = rounds_->beat(); silent >= 0) {
-        rounds_->report_failure(
-            round, fmt::format("node {}'s ddprun stopped responding (no heartbeat)", silent));
+        rounds_->report_failure(round, fmt::format("{}'s ddprun stopped responding (no heartbeat)",
+                                                   rounds_->describe_node(silent)));
       }
+      if (rounds_->elastic() && options_.serves_rounds()) rounds_->admit_waiting(round);
       if (rounds_->current_round() > round) return Outcome{.kind = OutcomeKind::kRestartRequested};
     }
     if (outcome.kind == OutcomeKind::kWorkerFailed) {
@@ -616,7 +629,8 @@ Outcome Supervisor::supervise(int round) {
 }
 
 void Supervisor::start_restart_rounds() {
-  if (options_.nnodes < 2 || options_.max_restarts < 1) return;
+  // An elastic job always has rounds: nodes joining restart the workers even with no restarts.
+  if (!options_.elastic() && (options_.nnodes < 2 || options_.max_restarts < 1)) return;
   Milliseconds join_timeout = kDefaultTimeout;
   if (const auto it = base_env_.find("DDP_TIMEOUT"); it != base_env_.end()) {
     double seconds = 0;
@@ -634,18 +648,27 @@ void Supervisor::start_restart_rounds() {
   const std::string secret = options_.secret_file.empty()
                                  ? resolve_job_secret(std::nullopt)
                                  : read_secret_file(options_.secret_file, "--secret-file");
-  // A node does not beat while it stops its workers (up to the grace period plus kKillWait), so
-  // silence counts as death only well beyond that.
+  // A static job's node does not beat while it stops its workers (up to the grace period plus
+  // kKillWait), so silence counts as death only well beyond that. Elastic agents beat while they
+  // stop their workers too (stop_everything), so their silence means a dead host much sooner: it
+  // decides how fast a round goes on without a host whose workers were idle.
   const Milliseconds silence =
-      std::max(Milliseconds(30'000), 2 * options_.grace_period + kKillWait + Milliseconds(10'000));
-  rounds_ = std::make_unique<RestartRounds>(RestartRoundsOptions{.host = options_.master_addr,
-                                                                 .port = options_.agent_port,
-                                                                 .nnodes = options_.nnodes,
-                                                                 .node_rank = options_.node_rank,
-                                                                 .run_id = options_.run_id,
-                                                                 .secret = secret,
-                                                                 .join_timeout = join_timeout,
-                                                                 .heartbeat_timeout = silence});
+      options_.elastic() ? kElasticSilence
+                         : std::max(Milliseconds(30'000),
+                                    2 * options_.grace_period + kKillWait + Milliseconds(10'000));
+  rounds_ =
+      std::make_unique<RestartRounds>(RestartRoundsOptions{.host = options_.master_addr,
+                                                           .port = options_.agent_port,
+                                                           .nnodes = options_.nnodes,
+                                                           .node_rank = options_.node_rank,
+                                                           .run_id = options_.run_id,
+                                                           .secret = secret,
+                                                           .join_timeout = join_timeout,
+                                                           .heartbeat_timeout = silence,
+                                                           .min_nodes = options_.min_nnodes,
+                                                           .nproc = options_.nproc_per_node,
+                                                           .last_call = options_.rdzv_last_call,
+                                                           .max_restarts = options_.max_restarts});
 }
 
 std::optional<int> Supervisor::await_other_nodes(int round, bool& all_succeeded) {
@@ -660,8 +683,8 @@ std::optional<int> Supervisor::await_other_nodes(int round, bool& all_succeeded)
       return std::nullopt;
     }
     if (const int silent = rounds_->beat(); silent >= 0) {
-      rounds_->report_failure(
-          round, fmt::format("node {}'s ddprun stopped responding (no heartbeat)", silent));
+      rounds_->report_failure(round, fmt::format("{}'s ddprun stopped responding (no heartbeat)",
+                                                 rounds_->describe_node(silent)));
     }
     poll_once(200);
     if (const std::optional<int> sig = read_signals()) return sig;
@@ -690,6 +713,14 @@ std::optional<int> Supervisor::stop_everything(int first_signal,
     }
     const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
     poll_once(static_cast<int>(std::clamp<long long>(left, 0, 100)));
+    if (rounds_ && rounds_->elastic()) {
+      // Stopping can take the grace period: agent 0 must not take this host for dead meanwhile.
+      // A store that is gone shows again at the next call that needs it.
+      try {
+        rounds_->beat();
+      } catch (const Error&) {
+      }
+    }
     if (const std::optional<int> sig = read_signals()) {
       // A second request to stop means "now": skip the rest of the grace period.
       if (current_signal != SIGKILL) deadline = Clock::now();
@@ -702,6 +733,7 @@ std::optional<int> Supervisor::stop_everything(int first_signal,
 
 int Supervisor::run() {
   start_restart_rounds();
+  if (options_.elastic()) return run_elastic();
   // Whole-job restarts: the job's failure of the round, named on every node when it gives up.
   const auto give_up_or_restart = [&](int restart_count, const std::string& cause) {
     if (restart_count >= options_.max_restarts) {
@@ -778,6 +810,108 @@ int Supervisor::run() {
                          cause.empty() ? "no cause recorded" : cause));
         if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
         if (!give_up_or_restart(restart_count, cause)) return kWorkerFailedExitCode;
+        break;
+      }
+    }
+  }
+}
+
+int Supervisor::run_elastic() {
+  try {
+    return run_elastic_rounds();
+  } catch (const JobEnded& e) {
+    note(e.what());
+    return e.exit_code();
+  } catch (const StoreError& e) {
+    if (options_.serves_rounds()) throw;
+    stop_everything(SIGTERM, std::nullopt);
+    note(fmt::format(
+        "error: lost the elastic rendezvous at {}:{} ({}): the ddprun with --node-rank 0, which "
+        "serves it, is gone, and an elastic job ends with it (as torchrun's c10d rendezvous); "
+        "start the job again",
+        options_.master_addr, options_.agent_port, e.what()));
+    return kWorkerFailedExitCode;
+  }
+}
+
+int Supervisor::run_elastic_rounds() {
+  for (int round = rounds_->current_round();; ++round) {
+    const JoinedRound joined = rounds_->join_elastic(round);
+    round = joined.round;
+    placement_ = joined.placement;
+    std::vector<int> agents;
+    for (const RoundMember& m : joined.members)
+      agents.push_back(m.agent);
+    note(fmt::format(
+        "elastic round {}: {} node(s) (agents [{}], --nnodes {}:{}), world size {}; this node is "
+        "node {}, ranks {} to {}; {} of {} restarts used",
+        round, placement_->nnodes, fmt::join(agents, ", "), options_.min_nnodes, options_.nnodes,
+        placement_->world_size, placement_->node_rank, placement_->first_rank,
+        placement_->first_rank + options_.nproc_per_node - 1, joined.restarts_used,
+        options_.max_restarts));
+    if (!start_workers(round)) {
+      stop_everything(SIGTERM, std::nullopt);
+      rounds_->report_failure(round,
+                              fmt::format("node {} could not start its workers", node_rank()));
+      rounds_->leave();
+      return kWorkerFailedExitCode;
+    }
+    const Outcome outcome = supervise(round);
+    switch (outcome.kind) {
+      case OutcomeKind::kSucceeded: {
+        if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
+        bool all_succeeded = false;
+        if (const auto sig = await_other_nodes(round, all_succeeded)) return 128 + *sig;
+        if (all_succeeded) {
+          if (options_.serves_rounds()) rounds_->finish(round);
+          rounds_->leave();
+          return 0;
+        }
+        note(
+            fmt::format("another node failed after this node's workers were done ({}); joining "
+                        "round {}",
+                        rounds_->failure(round), round + 1));
+        break;
+      }
+      case OutcomeKind::kSignalled: {
+        note(fmt::format("received {}; forwarding it to the workers", signal_name(outcome.signal)));
+        stop_everything(outcome.signal, outcome.signal);
+        return 128 + outcome.signal;
+      }
+      case OutcomeKind::kWorkerFailed: {
+        const std::string what =
+            fmt::format("rank {} {}", outcome.rank, describe_wait_status(outcome.wait_status));
+        note(fmt::format("{}; stopping the other workers", what));
+        if (!outcome.others.empty()) {
+          note(fmt::format("also failed (likely in consequence): {}",
+                           fmt::join(outcome.others, "; ")));
+        }
+        // Recorded before stopping anything, as in a static job (see run()).
+        std::string cause = rounds_->report_failure(
+            round, fmt::format("rank {} (node {}) {}", outcome.rank, node_rank(),
+                               describe_wait_status(outcome.wait_status)));
+        if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
+        if (cause.empty()) {
+          note(
+              fmt::format("the job had left round {} already ({}); restarting the workers in "
+                          "round {} (not counted against --max-restarts)",
+                          round, rounds_->membership_change(round), round + 1));
+        } else {
+          note(fmt::format("round {} failed ({}); joining round {}", round, cause, round + 1));
+        }
+        break;
+      }
+      case OutcomeKind::kRestartRequested: {
+        const std::string cause = rounds_->failure(round);
+        if (cause.empty()) {
+          note(
+              fmt::format("{}; restarting the workers in round {} (not counted against "
+                          "--max-restarts)",
+                          rounds_->membership_change(round), round + 1));
+        } else {
+          note(fmt::format("another node failed ({}); stopping the local workers", cause));
+        }
+        if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
         break;
       }
     }

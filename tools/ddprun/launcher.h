@@ -18,6 +18,9 @@
 // Restarts (--max-restarts K): the local workers are started again after a failure; with
 // --nnodes > 1 every node's ddprun restarts together through restart rounds in a store that node
 // 0's ddprun serves on --agent-port (restart_round.h, docs/ddprun.md "Whole-job restarts").
+// Elastic jobs (--nnodes MIN:MAX) run rounds whose members agent 0 decides (round_membership.h):
+// a node that leaves fails the round, one that arrives moves the job to the next round without
+// costing a restart, and each round's workers get that round's ranks and world size.
 //
 // Exit codes: 0 when every worker exited with 0; 1 when a worker failed (after --max-restarts
 // restarts) or could not be started; 128+N when ddprun received signal N (130 for SIGINT).

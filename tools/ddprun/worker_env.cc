@@ -28,16 +28,23 @@ void apply_worker_variables(Environment& env, const LaunchOptions& options,
       env[key] = std::to_string(value);
     }
   };
-  set("RANK", options.global_rank(slot.local_rank));
+  const RoundPlacement node =
+      slot.placement.value_or(RoundPlacement{.node_rank = options.node_rank,
+                                             .nnodes = options.nnodes,
+                                             .first_rank = options.global_rank(0),
+                                             .world_size = options.world_size()});
+  const int rank = node.first_rank + slot.local_rank;
+  set("RANK", rank);
   set("LOCAL_RANK", slot.local_rank);
-  set("WORLD_SIZE", options.world_size());
+  set("WORLD_SIZE", node.world_size);
   set("LOCAL_WORLD_SIZE", options.nproc_per_node);
-  // One role ("default") and a static group per node, exactly as torchrun's static rendezvous.
-  set("GROUP_RANK", options.node_rank);
-  set("GROUP_WORLD_SIZE", options.nnodes);
+  // One role ("default") and one group per node, as torchrun's rendezvous; an elastic job's
+  // groups are the round's members.
+  set("GROUP_RANK", node.node_rank);
+  set("GROUP_WORLD_SIZE", node.nnodes);
   set("ROLE_NAME", "default");
-  set("ROLE_RANK", options.global_rank(slot.local_rank));
-  set("ROLE_WORLD_SIZE", options.world_size());
+  set("ROLE_RANK", rank);
+  set("ROLE_WORLD_SIZE", node.world_size);
   set("MASTER_ADDR", options.master_addr);
   set("MASTER_PORT", slot.master_port);
   set("TORCHELASTIC_RESTART_COUNT", slot.restart_count);

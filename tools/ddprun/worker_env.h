@@ -9,10 +9,12 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "ddprun/launch_options.h"
+#include "ddprun/round_membership.h"
 
 namespace ddp::ddprun {
 
@@ -25,6 +27,9 @@ struct WorkerSlot {
   int cpu_count = 1;    // CPUs this node may use, shared by its local workers
   // The attempt's --log-dir folder: the workers' DDP_DUMP_DIR unless set ("" = no --log-dir).
   std::string dump_dir;
+  // An elastic round's place of this node (round_membership.h); std::nullopt: the static job's
+  // (--node-rank of --nnodes, nproc_per_node each).
+  std::optional<RoundPlacement> placement;
 };
 
 // The variables of this process (environ), as a map.
