@@ -397,34 +397,51 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
         reduce_scatter_tensor_async(u.reduction_output, u.reduction_input, ReduceOp::kSum, *group_);
   }
   if (options_.sharding_strategy == ShardingStrategy::kFullShard) free_full(unit);
+  // Bound the memory of gradients in flight: every reduction that has completed hands its result
+  // to its shard now (freeing its full flat gradient), and only the newest kReductionsInFlight
+  // stay outstanding, so backward holds one unit's full gradient in flight while the next unit
+  // computes (waiting only at the end would keep every unit's until then).
+  outstanding_.push_back(unit);
+  for (auto it = outstanding_.begin(); it != outstanding_.end();) {
+    const bool done = units_[*it]->reduction->is_completed();
+    if (done || outstanding_.size() > kReductionsInFlight) {
+      harvest_reduction(*it);
+      it = outstanding_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
+  torch::NoGradGuard no_grad;
+  auto& u = *units_[unit];
+  u.reduction->wait();
+  u.reduction_output.div_(static_cast<double>(group_->size()));
+  auto& grad = u.shard.mutable_grad();
+  if (grad.defined()) {
+    grad.add_(u.reduction_output);
+  } else {
+    grad = u.reduction_output;
+  }
+  u.reduction.reset();
+  u.reduction_input = torch::Tensor();
+  u.reduction_output = torch::Tensor();
 }
 
 void FullyShardedDataParallelImpl::finish_backward() {
   if (!finish_queued_) return;
-  torch::NoGradGuard no_grad;
   // A unit some of whose parameters got no gradient in this pass is reduced now (the missing
   // gradients count as zero), in unit order on every rank. Units no gradient reached are left.
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (units_[u]->ready > 0) reduce_gradients(u);
   }
-  const double world = group_->size();
+  for (const auto unit : outstanding_)
+    harvest_reduction(unit);
+  outstanding_.clear();
   for (auto& unit : units_) {
-    auto& u = *unit;
-    if (u.reduction) {
-      u.reduction->wait();
-      u.reduction_output.div_(world);
-      auto& grad = u.shard.mutable_grad();
-      if (grad.defined()) {
-        grad.add_(u.reduction_output);
-      } else {
-        grad = u.reduction_output;
-      }
-    }
-    u.reduction.reset();
-    u.reduction_input = torch::Tensor();
-    u.reduction_output = torch::Tensor();
-    u.ready = 0;
-    u.reduced = false;
+    unit->ready = 0;
+    unit->reduced = false;
   }
   if (options_.sharding_strategy == ShardingStrategy::kFullShard) {
     for (std::size_t u = 0; u < units_.size(); ++u)

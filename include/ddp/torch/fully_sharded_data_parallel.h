@@ -134,6 +134,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   void before_unit_backward(std::size_t unit);
   void on_grad_ready(std::size_t unit);
   void reduce_gradients(std::size_t unit);
+  // Waits for the unit's reduction and adds its average to the shard's .grad().
+  void harvest_reduction(std::size_t unit);
   void queue_finish_backward();
 
   torch::nn::Sequential module_;
@@ -142,6 +144,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   FsdpOptions options_;
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<std::ptrdiff_t> unit_starting_at_;  // child index -> unit beginning there, or -1
+  static constexpr std::size_t kReductionsInFlight = 1;
+  std::vector<std::size_t> outstanding_;  // units whose gradient reduction is in flight
   bool finish_queued_ = false;
   std::int64_t all_gather_count_ = 0;
 };
