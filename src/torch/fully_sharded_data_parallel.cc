@@ -1,10 +1,12 @@
 #include "ddp/torch/fully_sharded_data_parallel.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <new>
 #include <sstream>
 #include <unordered_map>
 
-#include <c10/core/CPUAllocator.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -28,6 +30,43 @@ std::int64_t parameter_count(const std::shared_ptr<torch::nn::Module>& module) {
   return n;
 }
 
+// Memory for the buffers FSDP frees during a step (full parameters, full flat gradients) comes
+// straight from mmap and goes back with munmap: through malloc it would stay in the process when
+// malloc is told to keep freed memory (ddprun's GLIBC_TUNABLES, for speed), and the buffers of
+// different units would fragment the heap, so freeing would save nothing.
+struct MappedBlock {
+  void* address = nullptr;
+  std::size_t bytes = 0;
+};
+
+void unmap_block(void* context) {
+  auto* block = static_cast<MappedBlock*>(context);
+  if (block->address != nullptr) munmap(block->address, block->bytes);
+  delete block;
+}
+
+c10::DataPtr map_bytes(std::size_t bytes) {
+  auto* block = new MappedBlock{nullptr, bytes};
+  if (bytes > 0) {
+    void* address =
+        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (address == MAP_FAILED) {
+      delete block;
+      throw std::bad_alloc();
+    }
+    block->address = address;
+  }
+  return c10::DataPtr(block->address, block, &unmap_block, c10::Device(c10::kCPU));
+}
+
+// A float tensor of `numel` elements in mapped memory (zero-filled, as fresh mappings are).
+torch::Tensor mapped_zeros(std::int64_t numel) {
+  const auto bytes = static_cast<std::size_t>(numel) * sizeof(float);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  return torch::empty({0}, torch::kFloat).set_(storage, 0, {numel}, {1});
+}
+
 // Freeing and refilling a full parameter buffer in place, as PyTorch's FSDP resizes the flat
 // parameter's storage to 0 and back: the module's parameters and the tensors autograd saved for
 // backward are views of this storage, so they stay valid handles and see the new memory once it
@@ -41,7 +80,7 @@ void release_storage(const torch::Tensor& full) {
 void allocate_storage(const torch::Tensor& full) {
   auto* storage = full.storage().unsafeGetStorageImpl();
   const auto bytes = static_cast<std::size_t>(full.numel()) * full.element_size();
-  storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(bytes));
+  storage->set_data_ptr_noswap(map_bytes(bytes));
   storage->set_nbytes(bytes);
 }
 
@@ -247,7 +286,7 @@ void FullyShardedDataParallelImpl::build() {
   const int rank = group_->rank();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
-    unit.full = torch::zeros({unit.padded}, torch::kFloat);
+    unit.full = mapped_zeros(unit.padded);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
       unit.full.narrow(0, unit.offsets[i], unit.params[i].numel())
           .copy_(unit.params[i].detach().reshape(-1));
@@ -363,6 +402,20 @@ void FullyShardedDataParallelImpl::queue_finish_backward() {
 
 void FullyShardedDataParallelImpl::before_unit_backward(std::size_t unit) {
   queue_finish_backward();
+  auto& u = *units_[unit];
+  if (!u.reduced && !u.reduction_input.defined()) {
+    // The unit's gradients accumulate in place into views of one flat buffer (autograd adds into
+    // a defined .grad), which is then reduced as it is: no copy, and no full-size gradient
+    // allocated per parameter.
+    torch::NoGradGuard no_grad;
+    u.reduction_input = mapped_zeros(u.padded);
+    for (std::size_t i = 0; i < u.params.size(); ++i) {
+      auto& p = u.params[i];
+      auto view = u.reduction_input.narrow(0, u.offsets[i], p.numel()).view(p.sizes());
+      if (p.grad().defined()) view.copy_(p.grad());
+      p.mutable_grad() = view;
+    }
+  }
   if (options_.sharding_strategy != ShardingStrategy::kFullShard) return;
   start_gather(unit);
   wait_gather(unit);
@@ -380,12 +433,15 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
   auto& u = *units_[unit];
   if (u.reduced) return;
   u.reduced = true;
-  u.reduction_input = torch::zeros({u.padded}, torch::kFloat);
+  const bool in_place = u.reduction_input.defined();
+  if (!in_place) u.reduction_input = mapped_zeros(u.padded);  // no hook ran before the unit
   for (std::size_t i = 0; i < u.params.size(); ++i) {
     auto& p = u.params[i];
     const auto& grad = p.grad();
     if (!grad.defined()) continue;  // unused in this pass: zero
-    u.reduction_input.narrow(0, u.offsets[i], p.numel()).copy_(grad.reshape(-1));
+    auto slot = u.reduction_input.narrow(0, u.offsets[i], p.numel());
+    // Autograd may have replaced the view (e.g. a gradient of another layout): copy it then.
+    if (!in_place || grad.data_ptr() != slot.data_ptr()) slot.copy_(grad.reshape(-1));
     p.mutable_grad().reset();  // the full gradient is not kept
   }
   if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
