@@ -38,6 +38,9 @@
 // collective is waited for and each shard's .grad() holds the gradient averaged over the ranks
 // (added to what was there, so gradients accumulate over backward passes as in PyTorch).
 //
+// One forward per backward: a second forward through the same units before backward would count
+// gradients twice toward "every parameter of the unit has its gradient".
+//
 // While freed (kFullShard, outside a unit's forward/backward), the wrapped module's parameters
 // have no storage: read them only through full_state_dict(). Buffers (BatchNorm statistics) are
 // broadcast from rank 0 at construction and otherwise stay local.
