@@ -12,6 +12,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "fsdp_unit.h"
 #include "libtorch_compat.h"
 #include "rank_agreement.h"
 
@@ -101,23 +102,6 @@ const char* to_string(ShardingStrategy strategy) {
   }
   return "?";
 }
-
-struct FullyShardedDataParallelImpl::Unit {
-  enum class State { kFree, kGathering, kGathered };
-  std::size_t begin = 0, end = 0;
-  std::vector<torch::Tensor> params;  // the wrapped module's parameters, in flat order
-  std::vector<std::int64_t> offsets;  // of each parameter in the flat buffer
-  std::int64_t numel = 0, padded = 0, shard_numel = 0;
-  torch::Tensor full;   // the padded flat buffer the parameters are views of
-  torch::Tensor shard;  // this rank's leaf (kNoShard: `full` itself)
-  State state = State::kGathered;
-  std::shared_ptr<Work> gather;
-  std::vector<std::unique_ptr<libtorch_compat::GradReadyHook>> hooks;
-  std::size_t ready = 0;  // parameters whose gradient arrived in this backward pass
-  bool reduced = false;
-  std::shared_ptr<Work> reduction;
-  torch::Tensor reduction_input, reduction_output;
-};
 
 FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::Sequential module,
                                                            GroupRef group, FsdpOptions options)

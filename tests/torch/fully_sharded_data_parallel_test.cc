@@ -13,6 +13,7 @@
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/fully_sharded_data_parallel.h"
 #include "support/multiprocess.h"
+#include "support/temp_dir.h"
 #include "torch/ddp_test_util.h"
 
 namespace ddp {
@@ -284,6 +285,107 @@ TEST(FullyShardedDataParallel, ModelsThatDifferAcrossRanksAreNamedOnEveryRank) {
             make_model(), pg,
             three_units(rank == 1 ? ShardingStrategy::kShardGradOp : ShardingStrategy::kFullShard));
       });
+}
+
+// Trains steps [from, to) and returns each step's loss averaged over the ranks.
+std::vector<double> losses_of(FullyShardedDataParallel& model, torch::optim::Optimizer& opt,
+                              ProcessGroup& pg, int from, int to) {
+  std::vector<double> losses;
+  for (int step = from; step < to; ++step) {
+    auto [x, y] = make_batch(pg.rank(), pg.size(), step);
+    opt.zero_grad();
+    auto loss = torch::mse_loss(model->forward(x), y);
+    loss.backward();
+    opt.step();
+    losses.push_back(average_across_ranks(loss.item<double>(), pg));
+  }
+  return losses;
+}
+
+// Saved after 10 of 20 steps at world `saved`, loaded at world `loaded`: the last 10 losses and
+// the final parameters equal an uninterrupted run's at world `loaded` (to 1e-5).
+void expect_resume_at_another_world_size(int saved, int loaded, ShardingStrategy strategy) {
+  test::TempDir dir;
+  const auto path = dir.path() / "ckpt";
+  const int port_save = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(saved, [&](int rank) {
+    auto pg = join_group(rank, saved, port_save);
+    FullyShardedDataParallel model(make_model(), pg, three_units(strategy));
+    auto opt = make_optimizer(Kind::kAdam, model->parameters());
+    losses_of(model, *opt, *pg, 0, kSteps / 2);
+    model->save_sharded_checkpoint(path, *opt);
+  }));
+  const int port_load = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(loaded, [&](int rank) {
+    auto pg = join_group(rank, loaded, port_load);
+    FullyShardedDataParallel straight(make_model(), pg, three_units(strategy));
+    auto straight_opt = make_optimizer(Kind::kAdam, straight->parameters());
+    losses_of(straight, *straight_opt, *pg, 0, kSteps / 2);
+    const auto want = losses_of(straight, *straight_opt, *pg, kSteps / 2, kSteps);
+
+    FullyShardedDataParallel resumed(make_model(), pg, three_units(strategy));
+    auto resumed_opt = make_optimizer(Kind::kAdam, resumed->parameters());
+    resumed->load_sharded_checkpoint(path, *resumed_opt);
+    const auto got = losses_of(resumed, *resumed_opt, *pg, kSteps / 2, kSteps);
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (std::abs(got[i] - want[i]) > 1e-5 * std::max(1.0, std::abs(want[i]))) {
+        throw std::runtime_error(fmt::format("step {}: loss {} after resuming, {} uninterrupted",
+                                             kSteps / 2 + i, got[i], want[i]));
+      }
+    }
+    const auto a = straight->full_state_dict(0);
+    const auto b = resumed->full_state_dict(0);
+    for (const auto& item : a)
+      test::expect_close(b[item.key()], item.value(), "resumed " + item.key(), 1e-5, 1e-6);
+  }));
+}
+
+TEST(FullyShardedDataParallel, ShardedCheckpointSavedAtFourResumesAtTwo) {
+  expect_resume_at_another_world_size(4, 2, ShardingStrategy::kFullShard);
+}
+
+TEST(FullyShardedDataParallel, ShardedCheckpointSavedAtTwoResumesAtThree) {
+  expect_resume_at_another_world_size(2, 3, ShardingStrategy::kShardGradOp);
+}
+
+TEST(FullyShardedDataParallel, ACheckpointThatDoesNotFitIsNamedOnEveryRank) {
+  test::TempDir dir;
+  const auto path = dir.path() / "ckpt";
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    FullyShardedDataParallel model(make_model(), pg, three_units(ShardingStrategy::kFullShard));
+    auto opt = make_optimizer(Kind::kAdam, model->parameters());
+    losses_of(model, *opt, *pg, 0, 2);
+    model->save_sharded_checkpoint(path, *opt);
+  }));
+  const int port2 = test::free_port();
+  const auto results = run_ranks(3, [&](int rank) {
+    auto pg = join_group(rank, 3, port2, 10s);
+    FullyShardedDataParallel other(make_model(1), pg, three_units(ShardingStrategy::kFullShard));
+    auto opt = make_optimizer(Kind::kAdam, other->parameters());
+    const auto before = other->parameters()[1].detach().clone();
+    try {
+      other->load_sharded_checkpoint(path, *opt);
+    } catch (const Error& e) {
+      if (!torch::equal(before, other->parameters()[1])) throw std::runtime_error("changed");
+      throw;
+    }
+  });
+  expect_error_on_every_rank(results,
+                             "holds units of [63, 40, 10] parameters but this model's "
+                             "units hold [63, 50, 12]");
+  const int port3 = test::free_port();
+  expect_error_on_every_rank(run_ranks(2,
+                                       [&](int rank) {
+                                         auto pg = join_group(rank, 2, port3, 10s);
+                                         FullyShardedDataParallel model(
+                                             make_model(), pg,
+                                             three_units(ShardingStrategy::kFullShard));
+                                         auto sgd = make_optimizer(Kind::kSgd, model->parameters());
+                                         model->load_sharded_checkpoint(path, *sgd);
+                                       }),
+                             "holds Adam state but the optimizer is SGD");
 }
 
 }  // namespace

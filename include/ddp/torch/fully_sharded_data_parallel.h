@@ -57,6 +57,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <utility>
@@ -108,6 +109,22 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // buffers, as plain tensors, in the format of torch::nn::Module::named_parameters() /
   // named_buffers() of the unwrapped Sequential (loadable into one). Empty on other ranks.
   torch::OrderedDict<std::string, torch::Tensor> full_state_dict(int to = 0);
+
+  // Sharded checkpoint (fsdp_sharded_checkpoint.cc). Collective: each rank writes its shards'
+  // elements (padding left out) and their optimizer state to DIR/shard-<rank>-of-<W>.pt
+  // atomically (checksummed, as save_archive_atomically), then, once every rank has written,
+  // rank 0 writes DIR/manifest.pt (world size, each unit's parameter count, the optimizer kind),
+  // so a manifest means a complete checkpoint. `optimizer` is a torch::optim SGD, Adam or AdamW
+  // built over parameters() (ConfigError otherwise).
+  void save_sharded_checkpoint(const std::filesystem::path& dir,
+                               const torch::optim::Optimizer& optimizer) const;
+  // Loads a sharded checkpoint saved at any world size: each rank reads the manifest and the
+  // files that hold elements of its shards, and replaces its shards' values and optimizer state
+  // (the optimizer's options are left as they are). Not collective. Error naming the path and
+  // what differs when the units' sizes or the optimizer kind are not the checkpoint's, or a file
+  // is missing or damaged; nothing is changed then.
+  void load_sharded_checkpoint(const std::filesystem::path& dir,
+                               torch::optim::Optimizer& optimizer);
 
   struct UnitInfo {
     std::size_t begin = 0, end = 0;  // children [begin, end)
