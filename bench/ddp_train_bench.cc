@@ -5,7 +5,9 @@
 //
 // A step is zero_grad + forward + cross-entropy + backward (gradients averaged over the ranks
 // when it returns) + optimizer step (`--optimizer sgd|adam`; `--sharding zero1` shards its state
-// with ddp::ZeroRedundancyOptimizer, docs/sharding.md). Each rank takes the median of its step
+// with ddp::ZeroRedundancyOptimizer; `zero2` and `fsdp` wrap the model in
+// ddp::FullyShardedDataParallel, SHARD_GRAD_OP and FULL_SHARD, with units of at least
+// `--min-num-params` parameters; docs/sharding.md). Each rank takes the median of its step
 // times; the slowest rank's median is reported. Rank 0's last line:
 // `step_ms=<median> samples_per_s=<world*batch/median> peak_mem_mb=<x> bytes_per_step=<B>`, where
 // x is the largest rank's peak resident memory (VmHWM) minus its resident memory before the model
@@ -30,6 +32,7 @@
 #include "ddp/init.h"
 #include "ddp/torch/comm_hook_by_name.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/fully_sharded_data_parallel.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
@@ -95,8 +98,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"sgd", "adam"}));
   std::string sharding = "ddp";
   app.add_option("--sharding", sharding,
-                 "ddp (every rank holds the optimizer state) or zero1 (ZeroRedundancyOptimizer)")
-      ->check(CLI::IsMember({"ddp", "zero1"}));
+                 "ddp (every rank holds the optimizer state), zero1 (ZeroRedundancyOptimizer), "
+                 "zero2 (FullyShardedDataParallel SHARD_GRAD_OP) or fsdp (FULL_SHARD)")
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "fsdp"}));
+  std::int64_t min_num_params = 1'000'000;
+  app.add_option("--min-num-params", min_num_params,
+                 "zero2/fsdp: a unit closes once it holds this many parameters")
+      ->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
   app.add_option("--batch-size", batch_size, "samples per rank and step")
@@ -143,7 +151,18 @@ int main(int argc, char** argv) {
     auto net = make_model(model_name);
     if (sync_bn) ddp::convert_sync_batchnorm(net.ptr(), group);
     std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
-    if (world > 1) {
+    std::shared_ptr<ddp::FullyShardedDataParallelImpl> fsdp_model;
+    const bool fully_sharded = sharding == "zero2" || sharding == "fsdp";
+    if (fully_sharded) {
+      fsdp_model =
+          ddp::FullyShardedDataParallel(
+              net, group,
+              ddp::FsdpOptions{.sharding_strategy = sharding == "fsdp"
+                                                        ? ddp::ShardingStrategy::kFullShard
+                                                        : ddp::ShardingStrategy::kShardGradOp,
+                               .min_num_params = min_num_params})
+              .ptr();
+    } else if (world > 1) {
       ddp_model = ddp::DistributedDataParallel(net, group,
                                                {.bucket_cap_mb = bucket_cap_mb,
                                                 .first_bucket_cap_mb = first_bucket_cap_mb,
@@ -158,15 +177,17 @@ int main(int argc, char** argv) {
     const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
     const auto adam = torch::optim::AdamOptions(1e-3);
     std::unique_ptr<torch::optim::Optimizer> optimizer;
+    // FullyShardedDataParallel: the optimizer steps on the shards.
+    const auto params = fsdp_model ? fsdp_model->parameters() : net->parameters();
     if (sharding == "zero1") {
       optimizer =
           optimizer_name == "adam"
               ? std::make_unique<ddp::ZeroRedundancyOptimizer>(net->parameters(), adam, group)
               : std::make_unique<ddp::ZeroRedundancyOptimizer>(net->parameters(), sgd, group);
     } else if (optimizer_name == "adam") {
-      optimizer = std::make_unique<torch::optim::Adam>(net->parameters(), adam);
+      optimizer = std::make_unique<torch::optim::Adam>(params, adam);
     } else {
-      optimizer = std::make_unique<torch::optim::SGD>(net->parameters(), sgd);
+      optimizer = std::make_unique<torch::optim::SGD>(params, sgd);
     }
     auto& opt = *optimizer;
     torch::manual_seed(100 + rank);
@@ -185,7 +206,9 @@ int main(int argc, char** argv) {
       const auto start = Clock::now();
       opt.zero_grad();
       const auto zeroed = Clock::now();
-      auto logits = ddp_model ? ddp_model->forward(x) : net->forward(x);
+      auto logits = ddp_model    ? ddp_model->forward(x)
+                    : fsdp_model ? fsdp_model->forward(x)
+                                 : net->forward(x);
       const auto forwarded = Clock::now();
       torch::nn::functional::cross_entropy(logits, y).backward();
       const auto backward_returned = Clock::now();

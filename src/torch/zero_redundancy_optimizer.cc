@@ -14,6 +14,7 @@
 #include "ddp/torch/distributed_objects.h"
 #include "libtorch_compat.h"
 #include "optimizer_state_tensors.h"
+#include "rank_agreement.h"
 
 namespace ddp {
 
@@ -25,39 +26,8 @@ using torch::optim::OptimizerParamGroup;
 // The archive entry that names the optimizer kind (a plain optimizer's load ignores it).
 constexpr const char* kKindEntry = "ddp_zero_optimizer_kind";
 
-// FNV-1a: the same on every rank and build (std::hash is not specified to be).
-std::int64_t fingerprint(const std::string& text) {
-  std::uint64_t hash = 14695981039346656037ull;
-  for (const unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return static_cast<std::int64_t>(hash);
-}
-
 std::string shape_text(const torch::Tensor& t) {
   return fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
-}
-
-// Every rank's text differs from rank 0's at its first differing line: names that line.
-std::string first_difference(const std::vector<std::string>& texts) {
-  auto lines = [](const std::string& text) {
-    std::vector<std::string> out;
-    std::istringstream in(text);
-    for (std::string line; std::getline(in, line);)
-      out.push_back(line);
-    return out;
-  };
-  const auto reference = lines(texts[0]);
-  for (std::size_t r = 1; r < texts.size(); ++r) {
-    const auto mine = lines(texts[r]);
-    for (std::size_t i = 0; i < std::max(reference.size(), mine.size()); ++i) {
-      const std::string a = i < reference.size() ? reference[i] : "(nothing)";
-      const std::string b = i < mine.size() ? mine[i] : "(nothing)";
-      if (a != b) return fmt::format("rank 0 has {} but rank {} has {}", a, r, b);
-    }
-  }
-  return "the ranks' descriptions hash differently";
 }
 
 }  // namespace
@@ -227,24 +197,17 @@ void ZeroRedundancyOptimizer::build(std::vector<OptimizerParamGroup> param_group
 
 void ZeroRedundancyOptimizer::check_across_ranks(const std::string& description,
                                                  const std::string& local_error) {
-  const std::string mine = local_error.empty() ? description : "error: " + local_error;
-  // One small allgather of a hash; the descriptions travel only when they differ.
-  auto hash = torch::tensor({fingerprint(mine)}, torch::kInt64);
-  auto hashes = torch::empty({group_->size()}, torch::kInt64);
-  all_gather_into_tensor(hashes, hash, *group_);
-  if ((hashes == hashes[0]).all().item<bool>() && local_error.empty()) return;
-  std::vector<std::string> texts;
-  all_gather_object(texts, mine, *group_);
-  for (std::size_t r = 0; r < texts.size(); ++r) {
-    if (texts[r].rfind("error: ", 0) == 0) {
-      throw Error(fmt::format("ZeroRedundancyOptimizer could not be built on rank {}: {}", r,
-                              texts[r].substr(7)));
-    }
+  const auto agreement = internal::compare_across_ranks(*group_, description, local_error);
+  if (agreement.failed_rank >= 0) {
+    throw Error(fmt::format("ZeroRedundancyOptimizer could not be built on rank {}: {}",
+                            agreement.failed_rank, agreement.failure));
   }
-  throw Error(fmt::format(
-      "ZeroRedundancyOptimizer: the ranks differ: {}. Every rank must pass the same parameters "
-      "(count, shapes, dtypes, groups) and an optimizer of the same kind",
-      first_difference(texts)));
+  if (!agreement.difference.empty()) {
+    throw Error(fmt::format(
+        "ZeroRedundancyOptimizer: the ranks differ: {}. Every rank must pass the same parameters "
+        "(count, shapes, dtypes, groups) and an optimizer of the same kind",
+        agreement.difference));
+  }
 }
 
 void ZeroRedundancyOptimizer::build_buckets() {

@@ -1,0 +1,178 @@
+// FullyShardedDataParallel: ZeRO stages 2 and 3 (PyTorch's torch.distributed.fsdp) for libtorch.
+// Each rank keeps 1/W of the parameters, of their gradients and (with an optimizer built over
+// parameters()) of the optimizer state; the full parameters of a unit exist only while it needs
+// them (docs/sharding.md).
+//
+//   auto pg = ddp::init_process_group();
+//   ddp::FullyShardedDataParallel model(net /* a torch::nn::Sequential */, pg,
+//       ddp::FsdpOptions{.sharding_strategy = ddp::ShardingStrategy::kFullShard,
+//                        .min_num_params = 1'000'000});
+//   torch::optim::Adam opt(model->parameters(), 1e-3);   // the shards
+//   for (...) { opt.zero_grad(); loss(model->forward(x)).backward(); opt.step(); }
+//
+// Why only torch::nn::Sequential: libtorch modules have no forward hooks, so a wrapper can see
+// where a unit's forward begins and ends only if it runs the forward itself. This wrapper runs a
+// Sequential's children in order; anything else is a ConfigError. (Wrap the model's sequential
+// trunk, or write the model as a Sequential of blocks.)
+//
+// Units: consecutive children whose parameters are flattened into one fp32 buffer, padded to a
+// multiple of W; rank r owns elements [r·S, (r+1)·S) of it (S = padded/W) as a leaf tensor, its
+// "shard", which is what parameters() returns. Units come from `units` (explicit [begin, end)
+// child ranges) or else from `min_num_params` (PyTorch's size_based_auto_wrap_policy: children
+// are added to a unit until it holds at least min_num_params parameters). Parameter-free children
+// join the neighbouring unit (explicit ranges may leave them between units; a child with
+// parameters outside every unit is a ConfigError).
+//
+// Strategies (PyTorch's ShardingStrategy):
+// - kFullShard (ZeRO 3): before a unit's forward its full parameters are all-gathered (the next
+//   unit's all-gather runs while this one computes), and freed after it; a gradient hook on the
+//   unit's output all-gathers them again before the unit's backward (prefetching the unit before
+//   it), and they are freed once the unit's gradients are handed to the reduce-scatter.
+// - kShardGradOp (ZeRO 2): full parameters stay allocated from forward through backward (gathered
+//   again at each forward, after the optimizer changed the shards); gradients reduce-scattered.
+// - kNoShard (as DDP): every rank holds every parameter (the "shard" is the whole unit) and the
+//   gradients are all-reduced.
+// In every strategy, once every parameter of a unit has its gradient, the unit's flat gradient is
+// reduce-scattered (all-reduced for kNoShard) asynchronously, so the earlier units' backward
+// overlaps it; at the end of backward (autograd's final callback, nothing to call) every
+// collective is waited for and each shard's .grad() holds the gradient averaged over the ranks
+// (added to what was there, so gradients accumulate over backward passes as in PyTorch).
+//
+// One forward per backward: a second forward through the same units before backward would count
+// gradients twice toward "every parameter of the unit has its gradient".
+//
+// While freed (kFullShard, outside a unit's forward/backward), the wrapped module's parameters
+// have no storage: read them only through full_state_dict(). Buffers (BatchNorm statistics) are
+// broadcast from rank 0 at construction and otherwise stay local.
+//
+// Construction is collective: every rank passes the same model (children, unit boundaries,
+// parameter shapes and dtypes) and options; one small allgather checks it, and otherwise every
+// rank throws Error naming the first difference. Bad arguments (not a Sequential, bad unit
+// ranges, a non-fp32 parameter, a parameter shared by two units) throw ConfigError on every rank.
+//
+// Threads: use it from one training thread. Lifetime: keeps the group alive when given as a
+// shared_ptr. Errors: ConfigError, Error as above; CommError/TimeoutError from the group, thrown
+// from forward or from backward.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddp/process_group.h"
+#include "ddp/torch/distributed.h"
+
+// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
+#pragma GCC visibility push(default)
+namespace ddp {
+
+enum class ShardingStrategy {
+  kFullShard,    // parameters, gradients and optimizer state sharded (ZeRO stage 3)
+  kShardGradOp,  // gradients and optimizer state sharded, full parameters kept (ZeRO stage 2)
+  kNoShard,      // nothing sharded: all-reduce, as DistributedDataParallel
+};
+
+// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD" (PyTorch's names).
+const char* to_string(ShardingStrategy strategy);
+
+struct FsdpOptions {
+  ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
+  // Auto-wrap policy: a unit closes once it holds at least this many parameters (PyTorch's
+  // size_based_auto_wrap_policy default is 1e8). Used when `units` is empty.
+  std::int64_t min_num_params = 100'000'000;
+  // Explicit units: [begin, end) ranges of child indices, sorted, not overlapping, not empty.
+  std::vector<std::pair<std::size_t, std::size_t>> units;
+};
+
+class FullyShardedDataParallelImpl : public torch::nn::Module {
+ public:
+  FullyShardedDataParallelImpl(torch::nn::Sequential module, GroupRef group = {},
+                               FsdpOptions options = {});
+  // ConfigError unless `module` is a torch::nn::SequentialImpl (see above).
+  FullyShardedDataParallelImpl(std::shared_ptr<torch::nn::Module> module, GroupRef group = {},
+                               FsdpOptions options = {});
+  ~FullyShardedDataParallelImpl() override;
+
+  // Runs the children unit by unit (gathering and freeing as the strategy says).
+  torch::Tensor forward(torch::Tensor input);
+
+  // parameters() returns the shards, one per unit (what the optimizer steps on).
+  // Waits for the collectives of the current backward pass; called by autograd at its end, so
+  // there is no need to call it.
+  void finish_backward();
+
+  // Gathers the full model on rank `to` (collective): the wrapped module's named parameters and
+  // buffers, as plain tensors, in the format of torch::nn::Module::named_parameters() /
+  // named_buffers() of the unwrapped Sequential (loadable into one). Empty on other ranks.
+  torch::OrderedDict<std::string, torch::Tensor> full_state_dict(int to = 0);
+
+  // Sharded checkpoint (fsdp_sharded_checkpoint.cc). Collective: each rank writes its shards'
+  // elements (padding left out) and their optimizer state to DIR/shard-<rank>-of-<W>.pt
+  // atomically (checksummed, as save_archive_atomically), then, once every rank has written,
+  // rank 0 writes DIR/manifest.pt (world size, each unit's parameter count, the optimizer kind),
+  // so a manifest means a complete checkpoint. `optimizer` is a torch::optim SGD, Adam or AdamW
+  // built over parameters() (ConfigError otherwise).
+  void save_sharded_checkpoint(const std::filesystem::path& dir,
+                               const torch::optim::Optimizer& optimizer) const;
+  // Loads a sharded checkpoint saved at any world size: each rank reads the manifest and the
+  // files that hold elements of its shards, and replaces its shards' values and optimizer state
+  // (the optimizer's options are left as they are). Not collective. Error naming the path and
+  // what differs when the units' sizes or the optimizer kind are not the checkpoint's, or a file
+  // is missing or damaged; nothing is changed then.
+  void load_sharded_checkpoint(const std::filesystem::path& dir,
+                               torch::optim::Optimizer& optimizer);
+
+  struct UnitInfo {
+    std::size_t begin = 0, end = 0;  // children [begin, end)
+    std::int64_t numel = 0;          // parameters in the unit
+    std::int64_t padded_numel = 0;   // numel rounded up to a multiple of W (kNoShard: numel)
+    std::int64_t shard_numel = 0;    // elements of each rank's shard
+  };
+  std::size_t unit_count() const { return units_.size(); }
+  UnitInfo unit_info(std::size_t unit) const;
+  // Bytes of full (gathered) parameter buffers allocated now, over every unit.
+  std::int64_t gathered_parameter_bytes() const;
+  // How many all-gathers of a unit have been started since construction (for tests).
+  std::int64_t all_gather_count() const { return all_gather_count_; }
+
+  const torch::nn::Sequential& module() const { return module_; }
+  ProcessGroup& process_group() const { return *group_; }
+  const FsdpOptions& options() const { return options_; }
+
+  void train(bool on = true) override;
+
+ private:
+  struct Unit;
+  void build();
+  void start_gather(std::size_t unit);
+  void wait_gather(std::size_t unit);
+  void free_full(std::size_t unit);
+  void before_unit_backward(std::size_t unit);
+  void on_grad_ready(std::size_t unit);
+  void reduce_gradients(std::size_t unit);
+  // Waits for the unit's reduction and adds its average to the shard's .grad().
+  void harvest_reduction(std::size_t unit);
+  void queue_finish_backward();
+
+  torch::nn::Sequential module_;
+  GroupRef group_ref_;
+  ProcessGroup* group_ = nullptr;
+  FsdpOptions options_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::vector<std::ptrdiff_t> unit_starting_at_;  // child index -> unit beginning there, or -1
+  static constexpr std::size_t kReductionsInFlight = 1;
+  std::vector<std::size_t> outstanding_;  // units whose gradient reduction is in flight
+  bool finish_queued_ = false;
+  std::int64_t all_gather_count_ = 0;
+};
+
+TORCH_MODULE(FullyShardedDataParallel);
+
+}  // namespace ddp
+#pragma GCC visibility pop

@@ -1,0 +1,35 @@
+// One unit of FullyShardedDataParallel: its children, flat buffers, shard and backward state.
+// Internal to ddp_torch (fully_sharded_data_parallel.cc and fsdp_sharded_checkpoint.cc).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddp/torch/fully_sharded_data_parallel.h"
+#include "ddp/work.h"
+#include "libtorch_compat.h"
+
+namespace ddp {
+
+struct FullyShardedDataParallelImpl::Unit {
+  enum class State { kFree, kGathering, kGathered };
+  std::size_t begin = 0, end = 0;
+  std::vector<torch::Tensor> params;  // the wrapped module's parameters, in flat order
+  std::vector<std::int64_t> offsets;  // of each parameter in the flat buffer
+  std::int64_t numel = 0, padded = 0, shard_numel = 0;
+  torch::Tensor full;   // the padded flat buffer the parameters are views of
+  torch::Tensor shard;  // this rank's leaf (kNoShard: `full` itself)
+  State state = State::kGathered;
+  std::shared_ptr<Work> gather;
+  std::vector<std::unique_ptr<libtorch_compat::GradReadyHook>> hooks;
+  std::size_t ready = 0;  // parameters whose gradient arrived in this backward pass
+  bool reduced = false;
+  std::shared_ptr<Work> reduction;
+  torch::Tensor reduction_input, reduction_output;
+};
+
+}  // namespace ddp

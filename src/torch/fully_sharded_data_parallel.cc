@@ -1,0 +1,528 @@
+#include "ddp/torch/fully_sharded_data_parallel.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <new>
+#include <sstream>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "ddp/error.h"
+#include "ddp/torch/tensor_collectives.h"
+#include "fsdp_unit.h"
+#include "libtorch_compat.h"
+#include "rank_agreement.h"
+
+namespace ddp {
+
+namespace {
+
+std::string shape_text(const torch::Tensor& t) {
+  return fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
+}
+
+std::int64_t parameter_count(const std::shared_ptr<torch::nn::Module>& module) {
+  std::int64_t n = 0;
+  for (const auto& p : module->parameters())
+    n += p.numel();
+  return n;
+}
+
+// Memory for the buffers FSDP frees during a step (full parameters, full flat gradients) comes
+// straight from mmap and goes back with munmap: through malloc it would stay in the process when
+// malloc is told to keep freed memory (ddprun's GLIBC_TUNABLES, for speed), and the buffers of
+// different units would fragment the heap, so freeing would save nothing.
+struct MappedBlock {
+  void* address = nullptr;
+  std::size_t bytes = 0;
+};
+
+void unmap_block(void* context) {
+  auto* block = static_cast<MappedBlock*>(context);
+  if (block->address != nullptr) munmap(block->address, block->bytes);
+  delete block;
+}
+
+c10::DataPtr map_bytes(std::size_t bytes) {
+  auto* block = new MappedBlock{nullptr, bytes};
+  if (bytes > 0) {
+    void* address =
+        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (address == MAP_FAILED) {
+      delete block;
+      throw std::bad_alloc();
+    }
+    block->address = address;
+  }
+  return c10::DataPtr(block->address, block, &unmap_block, c10::Device(c10::kCPU));
+}
+
+// A float tensor of `numel` elements in mapped memory (zero-filled, as fresh mappings are).
+torch::Tensor mapped_zeros(std::int64_t numel) {
+  const auto bytes = static_cast<std::size_t>(numel) * sizeof(float);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  return torch::empty({0}, torch::kFloat).set_(storage, 0, {numel}, {1});
+}
+
+// Freeing and refilling a full parameter buffer in place, as PyTorch's FSDP resizes the flat
+// parameter's storage to 0 and back: the module's parameters and the tensors autograd saved for
+// backward are views of this storage, so they stay valid handles and see the new memory once it
+// is refilled (and gathered). The same StorageImpl calls exist in libtorch 1.13 and 2.x.
+void release_storage(const torch::Tensor& full) {
+  auto* storage = full.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, full.device()));
+  storage->set_nbytes(std::size_t{0});
+}
+
+void allocate_storage(const torch::Tensor& full) {
+  auto* storage = full.storage().unsafeGetStorageImpl();
+  const auto bytes = static_cast<std::size_t>(full.numel()) * full.element_size();
+  storage->set_data_ptr_noswap(map_bytes(bytes));
+  storage->set_nbytes(bytes);
+}
+
+bool storage_allocated(const torch::Tensor& full) {
+  return full.storage().nbytes() > 0;
+}
+
+}  // namespace
+
+const char* to_string(ShardingStrategy strategy) {
+  switch (strategy) {
+    case ShardingStrategy::kFullShard:
+      return "FULL_SHARD";
+    case ShardingStrategy::kShardGradOp:
+      return "SHARD_GRAD_OP";
+    case ShardingStrategy::kNoShard:
+      return "NO_SHARD";
+  }
+  return "?";
+}
+
+FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::Sequential module,
+                                                           GroupRef group, FsdpOptions options)
+    : module_(std::move(module)), group_ref_(std::move(group)), options_(std::move(options)) {
+  group_ = &group_ref_.get();
+  build();
+}
+
+FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
+    std::shared_ptr<torch::nn::Module> module, GroupRef group, FsdpOptions options)
+    : module_(nullptr), group_ref_(std::move(group)), options_(std::move(options)) {
+  group_ = &group_ref_.get();
+  if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module)) {
+    module_ = torch::nn::Sequential(sequential);
+  }
+  build();
+}
+
+FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() = default;
+
+void FullyShardedDataParallelImpl::build() {
+  const int world = group_->size();
+  std::string local_error;
+  std::ostringstream description;
+  // A local problem must not leave the other ranks waiting: it travels in the agreement check and
+  // every rank throws it.
+  try {
+    if (module_.is_empty()) {
+      throw ConfigError(
+          "FullyShardedDataParallel wraps a torch::nn::Sequential only (libtorch has no forward "
+          "hooks, so it runs the children itself unit by unit); got another module or null. "
+          "Write the model, or its trunk, as a Sequential");
+    }
+    const std::size_t children = module_->size();
+    std::vector<std::int64_t> child_numel(children);
+    for (std::size_t c = 0; c < children; ++c)
+      child_numel[c] = parameter_count(module_->ptr(c));
+
+    std::vector<std::pair<std::size_t, std::size_t>> ranges = options_.units;
+    if (ranges.empty()) {
+      if (options_.min_num_params <= 0) {
+        throw ConfigError(
+            fmt::format("FullyShardedDataParallel: min_num_params must be positive, got {}",
+                        options_.min_num_params));
+      }
+      std::size_t begin = 0;
+      std::int64_t numel = 0;
+      for (std::size_t c = 0; c < children; ++c) {
+        numel += child_numel[c];
+        if (numel >= options_.min_num_params) {
+          ranges.emplace_back(begin, c + 1);
+          begin = c + 1;
+          numel = 0;
+        }
+      }
+      // Trailing children: their own unit if they hold parameters, else they join the last one.
+      if (begin < children) {
+        if (numel > 0 || ranges.empty()) {
+          ranges.emplace_back(begin, children);
+        } else {
+          ranges.back().second = children;
+        }
+      }
+    } else {
+      std::size_t previous_end = 0;
+      for (std::size_t u = 0; u < ranges.size(); ++u) {
+        const auto [begin, end] = ranges[u];
+        if (begin >= end || end > children) {
+          throw ConfigError(fmt::format(
+              "FullyShardedDataParallel: unit {} is children [{}, {}), which is empty or out of "
+              "range (the Sequential has {} children); give [begin, end) ranges with begin < end "
+              "<= {}",
+              u, begin, end, children, children));
+        }
+        if (begin < previous_end) {
+          throw ConfigError(fmt::format(
+              "FullyShardedDataParallel: unit {} [{}, {}) starts before the previous unit ends "
+              "({}); units must be sorted and must not overlap",
+              u, begin, end, previous_end));
+        }
+        previous_end = end;
+      }
+      std::vector<bool> covered(children, false);
+      for (const auto& [begin, end] : ranges)
+        for (std::size_t c = begin; c < end; ++c)
+          covered[c] = true;
+      for (std::size_t c = 0; c < children; ++c) {
+        if (!covered[c] && child_numel[c] > 0) {
+          throw ConfigError(fmt::format(
+              "FullyShardedDataParallel: child {} has {} parameters but is in no unit; every "
+              "child with parameters must be inside a unit's [begin, end) range",
+              c, child_numel[c]));
+        }
+      }
+    }
+
+    description << "strategy " << to_string(options_.sharding_strategy) << "\n"
+                << "children " << children << "\n";
+    std::unordered_map<const void*, std::size_t> unit_of;
+    unit_starting_at_.assign(children, -1);
+    for (std::size_t u = 0; u < ranges.size(); ++u) {
+      auto unit = std::make_unique<Unit>();
+      unit->begin = ranges[u].first;
+      unit->end = ranges[u].second;
+      unit_starting_at_[unit->begin] = static_cast<std::ptrdiff_t>(u);
+      description << "unit " << u << ": children [" << unit->begin << ", " << unit->end << ")\n";
+      for (std::size_t c = unit->begin; c < unit->end; ++c) {
+        for (const auto& p : module_->ptr(c)->parameters()) {
+          const auto [it, fresh] = unit_of.emplace(p.unsafeGetTensorImpl(), u);
+          if (!fresh) {
+            if (it->second == u) continue;  // shared within the unit: flattened once
+            throw ConfigError(fmt::format(
+                "FullyShardedDataParallel: a parameter {} of child {} is shared with unit {}; "
+                "put the children that share it in one unit",
+                shape_text(p), c, it->second));
+          }
+          if (p.scalar_type() != torch::kFloat || !p.device().is_cpu() || p.is_sparse()) {
+            throw ConfigError(fmt::format(
+                "FullyShardedDataParallel: parameter {} of child {} must be a dense fp32 CPU "
+                "tensor (the flat buffers are fp32)",
+                shape_text(p), c));
+          }
+          unit->offsets.push_back(unit->numel);
+          unit->params.push_back(p);
+          unit->numel += p.numel();
+          description << "  parameter " << shape_text(p) << "\n";
+        }
+      }
+      if (unit->params.empty()) {
+        throw ConfigError(fmt::format(
+            "FullyShardedDataParallel: unit {} (children [{}, {})) has no parameters; let "
+            "parameter-free children join a neighbouring unit",
+            u, unit->begin, unit->end));
+      }
+      if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
+        unit->padded = unit->numel;
+        unit->shard_numel = unit->numel;
+      } else {
+        unit->padded = (unit->numel + world - 1) / world * world;
+        unit->shard_numel = unit->padded / world;
+      }
+      units_.push_back(std::move(unit));
+    }
+    if (units_.empty()) {
+      throw ConfigError("FullyShardedDataParallel: the module has no parameters to shard");
+    }
+    for (const auto& b : module_->buffers())
+      description << "buffer " << shape_text(b) << "\n";
+  } catch (const std::exception& e) {
+    local_error = e.what();
+  }
+
+  const auto agreement = internal::compare_across_ranks(*group_, description.str(), local_error);
+  if (agreement.failed_rank >= 0) {
+    throw ConfigError(fmt::format("FullyShardedDataParallel could not be built on rank {}: {}",
+                                  agreement.failed_rank, agreement.failure));
+  }
+  if (!agreement.difference.empty()) {
+    throw Error(fmt::format(
+        "FullyShardedDataParallel: the ranks differ: {}. Every rank must wrap the same model "
+        "(children, parameter shapes and dtypes, buffers) with the same strategy and units",
+        agreement.difference));
+  }
+
+  torch::NoGradGuard no_grad;
+  const int rank = group_->rank();
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    auto& unit = *units_[u];
+    unit.full = mapped_zeros(unit.padded);
+    for (std::size_t i = 0; i < unit.params.size(); ++i) {
+      unit.full.narrow(0, unit.offsets[i], unit.params[i].numel())
+          .copy_(unit.params[i].detach().reshape(-1));
+    }
+    broadcast(unit.full, 0, *group_);  // every rank starts from rank 0's values, as DDP
+    if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
+      unit.shard = unit.full;
+    } else {
+      unit.shard = unit.full.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
+    }
+    unit.shard.set_requires_grad(true);
+    for (std::size_t i = 0; i < unit.params.size(); ++i) {
+      auto& p = unit.params[i];
+      p.set_data(unit.full.detach().narrow(0, unit.offsets[i], p.numel()).view(p.sizes()));
+    }
+    for (auto& p : unit.params) {
+      unit.hooks.push_back(
+          std::make_unique<libtorch_compat::GradReadyHook>(p, [this, u] { on_grad_ready(u); }));
+    }
+    register_parameter(fmt::format("unit_{}", u), unit.shard);
+    if (options_.sharding_strategy == ShardingStrategy::kFullShard) free_full(u);
+  }
+  auto buffers = module_->buffers();
+  if (!buffers.empty()) broadcast_coalesced(*group_, buffers, 0);
+}
+
+FullyShardedDataParallelImpl::UnitInfo FullyShardedDataParallelImpl::unit_info(
+    std::size_t unit) const {
+  const auto& u = *units_.at(unit);
+  return {.begin = u.begin,
+          .end = u.end,
+          .numel = u.numel,
+          .padded_numel = u.padded,
+          .shard_numel = u.shard_numel};
+}
+
+std::int64_t FullyShardedDataParallelImpl::gathered_parameter_bytes() const {
+  if (options_.sharding_strategy == ShardingStrategy::kNoShard) return 0;
+  std::int64_t bytes = 0;
+  for (const auto& u : units_)
+    bytes += static_cast<std::int64_t>(u->full.storage().nbytes());
+  return bytes;
+}
+
+void FullyShardedDataParallelImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  module_->train(on);
+}
+
+void FullyShardedDataParallelImpl::start_gather(std::size_t unit) {
+  if (options_.sharding_strategy == ShardingStrategy::kNoShard) return;
+  auto& u = *units_[unit];
+  if (u.state != Unit::State::kFree) return;
+  if (!storage_allocated(u.full)) allocate_storage(u.full);
+  u.gather = all_gather_into_tensor_async(u.full, u.shard.detach(), *group_);
+  u.state = Unit::State::kGathering;
+  ++all_gather_count_;
+}
+
+void FullyShardedDataParallelImpl::wait_gather(std::size_t unit) {
+  auto& u = *units_[unit];
+  if (u.state != Unit::State::kGathering) return;
+  u.gather->wait();
+  u.gather.reset();
+  u.state = Unit::State::kGathered;
+}
+
+void FullyShardedDataParallelImpl::free_full(std::size_t unit) {
+  wait_gather(unit);
+  auto& u = *units_[unit];
+  release_storage(u.full);
+  u.state = Unit::State::kFree;
+}
+
+torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
+  const bool sharded = options_.sharding_strategy != ShardingStrategy::kNoShard;
+  // The optimizer may have changed the shards since the last gather: gather at every forward.
+  if (sharded) {
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      wait_gather(u);
+      units_[u]->state = Unit::State::kFree;
+    }
+  }
+  const bool build_graph = torch::GradMode::is_enabled();
+  torch::Tensor x = std::move(input);
+  std::ptrdiff_t current = -1;
+  for (std::size_t c = 0; c < module_->size(); ++c) {
+    if (unit_starting_at_[c] >= 0) {
+      current = unit_starting_at_[c];
+      const auto u = static_cast<std::size_t>(current);
+      start_gather(u);
+      wait_gather(u);
+      if (u + 1 < units_.size()) start_gather(u + 1);  // overlaps this unit's compute
+    }
+    x = (module_->begin() + static_cast<std::ptrdiff_t>(c))->forward(x);
+    if (current >= 0 && units_[static_cast<std::size_t>(current)]->end == c + 1) {
+      const auto u = static_cast<std::size_t>(current);
+      if (build_graph && x.requires_grad()) {
+        x.register_hook([this, u](const torch::Tensor&) { before_unit_backward(u); });
+      }
+      if (options_.sharding_strategy == ShardingStrategy::kFullShard) free_full(u);
+      current = -1;
+    }
+  }
+  return x;
+}
+
+void FullyShardedDataParallelImpl::queue_finish_backward() {
+  if (finish_queued_) return;
+  finish_queued_ = true;
+  libtorch_compat::at_end_of_backward([this] { finish_backward(); });
+}
+
+void FullyShardedDataParallelImpl::before_unit_backward(std::size_t unit) {
+  queue_finish_backward();
+  auto& u = *units_[unit];
+  if (!u.reduced && !u.reduction_input.defined()) {
+    // The unit's gradients accumulate in place into views of one flat buffer (autograd adds into
+    // a defined .grad), which is then reduced as it is: no copy, and no full-size gradient
+    // allocated per parameter.
+    torch::NoGradGuard no_grad;
+    u.reduction_input = mapped_zeros(u.padded);
+    for (std::size_t i = 0; i < u.params.size(); ++i) {
+      auto& p = u.params[i];
+      auto view = u.reduction_input.narrow(0, u.offsets[i], p.numel()).view(p.sizes());
+      if (p.grad().defined()) view.copy_(p.grad());
+      p.mutable_grad() = view;
+    }
+  }
+  if (options_.sharding_strategy != ShardingStrategy::kFullShard) return;
+  start_gather(unit);
+  wait_gather(unit);
+  if (unit > 0) start_gather(unit - 1);  // overlaps this unit's backward
+}
+
+void FullyShardedDataParallelImpl::on_grad_ready(std::size_t unit) {
+  queue_finish_backward();
+  auto& u = *units_[unit];
+  if (++u.ready == u.params.size()) reduce_gradients(unit);
+}
+
+void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
+  torch::NoGradGuard no_grad;
+  auto& u = *units_[unit];
+  if (u.reduced) return;
+  u.reduced = true;
+  const bool in_place = u.reduction_input.defined();
+  if (!in_place) u.reduction_input = mapped_zeros(u.padded);  // no hook ran before the unit
+  for (std::size_t i = 0; i < u.params.size(); ++i) {
+    auto& p = u.params[i];
+    const auto& grad = p.grad();
+    if (!grad.defined()) continue;  // unused in this pass: zero
+    auto slot = u.reduction_input.narrow(0, u.offsets[i], p.numel());
+    // Autograd may have replaced the view (e.g. a gradient of another layout): copy it then.
+    if (!in_place || grad.data_ptr() != slot.data_ptr()) slot.copy_(grad.reshape(-1));
+    p.mutable_grad().reset();  // the full gradient is not kept
+  }
+  if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
+    u.reduction_output = u.reduction_input;
+    u.reduction = all_reduce_async(u.reduction_input, ReduceOp::kSum, *group_);
+  } else {
+    u.reduction_output = torch::empty({u.shard_numel}, torch::kFloat);
+    u.reduction =
+        reduce_scatter_tensor_async(u.reduction_output, u.reduction_input, ReduceOp::kSum, *group_);
+  }
+  if (options_.sharding_strategy == ShardingStrategy::kFullShard) free_full(unit);
+  // Bound the memory of gradients in flight: every reduction that has completed hands its result
+  // to its shard now (freeing its full flat gradient), and only the newest kReductionsInFlight
+  // stay outstanding, so backward holds one unit's full gradient in flight while the next unit
+  // computes (waiting only at the end would keep every unit's until then).
+  outstanding_.push_back(unit);
+  for (auto it = outstanding_.begin(); it != outstanding_.end();) {
+    const bool done = units_[*it]->reduction->is_completed();
+    if (done || outstanding_.size() > kReductionsInFlight) {
+      harvest_reduction(*it);
+      it = outstanding_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
+  torch::NoGradGuard no_grad;
+  auto& u = *units_[unit];
+  u.reduction->wait();
+  u.reduction_output.div_(static_cast<double>(group_->size()));
+  auto& grad = u.shard.mutable_grad();
+  if (grad.defined()) {
+    grad.add_(u.reduction_output);
+  } else {
+    grad = u.reduction_output;
+  }
+  u.reduction.reset();
+  u.reduction_input = torch::Tensor();
+  u.reduction_output = torch::Tensor();
+}
+
+void FullyShardedDataParallelImpl::finish_backward() {
+  if (!finish_queued_) return;
+  // A unit some of whose parameters got no gradient in this pass is reduced now (the missing
+  // gradients count as zero), in unit order on every rank. Units no gradient reached are left.
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u]->ready > 0) reduce_gradients(u);
+  }
+  for (const auto unit : outstanding_)
+    harvest_reduction(unit);
+  outstanding_.clear();
+  for (auto& unit : units_) {
+    unit->ready = 0;
+    unit->reduced = false;
+  }
+  if (options_.sharding_strategy == ShardingStrategy::kFullShard) {
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      free_full(u);
+  }
+  finish_queued_ = false;
+}
+
+torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::full_state_dict(
+    int to) {
+  if (to < 0 || to >= group_->size()) {
+    throw ConfigError(fmt::format(
+        "FullyShardedDataParallel::full_state_dict: rank {} is not in the group of {} ranks", to,
+        group_->size()));
+  }
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> flats;
+  for (auto& unit : units_) {
+    if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
+      flats.push_back(unit->shard.detach());
+    } else {
+      auto flat = torch::empty({unit->padded}, torch::kFloat);
+      all_gather_into_tensor(flat, unit->shard.detach(), *group_);
+      flats.push_back(flat);
+    }
+  }
+  torch::OrderedDict<std::string, torch::Tensor> out;
+  if (group_->rank() != to) return out;
+  std::unordered_map<const void*, std::pair<std::size_t, std::size_t>> where;
+  for (std::size_t u = 0; u < units_.size(); ++u)
+    for (std::size_t i = 0; i < units_[u]->params.size(); ++i)
+      where.emplace(units_[u]->params[i].unsafeGetTensorImpl(), std::make_pair(u, i));
+  for (const auto& item : module_->named_parameters()) {
+    const auto [u, i] = where.at(item.value().unsafeGetTensorImpl());
+    const auto& p = units_[u]->params[i];
+    out.insert(item.key(),
+               flats[u].narrow(0, units_[u]->offsets[i], p.numel()).view(p.sizes()).clone());
+  }
+  for (const auto& item : module_->named_buffers())
+    out.insert(item.key(), item.value().detach().clone());
+  return out;
+}
+
+}  // namespace ddp

@@ -1,0 +1,75 @@
+#include "rank_agreement.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <vector>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "ddp/torch/distributed.h"
+#include "ddp/torch/distributed_objects.h"
+
+namespace ddp::internal {
+
+namespace {
+
+constexpr const char* kErrorPrefix = "error: ";
+
+// FNV-1a: the same on every rank and build (std::hash is not specified to be).
+std::int64_t fingerprint(const std::string& text) {
+  std::uint64_t hash = 14695981039346656037ull;
+  for (const unsigned char c : text) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  return static_cast<std::int64_t>(hash);
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    out.push_back(line);
+  return out;
+}
+
+// Names the first line at which some rank's text differs from rank 0's.
+std::string first_difference(const std::vector<std::string>& texts) {
+  const auto reference = lines_of(texts[0]);
+  for (std::size_t r = 1; r < texts.size(); ++r) {
+    const auto mine = lines_of(texts[r]);
+    for (std::size_t i = 0; i < std::max(reference.size(), mine.size()); ++i) {
+      const std::string a = i < reference.size() ? reference[i] : "(nothing)";
+      const std::string b = i < mine.size() ? mine[i] : "(nothing)";
+      if (a != b) return fmt::format("rank 0 has {} but rank {} has {}", a, r, b);
+    }
+  }
+  return "the ranks' descriptions hash differently";
+}
+
+}  // namespace
+
+RankAgreement compare_across_ranks(ProcessGroup& group, const std::string& description,
+                                   const std::string& local_error) {
+  const std::string mine = local_error.empty() ? description : kErrorPrefix + local_error;
+  auto hash = torch::tensor({fingerprint(mine)}, torch::kInt64);
+  auto hashes = torch::empty({group.size()}, torch::kInt64);
+  all_gather_into_tensor(hashes, hash, group);
+  RankAgreement agreement;
+  if ((hashes == hashes[0]).all().item<bool>() && local_error.empty()) return agreement;
+  std::vector<std::string> texts;
+  all_gather_object(texts, mine, group);
+  for (std::size_t r = 0; r < texts.size(); ++r) {
+    if (texts[r].rfind(kErrorPrefix, 0) == 0) {
+      agreement.failed_rank = static_cast<int>(r);
+      agreement.failure = texts[r].substr(std::string(kErrorPrefix).size());
+      return agreement;
+    }
+  }
+  agreement.difference = first_difference(texts);
+  return agreement;
+}
+
+}  // namespace ddp::internal

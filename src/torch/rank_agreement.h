@@ -1,0 +1,29 @@
+// Construction-time agreement across ranks, shared by the wrappers whose construction is
+// collective (ZeroRedundancyOptimizer, FullyShardedDataParallel): each rank describes what it
+// was given as text (one line per item), and one small allgather of a hash tells whether every
+// rank gave the same; the texts travel only when they differ, so that every rank can name the
+// first difference. A rank that could not build its part sends its error instead, so that no rank
+// is left waiting in a later collective.
+//
+// Collective over `group`; throws what the group throws (CommError, TimeoutError).
+#pragma once
+
+#include <string>
+
+#include "ddp/process_group.h"
+
+namespace ddp::internal {
+
+struct RankAgreement {
+  // The lowest rank that reported an error, and its error text; -1 when none did.
+  int failed_rank = -1;
+  std::string failure;
+  // When the descriptions differ (and no rank failed): "rank 0 has <line> but rank r has <line>".
+  std::string difference;
+};
+
+// `local_error` non-empty: this rank failed with that text (its description is then ignored).
+RankAgreement compare_across_ranks(ProcessGroup& group, const std::string& description,
+                                   const std::string& local_error);
+
+}  // namespace ddp::internal
