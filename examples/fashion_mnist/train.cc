@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -36,6 +37,7 @@
 #include "ddp/torch/comm_hook_by_name.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_sampler.h"
+#include "ddp/torch/fully_sharded_data_parallel.h"
 #include "ddp/torch/grad_scaler.h"
 #include "ddp/torch/join.h"
 #include "ddp/torch/sync_batch_norm.h"
@@ -55,10 +57,11 @@ constexpr double kPixelStd = 0.3530;
 struct Options {
   std::string model = "cnn";
   int epochs = 4;
-  int batch_size = 64;            // per rank
-  std::string optimizer = "sgd";  // sgd (with momentum) or adam
-  std::string sharding = "ddp";   // ddp (full optimizer state per rank) or zero1
-  double lr = 0.05;               // for sgd; adam's default is kAdamDefaultLr
+  int batch_size = 64;                     // per rank
+  std::string optimizer = "sgd";           // sgd (with momentum) or adam
+  std::string sharding = "ddp";            // ddp, zero1, zero2 or fsdp (docs/sharding.md)
+  std::int64_t fsdp_min_params = 100'000;  // zero2/fsdp: parameters per unit (auto-wrap policy)
+  double lr = 0.05;                        // for sgd; adam's default is kAdamDefaultLr
   double momentum = 0.9;
   double weight_decay = 5e-4;
   std::string schedule = "cosine";  // of the learning rate: cosine (to 0 at the end) or constant
@@ -126,6 +129,8 @@ class NetImpl : public torch::nn::Module {
   }
 
   torch::Tensor forward(torch::Tensor x) { return layers_->forward(x); }
+  // What FullyShardedDataParallel wraps (it runs a Sequential unit by unit).
+  torch::nn::Sequential layers() const { return layers_; }
 
  private:
   torch::nn::Sequential layers_{nullptr};
@@ -153,17 +158,20 @@ TensorSplit to_tensors(fmnist::Split& split, std::size_t limit) {
   return {images, labels};
 }
 
-double evaluate(Net& net, const TensorSplit& test) {
+// Test accuracy of `forward` (through `module`, which is put in evaluation mode meanwhile).
+double evaluate(torch::nn::Module& module,
+                const std::function<torch::Tensor(torch::Tensor)>& forward,
+                const TensorSplit& test) {
   torch::NoGradGuard no_grad;
-  net->eval();
+  module.eval();
   std::int64_t correct = 0;
   constexpr std::int64_t kEvalBatch = 1000;
   for (std::int64_t start = 0; start < test.size(); start += kEvalBatch) {
     const auto length = std::min(kEvalBatch, test.size() - start);
-    const auto logits = net->forward(test.images.narrow(0, start, length));
+    const auto logits = forward(test.images.narrow(0, start, length));
     correct += logits.argmax(1).eq(test.labels.narrow(0, start, length)).sum().item<std::int64_t>();
   }
-  net->train();
+  module.train();
   return static_cast<double>(correct) / static_cast<double>(test.size());
 }
 
@@ -240,11 +248,35 @@ int run(const Options& options) {
         "--checkpoint-every-steps cannot be combined with --uneven (ranks make different numbers "
         "of steps there, so no single step marks a position of the whole job)");
   }
-  if (options.sharding == "zero1" && options.uneven) {
-    throw ddp::ConfigError(
-        "--sharding zero1 cannot be combined with --uneven: ranks that have run out of data "
-        "would have to keep taking part in the optimizer's broadcasts, which ddp::Join does not "
-        "do for ZeroRedundancyOptimizer yet; use --sharding ddp with --uneven");
+  if (options.sharding != "ddp" && options.uneven) {
+    throw ddp::ConfigError(fmt::format(
+        "--sharding {} cannot be combined with --uneven: ranks that have run out of data would "
+        "have to keep taking part in the sharded collectives, which ddp::Join does not do for "
+        "ZeroRedundancyOptimizer or FullyShardedDataParallel yet; use --sharding ddp with --uneven",
+        options.sharding));
+  }
+  const bool fsdp = options.sharding == "zero2" || options.sharding == "fsdp";
+  if (fsdp) {
+    // FullyShardedDataParallel replaces DDP: what only DDP's reducer or a full local model offers
+    // is named rather than silently dropped.
+    const auto refuse = [&](bool given, const std::string& option, const std::string& why) {
+      if (given) {
+        throw ddp::ConfigError(
+            fmt::format("--sharding {} cannot be combined with {}: {}; use --sharding ddp or zero1 "
+                        "for it",
+                        options.sharding, option, why));
+      }
+    };
+    refuse(
+        !options.checkpoint.empty(), "--checkpoint",
+        "this program's checkpoints hold the whole model on rank 0, and FullyShardedDataParallel "
+        "writes sharded ones (FullyShardedDataParallel::save_sharded_checkpoint, "
+        "docs/sharding.md) that it does not use yet");
+    refuse(options.comm_hook != "none", "--comm-hook " + options.comm_hook,
+           "comm hooks are DDP's; FullyShardedDataParallel reduce-scatters the gradients itself");
+    refuse(options.mixed_precision != "none", "--mixed-precision " + options.mixed_precision,
+           "FullyShardedDataParallel keeps and reduces fp32 only");
+    refuse(options.sync_bn, "--sync-bn", "SyncBatchNorm has not been tried under it");
   }
   if (options.comm_hook != "none" && options.mixed_precision != "none") {
     throw ddp::ConfigError(fmt::format(
@@ -289,7 +321,17 @@ int run(const Options& options) {
     ddp::convert_sync_batchnorm(net.ptr(), group);
     if (leader) fmt::print("BatchNorm statistics are synchronised across ranks (SyncBatchNorm)\n");
   }
-  const auto optimizer_owner = make_optimizer(options, net->parameters(), group);
+  // zero2 = FSDP's SHARD_GRAD_OP, fsdp = FULL_SHARD; the optimizer then steps on the shards.
+  std::optional<ddp::FullyShardedDataParallel> sharded;
+  if (fsdp) {
+    sharded.emplace(net->layers(), group,
+                    ddp::FsdpOptions{.sharding_strategy = options.sharding == "zero2"
+                                                              ? ddp::ShardingStrategy::kShardGradOp
+                                                              : ddp::ShardingStrategy::kFullShard,
+                                     .min_num_params = options.fsdp_min_params});
+  }
+  const auto optimizer_owner =
+      make_optimizer(options, sharded ? (*sharded)->parameters() : net->parameters(), group);
   torch::optim::Optimizer& optimizer = *optimizer_owner;
   // Rank 0 writes checkpoints; with ZeRO every rank first sends it its optimizer shard.
   auto* zero_optimizer = dynamic_cast<ddp::ZeroRedundancyOptimizer*>(optimizer_owner.get());
@@ -329,8 +371,24 @@ int run(const Options& options) {
   const bool bf16 = options.mixed_precision == "bf16";
   ddp::DdpOptions ddp_options;
   if (bf16) ddp_options.reduce_dtype = torch::kBFloat16;
-  auto model = ddp::DistributedDataParallel(net.ptr(), group, ddp_options);
-  if (hook.hook) model->register_comm_hook(*hook.hook, options.comm_hook);
+  std::optional<ddp::DistributedDataParallel<NetImpl>> ddp_model;
+  if (!sharded) ddp_model.emplace(net.ptr(), group, ddp_options);
+  if (hook.hook) (*ddp_model)->register_comm_hook(*hook.hook, options.comm_hook);
+  const auto forward = [&](torch::Tensor x) {
+    return sharded ? (*sharded)->forward(std::move(x)) : (*ddp_model)->forward(std::move(x));
+  };
+  // Gradient bytes the last step handed to collectives: DDP's reducer counts them; -1 where
+  // nothing counts them (zero2/fsdp).
+  const auto bytes_per_step = [&]() -> std::int64_t {
+    return ddp_model ? static_cast<std::int64_t>((*ddp_model)->reducer().last_timeline().bytes_sent)
+                     : -1;
+  };
+  // With FSDP every rank evaluates (its forward is collective); otherwise rank 0 alone.
+  const auto evaluate_model = [&] {
+    return sharded ? evaluate(**sharded, forward, test)
+                   : evaluate(
+                         *net, [&](torch::Tensor x) { return net->forward(std::move(x)); }, test);
+  };
 
   const auto samples = static_cast<std::size_t>(train.size());
   ddp::DistributedSampler sampler(samples, *group,
@@ -348,7 +406,14 @@ int run(const Options& options) {
         "{} ranks, {} thread(s) each, {}{}, lr {} ({}) weight decay {}{}{}\n",
         options.model, train.size(), per_rank, batches, batch, world_size, torch::get_num_threads(),
         options.optimizer == "sgd" ? fmt::format("sgd momentum {}", options.momentum) : "adam",
-        options.sharding == "zero1" ? " sharded by ZeroRedundancyOptimizer (ZeRO stage 1)" : "",
+        options.sharding == "zero1"   ? " sharded by ZeroRedundancyOptimizer (ZeRO stage 1)"
+        : options.sharding == "zero2" ? fmt::format(" sharded by FullyShardedDataParallel "
+                                                    "SHARD_GRAD_OP (ZeRO stage 2), {} units",
+                                                    (*sharded)->unit_count())
+        : options.sharding == "fsdp"  ? fmt::format(" sharded by FullyShardedDataParallel "
+                                                     "FULL_SHARD (ZeRO stage 3), {} units",
+                                                    (*sharded)->unit_count())
+                                      : std::string(),
         options.lr, options.schedule, options.weight_decay,
         bf16 ? ", mixed precision bf16 (autocast forward, bf16 gradient reduction)" : "",
         hook.powersgd_state
@@ -370,7 +435,7 @@ int run(const Options& options) {
   // ranks that finish first shadow the others (joining once, at the end, also keeps the
   // optimizers' momentum identical on every rank).
   std::optional<ddp::Join> join;
-  if (options.uneven) join.emplace(std::vector<std::reference_wrapper<ddp::Joinable>>{*model});
+  if (options.uneven) join.emplace(std::vector<std::reference_wrapper<ddp::Joinable>>{**ddp_model});
 
   double accuracy = 0.0;
   bool evaluated = false;
@@ -417,7 +482,7 @@ int run(const Options& options) {
       {
         // bf16 has fp32's exponent range: no loss scaling needed (as PyTorch's recipe for it).
         ddp::AutocastGuard autocast(torch::kBFloat16, /*enabled=*/bf16);
-        loss = torch::nn::functional::cross_entropy(model->forward(x).to(torch::kFloat32), y);
+        loss = torch::nn::functional::cross_entropy(forward(x).to(torch::kFloat32), y);
       }
       {
         auto span = ddp::trace_span("backward", "train", {{"step", step}});
@@ -471,8 +536,7 @@ int run(const Options& options) {
                .samples_per_s =
                    static_cast<double>(window_batches * batch * world_size) / window_seconds,
                .step_time_s = window_seconds / static_cast<double>(window_batches),
-               .bytes_per_step =
-                   static_cast<std::int64_t>(model->reducer().last_timeline().bytes_sent),
+               .bytes_per_step = bytes_per_step(),
                .world_size = world_size,
                .time_s = seconds_since(job_start)});
         }
@@ -484,12 +548,12 @@ int run(const Options& options) {
     const double train_seconds = seconds_since(epoch_start);
     if (bar) bar->finish();
     if (!options.checkpoint.empty()) gather_optimizer_state();
-    if (leader) {
-      {
-        auto span = ddp::trace_span("evaluate", "train", {{"epoch", epoch}});
-        accuracy = evaluate(net, test);
-      }
+    if (leader || sharded) {
+      auto span = ddp::trace_span("evaluate", "train", {{"epoch", epoch}});
+      accuracy = evaluate_model();
       evaluated = true;
+    }
+    if (leader) {
       if (train_state_file) {
         train_state.save(options.checkpoint,
                          {.epoch = static_cast<std::uint64_t>(epoch),
@@ -519,15 +583,14 @@ int run(const Options& options) {
              .samples_per_s = static_cast<double>(sampler.total_size()) / train_seconds,
              .step_time_s =
                  train_seconds / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
-             .bytes_per_step =
-                 static_cast<std::int64_t>(model->reducer().last_timeline().bytes_sent),
+             .bytes_per_step = bytes_per_step(),
              .world_size = world_size,
              .time_s = seconds_since(job_start)});
       }
     }
   }
   if (join) join->finish();
-  if (leader && !evaluated) accuracy = evaluate(net, test);  // resumed with nothing left to do
+  if ((leader || sharded) && !evaluated) accuracy = evaluate_model();  // resumed, nothing to do
 
   // Leave together: rank 0 hosts the rendezvous store, and the others may still be in their
   // last collective when rank 0 finishes evaluating.
@@ -537,7 +600,7 @@ int run(const Options& options) {
         "final test_accuracy={:.4f} epochs={} world_size={} model={} batch_size={} "
         "lr={} train_samples={} time_s={:.1f} bytes_per_step={}\n",
         accuracy, options.epochs, world_size, options.model, options.batch_size, options.lr,
-        train.size(), seconds_since(job_start), model->reducer().last_timeline().bytes_sent);
+        train.size(), seconds_since(job_start), bytes_per_step());
     std::fflush(stdout);
   }
   ddp::destroy_process_group();
@@ -577,9 +640,14 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"sgd", "adam"}))
       ->capture_default_str();
   app.add_option("--sharding", options.sharding,
-                 "ddp (every rank holds the whole optimizer state) or zero1 (each rank holds its "
-                 "shard's, ddp::ZeroRedundancyOptimizer; docs/sharding.md)")
-      ->check(CLI::IsMember({"ddp", "zero1"}))
+                 "ddp (every rank holds everything), zero1 (each rank holds its shard's optimizer "
+                 "state: ZeroRedundancyOptimizer), zero2 (and gradients: FullyShardedDataParallel "
+                 "SHARD_GRAD_OP) or fsdp (and parameters: FULL_SHARD); docs/sharding.md")
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "fsdp"}))
+      ->capture_default_str();
+  app.add_option("--fsdp-min-params", options.fsdp_min_params,
+                 "with --sharding zero2|fsdp: a unit closes once it holds this many parameters")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40))
       ->capture_default_str();
   auto* lr_option =
       app.add_option("--lr", options.lr, "learning rate (default: 0.05 with sgd, 0.001 with adam)")

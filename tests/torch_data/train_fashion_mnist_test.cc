@@ -337,6 +337,30 @@ TEST_F(TrainFashionMnistTest, ZeroShardedAdamMatchesDdpAndItsCheckpointResumes) 
   EXPECT_GT(final_accuracy(resumed.output), 0.5) << resumed.output;  // chance is 0.1
 }
 
+// ZeRO stages 2 and 3 (FullyShardedDataParallel over the cnn's layers, 2 units) train with Adam
+// to DDP's accuracy: the same arithmetic, reduced in another order (reduce-scatter instead of
+// allreduce), so equal to rounding.
+TEST_F(TrainFashionMnistTest, FsdpAndZero2TrainWithAdamToDdpsAccuracy) {
+  const std::vector<std::string> common{"--optimizer",   "adam", "--epochs",    "1",
+                                        "--limit-train", "1024", "--log-every", "0"};
+  std::map<std::string, double> accuracy;
+  for (const std::string sharding : {"ddp", "zero2", "fsdp"}) {
+    auto args = common;
+    args.insert(args.end(), {"--sharding", sharding});
+    const auto result = train(args);
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    if (sharding != "ddp") {
+      EXPECT_THAT(result.output,
+                  HasSubstr(sharding == "fsdp" ? "FULL_SHARD (ZeRO stage 3), 2 units"
+                                               : "SHARD_GRAD_OP (ZeRO stage 2), 2 units"));
+    }
+    accuracy[sharding] = final_accuracy(result.output);
+  }
+  EXPECT_GT(accuracy["ddp"], 0.5);  // chance is 0.1
+  EXPECT_NEAR(accuracy["zero2"], accuracy["ddp"], 0.02);
+  EXPECT_NEAR(accuracy["fsdp"], accuracy["ddp"], 0.02);
+}
+
 TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
   for (const std::vector<std::string>& args : {std::vector<std::string>{"--model", "resnet"},
                                                {"--mixed-precision", "fp8"},
@@ -348,6 +372,10 @@ TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
                                                {"--optimizer", "lbfgs"},
                                                {"--sharding", "zero9"},
                                                {"--sharding", "zero1", "--uneven"},
+                                               {"--sharding", "fsdp", "--comm-hook", "int8"},
+                                               {"--sharding", "zero2", "--mixed-precision", "bf16"},
+                                               {"--sharding", "fsdp", "--checkpoint", "/tmp/f.pt"},
+                                               {"--fsdp-min-params", "0"},
                                                {"--resume"}}) {
     std::vector<std::string> argv{built_program("train-fashion-mnist")};
     argv.insert(argv.end(), args.begin(), args.end());
