@@ -2,10 +2,13 @@
 // the one of zero_redundancy_optimizer_test.cc: 113 parameters in 3 linear layers (63, 40, 10:
 // divisible by none of 2, 3, 4, so every unit is padded and the shards are uneven); the global
 // batch of 12 samples is split evenly, so runs at different world sizes train the same model.
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -386,6 +389,53 @@ TEST(FullyShardedDataParallel, ACheckpointThatDoesNotFitIsNamedOnEveryRank) {
                                          model->load_sharded_checkpoint(path, *sgd);
                                        }),
                              "holds Adam state but the optimizer is SGD");
+}
+
+}  // namespace
+}  // namespace ddp
+
+namespace ddp {
+namespace {
+
+// What `body` throws must be a ddp::Error naming `part`; anything else (no error, another type)
+// fails the rank.
+void expect_error_naming(const std::function<void()>& body, const std::string& part) {
+  try {
+    body();
+  } catch (const Error& e) {
+    if (std::string(e.what()).find(part) == std::string::npos) {
+      throw std::runtime_error(fmt::format("the error does not name '{}': {}", part, e.what()));
+    }
+    return;
+  }
+  throw std::runtime_error("no error was thrown");
+}
+
+// A rank that dies while the others gather a unit's parameters (before forward, or before the
+// backward of a unit freed after forward): the survivors' forward or backward throws an Error
+// naming the dead rank, well before the group's 20 s deadline; nothing waits for it.
+TEST(FullyShardedDataParallel, ARankDyingMidAllGatherIsNamedOnTheOthersWithoutAHang) {
+  for (const bool during_backward : {false, true}) {
+    SCOPED_TRACE(during_backward ? "dies before backward" : "dies before forward");
+    const int port = test::free_port();
+    const auto start = std::chrono::steady_clock::now();
+    const auto results = run_ranks(3, [&](int rank) {
+      auto pg = join_group(rank, 3, port, 20s);
+      FullyShardedDataParallel fsdp(make_model(), pg, three_units(ShardingStrategy::kFullShard));
+      auto [x, y] = make_batch(rank, 3, 0);
+      if (!during_backward) {
+        if (rank == 2) std::_Exit(0);
+        expect_error_naming([&] { fsdp->forward(x); }, "rank 2");
+        return;
+      }
+      auto loss = torch::mse_loss(fsdp->forward(x), y);
+      if (rank == 2) std::_Exit(0);
+      // The last unit's parameters were freed after its forward: backward gathers them again.
+      expect_error_naming([&] { loss.backward(); }, "rank 2");
+    });
+    EXPECT_ALL_RANKS_OK(results);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 15s);
+  }
 }
 
 }  // namespace
