@@ -273,5 +273,14 @@ int main(int argc, char** argv) {
   } catch (const ddp::Error& e) {
     fmt::print(stderr, "ddp-train-bench: {}\n", e.what());
     return 1;
+  } catch (const c10::Error& e) {
+    // libtorch's errors, e.g. an allocation over a memory limit (docs/sharding.md): a named exit,
+    // not std::terminate, so the launcher reports the rank's failure and its reason (without
+    // libtorch's 30-frame backtrace).
+    fmt::print(stderr, "ddp-train-bench: error: {}\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "ddp-train-bench: error: {}\n", e.what());
+    return 1;
   }
 }
