@@ -4,8 +4,11 @@
 // batch of 12 samples is split evenly, so runs at different world sizes train the same model.
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -418,6 +421,20 @@ TEST(FullyShardedDataParallel, ARankDyingMidAllGatherIsNamedOnTheOthersWithoutAH
   for (const bool during_backward : {false, true}) {
     SCOPED_TRACE(during_backward ? "dies before backward" : "dies before forward");
     const int port = test::free_port();
+    // A survivor that returned at once could exit before the other one saw rank 2 go, which would
+    // then see (and name) the survivor's exit instead: each waits until both have their error.
+    test::TempDir marks;
+    const auto both_survivors_failed = [&](int rank) {
+      std::ofstream(marks.path() / fmt::format("failed-{}", rank)).put('1');
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (!(std::filesystem::exists(marks.path() / "failed-0") &&
+               std::filesystem::exists(marks.path() / "failed-1"))) {
+        if (std::chrono::steady_clock::now() > deadline) {
+          throw std::runtime_error("the other survivor saw no error within 10 s");
+        }
+        std::this_thread::sleep_for(5ms);
+      }
+    };
     const auto start = std::chrono::steady_clock::now();
     const auto results = run_ranks(3, [&](int rank) {
       auto pg = join_group(rank, 3, port, 20s);
@@ -426,12 +443,14 @@ TEST(FullyShardedDataParallel, ARankDyingMidAllGatherIsNamedOnTheOthersWithoutAH
       if (!during_backward) {
         if (rank == 2) std::_Exit(0);
         expect_error_naming([&] { fsdp->forward(x); }, "rank 2");
+        both_survivors_failed(rank);
         return;
       }
       auto loss = torch::mse_loss(fsdp->forward(x), y);
       if (rank == 2) std::_Exit(0);
       // The last unit's parameters were freed after its forward: backward gathers them again.
       expect_error_naming([&] { loss.backward(); }, "rank 2");
+      both_survivors_failed(rank);
     });
     EXPECT_ALL_RANKS_OK(results);
     EXPECT_LT(std::chrono::steady_clock::now() - start, 15s);
