@@ -128,7 +128,9 @@ TEST_F(TcpStoreTest, GetBlocksUntilAnotherClientSetsTheKey) {
   server_store_.set("late", "arrived");
   EXPECT_EQ(getter.join(), "");
   EXPECT_EQ(value, "arrived");
-  EXPECT_EQ(server_.num_parked_requests(), 0u);
+  // The server may answer the parked get before it drops it from its count: the client can hold
+  // the value a moment before the count reaches 0 (seen under ASan).
+  EXPECT_TRUE(eventually([&] { return server_.num_parked_requests() == 0; }));
 }
 
 TEST_F(TcpStoreTest, ParkedGetDoesNotBlockOtherClients) {
