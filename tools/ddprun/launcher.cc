@@ -188,6 +188,8 @@ class Supervisor {
   std::vector<pid_t> direct_children() const;
   Worker* find_worker(pid_t pid);
   void note(const std::string& line);
+  // Says which rank failed and how (and which others failed with it); returns "rank R <how>".
+  std::string note_worker_failure(const Outcome& outcome);
 
   const LaunchOptions& options_;
   int master_port_ = 0;
@@ -599,6 +601,16 @@ void Supervisor::signal_all(int sig, std::set<pid_t>& already) {
   }
 }
 
+std::string Supervisor::note_worker_failure(const Outcome& outcome) {
+  const std::string what =
+      fmt::format("rank {} {}", outcome.rank, describe_wait_status(outcome.wait_status));
+  note(fmt::format("{}; stopping the other workers", what));
+  if (!outcome.others.empty()) {
+    note(fmt::format("also failed (likely in consequence): {}", fmt::join(outcome.others, "; ")));
+  }
+  return what;
+}
+
 Outcome Supervisor::supervise(int round) {
   Outcome outcome;
   for (;;) {
@@ -784,13 +796,7 @@ int Supervisor::run() {
         return 128 + outcome.signal;
       }
       case OutcomeKind::kWorkerFailed: {
-        const std::string what =
-            fmt::format("rank {} {}", outcome.rank, describe_wait_status(outcome.wait_status));
-        note(fmt::format("{}; stopping the other workers", what));
-        if (!outcome.others.empty()) {
-          note(fmt::format("also failed (likely in consequence): {}",
-                           fmt::join(outcome.others, "; ")));
-        }
+        const std::string what = note_worker_failure(outcome);
         std::string cause;
         if (rounds_) {
           // Before stopping anything (that takes up to the grace period), so that this cause is
@@ -879,13 +885,7 @@ int Supervisor::run_elastic_rounds() {
         return 128 + outcome.signal;
       }
       case OutcomeKind::kWorkerFailed: {
-        const std::string what =
-            fmt::format("rank {} {}", outcome.rank, describe_wait_status(outcome.wait_status));
-        note(fmt::format("{}; stopping the other workers", what));
-        if (!outcome.others.empty()) {
-          note(fmt::format("also failed (likely in consequence): {}",
-                           fmt::join(outcome.others, "; ")));
-        }
+        const std::string what = note_worker_failure(outcome);
         // Recorded before stopping anything, as in a static job (see run()).
         std::string cause = rounds_->report_failure(
             round, fmt::format("rank {} (node {}) {}", outcome.rank, node_rank(),
