@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <new>
 #include <sstream>
 #include <unordered_map>
@@ -35,29 +36,50 @@ std::int64_t parameter_count(const std::shared_ptr<torch::nn::Module>& module) {
 // straight from mmap and goes back with munmap: through malloc it would stay in the process when
 // malloc is told to keep freed memory (ddprun's GLIBC_TUNABLES, for speed), and the buffers of
 // different units would fragment the heap, so freeing would save nothing.
+//
+// Those buffers are mapped afresh several times per step, and every page of a fresh mapping costs
+// a fault on first touch: with 4 KiB pages that was 16 384 faults per 64 MiB unit, about as long
+// as gathering it. So blocks of at least one huge page are aligned to 2 MiB and advised
+// MADV_HUGEPAGE (transparent huge pages, used where the system allows it: "madvise" or "always"
+// in /sys/kernel/mm/transparent_hugepage/enabled), 512 times fewer faults; elsewhere the advice
+// is ignored and the block works as before.
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+
 struct MappedBlock {
-  void* address = nullptr;
-  std::size_t bytes = 0;
+  void* mapping = nullptr;  // what munmap gets (the aligned block lies inside)
+  std::size_t mapped_bytes = 0;
 };
 
 void unmap_block(void* context) {
   auto* block = static_cast<MappedBlock*>(context);
-  if (block->address != nullptr) munmap(block->address, block->bytes);
+  if (block->mapping != nullptr) munmap(block->mapping, block->mapped_bytes);
   delete block;
 }
 
 c10::DataPtr map_bytes(std::size_t bytes) {
-  auto* block = new MappedBlock{nullptr, bytes};
+  auto* block = new MappedBlock{};
+  void* address = nullptr;
   if (bytes > 0) {
-    void* address =
-        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (address == MAP_FAILED) {
+    const bool huge = bytes >= kHugePage;
+    // One huge page more than asked, so that a 2 MiB-aligned block of `bytes` fits inside.
+    const std::size_t mapped = huge ? bytes + kHugePage : bytes;
+    void* mapping =
+        mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapping == MAP_FAILED) {
       delete block;
       throw std::bad_alloc();
     }
-    block->address = address;
+    block->mapping = mapping;
+    block->mapped_bytes = mapped;
+    address = mapping;
+    if (huge) {
+      const auto at = reinterpret_cast<std::uintptr_t>(mapping);
+      address = reinterpret_cast<void*>((at + kHugePage - 1) & ~(kHugePage - 1));
+      // Advice only: a kernel without THP answers EINVAL and the 4 KiB pages serve as before.
+      (void)madvise(address, bytes, MADV_HUGEPAGE);
+    }
   }
-  return c10::DataPtr(block->address, block, &unmap_block, c10::Device(c10::kCPU));
+  return c10::DataPtr(address, block, &unmap_block, c10::Device(c10::kCPU));
 }
 
 // A float tensor of `numel` elements in mapped memory (zero-filled, as fresh mappings are).
@@ -278,6 +300,11 @@ void FullyShardedDataParallelImpl::build() {
     broadcast(unit.full, 0, *group_);  // every rank starts from rank 0's values, as DDP
     if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
       unit.shard = unit.full;
+    } else if (options_.sharding_strategy == ShardingStrategy::kShardGradOp) {
+      // The full buffer stays allocated, so the shard is the rank's own range of it (the
+      // all-gather then runs in place): 4 bytes per parameter / W less than a separate copy,
+      // which is what ZeRO stage 2's 4Ψ + 12Ψ/W counts.
+      unit.shard = unit.full.detach().narrow(0, rank * unit.shard_numel, unit.shard_numel);
     } else {
       unit.shard = unit.full.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
     }
