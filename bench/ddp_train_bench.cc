@@ -9,13 +9,19 @@
 // ddp::FullyShardedDataParallel, SHARD_GRAD_OP and FULL_SHARD, with units of at least
 // `--min-num-params` parameters; docs/sharding.md). Each rank takes the median of its step
 // times; the slowest rank's median is reported. Rank 0's last line:
-// `step_ms=<median> samples_per_s=<world*batch/median> peak_mem_mb=<x> bytes_per_step=<B>`, where
-// x is the largest rank's peak resident memory (VmHWM) minus its resident memory before the model
-// was built, and B the payload one rank handed to collectives for the gradients in a step
+// `step_ms=<median> samples_per_s=<world*batch/median> peak_mem_mb=<x> state_mem_mb=<s>
+// bytes_per_step=<B>`, where x is the largest rank's peak resident memory (VmHWM) minus its
+// resident memory before the model was built (libtorch warmed up first on a tiny model, so that
+// its code and thread pools are in that baseline, not charged to the model), s the largest rank's
+// resident memory right after the last optimizer step (parameters, gradients and optimizer state
+// all live; malloc_trim first, so freed temporaries do not count) minus the same baseline, and B
+// the payload one rank handed to collectives for the gradients in a step
 // (BackwardTimeline::bytes_sent; 0 with one process). --comm-hook powersgd|batched-powersgd
 // (--powersgd-rank r, compression from iteration --powersgd-start-iter, default 2, so within
 // the warm-up) and int8 compress it.
 // With one process the model is trained without DistributedDataParallel, as the Python peer does.
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -64,6 +70,29 @@ double status_mib(const std::string& field) {
     if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
   }
   return 0.0;
+}
+
+// Runs one training step of a tiny model with the optimizer the benchmark uses, so that the pages
+// of libtorch's code and its lazily created state that any model touches are resident before the
+// baseline is read; then gives freed memory back.
+void warm_up_libtorch(const std::string& optimizer_name, int batch_size) {
+  namespace nn = torch::nn;
+  nn::Sequential tiny(nn::Flatten(), nn::Linear(784, 16), nn::ReLU(), nn::Linear(16, 10));
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (optimizer_name == "adam") {
+    opt = std::make_unique<torch::optim::Adam>(tiny->parameters(), torch::optim::AdamOptions(1e-3));
+  } else {
+    opt = std::make_unique<torch::optim::SGD>(tiny->parameters(),
+                                              torch::optim::SGDOptions(0.01).momentum(0.9));
+  }
+  const auto x = torch::randn({batch_size, 1, 28, 28});
+  const auto y = torch::randint(0, 10, {batch_size});
+  for (int i = 0; i < 2; ++i) {
+    opt->zero_grad();
+    torch::nn::functional::cross_entropy(tiny->forward(x), y).backward();
+    opt->step();
+  }
+  malloc_trim(0);
 }
 
 double median(std::vector<double> values) {
@@ -146,6 +175,7 @@ int main(int argc, char** argv) {
     auto group = ddp::init_process_group();
     const int rank = group->rank();
     const int world = group->size();
+    warm_up_libtorch(optimizer_name, batch_size);
     torch::manual_seed(1234);
     const double rss_before_model_mib = status_mib("VmRSS");
     auto net = make_model(model_name);
@@ -202,6 +232,7 @@ int main(int argc, char** argv) {
     std::vector<double> step_bytes;
     // zero_grad, forward, backward compute, waiting for the reductions, optimizer step (ms).
     std::vector<std::vector<double>> phase_ms(5);
+    double state_mem_mb = 0.0;
     for (int step = 0; step < warmup + steps; ++step) {
       const auto start = Clock::now();
       opt.zero_grad();
@@ -215,6 +246,11 @@ int main(int argc, char** argv) {
       opt.step();
       const auto stop = Clock::now();
       const std::chrono::duration<double> elapsed = stop - start;
+      if (step + 1 == warmup + steps) {
+        // Parameters, gradients and optimizer state are all live here; temporaries are freed.
+        malloc_trim(0);
+        state_mem_mb = status_mib("VmRSS") - rss_before_model_mib;
+      }
       if (step < warmup) continue;
       step_seconds.push_back(elapsed.count());
       step_bytes.push_back(
@@ -259,15 +295,26 @@ int main(int argc, char** argv) {
     group->allreduce(&step_s, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
     double peak_mem_mb = status_mib("VmHWM") - rss_before_model_mib;
     group->allreduce(&peak_mem_mb, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
+    group->allreduce(&state_mem_mb, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
     group->barrier()->wait();
     if (rank == 0) {
+      // Ψ, and the largest FSDP unit's parameter count: what the memory formulas need.
+      std::int64_t params = 0;
+      for (const auto& p : net->parameters())
+        params += p.numel();
+      std::int64_t largest_unit = 0;
+      for (std::size_t u = 0; fsdp_model && u < fsdp_model->unit_count(); ++u) {
+        largest_unit = std::max(largest_unit, fsdp_model->unit_info(u).numel);
+      }
       fmt::print(
           "model={} world_size={} batch_size={} threads={} steps={} backend={} optimizer={} "
-          "sharding={}\n",
-          model_name, world, batch_size, threads, steps, group->backend(), optimizer_name,
-          sharding);
-      fmt::print("step_ms={:.3f} samples_per_s={:.1f} peak_mem_mb={:.1f} bytes_per_step={:.0f}\n",
-                 step_s * 1e3, world * batch_size / step_s, peak_mem_mb, median(step_bytes));
+          "sharding={} params={} largest_unit_params={}\n",
+          model_name, world, batch_size, threads, steps, group->backend(), optimizer_name, sharding,
+          params, largest_unit);
+      fmt::print(
+          "step_ms={:.3f} samples_per_s={:.1f} peak_mem_mb={:.1f} state_mem_mb={:.1f} "
+          "bytes_per_step={:.0f}\n",
+          step_s * 1e3, world * batch_size / step_s, peak_mem_mb, state_mem_mb, median(step_bytes));
     }
     return 0;
   } catch (const ddp::Error& e) {
