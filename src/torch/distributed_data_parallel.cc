@@ -441,6 +441,13 @@ void DistributedDataParallelBase::join_main_hook() {
   const StepPlan plan = plan_join_step(/*joined=*/true);
   if (plan.rebuild) reducer_->rebuild_buckets();
   if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
+  // The gradients the shadow step leaves here (for a sharded optimizer's step) are scaled as the
+  // training ranks scale theirs.
+  const auto& join = join_state();
+  const int nonjoined = join ? join->nonjoined : 0;
+  reducer_->set_gradient_scale(!join || join->options.divide_by_initial_world_size || nonjoined <= 0
+                                   ? 1.0
+                                   : static_cast<double>(group_->size()) / nonjoined);
   if (plan.sync) reducer_->shadow_backward();
 }
 

@@ -495,28 +495,7 @@ void Reducer::finalize_backward() {
                            [&] { used_work->wait(); });
     }
 
-    torch::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < parameters_.size(); ++i) {
-      if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
-      torch::Tensor& grad = parameters_[i].mutable_grad();
-      if (buckets_[slots_[i].bucket].reduced_in_place) continue;  // averaged where it lies
-      if (is_bucket_view(i, grad)) continue;  // gradient_as_bucket_view: already in place
-      const auto& view = buckets_[slots_[i].bucket].views[slots_[i].index];
-      if (options_.gradient_as_bucket_view) {
-        grad = slot_view(i);
-      } else if (grad.defined()) {
-        grad.copy_(view);
-      } else {
-        grad = view.clone();
-      }
-    }
-    if (gradient_scale_ != 1.0) {
-      for (std::size_t i = 0; i < parameters_.size(); ++i) {
-        if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
-        torch::Tensor& grad = parameters_[i].mutable_grad();
-        if (grad.defined()) grad.mul_(gradient_scale_);
-      }
-    }
+    deliver_gradients(used_anywhere);
   } catch (...) {
     wait_for_launched_buckets();
     reset_iteration();
@@ -531,6 +510,31 @@ void Reducer::finalize_backward() {
   if (trace_enabled()) trace_pass();
   after_synchronised_pass();
   reset_iteration();
+}
+
+void Reducer::deliver_gradients(const std::vector<std::int32_t>& used_anywhere) {
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
+    torch::Tensor& grad = parameters_[i].mutable_grad();
+    if (buckets_[slots_[i].bucket].reduced_in_place) continue;  // averaged where it lies
+    if (is_bucket_view(i, grad)) continue;  // gradient_as_bucket_view: already in place
+    const auto& view = buckets_[slots_[i].bucket].views[slots_[i].index];
+    if (options_.gradient_as_bucket_view) {
+      grad = slot_view(i);
+    } else if (grad.defined()) {
+      grad.copy_(view);
+    } else {
+      grad = view.clone();
+    }
+  }
+  if (gradient_scale_ != 1.0) {
+    for (std::size_t i = 0; i < parameters_.size(); ++i) {
+      if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
+      torch::Tensor& grad = parameters_[i].mutable_grad();
+      if (grad.defined()) grad.mul_(gradient_scale_);
+    }
+  }
 }
 
 void Reducer::record_pass_stats() {
@@ -626,6 +630,7 @@ void Reducer::shadow_backward() {
       detail::in_ddp_phase([] { return std::string("joined rank shadowing the unused map"); },
                            [&] { used_work->wait(); });
     }
+    deliver_gradients(unused_map);
   } catch (...) {
     for (auto& reduction : reductions) {
       if (!reduction.work) continue;

@@ -281,6 +281,13 @@ void ZeroRedundancyOptimizer::build_buckets() {
 }
 
 torch::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
+  // A no-op unless this optimizer is the first joinable of a Join (with DDP, DDP's forward
+  // announced this rank's step already).
+  Join::notify_join_context(*this);
+  return step_shard(std::move(closure));
+}
+
+torch::Tensor ZeroRedundancyOptimizer::step_shard(LossClosure closure) {
   // Options changed on the full groups (a scheduler's lr) reach the local optimizer.
   for (std::size_t g = 0; g < param_groups_.size(); ++g) {
     local_->param_groups()[g].set_options(param_groups_[g].options().clone());
@@ -288,6 +295,20 @@ torch::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
   torch::Tensor loss = local_->step(std::move(closure));
   broadcast_shards();
   return loss;
+}
+
+// The ranks still training step and broadcast; this joined rank does the same with the gradients
+// the shadowed backward left in its parameters (DistributedDataParallel's join_main_hook, which
+// runs first), so the shards it owns are updated exactly as if it were still training.
+void ZeroRedundancyOptimizer::join_main_hook() {
+  step_shard(nullptr);
+}
+
+// Every step broadcast every shard, so the parameters agree already.
+void ZeroRedundancyOptimizer::join_post_hook(bool /*is_last_joiner*/) {}
+
+std::string ZeroRedundancyOptimizer::join_description() const {
+  return fmt::format("ZeroRedundancyOptimizer({}, {} parameters)", kind_, params_.size());
 }
 
 // Each bucket is one broadcast from its owner. Buckets that need packing alternate between two

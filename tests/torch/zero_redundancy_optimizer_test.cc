@@ -15,6 +15,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/join.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
@@ -182,6 +183,50 @@ TEST(ZeroRedundancyOptimizer, AdamWithDdpEqualsDdpWithTheFullOptimizer) {
 }
 TEST(ZeroRedundancyOptimizer, AdamWWithDdpEqualsDdpWithTheFullOptimizer) {
   check_kind(Kind::kAdamW);
+}
+
+// Uneven inputs: rank r trains 6 + 3r steps. Under ddp::Join, DDP + ZeRO (a joinable after DDP)
+// must end with the parameters of DDP + the full optimizer under the same Join: a rank that ran
+// out of data still owns a shard, which has to keep stepping with the averaged gradients of the
+// ranks still training (DDP's shadow step hands them over), or its part of the model would stop.
+TEST(ZeroRedundancyOptimizer, UnevenInputsUnderJoinEqualDdpWithTheFullOptimizer) {
+  constexpr int kWorld = 3;
+  for (const bool divide : {true, false}) {
+    SCOPED_TRACE(fmt::format("divide_by_initial_world_size {}", divide));
+    const int port = test::free_port();
+    const auto results = run_ranks(kWorld, [&](int rank) {
+      auto pg = join_group(rank, kWorld, port);
+      const int steps = 6 + 3 * rank;
+      const JoinOptions options{.divide_by_initial_world_size = divide};
+      auto net_full = make_model();
+      DistributedDataParallel ddp_full(net_full, pg);
+      auto full = factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(ddp_full->parameters())});
+      {
+        Join join({*ddp_full}, options);
+        train_steps(ddp_full, *full, rank, kWorld, 0, steps);
+        join.finish();
+      }
+      auto net_zero = make_model();
+      DistributedDataParallel ddp_zero(net_zero, pg);
+      ZeroRedundancyOptimizer zero(ddp_zero->parameters(), factory(Kind::kAdam), pg);
+      // Every rank owns some of the 6 tensors, so the ranks that join early own shards.
+      if (zero.shard_parameters(rank).empty()) throw std::runtime_error("rank owns nothing");
+      {
+        Join join({*ddp_zero, zero}, options);
+        train_steps(ddp_zero, zero, rank, kWorld, 0, steps);
+        join.finish();
+      }
+      const auto want = snapshot(net_full);
+      const auto got = snapshot(net_zero);
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        if (!torch::equal(got[i], want[i])) {
+          test::expect_close(got[i], want[i], fmt::format("parameter {}", i), 1e-6, 1e-7);
+        }
+      }
+      expect_identical_across_ranks(*pg, net_zero->parameters(), "ZeRO parameters after Join");
+    });
+    EXPECT_ALL_RANKS_OK(results);
+  }
 }
 
 TEST(ZeroRedundancyOptimizer, BucketViewAndSmallBucketsChangeNothing) {

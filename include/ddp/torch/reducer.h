@@ -126,7 +126,9 @@ class Reducer {
 
   // For a rank that has run out of data under ddp::Join: makes the collectives of one
   // synchronised backward pass (every bucket through the comm hook with zeros, the unused map)
-  // so that the ranks still training can complete theirs. Waits for them.
+  // so that the ranks still training can complete theirs. Waits for them, then leaves the
+  // averaged gradients in the parameters' .grad as a training rank's backward would (scaled by
+  // set_gradient_scale), so that a sharded optimizer can step this rank's shard with them.
   void shadow_backward();
 
   // false = gradients accumulate locally (no_sync); true = the next backward synchronises.
@@ -170,6 +172,9 @@ class Reducer {
   void throw_if_hook_failed() const;
   GradBucket hook_bucket(std::size_t bucket) const;  // what the comm hook gets for a bucket
   void finalize_backward();
+  // The reduced buckets into the parameters' gradients (skipping parameters no rank used when
+  // `used_anywhere` is not empty), then the gradient scale.
+  void deliver_gradients(const std::vector<std::int32_t>& used_anywhere);
   void wait_for_launched_buckets() noexcept;
   void reset_iteration();
   void attach_hook(std::size_t param);

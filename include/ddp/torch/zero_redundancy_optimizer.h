@@ -37,6 +37,12 @@
 // or bad argument that fails on some rank only. LBFGS is refused (its step is a global line
 // search, not element-wise).
 //
+// Uneven inputs: a Joinable of ddp::Join (as PyTorch's), listed after the DistributedDataParallel:
+//   ddp::Join join({*model, opt}); ... join.finish();
+// While a rank that ran out of data shadows the others' steps, DDP hands it each step's averaged
+// gradients and this optimizer steps its shard with them and broadcasts it, so the shards it owns
+// keep training; the parameters then equal those of DDP + the full optimizer under the same Join.
+//
 // Threads: use it from one training thread. Lifetime: keeps the group alive when given as a
 // shared_ptr; the parameters must outlive it. Errors: ConfigError for bad arguments, Error for
 // ranks or checkpoints that differ, CommError/TimeoutError from the group (a rank whose local
@@ -53,6 +59,7 @@
 
 #include "ddp/process_group.h"
 #include "ddp/torch/distributed.h"
+#include "ddp/torch/join.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
@@ -79,7 +86,7 @@ struct ZeroOptions {
   double bucket_cap_mb = 16.0;
 };
 
-class ZeroRedundancyOptimizer : public torch::optim::Optimizer {
+class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable {
  public:
   ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                           OptimizerFactory factory, GroupRef group = {}, ZeroOptions options = {});
@@ -126,12 +133,20 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer {
   // How many broadcasts each step() makes (one per bucket).
   std::size_t bucket_count() const;
 
+  // Joinable (ddp/torch/join.h): a joined rank steps its shard with the gradients DDP's shadow
+  // step handed it, and takes part in the broadcasts.
+  void join_main_hook() override;
+  void join_post_hook(bool is_last_joiner) override;
+  ProcessGroup& join_process_group() override { return *group_; }
+  std::string join_description() const override;
+
  private:
   struct Bucket;
   void build(std::vector<torch::optim::OptimizerParamGroup> param_groups);
   void check_across_ranks(const std::string& description, const std::string& local_error);
   void build_buckets();
   void broadcast_shards();
+  torch::Tensor step_shard(LossClosure closure);  // step() without the Join notification
   // A fresh optimizer of the local kind over `rank`'s shard (every rank when rank < 0), with the
   // current group options.
   std::unique_ptr<torch::optim::Optimizer> make_optimizer(int rank) const;
