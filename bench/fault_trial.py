@@ -7,6 +7,7 @@ the end.
                          [--checkpoint-every 100] [--max-restarts 3] [--kills 1]
                          [--kill worker|host] [--rejoin-after SECONDS]
                          [--build-dir build] [--seed 1] [--run-timeout 3600] [--json-out FILE]
+                         [--global-batch-size N]
                          [--data-dir /usr/share/datasets/fashion-mnist]
 
 --kill host: the job runs as 2 nodes, two ddprun agents on loopback with --nnodes 1:2 and
@@ -127,7 +128,9 @@ def command(args, checkpoint):
             os.path.join(args.build_dir, "bin", "train-fashion-mnist"), "--epochs",
             str(args.epochs), "--limit-train", str(args.limit_train), "--checkpoint", checkpoint,
             "--checkpoint-every-steps", str(args.checkpoint_every), "--resume", "--log-every", "1",
-            "--seed", "42", "--data-dir", args.data_dir]
+            "--seed", "42", "--data-dir", args.data_dir] + (
+                ["--global-batch-size", str(args.global_batch_size)] if args.global_batch_size
+                else [])
 
 
 def free_port():
@@ -211,6 +214,10 @@ def main():
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--accuracy-tolerance", type=float, default=0.3, help="points")
     parser.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
+    parser.add_argument("--global-batch-size", type=int, default=0,
+                        help="passed to train-fashion-mnist: samples per optimizer step over all "
+                             "ranks, so a job that loses a node (--kill host) keeps its batch by "
+                             "accumulating micro-batches (e.g. 128 for 2 ranks of 64)")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(args.data_dir, "train-images-idx3-ubyte.gz")):

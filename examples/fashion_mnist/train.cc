@@ -57,7 +57,10 @@ constexpr double kPixelStd = 0.3530;
 struct Options {
   std::string model = "cnn";
   int epochs = 4;
-  int batch_size = 64;                     // per rank
+  int batch_size = 64;  // per rank
+  // > 0: samples per optimizer step over every rank; each step accumulates global / (batch_size x
+  // world size) micro-batches, so the optimizer sees the same batch whatever the world size.
+  std::int64_t global_batch_size = 0;
   std::string optimizer = "sgd";           // sgd (with momentum) or adam
   std::string sharding = "ddp";            // ddp, zero1, zero2 or fsdp (docs/sharding.md)
   std::int64_t fsdp_min_params = 100'000;  // zero2/fsdp: parameters per unit (auto-wrap policy)
@@ -248,6 +251,11 @@ int run(const Options& options) {
         "--checkpoint-every-steps cannot be combined with --uneven (ranks make different numbers "
         "of steps there, so no single step marks a position of the whole job)");
   }
+  if (options.global_batch_size > 0 && options.uneven) {
+    throw ddp::ConfigError(
+        "--global-batch-size cannot be combined with --uneven (the ranks make different numbers "
+        "of micro-batches there)");
+  }
   if (options.sharding != "ddp" && options.uneven) {
     throw ddp::ConfigError(fmt::format(
         "--sharding {} cannot be combined with --uneven: ranks that have run out of data would "
@@ -304,6 +312,20 @@ int run(const Options& options) {
   auto group = ddp::init_process_group();
   const int rank = group->rank();
   const int world_size = group->size();
+  // Micro-batches per optimizer step (1 unless --global-batch-size asks for more).
+  std::int64_t accumulation = 1;
+  if (options.global_batch_size > 0) {
+    const std::int64_t per_pass = static_cast<std::int64_t>(options.batch_size) * world_size;
+    if (options.global_batch_size % per_pass != 0) {
+      throw ddp::ConfigError(fmt::format(
+          "--global-batch-size {} is not a multiple of --batch-size {} x {} rank(s) = {}: every "
+          "optimizer step must take whole micro-batches on every rank. Choose a global batch "
+          "that this world size divides (an elastic job: one that every world size it may run "
+          "at divides), or another --batch-size",
+          options.global_batch_size, options.batch_size, world_size, per_pass));
+    }
+    accumulation = options.global_batch_size / per_pass;
+  }
   const bool leader = rank == 0;
   std::optional<fmnist::MetricsLog> metrics;
   if (leader && !options.metrics.empty()) metrics.emplace(options.metrics);
@@ -399,11 +421,13 @@ int run(const Options& options) {
   // The learning rate follows the step count of the rank with the most batches (rank 0), so that
   // ranks at the same step use the same rate also with --uneven.
   const std::int64_t batches_most = batches_of(options, samples, 0, world_size);
-  const std::int64_t total_steps = batches_most * options.epochs;
+  // The schedule counts optimizer steps: with accumulation, one per `accumulation` batches.
+  const std::int64_t total_steps =
+      (batches_most + accumulation - 1) / accumulation * options.epochs;
   if (leader) {
     fmt::print(
         "training {} on {} samples ({} per rank, {} batches of {} per rank and epoch), "
-        "{} ranks, {} thread(s) each, {}{}, lr {} ({}) weight decay {}{}{}\n",
+        "{} ranks, {} thread(s) each, {}{}, lr {} ({}) weight decay {}{}{}{}\n",
         options.model, train.size(), per_rank, batches, batch, world_size, torch::get_num_threads(),
         options.optimizer == "sgd" ? fmt::format("sgd momentum {}", options.momentum) : "adam",
         options.sharding == "zero1"   ? " sharded by ZeroRedundancyOptimizer (ZeRO stage 1)"
@@ -420,7 +444,11 @@ int run(const Options& options) {
             ? fmt::format(", comm hook {} (rank {}, from step {})", options.comm_hook,
                           options.powersgd_rank, options.powersgd_start_iter)
         : hook.hook ? fmt::format(", comm hook {}", options.comm_hook)
-                    : "");
+                    : "",
+        options.global_batch_size > 0
+            ? fmt::format(", global batch {} ({} micro-batch(es) of {} per rank and step)",
+                          options.global_batch_size, accumulation, batch)
+            : "");
     if (options.uneven) {
       std::vector<std::int64_t> counts;
       for (int r = 0; r < world_size; ++r)
@@ -439,16 +467,17 @@ int run(const Options& options) {
 
   double accuracy = 0.0;
   bool evaluated = false;
-  std::int64_t step = (first_epoch - 1) * batches;  // of the learning-rate schedule
-  std::int64_t global_step = step;                  // optimizer steps
+  const std::int64_t steps_per_epoch = (batches + accumulation - 1) / accumulation;
+  std::int64_t step = (first_epoch - 1) * steps_per_epoch;  // of the learning-rate schedule
+  std::int64_t global_step = step;                          // optimizer steps
   if (resumed) {
     global_step = resumed->global_step;
     // At the saved world size the schedule continues at its step; at another, steps per epoch
     // differ, so the schedule continues at the step of the data position instead.
-    const auto per_step = static_cast<std::uint64_t>(batch * world_size);
+    const auto per_step = static_cast<std::uint64_t>(batch * world_size * accumulation);
     step = resumed->world_size == world_size
                ? resumed->scheduler_step
-               : (first_epoch - 1) * batches +
+               : (first_epoch - 1) * steps_per_epoch +
                      static_cast<std::int64_t>((resumed->epoch_offset + per_step - 1) / per_step);
   }
   for (int epoch = first_epoch; epoch <= options.epochs; ++epoch) {
@@ -476,8 +505,15 @@ int run(const Options& options) {
         x = train.images.index_select(0, rows);
         y = train.labels.index_select(0, rows);
       }
-      set_learning_rate(optimizer, learning_rate(options, step++, total_steps));
-      optimizer.zero_grad();
+      // A step of `accumulation` micro-batches (a resume lands on a step boundary: checkpoints
+      // are written after steps, at multiples of the global batch); the epoch's last may be short.
+      const std::int64_t group_first = b - b % accumulation;
+      const std::int64_t group_size = std::min(accumulation, epoch_batches - group_first);
+      const bool steps_now = b + 1 == group_first + group_size;
+      if (b == group_first) {
+        set_learning_rate(optimizer, learning_rate(options, step++, total_steps));
+        optimizer.zero_grad();
+      }
       torch::Tensor loss;
       {
         // bf16 has fp32's exponent range: no loss scaling needed (as PyTorch's recipe for it).
@@ -486,19 +522,22 @@ int run(const Options& options) {
       }
       {
         auto span = ddp::trace_span("backward", "train", {{"step", step}});
-        loss.backward();
+        // Micro-batches before a group's last add their gradients locally (DDP's no_sync); the
+        // last one's backward averages the sum over the ranks. Each contributes 1/group_size.
+        std::optional<ddp::NoSyncGuard> no_sync;
+        if (!steps_now && ddp_model) no_sync.emplace((*ddp_model)->no_sync());
+        (group_size > 1 ? loss / static_cast<double>(group_size) : loss).backward();
       }
-      {
+      if (steps_now) {
         auto span = ddp::trace_span("optimizer step", "train", {{"step", step}});
         optimizer.step();
+        ++global_step;
       }
-      ++global_step;
-      if (train_state_file && global_step % options.checkpoint_every_steps == 0 &&
-          b + 1 < epoch_batches) {
-        gather_optimizer_state();
-      }
-      if (leader && train_state_file && global_step % options.checkpoint_every_steps == 0 &&
-          b + 1 < epoch_batches) {
+      const bool checkpoint_now = steps_now && train_state_file &&
+                                  global_step % options.checkpoint_every_steps == 0 &&
+                                  b + 1 < epoch_batches;
+      if (checkpoint_now) gather_optimizer_state();
+      if (leader && checkpoint_now) {
         auto span = ddp::trace_span("checkpoint", "train", {{"step", step}});
         const auto consumed = sampler.consumed_after(
             static_cast<std::uint64_t>(std::min<std::int64_t>((b + 1) * batch, epoch_per_rank)));
@@ -636,6 +675,11 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", options.batch_size, "samples per batch and rank")
       ->check(CLI::Range(1, 60000))
       ->capture_default_str();
+  app.add_option("--global-batch-size", options.global_batch_size,
+                 "samples per optimizer step over every rank (default: --batch-size x world "
+                 "size); each step accumulates global / (batch size x world size) micro-batches, "
+                 "so an elastic job keeps its batch when the world shrinks")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
   app.add_option("--optimizer", options.optimizer, "sgd (with --momentum) or adam")
       ->check(CLI::IsMember({"sgd", "adam"}))
       ->capture_default_str();

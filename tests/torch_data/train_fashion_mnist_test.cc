@@ -454,6 +454,43 @@ TEST(TrainFashionMnistOptionsTest, CheckpointEveryStepsNeedsACheckpointAndEvenIn
   EXPECT_THAT(result.output, HasSubstr("--checkpoint-every-steps"));
 }
 
+// --global-batch-size keeps the optimizer's batch when the world size changes (an elastic job
+// that lost a node): one rank accumulating 2 micro-batches of 32 per step trains the model that
+// two ranks with batches of 32 train, up to rounding (the mlp: no BatchNorm statistics, which
+// are per rank). A global batch the world size cannot split into whole micro-batches is named.
+TEST_F(TrainFashionMnistTest, GlobalBatchSizeAccumulatesToTheSameModelAtHalfTheWorld) {
+  const std::vector<std::string> common{"--model",       "mlp",  "--epochs",    "1",
+                                        "--limit-train", "1024", "--log-every", "0",
+                                        "--batch-size",  "32"};
+  const auto two = train(common);
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+
+  auto args = std::vector<std::string>{built_program("ddprun"),
+                                       "--standalone",
+                                       "--nproc-per-node",
+                                       "1",
+                                       built_program("train-fashion-mnist"),
+                                       "--global-batch-size",
+                                       "64"};
+  args.insert(args.end(), common.begin(), common.end());
+  auto process = Subprocess::start(args, {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "120"}});
+  const auto one = process.wait(150s);
+  ASSERT_FALSE(one.timed_out) << one.output;
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_THAT(one.output, HasSubstr("global batch 64 (2 micro-batch(es) of 32 per rank and step)"));
+  EXPECT_THAT(one.output, HasSubstr("world_size=1 "));
+  // 10 000 test images: 0.003 is 30 of them; the two models differ in rounding only.
+  EXPECT_NEAR(final_accuracy(one.output), final_accuracy(two.output), 0.003)
+      << two.output << one.output;
+
+  args = common;
+  args.insert(args.end(), {"--global-batch-size", "96"});  // 96 / (32 x 2) is not whole
+  const auto bad = train(args);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.output, HasSubstr("--global-batch-size 96 is not a multiple of --batch-size 32 "
+                                    "x 2 rank(s) = 64"));
+}
+
 TEST_F(TrainFashionMnistTest, UnevenInputsUnderJoinFinishAtWorldThree) {
   // 2000 samples over 3 ranks: 11 batches of 64 each, less 3 per higher rank: 11, 8, 5 per epoch,
   // for two epochs under one Join.
