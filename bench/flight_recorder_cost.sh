@@ -5,7 +5,10 @@
 #   bash bench/flight_recorder_cost.sh [BUILD_BIN_DIR [BASE_DIR]]
 # BUILD_BIN_DIR: this build's bin/ (default build/bin). BASE_DIR: a folder holding another build's
 # ddprun, ddp-bench and libddp_comm.so* (e.g. main's), run with LD_LIBRARY_PATH. REPS (default
-# 30) rounds, ITERS (default 10000) iterations each. Results: docs/observability.md, "Cost".
+# 30) rounds, ITERS (default 10000) iterations each. PIN=1 pins each rank to the CPU of its local
+# rank (bench/pin_to_local_rank.sh): unpinned, the two ranks on a 2-core host switch between
+# scheduling states that differ by more than the recorder costs. Results: docs/observability.md,
+# "Cost".
 set -euo pipefail
 bin=$(realpath "${1:-build/bin}")
 base=${2:-}
@@ -13,6 +16,8 @@ base=${2:-}
 reps=${REPS:-30}
 iters=${ITERS:-10000}
 out=$(mktemp)
+pin=()
+[ "${PIN:-0}" = 1 ] && pin=("$(dirname "$(realpath "$0")")/pin_to_local_rank.sh")
 trap '[ -n "${KEEP:-}" ] && cp "$out" "$KEEP"; rm -f "$out"' EXIT
 
 run() { # label bin_dir entries [library dir]
@@ -20,7 +25,7 @@ run() { # label bin_dir entries [library dir]
   local envs=(DDP_FLIGHT_RECORDER_ENTRIES="$entries")
   [ -n "$lib" ] && envs+=(LD_LIBRARY_PATH="$lib")
   env "${envs[@]}" timeout 120 "$dir/ddprun" --standalone --nproc-per-node 2 --no-env-tuning \
-    "$dir/ddp-bench" --sizes 1K --iters "$iters" --warmup 500 --json 2>/dev/null |
+    "${pin[@]}" "$dir/ddp-bench" --sizes 1K --iters "$iters" --warmup 500 --json 2>/dev/null |
     sed -n 's/^\[0\] {/{/p' |
     python3 -c "import sys, json
 for line in sys.stdin: print('$label', json.loads(line)['time_us'])" >>"$out"
