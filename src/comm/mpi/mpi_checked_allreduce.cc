@@ -58,12 +58,9 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
   std::byte* out = in + kHeader + bytes;
   std::memcpy(in, &op.header, kHeader);
   if (bytes > 0) std::memcpy(in + kHeader, op.send, bytes);
-  if (bytes != packed_bytes_) {
-    packed_type_ = runtime.packed_type(bytes);
-    packed_bytes_ = bytes;
-  }
+  const MPI_Datatype packed_type = packed_type_for(bytes);
   watch_.begin(op.header, deadline, op.timeout);
-  const int rc = MPI_Allreduce(in, out, 1, packed_type_, runtime.checked_op(), comm_);
+  const int rc = MPI_Allreduce(in, out, 1, packed_type, runtime.checked_op(), comm_);
   watch_.end();
   if (rc != MPI_SUCCESS) {
     const CommError failed = error(op, fmt::format("failed: {}", mpi_error_text(rc)));
@@ -74,6 +71,16 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
   if (result.reserved != 0) fail_mismatch(op, deadline);
   if (bytes > 0) std::memcpy(op.recv, out + kHeader, bytes);
   if (op.op == ReduceOp::kAvg) comm::divide(op.recv, op.count, op.dtype, size());
+}
+
+MPI_Datatype MpiProcessGroup::packed_type_for(std::size_t payload_bytes) {
+  for (const auto& entry : packed_types_) {
+    if (entry.bytes == payload_bytes) return entry.type;
+  }
+  auto& entry = packed_types_[packed_next_];
+  packed_next_ = (packed_next_ + 1) % packed_types_.size();
+  entry = {payload_bytes, MpiRuntime::instance().packed_type(payload_bytes)};
+  return entry.type;
 }
 
 }  // namespace ddp::comm::mpi

@@ -37,6 +37,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <climits>
 #include <condition_variable>
@@ -404,14 +405,22 @@ class MpiProcessGroup final : public ProcessGroup,
   BlockingWatch watch_;
   std::thread watchdog_;  // started by ensure_watchdog
   std::once_flag watchdog_once_;
+  std::atomic<bool> watchdog_started_{false};
   // Set by the destructor: when the watchdog thread itself dropped the last reference, it must
   // not touch the group any more.
   std::shared_ptr<std::atomic<bool>> destroyed_ = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<const comm::mpi::P2pContext> p2p_context_;
   comm::mpi::P2pPending p2p_pending_;
   std::vector<std::byte> packed_;  // run() only: the checked allreduce's buffers
-  std::size_t packed_bytes_ = SIZE_MAX;
-  MPI_Datatype packed_type_ = MPI_DATATYPE_NULL;
+  // The runtime's packed types of the last few payload sizes (a barrier, bytes 0, alternates
+  // with the data calls), so that most calls skip the runtime's lock.
+  struct PackedType {
+    std::size_t bytes = SIZE_MAX;
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+  };
+  std::array<PackedType, 4> packed_types_{};
+  std::size_t packed_next_ = 0;  // the entry the next new size replaces
+  MPI_Datatype packed_type_for(std::size_t payload_bytes);
 
   std::mutex new_group_mutex_;
   int subgroups_created_ = 0;

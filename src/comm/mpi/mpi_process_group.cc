@@ -147,7 +147,8 @@ void MpiProcessGroup::check_tag(int tag, const char* op) const {
 
 MpiOp MpiProcessGroup::make_op(Collective kind, const void* send, void* recv, std::size_t count,
                                DType dtype, std::optional<ReduceOp> op, int root) const {
-  comm::check_enums(std::string(comm::to_string(kind)).c_str(), dtype, op);
+  // to_string's names are string literals, so data() is null-terminated (no string per call).
+  comm::check_enums(comm::to_string(kind).data(), dtype, op);
   MpiOp result;
   result.kind = kind;
   result.send = static_cast<const std::byte*>(send);

@@ -5,10 +5,13 @@
 namespace ddp::comm::mpi {
 
 void MpiProcessGroup::ensure_watchdog() {
+  // On every blocking call: a flag read, not std::call_once's thread-local bookkeeping.
+  if (watchdog_started_.load(std::memory_order_acquire)) return;
   std::call_once(watchdog_once_, [this] {
     watchdog_ = std::thread([this, weak = weak_from_this(), destroyed = destroyed_] {
       watchdog_loop(weak, destroyed);
     });
+    watchdog_started_.store(true, std::memory_order_release);
   });
 }
 
