@@ -255,6 +255,15 @@ std::size_t DistributedDataParallelBase::check_parameters() {
   return reducer_->check_parameters(params, names);
 }
 
+// What the reducer multiplies the averaged gradients by under a Join: averaged over the ranks
+// still training instead of all (divide_by_initial_world_size false), or 1.
+double DistributedDataParallelBase::join_gradient_scale(const JoinState& join,
+                                                        int nonjoined) const {
+  return join.options.divide_by_initial_world_size || nonjoined <= 0
+             ? 1.0
+             : static_cast<double>(group_->size()) / nonjoined;
+}
+
 void DistributedDataParallelBase::pre_forward() {
   forward_started_ = std::chrono::steady_clock::now();
   check_parameters();
@@ -266,9 +275,7 @@ void DistributedDataParallelBase::pre_forward() {
     const int nonjoined = in_ddp_phase([] { return std::string("Join notification"); },
                                        [&] { return Join::notify_join_context(*this); });
     const StepPlan plan = plan_join_step(/*joined=*/false);
-    reducer_->set_gradient_scale(join->options.divide_by_initial_world_size || nonjoined <= 0
-                                     ? 1.0
-                                     : static_cast<double>(group_->size()) / nonjoined);
+    reducer_->set_gradient_scale(join_gradient_scale(*join, nonjoined));
     if (plan.rebuild) reducer_->rebuild_buckets();
     // With a rank joined, its parameters are stale by design: compare only while all train.
     ++training_forwards_;
@@ -443,11 +450,9 @@ void DistributedDataParallelBase::join_main_hook() {
   if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
   // The gradients the shadow step leaves here (for a sharded optimizer's step) are scaled as the
   // training ranks scale theirs.
-  const auto& join = join_state();
-  const int nonjoined = join ? join->nonjoined : 0;
-  reducer_->set_gradient_scale(!join || join->options.divide_by_initial_world_size || nonjoined <= 0
-                                   ? 1.0
-                                   : static_cast<double>(group_->size()) / nonjoined);
+  if (const auto& join = join_state()) {
+    reducer_->set_gradient_scale(join_gradient_scale(*join, join->nonjoined));
+  }
   if (plan.sync) reducer_->shadow_backward();
 }
 

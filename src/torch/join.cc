@@ -56,6 +56,18 @@ Join::Join(std::vector<std::reference_wrapper<Joinable>> joinables, JoinOptions 
     }
     description += (i == 0 ? "" : ", ") + joinable.join_description();
   }
+  // The same list on every rank (checked below, or a disabled Join), so every rank throws alike.
+  bool gradients_left = false;
+  for (auto& joinable : joinables_) {
+    if (joinable.get().join_needs_gradients() && !gradients_left) {
+      throw ConfigError(fmt::format(
+          "Join: {} steps with the gradients of each shadowed step, so a joinable that leaves "
+          "them (the DistributedDataParallel) must come before it: write Join({{*model, "
+          "optimizer}}), not Join({{optimizer, *model}})",
+          joinable.get().join_description()));
+    }
+    gradients_left = gradients_left || joinable.get().join_leaves_gradients();
+  }
   state_->initial_world_size = group_->size();
   state_->nonjoined = group_->size();
   if (!options.enable) return;

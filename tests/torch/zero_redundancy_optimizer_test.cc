@@ -211,6 +211,13 @@ TEST(ZeroRedundancyOptimizer, UnevenInputsUnderJoinEqualDdpWithTheFullOptimizer)
       ZeroRedundancyOptimizer zero(ddp_zero->parameters(), factory(Kind::kAdam), pg);
       // Every rank owns some of the 6 tensors, so the ranks that join early own shards.
       if (zero.shard_parameters(rank).empty()) throw std::runtime_error("rank owns nothing");
+      // Listed before DDP, the optimizer would step with the gradients of an earlier step.
+      try {
+        Join wrong_order({zero, *ddp_zero}, options);
+        throw std::runtime_error("Join({optimizer, model}) was accepted");
+      } catch (const ConfigError& e) {
+        if (std::string(e.what()).find("must come before it") == std::string::npos) throw;
+      }
       {
         Join join({*ddp_zero, zero}, options);
         train_steps(ddp_zero, zero, rank, kWorld, 0, steps);

@@ -376,6 +376,8 @@ TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
                                                {"--sharding", "zero2", "--mixed-precision", "bf16"},
                                                {"--sharding", "fsdp", "--checkpoint", "/tmp/f.pt"},
                                                {"--fsdp-min-params", "0"},
+                                               {"--global-batch-size", "128", "--uneven"},
+                                               {"--global-batch-size", "0"},
                                                {"--resume"}}) {
     std::vector<std::string> argv{built_program("train-fashion-mnist")};
     argv.insert(argv.end(), args.begin(), args.end());

@@ -121,6 +121,7 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   void join_post_hook(bool is_last_joiner) override;
   ProcessGroup& join_process_group() override { return *group_; }
   std::string join_description() const override;
+  bool join_leaves_gradients() const override { return true; }
 
  protected:
   // `group` null = default_process_group(). Registers `module` as the submodule "module".
@@ -132,6 +133,7 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
  private:
   struct StepPlan;
   StepPlan plan_join_step(bool joined);
+  double join_gradient_scale(const JoinState& join, int nonjoined) const;
   void broadcast_buffers_from(int root);
   void maybe_check_divergence();
 

@@ -62,6 +62,11 @@ class Joinable {
   // What this joinable is, for the check that every rank joins the same kinds, e.g.
   // "DistributedDataParallel(10 parameters)".
   virtual std::string join_description() const = 0;
+  // Ordering: a joinable whose main hook uses the averaged gradients of the shadowed step (a
+  // sharded optimizer) needs one that leaves them (DistributedDataParallel) before it in the
+  // Join; otherwise the Join is a ConfigError, since it would step with stale gradients.
+  virtual bool join_leaves_gradients() const { return false; }
+  virtual bool join_needs_gradients() const { return false; }
 
   // The Join this joinable is in, or null. Joinables call Join::notify_join_context at the start
   // of each training step when it is set.

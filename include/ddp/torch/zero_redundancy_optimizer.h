@@ -139,6 +139,7 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
   void join_post_hook(bool is_last_joiner) override;
   ProcessGroup& join_process_group() override { return *group_; }
   std::string join_description() const override;
+  bool join_needs_gradients() const override { return true; }
 
  private:
   struct Bucket;
