@@ -35,6 +35,12 @@ struct CallOptions {
   // Deadline of this call, counted from when it starts to run (send/recv: from the call). 0 = the
   // group's timeout.
   std::chrono::milliseconds timeout{0};
+  // Returns only once the operation has completed, as MPI's blocking calls and PyTorch's
+  // async_op=False do: the call throws the operation's error itself, and the Work it returns is
+  // already complete (one Work shared by such calls: it takes no result). On an idle group the
+  // operation runs on the calling thread without a Work of its own or a lock round trip more; on
+  // a busy one it is queued behind the others and waited for. Collectives only (not send/recv).
+  bool blocking = false;
 };
 
 // One piece of a buffer made of several (see ProcessGroup::allreduce_segments): `count` elements

@@ -99,6 +99,10 @@ class Work : public std::enable_shared_from_this<Work> {
   // Names the operation (e.g. "allreduce #7 (256 x float32, sum)"), for messages.
   virtual std::string description() const { return description_; }
 
+  // The Work that calls made with CallOptions::blocking return: completed successfully, shared by
+  // every such call; set_result on it throws ConfigError.
+  static const std::shared_ptr<Work>& completed_blocking_call();
+
   // For implementations: marks the operation done (with `error`, or successful when null), wakes
   // waiters, runs callbacks. Called exactly once.
   void complete(std::exception_ptr error = nullptr);
@@ -126,7 +130,8 @@ class Work : public std::enable_shared_from_this<Work> {
   // Completed and the callbacks registered before have run (set under mutex_, read without).
   std::atomic<bool> finished_{false};
   std::thread::id completing_thread_;
-  std::any result_;  // under mutex_
+  std::any result_;               // under mutex_
+  bool takes_no_result_ = false;  // completed_blocking_call()
 };
 
 }  // namespace ddp

@@ -272,6 +272,40 @@ void OpQueue::run_inline_until(QueuedWork& work) {
   if (!queue_.empty() || stopping_) cv_.notify_one();
 }
 
+bool OpQueue::try_run_now(QueuedWork& work) {
+  // One clock read for the queueing, the start and the deadline.
+  const auto start = work.enqueued_at();
+  {
+    std::lock_guard lock(mutex_);
+    if (!queue_.empty() || executing_ || worker_lingering_ || stopping_ ||
+        poisoned_.load(std::memory_order_acquire)) {
+      return false;
+    }
+    executing_ = true;
+    work_left_to_caller_ = false;
+    if (prompt_waits_ < kPromptWaitsForLazyWake) ++prompt_waits_;  // it waited at once
+    const std::uint64_t sequence = next_sequence_++;
+    work.sequence_ = sequence;
+    work.on_sequenced(sequence);
+    if (recorder_.enabled()) {
+      work.flight_ = recorder_.record_enqueued(work.fingerprint(), FlightChannel::kCollective,
+                                               /*peer=*/-1, sequence, start);
+      recorder_.record_started(work.flight_, start);
+    }
+  }
+  bool ok = false;
+  const auto end = execute(work, start, ok, /*complete_success=*/false);
+  {
+    std::lock_guard lock(mutex_);
+    if (ok) recorder_.record_ended(work.flight_, end, true);
+    executing_ = false;
+    // Queued meanwhile by another thread: the worker's.
+    if (!queue_.empty() || stopping_) cv_.notify_one();
+  }
+  if (!ok) std::rethrow_exception(work.error());
+  return true;
+}
+
 std::shared_ptr<QueuedWork> OpQueue::pop_front(net::Clock::time_point now) {
   std::shared_ptr<QueuedWork> next = std::move(queue_.front());
   queue_.pop_front();
@@ -280,7 +314,8 @@ std::shared_ptr<QueuedWork> OpQueue::pop_front(net::Clock::time_point now) {
   return next;
 }
 
-net::Clock::time_point OpQueue::execute(QueuedWork& work, net::Clock::time_point start, bool& ok) {
+net::Clock::time_point OpQueue::execute(QueuedWork& work, net::Clock::time_point start, bool& ok,
+                                        bool complete_success) {
   ok = false;
   if (poisoned()) {
     {
@@ -314,7 +349,7 @@ net::Clock::time_point OpQueue::execute(QueuedWork& work, net::Clock::time_point
   // The end, read before complete(): the caller may wait for nothing else.
   const auto end = net::Clock::now();
   ok = true;
-  work.complete();
+  if (complete_success) work.complete();
   return end;
 }
 

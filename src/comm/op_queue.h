@@ -82,6 +82,15 @@ class QueuedWork : public Work {
   std::weak_ptr<const void> owner_;  // keeps the backend (and its queue) alive while helping
 };
 
+// For calls that do not go through an OpQueue (send/recv): by the rules of CallOptions::blocking,
+// waits for `work` (throwing its error) and returns Work::completed_blocking_call(); else `work`.
+inline std::shared_ptr<Work> finish_if_blocking(std::shared_ptr<Work> work,
+                                                const CallOptions& options) {
+  if (!options.blocking) return work;
+  work->wait();
+  return Work::completed_blocking_call();
+}
+
 class OpQueue {
  public:
   // What the backend does for the queue.
@@ -153,6 +162,35 @@ class OpQueue {
   // them already (then polls for up to Options::spin and returns). For Work::wait.
   void run_inline_until(QueuedWork& work);
 
+  // For blocking calls (CallOptions::blocking): when the group is idle (nothing queued or
+  // running, not poisoned), assigns `work` its sequence number, runs it on the calling thread at
+  // once and returns true, having thrown its error if it failed (the queue is then poisoned as by
+  // any failure). Otherwise returns false without touching `work`: the caller queues it instead.
+  // Keeps no reference to `work`, which may live on the caller's stack; no Work is allocated, and
+  // the queue's lock is taken twice, against three times and the Work's own lock for
+  // enqueue + wait (docs/mpi.md, "Blocking calls").
+  bool try_run_now(QueuedWork& work);
+
+  // A backend's call, by the rules of CallOptions::blocking. Blocking: a `WorkT` built on the
+  // stack runs at once when the group is idle (try_run_now), or else is rebuilt on the heap from
+  // its arguments (WorkT::take_arguments()), queued and waited for; either way the call throws the
+  // operation's error and returns Work::completed_blocking_call(). Otherwise the WorkT is queued
+  // and returned.
+  template <class WorkT, class Arguments, class... Extra>
+  std::shared_ptr<Work> submit(Arguments arguments, bool blocking, Extra... extra) {
+    if (blocking) {
+      WorkT now(std::move(arguments), extra...);
+      if (try_run_now(now)) return Work::completed_blocking_call();
+      auto queued = std::make_shared<WorkT>(now.take_arguments(), extra...);
+      enqueue(queued);
+      queued->wait();
+      return Work::completed_blocking_call();
+    }
+    auto work = std::make_shared<WorkT>(std::move(arguments), extra...);
+    enqueue(work);
+    return work;
+  }
+
  private:
   void worker_loop();
   bool worker_should_run(net::Clock::time_point now) const;
@@ -162,8 +200,10 @@ class OpQueue {
   std::shared_ptr<QueuedWork> pop_front(net::Clock::time_point now);
   // Runs `work` on this thread; its deadline counts from `start` (now, or just before). Returns
   // when it ended (read once, also the next operation's start); records a failure itself, and the
-  // caller records a success under mutex_ (`ok`).
-  net::Clock::time_point execute(QueuedWork& work, net::Clock::time_point start, bool& ok);
+  // caller records a success under mutex_ (`ok`). A success completes `work` unless
+  // `complete_success` is false (try_run_now: nobody waits for it).
+  net::Clock::time_point execute(QueuedWork& work, net::Clock::time_point start, bool& ok,
+                                 bool complete_success = true);
   void fail(QueuedWork& work, std::exception_ptr error);
   // Sets the poison (the first error wins) and returns it; `first`: whether it was this one.
   std::exception_ptr keep_first_error(std::exception_ptr error, bool& first);

@@ -150,7 +150,26 @@ std::shared_ptr<Work> Work::and_then(std::function<std::shared_ptr<Work>(Work&)>
   return chain;
 }
 
+const std::shared_ptr<Work>& Work::completed_blocking_call() {
+  // Immortal (callers may hold it past static destruction), and handed out as a shared_ptr that
+  // shares no ownership (the aliasing constructor with an empty owner): copying and dropping it,
+  // once per blocking call, then touches no reference count that every thread would contend on.
+  static const std::shared_ptr<Work>* const work = [] {
+    auto* owner = new std::shared_ptr<Work>(std::make_shared<Work>(
+        "a blocking call (completed when it returned)", std::chrono::milliseconds(0)));
+    (*owner)->takes_no_result_ = true;
+    (*owner)->complete();
+    return new std::shared_ptr<Work>(std::shared_ptr<Work>(), owner->get());
+  }();
+  return *work;
+}
+
 void Work::set_result(std::any value) {
+  if (takes_no_result_) {
+    throw ConfigError(
+        "set_result on the Work of a blocking call (CallOptions::blocking), which every such call "
+        "shares: make the call without `blocking` to attach a result");
+  }
   std::lock_guard lock(mutex_);
   result_ = std::move(value);
 }

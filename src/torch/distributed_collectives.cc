@@ -24,6 +24,8 @@ namespace {
 using Tensors = std::vector<torch::Tensor>;
 using Bytes = std::vector<std::byte>;
 
+constexpr CallOptions kBlocking{.blocking = true};
+
 std::size_t bytes_of(const torch::Tensor& t) {
   return element_count(t) * t.element_size();
 }
@@ -98,8 +100,12 @@ std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor, ReduceOp op,
   return with_result(g.allreduce(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), op),
                      {tensor});
 }
+// The blocking forms of the single-tensor calls are blocking engine calls (CallOptions::blocking):
+// no Work of their own, and on an idle group no thread hand-off.
 void all_reduce(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
-  all_reduce_async(tensor, op, group)->wait();
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] { check_tensor(tensor, "all_reduce: tensor"); });
+  g.allreduce(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), op, kBlocking);
 }
 
 std::shared_ptr<Work> broadcast_async(const torch::Tensor& tensor, int src, GroupRef group) {
@@ -109,7 +115,9 @@ std::shared_ptr<Work> broadcast_async(const torch::Tensor& tensor, int src, Grou
                      {tensor});
 }
 void broadcast(const torch::Tensor& tensor, int src, GroupRef group) {
-  broadcast_async(tensor, src, group)->wait();
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor"); });
+  g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, kBlocking);
 }
 
 std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, ReduceOp op,
@@ -403,7 +411,7 @@ std::shared_ptr<Work> barrier_async(GroupRef group) {
   return group.get().barrier();
 }
 void barrier(GroupRef group) {
-  barrier_async(group)->wait();
+  group.get().barrier(kBlocking);
 }
 
 }  // namespace ddp

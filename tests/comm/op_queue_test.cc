@@ -194,6 +194,57 @@ TEST(OpQueue, CallersThatWaitAtOnceRunOperationsThemselves) {
                             << " rounds ran on the worker, none on the waiting caller";
 }
 
+TEST(OpQueue, TryRunNowRunsOnTheCallerWhenIdleAndNumbersLikeEnqueue) {
+  auto g = started_group();
+  auto first = std::make_shared<FakeWork>(0);
+  g->queue.enqueue(first);
+  first->wait();
+  FakeWork now(1);  // on the stack, as a blocking call's
+  // The worker may still hold the executor role for a moment after `first`: then try_run_now
+  // declines and the caller would queue instead; retry until the group is idle.
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  bool ran = false;
+  while (!(ran = g->queue.try_run_now(now)) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(ran) << "try_run_now never found the group idle";
+  EXPECT_EQ(now.sequence(), 1u);
+  EXPECT_EQ(now.sequenced_as, 1u);
+  auto later = std::make_shared<FakeWork>(2);
+  g->queue.enqueue(later);
+  later->wait();
+  EXPECT_EQ(later->sequence(), 2u);
+  std::lock_guard lock(g->backend.mutex);
+  EXPECT_EQ(g->backend.ran, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(g->backend.threads[1], std::this_thread::get_id());
+}
+
+TEST(OpQueue, TryRunNowDeclinesABusyGroupWithoutTouchingTheWork) {
+  Group g;  // no worker: what is queued stays queued
+  auto queued = std::make_shared<FakeWork>(0);
+  g.queue.enqueue(queued);
+  FakeWork now(1);
+  EXPECT_FALSE(g.queue.try_run_now(now));
+  EXPECT_EQ(now.sequenced_as, ~std::uint64_t{0});
+  EXPECT_TRUE(g.backend.ran.empty());
+  g.queue.poison(std::make_exception_ptr(CommError("stop", "g", "abort", 0, -1)));
+}
+
+TEST(OpQueue, TryRunNowThrowsTheErrorAndPoisonsTheQueue) {
+  auto g = started_group();
+  g->backend.fail_comm = 0;
+  FakeWork now(0);
+  EXPECT_THROW(g->queue.try_run_now(now), CommError);
+  EXPECT_TRUE(g->queue.poisoned());
+  FakeWork next(1);
+  EXPECT_FALSE(g->queue.try_run_now(next));  // poisoned: the caller queues, and fails at once
+  auto later = std::make_shared<FakeWork>(2);
+  g->queue.enqueue(later);
+  EXPECT_THROW(later->wait(), CommError);
+  std::lock_guard lock(g->backend.mutex);
+  EXPECT_EQ(g->backend.ran, std::vector<int>{0});
+  EXPECT_EQ(g->backend.poison_reasons, std::vector<std::string>{"peer 1 went away"});
+}
+
 TEST(OpQueue, StopRunsWhatIsQueuedFirst) {
   auto g = started_group();
   std::vector<std::shared_ptr<FakeWork>> works;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -539,6 +540,119 @@ void check_barrier(ProcessGroup& pg) {
                DType::kInt32, "barrier: allreduce between barriers");
 }
 
+void check_blocking_calls(ProcessGroup& pg) {
+  const CallOptions blocking{.blocking = true};
+  auto expect_done = [&](const std::shared_ptr<Work>& work, const std::string& what) {
+    if (!work || !work->is_completed() || work->error()) {
+      throw std::runtime_error(
+          fmt::format("{}: a blocking call returned a Work that is not "
+                      "completed successfully (rank {} of {})",
+                      what, pg.rank(), pg.size()));
+    }
+  };
+  int salt = 12000;
+  // Every dtype and op, at counts around OpenMPI's 4 KiB eager limit (float32: 1008 elements and
+  // the in-band fingerprint fit it, 1024 do not) and past the in-band sizes.
+  for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1008},
+                            std::size_t{1024}, std::size_t{2100}, std::size_t{5000}}) {
+    for (DType dtype : kAllDTypes) {
+      for (ReduceOp op : kAllOps) {
+        if (count > 7 && dtype != DType::kFloat32 && dtype != DType::kInt64) continue;
+        ++salt;
+        const Bytes input = make_input(dtype, count, pg.rank(), salt);
+        Bytes out(input.size(), kFill);
+        const std::string what = label("blocking_calls", dtype, op, count, "allreduce");
+        expect_done(pg.allreduce(input.data(), out.data(), count, dtype, op, blocking), what);
+        expect_equal(pg, out, expected_reduction(dtype, op, count, pg.size(), salt), dtype, what);
+      }
+    }
+  }
+  // The other collectives, blocking.
+  {
+    const std::size_t count = 13;
+    const DType dtype = DType::kInt32;
+    const auto n = static_cast<std::size_t>(pg.size());
+    Bytes buf = make_input(dtype, count, pg.rank() == 0 ? 0 : pg.rank() + 1, ++salt);
+    expect_done(pg.broadcast(buf.data(), count, dtype, 0, blocking), "blocking broadcast");
+    expect_equal(pg, buf, make_input(dtype, count, 0, salt), dtype, "blocking_calls: broadcast");
+    const Bytes mine = make_input(dtype, count, pg.rank(), ++salt);
+    Bytes all(mine.size() * n, kFill);
+    expect_done(pg.allgather(mine.data(), all.data(), count, dtype, blocking),
+                "blocking allgather");
+    for (int r = 0; r < pg.size(); ++r) {
+      expect_equal(pg, slice(all, static_cast<std::size_t>(r) * mine.size(), mine.size()),
+                   make_input(dtype, count, r, salt), dtype, "blocking_calls: allgather");
+    }
+    expect_done(pg.barrier(blocking), "blocking barrier");
+  }
+  // A blocking call behind queued ones: it runs after them, in issue order, and every rank may
+  // make the same collective blocking or not.
+  {
+    const std::size_t count = 9;
+    std::vector<Bytes> bufs;
+    std::vector<std::shared_ptr<Work>> queued;
+    std::vector<int> salts;
+    for (int i = 0; i < 4; ++i) {
+      salts.push_back(++salt);
+      bufs.push_back(make_input(DType::kFloat32, count, pg.rank(), salts.back()));
+    }
+    for (int i = 0; i < 3; ++i) {
+      queued.push_back(pg.allreduce(bufs[static_cast<std::size_t>(i)].data(), count,
+                                    DType::kFloat32, ReduceOp::kSum));
+    }
+    const bool this_rank_blocks = pg.rank() % 2 == 0;
+    auto last = pg.allreduce(bufs[3].data(), count, DType::kFloat32, ReduceOp::kSum,
+                             CallOptions{.blocking = this_rank_blocks});
+    if (this_rank_blocks) {
+      expect_done(last, "blocking allreduce behind queued ones");
+      for (const auto& w : queued) {
+        if (!w->is_completed()) {
+          throw std::runtime_error(fmt::format(
+              "blocking_calls: a blocking call returned before the operations queued before it "
+              "completed (rank {} of {})",
+              pg.rank(), pg.size()));
+        }
+      }
+    }
+    last->wait();
+    for (const auto& w : queued)
+      w->wait();
+    for (std::size_t i = 0; i < bufs.size(); ++i) {
+      expect_equal(pg, bufs[i],
+                   expected_reduction(DType::kFloat32, ReduceOp::kSum, count, pg.size(), salts[i]),
+                   DType::kFloat32, "blocking_calls: behind queued calls");
+    }
+  }
+  // Sums that round: every rank must end with the same bits (the reduction order may differ
+  // from one backend or size to another, never from one rank to another).
+  for (std::size_t count :
+       {std::size_t{5}, std::size_t{700}, std::size_t{1008}, std::size_t{3000}}) {
+    std::vector<float> values(count);
+    for (std::size_t i = 0; i < count; ++i)
+      values[i] = static_cast<float>(std::sin(static_cast<double>(pg.rank() * 7919 + i)) * 1e3);
+    pg.allreduce(values.data(), count, DType::kFloat32, ReduceOp::kSum, blocking);
+    std::vector<float> everyone(count * static_cast<std::size_t>(pg.size()));
+    pg.allgather(values.data(), everyone.data(), count, DType::kFloat32)->wait();
+    for (int r = 0; r < pg.size(); ++r) {
+      if (std::memcmp(everyone.data() + static_cast<std::size_t>(r) * count, values.data(),
+                      count * sizeof(float)) != 0) {
+        throw std::runtime_error(fmt::format(
+            "blocking_calls: rank {} ended an allreduce of {} rounded float32 sums with other "
+            "bits than rank {} (of {})",
+            r, count, pg.rank(), pg.size()));
+      }
+    }
+  }
+  // The shared Work of blocking calls takes no result.
+  auto work = pg.barrier(blocking);
+  try {
+    work->set_result(1);
+  } catch (const ConfigError&) {
+    return;
+  }
+  throw std::runtime_error("blocking_calls: set_result on a blocking call's Work did not throw");
+}
+
 void check_send_recv(ProcessGroup& pg) {
   const int n = pg.size();
   const int r = pg.rank();
@@ -790,6 +904,7 @@ const std::vector<NamedCheck>& all_checks() {
       {"reduce_scatter_v", check_reduce_scatter_v},
       {"uneven_mismatch", check_uneven_mismatch},
       {"barrier", check_barrier},
+      {"blocking_calls", check_blocking_calls},
       {"send_recv", check_send_recv},
       {"many_in_flight", check_many_in_flight},
       {"subgroups", check_subgroups},

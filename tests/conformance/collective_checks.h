@@ -43,6 +43,10 @@ void check_alltoall_v(ProcessGroup& pg);
 void check_reduce_scatter_v(ProcessGroup& pg);
 void check_uneven_mismatch(ProcessGroup& pg);
 void check_barrier(ProcessGroup& pg);
+// CallOptions::blocking: every collective returns a completed Work with the right result, also
+// behind queued operations and mixed with ranks that queue the same call; rounded float sums end
+// bitwise equal on every rank; set_result on the shared Work throws ConfigError.
+void check_blocking_calls(ProcessGroup& pg);
 // send/recv: a root talking to every rank, an even/odd ring exchange, several tagged messages in
 // flight to one peer, empty messages. Does nothing on a group of one.
 void check_send_recv(ProcessGroup& pg);

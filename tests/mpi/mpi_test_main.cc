@@ -30,6 +30,8 @@
 //                          abort_on_failure: rank 0 ends the job)
 //   mpi_test mismatch_abort issues a broadcast where rank 0 issues an allreduce (default options)
 //   mpi_test mismatch_abort_count[_large]  allreduces 4 (2048) floats where rank 0 does 8 (4096)
+//   mpi_test mismatch_abort_count_transports  allreduces 8 floats where rank 0 does 1024
+//   mpi_test mismatch_abort_count_blocking  as mismatch_abort_count, with CallOptions::blocking
 //   mpi_test mismatch_abort_skip  calls a barrier where rank 0 calls an allreduce
 //   mpi_test skip_exit     returns 0 from main where rank 0 calls an allreduce
 //   mpi_test p2p_abort     sleeps where rank 0 waits in a recv from it (default options: rank 0
@@ -523,6 +525,18 @@ int run_failing(const std::string& mode) {
     pg->allreduce(big.data(), pg->rank() == 0 ? 4096 : 2048, ddp::DType::kFloat32,
                   ddp::ReduceOp::kSum)
         ->wait();
+    die("the mismatched call completed");
+  }
+  // Calls that take different transports: 1024 floats past the eager limit (MPI_Allreduce)
+  // against 8 (point to point); and a count mismatch made with CallOptions::blocking.
+  if (mode == "mismatch_abort_count_transports") {
+    pg->allreduce(big.data(), pg->rank() == 0 ? 1024 : 8, ddp::DType::kFloat32, ddp::ReduceOp::kSum)
+        ->wait();
+    die("the mismatched call completed");
+  }
+  if (mode == "mismatch_abort_count_blocking") {
+    pg->allreduce(x, pg->rank() == 0 ? 8 : 4, ddp::DType::kFloat32, ddp::ReduceOp::kSum,
+                  ddp::CallOptions{.blocking = true});
     die("the mismatched call completed");
   }
   if (mode == "mismatch_abort_skip") {

@@ -220,6 +220,10 @@ std::optional<BenchOptions> parse_command_line(const std::vector<std::string>& a
       ->check(CLI::Range(0, 1 << 24));
   app.add_flag("--check", options.check,
                "Verify every result against a locally computed reference; count wrong elements");
+  app.add_flag("--async", options.async,
+               "Time collective(...)->wait(), the call queued and then waited for, instead of a "
+               "blocking call (CallOptions::blocking: as MPI_Allreduce and torch.distributed's "
+               "default async_op=False)");
   app.add_flag("--json", options.json, "Print one JSON object per row instead of the table");
   app.add_option("--timeout", timeout_seconds,
                  "Seconds the rendezvous and each collective may take (default DDP_TIMEOUT, else "

@@ -53,6 +53,8 @@ struct BenchOptions {
   int warmup = 5;
   int root = 0;
   bool check = false;
+  // Time collective(...)->wait() (queued, then waited for) instead of a blocking call.
+  bool async = false;
   bool json = false;
   // Deadline of the rendezvous and of every collective; unset = DDP_TIMEOUT, else 300 s.
   std::optional<std::chrono::milliseconds> timeout;

@@ -70,25 +70,26 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
     const DType dtype = spec.dtype;
     const ReduceOp op = spec.reduce_op;
     const int root = spec.root;
+    const CallOptions call{.blocking = !options_.async};
     switch (collective) {
       case Collective::kAllreduce:
-        return group_.allreduce(send, recv, layout.total_count, dtype, op);
+        return group_.allreduce(send, recv, layout.total_count, dtype, op, call);
       case Collective::kBroadcast:
-        return group_.broadcast(recv, layout.total_count, dtype, root);
+        return group_.broadcast(recv, layout.total_count, dtype, root, call);
       case Collective::kReduce:
-        return group_.reduce(send, recv, layout.total_count, dtype, op, root);
+        return group_.reduce(send, recv, layout.total_count, dtype, op, root, call);
       case Collective::kAllgather:
-        return group_.allgather(send, recv, layout.block_count, dtype);
+        return group_.allgather(send, recv, layout.block_count, dtype, call);
       case Collective::kGather:
-        return group_.gather(send, recv, layout.block_count, dtype, root);
+        return group_.gather(send, recv, layout.block_count, dtype, root, call);
       case Collective::kScatter:
-        return group_.scatter(send, recv, layout.block_count, dtype, root);
+        return group_.scatter(send, recv, layout.block_count, dtype, root, call);
       case Collective::kReduceScatter:
-        return group_.reduce_scatter(send, recv, layout.block_count, dtype, op);
+        return group_.reduce_scatter(send, recv, layout.block_count, dtype, op, call);
       case Collective::kAlltoall:
-        return group_.alltoall(send, recv, layout.block_count, dtype);
+        return group_.alltoall(send, recv, layout.block_count, dtype, call);
       case Collective::kBarrier:
-        return group_.barrier();
+        return group_.barrier(call);
       case Collective::kSend: {
         // Both posted before either is waited for: the pattern that needs sends and receives to
         // progress independently.
@@ -106,7 +107,7 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
   std::uint64_t wrong = 0;
   for (int it = 0; it < options_.warmup + options_.iters; ++it) {
     if (options_.check) prepare();
-    group_.barrier()->wait();
+    group_.barrier({.blocking = true});
     const auto start = std::chrono::steady_clock::now();
     issue()->wait();
     const auto stop = std::chrono::steady_clock::now();
@@ -132,6 +133,7 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
   row.backend = std::string(group_.backend());
   row.iters = options_.iters;
   row.warmup = options_.warmup;
+  row.blocking = !options_.async;
   row.time_us = median(times_us);
   row.time_min_us = *std::min_element(times_us.begin(), times_us.end());
   row.time_max_us = *std::max_element(times_us.begin(), times_us.end());

@@ -41,6 +41,7 @@ struct BenchRow {
   std::string backend;
   int iters = 0;
   int warmup = 0;
+  bool blocking = true;    // timed blocking calls, else collective(...)->wait() (--async)
   double time_us = 0;      // median over iterations of the slowest rank's time
   double time_min_us = 0;  // fastest iteration (slowest rank)
   double time_max_us = 0;  // slowest iteration (slowest rank)

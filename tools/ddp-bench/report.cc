@@ -15,14 +15,16 @@ std::string table_header(const BenchOptions& options, int world_size, std::strin
   const char* transport = std::getenv("DDP_TRANSPORT");
   std::string out = fmt::format(
       "# ddp-bench: backend {}, world size {}, op {}, dtype {}, reduce-op {}, root {}\n"
-      "# iters {}, warmup {}, check {}{}\n",
+      "# iters {}, warmup {}, check {}, calls {}{}\n",
       backend, world_size, fmt::join(ops, ","), to_string(options.dtype),
       to_string(options.reduce_op), options.root, options.iters, options.warmup,
       options.check ? "on" : "off",
+      options.async ? "async (collective(...)->wait())" : "blocking (CallOptions::blocking)",
       transport != nullptr ? fmt::format(", DDP_TRANSPORT={}", transport) : std::string());
   out +=
       "# time_us: median over iterations; each iteration starts after a barrier and counts the\n"
-      "#   slowest rank's time from issuing the call to Work::wait() returning\n"
+      "#   slowest rank's time from issuing the call to its return (--async: to Work::wait()\n"
+      "#   returning)\n"
       "# algbw = bytes / time (GB/s = 1e9 B/s); busbw = algbw * 2(N-1)/N (allreduce),\n"
       "#   (N-1)/N (reduce_scatter, allgather, gather, scatter, alltoall), 1 (broadcast, reduce,\n"
       "#   sendrecv)\n"
@@ -56,6 +58,7 @@ nlohmann::json to_json(const BenchRow& row) {
   j["wrong"] = row.wrong ? nlohmann::json(*row.wrong) : nlohmann::json(nullptr);
   j["iters"] = row.iters;
   j["warmup"] = row.warmup;
+  j["call"] = row.blocking ? "blocking" : "async";
   j["world_size"] = row.world_size;
   j["backend"] = row.backend;
   return j;

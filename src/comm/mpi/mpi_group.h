@@ -1,7 +1,8 @@
 // The mpi backend's process group (internal; one concept per file):
 //   mpi_group.h                this class and its state
 //   mpi_process_group.cc       the calls: checks, the queue glue, running a polled operation
-//   mpi_checked_allreduce.cc   the blocking allreduce/barrier with in-band fingerprints
+//   mpi_checked_allreduce.cc   the blocking allreduce/barrier with their fingerprints checked
+//   mpi_in_band_fingerprint.h  the fingerprint as extra elements of the call's own dtype
 //   mpi_watchdog.cc            the watchdog thread (blocking calls' deadlines, polling p2p)
 //   mpi_mismatch.cc            naming mismatched calls (fingerprints, stall notices)
 //   mpi_group_create.cc        make_mpi_process_group and new_group (communicators)
@@ -53,6 +54,7 @@
 #include <fmt/ranges.h>
 
 #include "comm/argument_checks.h"
+#include "comm/mpi/mpi_in_band_fingerprint.h"
 #include "comm/mpi/mpi_p2p.h"
 #include "comm/mpi/mpi_runtime.h"
 #include "comm/op_queue.h"
@@ -97,7 +99,6 @@ bool wait_request(MPI_Request& request, std::chrono::steady_clock::time_point de
 // ring backend): a sleeping waiter's wake-up costs milliseconds on a busy host. Not when this
 // host's ranks outnumber its cores, where polling would take a core from a peer.
 std::chrono::microseconds waiter_spin(int local_size);
-std::uint64_t hash_bytes(const void* data, std::size_t n);  // FNV-1a
 
 struct GroupOptions {
   std::string name;
@@ -122,11 +123,10 @@ struct CheckBuffers {
 // (run_checked_allreduce): MPI's non-blocking collectives cost about 1 µs more than the blocking
 // ones, nearly all of a 1 KiB allreduce, and polling them costs more again once the host is busy
 // (docs/benchmarks.md, "mpi backend").
-// Up to this many bytes with its 32-byte header, the fingerprint travels in-band (one call);
-// above, in a 16-byte allreduce of its own before the data (two calls, no copies). 4 KiB is
-// OpenMPI's shared-memory eager limit (btl_vader_eager_limit): a message past it takes a
-// rendezvous round trip, which made a packed 4 KiB allreduce 1.45x slower than the plain one.
-constexpr std::size_t kInBandMaxBytes = 4096;
+// Up to this many payload bytes the fingerprint travels in band (mpi_in_band_fingerprint.h: one
+// call, the payload copied in and out); above, in a 16-byte allreduce of its own before the data
+// (two calls, no copies), where the copies would cost more than OpenMPI's 1 µs latency.
+constexpr std::size_t kInBandMaxBytes = 8192;
 // How often the watchdog of blocking calls looks at the one in flight.
 constexpr auto kWatchdogInterval = milliseconds(50);
 
@@ -159,11 +159,41 @@ struct BlockingWatch {
 static_assert(sizeof(comm::OpHeader) == 4 * sizeof(std::uint64_t));
 
 // The last collective a group issued (for the notice when this rank leaves the group). Written
-// by MpiWork::on_sequenced under the queue's lock, read by whoever sends the notice.
-struct IssueLog {
-  std::mutex mutex;
-  std::uint64_t issued = 0;
-  comm::OpHeader last;
+// by MpiWork::on_sequenced under the queue's lock (so one writer at a time), read by whoever sends
+// the notice, as a sequence lock: a few plain stores on the path of every call, no lock.
+class IssueLog {
+ public:
+  void record(const comm::OpHeader& header) {
+    std::uint64_t words[4];
+    std::memcpy(words, &header, sizeof words);
+    const std::uint64_t version = version_.load(std::memory_order_relaxed);
+    version_.store(version + 1, std::memory_order_relaxed);  // odd: being written
+    std::atomic_thread_fence(std::memory_order_release);
+    for (int i = 0; i < 4; ++i)
+      words_[i].store(words[i], std::memory_order_relaxed);
+    version_.store(version + 2, std::memory_order_release);
+  }
+  // The last collective issued, or nothing when none was.
+  std::optional<comm::OpHeader> last() const {
+    for (;;) {
+      const std::uint64_t version = version_.load(std::memory_order_acquire);
+      if (version == 0) return std::nullopt;
+      std::uint64_t words[4];
+      for (int i = 0; i < 4; ++i)
+        words[i] = words_[i].load(std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (version % 2 == 0 && version_.load(std::memory_order_relaxed) == version) {
+        comm::OpHeader header;
+        std::memcpy(&header, words, sizeof header);
+        return header;
+      }
+      std::this_thread::yield();
+    }
+  }
+
+ private:
+  std::atomic<std::uint64_t> version_{0};
+  std::atomic<std::uint64_t> words_[4] = {};
 };
 
 // An operation on the group's comm::OpQueue (src/comm/op_queue.h: issue order, worker, inline
@@ -173,15 +203,14 @@ class MpiWork final : public comm::QueuedWork {
   MpiWork(MpiOp op, IssueLog* log)
       : QueuedWork(op.timeout, op.count * dtype_size(op.dtype)), op_(std::move(op)), log_(log) {}
   MpiOp& op() { return op_; }
+  MpiOp take_arguments() { return std::move(op_); }
   std::string description() const override { return op_.description(); }
   const comm::OpHeader* fingerprint() const override { return &op_.header; }
 
  protected:
   void on_sequenced(std::uint64_t sequence) override {
     op_.header.sequence = sequence;
-    std::lock_guard lock(log_->mutex);
-    log_->issued = sequence + 1;
-    log_->last = op_.header;
+    log_->record(op_.header);
   }
 
  private:
@@ -224,6 +253,12 @@ class MpiProcessGroup final : public ProcessGroup,
                               .rank = rank,
                               .abort_on_failure = options_.abort_on_failure,
                               .stall_check_after = options_.stall_check_after});
+    for (std::size_t d = 0; d < kDTypes; ++d) {
+      for (std::size_t o = 0; o < kReduceOps; ++o) {
+        (*in_band_)[d * kReduceOps + o] =
+            InBandFingerprint(static_cast<DType>(d), static_cast<ReduceOp>(o), size);
+      }
+    }
     MpiRuntime::instance().add_exit_listener(this);
   }
   ~MpiProcessGroup() override;
@@ -338,7 +373,8 @@ class MpiProcessGroup final : public ProcessGroup,
   MpiOp make_op(Collective kind, const void* send, void* recv, std::size_t count, DType dtype,
                 std::optional<ReduceOp> op, int root) const;
   std::shared_ptr<Work> enqueue(MpiOp op, CallOptions options);
-  // Posts a send/recv at once, past the queue (comm/mpi/mpi_p2p.h).
+  // Posts a send/recv at once, past the queue (comm/mpi/mpi_p2p.h); waits for it when
+  // CallOptions::blocking.
   std::shared_ptr<Work> post_p2p(comm::mpi::P2pCall call, CallOptions options);
   // Starts the watchdog thread once (the first blocking call or point-to-point operation).
   void ensure_watchdog();
@@ -359,8 +395,41 @@ class MpiProcessGroup final : public ProcessGroup,
   // Polls the data request and the fingerprint request of `op` until both completed; throws the
   // CommError of a mismatch, an MPI error, a peer's notice or the deadline.
   void wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data, MPI_Request& check);
+  // What a polled operation checks between polls: check() throws the CommError of its passed
+  // deadline (with a peer's notice, if one came), or, once it has run for stall_check_after, of a
+  // peer's notice or a peer that issued a different call at this sequence number (every 10 ms).
+  class StallCheck {
+   public:
+    StallCheck(MpiProcessGroup& group, const MpiOp& op, Clock::time_point deadline);
+    void check();
+
+   private:
+    MpiProcessGroup& group_;
+    const MpiOp& op_;
+    const Clock::time_point deadline_;
+    Clock::time_point next_notice_check_;
+    bool announced_ = false;
+  };
+  // The in-band checked allreduce of up to kInBandMaxBytes (mpi_small_allreduce.cc): recursive
+  // doubling over point-to-point messages, polled, up to OpenMPI's eager limit; MPI_Allreduce
+  // above.
+  void run_small_allreduce(MpiOp& op, const InBandFingerprint& in_band, DType dtype,
+                           ReduceOp reduce_op, Clock::time_point deadline);
+  // Combines `bytes` at `mine` (`elements` of `dtype`) with every rank's by `combine`, using
+  // `theirs` (as large) for what the peers send.
+  void recursive_doubling(MpiOp& op, std::byte* mine, std::byte* theirs, std::size_t bytes,
+                          std::size_t elements, DType dtype, ReduceOp combine,
+                          Clock::time_point deadline);
+  // One step of it: posts a receive from `peer` into `into` (when not null) and a send of
+  // `bytes` from `from` (when not null), and polls both to completion; a message of another size
+  // is a mismatch.
+  void exchange_step(MpiOp& op, int peer, const std::byte* from, std::byte* into, std::size_t bytes,
+                     StallCheck& stall, Clock::time_point deadline);
   bool use_checked_allreduce(const MpiOp& op) const;
   void run_checked_allreduce(MpiOp& op, Clock::time_point deadline);
+  // The data where it lies, its fingerprint in an allreduce of its own first.
+  void run_separately_checked(MpiOp& op, Clock::time_point deadline);
+  const InBandFingerprint& in_band_fingerprint(DType dtype, ReduceOp op) const;
   void watchdog_loop(const std::weak_ptr<MpiProcessGroup>& weak,
                      const std::shared_ptr<std::atomic<bool>>& destroyed_here);
   // The watchdog's look at the blocking call in flight (run_checked_allreduce): ends the job when
@@ -412,15 +481,11 @@ class MpiProcessGroup final : public ProcessGroup,
   std::shared_ptr<const comm::mpi::P2pContext> p2p_context_;
   comm::mpi::P2pPending p2p_pending_;
   std::vector<std::byte> packed_;  // run() only: the checked allreduce's buffers
-  // The runtime's packed types of the last few payload sizes (a barrier, bytes 0, alternates
-  // with the data calls), so that most calls skip the runtime's lock.
-  struct PackedType {
-    std::size_t bytes = SIZE_MAX;
-    MPI_Datatype type = MPI_DATATYPE_NULL;
-  };
-  std::array<PackedType, 4> packed_types_{};
-  std::size_t packed_next_ = 0;  // the entry the next new size replaces
-  MPI_Datatype packed_type_for(std::size_t payload_bytes);
+  // The in-band encoding of each (dtype, reduce op) for this group's size.
+  static constexpr std::size_t kDTypes = 8;
+  static constexpr std::size_t kReduceOps = 5;
+  std::unique_ptr<std::array<InBandFingerprint, kDTypes* kReduceOps>> in_band_ =
+      std::make_unique<std::array<InBandFingerprint, kDTypes * kReduceOps>>();
 
   std::mutex new_group_mutex_;
   int subgroups_created_ = 0;

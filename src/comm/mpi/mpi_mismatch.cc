@@ -5,7 +5,7 @@ namespace ddp::comm::mpi {
 
 std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& announced) {
   auto& runtime = MpiRuntime::instance();
-  const std::uint64_t mine = hash_bytes(&header, sizeof header);
+  const std::uint64_t mine = fingerprint_hash(header);
   if (!announced) {
     announced = true;
     std::vector<int> peers;

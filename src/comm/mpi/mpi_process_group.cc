@@ -52,16 +52,6 @@ std::chrono::microseconds waiter_spin(int local_size) {
                                                     : std::chrono::microseconds(0);
 }
 
-std::uint64_t hash_bytes(const void* data, std::size_t n) {
-  std::uint64_t h = 14695981039346656037ull;  // FNV-1a
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 MpiProcessGroup::~MpiProcessGroup() {
   MpiRuntime::instance().remove_exit_listener(this);
   queue_.stop();  // before the state run() uses goes away
@@ -98,12 +88,10 @@ MpiProcessGroup::~MpiProcessGroup() {
 }
 
 std::string MpiProcessGroup::left_notice(std::string_view why) {
-  std::lock_guard lock(issue_log_.mutex);
+  const std::optional<comm::OpHeader> last = issue_log_.last();
   return fmt::format("rank {} left group '{}' ({}) after issuing {} collectives{}", rank(), name_,
-                     why, issue_log_.issued,
-                     issue_log_.issued > 0
-                         ? fmt::format(", the last {}", comm::describe(issue_log_.last))
-                         : std::string());
+                     why, last ? last->sequence + 1 : 0,
+                     last ? fmt::format(", the last {}", comm::describe(*last)) : std::string());
 }
 
 void MpiProcessGroup::notify_peers(const std::string& text) {
@@ -172,9 +160,7 @@ std::shared_ptr<Work> MpiProcessGroup::enqueue(MpiOp op, CallOptions options) {
                             : comm::kNoReduceOp;
   op.header.count = op.count;
   op.header.root = op.root;
-  auto work = std::make_shared<MpiWork>(std::move(op), &issue_log_);
-  queue_.enqueue(work);
-  return work;
+  return queue_.submit<MpiWork>(std::move(op), options.blocking, &issue_log_);
 }
 
 std::shared_ptr<Work> MpiProcessGroup::post_p2p(comm::mpi::P2pCall call, CallOptions options) {
@@ -184,10 +170,10 @@ std::shared_ptr<Work> MpiProcessGroup::post_p2p(comm::mpi::P2pCall call, CallOpt
     // As every operation of a failed group: its first error, at once.
     auto failed = std::make_shared<comm::mpi::MpiP2pWork>(p2p_context_, call);
     failed->complete(queue_.poison_error());
-    return failed;
+    return comm::finish_if_blocking(failed, options);
   }
   auto work = comm::mpi::MpiP2pWork::post(p2p_context_, p2p_, call);
-  if (work->is_completed()) return work;
+  if (work->is_completed()) return comm::finish_if_blocking(work, options);
   p2p_pending_.add(work);
   ensure_watchdog();
   {
@@ -195,7 +181,7 @@ std::shared_ptr<Work> MpiProcessGroup::post_p2p(comm::mpi::P2pCall call, CallOpt
     watch_.p2p_posted = true;
   }
   watch_.cv.notify_one();
-  return work;
+  return comm::finish_if_blocking(work, options);
 }
 
 // With abort_on_failure the first failure ends the job here, before any caller sees the error
@@ -234,7 +220,7 @@ void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
   if (use_checked_allreduce(op)) return run_checked_allreduce(op, deadline);
   MPI_Request check = MPI_REQUEST_NULL;
   if (size() > 1) {
-    const std::uint64_t h = hash_bytes(&op.header, sizeof op.header);
+    const std::uint64_t h = fingerprint_hash(op.header);
     check_buffers_->mine[0] = h;
     check_buffers_->mine[1] = ~h;
     auto lock = MpiRuntime::instance().lock();
@@ -277,10 +263,7 @@ void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
 
 void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data,
                                   MPI_Request& check) {
-  const auto start = Clock::now();
-  const auto stall = start + options_.stall_check_after;
-  auto next_notice_check = stall;
-  bool announced = false;
+  StallCheck stall(*this, op, deadline);
   int data_rc = MPI_SUCCESS;
   for (int idle = 0;; ++idle) {
     if (check != MPI_REQUEST_NULL) {
@@ -298,26 +281,37 @@ void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Req
     // are known, so that a mismatch is named as one.
     if (data != MPI_REQUEST_NULL) test_request(data, data_rc, MPI_STATUS_IGNORE);
     if (data == MPI_REQUEST_NULL && check == MPI_REQUEST_NULL) break;
-    const auto now = Clock::now();
-    if (now >= deadline) {
-      // MPI cannot cancel a collective: the request stays posted and the group stays poisoned.
-      const std::string notice = receive_notice();
-      throw error(op, fmt::format("did not complete within {} ms: {}; this group is unusable "
-                                  "from now on",
-                                  op.timeout.count(),
-                                  notice.empty() ? "a rank of the group did not issue it, or is "
-                                                   "stuck or gone"
-                                                 : notice));
-    }
-    if (now >= next_notice_check) {
-      next_notice_check = now + milliseconds(10);
-      const std::string problem = stall_problem(op.header, announced);
-      if (!problem.empty())
-        throw CommError(problem, name_, op.description(), op.header.sequence, -1);
-    }
+    stall.check();
     back_off(idle);
   }
   if (data_rc != MPI_SUCCESS) throw error(op, fmt::format("failed: {}", mpi_error_text(data_rc)));
+}
+
+MpiProcessGroup::StallCheck::StallCheck(MpiProcessGroup& group, const MpiOp& op,
+                                        Clock::time_point deadline)
+    : group_(group),
+      op_(op),
+      deadline_(deadline),
+      next_notice_check_(Clock::now() + group.options_.stall_check_after) {}
+
+void MpiProcessGroup::StallCheck::check() {
+  const auto now = Clock::now();
+  if (now >= deadline_) {
+    // MPI cannot cancel a collective: the request stays posted and the group stays poisoned.
+    const std::string notice = group_.receive_notice();
+    throw group_.error(op_, fmt::format("did not complete within {} ms: {}; this group is unusable "
+                                        "from now on",
+                                        op_.timeout.count(),
+                                        notice.empty() ? "a rank of the group did not issue it, or "
+                                                         "is stuck or gone"
+                                                       : notice));
+  }
+  if (now >= next_notice_check_) {
+    next_notice_check_ = now + milliseconds(10);
+    const std::string problem = group_.stall_problem(op_.header, announced_);
+    if (!problem.empty())
+      throw CommError(problem, group_.name_, op_.description(), op_.header.sequence, -1);
+  }
 }
 
 int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {

@@ -26,36 +26,6 @@ void reduce_16bit(void* invec, void* inoutvec, int* len, MPI_Datatype*) {
   comm::reduce(inoutvec, inoutvec, invec, static_cast<std::size_t>(*len), kDType, kOp);
 }
 
-// The MPI_Op of the checked allreduce (MpiRuntime::checked_op): `len` packed elements, each an
-// OpHeader and its payload. Agreeing headers: the payloads are reduced with the header's dtype and
-// op. Differing ones (another op, count, dtype, reduce op or sequence number, or a mark from an
-// earlier step): the result is marked, its payload left alone. The count check also covers
-// buffers of different sizes, whose shorter message MPI may deliver without an error.
-void checked_reduce(void* invec, void* inoutvec, int* len, MPI_Datatype* type) {
-  int element_bytes = 0;
-  MPI_Type_size(*type, &element_bytes);
-  auto* in = static_cast<std::byte*>(invec);
-  auto* inout = static_cast<std::byte*>(inoutvec);
-  for (int i = 0; i < *len; ++i, in += element_bytes, inout += element_bytes) {
-    comm::OpHeader a;
-    comm::OpHeader b;
-    std::memcpy(&a, in, sizeof a);
-    std::memcpy(&b, inout, sizeof b);
-    const std::size_t payload = static_cast<std::size_t>(element_bytes) - sizeof b;
-    const bool agree =
-        a == b && b.reserved == 0 && b.count * dtype_size(static_cast<DType>(b.dtype)) == payload;
-    if (!agree) {
-      b.reserved = 1;
-      std::memcpy(inout, &b, sizeof b);
-      continue;
-    }
-    ReduceOp op = static_cast<ReduceOp>(b.reduce_op);
-    if (op == ReduceOp::kAvg) op = ReduceOp::kSum;  // divided afterwards
-    comm::reduce(inout + sizeof b, inout + sizeof b, in + sizeof b, b.count,
-                 static_cast<DType>(b.dtype), op);
-  }
-}
-
 int op_index(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
@@ -179,7 +149,6 @@ MpiRuntime::MpiRuntime() {
     max_tag_ = *static_cast<int*>(tag_ub);
   }
 
-  check(MPI_Op_create(checked_reduce, /*commute=*/1, &checked_op_), "MPI_Op_create (checked)");
   check(MPI_Type_contiguous(2, MPI_BYTE, &half_), "MPI_Type_contiguous (float16)");
   check(MPI_Type_commit(&half_), "MPI_Type_commit (float16)");
   check(MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_), "MPI_Type_contiguous (bfloat16)");
@@ -229,22 +198,6 @@ constexpr int kNoticeTag = 1;
 // Kept of the notices no call has asked for (e.g. "left" notices of groups destroyed everywhere).
 constexpr std::size_t kMaxNotices = 256;
 }  // namespace
-
-MPI_Datatype MpiRuntime::packed_type(std::size_t payload_bytes) {
-  std::lock_guard guard(packed_mutex_);
-  for (const auto& [bytes, type] : packed_types_) {
-    if (bytes == payload_bytes) return type;
-  }
-  MPI_Datatype type = MPI_DATATYPE_NULL;
-  auto lock = this->lock();
-  check(MPI_Type_contiguous(static_cast<int>(sizeof(comm::OpHeader) + payload_bytes), MPI_BYTE,
-                            &type),
-        "MPI_Type_contiguous (packed)");
-  check(MPI_Type_commit(&type), "MPI_Type_commit (packed)");
-  // Kept for the life of the process: a training loop uses a handful of sizes.
-  packed_types_.emplace_back(payload_bytes, type);
-  return type;
-}
 
 std::vector<std::string> MpiRuntime::notices(const std::string& group) {
   static_cast<void>(find_notice(group));  // reads what is pending

@@ -73,13 +73,6 @@ class MpiRuntime {
   // Every notice received about `group` so far, oldest first. Reads every pending notice.
   std::vector<std::string> notices(const std::string& group);
 
-  // The in-band checked allreduce of small buffers (docs/mpi.md): a buffer is a 32-byte OpHeader
-  // followed by the payload, one element of packed_type(payload bytes); checked_op() reduces the
-  // payloads as the headers say when every header agrees, and otherwise only marks the result's
-  // header (OpHeader::reserved = 1) as a mismatch.
-  MPI_Op checked_op() const { return checked_op_; }
-  MPI_Datatype packed_type(std::size_t payload_bytes);
-
   void add_exit_listener(ExitListener* listener);
   void remove_exit_listener(ExitListener* listener);
   // Runs at process exit (on_exit): aborts on a non-zero status, else tells the listeners and
@@ -102,9 +95,6 @@ class MpiRuntime {
   bool serialize_ = false;
   bool finalize_at_exit_ = false;  // ddp initialised MPI, so ddp finalises it
   std::atomic<int> world_groups_{0};
-  MPI_Op checked_op_ = MPI_OP_NULL;
-  std::mutex packed_mutex_;
-  std::vector<std::pair<std::size_t, MPI_Datatype>> packed_types_;
   std::mutex kept_mutex_;
   std::vector<std::shared_ptr<void>> kept_;  // keep_until_exit
   std::mutex notices_mutex_;

@@ -103,6 +103,7 @@ class RingWork final : public comm::QueuedWork {
   explicit RingWork(OpArgs args)
       : QueuedWork(args.timeout, args.count * dtype_size(args.dtype)), args_(std::move(args)) {}
   const OpArgs& args() const { return args_; }
+  OpArgs take_arguments() { return std::move(args_); }
   std::string description() const override { return args_.description(); }
   const OpHeader* fingerprint() const override { return &args_.header; }
 
@@ -248,14 +249,15 @@ class RingProcessGroup final : public ProcessGroup,
                              CallOptions options) override {
     check_buffer(buf, count, "send", "buf");
     check_peer(dst, "send", "dst");
-    return p2p_->send(buf, count, dtype, dst, tag, options);  // not queued: see start_p2p
+    // Not queued: see start_p2p.
+    return comm::finish_if_blocking(p2p_->send(buf, count, dtype, dst, tag, options), options);
   }
 
   std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
                              CallOptions options) override {
     check_buffer(buf, count, "recv", "buf");
     check_peer(src, "recv", "src");
-    return p2p_->recv(buf, count, dtype, src, tag, options);
+    return comm::finish_if_blocking(p2p_->recv(buf, count, dtype, src, tag, options), options);
   }
 
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
@@ -545,7 +547,8 @@ void RingProcessGroup::check_peer(int r, const char* op, const char* name) const
 OpArgs RingProcessGroup::make_args(Collective kind, const void* send, void* recv, std::size_t count,
                                    DType dtype, std::optional<ReduceOp> op, int root,
                                    Algorithm algorithm) const {
-  comm::check_enums(std::string(comm::to_string(kind)).c_str(), dtype, op);
+  // to_string's names are string literals, so data() is null-terminated (no string per call).
+  comm::check_enums(comm::to_string(kind).data(), dtype, op);
   OpArgs args;
   args.kind = kind;
   args.send = static_cast<const std::byte*>(send);
@@ -565,9 +568,7 @@ OpArgs RingProcessGroup::make_args(Collective kind, const void* send, void* recv
 
 std::shared_ptr<Work> RingProcessGroup::enqueue(OpArgs args, CallOptions options) {
   args.timeout = comm::OpQueue::call_timeout(options, timeout_);
-  auto work = std::make_shared<RingWork>(std::move(args));
-  queue_.enqueue(work);
-  return work;
+  return queue_.submit<RingWork>(std::move(args), options.blocking);
 }
 
 std::string RingProcessGroup::abort_reason_of(int peer) {
