@@ -36,18 +36,27 @@ std::uint64_t exact_integers_up_to(DType dtype) {
   return 0;
 }
 
-// Converts the integers `values` (each below 2^63, and exact in T) to elements of type T.
+// This rank's elements and the expected ones, as elements of type T; `convert` turns an exact
+// integer (below 2^63: converted as signed, one instruction) into one. The dtype is switched on
+// once per call, not per element.
 template <class T, class Convert>
-void store_all(const std::uint64_t* values, std::size_t n, void* out, Convert convert) {
-  T* elements = static_cast<T*>(out);
-  for (std::size_t i = 0; i < n; ++i)
-    elements[i] = convert(static_cast<std::int64_t>(values[i]));  // signed: one instruction
-}
-
-template <class Convert>
-void store_all_16bit(const std::uint64_t* values, std::size_t n, void* out, Convert convert) {
-  store_all<std::uint16_t>(values, n, out,
-                           [&](std::int64_t v) { return convert(static_cast<float>(v)); });
+void encode_as(std::uint64_t hash, int digit_bits, std::size_t digits, bool is_sum,
+               std::uint64_t group_size, void* mine, void* expected, Convert convert) {
+  const std::uint64_t mask = (std::uint64_t{1} << digit_bits) - 1;
+  T* out = static_cast<T*>(mine);
+  T* want = static_cast<T*>(expected);
+  for (std::size_t i = 0; i < digits; ++i, hash >>= digit_bits) {
+    const std::uint64_t digit = hash & mask;
+    const std::uint64_t partner = is_sum ? digit * digit : mask - digit;
+    out[i] = convert(static_cast<std::int64_t>(digit));
+    out[digits + i] = convert(static_cast<std::int64_t>(partner));
+    if (is_sum) {
+      want[i] = convert(static_cast<std::int64_t>(group_size * digit));
+      want[digits + i] = convert(static_cast<std::int64_t>(group_size * partner));
+    }
+  }
+  // A max or min of equal digits is the digits themselves.
+  if (!is_sum) std::memcpy(want, out, 2 * digits * sizeof(T));
 }
 
 }  // namespace
@@ -88,61 +97,29 @@ InBandFingerprint::InBandFingerprint(DType dtype, ReduceOp op, int group_size)
 }
 
 void InBandFingerprint::encode(std::uint64_t hash, void* mine, void* expected) const {
-  // The integers first ([this rank's digits | partners | expected digits | partners]), then one
-  // conversion loop per dtype.
-  constexpr std::size_t kMaxDigits = 64;
-  std::uint64_t values[4 * kMaxDigits];
   const auto k = static_cast<std::size_t>(digits_);
-  const std::uint64_t mask = (std::uint64_t{1} << digit_bits_) - 1;
-  std::uint64_t rest = hash;
-  for (std::size_t i = 0; i < k; ++i, rest >>= digit_bits_) {
-    const std::uint64_t digit = rest & mask;
-    const std::uint64_t partner = is_sum_ ? digit * digit : mask - digit;
-    values[i] = digit;
-    values[k + i] = partner;
-    values[2 * k + i] = is_sum_ ? group_size_ * digit : digit;
-    values[3 * k + i] = is_sum_ ? group_size_ * partner : partner;
-  }
-  const std::uint64_t* const want = values + 2 * k;
-  auto both = [&](auto store) {
-    store(values, mine);
-    store(want, expected);
+  auto as = [&]<class T>(T, auto convert) {
+    encode_as<T>(hash, digit_bits_, k, is_sum_, group_size_, mine, expected, convert);
   };
-  const std::size_t n = 2 * k;
   switch (dtype_) {
     case DType::kFloat32:
-      return both([n](const std::uint64_t* v, void* out) {
-        store_all<float>(v, n, out, [](std::int64_t x) { return static_cast<float>(x); });
-      });
+      return as(float{}, [](std::int64_t v) { return static_cast<float>(v); });
     case DType::kFloat64:
-      return both([n](const std::uint64_t* v, void* out) {
-        store_all<double>(v, n, out, [](std::int64_t x) { return static_cast<double>(x); });
-      });
+      return as(double{}, [](std::int64_t v) { return static_cast<double>(v); });
     case DType::kFloat16:
-      return both([n](const std::uint64_t* v, void* out) {
-        store_all_16bit(v, n, out, [](float x) { return comm::float_to_half(x); });
-      });
+      return as(std::uint16_t{},
+                [](std::int64_t v) { return comm::float_to_half(static_cast<float>(v)); });
     case DType::kBFloat16:
-      return both([n](const std::uint64_t* v, void* out) {
-        store_all_16bit(v, n, out, [](float x) { return comm::float_to_bfloat16(x); });
-      });
+      return as(std::uint16_t{},
+                [](std::int64_t v) { return comm::float_to_bfloat16(static_cast<float>(v)); });
     case DType::kInt8:
-      return both([n](const std::uint64_t* v, void* out) {
-        store_all<std::int8_t>(v, n, out,
-                               [](std::int64_t x) { return static_cast<std::int8_t>(x); });
-      });
+      return as(std::int8_t{}, [](std::int64_t v) { return static_cast<std::int8_t>(v); });
     case DType::kUInt8:
-      return both([n](const std::uint64_t* v, void* out) {
-        store_all<std::uint8_t>(v, n, out,
-                                [](std::int64_t x) { return static_cast<std::uint8_t>(x); });
-      });
+      return as(std::uint8_t{}, [](std::int64_t v) { return static_cast<std::uint8_t>(v); });
     case DType::kInt32:
-      return both([n](const std::uint64_t* v, void* out) {
-        store_all<std::int32_t>(v, n, out,
-                                [](std::int64_t x) { return static_cast<std::int32_t>(x); });
-      });
+      return as(std::int32_t{}, [](std::int64_t v) { return static_cast<std::int32_t>(v); });
     case DType::kInt64:
-      return both([n](const std::uint64_t* v, void* out) { std::memcpy(out, v, n * 8); });
+      return as(std::int64_t{}, [](std::int64_t v) { return v; });
   }
 }
 
