@@ -552,9 +552,11 @@ void check_blocking_calls(ProcessGroup& pg) {
   };
   int salt = 12000;
   // Every dtype and op, at counts around OpenMPI's 4 KiB eager limit (float32: 1008 elements and
-  // the in-band fingerprint fit it, 1024 do not) and past the in-band sizes.
-  for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1008},
-                            std::size_t{1024}, std::size_t{2100}, std::size_t{5000}}) {
+  // the in-band fingerprint fit it, 1024 do not), in several pieces (up to 9000: 9 pieces at world
+  // 2) and past the small allreduce.
+  for (std::size_t count :
+       {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1008}, std::size_t{1024},
+        std::size_t{2100}, std::size_t{5000}, std::size_t{9000}}) {
     for (DType dtype : kAllDTypes) {
       for (ReduceOp op : kAllOps) {
         if (count > 7 && dtype != DType::kFloat32 && dtype != DType::kInt64) continue;

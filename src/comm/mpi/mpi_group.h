@@ -123,10 +123,6 @@ struct CheckBuffers {
 // (run_checked_allreduce): MPI's non-blocking collectives cost about 1 µs more than the blocking
 // ones, nearly all of a 1 KiB allreduce, and polling them costs more again once the host is busy
 // (docs/benchmarks.md, "mpi backend").
-// Up to this many payload bytes the fingerprint travels in band (mpi_in_band_fingerprint.h: one
-// call, the payload copied in and out); above, in a 16-byte allreduce of its own before the data
-// (two calls, no copies), where the copies would cost more than OpenMPI's 1 µs latency.
-constexpr std::size_t kInBandMaxBytes = 8192;
 // How often the watchdog of blocking calls looks at the one in flight.
 constexpr auto kWatchdogInterval = milliseconds(50);
 
@@ -410,9 +406,10 @@ class MpiProcessGroup final : public ProcessGroup,
     Clock::time_point next_notice_check_;
     bool announced_ = false;
   };
-  // The in-band checked allreduce of up to kInBandMaxBytes (mpi_small_allreduce.cc): recursive
-  // doubling over point-to-point messages, polled, up to OpenMPI's eager limit; MPI_Allreduce
-  // above.
+  // Whether an allreduce of `bytes` (fingerprint and payload) runs as run_small_allreduce.
+  bool fits_small_allreduce(std::size_t bytes) const;
+  // The in-band checked allreduce of small buffers (mpi_small_allreduce.cc): recursive doubling
+  // over point-to-point messages, polled.
   void run_small_allreduce(MpiOp& op, const InBandFingerprint& in_band, DType dtype,
                            ReduceOp reduce_op, Clock::time_point deadline);
   // Combines `bytes` at `mine` (`elements` of `dtype`) with every rank's by `combine`, using

@@ -1,29 +1,40 @@
 // The in-band checked allreduce of small buffers (see mpi_group.h): [fingerprint | payload] in one
 // buffer, combined by recursive doubling over point-to-point messages on the group's data
-// communicator, polled with MPI_Test, up to OpenMPI's eager limit; by MPI_Allreduce above.
+// communicator, each within OpenMPI's eager limit, polled with MPI_Test.
 //
-// Why not MPI_Allreduce for the smallest: ddp runs MPI at MPI_THREAD_MULTIPLE (its watchdog and
-// point-to-point calls use MPI beside the collectives), and there OpenMPI 4.1's blocking calls
-// wait through its multi-threaded synchronisation objects (a mutex and a condition variable set up
-// and torn down per wait, a process-wide list of waiters): about 0.14 µs of a 1 KiB allreduce
-// that takes 1.04 µs at MPI_THREAD_SINGLE. Requests polled with MPI_Test skip them, and for one
-// step (world 2) the exchange is what tuned's recursive doubling does, less its copies
-// (docs/benchmarks.md, "mpi backend").
+// Why not MPI_Allreduce: ddp runs MPI at MPI_THREAD_MULTIPLE (its watchdog and point-to-point
+// calls use MPI beside the collectives), and there OpenMPI 4.1's blocking calls wait through its
+// multi-threaded synchronisation objects (a mutex and a condition variable set up and torn down
+// per wait, a process-wide list of waiters): about 0.14 µs of a 1 KiB allreduce that takes
+// 1.04 µs at MPI_THREAD_SINGLE. Requests polled with MPI_Test skip them. And past 4 KiB,
+// OpenMPI's allreduce sends one message by rendezvous, where eager pieces posted together cost
+// half as much (docs/benchmarks.md, "mpi backend").
 //
 // Every rank combines the same partial results, only in the other order (a op b against b op a),
 // and every ReduceOp is commutative element by element, so every rank ends with the same bits.
 // A world that is not a power of two folds first: rank 2i+1 (i < world - 2^k) hands its buffer to
 // rank 2i and gets the result back at the end.
+#include <algorithm>
+#include <iterator>
+
 #include "comm/mpi/mpi_group.h"
 
 namespace ddp::comm::mpi {
 namespace {
 
-// Up to this many bytes (fingerprint and payload) the exchange is point to point: OpenMPI sends
-// them eagerly (btl_vader_eager_limit is 4 KiB with its own header). A longer message takes a
-// rendezvous in which the receiver reads the sender's buffer (CMA), and since that buffer was just
-// written, that read costs more than MPI_Allreduce's own exchange (3.6 against 3.4 µs at 4 KiB).
-constexpr std::size_t kPointToPointMaxBytes = 4096 - 64;
+// Each exchange moves its buffer in pieces of up to kPieceBytes, each within OpenMPI's
+// shared-memory eager limit (btl_vader_eager_limit, 4 KiB with OpenMPI's own header), all posted
+// at once. A longer message would take a rendezvous in which the receiver reads the sender's
+// buffer (CMA), and since that buffer was just written, the read costs more than the data: a
+// 4 KiB exchange took 3.6 µs as one message, 1.9 in two pieces, against 3.0 for OpenMPI's own
+// MPI_Allreduce.
+constexpr std::size_t kPieceBytes = 4096 - 64;
+constexpr std::size_t kMaxPieces = 9;
+// Bytes that one rank sends in all the steps of a small allreduce, at most. Recursive doubling
+// sends the whole buffer at each of its log2(world) steps: at world 2 the copies in and out and
+// the step itself stay cheaper than MPI_Allreduce up to about 32 KiB (0.55x OpenMPI's time at
+// 8 KiB, 0.96x at 32 KiB, 1.09x at 48 KiB; docs/benchmarks.md).
+constexpr std::size_t kSmallAllreduceMaxBytesSent = kPieceBytes * kMaxPieces;
 // The tag of these messages on `comm_`: MPI delivers the messages between two ranks with one tag
 // in order, and OpenMPI's own collectives on `comm_` use tags of their own.
 constexpr int kSmallAllreduceTag = 1;
@@ -36,6 +47,13 @@ constexpr int kPollsPerCheck = 64;
 constexpr int kPollsPerIdleRound = 16;
 
 }  // namespace
+
+bool MpiProcessGroup::fits_small_allreduce(std::size_t bytes) const {
+  int steps = 0;  // of recursive doubling, and one more for a folded world's hand-back
+  for (int reach = 1; reach < size(); reach *= 2)
+    ++steps;
+  return bytes * static_cast<std::size_t>(std::max(steps, 1)) <= kSmallAllreduceMaxBytesSent;
+}
 
 void MpiProcessGroup::run_small_allreduce(MpiOp& op, const InBandFingerprint& in_band, DType dtype,
                                           ReduceOp reduce_op, Clock::time_point deadline) {
@@ -51,23 +69,8 @@ void MpiProcessGroup::run_small_allreduce(MpiOp& op, const InBandFingerprint& in
   in_band.encode(fingerprint_hash(op.header), mine, expected);
   if (bytes > 0) std::memcpy(mine + fingerprint_bytes, op.send, bytes);
 
-  if (total > kPointToPointMaxBytes) {
-    // Past the eager limit: MPI's own allreduce, in place (sparing OpenMPI a copy of the input).
-    auto& runtime = MpiRuntime::instance();
-    watch_.begin(op.header, deadline, op.timeout);
-    const int rc =
-        MPI_Allreduce(MPI_IN_PLACE, mine, static_cast<int>(elements), runtime.datatype(dtype),
-                      runtime.reduce_op(dtype, reduce_op), comm_);
-    watch_.end();
-    if (rc != MPI_SUCCESS) {
-      // Calls of different sizes may fail as a truncated message on one rank: a mismatch.
-      const CommError failed = error(op, fmt::format("failed: {}", mpi_error_text(rc)));
-      fail_mismatch(op, deadline, &failed);
-    }
-  } else {
-    recursive_doubling(op, mine, theirs, total, elements, dtype,
-                       reduce_op == ReduceOp::kAvg ? ReduceOp::kSum : reduce_op, deadline);
-  }
+  recursive_doubling(op, mine, theirs, total, elements, dtype,
+                     reduce_op == ReduceOp::kAvg ? ReduceOp::kSum : reduce_op, deadline);
   if (std::memcmp(mine, expected, fingerprint_bytes) != 0) fail_mismatch(op, deadline);
   if (bytes > 0) std::memcpy(op.recv, mine + fingerprint_bytes, bytes);
   if (op.op == ReduceOp::kAvg) comm::divide(op.recv, op.count, op.dtype, size());
@@ -105,23 +108,30 @@ void MpiProcessGroup::recursive_doubling(MpiOp& op, std::byte* mine, std::byte* 
 void MpiProcessGroup::exchange_step(MpiOp& op, int peer, const std::byte* from, std::byte* into,
                                     std::size_t bytes, StallCheck& stall,
                                     Clock::time_point deadline) {
-  MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  const int count = static_cast<int>(bytes);
+  // Each piece fits the eager limit: receives first, then sends.
+  const std::size_t pieces = (bytes + kPieceBytes - 1) / kPieceBytes;
+  MPI_Request requests[2 * kMaxPieces];
+  std::fill(std::begin(requests), std::end(requests), MPI_REQUEST_NULL);
   int rc = MPI_SUCCESS;
-  if (into != nullptr) {
-    rc = MPI_Irecv(into, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_, &requests[0]);
-  }
-  if (rc == MPI_SUCCESS && from != nullptr) {
-    rc = MPI_Isend(from, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_, &requests[1]);
+  for (std::size_t i = 0; i < pieces && rc == MPI_SUCCESS; ++i) {
+    const std::size_t at = i * kPieceBytes;
+    const int count = static_cast<int>(std::min(kPieceBytes, bytes - at));
+    if (into != nullptr) {
+      rc = MPI_Irecv(into + at, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_, &requests[i]);
+    }
+    if (rc == MPI_SUCCESS && from != nullptr) {
+      rc = MPI_Isend(from + at, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_,
+                     &requests[kMaxPieces + i]);
+    }
   }
   if (rc != MPI_SUCCESS) {
     throw error(
         op, fmt::format("could not post its exchange with rank {}: {}", peer, mpi_error_text(rc)));
   }
-  MPI_Status statuses[2];
+  MPI_Status statuses[2 * kMaxPieces];
   for (int polls = 1;; ++polls) {
     int done = 0;
-    rc = MPI_Testall(2, requests, &done, statuses);
+    rc = MPI_Testall(2 * kMaxPieces, requests, &done, statuses);
     if (rc != MPI_SUCCESS || done) break;
     if (polls % kPollsPerCheck == 0) {
       stall.check();
@@ -129,15 +139,28 @@ void MpiProcessGroup::exchange_step(MpiOp& op, int peer, const std::byte* from, 
     }
   }
   // A message of another size (MPI_ERR_TRUNCATE for a longer one) means that the peer issued a
-  // call of another size, or another call: named as a mismatch when the headers differ.
-  int received = count;
-  if (rc == MPI_SUCCESS && into != nullptr) MPI_Get_count(&statuses[0], MPI_BYTE, &received);
-  if (rc != MPI_SUCCESS || received != count) {
+  // call of another size, or another call: named as a mismatch when the headers differ. (A peer
+  // that sends fewer pieces leaves a receive waiting: the stall checks name that.)
+  std::size_t received = bytes;
+  if (rc == MPI_SUCCESS && into != nullptr) {
+    received = 0;
+    for (std::size_t i = 0; i < pieces; ++i) {
+      int count = 0;
+      MPI_Get_count(&statuses[i], MPI_BYTE, &count);
+      received += static_cast<std::size_t>(count);
+    }
+  }
+  if (rc != MPI_SUCCESS || received != bytes) {
     const CommError failed = error(
         op, rc != MPI_SUCCESS
                 ? fmt::format("failed in its exchange with rank {}: {}", peer, mpi_error_text(rc))
                 : fmt::format("received {} bytes from rank {} where {} were due", received, peer,
-                              count));
+                              bytes));
+    // Tell the peers which call this rank made: one left waiting for a piece that this rank will
+    // not send names both calls at its next stall check instead of at its deadline.
+    bool announced = false;
+    const std::string problem = stall_problem(op.header, announced);
+    if (!problem.empty()) throw CommError(problem, name_, op.description(), op.header.sequence, -1);
     fail_mismatch(op, deadline, &failed);
   }
 }
