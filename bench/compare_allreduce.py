@@ -22,7 +22,7 @@ Measures, for the same sizes and world size (default 2, all ranks on this host):
 Every program times the same way: a barrier before each iteration (not timed), each rank times
 its own call, the slowest rank's time counts, the median over --iters iterations is reported.
 Every call is blocking: ddp-bench's default (CallOptions::blocking), as MPI_Allreduce and
-torch.distributed's all_reduce without async_op. Small sizes need more iterations than the
+torch.distributed's all_reduce without async_op (--ddp-async times ddp's queued form instead). Small sizes need more iterations than the
 default 20 to be steady (e.g. --sizes 1K,4K,64K --iters 2000 --warmup 200): at 4 KiB, past
 OpenMPI's eager limit, both MPIs take a few hundred calls to settle.
 ddp-bench's timed runs do nothing between iterations but the barrier, like the peers; a separate
@@ -82,7 +82,7 @@ class Runner:
         common = ["--sizes", self.sizes, "--iters", "2", "--warmup", "0", "--check"] if check \
             else self.common
         args = ["--backend", backend, "--op", "allreduce", "--dtype", "float32", "--reduce-op",
-                "sum", "--json", *common]
+                "sum", "--json", *common, *(["--async"] if self.args.ddp_async else [])]
         if backend == "ring":
             argv = [str(self.bin / "ddprun"), "--standalone", "--nproc-per-node",
                     str(self.args.world_size), bench, *args]
@@ -203,6 +203,9 @@ def main():
                         help="mpirun's --bind-to (default none: ddprun and the gloo processes are "
                              "not pinned either; OpenMPI's own default is core)")
     parser.add_argument("--json-out", help="also write every measurement to this file")
+    parser.add_argument("--ddp-async", action="store_true",
+                        help="time ddp's calls as collective(...)->wait() (ddp-bench --async) "
+                             "instead of blocking calls")
     args = parser.parse_args()
     peers = args.peers.split(",")
     for value, name, low in ((args.world_size, "WORLD_SIZE", 1), (args.iters, "--iters", 1),
@@ -273,7 +276,8 @@ def main():
                  f"; ddp {commit} (+ working tree)")
     lines.append(f"- method: median of {args.iters} iterations after {args.warmup} warm-up, each "
                  f"started after a barrier, slowest rank's time; median of {args.rounds} "
-                 f"interleaved rounds; mpirun --bind-to {args.mpi_bind_to}. "
+                 f"interleaved rounds; mpirun --bind-to {args.mpi_bind_to}; ddp's calls "
+                 f"{'collective(...)->wait() (--ddp-async)' if args.ddp_async else 'blocking'}. "
                  "busbw = 2(N-1)/N · bytes / time (GB/s). "
                  "ring vs X = X's time / ddp-ring's time (> 1: ddp-ring is faster); "
                  "mpi ÷ openmpi = ddp-mpi's time / OpenMPI's (target ≤ 1.3).")
