@@ -19,22 +19,25 @@
 // on different ranks, with the operations running meanwhile, and keep a mismatched data operation
 // (which MPI may match with the wrong call) from disturbing the fingerprint exchange.
 //
-// Mismatches. Alongside every collective, a 16-byte MPI_Iallreduce(MAX) on `check_` combines the
-// (hash, ~hash) of each rank's call (kind, dtype, count, root, reduce op, sequence number): the
-// result equals this rank's pair on every rank exactly when every rank issued the same call. It
-// is polled together with the data operation (measured: no added latency at world 2, since MPI
-// progresses both at once; docs/benchmarks.md) and the operation completes only when both have,
-// so a count mismatch that MPI answers with a short receive (no error, wrong data) is still named.
+// Mismatches. Small allreduces and barriers carry their call's fingerprint in band
+// (mpi_in_band_fingerprint.h). Alongside every other collective, a 16-byte MPI_Iallreduce(MAX) on
+// `check_` combines the (hash, ~hash) of each rank's call (kind, dtype, count, root, reduce op,
+// sequence number): the result equals this rank's pair on every rank exactly when every rank
+// issued the same call. It progresses together with the data operation (measured: no added
+// latency, since MPI progresses both at once; docs/benchmarks.md) and the operation completes
+// only when both have, so a count mismatch that MPI answers with a short receive (no error, wrong
+// data) is still named.
 // On a mismatch every rank gathers all 32-byte headers on `check_` and names every call. A rank
 // that issues nothing more on the group leaves no fingerprint: a call still running after
 // stall_check_after reads the notices its peers sent on `check_` (a peer failed, or left the group
 // or the process), so those are named within seconds as well.
 //
-// An operation is one non-blocking MPI call (MPI_Iallreduce, MPI_Ibcast, ...) followed by
-// MPI_Test polling until it completes or its deadline passes: polling keeps the deadline ours (MPI
-// has none) and drives MPI's progress engine; it backs off from yielding to short sleeps so that
-// ranks oversubscribing the cores leave them to each other. Collectives run one at a time so that
-// a later call sees the buffers of an earlier one completed, as with the ring backend.
+// An operation other than a checked allreduce (mpi_checked_allreduce.cc) is one non-blocking MPI
+// call (MPI_Ibcast, ...) followed by MPI_Test polling until it completes or its deadline passes:
+// polling keeps the deadline ours (MPI has none) and drives MPI's progress engine; it backs off
+// from yielding to short sleeps so that ranks oversubscribing the cores leave them to each other.
+// Collectives run one at a time so that a later call sees the buffers of an earlier one completed,
+// as with the ring backend.
 #pragma once
 
 #include <algorithm>
