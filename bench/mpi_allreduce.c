@@ -2,6 +2,11 @@
  * ddp's allreduce, so that bench/compare_allreduce.py can put them side by side.
  *
  *   mpirun -np 2 mpi_allreduce --sizes 1K,64K,1M --iters 20 --warmup 5 --label openmpi
+ *   mpirun -np 2 mpi_allreduce --thread-multiple --label openmpi-mt   # MPI_THREAD_MULTIPLE
+ *
+ * --thread-multiple initialises MPI at MPI_THREAD_MULTIPLE, as a library with threads of its own
+ * (ddp's mpi backend) must: OpenMPI's blocking calls then wait through its multi-threaded
+ * synchronisation objects, which is what that costs (docs/benchmarks.md, "mpi backend").
  *
  * Timing: every iteration starts with MPI_Barrier (not timed); each rank times its own
  * out-of-place MPI_Allreduce; afterwards the per-iteration times are reduced with MAX over ranks,
@@ -23,7 +28,7 @@ static int usage(int rank, const char* message, const char* value) {
     fprintf(stderr,
             "mpi_allreduce: error: %s '%s'\n"
             "usage: mpi_allreduce [--sizes 1K,64K,1M] [--iters N>=1] [--warmup N>=0] "
-            "[--label NAME]\n",
+            "[--label NAME] [--thread-multiple]\n",
             message, value);
   }
   MPI_Finalize();
@@ -67,7 +72,16 @@ static float input_value(int r, size_t i) {
 }
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  int thread_multiple = 0;
+  for (int i = 1; i < argc; ++i) {
+    if (strcmp(argv[i], "--thread-multiple") == 0) thread_multiple = 1;
+  }
+  if (thread_multiple) {
+    int provided = MPI_THREAD_SINGLE;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  } else {
+    MPI_Init(&argc, &argv);
+  }
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -91,6 +105,8 @@ int main(int argc, char** argv) {
         return usage(rank, "--warmup must be 0 or more, got", value);
     } else if (strcmp(argv[i], "--label") == 0) {
       label = value, ++i;
+    } else if (strcmp(argv[i], "--thread-multiple") == 0) {
+      /* read before MPI_Init */
     } else {
       return usage(rank, "unknown argument", argv[i]);
     }

@@ -35,8 +35,27 @@ enum class ReduceOp : std::uint8_t {
   kProduct,
 };
 
-// Bytes per element.
-std::size_t dtype_size(DType dtype);
+// Throws std::invalid_argument naming a DType value outside the enum.
+[[noreturn]] void throw_unknown_dtype(DType dtype);
+
+// Bytes per element. Inline: it is on the path of every call.
+inline std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+    case DType::kFloat64:
+    case DType::kInt64:
+      return 8;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kInt8:
+    case DType::kUInt8:
+      return 1;
+  }
+  throw_unknown_dtype(dtype);
+}
 // "float32", "bfloat16", "int64", ...
 std::string_view to_string(DType dtype);
 // "sum", "avg", "min", "max", "product".

@@ -5,25 +5,7 @@
 
 namespace ddp {
 
-std::size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat64:
-      return 8;
-    case DType::kFloat16:
-      return 2;
-    case DType::kBFloat16:
-      return 2;
-    case DType::kInt8:
-      return 1;
-    case DType::kUInt8:
-      return 1;
-    case DType::kInt32:
-      return 4;
-    case DType::kInt64:
-      return 8;
-  }
+void throw_unknown_dtype(DType dtype) {
   throw std::invalid_argument("unknown DType " + std::to_string(static_cast<int>(dtype)));
 }
 

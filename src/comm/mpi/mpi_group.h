@@ -416,9 +416,11 @@ class MpiProcessGroup final : public ProcessGroup,
   void run_small_allreduce(MpiOp& op, const InBandFingerprint& in_band, DType dtype,
                            ReduceOp reduce_op, Clock::time_point deadline);
   // Combines `bytes` at `mine` (`elements` of `dtype`) with every rank's by `combine`, using
-  // `theirs` (as large) for what the peers send.
-  void recursive_doubling(MpiOp& op, std::byte* mine, std::byte* theirs, std::size_t bytes,
-                          std::size_t elements, DType dtype, ReduceOp combine,
+  // `theirs` (as large) for what the peers send. With `leave_last_step`, may return true with
+  // the last step's data received into `theirs` but not yet combined into `mine` (the caller
+  // combines it where it wants the result); false when `mine` holds the result.
+  bool recursive_doubling(MpiOp& op, std::byte* mine, std::byte* theirs, std::size_t bytes,
+                          std::size_t elements, DType dtype, ReduceOp combine, bool leave_last_step,
                           Clock::time_point deadline);
   // One step of it: posts a receive from `peer` into `into` (when not null) and a send of
   // `bytes` from `from` (when not null), and polls both to completion; a message of another size

@@ -292,7 +292,8 @@ MpiProcessGroup::StallCheck::StallCheck(MpiProcessGroup& group, const MpiOp& op,
     : group_(group),
       op_(op),
       deadline_(deadline),
-      next_notice_check_(Clock::now() + group.options_.stall_check_after) {}
+      // The operation started at its deadline less its timeout: no clock read per operation.
+      next_notice_check_(deadline - op.timeout + group.options_.stall_check_after) {}
 
 void MpiProcessGroup::StallCheck::check() {
   const auto now = Clock::now();

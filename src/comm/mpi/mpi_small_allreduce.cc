@@ -15,7 +15,6 @@
 // A world that is not a power of two folds first: rank 2i+1 (i < world - 2^k) hands its buffer to
 // rank 2i and gets the result back at the end.
 #include <algorithm>
-#include <iterator>
 
 #include "comm/mpi/mpi_group.h"
 
@@ -69,16 +68,27 @@ void MpiProcessGroup::run_small_allreduce(MpiOp& op, const InBandFingerprint& in
   in_band.encode(fingerprint_hash(op.header), mine, expected);
   if (bytes > 0) std::memcpy(mine + fingerprint_bytes, op.send, bytes);
 
-  recursive_doubling(op, mine, theirs, total, elements, dtype,
-                     reduce_op == ReduceOp::kAvg ? ReduceOp::kSum : reduce_op, deadline);
-  if (std::memcmp(mine, expected, fingerprint_bytes) != 0) fail_mismatch(op, deadline);
-  if (bytes > 0) std::memcpy(op.recv, mine + fingerprint_bytes, bytes);
+  const ReduceOp combine = reduce_op == ReduceOp::kAvg ? ReduceOp::kSum : reduce_op;
+  const bool last_step_left = recursive_doubling(op, mine, theirs, total, elements, dtype, combine,
+                                                 /*leave_last_step=*/bytes > 0, deadline);
+  if (last_step_left) {
+    // The last step's fingerprints first; then the payloads straight into the output (one copy
+    // fewer). Every rank of a power-of-two world takes this path, so all end with the same bits.
+    comm::reduce(mine, mine, theirs, in_band.elements(), dtype, combine);
+    if (std::memcmp(mine, expected, fingerprint_bytes) != 0) fail_mismatch(op, deadline);
+    comm::reduce(op.recv, mine + fingerprint_bytes, theirs + fingerprint_bytes, op.count, dtype,
+                 combine);
+  } else {
+    if (std::memcmp(mine, expected, fingerprint_bytes) != 0) fail_mismatch(op, deadline);
+    if (bytes > 0) std::memcpy(op.recv, mine + fingerprint_bytes, bytes);
+  }
   if (op.op == ReduceOp::kAvg) comm::divide(op.recv, op.count, op.dtype, size());
 }
 
-void MpiProcessGroup::recursive_doubling(MpiOp& op, std::byte* mine, std::byte* theirs,
+bool MpiProcessGroup::recursive_doubling(MpiOp& op, std::byte* mine, std::byte* theirs,
                                          std::size_t bytes, std::size_t elements, DType dtype,
-                                         ReduceOp combine, Clock::time_point deadline) {
+                                         ReduceOp combine, bool leave_last_step,
+                                         Clock::time_point deadline) {
   StallCheck stall(*this, op, deadline);
   const int world = size();
   const int me = rank();
@@ -89,7 +99,7 @@ void MpiProcessGroup::recursive_doubling(MpiOp& op, std::byte* mine, std::byte* 
   if (me < 2 * folded && me % 2 == 1) {
     exchange_step(op, me - 1, mine, nullptr, bytes, stall, deadline);
     exchange_step(op, me - 1, nullptr, mine, bytes, stall, deadline);
-    return;
+    return false;
   }
   if (me < 2 * folded) {
     exchange_step(op, me + 1, nullptr, theirs, bytes, stall, deadline);
@@ -100,29 +110,35 @@ void MpiProcessGroup::recursive_doubling(MpiOp& op, std::byte* mine, std::byte* 
     const int virtual_peer = virtual_rank ^ mask;
     const int peer = virtual_peer < folded ? 2 * virtual_peer : virtual_peer + folded;
     exchange_step(op, peer, mine, theirs, bytes, stall, deadline);
+    // Left to the caller only where every rank can leave it: no rank folds.
+    if (leave_last_step && folded == 0 && mask * 2 >= active) return true;
     comm::reduce(mine, mine, theirs, elements, dtype, combine);
   }
   if (me < 2 * folded) exchange_step(op, me + 1, mine, nullptr, bytes, stall, deadline);
+  return false;
 }
 
 void MpiProcessGroup::exchange_step(MpiOp& op, int peer, const std::byte* from, std::byte* into,
                                     std::size_t bytes, StallCheck& stall,
                                     Clock::time_point deadline) {
-  // Each piece fits the eager limit: receives first, then sends.
+  // Each piece fits the eager limit: receives first, then sends, packed so that every poll tests
+  // only live requests.
   const std::size_t pieces = (bytes + kPieceBytes - 1) / kPieceBytes;
   MPI_Request requests[2 * kMaxPieces];
-  std::fill(std::begin(requests), std::end(requests), MPI_REQUEST_NULL);
+  int posted = 0;
   int rc = MPI_SUCCESS;
-  for (std::size_t i = 0; i < pieces && rc == MPI_SUCCESS; ++i) {
+  for (std::size_t i = 0; i < pieces && rc == MPI_SUCCESS && into != nullptr; ++i) {
     const std::size_t at = i * kPieceBytes;
     const int count = static_cast<int>(std::min(kPieceBytes, bytes - at));
-    if (into != nullptr) {
-      rc = MPI_Irecv(into + at, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_, &requests[i]);
-    }
-    if (rc == MPI_SUCCESS && from != nullptr) {
-      rc = MPI_Isend(from + at, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_,
-                     &requests[kMaxPieces + i]);
-    }
+    rc =
+        MPI_Irecv(into + at, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_, &requests[posted++]);
+  }
+  const int receives = posted;
+  for (std::size_t i = 0; i < pieces && rc == MPI_SUCCESS && from != nullptr; ++i) {
+    const std::size_t at = i * kPieceBytes;
+    const int count = static_cast<int>(std::min(kPieceBytes, bytes - at));
+    rc =
+        MPI_Isend(from + at, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_, &requests[posted++]);
   }
   if (rc != MPI_SUCCESS) {
     throw error(
@@ -131,7 +147,7 @@ void MpiProcessGroup::exchange_step(MpiOp& op, int peer, const std::byte* from, 
   MPI_Status statuses[2 * kMaxPieces];
   for (int polls = 1;; ++polls) {
     int done = 0;
-    rc = MPI_Testall(2 * kMaxPieces, requests, &done, statuses);
+    rc = MPI_Testall(posted, requests, &done, statuses);
     if (rc != MPI_SUCCESS || done) break;
     if (polls % kPollsPerCheck == 0) {
       stall.check();
@@ -144,7 +160,7 @@ void MpiProcessGroup::exchange_step(MpiOp& op, int peer, const std::byte* from, 
   std::size_t received = bytes;
   if (rc == MPI_SUCCESS && into != nullptr) {
     received = 0;
-    for (std::size_t i = 0; i < pieces; ++i) {
+    for (int i = 0; i < receives; ++i) {
       int count = 0;
       MPI_Get_count(&statuses[i], MPI_BYTE, &count);
       received += static_cast<std::size_t>(count);
