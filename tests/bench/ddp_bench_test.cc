@@ -272,6 +272,7 @@ TEST(DdpBench, TableHasAHeaderAndOneRowPerSize) {
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_THAT(result.output, HasSubstr("# ddp-bench: backend ring, world size 1"));
   EXPECT_THAT(result.output, HasSubstr("median"));
+  EXPECT_THAT(result.output, HasSubstr("which changes the timings"));  // --check says so
   std::istringstream in(result.output);
   int rows = 0;
   for (std::string line; std::getline(in, line);) {

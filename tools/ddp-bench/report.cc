@@ -21,6 +21,12 @@ std::string table_header(const BenchOptions& options, int world_size, std::strin
       options.check ? "on" : "off",
       options.async ? "async (collective(...)->wait())" : "blocking (CallOptions::blocking)",
       transport != nullptr ? fmt::format(", DDP_TRANSPORT={}", transport) : std::string());
+  if (options.check) {
+    out +=
+        "# --check: every iteration also fills, poisons and verifies the buffers around the\n"
+        "#   timed call, which changes the timings (caches, memory bandwidth): measure without "
+        "it\n";
+  }
   out +=
       "# time_us: median over iterations; each iteration starts after a barrier and counts the\n"
       "#   slowest rank's time from issuing the call to its return (--async: to Work::wait()\n"
@@ -59,6 +65,7 @@ nlohmann::json to_json(const BenchRow& row) {
   j["iters"] = row.iters;
   j["warmup"] = row.warmup;
   j["call"] = row.blocking ? "blocking" : "async";
+  j["checked"] = row.wrong.has_value();  // --check: the timings include its effects
   j["world_size"] = row.world_size;
   j["backend"] = row.backend;
   return j;
