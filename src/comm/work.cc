@@ -151,17 +151,20 @@ std::shared_ptr<Work> Work::and_then(std::function<std::shared_ptr<Work>(Work&)>
 }
 
 const std::shared_ptr<Work>& Work::completed_blocking_call() {
-  // Immortal (callers may hold it past static destruction), and handed out as a shared_ptr that
-  // shares no ownership (the aliasing constructor with an empty owner): copying and dropping it,
-  // once per blocking call, then touches no reference count that every thread would contend on.
-  static const std::shared_ptr<Work>* const work = [] {
-    auto* owner = new std::shared_ptr<Work>(std::make_shared<Work>(
+  // Immortal (callers may hold it past static destruction; both objects stay reachable from these
+  // statics, so leak checkers do not count them), and handed out as a shared_ptr that shares no
+  // ownership (the aliasing constructor with an empty owner): copying and dropping it, once per
+  // blocking call, then touches no reference count that every thread would contend on.
+  static const std::shared_ptr<Work>* const owner = [] {
+    auto* work = new std::shared_ptr<Work>(std::make_shared<Work>(
         "a blocking call (completed when it returned)", std::chrono::milliseconds(0)));
-    (*owner)->takes_no_result_ = true;
-    (*owner)->complete();
-    return new std::shared_ptr<Work>(std::shared_ptr<Work>(), owner->get());
+    (*work)->takes_no_result_ = true;
+    (*work)->complete();
+    return work;
   }();
-  return *work;
+  static const std::shared_ptr<Work>* const handed_out =
+      new std::shared_ptr<Work>(std::shared_ptr<Work>(), owner->get());
+  return *handed_out;
 }
 
 void Work::set_result(std::any value) {
