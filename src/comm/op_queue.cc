@@ -106,13 +106,7 @@ void OpQueue::enqueue(const std::shared_ptr<QueuedWork>& work) {
   bool wake_worker = false;
   {
     std::lock_guard lock(mutex_);
-    const std::uint64_t sequence = next_sequence_++;
-    work->sequence_ = sequence;
-    work->on_sequenced(sequence);
-    if (recorder_.enabled()) {
-      work->flight_ = recorder_.record_enqueued(work->fingerprint(), FlightChannel::kCollective,
-                                                /*peer=*/-1, sequence, work->enqueued_at());
-    }
+    assign_sequence(*work);
     if (!poisoned_.load(std::memory_order_acquire)) {
       const bool idle = queue_.empty() && !executing_ && !worker_lingering_;
       queue_.push_back(work);
@@ -272,6 +266,16 @@ void OpQueue::run_inline_until(QueuedWork& work) {
   if (!queue_.empty() || stopping_) cv_.notify_one();
 }
 
+void OpQueue::assign_sequence(QueuedWork& work) {
+  const std::uint64_t sequence = next_sequence_++;
+  work.sequence_ = sequence;
+  work.on_sequenced(sequence);
+  if (recorder_.enabled()) {
+    work.flight_ = recorder_.record_enqueued(work.fingerprint(), FlightChannel::kCollective,
+                                             /*peer=*/-1, sequence, work.enqueued_at());
+  }
+}
+
 bool OpQueue::try_run_now(QueuedWork& work) {
   // One clock read for the queueing, the start and the deadline.
   const auto start = work.enqueued_at();
@@ -284,14 +288,8 @@ bool OpQueue::try_run_now(QueuedWork& work) {
     executing_ = true;
     work_left_to_caller_ = false;
     if (prompt_waits_ < kPromptWaitsForLazyWake) ++prompt_waits_;  // it waited at once
-    const std::uint64_t sequence = next_sequence_++;
-    work.sequence_ = sequence;
-    work.on_sequenced(sequence);
-    if (recorder_.enabled()) {
-      work.flight_ = recorder_.record_enqueued(work.fingerprint(), FlightChannel::kCollective,
-                                               /*peer=*/-1, sequence, start);
-      recorder_.record_started(work.flight_, start);
-    }
+    assign_sequence(work);
+    recorder_.record_started(work.flight_, start);  // a no-op when the recorder is off
   }
   bool ok = false;
   const auto end = execute(work, start, ok, /*complete_success=*/false);

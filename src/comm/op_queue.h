@@ -192,6 +192,8 @@ class OpQueue {
   }
 
  private:
+  // Gives `work` the group's next sequence number and records it as queued. REQUIRES: mutex_ held.
+  void assign_sequence(QueuedWork& work);
   void worker_loop();
   bool worker_should_run(net::Clock::time_point now) const;
   void worker_idle_wait(std::unique_lock<std::mutex>& lock);

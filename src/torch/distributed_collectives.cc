@@ -94,30 +94,33 @@ std::size_t world(ProcessGroup& g) {
 
 }  // namespace
 
-std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
+// The engine calls of the single-tensor collectives, checked; the blocking forms pass
+// CallOptions::blocking (no Work of their own, and on an idle group no thread hand-off).
+std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, ReduceOp op, GroupRef group,
+                                      CallOptions options) {
   ProcessGroup& g = group.get();
   check_collective(g, [&] { check_tensor(tensor, "all_reduce: tensor"); });
-  return with_result(g.allreduce(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), op),
-                     {tensor});
+  return g.allreduce(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), op, options);
 }
-// The blocking forms of the single-tensor calls are blocking engine calls (CallOptions::blocking):
-// no Work of their own, and on an idle group no thread hand-off.
-void all_reduce(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
+std::shared_ptr<Work> broadcast_call(const torch::Tensor& tensor, int src, GroupRef group,
+                                     CallOptions options) {
   ProcessGroup& g = group.get();
-  check_collective(g, [&] { check_tensor(tensor, "all_reduce: tensor"); });
-  g.allreduce(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), op, kBlocking);
+  check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor"); });
+  return g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, options);
+}
+
+std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
+  return with_result(all_reduce_call(tensor, op, group, {}), {tensor});
+}
+void all_reduce(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
+  all_reduce_call(tensor, op, group, kBlocking);
 }
 
 std::shared_ptr<Work> broadcast_async(const torch::Tensor& tensor, int src, GroupRef group) {
-  ProcessGroup& g = group.get();
-  check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor"); });
-  return with_result(g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src),
-                     {tensor});
+  return with_result(broadcast_call(tensor, src, group, {}), {tensor});
 }
 void broadcast(const torch::Tensor& tensor, int src, GroupRef group) {
-  ProcessGroup& g = group.get();
-  check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor"); });
-  g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, kBlocking);
+  broadcast_call(tensor, src, group, kBlocking);
 }
 
 std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, ReduceOp op,

@@ -135,25 +135,18 @@ TEST(InBandFingerprint, HashDependsOnEveryFieldOfTheHeader) {
   base.count = 256;
   base.sequence = 41;
   std::set<std::uint64_t> seen{fingerprint_hash(base)};
-  auto differs = [&](OpHeader h) { EXPECT_TRUE(seen.insert(fingerprint_hash(h)).second); };
-  OpHeader h = base;
-  h.sequence = 42;
-  differs(h);
-  h = base;
-  h.count = 255;
-  differs(h);
-  h = base;
-  h.dtype = 1;
-  differs(h);
-  h = base;
-  h.reduce_op = 3;
-  differs(h);
-  h = base;
-  h.kind = Collective::kBroadcast;
-  differs(h);
-  h = base;
-  h.root = 1;
-  differs(h);
+  const std::vector<void (*)(OpHeader&)> edits{[](OpHeader& h) { h.sequence = 42; },
+                                               [](OpHeader& h) { h.count = 255; },
+                                               [](OpHeader& h) { h.dtype = 1; },
+                                               [](OpHeader& h) { h.reduce_op = 3; },
+                                               [](OpHeader& h) { h.kind = Collective::kBroadcast; },
+                                               [](OpHeader& h) { h.root = 1; }};
+  for (std::size_t i = 0; i < edits.size(); ++i) {
+    OpHeader edited = base;
+    edits[i](edited);
+    EXPECT_TRUE(seen.insert(fingerprint_hash(edited)).second) << "edit " << i;
+  }
+  OpHeader h;
   // The low digits (what a float32 sum over two ranks carries first) change with the sequence.
   std::set<std::uint64_t> low_digits;
   for (std::uint64_t s = 0; s < 1000; ++s) {

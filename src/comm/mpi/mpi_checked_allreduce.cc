@@ -12,10 +12,10 @@ bool MpiProcessGroup::use_checked_allreduce(const MpiOp& op) const {
          options_.abort_on_failure && MpiRuntime::instance().thread_level() == MPI_THREAD_MULTIPLE;
 }
 
-// An allreduce with the call's fingerprint checked. Small ones (fits_small_allreduce) carry it in
-// band (mpi_in_band_fingerprint.h: a few elements of the call's own dtype in front of the payload,
-// so the check costs no message of its own and every rank's result says whether every rank issued
-// the same call) and run as recursive doubling over point-to-point messages
+// An allreduce with the call's fingerprint checked. Small ones (small_allreduce_max_bytes) carry it
+// in band (mpi_in_band_fingerprint.h: a few elements of the call's own dtype in front of the
+// payload, so the check costs no message of its own and every rank's result says whether every rank
+// issued the same call) and run as recursive doubling over point-to-point messages
 // (mpi_small_allreduce.cc). Larger ones, and products, run as a blocking MPI_Allreduce of the data
 // where it lies after a 16-byte one of the fingerprints: copying them in and out would cost more
 // than OpenMPI's 1 µs latency. The group's watchdog thread enforces the blocking calls' deadline
@@ -29,7 +29,7 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
   const InBandFingerprint& in_band = in_band_fingerprint(dtype, reduce_op);
   const std::size_t bytes = op.count * dtype_size(op.dtype);
   ensure_watchdog();
-  if (!in_band.usable() || !fits_small_allreduce(in_band.bytes() + bytes)) {
+  if (!in_band.usable() || in_band.bytes() + bytes > small_allreduce_max_bytes_) {
     return run_separately_checked(op, deadline);
   }
   run_small_allreduce(op, in_band, dtype, reduce_op, deadline);

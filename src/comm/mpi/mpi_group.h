@@ -409,8 +409,9 @@ class MpiProcessGroup final : public ProcessGroup,
     Clock::time_point next_notice_check_;
     bool announced_ = false;
   };
-  // Whether an allreduce of `bytes` (fingerprint and payload) runs as run_small_allreduce.
-  bool fits_small_allreduce(std::size_t bytes) const;
+  // The most bytes (fingerprint and payload) an allreduce on a group of `world` ranks may have to
+  // run as run_small_allreduce (mpi_small_allreduce.cc).
+  static std::size_t small_allreduce_max_bytes(int world);
   // The in-band checked allreduce of small buffers (mpi_small_allreduce.cc): recursive doubling
   // over point-to-point messages, polled.
   void run_small_allreduce(MpiOp& op, const InBandFingerprint& in_band, DType dtype,
@@ -483,6 +484,7 @@ class MpiProcessGroup final : public ProcessGroup,
   std::shared_ptr<const comm::mpi::P2pContext> p2p_context_;
   comm::mpi::P2pPending p2p_pending_;
   std::vector<std::byte> packed_;  // run() only: the checked allreduce's buffers
+  const std::size_t small_allreduce_max_bytes_ = small_allreduce_max_bytes(size());
   // The in-band encoding of each (dtype, reduce op) for this group's size.
   static constexpr std::size_t kDTypes = 8;
   static constexpr std::size_t kReduceOps = 5;

@@ -47,11 +47,11 @@ constexpr int kPollsPerIdleRound = 16;
 
 }  // namespace
 
-bool MpiProcessGroup::fits_small_allreduce(std::size_t bytes) const {
+std::size_t MpiProcessGroup::small_allreduce_max_bytes(int world) {
   int steps = 0;  // of recursive doubling, and one more for a folded world's hand-back
-  for (int reach = 1; reach < size(); reach *= 2)
+  for (int reach = 1; reach < world; reach *= 2)
     ++steps;
-  return bytes * static_cast<std::size_t>(std::max(steps, 1)) <= kSmallAllreduceMaxBytesSent;
+  return kSmallAllreduceMaxBytesSent / static_cast<std::size_t>(std::max(steps, 1));
 }
 
 void MpiProcessGroup::run_small_allreduce(MpiOp& op, const InBandFingerprint& in_band, DType dtype,
