@@ -126,6 +126,10 @@ std::ptrdiff_t Socket::recv_some(void* data, std::size_t size) {
   }
 }
 
+bool Socket::wait_readable(Deadline deadline) {
+  return wait_ready(fd_, POLLIN, deadline);
+}
+
 void Socket::send_all(const void* data, std::size_t size, Deadline deadline) {
   auto* bytes = static_cast<const std::uint8_t*>(data);
   while (size > 0) {
@@ -178,6 +182,18 @@ std::uint16_t Socket::local_port() const {
     return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
   }
   return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+}
+
+bool Socket::connected_to_itself() const {
+  sockaddr_storage local{};
+  sockaddr_storage peer{};
+  socklen_t local_size = sizeof local;
+  socklen_t peer_size = sizeof peer;
+  if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&local), &local_size) != 0 ||
+      ::getpeername(fd_, reinterpret_cast<sockaddr*>(&peer), &peer_size) != 0) {
+    return false;
+  }
+  return local_size == peer_size && std::memcmp(&local, &peer, local_size) == 0;
 }
 
 Socket listen_tcp(const std::string& host, std::uint16_t port, int backlog) {

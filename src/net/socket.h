@@ -1,4 +1,5 @@
-// TCP sockets with deadlines: the one place ddp touches the BSD socket API.
+// TCP sockets with deadlines. With fd_io.h (the raw-descriptor calls of event loops), the one
+// place ddp touches the BSD socket API.
 //
 // Every blocking call takes a Deadline and throws TimeoutError when it passes, so nothing in ddp
 // can wait forever on the network. Sockets are move-only and close on destruction. A Socket may be
@@ -59,11 +60,19 @@ class Socket {
   std::ptrdiff_t send_some(const void* data, std::size_t size);
   std::ptrdiff_t recv_some(void* data, std::size_t size);
 
+  // Waits until the socket is readable (data or end of stream); false when the deadline passes
+  // first.
+  bool wait_readable(Deadline deadline);
+
   void set_nonblocking(bool on);
   void set_no_delay(bool on);
   void set_buffer_sizes(int bytes);
   // The port this socket is bound to (for listeners bound to port 0).
   std::uint16_t local_port() const;
+  // Whether this connection's two ends are one address (TCP's "simultaneous open": a connect to a
+  // local port nobody listens on can end connected to itself when the kernel picks that very port
+  // as the source port). False when either address cannot be read.
+  bool connected_to_itself() const;
 
  private:
   int fd_ = -1;

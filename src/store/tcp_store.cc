@@ -6,12 +6,7 @@
 // connection therefore stays in step after a timeout. Any other failure (a timeout in the middle
 // of a frame, the server gone, a reply that breaks the protocol) marks the client broken: later
 // calls throw StoreError at once instead of reading a stream that is out of step.
-#include <poll.h>
-#include <sys/socket.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -37,18 +32,6 @@ constexpr Milliseconds kCancelGrace{10'000};
 
 constexpr const char* kWorkersKey = "__ddp_store/workers";
 constexpr const char* kWorkersReadyKey = "__ddp_store/workers_ready";
-
-bool connected_to_itself(int fd) {
-  sockaddr_storage local{};
-  sockaddr_storage peer{};
-  socklen_t local_size = sizeof local;
-  socklen_t peer_size = sizeof peer;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_size) != 0 ||
-      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_size) != 0) {
-    return false;
-  }
-  return local_size == peer_size && std::memcmp(&local, &peer, local_size) == 0;
-}
 
 std::string quoted_keys(std::span<const std::string> keys) {
   std::string out;
@@ -108,7 +91,7 @@ class TcpStore::Client {
       // Retrying a connect to a local port nobody listens on can end in TCP's "simultaneous
       // open" with itself when the kernel picks that very port as the source port; the
       // handshake would then wait for an answer that never comes. Treat it as refused.
-      while (connected_to_itself(socket_.fd())) {
+      while (socket_.connected_to_itself()) {
         socket_.close();
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         socket_ = net::connect_tcp(host_, port_, deadline);
@@ -154,7 +137,7 @@ class TcpStore::Client {
     std::vector<std::string> missing;
     try {
       socket_.send_all(frame.data(), frame.size(), deadline);
-      if (wait_readable(deadline)) {
+      if (socket_.wait_readable(deadline)) {
         // The answer (or EOF) is arriving; the rest of it gets at least the cancel grace.
         return check_status(receive_frame(net::deadline_after(std::max(timeout, kCancelGrace))),
                             what);
@@ -310,19 +293,6 @@ class TcpStore::Client {
         "connection to store at {}:{} lost during {}: {}; the store server (rank 0 or the "
         "launcher) has probably exited",
         host_, port_, what, cause.what()));
-  }
-
-  // True when the socket becomes readable (data or EOF) before the deadline.
-  bool wait_readable(net::Deadline deadline) {
-    for (;;) {
-      pollfd pfd{socket_.fd(), POLLIN, 0};
-      const int rc = ::poll(&pfd, 1, net::poll_timeout_ms(deadline));
-      if (rc > 0) return true;
-      if (rc == 0 && net::Clock::now() >= deadline) return false;
-      if (rc < 0 && errno != EINTR) {
-        throw Error(fmt::format("poll failed: {}", std::strerror(errno)));
-      }
-    }
   }
 
   // Returns the frame body (status byte first).

@@ -1,6 +1,9 @@
 #include "net/socket.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <thread>
 
@@ -66,6 +69,42 @@ TEST(Socket, RecvReportsClosedPeer) {
   { Socket conn = accept_tcp(listener, deadline_after(5s)); }
   char byte;
   EXPECT_THROW(client.recv_all(&byte, 1, deadline_after(5s)), Error);
+}
+
+TEST(Socket, WaitReadableTimesOutThenSeesDataAndEndOfStream) {
+  Socket listener = listen_tcp("127.0.0.1", 0);
+  Socket client = connect_tcp("127.0.0.1", listener.local_port(), deadline_after(5s));
+  Socket conn = accept_tcp(listener, deadline_after(5s));
+  const auto start = Clock::now();
+  EXPECT_FALSE(client.wait_readable(deadline_after(50ms)));
+  EXPECT_GE(Clock::now() - start, 50ms);
+  conn.send_all("x", 1, deadline_after(5s));
+  EXPECT_TRUE(client.wait_readable(deadline_after(5s)));
+  char byte;
+  client.recv_all(&byte, 1, deadline_after(5s));
+  EXPECT_FALSE(client.wait_readable(deadline_after(10ms)));  // read: nothing left
+  conn.close();
+  EXPECT_TRUE(client.wait_readable(deadline_after(5s)));
+}
+
+TEST(Socket, ConnectedToItselfOnlyWhenBothEndsAreOneAddress) {
+  Socket listener = listen_tcp("127.0.0.1", 0);
+  Socket client = connect_tcp("127.0.0.1", listener.local_port(), deadline_after(5s));
+  Socket conn = accept_tcp(listener, deadline_after(5s));
+  EXPECT_FALSE(client.connected_to_itself());
+  EXPECT_FALSE(conn.connected_to_itself());
+  EXPECT_FALSE(listener.connected_to_itself());  // no peer address
+
+  // TCP's simultaneous open: a socket bound to a port and connected to that same port.
+  Socket self(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_TRUE(self.valid());
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(self.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  addr.sin_port = htons(self.local_port());
+  ASSERT_EQ(::connect(self.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  EXPECT_TRUE(self.connected_to_itself());
 }
 
 TEST(Socket, UnresolvableHostIsAConfigError) {

@@ -1,8 +1,5 @@
 #include "comm/ring/exchange.h"
 
-#include <sys/socket.h>
-#include <sys/uio.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -11,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "comm/reduce_kernels.h"
+#include "net/fd_io.h"
 
 namespace ddp::comm {
 
@@ -90,10 +88,7 @@ bool Exchange::try_send(SendStream& s) {
       s.want_write = false;  // waiting for a gate, not for the socket
       return progressed;
     }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<std::size_t>(iovcnt);
-    const ssize_t n = ::sendmsg(s.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n = net::send_iov_nonblocking(s.fd, iov, iovcnt);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -139,10 +134,7 @@ bool Exchange::try_recv(RecvStream& s) {
         iov[iovcnt++] = {s.scratch + s.pending, std::min(left, s.scratch_bytes - s.pending)};
       }
     }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<std::size_t>(iovcnt);
-    const ssize_t n = ::recvmsg(s.fd, &msg, MSG_DONTWAIT);
+    const ssize_t n = net::recv_iov_nonblocking(s.fd, iov, iovcnt);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return progressed;
@@ -201,7 +193,7 @@ void Exchange::fail_mismatch(int peer, const OpHeader& expected, const OpHeader&
 void Exchange::peek_idle_peer(int peer) {
   idle_peer_done_[static_cast<std::size_t>(peer)] = 1;
   OpHeader got;
-  const ssize_t n = ::recv(context_.peer_fds[peer], &got, sizeof got, MSG_PEEK | MSG_DONTWAIT);
+  const ssize_t n = net::peek_nonblocking(context_.peer_fds[peer], &got, sizeof got);
   if (n != static_cast<ssize_t>(sizeof got)) return;
   if (got.magic == kHeaderMagic && got.sequence == header_.sequence && !(got == header_)) {
     fail_mismatch(peer, header_, got);
@@ -329,7 +321,7 @@ void Exchange::run(net::Deadline deadline, std::chrono::microseconds spin,
       const int warning_ms = static_cast<int>(std::max<long long>(1, until_warning.count()));
       if (timeout_ms < 0 || timeout_ms > warning_ms) timeout_ms = warning_ms;
     }
-    const int rc = ::poll(pollfds_.data(), pollfds_.size(), timeout_ms);
+    const int rc = net::poll_fds(pollfds_, timeout_ms);
     if (rc < 0 && errno != EINTR) fail_io(-1, errno, "polling");
     if (rc == 0 && context_.idle_check != nullptr) (*context_.idle_check)();
     for (std::size_t i = stream_polls; rc > 0 && i < pollfds_.size(); ++i) {

@@ -1,7 +1,6 @@
 #include "comm/ring/mesh_handshake.h"
 
-#include <poll.h>
-
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -11,6 +10,7 @@
 #include "comm/wire.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
+#include "net/fd_io.h"
 #include "store/auth.h"
 
 namespace ddp::comm {
@@ -152,7 +152,7 @@ class Acceptor {
       fds.push_back(pollfd{listener_.fd(), POLLIN, 0});
       for (const auto& p : pending_)
         fds.push_back(pollfd{p.socket.fd(), POLLIN, 0});
-      const int rc = ::poll(fds.data(), fds.size(), net::poll_timeout_ms(deadline_));
+      const int rc = net::poll_fds(fds, net::poll_timeout_ms(deadline_));
       if (rc < 0) {
         if (errno == EINTR) continue;
         throw CommError(fmt::format("rank {} of group '{}': poll failed while accepting peers: {}",

@@ -1,9 +1,6 @@
 #include "comm/ring/p2p/p2p_engine.h"
 
-#include <linux/sockios.h>
 #include <sys/eventfd.h>
-#include <sys/ioctl.h>
-#include <sys/socket.h>
 
 #include <cerrno>
 #include <thread>
@@ -11,6 +8,7 @@
 #include "comm/argument_checks.h"
 #include "comm/ring/p2p/p2p_state.h"
 #include "ddp/error.h"
+#include "net/fd_io.h"
 
 namespace ddp::comm::p2p {
 namespace {
@@ -84,16 +82,15 @@ P2pEngine::~P2pEngine() {
   // Let the kernel deliver what was written (a close with unread input would reset the
   // connection and could drop it), then close.
   for (auto& p : s.peers) {
-    if (p.fd >= 0) ::shutdown(p.fd, SHUT_WR);
+    if (p.fd >= 0) net::shutdown_socket(p.fd, net::ShutdownHow::kWrite);
   }
   const auto until = Clock::now() + kCloseLinger;
   for (auto& p : s.peers) {
     if (p.fd < 0 || p.failed) continue;
     for (;;) {
-      while (::recv(p.fd, s.discard.data(), s.discard.size(), MSG_DONTWAIT) > 0) {
+      while (net::recv_nonblocking(p.fd, s.discard.data(), s.discard.size()) > 0) {
       }
-      int unsent = 0;
-      if (::ioctl(p.fd, SIOCOUTQ, &unsent) != 0 || unsent == 0 || Clock::now() >= until) break;
+      if (net::unsent_bytes(p.fd) <= 0 || Clock::now() >= until) break;
       ::usleep(1000);
     }
   }

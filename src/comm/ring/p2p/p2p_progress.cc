@@ -1,12 +1,10 @@
 // P2pEngine: moving bytes, deadlines, failures and the progress thread (see p2p_state.h).
 #include "comm/ring/p2p/p2p_state.h"
 
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
-
 #include <cerrno>
 #include <limits>
+
+#include "net/fd_io.h"
 
 namespace ddp::comm::p2p {
 
@@ -42,7 +40,7 @@ void P2pEngine::State::fail_peer(Peer& p, std::exception_ptr error) {
   p.failed = error;
   fail_pending(p, error);
   p.unexpected.clear();
-  if (p.fd >= 0) ::shutdown(p.fd, SHUT_RDWR);
+  if (p.fd >= 0) net::shutdown_socket(p.fd, net::ShutdownHow::kBoth);
 }
 
 std::string P2pEngine::State::first_pending(const Peer& p) const {
@@ -101,7 +99,7 @@ void P2pEngine::State::read_from(Peer& p) {
     if (p.in_left > 0) {
       std::byte* dst = p.in_discard ? discard.data() : p.in_dst;
       const std::size_t len = p.in_discard ? std::min(p.in_left, discard.size()) : p.in_left;
-      n = ::recv(p.fd, dst, len, MSG_DONTWAIT);
+      n = net::recv_nonblocking(p.fd, dst, len);
       if (n > 0) {
         if (!p.in_discard) p.in_dst += n;
         p.in_left -= static_cast<std::size_t>(n);
@@ -111,7 +109,7 @@ void P2pEngine::State::read_from(Peer& p) {
       }
     } else {
       auto* dst = reinterpret_cast<std::byte*>(&p.in) + p.in_header_done;
-      n = ::recv(p.fd, dst, kFrameBytes - p.in_header_done, MSG_DONTWAIT);
+      n = net::recv_nonblocking(p.fd, dst, kFrameBytes - p.in_header_done);
       if (n > 0) {
         p.in_header_done += static_cast<std::size_t>(n);
         if (p.in_header_done == kFrameBytes) {
@@ -145,10 +143,7 @@ void P2pEngine::State::write_to(Peer& p) {
         iov[n_iov++] = {const_cast<std::byte*>(it->payload) + off, it->bytes - off};
       }
     }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<std::size_t>(n_iov);
-    const ssize_t n = ::sendmsg(p.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n = net::send_iov_nonblocking(p.fd, iov, n_iov);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
@@ -285,7 +280,7 @@ void P2pEngine::State::run() {
       timeout_ms = static_cast<int>(std::clamp<long long>(left.count(), 0, 1000));
     }
     lock.unlock();
-    const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+    const int ready = net::poll_fds(fds, timeout_ms);
     lock.lock();
     if (ready <= 0) continue;
     if (fds[0].revents & POLLIN) {
