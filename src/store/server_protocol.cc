@@ -25,7 +25,7 @@ std::vector<std::uint8_t> ok_frame() {
 }  // namespace
 
 ServerProtocol::ServerProtocol(ServerProtocolOptions options) : options_(std::move(options)) {
-  if (!options_.auth_secret.empty()) require_auth();
+  if (!options_.auth_secret.empty()) auth::require_auth();
 }
 
 void ServerProtocol::open(ConnectionId id) {
@@ -105,7 +105,7 @@ std::string ServerProtocol::handle_hello(ConnectionId id, Session& s, const std:
   }
   if (!options_.auth_secret.empty()) {
     reply[8] = static_cast<std::uint8_t>(HelloStatus::kAuthRequired);
-    s.nonce = random_nonce();
+    s.nonce = auth::random_nonce();
     s.phase = Phase::kAuth;
     reply.insert(reply.end(), s.nonce.begin(), s.nonce.end());
   } else {
@@ -118,14 +118,14 @@ std::string ServerProtocol::handle_hello(ConnectionId id, Session& s, const std:
 
 std::string ServerProtocol::handle_auth(ConnectionId id, Session& s, const std::uint8_t* data,
                                         Outbox& out) {
-  const std::span<const std::uint8_t> client_mac(data, kMacBytes);
-  const std::span<const std::uint8_t> client_nonce(data + kMacBytes, kNonceBytes);
-  const auto expected = auth_mac(options_.auth_secret, kClientRole, s.nonce);
-  if (!macs_equal(client_mac, expected)) {
+  const std::span<const std::uint8_t> client_mac(data, auth::kMacBytes);
+  const std::span<const std::uint8_t> client_nonce(data + auth::kMacBytes, auth::kNonceBytes);
+  const auto expected = auth::auth_mac(options_.auth_secret, kClientRole, s.nonce);
+  if (!auth::macs_equal(client_mac, expected)) {
     out.send(id, {static_cast<std::uint8_t>(AuthStatus::kRejected)});
     return "authentication failed (wrong shared secret)";
   }
-  const auto proof = auth_mac(options_.auth_secret, kServerRole, client_nonce);
+  const auto proof = auth::auth_mac(options_.auth_secret, kServerRole, client_nonce);
   std::vector<std::uint8_t> reply{static_cast<std::uint8_t>(AuthStatus::kAccepted)};
   reply.insert(reply.end(), proof.begin(), proof.end());
   s.phase = Phase::kReady;

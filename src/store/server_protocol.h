@@ -96,7 +96,7 @@ class ServerProtocol {
   };
   struct Session {
     Phase phase = Phase::kHello;
-    Nonce nonce{};  // the challenge sent to this client
+    auth::Nonce nonce{};  // the challenge sent to this client
   };
 
   Session& session(ConnectionId id);

@@ -232,13 +232,13 @@ class TcpStore::Client {
           host_, port_));
     }
     try {
-      store::Nonce server_nonce;
+      auth::Nonce server_nonce;
       socket_.recv_all(server_nonce.data(), server_nonce.size(), deadline);
-      const auto mac = store::auth_mac(secret, store::kClientRole, server_nonce);
-      const auto my_nonce = store::random_nonce();
+      const auto mac = auth::auth_mac(secret, store::kClientRole, server_nonce);
+      const auto my_nonce = auth::random_nonce();
       std::uint8_t answer[store::kAuthBytes];
       std::copy(mac.begin(), mac.end(), answer);
-      std::copy(my_nonce.begin(), my_nonce.end(), answer + store::kMacBytes);
+      std::copy(my_nonce.begin(), my_nonce.end(), answer + auth::kMacBytes);
       socket_.send_all(answer, sizeof answer, deadline);
       std::uint8_t status = 0;
       socket_.recv_all(&status, 1, deadline);
@@ -248,9 +248,9 @@ class TcpStore::Client {
             "every process must use the same secret",
             host_, port_));
       }
-      store::Mac proof;
+      auth::Mac proof;
       socket_.recv_all(proof.data(), proof.size(), deadline);
-      if (!store::macs_equal(proof, store::auth_mac(secret, store::kServerRole, my_nonce))) {
+      if (!auth::macs_equal(proof, auth::auth_mac(secret, store::kServerRole, my_nonce))) {
         throw StoreError(fmt::format(
             "store client: the store server at {}:{} could not prove it knows the shared secret; "
             "it is not the store of this job, or it has another secret",
@@ -353,7 +353,7 @@ TcpStore::TcpStore(std::string host, std::uint16_t port, TcpStoreOptions options
     throw ConfigError(
         fmt::format("TcpStore: num_workers must be at least 1, got {}", *options.num_workers));
   }
-  if (!options.auth_secret.empty()) store::require_auth();
+  if (!options.auth_secret.empty()) auth::require_auth();
   if (options.is_server) {
     try {
       server_ =

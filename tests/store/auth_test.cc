@@ -1,4 +1,5 @@
 // Shared-secret authentication of store connections (needs a build with OpenSSL; skips without).
+// The primitives themselves: tests/auth/hmac_test.cc.
 #include "store/auth.h"
 
 #include <gmock/gmock.h>
@@ -34,7 +35,7 @@ std::string message_of(const std::function<void()>& fn) {
 class AuthTest : public testing::Test {
  protected:
   void SetUp() override {
-    if (!auth_available()) GTEST_SKIP() << "built without OpenSSL: no store authentication";
+    if (!auth::auth_available()) GTEST_SKIP() << "built without OpenSSL: no store authentication";
     server_ = std::make_unique<TcpStoreServer>(
         TcpStoreServerOptions{.listen_host = "127.0.0.1",
                               .auth_secret = "s3cret",
@@ -67,17 +68,6 @@ class AuthTest : public testing::Test {
   std::vector<std::string> log_;
   std::unique_ptr<TcpStoreServer> server_;
 };
-
-TEST(AuthMac, DependsOnSecretRoleAndNonce) {
-  if (!auth_available()) GTEST_SKIP() << "built without OpenSSL";
-  const Nonce nonce = random_nonce();
-  EXPECT_NE(random_nonce(), nonce);
-  const Mac mac = auth_mac("a", kClientRole, nonce);
-  EXPECT_TRUE(macs_equal(mac, auth_mac("a", kClientRole, nonce)));
-  EXPECT_FALSE(macs_equal(mac, auth_mac("b", kClientRole, nonce)));
-  EXPECT_FALSE(macs_equal(mac, auth_mac("a", kServerRole, nonce)));
-  EXPECT_FALSE(macs_equal(mac, auth_mac("a", kClientRole, random_nonce())));
-}
 
 TEST_F(AuthTest, ClientWithTheSecretIsServed) {
   TcpStore first("127.0.0.1", server_->port(), options("s3cret"));
@@ -128,7 +118,7 @@ TEST_F(AuthTest, RawClientSkippingAuthenticationCannotSendRequests) {
   put_u32(hello, kMagic);
   put_u32(hello + 4, kProtocolVersion);
   socket.send_all(hello, sizeof hello, net::deadline_after(kTestTimeout));
-  std::uint8_t reply[kHelloReplyBytes + kNonceBytes];
+  std::uint8_t reply[kHelloReplyBytes + auth::kNonceBytes];
   socket.recv_all(reply, sizeof reply, net::deadline_after(kTestTimeout));
   EXPECT_EQ(reply[8], static_cast<std::uint8_t>(HelloStatus::kAuthRequired));
   // A request frame where the MAC belongs is just a wrong MAC (64 bytes of it).

@@ -5,10 +5,10 @@
 
 #include <fmt/format.h>
 
+#include "auth/hmac.h"
 #include "comm/ring/mesh_handshake.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
-#include "store/auth.h"
 
 namespace ddp::comm {
 
@@ -19,7 +19,7 @@ namespace {
 // With a secret: the group instance's id bound into every handshake MAC, equal on every rank (the
 // first rank to get here draws it into `key`, the others read it).
 std::string draw_group_session(Store& store, const std::string& key) {
-  const auto nonce = store::random_nonce();
+  const auto nonce = auth::random_nonce();
   std::string mine;
   for (const auto byte : nonce)
     mine += fmt::format("{:02x}", byte);

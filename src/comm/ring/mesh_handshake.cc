@@ -7,19 +7,19 @@
 
 #include <fmt/format.h>
 
+#include "auth/hmac.h"
 #include "comm/wire.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "net/fd_io.h"
-#include "store/auth.h"
 
 namespace ddp::comm {
 namespace {
 
 constexpr std::string_view kAcceptorRole = "ddp-ring acceptor";
 constexpr std::string_view kConnectorRole = "ddp-ring connector";
-constexpr std::size_t kNonceBytes = store::kNonceBytes;
-constexpr std::size_t kMacBytes = store::kMacBytes;
+constexpr std::size_t kNonceBytes = auth::kNonceBytes;
+constexpr std::size_t kMacBytes = auth::kMacBytes;
 // Handshakes in progress at once; beyond this the oldest is dropped (a flood of idle connections
 // must not exhaust the descriptors, and a real peer finishes in microseconds).
 constexpr std::size_t kMaxPendingHandshakes = 256;
@@ -118,8 +118,8 @@ struct Pending {
   std::vector<std::uint8_t> buf;  // bytes of the current stage received so far
   std::size_t need = sizeof(Hello);
   Hello hello;
-  store::Nonce connector_nonce{};
-  store::Nonce acceptor_nonce{};
+  auth::Nonce connector_nonce{};
+  auth::Nonce acceptor_nonce{};
 };
 
 // Outcome of feeding a pending handshake what its socket has.
@@ -284,7 +284,7 @@ class Acceptor {
         std::vector<std::uint8_t> reply = hello_bytes(params_, from);
         if (auth) {
           std::memcpy(p.connector_nonce.data(), p.buf.data() + p.hello.name_length, kNonceBytes);
-          p.acceptor_nonce = store::random_nonce();
+          p.acceptor_nonce = auth::random_nonce();
           const auto mac = handshake_mac(params_, /*acceptor_side=*/true, from, params_.rank,
                                          p.connector_nonce.data(), p.acceptor_nonce.data());
           append(reply, p.acceptor_nonce.data(), kNonceBytes);
@@ -311,7 +311,7 @@ class Acceptor {
         const int from = p.hello.from_rank;
         const auto expected = handshake_mac(params_, /*acceptor_side=*/false, from, params_.rank,
                                             p.connector_nonce.data(), p.acceptor_nonce.data());
-        if (!store::macs_equal(p.buf, expected)) {
+        if (!auth::macs_equal(p.buf, expected)) {
           return refused(fmt::format(
               "authentication failed: it claimed to be rank {} but does not know the job's "
               "secret (a stranger, a replayed handshake, or a rank with another DDP_SECRET)",
@@ -392,7 +392,7 @@ std::vector<std::uint8_t> handshake_mac(const HandshakeParams& params, bool acce
   append(transcript, connector_nonce, kNonceBytes);
   append(transcript, acceptor_nonce, kNonceBytes);
   const auto mac =
-      store::auth_mac(params.secret, acceptor_side ? kAcceptorRole : kConnectorRole, transcript);
+      auth::auth_mac(params.secret, acceptor_side ? kAcceptorRole : kConnectorRole, transcript);
   return {mac.begin(), mac.end()};
 }
 
@@ -406,9 +406,9 @@ void connect_handshake(net::Socket& socket, const HandshakeParams& params, int p
   };
   try {
     std::vector<std::uint8_t> hello = hello_bytes(params, peer);
-    store::Nonce connector_nonce{};
+    auth::Nonce connector_nonce{};
     if (auth) {
-      connector_nonce = store::random_nonce();
+      connector_nonce = auth::random_nonce();
       append(hello, connector_nonce.data(), kNonceBytes);
     }
     socket.send_all(hello.data(), hello.size(), deadline);
@@ -428,8 +428,8 @@ void connect_handshake(net::Socket& socket, const HandshakeParams& params, int p
     socket.recv_all(answer, sizeof answer, deadline);
     const auto expected = handshake_mac(params, /*acceptor_side=*/true, params.rank, peer,
                                         connector_nonce.data(), answer);
-    if (!store::macs_equal(std::span<const std::uint8_t>(answer + kNonceBytes, kMacBytes),
-                           expected)) {
+    if (!auth::macs_equal(std::span<const std::uint8_t>(answer + kNonceBytes, kMacBytes),
+                          expected)) {
       throw fail(fmt::format(
           "rank {} could not prove it knows the job's secret: it has another DDP_SECRET, or the "
           "address in the store is not rank {} of this job",

@@ -1,4 +1,4 @@
-#include "store/auth.h"
+#include "auth/hmac.h"
 
 #include <sys/random.h>
 
@@ -8,15 +8,15 @@
 
 #include "ddp/error.h"
 
-#ifdef DDP_STORE_HAVE_OPENSSL
+#ifdef DDP_AUTH_HAVE_OPENSSL
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 #endif
 
-namespace ddp::store {
-#ifdef DDP_STORE_HAVE_OPENSSL
+namespace ddp::auth {
+#ifdef DDP_AUTH_HAVE_OPENSSL
 
 bool auth_available() {
   return true;
@@ -37,7 +37,7 @@ Nonce random_nonce() {
   }
   if (got == nonce.size()) return nonce;
   if (RAND_bytes(nonce.data(), static_cast<int>(nonce.size())) != 1) {
-    throw Error("store authentication: OpenSSL could not produce random bytes");
+    throw Error("authentication: OpenSSL could not produce random bytes");
   }
   return nonce;
 }
@@ -50,7 +50,7 @@ Mac auth_mac(std::string_view secret, std::string_view role, std::span<const std
   if (HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), message.data(),
            message.size(), mac.data(), &size) == nullptr ||
       size != mac.size()) {
-    throw Error("store authentication: HMAC-SHA256 failed");
+    throw Error("authentication: HMAC-SHA256 failed");
   }
   return mac;
 }
@@ -67,8 +67,9 @@ bool auth_available() {
 
 void require_auth() {
   throw ConfigError(
-      "store authentication needs OpenSSL, and this ddp was built without it: install "
-      "libssl-dev and rebuild, or run without a store secret");
+      "authentication with a shared secret needs OpenSSL, and this ddp was built without it: "
+      "install libssl-dev and rebuild, or run without a secret (DDP_SECRET, DDP_SECRET_FILE, "
+      "the store's auth_secret)");
 }
 
 // Unreachable returns: require_auth() always throws in this build.
@@ -87,4 +88,4 @@ bool macs_equal(std::span<const std::uint8_t>, std::span<const std::uint8_t>) {
 
 #endif
 
-}  // namespace ddp::store
+}  // namespace ddp::auth
