@@ -23,6 +23,10 @@
 // wait for this rank until their deadline, so validate arguments before calling.
 //
 // Assumes the ranks share a pid namespace (a dead peer is found by its pid, through a pidfd).
+//
+// Implemented in shm_domain_setup.cc (the segment: create, join, lifetime), shm_call_protocol.cc
+// (the per-call synchronisation: events, arrivals, waits, header check, abort) and
+// shm_collectives.cc (the collectives over that protocol).
 #pragma once
 
 #include <chrono>
@@ -152,17 +156,17 @@ class ShmDomain {
   // calls.
   void abort(const std::string& reason) noexcept;
 
-  struct Segment;  // the layout of the shared mapping (shm_domain.cc)
+  struct Segment;  // the layout of the shared mapping (shm_domain_internal.h)
 
  private:
   ShmDomain(int rank, int size, ShmOptions options);
 
   // One chunked collective; the three steps are called with (first element, elements, buffer
-  // parity) of each chunk (see shm_domain.cc).
+  // parity) of each chunk (see shm_collectives.cc).
   template <typename CopyIn, typename Compute, typename CopyOut>
   void run_chunked(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in, Compute&& compute,
                    CopyOut&& copy_out);
-  class Pieces;  // a contiguous buffer or several segments (shm_domain.cc)
+  class Pieces;  // a contiguous buffer or several segments (shm_collectives.cc)
   void run_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
                      ReduceOp op, const OpHeader& header, Deadline deadline);
   void run_small_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
