@@ -82,6 +82,10 @@ class ProcessGroup {
   // returns). The pieces must not overlap and must stay valid until the Work completes.
   virtual std::shared_ptr<Work> allreduce_segments(std::vector<BufferSegment> segments, DType dtype,
                                                    ReduceOp op, CallOptions options = {});
+  // Whether allreduce_segments reduces the pieces where they lie (ring over shared memory). When
+  // it does not, it packs them into a temporary buffer per call: a caller that owns a flat buffer
+  // (DistributedDataParallel's bucket) copies into that and calls allreduce instead.
+  virtual bool allreduce_segments_in_place() const { return false; }
 
   // buf on every rank = buf on `root`.
   virtual std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,

@@ -20,9 +20,11 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "comm/wire.h"
+#include "ddp/comm_error.h"
 #include "net/socket.h"
 
 namespace ddp::comm {
@@ -58,6 +60,14 @@ struct FlightRecorderOptions {
   std::size_t entries = 2000;  // 0: off (every call is a no-op)
   std::string dump_dir;        // "": the working directory
 };
+
+// A dump's reason for a group's first error: "timeout", "mismatch", or "failure" for every other
+// kind (ddp-trace reads these three).
+inline std::string_view dump_reason(CommErrorKind kind) {
+  return kind == CommErrorKind::kTimeout    ? "timeout"
+         : kind == CommErrorKind::kMismatch ? "mismatch"
+                                            : "failure";
+}
 
 // Who recorded: written into every dump.
 struct FlightIdentity {

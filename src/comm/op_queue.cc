@@ -29,17 +29,16 @@ std::string text_of(const std::exception_ptr& error) {
   }
 }
 
-// What kind of first error a dump records: read from the texts the backends give (both name a
-// passed deadline "timed out", a mismatch "mismatch").
-std::string_view failure_kind(const std::exception_ptr& error, const std::string& text) {
+// What kind of first error a dump records: a CommError's kind; a TimeoutError is a timeout.
+std::string_view failure_kind(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
+  } catch (const CommError& e) {
+    return dump_reason(e.kind());
   } catch (const TimeoutError&) {
     return "timeout";
   } catch (...) {
   }
-  if (text.find("mismatch") != std::string::npos) return "mismatch";
-  if (text.find("timed out") != std::string::npos) return "timeout";
   return "failure";
 }
 
@@ -331,14 +330,16 @@ net::Clock::time_point OpQueue::execute(QueuedWork& work, net::Clock::time_point
   } catch (const std::exception& e) {
     const std::string what = work.description();
     fail(work, std::make_exception_ptr(
-                   CommError(fmt::format("rank {}: {} in group '{}' failed: {}", options_.rank,
+                   CommError(CommErrorKind::kInternal,
+                             fmt::format("rank {}: {} in group '{}' failed: {}", options_.rank,
                                          what, options_.group, e.what()),
                              options_.group, what, work.sequence(), -1)));
     return net::Clock::now();
   } catch (...) {
     const std::string what = work.description();
     fail(work, std::make_exception_ptr(
-                   CommError(fmt::format("rank {}: {} in group '{}' failed with a non-standard "
+                   CommError(CommErrorKind::kInternal,
+                             fmt::format("rank {}: {} in group '{}' failed with a non-standard "
                                          "exception",
                                          options_.rank, what, options_.group),
                              options_.group, what, work.sequence(), -1)));
@@ -377,7 +378,7 @@ void OpQueue::poison(std::exception_ptr error) {
 void OpQueue::dump_first_error(const std::exception_ptr& error) {
   if (!recorder_.enabled()) return;
   const std::string text = text_of(error);
-  recorder_.dump(failure_kind(error, text), text);
+  recorder_.dump(failure_kind(error), text);
 }
 
 std::exception_ptr OpQueue::keep_first_error(std::exception_ptr error, bool& first) {

@@ -16,10 +16,6 @@
 
 namespace ddp::store {
 
-// Transitional: ring_process_group.cc still calls store::require_auth(); remove once it includes
-// auth/hmac.h and calls auth::require_auth().
-using auth::require_auth;
-
 // The roles of the store's handshake: a MAC for one never answers the other (nor the mesh's).
 inline constexpr std::string_view kClientRole = "ddp-store client";
 inline constexpr std::string_view kServerRole = "ddp-store server";

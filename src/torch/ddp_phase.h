@@ -22,8 +22,8 @@ decltype(auto) in_ddp_phase(Phase&& phase, Body&& body) {
   try {
     return std::forward<Body>(body)();
   } catch (const CommError& e) {
-    throw CommError(fmt::format("DistributedDataParallel, {}: {}", phase(), e.what()), e.group(),
-                    e.op(), e.sequence(), e.peer());
+    throw CommError(e.kind(), fmt::format("DistributedDataParallel, {}: {}", phase(), e.what()),
+                    e.group(), e.op(), e.sequence(), e.peer());
   } catch (const TimeoutError& e) {
     throw TimeoutError(fmt::format("DistributedDataParallel, {}: {}", phase(), e.what()));
   }

@@ -48,7 +48,8 @@ torch::ScalarType compute_type(const torch::Tensor& x) {
 [[noreturn]] void rethrow_comm_error(const CommError& error, const std::string& layer,
                                      const std::string& phase, int64_t num_features,
                                      const std::string& hint) {
-  throw CommError(fmt::format("{} (num_features {} on this rank), {}: {}{}", layer, num_features,
+  throw CommError(error.kind(),
+                  fmt::format("{} (num_features {} on this rank), {}: {}{}", layer, num_features,
                               phase, error.what(), hint),
                   error.group(), error.op(), error.sequence(), error.peer());
 }

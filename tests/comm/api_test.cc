@@ -42,8 +42,10 @@ TEST(Work, ThenRunsOnCompletionAndAtOnceWhenDone) {
 
 TEST(Work, WaitRethrowsTheErrorAndWaitForDoesNot) {
   Work work("test op", 1s);
-  std::thread completer(
-      [&] { work.complete(std::make_exception_ptr(CommError("boom", "g", "allreduce", 3, 1))); });
+  std::thread completer([&] {
+    work.complete(std::make_exception_ptr(
+        CommError(CommErrorKind::kTransport, "boom", "g", "allreduce", 3, 1)));
+  });
   EXPECT_THROW(work.wait(), CommError);
   completer.join();
   EXPECT_TRUE(work.wait_for(0ms));

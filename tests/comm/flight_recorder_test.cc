@@ -229,11 +229,13 @@ class Backend final : public comm::OpQueue::Runner {
       const auto deadline = std::chrono::steady_clock::now() + 10s;
       while (!release.load() && std::chrono::steady_clock::now() < deadline)
         std::this_thread::sleep_for(1ms);
-      throw CommError("rank 0 timed out after 5 ms waiting for rank 1", "g", "op", 0, 1);
+      throw CommError(kind, text, "g", "op", 0, 1);
     }
   }
   void on_poison(const std::string&) noexcept override {}
   int fail_id = -1;
+  CommErrorKind kind = CommErrorKind::kTimeout;
+  std::string text = "rank 0 timed out after 5 ms waiting for rank 1";
   std::atomic<bool> release{false};
 };
 
@@ -291,6 +293,44 @@ TEST(FlightRecorder, TheQueueDumpsOnItsFirstErrorWithTheFailedAndQueuedOperation
     EXPECT_TRUE(after["entries"][i]["started_us"].is_null());
   }
   g->queue.stop();
+}
+
+// The dump's reason comes from the error's kind, never from its wording.
+TEST(FlightRecorder, TheDumpReasonIsTheErrorKindNotItsText) {
+  struct Case {
+    CommErrorKind kind;
+    const char* text;
+    const char* reason;
+  };
+  for (const Case& c :
+       {Case{CommErrorKind::kMismatch, "ranks disagree about call #2", "mismatch"},
+        Case{CommErrorKind::kTimeout, "rank 1 never answered", "timeout"},
+        Case{CommErrorKind::kPeerGone, "rank 1 timed out? no: it closed", "failure"},
+        Case{CommErrorKind::kAborted, "a mismatch elsewhere", "failure"}}) {
+    SCOPED_TRACE(c.text);
+    TempDir dir("ddp-flight");
+    auto g = std::make_shared<Group>(
+        comm::OpQueue::Options{.group = "g",
+                               .rank = 0,
+                               .size = 2,
+                               .flight_recorder = {.entries = 4, .dump_dir = dir.path().string()},
+                               .backend = "fake"});
+    g->backend.fail_id = 0;
+    g->backend.kind = c.kind;
+    g->backend.text = c.text;
+    g->backend.release = true;
+    g->queue.start(g);
+    auto work = std::make_shared<Work>(0, Collective::kAllreduce);
+    g->queue.enqueue(work);
+    try {
+      work->wait();
+      ADD_FAILURE() << "the operation did not fail";
+    } catch (const CommError& e) {
+      EXPECT_EQ(e.kind(), c.kind);
+    }
+    EXPECT_EQ(read_json(dir.path() / "ddp_flight_g_rank0.json")["reason"], c.reason);
+    g->queue.stop();
+  }
 }
 
 // SIGUSR1: the handler only wakes the dump thread, which dumps every live recorder.

@@ -45,7 +45,8 @@ class FakeBackend final : public OpQueue::Runner {
       threads.push_back(std::this_thread::get_id());
       deadlines.push_back(deadline - net::Clock::now());
     }
-    if (w.id == fail_comm) throw CommError("peer 1 went away", "g", w.description(), 0, 1);
+    if (w.id == fail_comm)
+      throw CommError(CommErrorKind::kPeerGone, "peer 1 went away", "g", w.description(), 0, 1);
     if (w.id == fail_other) throw std::runtime_error("boom");
   }
   void on_poison(const std::string& reason) noexcept override {
@@ -143,7 +144,8 @@ TEST(OpQueue, PoisonFromOutsideFailsQueuedAndLaterWork) {
   auto queued = std::make_shared<FakeWork>(0);
   g.queue.enqueue(queued);
   EXPECT_FALSE(queued->is_completed());
-  g.queue.poison(std::make_exception_ptr(CommError("parent failed", "g", "abort", 0, -1)));
+  g.queue.poison(std::make_exception_ptr(
+      CommError(CommErrorKind::kAborted, "parent failed", "g", "abort", 0, -1)));
   EXPECT_TRUE(queued->is_completed());
   EXPECT_THROW(queued->wait(), CommError);
   auto later = std::make_shared<FakeWork>(1);
@@ -226,7 +228,8 @@ TEST(OpQueue, TryRunNowDeclinesABusyGroupWithoutTouchingTheWork) {
   EXPECT_FALSE(g.queue.try_run_now(now));
   EXPECT_EQ(now.sequenced_as, ~std::uint64_t{0});
   EXPECT_TRUE(g.backend.ran.empty());
-  g.queue.poison(std::make_exception_ptr(CommError("stop", "g", "abort", 0, -1)));
+  g.queue.poison(
+      std::make_exception_ptr(CommError(CommErrorKind::kAborted, "stop", "g", "abort", 0, -1)));
 }
 
 TEST(OpQueue, TryRunNowThrowsTheErrorAndPoisonsTheQueue) {

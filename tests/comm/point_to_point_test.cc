@@ -314,7 +314,7 @@ TEST_P(PointToPointRules, SenderDyingMidMessageFailsTheReceiverNamingIt) {
         }
         const auto posted = Clock::now();
         auto r = pg->recv(buf.data(), kCount, DType::kInt32, 0, 0);
-        CommError error("", "", "", 0, -1);
+        CommError error(CommErrorKind::kInternal, "", "", "", 0, -1);
         const std::string message = expect_comm_error([&] {
           try {
             r->wait();
@@ -326,6 +326,10 @@ TEST_P(PointToPointRules, SenderDyingMidMessageFailsTheReceiverNamingIt) {
         if (Clock::now() - posted > 8s) throw std::runtime_error("failed only at the deadline");
         if (error.peer() != 0) {
           throw std::runtime_error(fmt::format("peer() is {}, not 0: {}", error.peer(), message));
+        }
+        if (error.kind() != CommErrorKind::kPeerGone) {
+          throw std::runtime_error(
+              fmt::format("kind is '{}', not 'peer gone': {}", to_string(error.kind()), message));
         }
         expect_contains(message, "rank 0");
       },

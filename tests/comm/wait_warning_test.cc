@@ -1,6 +1,6 @@
-// DDP_WAIT_WARN_SECONDS: a collective that waits for a peer longer than the threshold logs one warning
-// naming the operation, its sequence number and the rank it waits for, and still completes when
-// the peer arrives (over TCP and over shared memory).
+// DDP_WAIT_WARN_SECONDS: a collective that waits for a peer longer than the threshold logs one
+// warning naming the operation, its sequence number and the rank it waits for, and still completes
+// when the peer arrives (over TCP and over shared memory).
 #include <gtest/gtest.h>
 #include <stdlib.h>
 

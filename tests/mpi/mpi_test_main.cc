@@ -139,6 +139,8 @@ void check_mpi_specific(ddp::ProcessGroup& pg, bool abort_on_failure) {
       } catch (const ddp::CommError& e) {
         expect(std::string_view(e.what()).find("received 3 elements") != std::string_view::npos,
                fmt::format("the count mismatch error does not say so: {}", e.what()));
+        expect(e.kind() == ddp::CommErrorKind::kMismatch,
+               fmt::format("the count mismatch is of kind '{}'", ddp::to_string(e.kind())));
         expect(e.peer() == 0, fmt::format("CommError::peer() is {}, expected 0", e.peer()));
       }
     }
@@ -211,6 +213,8 @@ void run_timeout(bool through_init) {
              fmt::format("CommError after {} ms, expected about 1500 ms", took));
       expect(e.group() == "default", "CommError::group() is '" + e.group() + "'");
       expect(e.sequence() == 0, fmt::format("CommError::sequence() is {}", e.sequence()));
+      expect(e.kind() == ddp::CommErrorKind::kTimeout,
+             fmt::format("the passed deadline is of kind '{}'", ddp::to_string(e.kind())));
       expect(e.op().find("allreduce") != std::string::npos, "CommError::op() is " + e.op());
       const std::string_view what = e.what();
       for (std::string_view word : {"default", "allreduce(float32 x 8, sum) #0", "1500 ms"}) {
@@ -302,8 +306,12 @@ int run_mismatch(const std::string& kind) {
       expect(took < 5000, fmt::format("the mismatch took {} ms to be named", took));
       if (kind == "leave" || kind == "exit") {
         expect_contains(e.what(), theirs, "the error");
+        expect(e.kind() == ddp::CommErrorKind::kPeerGone,
+               fmt::format("a peer that left is of kind '{}'", ddp::to_string(e.kind())));
       } else {
         expect_contains(e.what(), "collective mismatch", "the error");
+        expect(e.kind() == ddp::CommErrorKind::kMismatch,
+               fmt::format("the mismatch is of kind '{}'", ddp::to_string(e.kind())));
         expect_contains(e.what(), is_odd ? theirs : ours, "the error");
         expect_contains(e.what(), is_odd ? ours : theirs, "the error");
       }
@@ -442,6 +450,8 @@ void run_p2p() {
     } catch (const ddp::CommError& e) {
       const std::string_view what = e.what();
       std::printf("rank 1 got: %s\n", e.what());
+      expect(e.kind() == ddp::CommErrorKind::kMismatch,
+             fmt::format("the count mismatch is of kind '{}'", ddp::to_string(e.kind())));
       for (std::string_view word : {"recv(float32 x 4) from rank 0, tag 5", "more than the 4"}) {
         expect(what.find(word) != std::string_view::npos,
                fmt::format("the count mismatch error does not name '{}': {}", word, what));
@@ -463,6 +473,8 @@ void run_p2p() {
       const long long took = ms_since(start);
       expect(took >= 450 && took < 5000,
              fmt::format("the unmatched recv failed after {} ms, expected about 500 ms", took));
+      expect(e.kind() == ddp::CommErrorKind::kTimeout,
+             fmt::format("the unmatched recv is of kind '{}'", ddp::to_string(e.kind())));
       const std::string_view what = e.what();
       for (std::string_view word : {"from rank 0, tag 77", "500 ms"}) {
         expect(what.find(word) != std::string_view::npos,

@@ -3,7 +3,7 @@
 
 namespace ddp::comm::mpi {
 
-bool MpiProcessGroup::use_checked_allreduce(const MpiOp& op) const {
+bool MpiProcessGroup::use_checked_allreduce(const Call& op) const {
   // A blocking call cannot return a CommError at its deadline, only end the job (the watchdog);
   // under MPI_THREAD_SERIALIZED it would hold the process-wide MPI lock for its whole duration.
   // A barrier is the checked allreduce of a header alone (that is also what keeps the ranks'
@@ -21,7 +21,7 @@ bool MpiProcessGroup::use_checked_allreduce(const MpiOp& op) const {
 // than OpenMPI's 1 µs latency. The group's watchdog thread enforces the blocking calls' deadline
 // and stall checks, ending the job (abort_on_failure is on) since a blocking call cannot be
 // interrupted.
-void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadline) {
+void MpiProcessGroup::run_checked_allreduce(Call& op, Clock::time_point deadline) {
   // A barrier is the fingerprint alone, as bytes combined by their maximum.
   const bool barrier = op.kind == Collective::kBarrier;
   const DType dtype = barrier ? DType::kUInt8 : op.dtype;
@@ -35,7 +35,7 @@ void MpiProcessGroup::run_checked_allreduce(MpiOp& op, Clock::time_point deadlin
   run_small_allreduce(op, in_band, dtype, reduce_op, deadline);
 }
 
-void MpiProcessGroup::run_separately_checked(MpiOp& op, Clock::time_point deadline) {
+void MpiProcessGroup::run_separately_checked(Call& op, Clock::time_point deadline) {
   auto& runtime = MpiRuntime::instance();
   const std::size_t bytes = op.count * dtype_size(op.dtype);
   // The fingerprints (equal everywhere exactly when every rank issued this call) in a 16-byte
@@ -49,7 +49,8 @@ void MpiProcessGroup::run_separately_checked(MpiOp& op, Clock::time_point deadli
   int rc = MPI_Iallreduce(check_buffers_->mine, check_buffers_->combined, 2, MPI_UINT64_T, MPI_MAX,
                           check_, &check);
   if (rc != MPI_SUCCESS) {
-    throw error(op, fmt::format("could not start its fingerprint check: {}", mpi_error_text(rc)));
+    throw error(op, CommErrorKind::kTransport,
+                fmt::format("could not start its fingerprint check: {}", mpi_error_text(rc)));
   }
   const void* in = op.send;
   if (op.send == op.recv) {
@@ -65,7 +66,8 @@ void MpiProcessGroup::run_separately_checked(MpiOp& op, Clock::time_point deadli
   // The fingerprints first, so that a mismatch that MPI reports as an error is named as one.
   MPI_Request data = MPI_REQUEST_NULL;
   wait_for_op(op, deadline, data, check);
-  if (rc != MPI_SUCCESS) throw error(op, fmt::format("failed: {}", mpi_error_text(rc)));
+  if (rc != MPI_SUCCESS)
+    throw error(op, CommErrorKind::kTransport, fmt::format("failed: {}", mpi_error_text(rc)));
   if (op.op == ReduceOp::kAvg) comm::divide(op.recv, op.count, op.dtype, size());
 }
 

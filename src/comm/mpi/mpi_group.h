@@ -57,10 +57,10 @@
 #include <fmt/ranges.h>
 
 #include "comm/argument_checks.h"
+#include "comm/group_front.h"
 #include "comm/mpi/mpi_in_band_fingerprint.h"
 #include "comm/mpi/mpi_p2p.h"
 #include "comm/mpi/mpi_runtime.h"
-#include "comm/op_queue.h"
 #include "comm/reduce_kernels.h"
 #include "comm/wire.h"
 #include "ddp/error.h"
@@ -72,21 +72,6 @@ namespace ddp::comm::mpi {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
-
-struct MpiOp {
-  Collective kind = Collective::kAllreduce;
-  const std::byte* send = nullptr;
-  std::byte* recv = nullptr;
-  std::size_t count = 0;
-  DType dtype = DType::kFloat32;
-  ReduceOp op = ReduceOp::kSum;
-  int root = -1;          // or the tag of a send/recv
-  comm::OpHeader header;  // the fingerprint compared across ranks (collectives)
-  milliseconds timeout{0};
-
-  // Formatted when needed (errors), not on every call: it allocates.
-  std::string description() const { return comm::describe(header); }
-};
 
 bool overlaps(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes);
 // One poll of `request`: whether it completed (or failed), with MPI's code in `rc`.
@@ -197,57 +182,36 @@ class IssueLog {
 
 // An operation on the group's comm::OpQueue (src/comm/op_queue.h: issue order, worker, inline
 // execution by a waiting caller, poisoning).
-class MpiWork final : public comm::QueuedWork {
- public:
-  MpiWork(MpiOp op, IssueLog* log)
-      : QueuedWork(op.timeout, op.count * dtype_size(op.dtype)), op_(std::move(op)), log_(log) {}
-  MpiOp& op() { return op_; }
-  MpiOp take_arguments() { return std::move(op_); }
-  std::string description() const override { return op_.description(); }
-  const comm::OpHeader* fingerprint() const override { return &op_.header; }
-
- protected:
-  void on_sequenced(std::uint64_t sequence) override {
-    op_.header.sequence = sequence;
-    log_->record(op_.header);
-  }
-
- private:
-  MpiOp op_;
-  IssueLog* log_;  // the group's; outlives every enqueue
-};
-
-class MpiProcessGroup final : public ProcessGroup,
-                              public comm::OpQueue::Runner,
+class MpiProcessGroup final : public comm::GroupFront,
+                              public comm::SequenceObserver,
                               public comm::mpi::ExitListener,
                               public std::enable_shared_from_this<MpiProcessGroup> {
  public:
   MpiProcessGroup(MPI_Comm comm, MPI_Comm check, MPI_Comm control, MPI_Comm p2p,
                   GroupOptions options, int rank, int size, int local_rank, int local_size,
                   std::vector<int> world_ranks)
-      : ProcessGroup(rank, size),
+      : GroupFront(rank, size, options.name, options.timeout,
+                   comm::OpQueue::Options{
+                       .group = options.name,
+                       .rank = rank,
+                       .size = size,
+                       .spin = waiter_spin(local_size),
+                       .flight_recorder = {.entries = settings::flight_recorder_entries(),
+                                           .dump_dir = settings::dump_dir()},
+                       .backend = "mpi",
+                       .job_rank = settings::job_place().rank,
+                       .job_world_size = settings::job_place().world_size},
+                   this),
         comm_(comm),
         check_(check),
         control_(control),
         p2p_(p2p),
         options_(std::move(options)),
-        name_(options_.name),
-        timeout_(options_.timeout),
         local_rank_(local_rank),
         local_size_(local_size),
-        world_ranks_(std::move(world_ranks)),
-        queue_(*this, comm::OpQueue::Options{
-                          .group = name_,
-                          .rank = rank,
-                          .size = size,
-                          .spin = waiter_spin(local_size),
-                          .flight_recorder = {.entries = settings::flight_recorder_entries(),
-                                              .dump_dir = settings::dump_dir()},
-                          .backend = "mpi",
-                          .job_rank = settings::job_place().rank,
-                          .job_world_size = settings::job_place().world_size}) {
+        world_ranks_(std::move(world_ranks)) {
     p2p_context_ = std::make_shared<const comm::mpi::P2pContext>(
-        comm::mpi::P2pContext{.group = name_,
+        comm::mpi::P2pContext{.group = name(),
                               .notice_key = options_.notice_key,
                               .rank = rank,
                               .abort_on_failure = options_.abort_on_failure,
@@ -261,150 +225,69 @@ class MpiProcessGroup final : public ProcessGroup,
     MpiRuntime::instance().add_exit_listener(this);
   }
   ~MpiProcessGroup() override;
-  void start() { queue_.start(weak_from_this()); }
+  void start() { start_queue(weak_from_this()); }
 
   std::string_view backend() const override { return "mpi"; }
   int local_rank() const override { return local_rank_; }
   int local_size() const override { return local_size_; }
   void on_process_exit() override { notify_peers(left_notice("the process exited")); }
-  using ProcessGroup::allreduce;
+  // comm::SequenceObserver: the last call issued, for the "left" notices.
+  void on_sequenced(const comm::OpHeader& header) noexcept override { issue_log_.record(header); }
 
-  std::shared_ptr<Work> allreduce(const void* send, void* recv, std::size_t count, DType dtype,
-                                  ReduceOp op, CallOptions options) override {
-    check_buffer(send, count, "allreduce", "send");
-    check_buffer(recv, count, "allreduce", "recv");
-    return enqueue(make_op(Collective::kAllreduce, send, recv, count, dtype, op, -1), options);
-  }
-
-  std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,
+ protected:
+  // comm::GroupFront: the backend's part of each call.
+  void run_call(Call& call, net::Deadline deadline) override;
+  void on_poison(const std::string& reason) noexcept override;
+  // Posts a send/recv at once, past the queue (comm/mpi/mpi_p2p.h).
+  std::shared_ptr<Work> post_send(const void* buf, std::size_t count, DType dtype, int dst, int tag,
                                   CallOptions options) override {
-    check_buffer(buf, count, "broadcast", "buf");
-    check_rank(root, "broadcast", "root");
-    return enqueue(make_op(Collective::kBroadcast, buf, buf, count, dtype, std::nullopt, root),
-                   options);
-  }
-
-  std::shared_ptr<Work> reduce(const void* send, void* recv, std::size_t count, DType dtype,
-                               ReduceOp op, int root, CallOptions options) override {
-    check_rank(root, "reduce", "root");
-    check_buffer(send, count, "reduce", "send");
-    if (rank() == root) check_buffer(recv, count, "reduce", "recv (at the root)");
-    return enqueue(make_op(Collective::kReduce, send, recv, count, dtype, op, root), options);
-  }
-
-  std::shared_ptr<Work> allgather(const void* send, void* recv, std::size_t count_per_rank,
-                                  DType dtype, CallOptions options) override {
-    check_buffer(send, count_per_rank, "allgather", "send");
-    check_buffer(recv, count_per_rank, "allgather", "recv");
-    return enqueue(
-        make_op(Collective::kAllgather, send, recv, count_per_rank, dtype, std::nullopt, -1),
-        options);
-  }
-
-  std::shared_ptr<Work> gather(const void* send, void* recv, std::size_t count_per_rank,
-                               DType dtype, int root, CallOptions options) override {
-    check_rank(root, "gather", "root");
-    check_buffer(send, count_per_rank, "gather", "send");
-    if (rank() == root) check_buffer(recv, count_per_rank, "gather", "recv (at the root)");
-    return enqueue(
-        make_op(Collective::kGather, send, recv, count_per_rank, dtype, std::nullopt, root),
-        options);
-  }
-
-  std::shared_ptr<Work> scatter(const void* send, void* recv, std::size_t count_per_rank,
-                                DType dtype, int root, CallOptions options) override {
-    check_rank(root, "scatter", "root");
-    if (rank() == root) check_buffer(send, count_per_rank, "scatter", "send (at the root)");
-    check_buffer(recv, count_per_rank, "scatter", "recv");
-    return enqueue(
-        make_op(Collective::kScatter, send, recv, count_per_rank, dtype, std::nullopt, root),
-        options);
-  }
-
-  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, std::size_t count_per_rank,
-                                       DType dtype, ReduceOp op, CallOptions options) override {
-    check_buffer(send, count_per_rank, "reduce_scatter", "send");
-    check_buffer(recv, count_per_rank, "reduce_scatter", "recv");
-    return enqueue(make_op(Collective::kReduceScatter, send, recv, count_per_rank, dtype, op, -1),
-                   options);
-  }
-
-  std::shared_ptr<Work> alltoall(const void* send, void* recv, std::size_t count_per_rank,
-                                 DType dtype, CallOptions options) override {
-    check_buffer(send, count_per_rank, "alltoall", "send");
-    check_buffer(recv, count_per_rank, "alltoall", "recv");
-    return enqueue(
-        make_op(Collective::kAlltoall, send, recv, count_per_rank, dtype, std::nullopt, -1),
-        options);
-  }
-
-  std::shared_ptr<Work> barrier(CallOptions options) override {
-    return enqueue(
-        make_op(Collective::kBarrier, nullptr, nullptr, 0, DType::kUInt8, std::nullopt, -1),
-        options);
-  }
-
-  std::shared_ptr<Work> send(const void* buf, std::size_t count, DType dtype, int dst, int tag,
-                             CallOptions options) override {
-    check_buffer(buf, count, "send", "buf");
-    check_peer(dst, "send", "dst");
-    check_tag(tag, "send");
     return post_p2p(
         comm::mpi::P2pCall{
             .is_recv = false, .send = buf, .count = count, .dtype = dtype, .peer = dst, .tag = tag},
         options);
   }
-
-  std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
-                             CallOptions options) override {
-    check_buffer(buf, count, "recv", "buf");
-    check_peer(src, "recv", "src");
-    check_tag(tag, "recv");
+  std::shared_ptr<Work> post_recv(void* buf, std::size_t count, DType dtype, int src, int tag,
+                                  CallOptions options) override {
     return post_p2p(
         comm::mpi::P2pCall{
             .is_recv = true, .recv = buf, .count = count, .dtype = dtype, .peer = src, .tag = tag},
         options);
   }
-
-  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override;
+  std::shared_ptr<ProcessGroup> make_subgroup(std::vector<int> ranks) override;
+  // One MPI call takes an int count.
+  std::size_t max_count() const override { return static_cast<std::size_t>(INT_MAX); }
+  int min_tag() const override { return 0; }
+  int max_tag() const override { return MpiRuntime::instance().max_tag(); }
 
  private:
-  MpiOp make_op(Collective kind, const void* send, void* recv, std::size_t count, DType dtype,
-                std::optional<ReduceOp> op, int root) const;
-  std::shared_ptr<Work> enqueue(MpiOp op, CallOptions options);
-  // Posts a send/recv at once, past the queue (comm/mpi/mpi_p2p.h); waits for it when
-  // CallOptions::blocking.
   std::shared_ptr<Work> post_p2p(comm::mpi::P2pCall call, CallOptions options);
   // Starts the watchdog thread once (the first blocking call or point-to-point operation).
   void ensure_watchdog();
 
-  // comm::OpQueue::Runner.
-  void run(comm::QueuedWork& work, net::Deadline deadline) override;
-  void on_poison(const std::string& reason) noexcept override;
-
-  void run_op(MpiOp& op, Clock::time_point deadline);
+  void run_op(Call& op, Clock::time_point deadline);
   // Starts the MPI call of `op` (under the runtime lock); returns MPI's code.
-  int start(MpiOp& op, MPI_Request* request);
-  CommError error(const MpiOp& op, const std::string& what) const {
+  int start(Call& op, MPI_Request* request);
+  CommError error(const Call& op, CommErrorKind kind, const std::string& what) const {
     const std::string description = op.description();
-    return CommError(
-        fmt::format("rank {} of group '{}' (mpi backend): {} {}", rank(), name_, description, what),
-        name_, description, op.header.sequence, -1);
+    return CommError(kind,
+                     fmt::format("rank {} of group '{}' (mpi backend): {} {}", rank(), name(),
+                                 description, what),
+                     name(), description, op.header.sequence, -1);
   }
   // Polls the data request and the fingerprint request of `op` until both completed; throws the
   // CommError of a mismatch, an MPI error, a peer's notice or the deadline.
-  void wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data, MPI_Request& check);
+  void wait_for_op(Call& op, Clock::time_point deadline, MPI_Request& data, MPI_Request& check);
   // What a polled operation checks between polls: check() throws the CommError of its passed
   // deadline (with a peer's notice, if one came), or, once it has run for stall_check_after, of a
   // peer's notice or a peer that issued a different call at this sequence number (every 10 ms).
   class StallCheck {
    public:
-    StallCheck(MpiProcessGroup& group, const MpiOp& op, Clock::time_point deadline);
+    StallCheck(MpiProcessGroup& group, const Call& op, Clock::time_point deadline);
     void check();
 
    private:
     MpiProcessGroup& group_;
-    const MpiOp& op_;
+    const Call& op_;
     const Clock::time_point deadline_;
     Clock::time_point next_notice_check_;
     bool announced_ = false;
@@ -414,24 +297,24 @@ class MpiProcessGroup final : public ProcessGroup,
   static std::size_t small_allreduce_max_bytes(int world);
   // The in-band checked allreduce of small buffers (mpi_small_allreduce.cc): recursive doubling
   // over point-to-point messages, polled.
-  void run_small_allreduce(MpiOp& op, const InBandFingerprint& in_band, DType dtype,
+  void run_small_allreduce(Call& op, const InBandFingerprint& in_band, DType dtype,
                            ReduceOp reduce_op, Clock::time_point deadline);
   // Combines `bytes` at `mine` (`elements` of `dtype`) with every rank's by `combine`, using
   // `theirs` (as large) for what the peers send. With `leave_last_step`, may return true with
   // the last step's data received into `theirs` but not yet combined into `mine` (the caller
   // combines it where it wants the result); false when `mine` holds the result.
-  bool recursive_doubling(MpiOp& op, std::byte* mine, std::byte* theirs, std::size_t bytes,
+  bool recursive_doubling(Call& op, std::byte* mine, std::byte* theirs, std::size_t bytes,
                           std::size_t elements, DType dtype, ReduceOp combine, bool leave_last_step,
                           Clock::time_point deadline);
   // One step of it: posts a receive from `peer` into `into` (when not null) and a send of
   // `bytes` from `from` (when not null), and polls both to completion; a message of another size
   // is a mismatch.
-  void exchange_step(MpiOp& op, int peer, const std::byte* from, std::byte* into, std::size_t bytes,
+  void exchange_step(Call& op, int peer, const std::byte* from, std::byte* into, std::size_t bytes,
                      StallCheck& stall, Clock::time_point deadline);
-  bool use_checked_allreduce(const MpiOp& op) const;
-  void run_checked_allreduce(MpiOp& op, Clock::time_point deadline);
+  bool use_checked_allreduce(const Call& op) const;
+  void run_checked_allreduce(Call& op, Clock::time_point deadline);
   // The data where it lies, its fingerprint in an allreduce of its own first.
-  void run_separately_checked(MpiOp& op, Clock::time_point deadline);
+  void run_separately_checked(Call& op, Clock::time_point deadline);
   const InBandFingerprint& in_band_fingerprint(DType dtype, ReduceOp op) const;
   void watchdog_loop(const std::weak_ptr<MpiProcessGroup>& weak,
                      const std::shared_ptr<std::atomic<bool>>& destroyed_here);
@@ -440,9 +323,9 @@ class MpiProcessGroup final : public ProcessGroup,
   void check_blocking_call(std::uint64_t& announced_id);
   // For a call of this rank stalled in `header`: sends the peers its fingerprint (once per call)
   // and returns what makes the call impossible, if anything is known: a peer that issued a
-  // different call at this sequence number, or a peer's notice (failed, left). Else empty.
-  std::string stall_problem(const comm::OpHeader& header, bool& announced);
-  [[noreturn]] void fail_mismatch(const MpiOp& op, Clock::time_point deadline,
+  // different call at this sequence number, or a peer's notice (failed, left). Else nullopt.
+  std::optional<CommError> stall_problem(const Call& op, bool& announced);
+  [[noreturn]] void fail_mismatch(const Call& op, Clock::time_point deadline,
                                   const CommError* fallback = nullptr);
   // The first notice a peer sent about this group (empty when none).
   // (Not the stall fingerprints: stall_problem reads those.)
@@ -455,19 +338,13 @@ class MpiProcessGroup final : public ProcessGroup,
   // Sends `text` to every other rank of the group, without waiting (never blocks). Once.
   void notify_peers(const std::string& text);
   std::string left_notice(std::string_view why);
-
-  void check_buffer(const void* p, std::size_t count, const char* op, const char* name) const;
-  void check_rank(int r, const char* op, const char* name) const;
-  void check_peer(int r, const char* op, const char* name) const;
-  void check_tag(int tag, const char* op) const;
+  std::string failed_notice(const std::string& reason) const;
 
   MPI_Comm comm_;
   MPI_Comm check_;
   MPI_Comm control_;
   MPI_Comm p2p_;  // point-to-point only: never matches the collectives' traffic
   GroupOptions options_;
-  std::string name_;
-  milliseconds timeout_;
   int local_rank_;
   int local_size_;
   std::vector<int> world_ranks_;  // of each rank of the group, for notices
@@ -497,8 +374,6 @@ class MpiProcessGroup final : public ProcessGroup,
 
   // run() only (one thread at a time): copies of inputs that overlap outputs.
   std::vector<std::byte> scratch_;
-  // Last: stopped first (in the destructor), before the state run() uses goes away.
-  comm::OpQueue queue_;
 };
 
 }  // namespace ddp::comm::mpi

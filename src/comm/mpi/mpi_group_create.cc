@@ -13,7 +13,8 @@ std::pair<int, int> local_layout(MPI_Comm comm) {
   MPI_Comm node = MPI_COMM_NULL;
   const int rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   if (rc != MPI_SUCCESS) {
-    throw CommError(fmt::format("mpi backend: MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed: {}",
+    throw CommError(CommErrorKind::kSetup,
+                    fmt::format("mpi backend: MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed: {}",
                                 mpi_error_text(rc)),
                     "", "local_layout", 0, -1);
   }
@@ -41,16 +42,16 @@ std::uint64_t hash_ranks(const std::vector<int>& ranks) {
 
 }  // namespace
 
-std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks) {
-  comm::check_subgroup_ranks(ranks, size(), name_);
+std::shared_ptr<ProcessGroup> MpiProcessGroup::make_subgroup(std::vector<int> ranks) {
   auto& runtime = MpiRuntime::instance();
   std::lock_guard guard(new_group_mutex_);
   if (control_error_) std::rethrow_exception(control_error_);
   const int index = subgroups_created_++;
-  auto comm_error = [&](const std::string& what) {
-    return CommError(fmt::format("rank {} of group '{}' (mpi backend): new_group({}) {}", rank(),
-                                 name_, fmt::join(ranks, ", "), what),
-                     name_, "new_group", 0, -1);
+  auto comm_error = [&](const std::string& what, CommErrorKind kind = CommErrorKind::kSetup) {
+    return CommError(kind,
+                     fmt::format("rank {} of group '{}' (mpi backend): new_group({}) {}", rank(),
+                                 name(), fmt::join(ranks, ", "), what),
+                     name(), "new_group", 0, -1);
   };
 
   // Every rank must pass the same list: max over ranks of (h, ~h) is (h, ~h) on every rank iff
@@ -70,13 +71,15 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
     rc = MPI_Iallreduce(mine, most, 2, MPI_UINT64_T, MPI_MAX, control_, &request);
   }
   if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
-  if (!wait_request(request, Clock::now() + timeout_, rc)) {
+  if (!wait_request(request, Clock::now() + group_timeout(), rc)) {
     // The request stays posted on control_ (and writes `most` if the peers come): never reuse it.
     MpiRuntime::instance().keep_until_exit(std::shared_ptr<void>(std::move(buffer)));
-    control_error_ = std::make_exception_ptr(comm_error(fmt::format(
-        "timed out after {} ms waiting for the other ranks of the group to call it (every rank "
-        "of the group calls new_group, members or not)",
-        timeout_.count())));
+    control_error_ = std::make_exception_ptr(comm_error(
+        fmt::format(
+            "timed out after {} ms waiting for the other ranks of the group to call it (every rank "
+            "of the group calls new_group, members or not)",
+            group_timeout().count()),
+        CommErrorKind::kTimeout));
     std::rethrow_exception(control_error_);
   }
   if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
@@ -84,7 +87,7 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
     throw ConfigError(
         fmt::format("new_group on group '{}': the ranks passed different rank lists "
                     "(rank {} passed [{}]); pass the same list on every rank",
-                    name_, rank(), fmt::join(ranks, ", ")));
+                    name(), rank(), fmt::join(ranks, ", ")));
   }
   const auto it = std::find(ranks.begin(), ranks.end(), rank());
   const bool member = it != ranks.end();
@@ -110,7 +113,7 @@ std::shared_ptr<ProcessGroup> MpiProcessGroup::new_group(std::vector<int> ranks)
   if (!member) return nullptr;
   const auto [local_rank, local_size] = local_layout(sub_control);
   GroupOptions options = options_;
-  options.name = fmt::format("{}/sub{}", name_, index);
+  options.name = fmt::format("{}/sub{}", name(), index);
   options.notice_key = fmt::format("{}/sub{}", options_.notice_key, index);
   std::vector<int> world_ranks;
   for (int r : ranks)
@@ -169,8 +172,9 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
       rc = MPI_Comm_idup(base, &comms[i], &requests[i]);
     }
   }
-  auto comm_error = [&](const std::string& what) {
-    return CommError(fmt::format("rank {} of {} (mpi backend): creating group '{}' {}", world_rank,
+  auto comm_error = [&](const std::string& what, CommErrorKind kind = CommErrorKind::kSetup) {
+    return CommError(kind,
+                     fmt::format("rank {} of {} (mpi backend): creating group '{}' {}", world_rank,
                                  world_size, options.group_name, what),
                      options.group_name, "make_mpi_process_group", 0, -1);
   };
@@ -179,10 +183,10 @@ std::shared_ptr<ProcessGroup> make_mpi_process_group(MpiOptions options) {
   for (int i = 0; i < count; ++i) {
     if (!wait_request(requests[i], deadline, rc)) {
       MpiRuntime::instance().keep_until_exit(std::shared_ptr<void>(std::move(comms_buffer)));
-      throw comm_error(
-          fmt::format("timed out after {} ms waiting for every rank of "
-                      "MPI_COMM_WORLD to call make_mpi_process_group",
-                      timeout.count()));
+      throw comm_error(fmt::format("timed out after {} ms waiting for every rank of "
+                                   "MPI_COMM_WORLD to call make_mpi_process_group",
+                                   timeout.count()),
+                       CommErrorKind::kTimeout);
     }
     if (rc != MPI_SUCCESS) throw comm_error(fmt::format("failed: {}", mpi_error_text(rc)));
   }

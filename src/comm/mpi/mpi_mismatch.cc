@@ -3,7 +3,11 @@
 
 namespace ddp::comm::mpi {
 
-std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& announced) {
+std::optional<CommError> MpiProcessGroup::stall_problem(const Call& op, bool& announced) {
+  const comm::OpHeader& header = op.header;
+  const auto problem = [&](CommErrorKind kind, const std::string& text) {
+    return CommError(kind, text, name(), op.description(), header.sequence, -1);
+  };
   auto& runtime = MpiRuntime::instance();
   const std::uint64_t mine = fingerprint_hash(header);
   if (!announced) {
@@ -19,8 +23,9 @@ std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& a
   }
   for (const std::string& text : runtime.notices(options_.notice_key)) {
     if (text.rfind("stall ", 0) != 0) {
-      return fmt::format("rank {} of group '{}' (mpi backend): {} cannot complete: {}", rank(),
-                         name_, comm::describe(header), text);
+      return problem(notice_kind(text),
+                     fmt::format("rank {} of group '{}' (mpi backend): {} cannot complete: {}",
+                                 rank(), name(), comm::describe(header), text));
     }
     int peer = -1;
     unsigned long long sequence = 0;
@@ -31,14 +36,17 @@ std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& a
         sequence != header.sequence || hash == mine) {
       continue;
     }
-    return fmt::format(
-        "collective mismatch in group '{}': rank {} called {} but rank {} called {}; every rank "
-        "must issue the same collectives in the same order with the same count, dtype, op and "
-        "root",
-        name_, rank(), comm::describe(header), peer,
-        text.substr(static_cast<std::size_t>(consumed)));
+    return problem(
+        CommErrorKind::kMismatch,
+        fmt::format(
+            "collective mismatch in group '{}': rank {} called {} but rank {} called {}; every "
+            "rank "
+            "must issue the same collectives in the same order with the same count, dtype, op and "
+            "root",
+            name(), rank(), comm::describe(header), peer,
+            text.substr(static_cast<std::size_t>(consumed))));
   }
-  return {};
+  return std::nullopt;
 }
 
 // Every rank saw the same combined fingerprint, so every rank gets here for this call: gather all
@@ -46,7 +54,7 @@ std::string MpiProcessGroup::stall_problem(const comm::OpHeader& header, bool& a
 // may be a mismatch: MPI_ERR_TRUNCATE on the rank that got the longer message, whose peer sees a
 // marked result) the gather waits 2 s at most, and `fallback` is thrown when it finds no
 // difference.
-void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline,
+void MpiProcessGroup::fail_mismatch(const Call& op, Clock::time_point deadline,
                                     const CommError* fallback) {
   constexpr std::size_t kHeaderBytes = sizeof(comm::OpHeader);
   // On the heap and kept until exit on a timeout: MPI may still write it later.
@@ -63,9 +71,10 @@ void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline,
       "collective mismatch in group '{}': rank {} called {}, but not every rank of the group "
       "called the same; every rank must issue the same collectives in the same order with the "
       "same count, dtype, op and root",
-      name_, rank(), op.description());
-  const CommError unknown =
-      fallback ? *fallback : CommError(generic, name_, op.description(), op.header.sequence, -1);
+      name(), rank(), op.description());
+  const CommError unknown = fallback ? *fallback
+                                     : CommError(CommErrorKind::kMismatch, generic, name(),
+                                                 op.description(), op.header.sequence, -1);
   if (rc != MPI_SUCCESS) throw unknown;
   const auto limit = std::min(deadline, Clock::now() + std::chrono::seconds(fallback ? 2 : 10));
   if (!wait_request(request, limit, rc) || rc != MPI_SUCCESS) {
@@ -94,11 +103,12 @@ void MpiProcessGroup::fail_mismatch(const MpiOp& op, Clock::time_point deadline,
     others.push_back(fmt::format("rank{} {} called {}", ranks.size() > 1 ? "s" : "",
                                  fmt::join(ranks, ", "), call));
   }
-  throw CommError(fmt::format("collective mismatch in group '{}': rank {} called {} but {}; every "
+  throw CommError(CommErrorKind::kMismatch,
+                  fmt::format("collective mismatch in group '{}': rank {} called {} but {}; every "
                               "rank must issue the same collectives in the same order with the "
                               "same count, dtype, op and root",
-                              name_, rank(), op.description(), fmt::join(others, " and ")),
-                  name_, op.description(), op.header.sequence, first_other);
+                              name(), rank(), op.description(), fmt::join(others, " and ")),
+                  name(), op.description(), op.header.sequence, first_other);
 }
 
 }  // namespace ddp::comm::mpi

@@ -46,7 +46,8 @@ std::shared_ptr<MpiP2pWork> MpiP2pWork::post(std::shared_ptr<const P2pContext> c
       std::lock_guard guard(work->mutex_);
       work->done_ = true;
       work->request_ = MPI_REQUEST_NULL;
-      error = work->fail_locked(fmt::format("could not start: {}", mpi_error_text(rc)));
+      error = work->fail_locked(CommErrorKind::kTransport,
+                                fmt::format("could not start: {}", mpi_error_text(rc)));
     }
     work->complete(error);
   }
@@ -59,7 +60,7 @@ std::string MpiP2pWork::description() const {
                      call_.tag);
 }
 
-std::exception_ptr MpiP2pWork::fail_locked(const std::string& what) {
+std::exception_ptr MpiP2pWork::fail_locked(CommErrorKind kind, const std::string& what) {
   const std::string description = this->description();
   const std::string message = fmt::format("rank {} of group '{}' (mpi backend): {} {}",
                                           context_->rank, context_->group, description, what);
@@ -89,7 +90,8 @@ std::exception_ptr MpiP2pWork::fail_locked(const std::string& what) {
     }
     request_ = MPI_REQUEST_NULL;
   }
-  return std::make_exception_ptr(CommError(message, context_->group, description, 0, call_.peer));
+  return std::make_exception_ptr(
+      CommError(kind, message, context_->group, description, 0, call_.peer));
 }
 
 bool MpiP2pWork::poll_locked(std::exception_ptr& error) {
@@ -109,12 +111,13 @@ bool MpiP2pWork::poll_locked(std::exception_ptr& error) {
     if (error_class == MPI_ERR_IN_STATUS && call_.is_recv)
       MPI_Error_class(status_.MPI_ERROR, &error_class);
     if (call_.is_recv && error_class == MPI_ERR_TRUNCATE) {
-      error = fail_locked(fmt::format(
-          "failed: rank {} sent more than the {} elements this receive posted (MPI_ERR_TRUNCATE); "
-          "sender and receiver must agree on count and dtype",
-          call_.peer, call_.count));
+      error = fail_locked(CommErrorKind::kMismatch,
+                          fmt::format("failed: rank {} sent more than the {} elements this receive "
+                                      "posted (MPI_ERR_TRUNCATE); "
+                                      "sender and receiver must agree on count and dtype",
+                                      call_.peer, call_.count));
     } else {
-      error = fail_locked(fmt::format("failed: {}", mpi_error_text(rc)));
+      error = fail_locked(CommErrorKind::kTransport, fmt::format("failed: {}", mpi_error_text(rc)));
     }
     return true;
   }
@@ -124,10 +127,11 @@ bool MpiP2pWork::poll_locked(std::exception_ptr& error) {
       int received = 0;
       MPI_Get_count(&status_, MpiRuntime::instance().datatype(call_.dtype), &received);
       if (received < 0 || static_cast<std::size_t>(received) != call_.count) {
-        error = fail_locked(fmt::format(
-            "received {} elements from rank {} but expected {}: sender and receiver must agree on "
-            "count and dtype",
-            received, call_.peer, call_.count));
+        error = fail_locked(CommErrorKind::kMismatch,
+                            fmt::format("received {} elements from rank {} but expected {}: sender "
+                                        "and receiver must agree on "
+                                        "count and dtype",
+                                        received, call_.peer, call_.count));
       }
     }
     return true;
@@ -142,12 +146,14 @@ bool MpiP2pWork::poll_locked(std::exception_ptr& error) {
         break;
       }
     }
-    error = fail_locked(fmt::format(
-        "did not complete within {} ms: {}", call_.timeout.count(),
-        notice.empty() ? fmt::format("rank {} did not post the matching {} with tag {}, or is "
-                                     "stuck or gone",
-                                     call_.peer, call_.is_recv ? "send" : "receive", call_.tag)
-                       : notice));
+    error = fail_locked(
+        CommErrorKind::kTimeout,
+        fmt::format("did not complete within {} ms: {}", call_.timeout.count(),
+                    notice.empty()
+                        ? fmt::format("rank {} did not post the matching {} with tag {}, or is "
+                                      "stuck or gone",
+                                      call_.peer, call_.is_recv ? "send" : "receive", call_.tag)
+                        : notice));
     return true;
   }
   if (now >= next_notice_check_) {
@@ -155,7 +161,7 @@ bool MpiP2pWork::poll_locked(std::exception_ptr& error) {
     for (std::string& text : MpiRuntime::instance().notices(context_->notice_key)) {
       if (text.rfind("stall ", 0) == 0) continue;
       done_ = true;
-      error = fail_locked(fmt::format("cannot complete: {}", text));
+      error = fail_locked(notice_kind(text), fmt::format("cannot complete: {}", text));
       return true;
     }
   }

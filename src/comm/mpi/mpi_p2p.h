@@ -22,10 +22,15 @@
 #include <vector>
 
 #include "comm/mpi/mpi_runtime.h"
+#include "ddp/comm_error.h"
 #include "ddp/types.h"
 #include "ddp/work.h"
 
 namespace ddp::comm::mpi {
+
+// What a peer's notice (MpiProcessGroup::failed_notice, left_notice) says happened: it failed
+// (and aborted the group) or it left.
+CommErrorKind notice_kind(std::string_view notice);
 
 // What a point-to-point Work needs of its group; shared, so that a Work may outlive the group.
 struct P2pContext {
@@ -68,7 +73,7 @@ class MpiP2pWork final : public Work {
  private:
   using Clock = std::chrono::steady_clock;
   // Under mutex_: cancels the request and returns the error to complete with.
-  std::exception_ptr fail_locked(const std::string& what);
+  std::exception_ptr fail_locked(CommErrorKind kind, const std::string& what);
   bool poll_locked(std::exception_ptr& error);
 
   std::shared_ptr<const P2pContext> context_;

@@ -54,7 +54,7 @@ std::chrono::microseconds waiter_spin(int local_size) {
 
 MpiProcessGroup::~MpiProcessGroup() {
   MpiRuntime::instance().remove_exit_listener(this);
-  queue_.stop();  // before the state run() uses goes away
+  stop_queue();  // before the state run_call() uses goes away
   destroyed_->store(true);
   if (watchdog_.joinable()) {
     {
@@ -72,7 +72,7 @@ MpiProcessGroup::~MpiProcessGroup() {
   MPI_Finalized(&finalized);
   // A poisoned communicator may still have an abandoned request posted: leave it to MPI_Finalize,
   // and its buffers to MPI.
-  if (finalized || queue_.poisoned()) {
+  if (finalized || queue().poisoned()) {
     MpiRuntime::instance().keep_until_exit(
         std::shared_ptr<CheckBuffers>(std::move(check_buffers_)));
     return;
@@ -87,9 +87,19 @@ MpiProcessGroup::~MpiProcessGroup() {
   MPI_Comm_free(&p2p_);
 }
 
+// The two notices a group sends its peers; notice_kind tells them apart.
+std::string MpiProcessGroup::failed_notice(const std::string& reason) const {
+  return fmt::format("rank {} failed: {}", rank(), reason);
+}
+
+CommErrorKind notice_kind(std::string_view notice) {
+  return notice.find(" left group '") != std::string_view::npos ? CommErrorKind::kPeerGone
+                                                                : CommErrorKind::kAborted;
+}
+
 std::string MpiProcessGroup::left_notice(std::string_view why) {
   const std::optional<comm::OpHeader> last = issue_log_.last();
-  return fmt::format("rank {} left group '{}' ({}) after issuing {} collectives{}", rank(), name_,
+  return fmt::format("rank {} left group '{}' ({}) after issuing {} collectives{}", rank(), name(),
                      why, last ? last->sequence + 1 : 0,
                      last ? fmt::format(", the last {}", comm::describe(*last)) : std::string());
 }
@@ -106,74 +116,16 @@ void MpiProcessGroup::notify_peers(const std::string& text) {
   MpiRuntime::instance().send_notice(options_.notice_key, peers, text);
 }
 
-void MpiProcessGroup::check_buffer(const void* p, std::size_t count, const char* op,
-                                   const char* name) const {
-  comm::check_buffer(p, count, op, name);
-  if (count > static_cast<std::size_t>(INT_MAX)) {
-    throw ConfigError(
-        fmt::format("{}: count {} is above {} elements, the most one MPI call "
-                    "takes; split the buffer into several calls",
-                    op, count, INT_MAX));
-  }
-}
-
-void MpiProcessGroup::check_rank(int r, const char* op, const char* name) const {
-  comm::check_rank(r, size(), name_, op, name);
-}
-
-void MpiProcessGroup::check_peer(int r, const char* op, const char* name) const {
-  comm::check_peer(r, rank(), size(), name_, op, name);
-}
-
-void MpiProcessGroup::check_tag(int tag, const char* op) const {
-  const int max_tag = MpiRuntime::instance().max_tag();
-  if (tag < 0 || tag > max_tag) {
-    throw ConfigError(
-        fmt::format("{}: tag {} is outside 0..{}, the tags this MPI accepts", op, tag, max_tag));
-  }
-}
-
-MpiOp MpiProcessGroup::make_op(Collective kind, const void* send, void* recv, std::size_t count,
-                               DType dtype, std::optional<ReduceOp> op, int root) const {
-  // to_string's names are string literals, so data() is null-terminated (no string per call).
-  comm::check_enums(comm::to_string(kind).data(), dtype, op);
-  MpiOp result;
-  result.kind = kind;
-  result.send = static_cast<const std::byte*>(send);
-  result.recv = static_cast<std::byte*>(recv);
-  result.count = count;
-  result.dtype = dtype;
-  result.op = op.value_or(ReduceOp::kSum);
-  result.root = root;
-  return result;
-}
-
-std::shared_ptr<Work> MpiProcessGroup::enqueue(MpiOp op, CallOptions options) {
-  op.timeout = comm::OpQueue::call_timeout(options, timeout_);
-  // The same names as the ring backend's messages ("allreduce(float32 x 8, sum) #3"); the queue
-  // sets the sequence number.
-  op.header.kind = op.kind;
-  op.header.dtype = static_cast<std::uint8_t>(op.dtype);
-  op.header.reduce_op = op.kind == Collective::kAllreduce || op.kind == Collective::kReduce ||
-                                op.kind == Collective::kReduceScatter
-                            ? static_cast<std::uint8_t>(op.op)
-                            : comm::kNoReduceOp;
-  op.header.count = op.count;
-  op.header.root = op.root;
-  return queue_.submit<MpiWork>(std::move(op), options.blocking, &issue_log_);
-}
-
 std::shared_ptr<Work> MpiProcessGroup::post_p2p(comm::mpi::P2pCall call, CallOptions options) {
-  comm::check_enums(call.is_recv ? "recv" : "send", call.dtype, std::nullopt);
-  call.timeout = comm::OpQueue::call_timeout(options, timeout_);
-  if (queue_.poisoned()) {
+  call.timeout = comm::OpQueue::call_timeout(options, group_timeout());
+  if (queue().poisoned()) {
     // As every operation of a failed group: its first error, at once.
     auto failed = std::make_shared<comm::mpi::MpiP2pWork>(p2p_context_, call);
-    failed->complete(queue_.poison_error());
-    return comm::finish_if_blocking(failed, options);
+    failed->complete(queue().poison_error());
+    return failed;
   }
   auto work = comm::mpi::MpiP2pWork::post(p2p_context_, p2p_, call);
-  if (work->is_completed()) return comm::finish_if_blocking(work, options);
+  if (work->is_completed()) return work;
   p2p_pending_.add(work);
   ensure_watchdog();
   {
@@ -181,23 +133,20 @@ std::shared_ptr<Work> MpiProcessGroup::post_p2p(comm::mpi::P2pCall call, CallOpt
     watch_.p2p_posted = true;
   }
   watch_.cv.notify_one();
-  return comm::finish_if_blocking(work, options);
+  return work;
 }
 
 // With abort_on_failure the first failure ends the job here, before any caller sees the error
 // (MPI cannot interrupt the peers' calls, so they would wait for their deadlines).
-void MpiProcessGroup::run(comm::QueuedWork& work, net::Deadline deadline) {
-  MpiOp& op = static_cast<MpiWork&>(work).op();
+void MpiProcessGroup::run_call(Call& op, net::Deadline deadline) {
   if (!options_.abort_on_failure) return run_op(op, deadline);
   try {
     run_op(op, deadline);
   } catch (const std::exception& e) {
     // The queue's own dump would come too late: the job ends here.
-    queue_.dump_flight_recorder(
-        std::string_view(e.what()).find("mismatch") != std::string_view::npos    ? "mismatch"
-        : std::string_view(e.what()).find("timed out") != std::string_view::npos ? "timeout"
-                                                                                 : "failure",
-        e.what());
+    const auto* comm_error = dynamic_cast<const CommError*>(&e);
+    queue().dump_flight_recorder(
+        comm_error != nullptr ? comm::dump_reason(comm_error->kind()) : "failure", e.what());
     MpiRuntime::abort_job(
         fmt::format("{} (MpiOptions::abort_on_failure is on; turn it off to "
                     "handle the CommError in the program instead)",
@@ -210,13 +159,13 @@ void MpiProcessGroup::run(comm::QueuedWork& work, net::Deadline deadline) {
 void MpiProcessGroup::on_poison(const std::string& reason) noexcept {
   if (options_.abort_on_failure) MpiRuntime::abort_job(reason);
   try {
-    notify_peers(fmt::format("rank {} failed: {}", rank(), reason));
+    notify_peers(failed_notice(reason));
   } catch (...) {
     // Best effort: the peers then fail at their own deadlines.
   }
 }
 
-void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
+void MpiProcessGroup::run_op(Call& op, Clock::time_point deadline) {
   if (use_checked_allreduce(op)) return run_checked_allreduce(op, deadline);
   MPI_Request check = MPI_REQUEST_NULL;
   if (size() > 1) {
@@ -227,7 +176,8 @@ void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
     const int rc = MPI_Iallreduce(check_buffers_->mine, check_buffers_->combined, 2, MPI_UINT64_T,
                                   MPI_MAX, check_, &check);
     if (rc != MPI_SUCCESS) {
-      throw error(op, fmt::format("could not start its fingerprint check: {}", mpi_error_text(rc)));
+      throw error(op, CommErrorKind::kTransport,
+                  fmt::format("could not start its fingerprint check: {}", mpi_error_text(rc)));
     }
   }
   MPI_Request request = MPI_REQUEST_NULL;
@@ -235,7 +185,9 @@ void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
   // on another is a mismatch).
   if (op.count != 0 || op.kind == Collective::kBarrier) {
     const int rc = start(op, &request);
-    if (rc != MPI_SUCCESS) throw error(op, fmt::format("could not start: {}", mpi_error_text(rc)));
+    if (rc != MPI_SUCCESS)
+      throw error(op, CommErrorKind::kTransport,
+                  fmt::format("could not start: {}", mpi_error_text(rc)));
   }
   wait_for_op(op, deadline, request, check);
   if (op.count == 0 && op.kind != Collective::kBarrier) return;
@@ -261,7 +213,7 @@ void MpiProcessGroup::run_op(MpiOp& op, Clock::time_point deadline) {
   }
 }
 
-void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Request& data,
+void MpiProcessGroup::wait_for_op(Call& op, Clock::time_point deadline, MPI_Request& data,
                                   MPI_Request& check) {
   StallCheck stall(*this, op, deadline);
   int data_rc = MPI_SUCCESS;
@@ -270,7 +222,8 @@ void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Req
       int rc = MPI_SUCCESS;
       const bool done = test_request(check, rc, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) {
-        throw error(op, fmt::format("failed in its fingerprint check: {}", mpi_error_text(rc)));
+        throw error(op, CommErrorKind::kTransport,
+                    fmt::format("failed in its fingerprint check: {}", mpi_error_text(rc)));
       }
       if (done && (check_buffers_->combined[0] != check_buffers_->mine[0] ||
                    check_buffers_->combined[1] != check_buffers_->mine[1])) {
@@ -284,10 +237,11 @@ void MpiProcessGroup::wait_for_op(MpiOp& op, Clock::time_point deadline, MPI_Req
     stall.check();
     back_off(idle);
   }
-  if (data_rc != MPI_SUCCESS) throw error(op, fmt::format("failed: {}", mpi_error_text(data_rc)));
+  if (data_rc != MPI_SUCCESS)
+    throw error(op, CommErrorKind::kTransport, fmt::format("failed: {}", mpi_error_text(data_rc)));
 }
 
-MpiProcessGroup::StallCheck::StallCheck(MpiProcessGroup& group, const MpiOp& op,
+MpiProcessGroup::StallCheck::StallCheck(MpiProcessGroup& group, const Call& op,
                                         Clock::time_point deadline)
     : group_(group),
       op_(op),
@@ -300,22 +254,21 @@ void MpiProcessGroup::StallCheck::check() {
   if (now >= deadline_) {
     // MPI cannot cancel a collective: the request stays posted and the group stays poisoned.
     const std::string notice = group_.receive_notice();
-    throw group_.error(op_, fmt::format("did not complete within {} ms: {}; this group is unusable "
-                                        "from now on",
-                                        op_.timeout.count(),
-                                        notice.empty() ? "a rank of the group did not issue it, or "
-                                                         "is stuck or gone"
-                                                       : notice));
+    throw group_.error(op_, CommErrorKind::kTimeout,
+                       fmt::format("did not complete within {} ms: {}; this group is unusable "
+                                   "from now on",
+                                   op_.timeout.count(),
+                                   notice.empty() ? "a rank of the group did not issue it, or "
+                                                    "is stuck or gone"
+                                                  : notice));
   }
   if (now >= next_notice_check_) {
     next_notice_check_ = now + milliseconds(10);
-    const std::string problem = group_.stall_problem(op_.header, announced_);
-    if (!problem.empty())
-      throw CommError(problem, group_.name_, op_.description(), op_.header.sequence, -1);
+    if (auto problem = group_.stall_problem(op_, announced_)) throw *problem;
   }
 }
 
-int MpiProcessGroup::start(MpiOp& op, MPI_Request* request) {
+int MpiProcessGroup::start(Call& op, MPI_Request* request) {
   auto& runtime = MpiRuntime::instance();
   const MPI_Datatype type = runtime.datatype(op.dtype);
   const MPI_Op reduce_op = runtime.reduce_op(op.dtype, op.op);

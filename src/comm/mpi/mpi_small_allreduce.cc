@@ -54,7 +54,7 @@ std::size_t MpiProcessGroup::small_allreduce_max_bytes(int world) {
   return kSmallAllreduceMaxBytesSent / static_cast<std::size_t>(std::max(steps, 1));
 }
 
-void MpiProcessGroup::run_small_allreduce(MpiOp& op, const InBandFingerprint& in_band, DType dtype,
+void MpiProcessGroup::run_small_allreduce(Call& op, const InBandFingerprint& in_band, DType dtype,
                                           ReduceOp reduce_op, Clock::time_point deadline) {
   const std::size_t fingerprint_bytes = in_band.bytes();
   const std::size_t bytes = op.count * dtype_size(op.dtype);
@@ -85,7 +85,7 @@ void MpiProcessGroup::run_small_allreduce(MpiOp& op, const InBandFingerprint& in
   if (op.op == ReduceOp::kAvg) comm::divide(op.recv, op.count, op.dtype, size());
 }
 
-bool MpiProcessGroup::recursive_doubling(MpiOp& op, std::byte* mine, std::byte* theirs,
+bool MpiProcessGroup::recursive_doubling(Call& op, std::byte* mine, std::byte* theirs,
                                          std::size_t bytes, std::size_t elements, DType dtype,
                                          ReduceOp combine, bool leave_last_step,
                                          Clock::time_point deadline) {
@@ -118,7 +118,7 @@ bool MpiProcessGroup::recursive_doubling(MpiOp& op, std::byte* mine, std::byte* 
   return false;
 }
 
-void MpiProcessGroup::exchange_step(MpiOp& op, int peer, const std::byte* from, std::byte* into,
+void MpiProcessGroup::exchange_step(Call& op, int peer, const std::byte* from, std::byte* into,
                                     std::size_t bytes, StallCheck& stall,
                                     Clock::time_point deadline) {
   // Each piece fits the eager limit: receives first, then sends, packed so that every poll tests
@@ -141,8 +141,9 @@ void MpiProcessGroup::exchange_step(MpiOp& op, int peer, const std::byte* from, 
         MPI_Isend(from + at, count, MPI_BYTE, peer, kSmallAllreduceTag, comm_, &requests[posted++]);
   }
   if (rc != MPI_SUCCESS) {
-    throw error(
-        op, fmt::format("could not post its exchange with rank {}: {}", peer, mpi_error_text(rc)));
+    throw error(op, CommErrorKind::kTransport,
+                fmt::format("could not post its exchange with rank {}: {}", peer,
+                            mpi_error_text(rc)));
   }
   MPI_Status statuses[2 * kMaxPieces];
   for (int polls = 1;; ++polls) {
@@ -167,16 +168,16 @@ void MpiProcessGroup::exchange_step(MpiOp& op, int peer, const std::byte* from, 
     }
   }
   if (rc != MPI_SUCCESS || received != bytes) {
-    const CommError failed = error(
-        op, rc != MPI_SUCCESS
-                ? fmt::format("failed in its exchange with rank {}: {}", peer, mpi_error_text(rc))
-                : fmt::format("received {} bytes from rank {} where {} were due", received, peer,
-                              bytes));
+    const CommError failed =
+        error(op, rc != MPI_SUCCESS ? CommErrorKind::kTransport : CommErrorKind::kMismatch,
+              rc != MPI_SUCCESS
+                  ? fmt::format("failed in its exchange with rank {}: {}", peer, mpi_error_text(rc))
+                  : fmt::format("received {} bytes from rank {} where {} were due", received, peer,
+                                bytes));
     // Tell the peers which call this rank made: one left waiting for a piece that this rank will
     // not send names both calls at its next stall check instead of at its deadline.
     bool announced = false;
-    const std::string problem = stall_problem(op.header, announced);
-    if (!problem.empty()) throw CommError(problem, name_, op.description(), op.header.sequence, -1);
+    if (auto problem = stall_problem(op, announced)) throw *problem;
     fail_mismatch(op, deadline, &failed);
   }
 }

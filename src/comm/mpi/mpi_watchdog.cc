@@ -62,23 +62,21 @@ void MpiProcessGroup::check_blocking_call(std::uint64_t& announced_id) {
   if (watch_.id.load(std::memory_order_relaxed) != id) return;  // changed while read
   const auto now = Clock::now();
   if (now - (deadline - timeout) < options_.stall_check_after) return;
-  MpiOp op;  // for the message
+  Call op;  // for the message
   std::memcpy(&op.header, words, sizeof words);
   op.kind = op.header.kind;
   bool announced = announced_id == id;
   announced_id = id;
-  const std::string problem = stall_problem(op.header, announced);
-  if (!problem.empty()) {
-    queue_.dump_flight_recorder(
-        problem.find("mismatch") != std::string::npos ? "mismatch" : "failure", problem);
-    MpiRuntime::abort_job(problem);
+  if (const auto problem = stall_problem(op, announced)) {
+    queue().dump_flight_recorder(comm::dump_reason(problem->kind()), problem->what());
+    MpiRuntime::abort_job(problem->what());
   }
   if (now >= deadline) {
     const std::string text = fmt::format(
         "rank {} of group '{}' (mpi backend): {} did not complete within {} ms: "
         "a rank of the group did not issue it, or is stuck or gone",
-        rank(), name_, op.description(), timeout.count());
-    queue_.dump_flight_recorder("timeout", text);  // before the job ends
+        rank(), name(), op.description(), timeout.count());
+    queue().dump_flight_recorder("timeout", text);  // before the job ends
     MpiRuntime::abort_job(text);
   }
 }

@@ -180,7 +180,8 @@ void Exchange::fail_mismatch(int peer, const OpHeader& expected, const OpHeader&
       theirs += " (do the ranks use different RingOptions::small_message_bytes?)";
     }
   }
-  throw CommError(fmt::format("collective mismatch in group '{}': rank {} called {} but rank {} "
+  throw CommError(CommErrorKind::kMismatch,
+                  fmt::format("collective mismatch in group '{}': rank {} called {} but rank {} "
                               "called {}; every rank must issue the same collectives in the same "
                               "order with the same count, dtype, op and root",
                               *context_.group, context_.rank, mine, peer, theirs),
@@ -255,6 +256,7 @@ void Exchange::fail_timeout(std::chrono::milliseconds timeout) const {
   int peer = -1;
   const std::string waiting = waiting_for(peer);
   throw CommError(
+      CommErrorKind::kTimeout,
       fmt::format("rank {} timed out after {} ms in {} in group '{}' waiting for {}; "
                   "the peer is stuck, stopped, or did not issue this collective",
                   context_.rank, timeout.count(), context_.op, *context_.group, waiting),

@@ -33,7 +33,10 @@ namespace ddp::comm {
 // A connection closed or was reset by the peer (the group adds the peer's reason, if it left one).
 class PeerClosedError : public CommError {
  public:
-  using CommError::CommError;
+  PeerClosedError(const std::string& message, std::string group, std::string op,
+                  std::uint64_t sequence, int peer)
+      : CommError(CommErrorKind::kPeerGone, message, std::move(group), std::move(op), sequence,
+                  peer) {}
 };
 
 // What the error messages need to know about the operation in progress.

@@ -12,9 +12,9 @@ namespace {
 
 // Allreduce of the cross-host group on `buf` (in place), with this operation's sequence number;
 // an average divides by the whole group's size. Errors name this group's ranks.
-void cross_host_allreduce(Hierarchy& h, std::byte* buf, std::size_t count, const OpArgs& a,
+void cross_host_allreduce(Hierarchy& h, std::byte* buf, std::size_t count, const Call& a,
                           net::Deadline deadline) {
-  OpArgs x;
+  Call x;
   x.kind = Collective::kAllreduce;
   x.send = buf;
   x.recv = buf;
@@ -37,8 +37,8 @@ void cross_host_allreduce(Hierarchy& h, std::byte* buf, std::size_t count, const
   } catch (const CommError& e) {
     // The cross-host group numbers its members 0..H-1: name this group's ranks too.
     const int peer = e.peer() >= 0 ? h.cross_members[static_cast<std::size_t>(e.peer())] : -1;
-    throw CommError(fmt::format("{} [{}]", e.what(), h.cross_ranks_note(e.peer())), h.group,
-                    a.description(), a.header.sequence, peer);
+    throw CommError(e.kind(), fmt::format("{} [{}]", e.what(), h.cross_ranks_note(e.peer())),
+                    h.group, a.description(), a.header.sequence, peer);
   }
 }
 
@@ -68,7 +68,7 @@ std::string Hierarchy::cross_ranks_note(int cross_peer) const {
 // Each element is reduced in one fixed order (local ranks in rank order, then hosts by the
 // cross-host algorithm, which gives the same bits to all of its ranks) and then copied, so every
 // rank gets bit-identical results. avg sums and divides once, by the whole group's size.
-void allreduce_hierarchical(Hierarchy& h, const OpArgs& a, net::Deadline deadline) {
+void allreduce_hierarchical(Hierarchy& h, const Call& a, net::Deadline deadline) {
   const std::size_t esz = dtype_size(a.dtype);
   const ReduceOp local_op = a.op == ReduceOp::kAvg ? ReduceOp::kSum : a.op;
   const auto local_size = h.local.size();

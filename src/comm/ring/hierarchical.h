@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/ring/op_args.h"
+#include "comm/call.h"
 #include "comm/ring/shm/shm_domain.h"
 #include "comm/ring/tcp_algorithms.h"
 #include "net/socket.h"
@@ -43,6 +43,6 @@ struct Hierarchy {
 
 // Allreduce of `a` (kind kAllreduce, algorithm kHierarchical) over the hosts; bit-identical
 // results on every rank. Throws CommError naming this group's ranks.
-void allreduce_hierarchical(Hierarchy& h, const OpArgs& a, net::Deadline deadline);
+void allreduce_hierarchical(Hierarchy& h, const Call& a, net::Deadline deadline);
 
 }  // namespace ddp::comm

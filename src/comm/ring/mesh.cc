@@ -54,7 +54,8 @@ std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& p,
     const std::string peer_address = store.get_string(key, std::max(left, milliseconds(1)));
     const auto colon = peer_address.rfind(':');
     if (colon == std::string::npos) {
-      throw CommError(fmt::format("rank {} of group '{}': store key '{}' holds '{}', not "
+      throw CommError(CommErrorKind::kSetup,
+                      fmt::format("rank {} of group '{}': store key '{}' holds '{}', not "
                                   "host:port",
                                   p.rank, p.group, key, peer_address),
                       p.group, "connect", 0, peer);
@@ -65,7 +66,8 @@ std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& p,
     try {
       socket = net::connect_tcp(host, port, deadline);
     } catch (const Error& e) {
-      throw CommError(fmt::format("rank {} of group '{}' cannot connect to rank {} at {}: {}",
+      throw CommError(CommErrorKind::kSetup,
+                      fmt::format("rank {} of group '{}' cannot connect to rank {} at {}: {}",
                                   p.rank, p.group, peer, peer_address, e.what()),
                       p.group, "connect", 0, peer);
     }

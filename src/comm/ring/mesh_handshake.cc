@@ -155,7 +155,8 @@ class Acceptor {
       const int rc = net::poll_fds(fds, net::poll_timeout_ms(deadline_));
       if (rc < 0) {
         if (errno == EINTR) continue;
-        throw CommError(fmt::format("rank {} of group '{}': poll failed while accepting peers: {}",
+        throw CommError(CommErrorKind::kSetup,
+                        fmt::format("rank {} of group '{}': poll failed while accepting peers: {}",
                                     params_.rank, params_.group, std::strerror(errno)),
                         params_.group, "connect", 0, -1);
       }
@@ -357,7 +358,8 @@ class Acceptor {
     if (refused_ > 0) {
       refusals = fmt::format(" ({} connection(s) refused, the last {})", refused_, last_refusal_);
     }
-    throw CommError(fmt::format("rank {} of group '{}' timed out after {} ms waiting for ranks {} "
+    throw CommError(CommErrorKind::kTimeout,
+                    fmt::format("rank {} of group '{}' timed out after {} ms waiting for ranks {} "
                                 "to connect; did every rank create the group?{}",
                                 params_.rank, params_.group, timeout_.count(), missing, refusals),
                     params_.group, "connect", 0, -1);
@@ -400,7 +402,8 @@ void connect_handshake(net::Socket& socket, const HandshakeParams& params, int p
                        net::Deadline deadline) {
   const bool auth = !params.secret.empty();
   auto fail = [&](const std::string& what) {
-    return CommError(fmt::format("rank {} of group '{}': handshake with rank {} at {} failed: {}",
+    return CommError(CommErrorKind::kSetup,
+                     fmt::format("rank {} of group '{}': handshake with rank {} at {} failed: {}",
                                  params.rank, params.group, peer, socket.peer(), what),
                      params.group, "connect", 0, peer);
   };

@@ -15,7 +15,7 @@ TcpContext::TcpContext(const std::string& group, int rank, int size, std::size_t
                        std::chrono::microseconds spin)
     : group_(group), rank_(rank), size_(size), spin_(spin), chunk_(chunk_bytes) {}
 
-Exchange& TcpContext::begin(const OpArgs& a) {
+Exchange& TcpContext::begin(const Call& a) {
   exchange_.reset(
       a.header, a.dtype,
       ExchangeContext{&group_, rank_, op_text_ = a.description(), peer_fds_.data(), size_,
@@ -23,7 +23,7 @@ Exchange& TcpContext::begin(const OpArgs& a) {
   return exchange_;
 }
 
-void TcpContext::finish(const OpArgs& a, net::Deadline deadline) {
+void TcpContext::finish(const Call& a, net::Deadline deadline) {
   exchange_.run(deadline, spin_, a.timeout);
 }
 
@@ -41,7 +41,7 @@ Algorithm tcp_broadcast_algorithm(std::size_t bytes, std::size_t small_message_b
   return bytes <= small_message_bytes ? Algorithm::kBinomialTree : Algorithm::kChain;
 }
 
-void run_tcp(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void run_tcp(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   switch (a.kind) {
     case Collective::kAllreduce:
       if (tcp.size() == 1) {
@@ -74,6 +74,7 @@ void run_tcp(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
       break;
   }
   throw CommError(
+      CommErrorKind::kInternal,
       fmt::format("rank {}: {} has no TCP collective path", tcp.rank(), a.description()),
       tcp.group(), a.description(), a.header.sequence, -1);
 }
@@ -84,7 +85,7 @@ void run_tcp(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
 // op incoming, in chunks), steps N-1..2N-3 copy final segments straight into place. What is sent
 // at step k >= 1 is exactly what was received at step k-1, gated byte by byte, so forwarding
 // starts as soon as the first chunk is reduced. Per rank: 2(N-1)/N * S bytes each way.
-void allreduce_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void allreduce_ring(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const int r = tcp.rank();
   const std::size_t esz = dtype_size(a.dtype);
@@ -126,7 +127,7 @@ void allreduce_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
 // its whole current vector with v ^ 2^j and both reduce. The N-P extra ranks first hand their
 // input to a neighbour and get the result back at the end. Per rank: log2(P) * S bytes each way.
 // Also the barrier (S = 0: headers only).
-void allreduce_recursive_doubling(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void allreduce_recursive_doubling(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const int r = tcp.rank();
   const std::size_t bytes = a.count * dtype_size(a.dtype);
@@ -186,7 +187,7 @@ void allreduce_recursive_doubling(TcpContext& tcp, const OpArgs& a, net::Deadlin
 // Broadcast down a tree rooted at `root`, forwarding each chunk as soon as it arrives: a chain
 // (pipelined; every link carries S once, latency N-1 hops) for large messages, a binomial tree
 // (ceil(log2 N) hops; the root sends S to each of its children) for small ones.
-void broadcast_tree(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void broadcast_tree(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const int v = (tcp.rank() - a.root + n) % n;
   auto real = [&](int virtual_rank) { return (virtual_rank + a.root) % n; };
@@ -226,7 +227,7 @@ void broadcast_tree(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
 // Reduce along a chain ending at the root: the farthest rank sends its input, each rank on the
 // way reduces what arrives with its own input (chunk by chunk) and forwards it at once.
 // Every link carries S once; latency N-1 hops.
-void reduce_chain(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void reduce_chain(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const std::size_t bytes = a.count * dtype_size(a.dtype);
   if (n == 1) {
@@ -255,7 +256,7 @@ void reduce_chain(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
 
 // Ring allgather: N-1 steps; at step k rank r forwards block r-k (its own first) to the next
 // rank and receives block r-k-1 straight into place. Per rank: (N-1) * block bytes each way.
-void allgather_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void allgather_ring(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const int r = tcp.rank();
   const std::size_t block = a.count * dtype_size(a.dtype);
@@ -278,7 +279,7 @@ void allgather_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
 // Ring reduce-scatter: N-1 steps; at step k rank r sends block r-k-1 (its input, then partial
 // sums) and receives block r-k-2, reducing it with its own input; the last block it reduces is
 // its own (r) and lands in recv. Per rank: (N-1) * block bytes each way.
-void reduce_scatter_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void reduce_scatter_ring(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const int r = tcp.rank();
   const std::size_t block = a.count * dtype_size(a.dtype);
@@ -307,7 +308,7 @@ void reduce_scatter_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadlin
 }
 
 // Gather: every rank sends its block straight to the root, which receives them all at once.
-void gather_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void gather_direct(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const std::size_t block = a.count * dtype_size(a.dtype);
   if (tcp.rank() == a.root) {
@@ -330,7 +331,7 @@ void gather_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
 }
 
 // Scatter: the root sends block j straight to rank j, to all at once.
-void scatter_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void scatter_direct(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const std::size_t block = a.count * dtype_size(a.dtype);
   if (tcp.rank() == a.root) {
@@ -354,7 +355,7 @@ void scatter_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
 
 // Alltoall: every rank sends block j to rank j and receives block j from rank j, all pairs at
 // once over the full mesh. Per rank: (N-1) * block bytes each way.
-void alltoall_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline) {
+void alltoall_direct(TcpContext& tcp, const Call& a, net::Deadline deadline) {
   const int n = tcp.size();
   const int r = tcp.rank();
   const std::size_t block = a.count * dtype_size(a.dtype);

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "comm/call.h"
 #include "comm/ring/exchange.h"
-#include "comm/ring/op_args.h"
 #include "comm/wire.h"
 #include "net/socket.h"
 
@@ -47,8 +47,8 @@ class TcpContext {
   }
 
   // One step of `a`: reset() the exchange, add streams to exchange(), then finish().
-  Exchange& begin(const OpArgs& a);
-  void finish(const OpArgs& a, net::Deadline deadline);
+  Exchange& begin(const Call& a);
+  void finish(const Call& a, net::Deadline deadline);
   Exchange& exchange() { return exchange_; }
 
   // The receive chunk reductions go through (RingOptions::chunk_bytes).
@@ -87,16 +87,16 @@ Algorithm tcp_allreduce_algorithm(std::size_t bytes, std::size_t count, int size
 Algorithm tcp_broadcast_algorithm(std::size_t bytes, std::size_t small_message_bytes);
 
 // Runs `a` over TCP with the algorithm its header names.
-void run_tcp(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
+void run_tcp(TcpContext& tcp, const Call& a, net::Deadline deadline);
 
-void allreduce_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void allreduce_recursive_doubling(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void broadcast_tree(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void reduce_chain(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void allgather_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void reduce_scatter_ring(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void gather_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void scatter_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
-void alltoall_direct(TcpContext& tcp, const OpArgs& a, net::Deadline deadline);
+void allreduce_ring(TcpContext& tcp, const Call& a, net::Deadline deadline);
+void allreduce_recursive_doubling(TcpContext& tcp, const Call& a, net::Deadline deadline);
+void broadcast_tree(TcpContext& tcp, const Call& a, net::Deadline deadline);
+void reduce_chain(TcpContext& tcp, const Call& a, net::Deadline deadline);
+void allgather_ring(TcpContext& tcp, const Call& a, net::Deadline deadline);
+void reduce_scatter_ring(TcpContext& tcp, const Call& a, net::Deadline deadline);
+void gather_direct(TcpContext& tcp, const Call& a, net::Deadline deadline);
+void scatter_direct(TcpContext& tcp, const Call& a, net::Deadline deadline);
+void alltoall_direct(TcpContext& tcp, const Call& a, net::Deadline deadline);
 
 }  // namespace ddp::comm

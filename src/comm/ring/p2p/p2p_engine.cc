@@ -121,7 +121,8 @@ std::shared_ptr<Work> P2pEngine::send(const void* buf, std::size_t count, DType 
   auto work = op->work;
   std::exception_ptr error = s.poison ? s.poison : p.failed;
   if (!error && p.closed) {
-    error = s.comm_error(fmt::format("rank {}: {} in group '{}': rank {} closed its "
+    error = s.comm_error(CommErrorKind::kPeerGone,
+                         fmt::format("rank {}: {} in group '{}': rank {} closed its "
                                      "point-to-point connection (it destroyed its group or "
                                      "exited)",
                                      s.options.rank, work->description(), s.options.group, dst),

@@ -23,7 +23,8 @@ void P2pEngine::State::reject(Peer& p, const P2pFrame& m, const std::shared_ptr<
       describe_send(static_cast<DType>(m.dtype), m.count, m.tag, options.rank, m.message);
   finish_recv(
       p, op,
-      comm_error(fmt::format("point-to-point mismatch in group '{}': rank {} called {} but rank "
+      comm_error(CommErrorKind::kMismatch,
+                 fmt::format("point-to-point mismatch in group '{}': rank {} called {} but rank "
                              "{} sent {}; a send and the receive it matches (same peer and tag, "
                              "in posting order) must agree on count and dtype",
                              options.group, options.rank, mine, peer, theirs),
@@ -55,6 +56,7 @@ void P2pEngine::State::on_reject(Peer& p, const P2pFrame& r, const P2pFrame& m) 
       it != p.sends.end() ? it->second->work->description() : describe(m, true, peer, r.message);
   const std::string theirs = describe(r, false, options.rank, r.aux);
   auto error = comm_error(
+      CommErrorKind::kMismatch,
       fmt::format("point-to-point mismatch in group '{}': rank {} called {} but rank {} "
                   "received it with {}; a send and the receive it matches (same peer and tag, "
                   "in posting order) must agree on count and dtype",
@@ -110,7 +112,8 @@ void P2pEngine::State::match_posted(Peer& p, const std::shared_ptr<RecvOp>& op) 
   if (p.closed) {
     const int peer = peer_index(p);
     finish_recv(p, op,
-                comm_error(fmt::format("rank {}: {} in group '{}' cannot match: rank {} closed "
+                comm_error(CommErrorKind::kPeerGone,
+                           fmt::format("rank {}: {} in group '{}' cannot match: rank {} closed "
                                        "its point-to-point connection (it destroyed its group "
                                        "or exited) without sending it",
                                        options.rank, op->work->description(), options.group, peer),

@@ -58,6 +58,7 @@ std::exception_ptr P2pEngine::State::closed_error(const Peer& p, const std::stri
   const std::string op = first_pending(p);
   const std::string others = p.recvs.empty() ? std::string() : unmatched(p);
   return comm_error(
+      reason.empty() ? CommErrorKind::kPeerGone : CommErrorKind::kAborted,
       fmt::format("rank {}: rank {} closed the point-to-point connection of group '{}'{} during "
                   "{}{}{}",
                   options.rank, peer, options.group, detail, op,
@@ -86,7 +87,8 @@ void P2pEngine::State::on_closed(Peer& p, const std::string& detail) {
 
 void P2pEngine::State::fail_protocol(Peer& p, const std::string& what) {
   const int peer = peer_index(p);
-  fail_peer(p, comm_error(fmt::format("rank {}: rank {} sent a malformed point-to-point frame in "
+  fail_peer(p, comm_error(CommErrorKind::kTransport,
+                          fmt::format("rank {}: rank {} sent a malformed point-to-point frame in "
                                       "group '{}' ({}); is it running the same ddp version?",
                                       options.rank, peer, options.group, what),
                           "point-to-point", 0, peer));
@@ -198,7 +200,8 @@ std::exception_ptr P2pEngine::State::timeout_error(const Peer& p, const SendOp& 
                                      peer)
                                : fmt::format("rank {} did not read it", peer);
   const std::string desc = op.work->description();
-  return comm_error(fmt::format("rank {} timed out after {} ms in {} in group '{}': {}",
+  return comm_error(CommErrorKind::kTimeout,
+                    fmt::format("rank {} timed out after {} ms in {} in group '{}': {}",
                                 options.rank, op.timeout.count(), desc, options.group, what),
                     desc, op.header.message, peer);
 }
@@ -228,7 +231,8 @@ std::exception_ptr P2pEngine::State::timeout_error(const Peer& p, const RecvOp& 
                            "rank {} sent no message with tag {} for it, but sent {}, which no "
                            "receive took (a different tag?)",
                            peer, op.tag, others);
-  return comm_error(fmt::format("rank {} timed out after {} ms in {} in group '{}': {}",
+  return comm_error(CommErrorKind::kTimeout,
+                    fmt::format("rank {} timed out after {} ms in {} in group '{}': {}",
                                 options.rank, op.timeout.count(), desc, options.group, what),
                     desc, op.number, peer);
 }
@@ -303,7 +307,8 @@ void P2pEngine::State::run() {
   // thread): they fail rather than never complete.
   if (!all_idle()) {
     const auto error =
-        comm_error(fmt::format("rank {}: group '{}' was destroyed with this operation pending",
+        comm_error(CommErrorKind::kAborted,
+                   fmt::format("rank {}: group '{}' was destroyed with this operation pending",
                                options.rank, options.group),
                    "point-to-point", 0, -1);
     for (auto& p : peers)

@@ -187,9 +187,9 @@ struct P2pEngine::State {
   void drain(std::unique_lock<std::mutex>& lock);
   int peer_index(const Peer& p) const { return static_cast<int>(&p - peers.data()); }
 
-  std::exception_ptr comm_error(const std::string& message, const std::string& op,
-                                std::uint64_t sequence, int peer) const {
-    return std::make_exception_ptr(CommError(message, options.group, op, sequence, peer));
+  std::exception_ptr comm_error(CommErrorKind kind, const std::string& message,
+                                const std::string& op, std::uint64_t sequence, int peer) const {
+    return std::make_exception_ptr(CommError(kind, message, options.group, op, sequence, peer));
   }
 
   // Fails the operations pending with `p`.

@@ -19,13 +19,13 @@
 
 namespace ddp::comm::shm {
 
-void ShmDomain::fail(const std::string& what, int peer, bool peer_error) const {
+void ShmDomain::fail(CommErrorKind kind, const std::string& what, int peer, bool peer_error) const {
   const std::string op = describe(header_);
   const std::string message = fmt::format("shm group '{}' rank {}: {} failed: {}", options_.group,
                                           rank_number(options_, rank_), op, what);
   const int blamed = group_rank(peer);
-  if (peer_error) throw ShmPeerError(message, options_.group, op, header_.sequence, blamed);
-  throw CommError(message, options_.group, op, header_.sequence, blamed);
+  if (peer_error) throw ShmPeerError(kind, message, options_.group, op, header_.sequence, blamed);
+  throw CommError(kind, message, options_.group, op, header_.sequence, blamed);
 }
 
 // Once per call: a wait this long is no scheduling delay but a rank that is behind or stuck.
@@ -58,7 +58,8 @@ int ShmDomain::aborted_peer() const {
 void ShmDomain::fail_aborted(int by) const {
   const RankControl& c = controls(segment_)[by];
   std::string reason(c.abort_reason, strnlen(c.abort_reason, sizeof c.abort_reason));
-  fail(fmt::format("rank {} aborted the group: {}", rank_number(options_, by), reason), by, true);
+  fail(CommErrorKind::kAborted,
+       fmt::format("rank {} aborted the group: {}", rank_number(options_, by), reason), by, true);
 }
 
 int ShmDomain::dead_peer() const {
@@ -77,7 +78,8 @@ int ShmDomain::dead_peer() const {
 }
 
 void ShmDomain::fail_dead(int peer) const {
-  fail(fmt::format("rank {} (pid {}) exited or was killed", rank_number(options_, peer),
+  fail(CommErrorKind::kPeerGone,
+       fmt::format("rank {} (pid {}) exited or was killed", rank_number(options_, peer),
                    peer_pids_[peer]),
        peer, true);
 }
@@ -130,7 +132,8 @@ void ShmDomain::wait_word(std::uint32_t& word, std::uint32_t& sleepers_word, std
     const auto now = net::Clock::now();
     if (now >= deadline_) {
       const int peer = blame();
-      fail(fmt::format(
+      fail(CommErrorKind::kTimeout,
+           fmt::format(
                "timed out after {} ms waiting for rank {} (it is alive but did not "
                "reach this step of the call: stopped, or busy elsewhere?)",
                std::chrono::round<std::chrono::milliseconds>(deadline_ - call_start_).count(),
@@ -215,7 +218,7 @@ int ShmDomain::peer_with_other_call(const OpHeader& mine, OpHeader& theirs) cons
 
 void ShmDomain::abort(const std::string& reason) noexcept {
   if (error_) return;
-  error_.emplace(reason, options_.group, "abort", header_.sequence, group_rank(rank_));
+  error_.emplace(CommErrorKind::kAborted, reason, options_.group, "abort", header_.sequence, group_rank(rank_));
   abort_domain(reason);
 }
 
@@ -250,7 +253,8 @@ void ShmDomain::announce_and_check() {
         theirs_text += fmt::format(" [algorithm {}]", to_string(theirs.algorithm));
       }
       // Worded like the TCP engine's mismatch (comm/ring/exchange.cc), so users see one message.
-      fail(fmt::format("collective mismatch in group '{}': rank {} called {} but rank {} called "
+      fail(CommErrorKind::kMismatch,
+           fmt::format("collective mismatch in group '{}': rank {} called {} but rank {} called "
                        "{}; every rank must issue the same collectives in the same order with "
                        "the same count, dtype, op and root",
                        options_.group, rank_number(options_, rank_), mine_text,

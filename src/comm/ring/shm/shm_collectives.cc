@@ -21,8 +21,8 @@ template <typename Fn>
 void ShmDomain::guarded(const OpHeader& header, Deadline deadline, Fn&& body) {
   if (error_) {
     if (error_is_peer_) {
-      throw ShmPeerError(error_->what(), error_->group(), error_->op(), error_->sequence(),
-                         error_->peer());
+      throw ShmPeerError(error_->kind(), error_->what(), error_->group(), error_->op(),
+                         error_->sequence(), error_->peer());
     }
     throw CommError(*error_);
   }

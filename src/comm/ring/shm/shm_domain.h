@@ -188,7 +188,8 @@ class ShmDomain {
   [[noreturn]] void fail_dead(int peer) const;
   [[noreturn]] void fail_aborted(int peer) const;
   // `peer` is a domain rank (or -1); the CommError carries its group_rank().
-  [[noreturn]] void fail(const std::string& what, int peer, bool peer_error = false) const;
+  [[noreturn]] void fail(CommErrorKind kind, const std::string& what, int peer,
+                         bool peer_error = false) const;
   void warn_waiting(int peer, net::Clock::time_point now);
   int group_rank(int r) const;  // options_.ranks[r], or r without a mapping
   void abort_domain(const std::string& reason) noexcept;

@@ -94,7 +94,8 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
   const Layout layout = layout_for(size, opts.slot_bytes, opts.small_bytes);
   const std::string name_key = key_prefix + "/name";
   auto fail = [&](const std::string& what) -> CommError {
-    return CommError(fmt::format("shm group '{}' rank {}: cannot set up the shared-memory "
+    return CommError(CommErrorKind::kSetup,
+                     fmt::format("shm group '{}' rank {}: cannot set up the shared-memory "
                                  "segment: {}",
                                  opts.group, rank_number(opts, rank), what),
                      opts.group, "shm setup", 0, -1);
