@@ -345,8 +345,10 @@ void Reducer::launch_ready_buckets() {
 }
 
 bool Reducer::can_reduce_in_place(const torch::Tensor& grad) const {
+  // Only where the group reduces the pieces where they lie: elsewhere allreduce_segments would pack
+  // them into a temporary per call, and the bucket's own flat buffer is the better target.
   return !custom_hook_ && !options_.gradient_as_bucket_view && grad.is_contiguous() &&
-         grad.device().is_cpu() && !grad.is_sparse();
+         grad.device().is_cpu() && !grad.is_sparse() && group_->allreduce_segments_in_place();
 }
 
 void Reducer::reduce_in_place(Bucket& bucket) {

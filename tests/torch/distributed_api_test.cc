@@ -14,6 +14,7 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/distributed.h"
+#include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 
@@ -368,60 +369,14 @@ TEST(DistributedApiGroups, NewGroupAndNewSubgroupsRunCollectivesOfTheirMembers) 
 
 // A group that forwards everything to another and pretends that every `per_host` consecutive
 // ranks share a host: what a backend that knows its hosts reports (local_rank/local_size).
-class PretendHosts final : public ProcessGroup {
+class PretendHosts final : public test::ForwardingGroup {
  public:
   PretendHosts(std::shared_ptr<ProcessGroup> inner, int per_host)
-      : ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)), per_host_(per_host) {}
-  std::string_view backend() const override { return inner_->backend(); }
+      : ForwardingGroup(std::move(inner)), per_host_(per_host) {}
   int local_rank() const override { return rank() % per_host_; }
   int local_size() const override { return per_host_; }
-  std::shared_ptr<Work> allreduce(const void* s, void* r, std::size_t n, DType d, ReduceOp op,
-                                  CallOptions o) override {
-    return inner_->allreduce(s, r, n, d, op, o);
-  }
-  std::shared_ptr<Work> broadcast(void* b, std::size_t n, DType d, int root,
-                                  CallOptions o) override {
-    return inner_->broadcast(b, n, d, root, o);
-  }
-  std::shared_ptr<Work> reduce(const void* s, void* r, std::size_t n, DType d, ReduceOp op,
-                               int root, CallOptions o) override {
-    return inner_->reduce(s, r, n, d, op, root, o);
-  }
-  std::shared_ptr<Work> allgather(const void* s, void* r, std::size_t n, DType d,
-                                  CallOptions o) override {
-    return inner_->allgather(s, r, n, d, o);
-  }
-  std::shared_ptr<Work> gather(const void* s, void* r, std::size_t n, DType d, int root,
-                               CallOptions o) override {
-    return inner_->gather(s, r, n, d, root, o);
-  }
-  std::shared_ptr<Work> scatter(const void* s, void* r, std::size_t n, DType d, int root,
-                                CallOptions o) override {
-    return inner_->scatter(s, r, n, d, root, o);
-  }
-  std::shared_ptr<Work> reduce_scatter(const void* s, void* r, std::size_t n, DType d, ReduceOp op,
-                                       CallOptions o) override {
-    return inner_->reduce_scatter(s, r, n, d, op, o);
-  }
-  std::shared_ptr<Work> alltoall(const void* s, void* r, std::size_t n, DType d,
-                                 CallOptions o) override {
-    return inner_->alltoall(s, r, n, d, o);
-  }
-  std::shared_ptr<Work> barrier(CallOptions o) override { return inner_->barrier(o); }
-  std::shared_ptr<Work> send(const void* b, std::size_t n, DType d, int dst, int tag,
-                             CallOptions o) override {
-    return inner_->send(b, n, d, dst, tag, o);
-  }
-  std::shared_ptr<Work> recv(void* b, std::size_t n, DType d, int src, int tag,
-                             CallOptions o) override {
-    return inner_->recv(b, n, d, src, tag, o);
-  }
-  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) override {
-    return inner_->new_group(std::move(ranks));
-  }
 
  private:
-  std::shared_ptr<ProcessGroup> inner_;
   int per_host_;
 };
 

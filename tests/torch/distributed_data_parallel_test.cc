@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
+#include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_models.h"
 #include "torch/ddp_test_util.h"
@@ -337,29 +338,86 @@ TEST(DistributedDataParallel, BucketReductionsStartBeforeBackwardEnds) {
 // With the default hook and gradient_as_bucket_view off, every bucket's gradients are averaged
 // where they lie (no copy through the bucket) over both transports; a registered hook, even the
 // default allreduce_hook(), takes the bucket path. The equivalence tests check the values.
-TEST(DistributedDataParallel, GradientsAreAveragedInPlaceUnlessAHookIsRegistered) {
+// Forwards every call to `inner` and records which buffers allreduce was given and how often
+// allreduce_segments was called, to see the Reducer's gradient path.
+class RecordingGroup final : public test::ForwardingGroup {
+ public:
+  using ForwardingGroup::allreduce;
+  using ForwardingGroup::ForwardingGroup;
+  std::shared_ptr<Work> allreduce(const void* s, void* r, std::size_t n, DType d, ReduceOp op,
+                                  CallOptions o) override {
+    allreduce_buffers.push_back(r);
+    return ForwardingGroup::allreduce(s, r, n, d, op, o);
+  }
+  std::shared_ptr<Work> allreduce_segments(std::vector<BufferSegment> segments, DType d,
+                                           ReduceOp op, CallOptions o) override {
+    ++segment_calls;
+    return ForwardingGroup::allreduce_segments(std::move(segments), d, op, o);
+  }
+
+  std::vector<void*> allreduce_buffers;
+  int segment_calls = 0;
+};
+
+// The default hook's path: over shared memory the gradients are averaged where they lie (one
+// allreduce_segments per bucket); over TCP, where the engine would pack the pieces into a fresh
+// buffer on every pass, they go through the bucket's own flat buffer, the same buffers every pass.
+// A registered hook always gets the bucket.
+TEST(DistributedDataParallel, GradientsAreAveragedInPlaceOnSharedMemoryElseThroughTheBucket) {
   for (const char* transport : {"auto", "tcp"}) {
     for (const bool with_hook : {false, true}) {
       const int port = test::free_port();
       const auto results = run_ranks(2, [&](int rank) {
         ::setenv("DDP_TRANSPORT", transport, 1);
-        auto pg = join_group(rank, 2, port);
+        auto recording = std::make_shared<RecordingGroup>(join_group(rank, 2, port));
+        std::shared_ptr<ProcessGroup> pg = recording;
+        const bool shm = std::string_view(transport) == "auto";
+        if (pg->allreduce_segments_in_place() != shm) {
+          throw std::runtime_error(fmt::format("transport {}: allreduce_segments_in_place() is {}",
+                                               transport, pg->allreduce_segments_in_place()));
+        }
         Mlp net;
         DistributedDataParallel model(net.ptr(), pg,
                                       {.bucket_cap_mb = 0.001, .first_bucket_cap_mb = 0.001});
         if (with_hook) model->register_comm_hook(allreduce_hook());
+        const bool expect_in_place = shm && !with_hook;
         torch::manual_seed(rank);
+        std::vector<void*> first_pass_buffers;
         for (int step = 0; step < 3; ++step) {
           model->zero_grad();
+          recording->allreduce_buffers.clear();
+          recording->segment_calls = 0;
           model->forward(torch::randn({8, 20})).square().mean().backward();
           const auto in_place = model->reducer().last_timeline().bucket_in_place;
           if (in_place.size() < 2) throw std::runtime_error("expected several buckets");
           for (std::size_t b = 0; b < in_place.size(); ++b) {
-            if (in_place[b] == with_hook) {
+            if (in_place[b] != expect_in_place) {
               throw std::runtime_error(
                   fmt::format("transport {}, {}: bucket {} {} reduced in place at step {}",
                               transport, with_hook ? "hook registered" : "default hook", b,
                               in_place[b] ? "was" : "was not", step));
+            }
+          }
+          const int expected_segment_calls =
+              expect_in_place ? static_cast<int>(in_place.size()) : 0;
+          if (recording->segment_calls != expected_segment_calls) {
+            throw std::runtime_error(
+                fmt::format("transport {}: {} allreduce_segments calls at step {}, expected {}",
+                            transport, recording->segment_calls, step, expected_segment_calls));
+          }
+          if (!expect_in_place) {
+            // One allreduce per bucket, of the bucket's own buffer: the same ones every pass
+            // (step 0 is before the buckets are rebuilt in the order gradients arrived).
+            if (recording->allreduce_buffers.size() != in_place.size()) {
+              throw std::runtime_error(fmt::format("{} allreduces for {} buckets at step {}",
+                                                   recording->allreduce_buffers.size(),
+                                                   in_place.size(), step));
+            }
+            if (step == 1) first_pass_buffers = recording->allreduce_buffers;
+            if (step == 2 && recording->allreduce_buffers != first_pass_buffers) {
+              throw std::runtime_error(fmt::format(
+                  "transport {}: step 2 reduced other buffers than step 1 (a buffer per pass?)",
+                  transport));
             }
           }
           expect_identical_across_ranks(

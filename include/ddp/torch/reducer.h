@@ -72,7 +72,8 @@ struct BackwardTimeline {
   std::vector<TimePoint> bucket_completed;  // per bucket, when its reduction finished
   // Per bucket: its gradients were averaged where they lie (ProcessGroup::allreduce_segments)
   // instead of through the bucket's flat buffer and the comm hook. Happens with the default hook,
-  // gradient_as_bucket_view off and contiguous gradients.
+  // gradient_as_bucket_view off, contiguous gradients and a group that reduces them where they
+  // lie (ProcessGroup::allreduce_segments_in_place: shared memory).
   std::vector<bool> bucket_in_place;
   // Per bucket: the payload bytes its reduction handed to collectives (BucketReduction::
   // bytes_sent, or the bucket's size); and their sum over the pass.
