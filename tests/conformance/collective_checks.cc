@@ -889,6 +889,60 @@ void check_argument_errors(ProcessGroup& pg) {
   if (n >= 2) expect_config_error("new_group with unsorted ranks", [&] { pg.new_group({1, 0}); });
 }
 
+void check_mismatch_kinds(ProcessGroup& pg) {
+  if (pg.size() < 2) return;
+  const auto pair = pg.new_group({0, 1});
+  std::int64_t kind = -1;  // this rank's CommErrorKind in the subgroup; -1: not a member
+  if (pair) {
+    std::vector<float> x(4, 1.0f);
+    auto call = [&] {
+      return pair->rank() == 0
+                 ? pair->allreduce(x.data(), x.size(), DType::kFloat32, ReduceOp::kSum)
+                 : pair->broadcast(x.data(), x.size(), DType::kFloat32, 0);
+    };
+    try {
+      call()->wait();
+      throw std::runtime_error(
+          fmt::format("mismatch_kinds: rank {}'s mismatched call completed", pg.rank()));
+    } catch (const CommError& e) {
+      if (e.kind() != CommErrorKind::kMismatch && e.kind() != CommErrorKind::kAborted) {
+        throw std::runtime_error(fmt::format(
+            "mismatch_kinds: rank {} got a CommError of kind '{}', expected 'mismatch' or "
+            "'aborted': {}",
+            pg.rank(), to_string(e.kind()), e.what()));
+      }
+      kind = static_cast<std::int64_t>(e.kind());
+      // Poisoned: the next call fails at once with the same error, so the same kind.
+      try {
+        pair->barrier()->wait();
+        throw std::runtime_error("mismatch_kinds: a call on the poisoned subgroup completed");
+      } catch (const CommError& again) {
+        if (again.kind() != e.kind()) {
+          throw std::runtime_error(
+              fmt::format("mismatch_kinds: the poisoned subgroup's next call failed with kind "
+                          "'{}', not the first error's '{}'",
+                          to_string(again.kind()), to_string(e.kind())));
+        }
+      }
+    }
+  }
+  // The parent group is unharmed: it tells every rank the members' kinds.
+  std::vector<std::int64_t> kinds(static_cast<std::size_t>(pg.size()));
+  pg.allgather(&kind, kinds.data(), 1, DType::kInt64)->wait();
+  if (kinds[0] != static_cast<std::int64_t>(CommErrorKind::kMismatch) &&
+      kinds[1] != static_cast<std::int64_t>(CommErrorKind::kMismatch)) {
+    throw std::runtime_error(fmt::format(
+        "mismatch_kinds: neither rank 0 nor rank 1 reported a mismatch (kinds {} and {})",
+        to_string(static_cast<CommErrorKind>(kinds[0])),
+        to_string(static_cast<CommErrorKind>(kinds[1]))));
+  }
+}
+
+const std::vector<NamedCheck>& failure_checks() {
+  static const std::vector<NamedCheck> checks{{"mismatch_kinds", check_mismatch_kinds}};
+  return checks;
+}
+
 const std::vector<NamedCheck>& all_checks() {
   static const std::vector<NamedCheck> checks{
       {"argument_errors", check_argument_errors},

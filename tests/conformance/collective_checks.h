@@ -59,6 +59,14 @@ void check_subgroups(ProcessGroup& pg);
 // timeouts. Purely local: issues no operation.
 void check_argument_errors(ProcessGroup& pg);
 
+// Failures by kind, for backends whose failures do not end the job (the mpi backend with
+// abort_on_failure off): in a subgroup of ranks 0 and 1, rank 0 calls allreduce and rank 1
+// broadcast; each fails with a CommError of kind mismatch (or aborted, when it learns of it from
+// the peer that saw it first, with that peer's reason), at least one of them mismatch; the
+// subgroup is poisoned (its next call fails with the same kind), the parent group is not. Does
+// nothing on a group of one.
+void check_mismatch_kinds(ProcessGroup& pg);
+
 struct NamedCheck {
   std::string name;
   std::function<void(ProcessGroup&)> run;
@@ -67,6 +75,8 @@ struct NamedCheck {
 // Every check above, in the order run_all_checks runs them.
 const std::vector<NamedCheck>& all_checks();
 
+// The checks that fail a subgroup on purpose (check_mismatch_kinds).
+const std::vector<NamedCheck>& failure_checks();
 // Runs every check in order; rethrows the first failure as std::runtime_error prefixed with
 // "check <name> failed on rank R of N: ".
 void run_all_checks(ProcessGroup& pg);

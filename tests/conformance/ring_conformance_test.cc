@@ -26,11 +26,13 @@ TEST_P(RingConformance, AllChecks) {
             TcpStoreOptions{.is_server = rank == 0, .timeout = 60s, .connect_timeout = 60s});
         auto group =
             make_ring_process_group(store, rank, size, {.timeout = 60s, .transport = transport});
-        for (const auto& check : conformance::all_checks()) {
-          try {
-            check.run(*group);
-          } catch (const std::exception& e) {
-            throw std::runtime_error("check " + check.name + ": " + e.what());
+        for (const auto* checks : {&conformance::all_checks(), &conformance::failure_checks()}) {
+          for (const auto& check : *checks) {
+            try {
+              check.run(*group);
+            } catch (const std::exception& e) {
+              throw std::runtime_error("check " + check.name + ": " + e.what());
+            }
           }
         }
         group->barrier()->wait();

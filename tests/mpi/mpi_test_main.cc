@@ -165,6 +165,17 @@ void run_conformance(bool abort_on_failure = false) {
   }
   check_mpi_specific(*pg, abort_on_failure);
   if (pg->rank() == 0) std::printf("ok mpi_specific\n");
+  // Failures that poison a subgroup on purpose (with abort_on_failure they would end the job).
+  if (!abort_on_failure) {
+    for (const auto& check : ddp::conformance::failure_checks()) {
+      try {
+        check.run(*pg);
+      } catch (const std::exception& e) {
+        die(fmt::format("check {} failed: {}", check.name, e.what()));
+      }
+      if (pg->rank() == 0) std::printf("ok %s\n", check.name.c_str());
+    }
+  }
   pg->barrier()->wait();
 }
 
