@@ -88,11 +88,14 @@ void RingProcessGroup::on_poison(const std::string& reason) noexcept {
   } catch (const std::exception&) {
     // Best effort: the store may be gone with the rank that hosted it.
   }
-  mesh_.shut_down();
-  // Local peers waiting in the segment, and remote ones waiting in the cross-host step, fail now.
-  if (cross_mesh_) cross_mesh_->shut_down();
+  // Peers waiting on this rank in any transport (the mesh, the cross-host step's mesh, the
+  // shared-memory segment) fail now.
+  for (RingTransport* transport :
+       {static_cast<RingTransport*>(&mesh_), static_cast<RingTransport*>(cross_mesh_.get()),
+        static_cast<RingTransport*>(domain_.get())}) {
+    if (transport != nullptr) transport->abort(reason);
+  }
   try {
-    if (domain_) domain_->abort(reason);
     if (p2p_)
       p2p_->abort(std::make_exception_ptr(
           CommError(CommErrorKind::kAborted, reason, name(), "point to point", 0, -1)));
@@ -159,23 +162,12 @@ void RingProcessGroup::fail_cross_transport_mismatch(int peer, const OpHeader& t
       name(), current_->description(), mine.sequence, peer);
 }
 
-// This rank runs a TCP step of a collective: a local peer in a shared-memory call with the same
+// While a step of one transport sleeps: a peer in a call of the other transport with this call's
 // sequence number runs a different collective (it would never send what this step waits for).
-void RingProcessGroup::check_domain_for_other_call() {
-  if (current_ == nullptr || !domain_) return;
-  OpHeader theirs;
-  const int local_peer = domain_->peer_with_other_call(current_->header, theirs);
-  if (local_peer >= 0) {
-    fail_cross_transport_mismatch(topology_.local[static_cast<std::size_t>(local_peer)], theirs);
-  }
-}
-
-// This rank waits in a shared-memory call: a peer that sent this group a header with the same
-// sequence number over TCP runs a different collective.
-void RingProcessGroup::check_sockets_for_other_call() {
+void RingProcessGroup::check_for_other_call(const RingTransport& other) {
   if (current_ == nullptr) return;
   OpHeader theirs;
-  const int peer = mesh_.peer_with_other_call(current_->header, theirs);
+  const int peer = other.peer_with_other_call(current_->header, theirs);
   if (peer >= 0) fail_cross_transport_mismatch(peer, theirs);
 }
 

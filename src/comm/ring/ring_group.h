@@ -77,11 +77,10 @@ class RingProcessGroup final : public GroupFront,
   std::string abort_reason_of(int peer);
 
   // A call that one rank runs over shared memory and another over TCP is invisible to both
-  // transports' own checks; these look across while a step sleeps (see docs/algorithms.md,
-  // "Transports") and throw the mismatch: a TCP step at the domain's peers, a shared-memory step
-  // at what peers sent over TCP.
-  void check_domain_for_other_call();
-  void check_sockets_for_other_call();
+  // transports' own checks: while a step of one sleeps, this looks at the other (a TCP step at the
+  // domain's peers, a shared-memory step at what peers sent over TCP; docs/algorithms.md,
+  // "Transports") and throws the mismatch.
+  void check_for_other_call(const RingTransport& other);
   [[noreturn]] void fail_cross_transport_mismatch(int peer, const OpHeader& theirs);
   std::byte* scratch(std::size_t bytes) {
     if (shm_scratch_.size() < bytes) shm_scratch_.resize(bytes);

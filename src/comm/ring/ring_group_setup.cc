@@ -157,14 +157,14 @@ void RingProcessGroup::set_up_locality(Transport transport, net::Deadline deadli
   shm.warn = options_.log;
   // A host's domain numbers its ranks 0..L-1: let its errors name this group's ranks.
   if (hosts.size() > 1) shm.ranks = local;
-  shm.on_nap = [this] { check_sockets_for_other_call(); };
+  shm.on_nap = [this] { check_for_other_call(mesh_); };
   if (options_.shm_slot_bytes != 0) {
     shm.slot_bytes = options_.shm_slot_bytes;
     shm.small_bytes = std::min(shm.small_bytes, shm.slot_bytes);
   }
   if (hosts.size() == 1) {
     domain_ = shm::ShmDomain::create(*store_, prefix_ + "shm", rank(), size(), shm, deadline);
-    mesh_.context().set_idle_check([this] { check_domain_for_other_call(); });
+    mesh_.context().set_idle_check([this] { check_for_other_call(*domain_); });
     mode_ = Mode::kShm;
     transport_text_ = "shm";
     return;
@@ -179,7 +179,7 @@ void RingProcessGroup::set_up_locality(Transport transport, net::Deadline deadli
   if (local.size() > 1) {
     domain_ = shm::ShmDomain::create(*store_, fmt::format("{}shm/host{}", prefix_, local[0]),
                                      local_rank, static_cast<int>(local.size()), shm, deadline);
-    mesh_.context().set_idle_check([this] { check_domain_for_other_call(); });
+    mesh_.context().set_idle_check([this] { check_for_other_call(*domain_); });
     hierarchy_.domain = domain_.get();
   }
   if (hierarchy_.slices || local_rank == 0) connect_cross_host_mesh(deadline);

@@ -19,7 +19,7 @@ void TcpMesh::connect(Store& store, const MeshParams& params, net::Deadline dead
   context_.set_peer_fds(std::move(fds));
 }
 
-void TcpMesh::shut_down() noexcept {
+void TcpMesh::abort(const std::string& /*reason*/) noexcept {
   for (auto& socket : sockets_) {
     if (socket.valid()) net::shutdown_socket(socket.fd(), net::ShutdownHow::kBoth);
   }

@@ -4,7 +4,7 @@
 // mesh and the cross-host mesh of its hierarchical allreduce are both TcpMeshes.
 //
 // Threads: connect() on the creating thread before any call runs; context() and
-// peer_with_other_call() on the thread holding the group's executor role; shut_down() on any.
+// peer_with_other_call() on the thread holding the group's executor role; abort() on any.
 #pragma once
 
 #include <chrono>
@@ -14,13 +14,14 @@
 
 #include "comm/ring/mesh.h"
 #include "comm/ring/tcp_algorithms.h"
+#include "comm/ring/transport.h"
 #include "comm/wire.h"
 #include "ddp/store.h"
 #include "net/socket.h"
 
 namespace ddp::comm {
 
-class TcpMesh {
+class TcpMesh final : public RingTransport {
  public:
   // Not connected yet (a group of one rank never is). `group` names it in messages.
   TcpMesh(std::string group, int rank, int size, std::size_t chunk_bytes,
@@ -36,14 +37,14 @@ class TcpMesh {
   int size() const { return context_.size(); }
   TcpContext& context() { return context_; }
 
-  // Shuts every connection both ways, so that peers blocked on this rank fail now instead of at
-  // their deadlines. Never throws.
-  void shut_down() noexcept;
+  // RingTransport: shuts every connection both ways, so that peers blocked on this rank fail now
+  // (the peers read `reason` from the store, where the group leaves it).
+  void abort(const std::string& reason) noexcept override;
 
-  // The first peer whose unread bytes start with a header of `mine`'s sequence number but another
-  // fingerprint (it issued a different call, which this rank's TCP steps would never read), with
-  // that header in `theirs`; -1 when none.
-  int peer_with_other_call(const OpHeader& mine, OpHeader& theirs) const;
+  // RingTransport: the first peer whose unread bytes start with a header of `mine`'s sequence
+  // number but another fingerprint (it issued a different call, which this rank's TCP steps would
+  // never read); by its rank in this mesh.
+  int peer_with_other_call(const OpHeader& mine, OpHeader& theirs) const override;
 
  private:
   const std::string group_;  // first: context_ refers to it

@@ -209,7 +209,7 @@ int ShmDomain::peer_with_other_call(const OpHeader& mine, OpHeader& theirs) cons
       ::sched_yield();
       if (read(r, parity) == first) {
         theirs = first;
-        return r;
+        return group_rank(r);
       }
     }
   }
@@ -218,7 +218,8 @@ int ShmDomain::peer_with_other_call(const OpHeader& mine, OpHeader& theirs) cons
 
 void ShmDomain::abort(const std::string& reason) noexcept {
   if (error_) return;
-  error_.emplace(CommErrorKind::kAborted, reason, options_.group, "abort", header_.sequence, group_rank(rank_));
+  error_.emplace(CommErrorKind::kAborted, reason, options_.group, "abort", header_.sequence,
+                 group_rank(rank_));
   abort_domain(reason);
 }
 

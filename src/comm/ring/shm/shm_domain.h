@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/ring/transport.h"
 #include "comm/wire.h"
 #include "ddp/comm_error.h"
 #include "ddp/process_group.h"
@@ -94,7 +95,7 @@ struct ShmOptions {
   std::function<void()> on_nap;
 };
 
-class ShmDomain {
+class ShmDomain final : public RingTransport {
  public:
   // Collective over the `size` local ranks: rank 0 creates the segment as anonymous memory
   // (memfd_create: it never has a name in /dev/shm) and publishes where the peers can open its
@@ -140,11 +141,10 @@ class ShmDomain {
                       ReduceOp op, const OpHeader& header, Deadline deadline);
   void barrier(const OpHeader& header, Deadline deadline);
 
-  // For a rank that is NOT in a call of this domain (it runs another transport's operation with
-  // the same sequence number): a peer whose current call has mine.sequence but another header,
-  // or -1. `theirs` gets that call's header. Reads each header twice, so a header being written
-  // is not mistaken for a different call.
-  int peer_with_other_call(const OpHeader& mine, OpHeader& theirs) const;
+  // RingTransport: a local peer whose current call has mine.sequence but another header (by its
+  // rank in the group, ShmOptions::ranks), or -1. Reads each header twice, so a header being
+  // written is not mistaken for a different call.
+  int peer_with_other_call(const OpHeader& mine, OpHeader& theirs) const override;
 
   // True once a call failed; every later call throws the same error.
   bool poisoned() const { return static_cast<bool>(error_); }
@@ -154,7 +154,7 @@ class ShmDomain {
   // with "rank R aborted the group: <reason>" instead of at their deadline. Later calls throw
   // CommError(reason). Does nothing when the domain is already poisoned. Same thread rules as the
   // calls.
-  void abort(const std::string& reason) noexcept;
+  void abort(const std::string& reason) noexcept override;
 
   struct Segment;  // the layout of the shared mapping (shm_domain_internal.h)
 
