@@ -13,6 +13,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "ddp_phase.h"
 #include "fsdp_unit.h"
 #include "libtorch_compat.h"
 #include "rank_agreement.h"
@@ -360,7 +361,10 @@ void FullyShardedDataParallelImpl::start_gather(std::size_t unit) {
 void FullyShardedDataParallelImpl::wait_gather(std::size_t unit) {
   auto& u = *units_[unit];
   if (u.state != Unit::State::kGathering) return;
-  u.gather->wait();
+  detail::in_phase(
+      detail::kFsdpCauses,
+      [&] { return fmt::format("parameter all-gather of unit {} of {}", unit + 1, units_.size()); },
+      [&] { u.gather->wait(); });
   u.gather.reset();
   u.state = Unit::State::kGathered;
 }
@@ -483,7 +487,12 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
 void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
   torch::NoGradGuard no_grad;
   auto& u = *units_[unit];
-  u.reduction->wait();
+  detail::in_phase(
+      detail::kFsdpCauses,
+      [&] {
+        return fmt::format("gradient reduce-scatter of unit {} of {}", unit + 1, units_.size());
+      },
+      [&] { u.reduction->wait(); });
   u.reduction_output.div_(static_cast<double>(group_->size()));
   auto& grad = u.shard.mutable_grad();
   if (grad.defined()) {

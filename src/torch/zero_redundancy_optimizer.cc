@@ -12,6 +12,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/distributed_objects.h"
+#include "ddp_phase.h"
 #include "libtorch_compat.h"
 #include "optimizer_state_tensors.h"
 #include "rank_agreement.h"
@@ -293,7 +294,9 @@ torch::Tensor ZeroRedundancyOptimizer::step_shard(LossClosure closure) {
     local_->param_groups()[g].set_options(param_groups_[g].options().clone());
   }
   torch::Tensor loss = local_->step(std::move(closure));
-  broadcast_shards();
+  detail::in_phase(
+      detail::kZeroCauses, [] { return std::string("shard broadcast after step()"); },
+      [&] { broadcast_shards(); });
   return loss;
 }
 
