@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -117,7 +118,7 @@ int main(int argc, char** argv) {
   std::string hook = "none";
   bool phases = false;
   bool broadcast_buffers = true;
-  std::int64_t divergence_check_every = 0;
+  std::optional<std::int64_t> divergence_check_every;  // unset: the library's default
   bool check_costs = false;
   bool sync_bn = false;
   app.add_option("--model", model_name, "cnn, mlp or large (an mlp of 53.6 M parameters)")
@@ -156,7 +157,8 @@ int main(int argc, char** argv) {
       "!--no-broadcast-buffers", broadcast_buffers,
       "DDP option broadcast_buffers = false (rank 0's buffers are not broadcast in forward)");
   app.add_option("--divergence-check-every", divergence_check_every,
-                 "DDP option divergence_check_every (0 = off)")
+                 "DDP option divergence_check_every (0 = off; default: the library's, "
+                 "DDP_DIVERGENCE_CHECK_EVERY or ddp::kDefaultDivergenceCheckEvery)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--check-costs", check_costs,
                "also time DDP's per-forward parameter check and one divergence check (rank 0)");
@@ -285,9 +287,25 @@ int main(int argc, char** argv) {
         ddp_model->check_divergence();
         divergence_ms.push_back(ms(Clock::now() - start));
       }
+      // The divergence guard's per-forward flag: one 4-byte allgather.
+      std::vector<double> flag_us;
+      std::vector<std::int32_t> flags(static_cast<std::size_t>(world));
+      for (int i = 0; i < 1000; ++i) {
+        const std::int32_t mine = 0;
+        const auto start = Clock::now();
+        group->allgather(&mine, flags.data(), 1, ddp::DType::kInt32)->wait();
+        flag_us.push_back(1e3 * ms(Clock::now() - start));
+      }
       if (rank == 0) {
-        fmt::print("check_parameters_us={:.2f} check_divergence_ms={:.3f} step_ms={:.3f}\n",
-                   median(check_us), median(divergence_ms), 1e3 * median(step_seconds));
+        const double every =
+            static_cast<double>(ddp_model->options().divergence_check_every.value_or(0));
+        const double guard_ms =
+            every > 0 ? 1e-3 * median(flag_us) + median(divergence_ms) / every : 0.0;
+        fmt::print(
+            "check_parameters_us={:.2f} check_divergence_ms={:.3f} guard_flag_us={:.2f} "
+            "guard_every={} guard_ms_per_step={:.4f} guard_share_of_step={:.4f} step_ms={:.3f}\n",
+            median(check_us), median(divergence_ms), median(flag_us), every, guard_ms,
+            guard_ms / (1e3 * median(step_seconds)), 1e3 * median(step_seconds));
         std::fflush(stdout);
       }
     }

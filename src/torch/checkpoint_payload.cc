@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "torch/parameter_loads.h"
 
 namespace ddp::internal {
 namespace {
@@ -93,6 +94,8 @@ void load_model_and_optimizer(torch::serialize::InputArchive& archive, torch::nn
   torch::NoGradGuard no_grad;
   for (auto& t : tensors)
     t.target.copy_(t.stored);
+  // In place, so DistributedDataParallel cannot see it in the tensors: tell its divergence guard.
+  detail::note_parameters_loaded();
 }
 
 }  // namespace ddp::internal

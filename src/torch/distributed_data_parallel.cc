@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -17,6 +18,8 @@
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/trace.h"
 #include "ddp_phase.h"
+#include "parameter_loads.h"
+#include "rank_agreement.h"
 
 namespace ddp {
 namespace {
@@ -38,24 +41,35 @@ void collect_trainable(const torch::nn::Module& module, std::vector<torch::Tenso
   }
 }
 
-std::int64_t divergence_interval(std::int64_t option) {
-  if (option < 0) {
-    throw ConfigError(fmt::format(
-        "DdpOptions::divergence_check_every = {} must be 0 (off) or a positive number of forwards",
-        option));
+std::int64_t divergence_interval(std::optional<std::int64_t> option) {
+  if (option) {
+    if (*option < 0) {
+      throw ConfigError(fmt::format(
+          "DdpOptions::divergence_check_every = {} must be 0 (off) or a positive number of "
+          "forwards",
+          *option));
+    }
+    return *option;
   }
-  if (option > 0) return option;
   const char* text = std::getenv("DDP_DIVERGENCE_CHECK_EVERY");
-  if (text == nullptr || *text == '\0') return 0;
+  if (text == nullptr || *text == '\0') return kDefaultDivergenceCheckEvery;
   char* end = nullptr;
   errno = 0;
   const long long value = std::strtoll(text, &end, 10);
-  if (errno != 0 || *end != '\0' || value < 0) {
+  if (errno != 0 || *end != '\0' || value < 0 || !std::isdigit(static_cast<unsigned char>(*text))) {
     throw ConfigError(fmt::format(
         "DDP_DIVERGENCE_CHECK_EVERY='{}' is not a number of forwards; use 0 (off) or e.g. 100",
         text));
   }
   return value;
+}
+
+std::vector<const void*> storage_of(const std::vector<torch::Tensor>& params) {
+  std::vector<const void*> storage;
+  storage.reserve(params.size());
+  for (const auto& p : params)
+    storage.push_back(p.data_ptr());
+  return storage;
 }
 
 // A 64-bit checksum of a tensor's bytes (four independent lanes of xxHash64's round, so the
@@ -99,75 +113,21 @@ std::string shape_text(const torch::Tensor& t) {
   return fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
 }
 
-// Every rank compares its parameters with rank 0's: count, then each one's dtype and shape. The
-// first difference on any rank is reported by every rank (so none waits in a later collective).
+// Every rank describes its parameters (name, shape, dtype; one line each, the count last) and the
+// ranks compare the descriptions (rank_agreement.h: one small allgather when they agree). The first
+// line that differs is named by every rank (so none waits in a later collective).
 void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
                             const std::vector<torch::Tensor>& params) {
-  std::vector<std::int64_t> mine{static_cast<std::int64_t>(params.size())};
-  for (const auto& p : params) {
-    mine.push_back(static_cast<std::int64_t>(p.scalar_type()));
-    mine.push_back(p.dim());
-    for (const auto d : p.sizes())
-      mine.push_back(d);
-  }
-  std::int64_t length = static_cast<std::int64_t>(mine.size());
-  group.broadcast(&length, 1, DType::kInt64, 0)->wait();
-  std::vector<std::int64_t> reference(static_cast<std::size_t>(length));
-  if (group.rank() == 0) reference = mine;
-  group.broadcast(reference.data(), reference.size(), DType::kInt64, 0)->wait();
-
-  // Walk both descriptions; note the first parameter that differs (-1: none, -2: count).
-  std::int64_t first_difference = -1;
-  std::string reference_text;
-  if (reference.empty() || reference[0] != mine[0]) {
-    first_difference = -2;
-  } else {
-    std::size_t pos = 1;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const std::size_t dims = static_cast<std::size_t>(mine[pos + 1]);
-      const std::size_t entry = 2 + dims;
-      const bool same = pos + entry <= reference.size() &&
-                        std::equal(mine.begin() + static_cast<std::ptrdiff_t>(pos),
-                                   mine.begin() + static_cast<std::ptrdiff_t>(pos + entry),
-                                   reference.begin() + static_cast<std::ptrdiff_t>(pos));
-      if (!same) {
-        first_difference = static_cast<std::int64_t>(i);
-        if (pos + 1 < reference.size()) {
-          const auto ref_dims = static_cast<std::size_t>(reference[pos + 1]);
-          std::vector<std::int64_t> ref_sizes;
-          for (std::size_t d = 0; d < ref_dims && pos + 2 + d < reference.size(); ++d) {
-            ref_sizes.push_back(reference[pos + 2 + d]);
-          }
-          reference_text = fmt::format("[{}] {}", fmt::join(ref_sizes, ", "),
-                                       c10::toString(static_cast<c10::ScalarType>(reference[pos])));
-        }
-        break;
-      }
-      pos += entry;
-    }
-  }
-  std::vector<std::int64_t> all(static_cast<std::size_t>(group.size()));
-  group.allgather(&first_difference, all.data(), 1, DType::kInt64)->wait();
-  std::vector<int> differing;
-  for (int r = 0; r < group.size(); ++r) {
-    if (all[static_cast<std::size_t>(r)] != -1) differing.push_back(r);
-  }
-  if (differing.empty()) return;
-  std::string detail;
-  if (first_difference == -2) {
-    detail = fmt::format(" This rank has {} parameters, rank 0 has {}.", params.size(),
-                         reference.empty() ? 0 : reference[0]);
-  } else if (first_difference >= 0) {
-    const auto i = static_cast<std::size_t>(first_difference);
-    detail = fmt::format(
-        " Here the first difference is parameter '{}': {} on this rank, {} on "
-        "rank 0.",
-        names[i], shape_text(params[i]), reference_text);
-  }
+  std::string description;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    description += fmt::format("parameter '{}' {}\n", names[i], shape_text(params[i]));
+  description += fmt::format("{} trainable parameters\n", params.size());
+  const auto agreement = internal::compare_across_ranks(group, description, "");
+  if (agreement.difference.empty()) return;
   throw Error(fmt::format(
-      "DistributedDataParallel: the model differs across ranks: rank(s) {} have parameters "
-      "(count, shapes or dtypes) unlike rank 0's.{} Every rank must construct the same model",
-      fmt::join(differing, ", "), detail));
+      "DistributedDataParallel: the model differs across ranks: {}. Every rank must construct the "
+      "same model (the same architecture, sizes and requires_grad) before wrapping it",
+      agreement.difference));
 }
 
 }  // namespace
@@ -179,6 +139,7 @@ struct DistributedDataParallelBase::StepPlan {
   bool broadcast_buffers = false;  // buffers are broadcast before forward
   bool rebuild = false;            // buckets are rebuilt before forward
   int buffer_root = 0;             // the highest rank still training
+  bool loaded = false;             // some rank loaded or replaced parameters (divergence guard)
 };
 
 NoSyncGuard::NoSyncGuard(Reducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
@@ -229,6 +190,8 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
                  [&] { broadcast_coalesced(*group_, state, /*root=*/0); });
   }
 
+  parameter_storage_ = storage_of(params);
+  loads_seen_ = detail::parameters_loaded_count();
   reducer_ =
       std::make_unique<Reducer>(std::move(params), std::move(names), group_, reducer_options);
   if (options_.reduce_dtype) {
@@ -266,29 +229,68 @@ double DistributedDataParallelBase::join_gradient_scale(const JoinState& join,
 
 void DistributedDataParallelBase::pre_forward() {
   forward_started_ = std::chrono::steady_clock::now();
-  check_parameters();
+  const std::size_t reattached = check_parameters();
   // Only in training mode: evaluation (often on rank 0 alone) must not wait for other ranks.
   if (!is_training()) return;
+  // The guard counts only forwards that a synchronised backward may follow: a training-mode
+  // forward under NoGradGuard (an evaluation that forgot eval()) communicates no more than before.
+  const bool guarded = torch::GradMode::is_enabled() &&
+                       options_.divergence_check_every.value_or(0) > 0 && group_->size() > 1;
+  const bool loaded_here = guarded && parameters_loaded_since_last_forward(reattached);
   buffers_ = wrapped_->buffers(/*recurse=*/true);  // a load may have replaced some
   const auto& join = join_state();
   if (join && join->options.enable) {
     const int nonjoined = in_ddp_phase([] { return std::string("Join notification"); },
                                        [&] { return Join::notify_join_context(*this); });
-    const StepPlan plan = plan_join_step(/*joined=*/false);
+    const StepPlan plan = plan_join_step(/*joined=*/false, loaded_here);
     reducer_->set_gradient_scale(join_gradient_scale(*join, nonjoined));
     if (plan.rebuild) reducer_->rebuild_buckets();
-    // With a rank joined, its parameters are stale by design: compare only while all train.
     ++training_forwards_;
-    if (nonjoined == group_->size()) maybe_check_divergence();
+    // With a rank joined, its parameters are stale by design: compare only while all train.
+    if (guarded) {
+      ++guarded_forwards_;
+      if (nonjoined == group_->size() &&
+          (plan.loaded || guarded_forwards_ % *options_.divergence_check_every == 0)) {
+        check_divergence_because({});
+      }
+    }
     if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
     return;
   }
   reducer_->set_gradient_scale(1.0);
   if (reducer_->rebuild_due()) reducer_->rebuild_buckets();
   ++training_forwards_;
-  maybe_check_divergence();
+  if (guarded) guard_divergence(loaded_here);
   if (options_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) {
     broadcast_buffers_from(0);
+  }
+}
+
+bool DistributedDataParallelBase::parameters_loaded_since_last_forward(std::size_t reattached) {
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  collect_trainable(*wrapped_, params, names);
+  auto storage = storage_of(params);
+  const auto loads = detail::parameters_loaded_count();
+  const bool loaded = reattached > 0 || storage != parameter_storage_ || loads != loads_seen_;
+  parameter_storage_ = std::move(storage);
+  loads_seen_ = loads;
+  return loaded;
+}
+
+void DistributedDataParallelBase::guard_divergence(bool loaded_here) {
+  ++guarded_forwards_;
+  // Every rank says whether it loaded: 4 bytes, and the ranks that did are named in the error.
+  std::vector<std::int32_t> loaded(static_cast<std::size_t>(group_->size()));
+  const std::int32_t mine = loaded_here ? 1 : 0;
+  in_ddp_phase([] { return std::string("divergence guard (did any rank load parameters?)"); },
+               [&] { group_->allgather(&mine, loaded.data(), 1, DType::kInt32)->wait(); });
+  std::vector<int> loaded_ranks;
+  for (int r = 0; r < group_->size(); ++r) {
+    if (loaded[static_cast<std::size_t>(r)] != 0) loaded_ranks.push_back(r);
+  }
+  if (!loaded_ranks.empty() || guarded_forwards_ % *options_.divergence_check_every == 0) {
+    check_divergence_because(loaded_ranks);
   }
 }
 
@@ -376,12 +378,7 @@ void DistributedDataParallelBase::sync_buffers() {
                [&] { broadcast_coalesced(*group_, buffers_, /*root=*/0); });
 }
 
-void DistributedDataParallelBase::maybe_check_divergence() {
-  const auto every = options_.divergence_check_every;
-  if (every > 0 && training_forwards_ % every == 0) check_divergence();
-}
-
-void DistributedDataParallelBase::check_divergence() {
+void DistributedDataParallelBase::check_divergence_because(const std::vector<int>& loaded_ranks) {
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
   collect_trainable(*wrapped_, params, names);
@@ -409,23 +406,35 @@ void DistributedDataParallelBase::check_divergence() {
     if (first == mine.size()) first = i;
   }
   if (differing_params == 0) return;
+  const std::string when =
+      loaded_ranks.empty()
+          ? fmt::format("divergence check after {} training forwards", guarded_forwards_)
+          : fmt::format(
+                "checked because rank(s) {} loaded or replaced parameters since the last "
+                "forward",
+                fmt::join(loaded_ranks, ", "));
   throw Error(fmt::format(
-      "DistributedDataParallel: the ranks' parameters have drifted apart (divergence check after "
-      "{} training forwards): parameter '{}' differs on rank(s) {} from rank 0's ({} of {} "
-      "parameters differ). Something changed parameters on some ranks only: a checkpoint loaded "
-      "on one rank, an optimizer step skipped or repeated, a forward or backward outside the "
-      "wrapper, or a non-deterministic update. Load checkpoints on every rank and step the "
-      "optimizer on every rank",
-      training_forwards_, names[first], fmt::join(ranks, ", "), differing_params, mine.size()));
+      "DistributedDataParallel: the ranks' parameters have drifted apart ({}): parameter '{}' {} "
+      "differs on rank(s) {} from rank 0's ({} of {} parameters differ). Something changed "
+      "parameters on some ranks only: a checkpoint loaded on one rank, an optimizer step skipped "
+      "or repeated, a forward or backward outside the wrapper, or a non-deterministic update. "
+      "Load checkpoints on every rank (or load before wrapping: the wrapper copies rank 0's "
+      "parameters to every rank) and step the optimizer on every rank",
+      when, names[first], shape_text(params[first]), fmt::join(ranks, ", "), differing_params,
+      mine.size()));
 }
 
-DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_step(bool joined) {
-  std::array<std::int32_t, 5> flags{};
+DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_step(
+    bool joined, bool loaded_here) {
+  std::array<std::int32_t, 6> flags{};
   if (!joined) {
     const bool sync = reducer_->require_sync();
-    flags = {sync ? 1 : 0, sync ? 0 : 1,
+    flags = {sync ? 1 : 0,
+             sync ? 0 : 1,
              options_.broadcast_buffers && !buffers_.empty() && group_->size() > 1 ? 1 : 0,
-             reducer_->rebuild_due() ? 1 : 0, group_->rank() + 1};
+             reducer_->rebuild_due() ? 1 : 0,
+             group_->rank() + 1,
+             loaded_here ? 1 : 0};
   }
   in_ddp_phase(
       [] { return std::string("Join step agreement"); },
@@ -440,12 +449,13 @@ DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_ste
   return StepPlan{.sync = flags[0] != 0,
                   .broadcast_buffers = flags[2] != 0,
                   .rebuild = flags[3] != 0,
-                  .buffer_root = std::max(0, flags[4] - 1)};
+                  .buffer_root = std::max(0, flags[4] - 1),
+                  .loaded = flags[5] != 0};
 }
 
 void DistributedDataParallelBase::join_main_hook() {
   buffers_ = wrapped_->buffers(/*recurse=*/true);
-  const StepPlan plan = plan_join_step(/*joined=*/true);
+  const StepPlan plan = plan_join_step(/*joined=*/true, /*loaded_here=*/false);
   if (plan.rebuild) reducer_->rebuild_buckets();
   if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
   // The gradients the shadow step leaves here (for a sharded optimizer's step) are scaled as the

@@ -318,14 +318,14 @@ TEST(DdpSyncSafety, DivergenceCheckFromTheEnvironment) {
 TEST(DdpSyncSafety, CommErrorsNameTheDdpPhase) {
   // Rank 1 leaves after construction; rank 0's next collective fails, and its message says which
   // part of DDP was waiting: the buffer broadcast for a model with buffers, the first gradient
-  // bucket for one without.
+  // bucket for one without (the divergence guard, which would run first, is off here).
   for (const bool with_buffers : {true, false}) {
     const int port = test::free_port();
     const auto results = run_ranks(2, [&](int rank) {
       auto pg = join_group(rank, 2, port, 20s);
       if (with_buffers) {
         Normed normed;
-        DistributedDataParallel model(normed.ptr(), pg);
+        DistributedDataParallel model(normed.ptr(), pg, {.divergence_check_every = 0});
         if (rank == 1) std::_Exit(0);
         expect_error_containing(
             [&] {
@@ -334,7 +334,8 @@ TEST(DdpSyncSafety, CommErrorsNameTheDdpPhase) {
             {"DistributedDataParallel, buffer broadcast before forward"});
       } else {
         Mlp mlp;
-        DistributedDataParallel model(mlp.ptr(), pg, {.first_bucket_cap_mb = 0.0001});
+        DistributedDataParallel model(mlp.ptr(), pg,
+                                      {.first_bucket_cap_mb = 0.0001, .divergence_check_every = 0});
         if (rank == 1) std::_Exit(0);
         expect_error_containing(
             [&] {
@@ -422,5 +423,243 @@ TEST(DdpSyncSafety, LoadCheckpointCopiesInPlaceAndChangesNothingOnMismatch) {
   }
 }
 
+// ---- the divergence guard, on by default --------------------------------------------------------
+
+enum class OneRankLoad { kTorchLoad, kLoadCheckpoint, kReplacedTensor };
+
+// Rank 0 alone loads another model's values after two steps: the next training forward fails on
+// every rank, naming the first parameter that differs and rank 0 as the one that loaded.
+void check_one_rank_load_is_caught_at_the_next_forward(OneRankLoad how) {
+  const int port = test::free_port();
+  const int world = 2, batch = 4;
+  test::TempDir dir;
+  const auto file = dir.path() / "other.pt";
+  const auto results = run_ranks(world, [&](int rank) {
+    ::unsetenv("DDP_DIVERGENCE_CHECK_EVERY");
+    auto pg = join_group(rank, world, port);
+    torch::manual_seed(5);
+    Mlp net;
+    DistributedDataParallel model(net.ptr(), pg);
+    if (model->options().divergence_check_every != kDefaultDivergenceCheckEvery) {
+      throw std::runtime_error("the divergence guard is not on by default");
+    }
+    auto opt = make_sgd(model->parameters());
+    const auto data = make_batches(4, world * batch, {20});
+    train_step(model, opt, data, 0, rank, batch);
+    train_step(model, opt, data, 1, rank, batch);
+    if (rank == 0) {
+      torch::manual_seed(6);
+      Mlp other;
+      switch (how) {
+        case OneRankLoad::kTorchLoad:
+          torch::save(other, file.string());
+          torch::load(net, file.string());
+          break;
+        case OneRankLoad::kLoadCheckpoint: {
+          auto other_opt = make_sgd(other->parameters());
+          save_checkpoint(file, *other, other_opt, {.epoch = 1});
+          load_checkpoint(file, *net, opt);
+          break;
+        }
+        case OneRankLoad::kReplacedTensor: {
+          torch::NoGradGuard no_grad;
+          auto fresh = net->fc1->weight.detach().clone().mul_(0.5).requires_grad_(true);
+          replace_parameter(*net->fc1, net->fc1->weight, "weight", fresh);
+          break;
+        }
+      }
+    }
+    expect_error_containing([&] { train_step(model, opt, data, 2, rank, batch); },
+                            {"drifted apart", "rank(s) 0 loaded or replaced parameters",
+                             "'fc1.weight' [32, 20] Float", "differs on rank(s) 1"});
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpDivergenceGuard, TorchLoadOnOneRankIsCaughtAtTheNextForward) {
+  check_one_rank_load_is_caught_at_the_next_forward(OneRankLoad::kTorchLoad);
+}
+
+TEST(DdpDivergenceGuard, LoadCheckpointOnOneRankIsCaughtAtTheNextForward) {
+  check_one_rank_load_is_caught_at_the_next_forward(OneRankLoad::kLoadCheckpoint);
+}
+
+TEST(DdpDivergenceGuard, ReplacedTensorOnOneRankIsCaughtAtTheNextForward) {
+  check_one_rank_load_is_caught_at_the_next_forward(OneRankLoad::kReplacedTensor);
+}
+
+TEST(DdpDivergenceGuard, AnInvisibleChangeIsCaughtAtTheDefaultInterval) {
+  // copy_ into a parameter changes neither its storage nor ddp's load count: only the periodic
+  // comparison sees it, at the first multiple of the interval.
+  const int port = test::free_port();
+  const int world = 2, batch = 2;
+  const auto results = run_ranks(world, [&](int rank) {
+    ::unsetenv("DDP_DIVERGENCE_CHECK_EVERY");
+    auto pg = join_group(rank, world, port);
+    Mlp net;
+    DistributedDataParallel model(net.ptr(), pg);
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    const auto data = make_batches(1, world * batch, {20});
+    const auto every = kDefaultDivergenceCheckEvery;
+    for (std::int64_t step = 1; step < every - 1; ++step)
+      train_step(model, opt, data, 0, rank, batch);
+    if (rank == 1) {
+      torch::NoGradGuard no_grad;
+      net->fc3->bias.copy_(net->fc3->bias + 1.0f);
+    }
+    train_step(model, opt, data, 0, rank, batch);  // forward every - 1: not compared
+    expect_error_containing([&] { train_step(model, opt, data, 0, rank, batch); },
+                            {fmt::format("divergence check after {} training forwards", every),
+                             "'fc3.bias'", "rank(s) 1"});
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpDivergenceGuard, EveryRankLoadingTheSameFileTrainsOn) {
+  const int port = test::free_port();
+  const int world = 2, batch = 4;
+  test::TempDir dir;
+  const auto file = dir.path() / "same.pt";
+  const auto results = run_ranks(world, [&](int rank) {
+    ::unsetenv("DDP_DIVERGENCE_CHECK_EVERY");
+    auto pg = join_group(rank, world, port);
+    Mlp net;
+    DistributedDataParallel model(net.ptr(), pg);
+    auto opt = make_sgd(model->parameters());
+    const auto data = make_batches(3, world * batch, {20});
+    train_step(model, opt, data, 0, rank, batch);
+    if (rank == 0) save_checkpoint(file, *net, opt, {.epoch = 1});
+    pg->barrier()->wait();
+    load_checkpoint(file, *net, opt);
+    train_step(model, opt, data, 1, rank, batch);
+    train_step(model, opt, data, 2, rank, batch);
+    expect_identical_across_ranks(*pg, model->parameters(), "after loading the same file");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpDivergenceGuard, TurnedOffByTheOptionOrTheEnvironmentItComparesNothing) {
+  for (const bool by_environment : {false, true}) {
+    const int port = test::free_port();
+    const int world = 2, batch = 4;
+    const auto results = run_ranks(world, [&](int rank) {
+      if (by_environment) {
+        ::setenv("DDP_DIVERGENCE_CHECK_EVERY", "0", 1);
+      } else {
+        ::unsetenv("DDP_DIVERGENCE_CHECK_EVERY");
+      }
+      auto pg = join_group(rank, world, port);
+      Mlp net;
+      DdpOptions options;
+      if (!by_environment) options.divergence_check_every = 0;
+      DistributedDataParallel model(net.ptr(), pg, options);
+      if (model->options().divergence_check_every != 0) {
+        throw std::runtime_error("the guard is still on");
+      }
+      const auto data = make_batches(3, world * batch, {20});
+      if (rank == 0) {
+        torch::NoGradGuard no_grad;
+        auto fresh = net->fc1->weight.detach().clone().mul_(0.5).requires_grad_(true);
+        replace_parameter(*net->fc1, net->fc1->weight, "weight", fresh);
+      }
+      auto opt = make_sgd(model->parameters());
+      // Off means off: the ranks train apart, silently, as before the guard.
+      for (int step = 0; step < 3; ++step)
+        train_step(model, opt, data, step, rank, batch);
+      auto high = net->fc1->weight.detach().clone();
+      auto low = high.clone();
+      allreduce_tensor(*pg, high, ReduceOp::kMax)->wait();
+      allreduce_tensor(*pg, low, ReduceOp::kMin)->wait();
+      if (torch::equal(high, low)) throw std::runtime_error("the ranks were realigned");
+    });
+    SCOPED_TRACE(by_environment ? "DDP_DIVERGENCE_CHECK_EVERY=0" : "divergence_check_every = 0");
+    EXPECT_ALL_RANKS_OK(results);
+  }
+}
+
+TEST(DdpDivergenceGuard, TrainingModeForwardWithoutGradientsOnOneRankCommunicatesNothing) {
+  // An evaluation that forgot eval() but runs under NoGradGuard, on rank 0 alone, must not wait
+  // for the other rank (the model has no buffers, so nothing else communicates).
+  const int port = test::free_port();
+  const int world = 2, batch = 4;
+  const auto results = run_ranks(world, [&](int rank) {
+    ::unsetenv("DDP_DIVERGENCE_CHECK_EVERY");
+    auto pg = join_group(rank, world, port, 10s);
+    Mlp net;
+    DistributedDataParallel model(net.ptr(), pg);
+    auto opt = make_sgd(model->parameters());
+    const auto data = make_batches(2, world * batch, {20});
+    train_step(model, opt, data, 0, rank, batch);
+    if (rank == 0) {
+      const auto started = std::chrono::steady_clock::now();
+      torch::NoGradGuard no_grad;
+      for (int i = 0; i < 3; ++i)
+        model->forward(torch::randn({4, 20}));
+      if (std::chrono::steady_clock::now() - started > 2s) {
+        throw std::runtime_error("a no-grad training-mode forward waited for the other rank");
+      }
+    }
+    train_step(model, opt, data, 1, rank, batch);
+    expect_identical_across_ranks(*pg, model->parameters(), "after the extra forwards");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpErrorsSayWhy, ConstructionNamesTheFirstDifferingParameterOnEveryRank) {
+  const int port = test::free_port();
+  const int world = 3;
+  const auto results = run_ranks(world, [&](int rank) {
+    auto pg = join_group(rank, world, port);
+    Mlp net(rank == 2 ? 64 : 32);
+    expect_error_containing(
+        [&] { DistributedDataParallel model(net.ptr(), pg); },
+        {"the model differs across ranks", "rank 0 has parameter 'fc1.weight' [32, 20] Float",
+         "rank 2 has parameter 'fc1.weight' [64, 20] Float"});
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpErrorsSayWhy, ConstructionWithAnotherParameterCountNamesTheFirstMissingOne) {
+  const int port = test::free_port();
+  const int world = 2;
+  const auto results = run_ranks(world, [&](int rank) {
+    auto pg = join_group(rank, world, port);
+    Mlp net;
+    if (rank == 1) net->fc3->bias.requires_grad_(false);
+    expect_error_containing(
+        [&] { DistributedDataParallel model(net.ptr(), pg); },
+        {"rank 0 has parameter 'fc3.bias' [4] Float", "rank 1 has 5 trainable parameters"});
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpErrorsSayWhy, ACollectiveMismatchInsideDdpNamesTheLikelyCauses) {
+  // Rank 1 runs a collective of its own where rank 0's DDP runs its training forward: rank 0's
+  // error names the phase and the usual causes.
+  const int port = test::free_port();
+  const int world = 2, batch = 4;
+  const auto results = run_ranks(world, [&](int rank) {
+    ::unsetenv("DDP_DIVERGENCE_CHECK_EVERY");
+    auto pg = join_group(rank, world, port, 10s);
+    Mlp net;
+    DistributedDataParallel model(net.ptr(), pg);
+    auto opt = make_sgd(model->parameters());
+    const auto data = make_batches(2, world * batch, {20});
+    train_step(model, opt, data, 0, rank, batch);
+    if (rank == 0) {
+      expect_error_containing(
+          [&] { train_step(model, opt, data, 1, rank, batch); },
+          {"DistributedDataParallel, ", "ikely causes: ", "ddp::Join", "model->eval()"});
+    } else {
+      std::vector<double> values(1000, 1.0);
+      try {
+        pg->allreduce(values.data(), values.size(), DType::kFloat64, ReduceOp::kSum)->wait();
+      } catch (const Error&) {
+        // The mismatch (or timeout) as rank 1 sees it, outside DDP: no causes to add.
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
 }  // namespace
 }  // namespace ddp

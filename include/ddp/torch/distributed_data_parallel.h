@@ -5,7 +5,7 @@
 //   torch::optim::SGD opt(model->parameters(), 0.1);
 //   for (...) { opt.zero_grad(); model->forward(x).cross_entropy... .backward(); opt.step(); }
 //
-// Construction checks that every rank wraps the same parameters (count, shapes, dtypes; the error
+// Construction checks that every rank wraps the same parameters (names, shapes, dtypes; the error
 // names the first parameter that differs and the ranks), then copies rank 0's parameters and
 // buffers to every rank. Each training-mode forward first broadcasts rank 0's buffers
 // (broadcast_buffers) and, once, rebuilds the gradient buckets; backward() then returns with every
@@ -19,11 +19,16 @@
 // Staying in sync: every forward checks (locally, a few microseconds) that the wrapped module
 // still has the parameters it was wrapped with. A load after wrapping (torch::load,
 // Module::load) or a replaced parameter tensor of the same shape re-attaches the gradient hooks;
-// a changed parameter set, shape, dtype or device is an Error naming the parameter. Loading values
-// on some ranks only cannot be seen that way: ddp::load_checkpoint on every rank, or the opt-in
-// divergence check (DdpOptions::divergence_check_every, or DDP_DIVERGENCE_CHECK_EVERY=N), which
-// compares a checksum of every parameter across ranks every N training forwards and names the
-// first parameter that differs and the ranks.
+// a changed parameter set, shape, dtype or device is an Error naming the parameter. The divergence
+// guard, on by default, catches values that differ across the ranks: each training forward (with
+// gradients enabled) agrees in one 4-byte allgather whether any rank loaded or replaced
+// parameters since the last one (torch::load, Module::load, ddp::load_checkpoint, a replaced
+// tensor) and, if so, compares a checksum of every parameter across the ranks before that forward;
+// and every divergence_check_every such forwards (default kDefaultDivergenceCheckEvery) it
+// compares them anyway, which catches what no rank can see (a copy_ into a parameter on one
+// rank, an optimizer step skipped). A difference is an Error naming the first parameter that
+// differs, the ranks, and the ranks that loaded. DdpOptions::divergence_check_every = 0 (or
+// DDP_DIVERGENCE_CHECK_EVERY=0) turns the guard off entirely.
 //
 // Uneven inputs: DistributedDataParallel is a Joinable; see ddp/torch/join.h.
 //
@@ -37,6 +42,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,6 +63,11 @@
 #pragma GCC visibility push(default)
 namespace ddp {
 
+// The divergence guard's default interval in training forwards: a checksum of every parameter
+// costs about one pass over the model's memory, which this interval keeps far below 1 % of a
+// step (docs/benchmarks.md, "Divergence guard").
+inline constexpr std::int64_t kDefaultDivergenceCheckEvery = 100;
+
 struct DdpOptions {
   double bucket_cap_mb = 25.0;
   double first_bucket_cap_mb = 1.0;
@@ -64,10 +75,12 @@ struct DdpOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
-  // Every N training-mode forwards, compare a checksum of each parameter across the ranks (one
-  // allgather of 8 bytes per parameter) and throw Error naming the first that differs. 0 = off,
-  // unless the environment sets DDP_DIVERGENCE_CHECK_EVERY=N.
-  std::int64_t divergence_check_every = 0;
+  // The divergence guard (see above): every N training forwards, and at the first one after a
+  // rank loaded or replaced parameters, compare a checksum of each parameter across the ranks
+  // (one allgather of 8 bytes per parameter) and throw Error naming the first that differs.
+  // 0 = off (also the per-forward load flag). Unset: DDP_DIVERGENCE_CHECK_EVERY=N if the
+  // environment sets it, else kDefaultDivergenceCheckEvery.
+  std::optional<std::int64_t> divergence_check_every;
   // Mixed precision for the gradient reduction (PyTorch's mixed_precision.reduce_dtype):
   // torch::kBFloat16 or torch::kHalf reduces every bucket in that dtype (half the bytes on the
   // wire) while parameters and .grad stay fp32; the same as registering bf16_compress_hook() or
@@ -110,7 +123,7 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   void sync_buffers();
   // Compares a checksum of every parameter across the ranks now (collective); throws Error naming
   // the first parameter that differs and the ranks that differ from rank 0.
-  void check_divergence();
+  void check_divergence() { check_divergence_because({}); }
   // The check that runs before every forward (local): re-attaches the hooks of parameters
   // replaced by tensors of the same shape, throws Error for other changes. Returns how many
   // parameters were re-attached.
@@ -132,10 +145,16 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
 
  private:
   struct StepPlan;
-  StepPlan plan_join_step(bool joined);
+  StepPlan plan_join_step(bool joined, bool loaded_here);
   double join_gradient_scale(const JoinState& join, int nonjoined) const;
   void broadcast_buffers_from(int root);
-  void maybe_check_divergence();
+  // The divergence guard before a training forward (collective unless the guard is off).
+  // `loaded_here`: this rank loaded or replaced parameters since the last guarded forward.
+  void guard_divergence(bool loaded_here);
+  // Whether this rank's parameters were loaded or replaced since the last guarded forward.
+  bool parameters_loaded_since_last_forward(std::size_t reattached);
+  // `loaded_ranks`: the ranks that loaded since the last forward, named in the error.
+  void check_divergence_because(const std::vector<int>& loaded_ranks);
 
   std::shared_ptr<torch::nn::Module> wrapped_;
   std::shared_ptr<ProcessGroup> group_;
@@ -143,6 +162,13 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   std::vector<torch::Tensor> buffers_;
   std::unique_ptr<Reducer> reducer_;
   std::int64_t training_forwards_ = 0;
+  // Training forwards with gradients enabled: the ones the divergence guard counts (evaluation
+  // under NoGradGuard in training mode, maybe on one rank only, communicates nothing).
+  std::int64_t guarded_forwards_ = 0;
+  // The parameters' storage at the last guarded forward, and ddp's load count then: a change
+  // means a load or a replacement on this rank.
+  std::vector<const void*> parameter_storage_;
+  std::uint64_t loads_seen_ = 0;
   // Training-mode forwards timed from pre_forward to post_forward (logging_data, traces).
   std::chrono::steady_clock::time_point forward_started_{};
   std::int64_t timed_forwards_ = 0;
@@ -199,16 +225,52 @@ class DistributedDataParallelImpl : public DistributedDataParallelBase {
   std::shared_ptr<ModuleType> module_;
 };
 
+namespace detail {
+
+// The module type a holder contains (GPT for a TORCH_MODULE(GPT)'s GPTImpl holder), else itself.
+template <typename T, typename = void>
+struct contained_module {
+  using type = T;
+};
+template <typename T>
+struct contained_module<T, std::void_t<typename T::ContainedType>> {
+  using type = typename T::ContainedType;
+};
+template <typename T>
+using contained_module_t = typename contained_module<T>::type;
+
+}  // namespace detail
+
+// The module holder, as libtorch's TORCH_MODULE holders: ModuleType is the module (GPTImpl) or its
+// holder (GPT, from TORCH_MODULE(GPT)); both name the same wrapper. As a class member:
+//
+//   struct Trainer {
+//     ddp::DistributedDataParallel<GPT> model{nullptr};  // empty until wrapped
+//     explicit Trainer(GPT gpt) : model(gpt) {}         // or later: model = ddp::...(gpt);
+//     void step(torch::Tensor x) { model->forward(x); model->module()->... }
+//   };
 template <typename ModuleType>
 class DistributedDataParallel
-    : public torch::nn::ModuleHolder<DistributedDataParallelImpl<ModuleType>> {
-  using Holder = torch::nn::ModuleHolder<DistributedDataParallelImpl<ModuleType>>;
+    : public torch::nn::ModuleHolder<
+          DistributedDataParallelImpl<detail::contained_module_t<ModuleType>>> {
+  using Module = detail::contained_module_t<ModuleType>;
+  using Holder = torch::nn::ModuleHolder<DistributedDataParallelImpl<Module>>;
 
  public:
-  DistributedDataParallel(std::shared_ptr<ModuleType> module,
+  // An empty holder (as torch::nn::Linear{nullptr}), to be assigned later.
+  DistributedDataParallel(std::nullptr_t) : Holder(nullptr) {}
+
+  DistributedDataParallel(std::shared_ptr<Module> module,
                           std::shared_ptr<ProcessGroup> group = nullptr, DdpOptions options = {})
-      : Holder(std::make_shared<DistributedDataParallelImpl<ModuleType>>(
-            std::move(module), std::move(group), options)) {}
+      : Holder(std::make_shared<DistributedDataParallelImpl<Module>>(std::move(module),
+                                                                     std::move(group), options)) {}
+
+  // The same wrapper named through the module or through its holder.
+  template <typename Other>
+  requires std::is_same_v<detail::contained_module_t<Other>, Module> &&
+      (!std::is_same_v<Other, ModuleType>)
+          DistributedDataParallel(const DistributedDataParallel<Other>& other)
+      : Holder(other.ptr()) {}
 
   // From a libtorch module holder, e.g. torch::nn::Linear or torch::nn::Sequential.
   template <typename Contained>
