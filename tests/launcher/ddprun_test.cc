@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -992,6 +993,109 @@ TEST(Ddprun, WorkersDieWhenDdprunIsKilledOutright) {
   while (Clock::now() < deadline && std::any_of(recorded.begin(), recorded.end(), process_alive)) {
     std::this_thread::sleep_for(10ms);
   }
+  expect_all_dead(recorded);
+}
+
+// Fields 5 (process group) and 6 (session) of /proc/PID/stat; {-1, -1} when it is gone.
+std::pair<pid_t, pid_t> group_and_session(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string stat;
+  std::getline(in, stat);
+  const auto end_of_name = stat.rfind(')');  // the name in parentheses may hold spaces
+  if (end_of_name == std::string::npos) return {-1, -1};
+  std::istringstream rest(stat.substr(end_of_name + 1));
+  std::string state;
+  pid_t parent = 0, group = -1, session = -1;
+  rest >> state >> parent >> group >> session;
+  return {group, session};
+}
+
+// Each worker prints its pid, process group and session as it sees them (/proc/self/stat).
+const char* const kPrintSession =
+    "read -r pid _ _ _ pgrp sid _ < /proc/$$/stat; echo \"pid=$pid pgrp=$pgrp sid=$sid\"";
+
+std::map<int, std::array<pid_t, 3>> sessions_by_rank(const std::string& output) {
+  static const std::regex line_re(R"(^\[(\d+)\] pid=(\d+) pgrp=(\d+) sid=(\d+)$)");
+  std::map<int, std::array<pid_t, 3>> result;
+  for (const auto& line : split_lines(output)) {
+    std::smatch m;
+    if (std::regex_match(line, m, line_re)) {
+      result[std::stoi(m[1])] = {std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4])};
+    }
+  }
+  return result;
+}
+
+TEST(Ddprun, EachWorkerLeadsItsOwnProcessSession) {
+  // The kernel's autogroup scheduler shares the CPU between sessions: workers in ddprun's session
+  // would share one session's slice on a loaded machine (issue 24; torchrun's get one each).
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", kPrintSession});
+  const pid_t ddprun_session = ::getsid(p.pid());
+  const auto r = p.wait(30s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ranks = sessions_by_rank(r.output);
+  ASSERT_EQ(ranks.size(), 2u) << r.output;
+  for (const auto& [rank, ids] : ranks) {
+    const auto [pid, group, session] = ids;
+    EXPECT_EQ(session, pid) << "rank " << rank << " does not lead a session: " << r.output;
+    EXPECT_EQ(group, pid) << "rank " << rank << " does not lead its process group";
+    EXPECT_NE(session, ddprun_session) << "rank " << rank << " is in ddprun's session";
+  }
+}
+
+TEST(Ddprun, SameSessionMeasurementAidKeepsTheWorkersInDdprunsSession) {
+  // DDP_LAUNCHER_SAME_SESSION=1 is the old behaviour, for bench/launcher_under_load.py: its own
+  // process group still, but ddprun's session.
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", kPrintSession},
+                             {{"DDP_LAUNCHER_SAME_SESSION", "1"}});
+  const pid_t ddprun_session = ::getsid(p.pid());
+  const auto r = p.wait(30s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ranks = sessions_by_rank(r.output);
+  ASSERT_EQ(ranks.size(), 2u) << r.output;
+  for (const auto& [rank, ids] : ranks) {
+    EXPECT_EQ(ids[2], ddprun_session) << "rank " << rank << ": " << r.output;
+    EXPECT_EQ(ids[1], ids[0]) << "rank " << rank << " does not lead its process group";
+  }
+  const auto bad = run_ddprun({"/bin/true"}, {{"DDP_LAUNCHER_SAME_SESSION", "yes"}});
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_THAT(bad.output, HasSubstr("DDP_LAUNCHER_SAME_SESSION='yes'"));
+}
+
+TEST(Ddprun, WorkersInTheirOwnSessionsDieWithinFiveSecondsOfASigkilledDdprun) {
+  // Leaving ddprun's session must not leave its reach: the parent-death signal still fires.
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c",
+                              fmt::format("echo $$ >> {}; echo ready; exec sleep 60", pids)});
+  ASSERT_TRUE(wait_for_output(p, {"[0] ready", "[1] ready"}, 15s)) << p.output_so_far();
+  const auto recorded = read_pids(pids);
+  ASSERT_EQ(recorded.size(), 2u);
+  for (const pid_t pid : recorded) {
+    EXPECT_EQ(group_and_session(pid).second, pid) << "worker " << pid << " leads no session";
+  }
+  ASSERT_EQ(::kill(p.pid(), SIGKILL), 0);
+  p.wait(10s);
+  const auto deadline = Clock::now() + 5s;
+  while (Clock::now() < deadline && std::any_of(recorded.begin(), recorded.end(), process_alive)) {
+    std::this_thread::sleep_for(10ms);
+  }
+  expect_all_dead(recorded);
+}
+
+TEST(Ddprun, SigtermStopsWhatAWorkerStartedThoughTheWorkerIgnoresIt) {
+  // The worker's children are in its process group (its session's), which ddprun signals.
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  auto p = Subprocess::start(
+      {ddprun(), "--nproc-per-node", "2", "--grace-period", "2", "/bin/sh", "-c",
+       fmt::format("sleep 60 & echo $! >> {0}; echo $$ >> {0}; echo ready; wait", pids)});
+  ASSERT_TRUE(wait_for_output(p, {"[0] ready", "[1] ready"}, 15s)) << p.output_so_far();
+  ASSERT_EQ(::kill(p.pid(), SIGTERM), 0);
+  const auto r = p.wait(20s);
+  EXPECT_EQ(r.exit_code, 143) << r.output;
+  const auto recorded = read_pids(pids);
+  EXPECT_EQ(recorded.size(), 4u);
   expect_all_dead(recorded);
 }
 

@@ -194,6 +194,7 @@ class Supervisor {
   const LaunchOptions& options_;
   int master_port_ = 0;
   int cpu_count_ = 1;
+  bool same_session_ = false;  // DDP_LAUNCHER_SAME_SESSION=1: workers stay in ddprun's session
   Environment base_env_;
   Environment tuning_;  // added to every worker's environment (env_tuning.h)
   sigset_t original_mask_{};
@@ -214,6 +215,15 @@ Supervisor::Supervisor(const LaunchOptions& options) : options_(options) {
   cpu_count_ = usable_cpu_count();
   base_env_ = current_environment();
   if (options.env_tuning) tuning_ = choose_env_tuning(base_env_);
+  if (const auto it = base_env_.find("DDP_LAUNCHER_SAME_SESSION"); it != base_env_.end()) {
+    if (it->second != "0" && it->second != "1") {
+      throw ConfigError(fmt::format(
+          "DDP_LAUNCHER_SAME_SESSION='{}' is neither 1 (keep the workers in ddprun's process "
+          "session, a measurement aid) nor 0 (each worker in its own session, the default)",
+          it->second));
+    }
+    same_session_ = it->second == "1";
+  }
   master_port_ = options.master_port != 0 ? options.master_port : pick_free_port();
 
   sigemptyset(&handled_);
@@ -303,6 +313,7 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
     envp.push_back(const_cast<char*>(entry.c_str()));
   envp.push_back(nullptr);
   const pid_t parent = ::getpid();
+  const bool same_session = same_session_;
 
   const pid_t pid = ::fork();
   if (pid < 0) {
@@ -315,10 +326,17 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
     throw_errno("fork");
   }
   if (pid == 0) {
-    ::setpgid(0, 0);
+    // Its own process session (and so its own process group, whose id is its pid): the kernel's
+    // autogroup scheduler shares the CPU between sessions, so workers left in the caller's session
+    // share one slice of it against every other session of a loaded machine (docs/ddprun.md,
+    // "Process sessions"). DDP_LAUNCHER_SAME_SESSION=1 keeps the caller's session (a measurement
+    // aid for bench/launcher_under_load.py).
+    if (same_session || ::setsid() < 0) ::setpgid(0, 0);
     // If ddprun is killed outright (SIGKILL), take the worker down with it rather than orphan it.
+    // The signal follows the death of the thread that forked: ddprun forks from its main thread,
+    // which lives as long as ddprun (run_workers' contract).
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
+    if (::getppid() != parent) ::_exit(127);  // ddprun died before prctl took effect
     ::sigaction(SIGPIPE, &original_sigpipe_, nullptr);
     ::sigprocmask(SIG_SETMASK, &original_mask_, nullptr);
     ::dup2(dev_null_, STDIN_FILENO);
@@ -329,8 +347,10 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
     (void)!::write(exec_error_pipe[1], &error, sizeof error);
     ::_exit(127);
   }
-  // Also in the parent, so that signalling the group works even before the child ran.
-  ::setpgid(pid, pid);
+  // Not with setsid: a process that is a group leader already cannot start a session. Either way
+  // the child has its group once exec succeeded or failed, which is awaited below before anything
+  // signals it.
+  if (same_session) ::setpgid(pid, pid);
   ::close(out_pipe[1]);
   ::close(err_pipe[1]);
   ::close(exec_error_pipe[1]);
