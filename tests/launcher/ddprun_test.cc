@@ -584,6 +584,50 @@ TEST(Ddprun, WorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
   EXPECT_LT(took, 10.0);
 }
 
+TEST(Ddprun, AWorkerStoppedAfterTheOthersFinishedIsNamedAndStoppedAtTheTimeout) {
+  // Rank 1 stops itself (SIGSTOP) and handles SIGTERM; rank 0 exits 0. ddprun used to wait for
+  // rank 1 forever: now it gets DDP_TIMEOUT from rank 0's exit, then SIGTERM and SIGCONT (a
+  // stopped process handles nothing until continued).
+  TempDir dir;
+  const std::string pid_file = dir.file("pid");
+  const std::string script = fmt::format(R"(
+      if [ "$RANK" = 0 ]; then exit 0; fi
+      echo $$ > {0}
+      trap 'echo "got TERM"; exit 0' TERM
+      kill -STOP $$
+      sleep 60)",
+                                         pid_file);
+  const auto start = Clock::now();
+  const auto r =
+      run_ddprun({"--nproc-per-node", "2", "--grace-period", "10", "/bin/sh", "-c", script},
+                 {{"DDP_TIMEOUT", "2"}}, 40s);
+  const double took = seconds_since(start);
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const auto pids = read_pids(pid_file);
+  ASSERT_EQ(pids.size(), 1u) << r.output;
+  EXPECT_THAT(r.output,
+              HasSubstr(fmt::format("rank 1 (pid {}) still running 2 s after rank 0 finished "
+                                    "(DDP_TIMEOUT); stopping it",
+                                    pids[0])));
+  EXPECT_THAT(r.output, HasSubstr("[1] got TERM"));  // continued, so its handler ran
+  EXPECT_GE(took, 2.0);
+  EXPECT_LT(took, 9.0);  // not the grace period: it exited on SIGTERM once continued
+  EXPECT_FALSE(process_alive(pids[0]));
+}
+
+TEST(Ddprun, AWorkerThatIgnoresSigtermAfterTheOthersFinishedIsKilled) {
+  const auto start = Clock::now();
+  const auto r = run_ddprun({"--nproc-per-node", "3", "--grace-period", "1", "/bin/sh", "-c",
+                             "[ \"$RANK\" = 0 ] && exit 0; trap '' TERM; sleep 60"},
+                            {{"DDP_TIMEOUT", "1.5"}}, 40s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("still running 1.5 s after rank 0 finished"));
+  EXPECT_THAT(r.output, HasSubstr("rank 1 (pid"));
+  EXPECT_THAT(r.output, HasSubstr("rank 2 (pid"));
+  EXPECT_LT(seconds_since(start), 15.0);
+}
+
 TEST(Ddprun, MaxRestartsRestartsTheGroupUntilItSucceeds) {
   const auto r = run_ddprun(
       {"--nproc-per-node", "2", "--max-restarts", "3", "/bin/sh", "-c",
@@ -1149,6 +1193,31 @@ TEST(Ddprun, BadSecretFileIsAUsageError) {
 
 // ---------------------------------------------------------------------------------------------
 // Bad command lines
+
+TEST(Ddprun, AMalformedDdpTimeoutIsAUsageErrorAsInTheLibrary) {
+  // One parser for ddprun and its workers (settings::timeout): ddprun used to take 'inf' and
+  // '1e300' into a negative deadline and '60abc' and '0x10' as numbers, or not look at all.
+  TempDir dir;
+  const std::string marker = dir.file("started");
+  for (const std::string bad : {"inf", "1e300", "60abc", "0x10", "nan", "0", "-5", ""}) {
+    const auto r = run_ddprun({"--nproc-per-node", "2", "/bin/sh", "-c", "touch " + marker},
+                              {{"DDP_TIMEOUT", bad}});
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("DDP_TIMEOUT='" + bad + "'"));
+    EXPECT_THAT(r.output, HasSubstr("e.g. DDP_TIMEOUT=60"));
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
+  }
+  // The same for a job with restart rounds, where ddprun had a parser of its own.
+  const auto r = run_ddprun({"--nnodes", "2", "--node-rank", "0", "--max-restarts", "1",
+                             "--master-port", "29811", "/bin/sh", "-c", "touch " + marker},
+                            {{"DDP_TIMEOUT", "1e300"}});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("DDP_TIMEOUT='1e300'"));
+  EXPECT_THAT(r.output, Not(HasSubstr("-9223372036854775808")));
+  EXPECT_FALSE(std::filesystem::exists(marker));
+  const auto good = run_ddprun({"/bin/true"}, {{"DDP_TIMEOUT", "0.5"}});
+  EXPECT_EQ(good.exit_code, 0) << good.output;
+}
 
 TEST(Ddprun, BadOptionsExitWithTwoBeforeStartingAnything) {
   TempDir dir;

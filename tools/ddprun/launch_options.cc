@@ -1,6 +1,7 @@
 #include "ddprun/launch_options.h"
 
 #include "ddp/job_secret.h"
+#include "ddp/rendezvous.h"
 
 #include <sched.h>
 #include <sys/stat.h>
@@ -574,6 +575,13 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
           options.secret_file));
     }
     options.secret_file = std::filesystem::absolute(options.secret_file).string();
+  }
+
+  try {
+    // The library's parser, so that ddprun and its workers accept the same values.
+    options.timeout = resolve_timeout(std::nullopt);
+  } catch (const ConfigError& e) {
+    throw UsageError(e.what());
   }
 
   options.program = command.front();

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ddp/error.h"
+#include "ddp/timeouts.h"
 #include "ddprun/log_dir.h"
 #include "ddprun/output_routing.h"
 
@@ -63,6 +64,10 @@ struct LaunchOptions {
   OutputRouting output;
   // --rdzv-id: the job's run id (TORCHELASTIC_RUN_ID, and the folder under --log-dir).
   std::string run_id = "none";
+  // DDP_TIMEOUT (checked by the library's own parser, ddp::resolve_timeout), else
+  // kDefaultTimeout: how long the restart rounds wait for nodes to join, and how long the other
+  // workers may still run once one exited with 0 (docs/ddprun.md, "Exit codes").
+  std::chrono::milliseconds timeout = kDefaultTimeout;
   // How long stopping workers get between SIGTERM (or the forwarded signal) and SIGKILL.
   std::chrono::milliseconds grace_period{5000};
   // --secret-file: absolute path of a file holding the job's secret (checked when parsed). The

@@ -123,7 +123,15 @@ struct Outcome {
   int wait_status = 0;              // kWorkerFailed
   int signal = 0;                   // kSignalled
   std::vector<std::string> others;  // kWorkerFailed: how the other failed ranks ended
+  // kWorkerFailed by a rank still running --timeout after another exited with 0 (each such rank
+  // was named already): how it failed, instead of its wait status.
+  std::string how;
 };
+
+// How the blamed rank of a kWorkerFailed outcome failed: "exited with code 3", "still running ...".
+std::string failure_how(const Outcome& outcome) {
+  return outcome.how.empty() ? describe_wait_status(outcome.wait_status) : outcome.how;
+}
 
 // How likely a failure is the cause of a job's failure rather than its consequence: a death by
 // signal (SIGKILL from an operator or the OOM killer, SIGSEGV, ...) is a cause; an exit code is
@@ -179,6 +187,10 @@ class Supervisor {
   // running workers (see kBlameSettle). Returns a terminating signal ddprun got meanwhile.
   std::optional<int> settle_blame(Outcome& failure);
   void poll_once(int timeout_ms);
+  // Once a worker exited with 0, the others get the job's timeout (DDP_TIMEOUT) to finish too: a
+  // rank stopped (SIGSTOP) or stuck after its peers finished would hold ddprun forever. Returns a
+  // kWorkerFailed outcome naming every rank still running after it, or nothing.
+  std::optional<Outcome> check_stragglers(Clock::time_point now);
   void pump(Stream& stream, std::size_t limit);
   void close_stream(Stream& stream);
   void write_file(Stream& stream, std::string_view data);
@@ -209,6 +221,9 @@ class Supervisor {
   std::optional<RoundPlacement> placement_;  // elastic jobs: this node's place in the round
   std::vector<pollfd> pollfds_;
   std::string pending_;  // scratch for assembled lines
+  // The first worker of this attempt that exited with 0, and when (check_stragglers).
+  int first_done_rank_ = -1;
+  Clock::time_point first_done_at_{};
 };
 
 Supervisor::Supervisor(const LaunchOptions& options) : options_(options) {
@@ -603,8 +618,14 @@ std::vector<pid_t> Supervisor::direct_children() const {
 void Supervisor::signal_all(int sig, std::set<pid_t>& already) {
   // `already` holds pids (positive) and process groups (negative) that got `sig`: each is asked
   // once, because a worker's handler may not expect the same request twice.
+  // A stopped process (SIGSTOP, a debugger's detach, ^Z) handles no signal until it is continued:
+  // SIGCONT follows every request to stop, so that a worker's SIGTERM handler runs.
+  const auto send = [sig](pid_t target) {
+    ::kill(target, sig);
+    if (sig != SIGKILL) ::kill(target, SIGCONT);
+  };
   const auto signal_group = [&](pid_t group) {
-    if (group > 0 && group != ::getpgrp() && already.insert(-group).second) ::kill(-group, sig);
+    if (group > 0 && group != ::getpgrp() && already.insert(-group).second) send(-group);
   };
   for (const Worker& worker : workers_) {
     // Only while the leader is unreaped: until then its pid, hence the group id, cannot be reused
@@ -616,14 +637,14 @@ void Supervisor::signal_all(int sig, std::set<pid_t>& already) {
     if (find_worker(pid) != nullptr) continue;
     // A reparented descendant: itself, and the group it is in (its worker's, or its own after
     // setsid), which holds what it started.
-    if (already.insert(pid).second) ::kill(pid, sig);
+    if (already.insert(pid).second) send(pid);
     signal_group(::getpgid(pid));
   }
 }
 
 std::string Supervisor::note_worker_failure(const Outcome& outcome) {
-  const std::string what =
-      fmt::format("rank {} {}", outcome.rank, describe_wait_status(outcome.wait_status));
+  const std::string what = fmt::format("rank {} {}", outcome.rank, failure_how(outcome));
+  if (!outcome.how.empty()) return what;  // named by check_stragglers already
   note(fmt::format("{}; stopping the other workers", what));
   if (!outcome.others.empty()) {
     note(fmt::format("also failed (likely in consequence): {}", fmt::join(outcome.others, "; ")));
@@ -631,8 +652,41 @@ std::string Supervisor::note_worker_failure(const Outcome& outcome) {
   return what;
 }
 
+std::optional<Outcome> Supervisor::check_stragglers(Clock::time_point now) {
+  if (first_done_rank_ < 0) {
+    for (const Worker& worker : workers_) {
+      if (!worker.running && WIFEXITED(worker.wait_status) &&
+          WEXITSTATUS(worker.wait_status) == 0) {
+        first_done_rank_ = worker.global_rank;
+        first_done_at_ = now;
+        break;
+      }
+    }
+    return std::nullopt;
+  }
+  if (now < first_done_at_ + options_.timeout) return std::nullopt;
+  Outcome outcome{.kind = OutcomeKind::kWorkerFailed};
+  const std::string how =
+      fmt::format("still running {:g} s after rank {} finished",
+                  std::chrono::duration<double>(options_.timeout).count(), first_done_rank_);
+  for (const Worker& worker : workers_) {
+    if (!worker.running) continue;
+    note(fmt::format("rank {} (pid {}) {} (DDP_TIMEOUT); stopping it", worker.global_rank,
+                     worker.pid, how));
+    if (outcome.rank < 0) {
+      outcome.rank = worker.global_rank;
+      outcome.how = how;
+    } else {
+      outcome.others.push_back(fmt::format("rank {} {}", worker.global_rank, how));
+    }
+  }
+  if (outcome.rank < 0) return std::nullopt;
+  return outcome;
+}
+
 Outcome Supervisor::supervise(int round) {
   Outcome outcome;
+  first_done_rank_ = -1;
   for (;;) {
     // The timeout is only a safety net; SIGCHLD and output wake the loop. With whole-job
     // restarts it is also how often the store's round is looked at.
@@ -640,6 +694,9 @@ Outcome Supervisor::supervise(int round) {
     const std::optional<int> sig = read_signals();
     reap_children(&outcome);
     if (sig) return Outcome{.kind = OutcomeKind::kSignalled, .signal = *sig};
+    if (outcome.kind != OutcomeKind::kWorkerFailed) {
+      if (auto stragglers = check_stragglers(Clock::now())) return *std::move(stragglers);
+    }
     if (rounds_ && outcome.kind != OutcomeKind::kWorkerFailed) {
       if (const int silent = rounds_->beat(); silent >= 0) {
         rounds_->report_failure(round, fmt::format("{}'s ddprun stopped responding (no heartbeat)",
@@ -663,20 +720,6 @@ Outcome Supervisor::supervise(int round) {
 void Supervisor::start_restart_rounds() {
   // An elastic job always has rounds: nodes joining restart the workers even with no restarts.
   if (!options_.elastic() && (options_.nnodes < 2 || options_.max_restarts < 1)) return;
-  Milliseconds join_timeout = kDefaultTimeout;
-  if (const auto it = base_env_.find("DDP_TIMEOUT"); it != base_env_.end()) {
-    double seconds = 0;
-    try {
-      seconds = std::stod(it->second);
-    } catch (const std::exception&) {
-    }
-    if (!(seconds > 0)) {
-      throw ConfigError(
-          fmt::format("DDP_TIMEOUT='{}' is not a positive number of seconds (e.g. DDP_TIMEOUT=60)",
-                      it->second));
-    }
-    join_timeout = Milliseconds(static_cast<long long>(seconds * 1000.0));
-  }
   const std::string secret = options_.secret_file.empty()
                                  ? resolve_job_secret(std::nullopt)
                                  : read_secret_file(options_.secret_file, "--secret-file");
@@ -695,7 +738,7 @@ void Supervisor::start_restart_rounds() {
                                                            .node_rank = options_.node_rank,
                                                            .run_id = options_.run_id,
                                                            .secret = secret,
-                                                           .join_timeout = join_timeout,
+                                                           .join_timeout = options_.timeout,
                                                            .heartbeat_timeout = silence,
                                                            .min_nodes = options_.min_nnodes,
                                                            .nproc = options_.nproc_per_node,
@@ -824,7 +867,7 @@ int Supervisor::run() {
           // round, and the first failure recorded is the one every node names.
           cause = rounds_->report_failure(
               restart_count, fmt::format("rank {} (node {}) {}", outcome.rank, options_.node_rank,
-                                         describe_wait_status(outcome.wait_status)));
+                                         failure_how(outcome)));
         }
         if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
         if (!give_up_or_restart(restart_count, cause)) return kWorkerFailedExitCode;
@@ -908,8 +951,8 @@ int Supervisor::run_elastic_rounds() {
         const std::string what = note_worker_failure(outcome);
         // Recorded before stopping anything, as in a static job (see run()).
         std::string cause = rounds_->report_failure(
-            round, fmt::format("rank {} (node {}) {}", outcome.rank, node_rank(),
-                               describe_wait_status(outcome.wait_status)));
+            round,
+            fmt::format("rank {} (node {}) {}", outcome.rank, node_rank(), failure_how(outcome)));
         if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
         if (cause.empty()) {
           note(
