@@ -1191,6 +1191,87 @@ TEST(Ddprun, BadSecretFileIsAUsageError) {
   EXPECT_THAT(r.output, HasSubstr("is empty"));
 }
 
+TEST(Ddprun, ASecretFifoIsRefusedAtOnceAsOptionAndAsVariable) {
+  // Both used to hang: ddprun (or every worker) blocked reading the pipe.
+  TempDir dir;
+  const std::string fifo = dir.file("secret.fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string marker = dir.file("started");
+  const std::vector<std::string> worker{"/bin/sh", "-c", "touch " + marker};
+  for (const bool as_option : {true, false}) {
+    std::vector<std::string> args;
+    if (as_option) args = {"--secret-file", fifo};
+    args.insert(args.end(), worker.begin(), worker.end());
+    const auto start = Clock::now();
+    const auto r = run_ddprun(
+        args,
+        {{"DDP_SECRET", std::nullopt},
+         {"DDP_SECRET_FILE", as_option ? std::optional<std::string>() : std::optional(fifo)}},
+        20s);
+    EXPECT_FALSE(r.timed_out) << r.output;
+    EXPECT_LT(seconds_since(start), 10.0);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_THAT(r.output, HasSubstr(as_option ? "--secret-file: " : "DDP_SECRET_FILE: "));
+    EXPECT_THAT(r.output, HasSubstr("'" + fifo + "' is a FIFO (named pipe), not a regular file"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(marker));
+}
+
+TEST(Ddprun, ASecretFileItsGroupCanReadIsRefusedNamingModeAndFix) {
+  TempDir dir;
+  const std::string path = write_secret_file(dir, "group-readable");
+  ASSERT_EQ(::chmod(path.c_str(), 0660), 0);
+  const auto r = run_ddprun({"--secret-file", path, "/bin/true"},
+                            {{"DDP_SECRET", std::nullopt}, {"DDP_SECRET_FILE", std::nullopt}});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--secret-file: the secret file '" + path + "'"));
+  EXPECT_THAT(r.output, HasSubstr("mode 0660"));
+  EXPECT_THAT(r.output, HasSubstr("chmod 600 " + path));
+  const auto inherited =
+      run_ddprun({"/bin/true"}, {{"DDP_SECRET", std::nullopt}, {"DDP_SECRET_FILE", path}});
+  EXPECT_EQ(inherited.exit_code, 2) << inherited.output;
+  EXPECT_THAT(inherited.output, HasSubstr("DDP_SECRET_FILE: the secret file '" + path + "'"));
+}
+
+TEST(Ddprun, RestartRoundSecretErrorsNameDdprunsOptionsNotTheStores) {
+  // Node 0 has a secret, node 1 none: node 1's ddprun is turned away by the restart rounds'
+  // store, and says which ddprun option or variable gives it the secret.
+  TempDir dir;
+  const std::string path = write_secret_file(dir, "rounds secret");
+  const int master_port = free_port();
+  const int agent_port = free_port();
+  const auto node = [&](int rank, bool with_secret) {
+    std::vector<std::string> argv{ddprun(),
+                                  "--nnodes",
+                                  "2",
+                                  "--node-rank",
+                                  std::to_string(rank),
+                                  "--master-addr",
+                                  "127.0.0.1",
+                                  "--master-port",
+                                  std::to_string(master_port),
+                                  "--agent-port",
+                                  std::to_string(agent_port),
+                                  "--max-restarts",
+                                  "1"};
+    if (with_secret) argv.insert(argv.end(), {"--secret-file", path});
+    argv.insert(argv.end(), {"/bin/true"});
+    return Subprocess::start(
+        argv,
+        {{"DDP_SECRET", std::nullopt}, {"DDP_SECRET_FILE", std::nullopt}, {"DDP_TIMEOUT", "10"}});
+  };
+  auto node0 = node(0, true);
+  auto node1 = node(1, false);
+  const auto r = node1.wait(30s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("requires a shared secret"));
+  EXPECT_THAT(r.output, HasSubstr("--secret-file"));
+  EXPECT_THAT(r.output, HasSubstr("DDP_SECRET"));
+  EXPECT_THAT(r.output, Not(HasSubstr("TcpStoreOptions")));
+  node0.signal_group(SIGKILL);
+  node0.wait(10s);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad command lines
 

@@ -561,20 +561,22 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
 
   if (!options.secret_file.empty()) {
     // Checked now, so that a bad file is a usage error before any worker starts; the workers
-    // read it again, so it must be a file (not a pipe that only one reader can empty).
+    // read it again, so it must be a regular file (read_secret_file refuses a pipe or a device,
+    // without waiting on it).
     try {
       read_secret_file(options.secret_file, "--secret-file");
     } catch (const ConfigError& e) {
       throw UsageError(e.what());
     }
-    std::error_code ec;
-    if (!std::filesystem::is_regular_file(options.secret_file, ec)) {
-      throw UsageError(fmt::format(
-          "--secret-file: '{}' is not a regular file; every worker reads it, so give a file "
-          "(not a pipe or device)",
-          options.secret_file));
-    }
     options.secret_file = std::filesystem::absolute(options.secret_file).string();
+  } else {
+    // An inherited DDP_SECRET / DDP_SECRET_FILE reaches every worker: a bad one is named once,
+    // here, rather than by every worker (or by the restart rounds) later.
+    try {
+      resolve_job_secret(std::nullopt);
+    } catch (const ConfigError& e) {
+      throw UsageError(e.what());
+    }
   }
 
   try {

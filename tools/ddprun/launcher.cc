@@ -170,6 +170,7 @@ class Supervisor {
   std::optional<int> await_other_nodes(int round, bool& all_succeeded);
   // Creates rounds_ when the job spans nodes and may restart.
   void start_restart_rounds();
+  std::unique_ptr<RestartRounds> make_rounds(const std::string& secret, Milliseconds silence) const;
   // Asks every process ddprun started to stop with `first_signal`, waits up to the grace period,
   // kills what is left, and reaps everything. Returns the signal ddprun received meanwhile, if any.
   std::optional<int> stop_everything(int first_signal, std::optional<int> already_signalled);
@@ -731,19 +732,41 @@ void Supervisor::start_restart_rounds() {
       options_.elastic() ? kElasticSilence
                          : std::max(Milliseconds(30'000),
                                     2 * options_.grace_period + kKillWait + Milliseconds(10'000));
-  rounds_ =
-      std::make_unique<RestartRounds>(RestartRoundsOptions{.host = options_.master_addr,
-                                                           .port = options_.agent_port,
-                                                           .nnodes = options_.nnodes,
-                                                           .node_rank = options_.node_rank,
-                                                           .run_id = options_.run_id,
-                                                           .secret = secret,
-                                                           .join_timeout = options_.timeout,
-                                                           .heartbeat_timeout = silence,
-                                                           .min_nodes = options_.min_nnodes,
-                                                           .nproc = options_.nproc_per_node,
-                                                           .last_call = options_.rdzv_last_call,
-                                                           .max_restarts = options_.max_restarts});
+  try {
+    rounds_ = make_rounds(secret, silence);
+  } catch (const StoreError& e) {
+    // The store names its own option for the secret; a ddprun user sets it through ddprun.
+    std::string message = e.what();
+    if (message.find("secret") == std::string::npos) throw;
+    for (const std::string internal :
+         {"; set the same secret on every process (TcpStoreOptions::auth_secret)",
+          " (TcpStoreOptions::auth_secret)", "TcpStoreOptions::auth_secret"}) {
+      if (const auto at = message.find(internal); at != std::string::npos) {
+        message.erase(at, internal.size());
+      }
+    }
+    throw StoreError(fmt::format(
+        "restart rounds at {}:{}: {}; give every node's ddprun the same secret (--secret-file "
+        "FILE, or DDP_SECRET_FILE or DDP_SECRET in its environment), or none to all of them",
+        options_.master_addr, options_.agent_port, message));
+  }
+}
+
+std::unique_ptr<RestartRounds> Supervisor::make_rounds(const std::string& secret,
+                                                       Milliseconds silence) const {
+  return std::make_unique<RestartRounds>(
+      RestartRoundsOptions{.host = options_.master_addr,
+                           .port = options_.agent_port,
+                           .nnodes = options_.nnodes,
+                           .node_rank = options_.node_rank,
+                           .run_id = options_.run_id,
+                           .secret = secret,
+                           .join_timeout = options_.timeout,
+                           .heartbeat_timeout = silence,
+                           .min_nodes = options_.min_nnodes,
+                           .nproc = options_.nproc_per_node,
+                           .last_call = options_.rdzv_last_call,
+                           .max_restarts = options_.max_restarts});
 }
 
 std::optional<int> Supervisor::await_other_nodes(int round, bool& all_succeeded) {
