@@ -1,7 +1,9 @@
 // ddprun as users run it: a real ddprun process starting real worker processes (small /bin/sh
 // scripts), checked through its output, its exit code, timing, and which processes are left.
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -18,6 +20,7 @@
 #include <optional>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -684,6 +687,82 @@ struct TwoNodes {
     return {first, second};
   }
 };
+
+// The IPv4 address `pid` listens on at TCP `port` (from /proc/net/tcp and the socket inodes in
+// /proc/PID/fd), or "" while it has no such socket.
+std::string listening_address(pid_t pid, int port) {
+  std::set<std::string> inodes;
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid), ec)) {
+    const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+    if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::ifstream table("/proc/net/tcp");
+  std::string line;
+  std::getline(table, line);  // the header
+  while (std::getline(table, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state, queues, timer, retransmits, uid, timeouts, inode;
+    fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+        timeouts >> inode;
+    const auto colon = local.find(':');
+    if (state != "0A" || colon == std::string::npos || !inodes.count(inode)) continue;
+    if (std::stoi(local.substr(colon + 1), nullptr, 16) != port) continue;
+    in_addr address{static_cast<in_addr_t>(std::stoul(local.substr(0, colon), nullptr, 16))};
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &address, text, sizeof text);
+    return text;
+  }
+  return "";
+}
+
+// Node 0 of a two-node job with restarts, waiting for node 1 (never started): where does it
+// serve the restart rounds?
+std::string agent_address(const std::vector<std::string>& extra,
+                          const std::map<std::string, std::optional<std::string>>& env) {
+  const int agent_port = free_port();
+  std::vector<std::string> argv{ddprun(),
+                                "--nnodes",
+                                "2",
+                                "--node-rank",
+                                "0",
+                                "--master-addr",
+                                "127.0.0.1",
+                                "--master-port",
+                                std::to_string(free_port()),
+                                "--agent-port",
+                                std::to_string(agent_port),
+                                "--max-restarts",
+                                "1"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), {"/bin/true"});
+  auto env_with_timeout = env;
+  env_with_timeout["DDP_TIMEOUT"] = "30";
+  auto node0 = Subprocess::start(argv, env_with_timeout);
+  std::string address;
+  const auto deadline = Clock::now() + 15s;
+  while (address.empty() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+    address = listening_address(node0.pid(), agent_port);
+  }
+  node0.signal_group(SIGKILL);
+  node0.wait(10s);
+  return address.empty() ? "(not listening within 15 s) " + node0.output_so_far() : address;
+}
+
+TEST(Ddprun, TheRestartRoundsListenOnTheMasterAddressesInterfaceUnlessWidened) {
+  // They listened on 0.0.0.0 whatever --master-addr said: without a secret, a process on another
+  // host could join the restart rounds of a job meant for one machine.
+  EXPECT_EQ(agent_address({}, {{"DDP_STORE_LISTEN_ADDR", std::nullopt}}), "127.0.0.1");
+  EXPECT_EQ(
+      agent_address({"--agent-listen-addr", "0.0.0.0"}, {{"DDP_STORE_LISTEN_ADDR", std::nullopt}}),
+      "0.0.0.0");
+  // The workers' store's variable widens both.
+  EXPECT_EQ(agent_address({}, {{"DDP_STORE_LISTEN_ADDR", "0.0.0.0"}}), "0.0.0.0");
+  const auto r = run_ddprun({"--agent-listen-addr", "", "/bin/true"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--agent-listen-addr is empty"));
+}
 
 TEST(Ddprun, AFailureOnOneNodeRestartsEveryNodeTogether) {
   const TwoNodes job;

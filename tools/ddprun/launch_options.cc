@@ -400,6 +400,12 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
       ->check(whole_number(1, 65535))
       ->type_name("PORT")
       ->group(kRestarts);
+  app.add_option("--agent-listen-addr,--agent_listen_addr", options.agent_listen_addr,
+                 "Address node 0's ddprun serves the restart rounds on (default: "
+                 "DDP_STORE_LISTEN_ADDR when set, else --master-addr's interface only, as the "
+                 "workers' store; 0.0.0.0 = every IPv4 address, :: = every address)")
+      ->type_name("ADDR")
+      ->group(kRestarts);
   app.add_option("--grace-period,--grace_period", grace_seconds,
                  "Seconds between asking workers to stop and killing them (default 5)")
       ->check(CLI::Validator(
@@ -540,6 +546,11 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
         rdzv_endpoint.empty() ? "--master-port" : "--rdzv-endpoint port"));
   }
   if (options.master_addr.empty()) throw UsageError("--master-addr is empty");
+  if (options.agent_listen_addr && options.agent_listen_addr->empty()) {
+    throw UsageError(
+        "--agent-listen-addr is empty: give an address of this host (e.g. 0.0.0.0 for every IPv4 "
+        "address), or leave it out to listen on --master-addr's interface");
+  }
   if (options.agent_port == 0 && options.nnodes > 1) {
     if (options.master_port >= 65535) {
       throw UsageError(

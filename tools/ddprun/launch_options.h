@@ -52,6 +52,10 @@ struct LaunchOptions {
   // restart the whole job together (restart_round.h); used with --nnodes > 1 and
   // --max-restarts > 0. 0 = --master-port + 1.
   int agent_port = 0;
+  // --agent-listen-addr: where node 0's ddprun listens for the restart rounds; unset: as the
+  // workers' store (DDP_STORE_LISTEN_ADDR, else --master-addr's interface), see
+  // agent_listen_host in launcher.cc.
+  std::optional<std::string> agent_listen_addr;
   // Add the variables of env_tuning.h to the workers' environment (--no-env-tuning: don't).
   bool env_tuning = true;
   // Put "[rank] " in front of each line on the console (--no-prefix: pass the bytes through as

@@ -1,6 +1,9 @@
 #include "ddprun/launcher.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -170,6 +173,11 @@ class Supervisor {
   std::optional<int> await_other_nodes(int round, bool& all_succeeded);
   // Creates rounds_ when the job spans nodes and may restart.
   void start_restart_rounds();
+  // Where node 0 serves the restart rounds, as the workers' store listens (src/init/rendezvous.cc,
+  // docs/security.md): --agent-listen-addr, else DDP_STORE_LISTEN_ADDR, else --master-addr's
+  // interface only; a host name that resolves to loopback addresses only (Debian's 127.0.1.1 for
+  // the host's own name) means every interface, since the other nodes could never reach it.
+  std::string agent_listen_host() const;
   std::unique_ptr<RestartRounds> make_rounds(const std::string& secret, Milliseconds silence) const;
   // Asks every process ddprun started to stop with `first_signal`, waits up to the grace period,
   // kills what is left, and reaps everything. Returns the signal ddprun received meanwhile, if any.
@@ -752,11 +760,46 @@ void Supervisor::start_restart_rounds() {
   }
 }
 
+std::string Supervisor::agent_listen_host() const {
+  if (options_.agent_listen_addr) return *options_.agent_listen_addr;
+  if (const auto it = base_env_.find("DDP_STORE_LISTEN_ADDR"); it != base_env_.end()) {
+    if (it->second.empty()) {
+      throw ConfigError(
+          "DDP_STORE_LISTEN_ADDR is set but empty: give an address of this host (e.g. 0.0.0.0 "
+          "for every IPv4 address), or unset it to listen on --master-addr's interface");
+    }
+    return it->second;
+  }
+  const std::string& addr = options_.master_addr;
+  in6_addr literal{};
+  if (::inet_pton(AF_INET, addr.c_str(), &literal) == 1 ||
+      ::inet_pton(AF_INET6, addr.c_str(), &literal) == 1) {
+    return addr;  // a literal address: listen on it, loopback included (one host only then)
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(addr.c_str(), nullptr, &hints, &found) != 0) return addr;  // named later
+  bool only_loopback = true;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      const auto* in = reinterpret_cast<const sockaddr_in*>(a->ai_addr);
+      only_loopback = only_loopback && (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      const auto* in6 = reinterpret_cast<const sockaddr_in6*>(a->ai_addr);
+      only_loopback = only_loopback && IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr);
+    }
+  }
+  ::freeaddrinfo(found);
+  return only_loopback && options_.nnodes > 1 ? std::string() : addr;
+}
+
 std::unique_ptr<RestartRounds> Supervisor::make_rounds(const std::string& secret,
                                                        Milliseconds silence) const {
   return std::make_unique<RestartRounds>(
       RestartRoundsOptions{.host = options_.master_addr,
                            .port = options_.agent_port,
+                           .listen_host = agent_listen_host(),
                            .nnodes = options_.nnodes,
                            .node_rank = options_.node_rank,
                            .run_id = options_.run_id,
