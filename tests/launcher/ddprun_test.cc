@@ -1154,6 +1154,7 @@ TEST(Ddprun, EachWorkerLeadsItsOwnProcessSession) {
   // would share one session's slice on a loaded machine (issue 24; torchrun's get one each).
   auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", kPrintSession});
   const pid_t ddprun_session = ::getsid(p.pid());
+  ASSERT_GT(ddprun_session, 0);
   const auto r = p.wait(30s);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto ranks = sessions_by_rank(r.output);
@@ -1172,6 +1173,7 @@ TEST(Ddprun, SameSessionMeasurementAidKeepsTheWorkersInDdprunsSession) {
   auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", kPrintSession},
                              {{"DDP_LAUNCHER_SAME_SESSION", "1"}});
   const pid_t ddprun_session = ::getsid(p.pid());
+  ASSERT_GT(ddprun_session, 0);
   const auto r = p.wait(30s);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto ranks = sessions_by_rank(r.output);
