@@ -10,8 +10,9 @@
 // they hold the same secret. No source: "" (no authentication; trusted network only).
 //
 // Errors: ConfigError naming the variable or file and the fix: an empty secret (an empty
-// DDP_SECRET, an empty file), a file that cannot be read, is larger than kMaxSecretBytes, or that
-// other users may read or write (chmod 600 it), and DDP_SECRET and DDP_SECRET_FILE disagreeing.
+// DDP_SECRET, an empty file), a file that cannot be read, is larger than kMaxSecretBytes, that
+// its group or other users may access (chmod 600 it), or that is no regular file (a FIFO or a
+// device; never waited on), and DDP_SECRET and DDP_SECRET_FILE disagreeing.
 // Pure functions over their arguments and the file system: any thread may call them.
 #pragma once
 

@@ -36,7 +36,10 @@ std::string read_secret_file(const std::string& path, const std::string& what) {
                     "job's secret",
                     what));
   }
-  const FdGuard file{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY)};
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (and reading one must not wait for
+  // data); whatever the path names is judged by fstat on what was opened, so a symbolic link
+  // (Kubernetes mounts its secrets through them) is fine when it leads to a regular file.
+  const FdGuard file{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK)};
   if (file.fd < 0) {
     throw ConfigError(
         fmt::format("{}: cannot read the secret file '{}': {}", what, path, errno_text(errno)));
@@ -46,12 +49,27 @@ std::string read_secret_file(const std::string& path, const std::string& what) {
     throw ConfigError(
         fmt::format("{}: cannot stat the secret file '{}': {}", what, path, errno_text(errno)));
   }
-  // Like ssh with its keys: a secret that every user of the machine can read protects nothing.
-  if (S_ISREG(st.st_mode) && (st.st_mode & (S_IROTH | S_IWOTH)) != 0) {
+  if (!S_ISREG(st.st_mode)) {
+    const char* kind = S_ISFIFO(st.st_mode)   ? "a FIFO (named pipe)"
+                       : S_ISDIR(st.st_mode)  ? "a directory"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a regular file";
     throw ConfigError(fmt::format(
-        "{}: the secret file '{}' can be read or written by every user (mode {:03o}); restrict "
-        "it with `chmod 600 {}`",
-        what, path, st.st_mode & 0777, path));
+        "{}: the secret file '{}' is {}, not a regular file; every process of the job reads it, "
+        "and reading a pipe or device could block or give each reader something else: write the "
+        "secret into a file (e.g. `head -c 32 /dev/urandom | base64 > job.secret && chmod 600 "
+        "job.secret`)",
+        what, path, kind));
+  }
+  // Like ssh with its keys: a secret that other users of the machine (its group included) can
+  // read or change protects nothing.
+  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    throw ConfigError(fmt::format(
+        "{}: the secret file '{}' can be accessed by users other than its owner (mode {:04o}: "
+        "its group or every user may read or write it); restrict it with `chmod 600 {}`",
+        what, path, st.st_mode & 07777, path));
   }
   std::string secret;
   char buf[4096];

@@ -33,7 +33,9 @@ Milliseconds timeout(const Lookup& lookup) {
   if (text->empty() || ec != std::errc() || ptr != text->data() + text->size() ||
       !std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
     throw ConfigError(fmt::format(
-        "DDP_TIMEOUT='{}' is not a positive number of seconds (e.g. DDP_TIMEOUT=60)", *text));
+        "DDP_TIMEOUT='{}' is not a positive number of seconds written in decimal, at most 1e9 "
+        "(e.g. DDP_TIMEOUT=60 or DDP_TIMEOUT=0.5)",
+        *text));
   }
   return Milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
 }

@@ -1,7 +1,9 @@
 // ddprun as users run it: a real ddprun process starting real worker processes (small /bin/sh
 // scripts), checked through its output, its exit code, timing, and which processes are left.
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -9,6 +11,7 @@
 
 #include <fmt/format.h>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -17,6 +20,7 @@
 #include <optional>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -583,6 +587,50 @@ TEST(Ddprun, WorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
   EXPECT_LT(took, 10.0);
 }
 
+TEST(Ddprun, AWorkerStoppedAfterTheOthersFinishedIsNamedAndStoppedAtTheTimeout) {
+  // Rank 1 stops itself (SIGSTOP) and handles SIGTERM; rank 0 exits 0. ddprun used to wait for
+  // rank 1 forever: now it gets DDP_TIMEOUT from rank 0's exit, then SIGTERM and SIGCONT (a
+  // stopped process handles nothing until continued).
+  TempDir dir;
+  const std::string pid_file = dir.file("pid");
+  const std::string script = fmt::format(R"(
+      if [ "$RANK" = 0 ]; then exit 0; fi
+      echo $$ > {0}
+      trap 'echo "got TERM"; exit 0' TERM
+      kill -STOP $$
+      sleep 60)",
+                                         pid_file);
+  const auto start = Clock::now();
+  const auto r =
+      run_ddprun({"--nproc-per-node", "2", "--grace-period", "10", "/bin/sh", "-c", script},
+                 {{"DDP_TIMEOUT", "2"}}, 40s);
+  const double took = seconds_since(start);
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const auto pids = read_pids(pid_file);
+  ASSERT_EQ(pids.size(), 1u) << r.output;
+  EXPECT_THAT(r.output,
+              HasSubstr(fmt::format("rank 1 (pid {}) still running 2 s after rank 0 finished "
+                                    "(DDP_TIMEOUT); stopping it",
+                                    pids[0])));
+  EXPECT_THAT(r.output, HasSubstr("[1] got TERM"));  // continued, so its handler ran
+  EXPECT_GE(took, 2.0);
+  EXPECT_LT(took, 9.0);  // not the grace period: it exited on SIGTERM once continued
+  EXPECT_FALSE(process_alive(pids[0]));
+}
+
+TEST(Ddprun, AWorkerThatIgnoresSigtermAfterTheOthersFinishedIsKilled) {
+  const auto start = Clock::now();
+  const auto r = run_ddprun({"--nproc-per-node", "3", "--grace-period", "1", "/bin/sh", "-c",
+                             "[ \"$RANK\" = 0 ] && exit 0; trap '' TERM; sleep 60"},
+                            {{"DDP_TIMEOUT", "1.5"}}, 40s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("still running 1.5 s after rank 0 finished"));
+  EXPECT_THAT(r.output, HasSubstr("rank 1 (pid"));
+  EXPECT_THAT(r.output, HasSubstr("rank 2 (pid"));
+  EXPECT_LT(seconds_since(start), 15.0);
+}
+
 TEST(Ddprun, MaxRestartsRestartsTheGroupUntilItSucceeds) {
   const auto r = run_ddprun(
       {"--nproc-per-node", "2", "--max-restarts", "3", "/bin/sh", "-c",
@@ -639,6 +687,82 @@ struct TwoNodes {
     return {first, second};
   }
 };
+
+// The IPv4 address `pid` listens on at TCP `port` (from /proc/net/tcp and the socket inodes in
+// /proc/PID/fd), or "" while it has no such socket.
+std::string listening_address(pid_t pid, int port) {
+  std::set<std::string> inodes;
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid), ec)) {
+    const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+    if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::ifstream table("/proc/net/tcp");
+  std::string line;
+  std::getline(table, line);  // the header
+  while (std::getline(table, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state, queues, timer, retransmits, uid, timeouts, inode;
+    fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+        timeouts >> inode;
+    const auto colon = local.find(':');
+    if (state != "0A" || colon == std::string::npos || !inodes.count(inode)) continue;
+    if (std::stoi(local.substr(colon + 1), nullptr, 16) != port) continue;
+    in_addr address{static_cast<in_addr_t>(std::stoul(local.substr(0, colon), nullptr, 16))};
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &address, text, sizeof text);
+    return text;
+  }
+  return "";
+}
+
+// Node 0 of a two-node job with restarts, waiting for node 1 (never started): where does it
+// serve the restart rounds?
+std::string agent_address(const std::vector<std::string>& extra,
+                          const std::map<std::string, std::optional<std::string>>& env) {
+  const int agent_port = free_port();
+  std::vector<std::string> argv{ddprun(),
+                                "--nnodes",
+                                "2",
+                                "--node-rank",
+                                "0",
+                                "--master-addr",
+                                "127.0.0.1",
+                                "--master-port",
+                                std::to_string(free_port()),
+                                "--agent-port",
+                                std::to_string(agent_port),
+                                "--max-restarts",
+                                "1"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), {"/bin/true"});
+  auto env_with_timeout = env;
+  env_with_timeout["DDP_TIMEOUT"] = "30";
+  auto node0 = Subprocess::start(argv, env_with_timeout);
+  std::string address;
+  const auto deadline = Clock::now() + 15s;
+  while (address.empty() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+    address = listening_address(node0.pid(), agent_port);
+  }
+  node0.signal_group(SIGKILL);
+  node0.wait(10s);
+  return address.empty() ? "(not listening within 15 s) " + node0.output_so_far() : address;
+}
+
+TEST(Ddprun, TheRestartRoundsListenOnTheMasterAddressesInterfaceUnlessWidened) {
+  // They listened on 0.0.0.0 whatever --master-addr said: without a secret, a process on another
+  // host could join the restart rounds of a job meant for one machine.
+  EXPECT_EQ(agent_address({}, {{"DDP_STORE_LISTEN_ADDR", std::nullopt}}), "127.0.0.1");
+  EXPECT_EQ(
+      agent_address({"--agent-listen-addr", "0.0.0.0"}, {{"DDP_STORE_LISTEN_ADDR", std::nullopt}}),
+      "0.0.0.0");
+  // The workers' store's variable widens both.
+  EXPECT_EQ(agent_address({}, {{"DDP_STORE_LISTEN_ADDR", "0.0.0.0"}}), "0.0.0.0");
+  const auto r = run_ddprun({"--agent-listen-addr", "", "/bin/true"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--agent-listen-addr is empty"));
+}
 
 TEST(Ddprun, AFailureOnOneNodeRestartsEveryNodeTogether) {
   const TwoNodes job;
@@ -995,6 +1119,111 @@ TEST(Ddprun, WorkersDieWhenDdprunIsKilledOutright) {
   expect_all_dead(recorded);
 }
 
+// Fields 5 (process group) and 6 (session) of /proc/PID/stat; {-1, -1} when it is gone.
+std::pair<pid_t, pid_t> group_and_session(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string stat;
+  std::getline(in, stat);
+  const auto end_of_name = stat.rfind(')');  // the name in parentheses may hold spaces
+  if (end_of_name == std::string::npos) return {-1, -1};
+  std::istringstream rest(stat.substr(end_of_name + 1));
+  std::string state;
+  pid_t parent = 0, group = -1, session = -1;
+  rest >> state >> parent >> group >> session;
+  return {group, session};
+}
+
+// Each worker prints its pid, process group and session as it sees them (/proc/self/stat).
+const char* const kPrintSession =
+    "read -r pid _ _ _ pgrp sid _ < /proc/$$/stat; echo \"pid=$pid pgrp=$pgrp sid=$sid\"";
+
+std::map<int, std::array<pid_t, 3>> sessions_by_rank(const std::string& output) {
+  static const std::regex line_re(R"(^\[(\d+)\] pid=(\d+) pgrp=(\d+) sid=(\d+)$)");
+  std::map<int, std::array<pid_t, 3>> result;
+  for (const auto& line : split_lines(output)) {
+    std::smatch m;
+    if (std::regex_match(line, m, line_re)) {
+      result[std::stoi(m[1])] = {std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4])};
+    }
+  }
+  return result;
+}
+
+TEST(Ddprun, EachWorkerLeadsItsOwnProcessSession) {
+  // The kernel's autogroup scheduler shares the CPU between sessions: workers in ddprun's session
+  // would share one session's slice on a loaded machine (issue 24; torchrun's get one each).
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", kPrintSession});
+  const pid_t ddprun_session = ::getsid(p.pid());
+  ASSERT_GT(ddprun_session, 0);
+  const auto r = p.wait(30s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ranks = sessions_by_rank(r.output);
+  ASSERT_EQ(ranks.size(), 2u) << r.output;
+  for (const auto& [rank, ids] : ranks) {
+    const auto [pid, group, session] = ids;
+    EXPECT_EQ(session, pid) << "rank " << rank << " does not lead a session: " << r.output;
+    EXPECT_EQ(group, pid) << "rank " << rank << " does not lead its process group";
+    EXPECT_NE(session, ddprun_session) << "rank " << rank << " is in ddprun's session";
+  }
+}
+
+TEST(Ddprun, SameSessionMeasurementAidKeepsTheWorkersInDdprunsSession) {
+  // DDP_LAUNCHER_SAME_SESSION=1 is the old behaviour, for bench/launcher_under_load.py: its own
+  // process group still, but ddprun's session.
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", kPrintSession},
+                             {{"DDP_LAUNCHER_SAME_SESSION", "1"}});
+  const pid_t ddprun_session = ::getsid(p.pid());
+  ASSERT_GT(ddprun_session, 0);
+  const auto r = p.wait(30s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ranks = sessions_by_rank(r.output);
+  ASSERT_EQ(ranks.size(), 2u) << r.output;
+  for (const auto& [rank, ids] : ranks) {
+    EXPECT_EQ(ids[2], ddprun_session) << "rank " << rank << ": " << r.output;
+    EXPECT_EQ(ids[1], ids[0]) << "rank " << rank << " does not lead its process group";
+  }
+  const auto bad = run_ddprun({"/bin/true"}, {{"DDP_LAUNCHER_SAME_SESSION", "yes"}});
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_THAT(bad.output, HasSubstr("DDP_LAUNCHER_SAME_SESSION='yes'"));
+}
+
+TEST(Ddprun, WorkersInTheirOwnSessionsDieWithinFiveSecondsOfASigkilledDdprun) {
+  // Leaving ddprun's session must not leave its reach: the parent-death signal still fires.
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c",
+                              fmt::format("echo $$ >> {}; echo ready; exec sleep 60", pids)});
+  ASSERT_TRUE(wait_for_output(p, {"[0] ready", "[1] ready"}, 15s)) << p.output_so_far();
+  const auto recorded = read_pids(pids);
+  ASSERT_EQ(recorded.size(), 2u);
+  for (const pid_t pid : recorded) {
+    EXPECT_EQ(group_and_session(pid).second, pid) << "worker " << pid << " leads no session";
+  }
+  ASSERT_EQ(::kill(p.pid(), SIGKILL), 0);
+  p.wait(10s);
+  const auto deadline = Clock::now() + 5s;
+  while (Clock::now() < deadline && std::any_of(recorded.begin(), recorded.end(), process_alive)) {
+    std::this_thread::sleep_for(10ms);
+  }
+  expect_all_dead(recorded);
+}
+
+TEST(Ddprun, SigtermStopsWhatAWorkerStartedThoughTheWorkerIgnoresIt) {
+  // The worker's children are in its process group (its session's), which ddprun signals.
+  TempDir dir;
+  const std::string pids = dir.file("pids");
+  auto p = Subprocess::start(
+      {ddprun(), "--nproc-per-node", "2", "--grace-period", "2", "/bin/sh", "-c",
+       fmt::format("sleep 60 & echo $! >> {0}; echo $$ >> {0}; echo ready; wait", pids)});
+  ASSERT_TRUE(wait_for_output(p, {"[0] ready", "[1] ready"}, 15s)) << p.output_so_far();
+  ASSERT_EQ(::kill(p.pid(), SIGTERM), 0);
+  const auto r = p.wait(20s);
+  EXPECT_EQ(r.exit_code, 143) << r.output;
+  const auto recorded = read_pids(pids);
+  EXPECT_EQ(recorded.size(), 4u);
+  expect_all_dead(recorded);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The job's secret
 
@@ -1043,8 +1272,114 @@ TEST(Ddprun, BadSecretFileIsAUsageError) {
   EXPECT_THAT(r.output, HasSubstr("is empty"));
 }
 
+TEST(Ddprun, ASecretFifoIsRefusedAtOnceAsOptionAndAsVariable) {
+  // Both used to hang: ddprun (or every worker) blocked reading the pipe.
+  TempDir dir;
+  const std::string fifo = dir.file("secret.fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string marker = dir.file("started");
+  const std::vector<std::string> worker{"/bin/sh", "-c", "touch " + marker};
+  for (const bool as_option : {true, false}) {
+    std::vector<std::string> args;
+    if (as_option) args = {"--secret-file", fifo};
+    args.insert(args.end(), worker.begin(), worker.end());
+    const auto start = Clock::now();
+    const auto r = run_ddprun(
+        args,
+        {{"DDP_SECRET", std::nullopt},
+         {"DDP_SECRET_FILE", as_option ? std::optional<std::string>() : std::optional(fifo)}},
+        20s);
+    EXPECT_FALSE(r.timed_out) << r.output;
+    EXPECT_LT(seconds_since(start), 10.0);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_THAT(r.output, HasSubstr(as_option ? "--secret-file: " : "DDP_SECRET_FILE: "));
+    EXPECT_THAT(r.output, HasSubstr("'" + fifo + "' is a FIFO (named pipe), not a regular file"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(marker));
+}
+
+TEST(Ddprun, ASecretFileItsGroupCanReadIsRefusedNamingModeAndFix) {
+  TempDir dir;
+  const std::string path = write_secret_file(dir, "group-readable");
+  ASSERT_EQ(::chmod(path.c_str(), 0660), 0);
+  const auto r = run_ddprun({"--secret-file", path, "/bin/true"},
+                            {{"DDP_SECRET", std::nullopt}, {"DDP_SECRET_FILE", std::nullopt}});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--secret-file: the secret file '" + path + "'"));
+  EXPECT_THAT(r.output, HasSubstr("mode 0660"));
+  EXPECT_THAT(r.output, HasSubstr("chmod 600 " + path));
+  const auto inherited =
+      run_ddprun({"/bin/true"}, {{"DDP_SECRET", std::nullopt}, {"DDP_SECRET_FILE", path}});
+  EXPECT_EQ(inherited.exit_code, 2) << inherited.output;
+  EXPECT_THAT(inherited.output, HasSubstr("DDP_SECRET_FILE: the secret file '" + path + "'"));
+}
+
+TEST(Ddprun, RestartRoundSecretErrorsNameDdprunsOptionsNotTheStores) {
+  // Node 0 has a secret, node 1 none: node 1's ddprun is turned away by the restart rounds'
+  // store, and says which ddprun option or variable gives it the secret.
+  TempDir dir;
+  const std::string path = write_secret_file(dir, "rounds secret");
+  const int master_port = free_port();
+  const int agent_port = free_port();
+  const auto node = [&](int rank, bool with_secret) {
+    std::vector<std::string> argv{ddprun(),
+                                  "--nnodes",
+                                  "2",
+                                  "--node-rank",
+                                  std::to_string(rank),
+                                  "--master-addr",
+                                  "127.0.0.1",
+                                  "--master-port",
+                                  std::to_string(master_port),
+                                  "--agent-port",
+                                  std::to_string(agent_port),
+                                  "--max-restarts",
+                                  "1"};
+    if (with_secret) argv.insert(argv.end(), {"--secret-file", path});
+    argv.insert(argv.end(), {"/bin/true"});
+    return Subprocess::start(
+        argv,
+        {{"DDP_SECRET", std::nullopt}, {"DDP_SECRET_FILE", std::nullopt}, {"DDP_TIMEOUT", "10"}});
+  };
+  auto node0 = node(0, true);
+  auto node1 = node(1, false);
+  const auto r = node1.wait(30s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("requires a shared secret"));
+  EXPECT_THAT(r.output, HasSubstr("--secret-file"));
+  EXPECT_THAT(r.output, HasSubstr("DDP_SECRET"));
+  EXPECT_THAT(r.output, Not(HasSubstr("TcpStoreOptions")));
+  node0.signal_group(SIGKILL);
+  node0.wait(10s);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad command lines
+
+TEST(Ddprun, AMalformedDdpTimeoutIsAUsageErrorAsInTheLibrary) {
+  // One parser for ddprun and its workers (settings::timeout): ddprun used to take 'inf' and
+  // '1e300' into a negative deadline and '60abc' and '0x10' as numbers, or not look at all.
+  TempDir dir;
+  const std::string marker = dir.file("started");
+  for (const std::string bad : {"inf", "1e300", "60abc", "0x10", "nan", "0", "-5", ""}) {
+    const auto r = run_ddprun({"--nproc-per-node", "2", "/bin/sh", "-c", "touch " + marker},
+                              {{"DDP_TIMEOUT", bad}});
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("DDP_TIMEOUT='" + bad + "'"));
+    EXPECT_THAT(r.output, HasSubstr("e.g. DDP_TIMEOUT=60"));
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << "one line: " << r.output;
+  }
+  // The same for a job with restart rounds, where ddprun had a parser of its own.
+  const auto r = run_ddprun({"--nnodes", "2", "--node-rank", "0", "--max-restarts", "1",
+                             "--master-port", "29811", "/bin/sh", "-c", "touch " + marker},
+                            {{"DDP_TIMEOUT", "1e300"}});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("DDP_TIMEOUT='1e300'"));
+  EXPECT_THAT(r.output, Not(HasSubstr("-9223372036854775808")));
+  EXPECT_FALSE(std::filesystem::exists(marker));
+  const auto good = run_ddprun({"/bin/true"}, {{"DDP_TIMEOUT", "0.5"}});
+  EXPECT_EQ(good.exit_code, 0) << good.output;
+}
 
 TEST(Ddprun, BadOptionsExitWithTwoBeforeStartingAnything) {
   TempDir dir;

@@ -27,14 +27,22 @@ TEST(Settings, TimeoutIsTheDefaultUnlessDdpTimeoutIsSet) {
 }
 
 TEST(Settings, AMalformedTimeoutIsAConfigErrorNamingTheVariable) {
-  for (const char* bad : {"", "abc", "-1", "0", "5s", "inf"}) {
+  // Non-finite, overflowing, trailing garbage, hex (ddprun once took 'inf' and '1e300' into a
+  // negative deadline, and '60abc' and '0x10' as numbers; it uses this parser since issue 24).
+  for (const char* bad : {"", "abc", "-1", "0", "5s", "inf", "-inf", "nan", "1e300", "1e10",
+                          "60abc", "0x10", "0X10", " 60", "60 ", "+60", "1,5", "-0"}) {
     try {
-      settings::timeout(from({{"DDP_TIMEOUT", bad}}));
-      ADD_FAILURE() << "DDP_TIMEOUT='" << bad << "' was accepted";
+      const auto accepted = settings::timeout(from({{"DDP_TIMEOUT", bad}}));
+      ADD_FAILURE() << "DDP_TIMEOUT='" << bad << "' was accepted as " << accepted.count() << " ms";
     } catch (const ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find("DDP_TIMEOUT"), std::string::npos) << e.what();
+      const std::string what = e.what();
+      EXPECT_NE(what.find(std::string("DDP_TIMEOUT='") + bad + "'"), std::string::npos) << what;
+      EXPECT_NE(what.find("e.g. DDP_TIMEOUT=60"), std::string::npos) << what;
     }
   }
+  // The largest value accepted still fits the clock's arithmetic.
+  EXPECT_EQ(settings::timeout(from({{"DDP_TIMEOUT", "1e9"}})), Milliseconds(1'000'000'000'000));
+  EXPECT_EQ(settings::timeout(from({{"DDP_TIMEOUT", "1e2"}})), 100s);
 }
 
 TEST(Settings, WaitWarningIsThirtySecondsUnlessSetAndZeroTurnsItOff) {

@@ -1,6 +1,7 @@
 #include "ddprun/launch_options.h"
 
 #include "ddp/job_secret.h"
+#include "ddp/rendezvous.h"
 
 #include <sched.h>
 #include <sys/stat.h>
@@ -399,6 +400,12 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
       ->check(whole_number(1, 65535))
       ->type_name("PORT")
       ->group(kRestarts);
+  app.add_option("--agent-listen-addr,--agent_listen_addr", options.agent_listen_addr,
+                 "Address node 0's ddprun serves the restart rounds on (default: "
+                 "DDP_STORE_LISTEN_ADDR when set, else --master-addr's interface only, as the "
+                 "workers' store; 0.0.0.0 = every IPv4 address, :: = every address)")
+      ->type_name("ADDR")
+      ->group(kRestarts);
   app.add_option("--grace-period,--grace_period", grace_seconds,
                  "Seconds between asking workers to stop and killing them (default 5)")
       ->check(CLI::Validator(
@@ -539,6 +546,11 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
         rdzv_endpoint.empty() ? "--master-port" : "--rdzv-endpoint port"));
   }
   if (options.master_addr.empty()) throw UsageError("--master-addr is empty");
+  if (options.agent_listen_addr && options.agent_listen_addr->empty()) {
+    throw UsageError(
+        "--agent-listen-addr is empty: give an address of this host (e.g. 0.0.0.0 for every IPv4 "
+        "address), or leave it out to listen on --master-addr's interface");
+  }
   if (options.agent_port == 0 && options.nnodes > 1) {
     if (options.master_port >= 65535) {
       throw UsageError(
@@ -560,20 +572,29 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
 
   if (!options.secret_file.empty()) {
     // Checked now, so that a bad file is a usage error before any worker starts; the workers
-    // read it again, so it must be a file (not a pipe that only one reader can empty).
+    // read it again, so it must be a regular file (read_secret_file refuses a pipe or a device,
+    // without waiting on it).
     try {
       read_secret_file(options.secret_file, "--secret-file");
     } catch (const ConfigError& e) {
       throw UsageError(e.what());
     }
-    std::error_code ec;
-    if (!std::filesystem::is_regular_file(options.secret_file, ec)) {
-      throw UsageError(fmt::format(
-          "--secret-file: '{}' is not a regular file; every worker reads it, so give a file "
-          "(not a pipe or device)",
-          options.secret_file));
-    }
     options.secret_file = std::filesystem::absolute(options.secret_file).string();
+  } else {
+    // An inherited DDP_SECRET / DDP_SECRET_FILE reaches every worker: a bad one is named once,
+    // here, rather than by every worker (or by the restart rounds) later.
+    try {
+      resolve_job_secret(std::nullopt);
+    } catch (const ConfigError& e) {
+      throw UsageError(e.what());
+    }
+  }
+
+  try {
+    // The library's parser, so that ddprun and its workers accept the same values.
+    options.timeout = resolve_timeout(std::nullopt);
+  } catch (const ConfigError& e) {
+    throw UsageError(e.what());
   }
 
   options.program = command.front();

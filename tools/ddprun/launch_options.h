@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "ddp/error.h"
+#include "ddp/timeouts.h"
 #include "ddprun/log_dir.h"
 #include "ddprun/output_routing.h"
 
@@ -51,6 +52,10 @@ struct LaunchOptions {
   // restart the whole job together (restart_round.h); used with --nnodes > 1 and
   // --max-restarts > 0. 0 = --master-port + 1.
   int agent_port = 0;
+  // --agent-listen-addr: where node 0's ddprun listens for the restart rounds; unset: as the
+  // workers' store (DDP_STORE_LISTEN_ADDR, else --master-addr's interface), see
+  // agent_listen_host in launcher.cc.
+  std::optional<std::string> agent_listen_addr;
   // Add the variables of env_tuning.h to the workers' environment (--no-env-tuning: don't).
   bool env_tuning = true;
   // Put "[rank] " in front of each line on the console (--no-prefix: pass the bytes through as
@@ -63,6 +68,10 @@ struct LaunchOptions {
   OutputRouting output;
   // --rdzv-id: the job's run id (TORCHELASTIC_RUN_ID, and the folder under --log-dir).
   std::string run_id = "none";
+  // DDP_TIMEOUT (checked by the library's own parser, ddp::resolve_timeout), else
+  // kDefaultTimeout: how long the restart rounds wait for nodes to join, and how long the other
+  // workers may still run once one exited with 0 (docs/ddprun.md, "Exit codes").
+  std::chrono::milliseconds timeout = kDefaultTimeout;
   // How long stopping workers get between SIGTERM (or the forwarded signal) and SIGKILL.
   std::chrono::milliseconds grace_period{5000};
   // --secret-file: absolute path of a file holding the job's secret (checked when parsed). The

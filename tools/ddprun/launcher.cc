@@ -1,6 +1,9 @@
 #include "ddprun/launcher.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -123,7 +126,15 @@ struct Outcome {
   int wait_status = 0;              // kWorkerFailed
   int signal = 0;                   // kSignalled
   std::vector<std::string> others;  // kWorkerFailed: how the other failed ranks ended
+  // kWorkerFailed by a rank still running --timeout after another exited with 0 (each such rank
+  // was named already): how it failed, instead of its wait status.
+  std::string how;
 };
+
+// How the blamed rank of a kWorkerFailed outcome failed: "exited with code 3", "still running ...".
+std::string failure_how(const Outcome& outcome) {
+  return outcome.how.empty() ? describe_wait_status(outcome.wait_status) : outcome.how;
+}
 
 // How likely a failure is the cause of a job's failure rather than its consequence: a death by
 // signal (SIGKILL from an operator or the OOM killer, SIGSEGV, ...) is a cause; an exit code is
@@ -162,6 +173,12 @@ class Supervisor {
   std::optional<int> await_other_nodes(int round, bool& all_succeeded);
   // Creates rounds_ when the job spans nodes and may restart.
   void start_restart_rounds();
+  // Where node 0 serves the restart rounds, as the workers' store listens (src/init/rendezvous.cc,
+  // docs/security.md): --agent-listen-addr, else DDP_STORE_LISTEN_ADDR, else --master-addr's
+  // interface only; a host name that resolves to loopback addresses only (Debian's 127.0.1.1 for
+  // the host's own name) means every interface, since the other nodes could never reach it.
+  std::string agent_listen_host() const;
+  std::unique_ptr<RestartRounds> make_rounds(const std::string& secret, Milliseconds silence) const;
   // Asks every process ddprun started to stop with `first_signal`, waits up to the grace period,
   // kills what is left, and reaps everything. Returns the signal ddprun received meanwhile, if any.
   std::optional<int> stop_everything(int first_signal, std::optional<int> already_signalled);
@@ -179,6 +196,10 @@ class Supervisor {
   // running workers (see kBlameSettle). Returns a terminating signal ddprun got meanwhile.
   std::optional<int> settle_blame(Outcome& failure);
   void poll_once(int timeout_ms);
+  // Once a worker exited with 0, the others get the job's timeout (DDP_TIMEOUT) to finish too: a
+  // rank stopped (SIGSTOP) or stuck after its peers finished would hold ddprun forever. Returns a
+  // kWorkerFailed outcome naming every rank still running after it, or nothing.
+  std::optional<Outcome> check_stragglers(Clock::time_point now);
   void pump(Stream& stream, std::size_t limit);
   void close_stream(Stream& stream);
   void write_file(Stream& stream, std::string_view data);
@@ -194,6 +215,7 @@ class Supervisor {
   const LaunchOptions& options_;
   int master_port_ = 0;
   int cpu_count_ = 1;
+  bool same_session_ = false;  // DDP_LAUNCHER_SAME_SESSION=1: workers stay in ddprun's session
   Environment base_env_;
   Environment tuning_;  // added to every worker's environment (env_tuning.h)
   sigset_t original_mask_{};
@@ -208,12 +230,24 @@ class Supervisor {
   std::optional<RoundPlacement> placement_;  // elastic jobs: this node's place in the round
   std::vector<pollfd> pollfds_;
   std::string pending_;  // scratch for assembled lines
+  // The first worker of this attempt that exited with 0, and when (check_stragglers).
+  int first_done_rank_ = -1;
+  Clock::time_point first_done_at_{};
 };
 
 Supervisor::Supervisor(const LaunchOptions& options) : options_(options) {
   cpu_count_ = usable_cpu_count();
   base_env_ = current_environment();
   if (options.env_tuning) tuning_ = choose_env_tuning(base_env_);
+  if (const auto it = base_env_.find("DDP_LAUNCHER_SAME_SESSION"); it != base_env_.end()) {
+    if (it->second != "0" && it->second != "1") {
+      throw ConfigError(fmt::format(
+          "DDP_LAUNCHER_SAME_SESSION='{}' is neither 1 (keep the workers in ddprun's process "
+          "session, a measurement aid) nor 0 (each worker in its own session, the default)",
+          it->second));
+    }
+    same_session_ = it->second == "1";
+  }
   master_port_ = options.master_port != 0 ? options.master_port : pick_free_port();
 
   sigemptyset(&handled_);
@@ -303,6 +337,7 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
     envp.push_back(const_cast<char*>(entry.c_str()));
   envp.push_back(nullptr);
   const pid_t parent = ::getpid();
+  const bool same_session = same_session_;
 
   const pid_t pid = ::fork();
   if (pid < 0) {
@@ -315,10 +350,17 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
     throw_errno("fork");
   }
   if (pid == 0) {
-    ::setpgid(0, 0);
+    // Its own process session (and so its own process group, whose id is its pid): the kernel's
+    // autogroup scheduler shares the CPU between sessions, so workers left in the caller's session
+    // share one slice of it against every other session of a loaded machine (docs/ddprun.md,
+    // "Process sessions"). DDP_LAUNCHER_SAME_SESSION=1 keeps the caller's session (a measurement
+    // aid for bench/launcher_under_load.py).
+    if (same_session || ::setsid() < 0) ::setpgid(0, 0);
     // If ddprun is killed outright (SIGKILL), take the worker down with it rather than orphan it.
+    // The signal follows the death of the thread that forked: ddprun forks from its main thread,
+    // which lives as long as ddprun (run_workers' contract).
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
+    if (::getppid() != parent) ::_exit(127);  // ddprun died before prctl took effect
     ::sigaction(SIGPIPE, &original_sigpipe_, nullptr);
     ::sigprocmask(SIG_SETMASK, &original_mask_, nullptr);
     ::dup2(dev_null_, STDIN_FILENO);
@@ -329,8 +371,10 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
     (void)!::write(exec_error_pipe[1], &error, sizeof error);
     ::_exit(127);
   }
-  // Also in the parent, so that signalling the group works even before the child ran.
-  ::setpgid(pid, pid);
+  // Not with setsid: a process that is a group leader already cannot start a session. Either way
+  // the child has its group once exec succeeded or failed, which is awaited below before anything
+  // signals it.
+  if (same_session) ::setpgid(pid, pid);
   ::close(out_pipe[1]);
   ::close(err_pipe[1]);
   ::close(exec_error_pipe[1]);
@@ -583,8 +627,14 @@ std::vector<pid_t> Supervisor::direct_children() const {
 void Supervisor::signal_all(int sig, std::set<pid_t>& already) {
   // `already` holds pids (positive) and process groups (negative) that got `sig`: each is asked
   // once, because a worker's handler may not expect the same request twice.
+  // A stopped process (SIGSTOP, a debugger's detach, ^Z) handles no signal until it is continued:
+  // SIGCONT follows every request to stop, so that a worker's SIGTERM handler runs.
+  const auto send = [sig](pid_t target) {
+    ::kill(target, sig);
+    if (sig != SIGKILL) ::kill(target, SIGCONT);
+  };
   const auto signal_group = [&](pid_t group) {
-    if (group > 0 && group != ::getpgrp() && already.insert(-group).second) ::kill(-group, sig);
+    if (group > 0 && group != ::getpgrp() && already.insert(-group).second) send(-group);
   };
   for (const Worker& worker : workers_) {
     // Only while the leader is unreaped: until then its pid, hence the group id, cannot be reused
@@ -596,14 +646,14 @@ void Supervisor::signal_all(int sig, std::set<pid_t>& already) {
     if (find_worker(pid) != nullptr) continue;
     // A reparented descendant: itself, and the group it is in (its worker's, or its own after
     // setsid), which holds what it started.
-    if (already.insert(pid).second) ::kill(pid, sig);
+    if (already.insert(pid).second) send(pid);
     signal_group(::getpgid(pid));
   }
 }
 
 std::string Supervisor::note_worker_failure(const Outcome& outcome) {
-  const std::string what =
-      fmt::format("rank {} {}", outcome.rank, describe_wait_status(outcome.wait_status));
+  const std::string what = fmt::format("rank {} {}", outcome.rank, failure_how(outcome));
+  if (!outcome.how.empty()) return what;  // named by check_stragglers already
   note(fmt::format("{}; stopping the other workers", what));
   if (!outcome.others.empty()) {
     note(fmt::format("also failed (likely in consequence): {}", fmt::join(outcome.others, "; ")));
@@ -611,8 +661,41 @@ std::string Supervisor::note_worker_failure(const Outcome& outcome) {
   return what;
 }
 
+std::optional<Outcome> Supervisor::check_stragglers(Clock::time_point now) {
+  if (first_done_rank_ < 0) {
+    for (const Worker& worker : workers_) {
+      if (!worker.running && WIFEXITED(worker.wait_status) &&
+          WEXITSTATUS(worker.wait_status) == 0) {
+        first_done_rank_ = worker.global_rank;
+        first_done_at_ = now;
+        break;
+      }
+    }
+    return std::nullopt;
+  }
+  if (now < first_done_at_ + options_.timeout) return std::nullopt;
+  Outcome outcome{.kind = OutcomeKind::kWorkerFailed};
+  const std::string how =
+      fmt::format("still running {:g} s after rank {} finished",
+                  std::chrono::duration<double>(options_.timeout).count(), first_done_rank_);
+  for (const Worker& worker : workers_) {
+    if (!worker.running) continue;
+    note(fmt::format("rank {} (pid {}) {} (DDP_TIMEOUT); stopping it", worker.global_rank,
+                     worker.pid, how));
+    if (outcome.rank < 0) {
+      outcome.rank = worker.global_rank;
+      outcome.how = how;
+    } else {
+      outcome.others.push_back(fmt::format("rank {} {}", worker.global_rank, how));
+    }
+  }
+  if (outcome.rank < 0) return std::nullopt;
+  return outcome;
+}
+
 Outcome Supervisor::supervise(int round) {
   Outcome outcome;
+  first_done_rank_ = -1;
   for (;;) {
     // The timeout is only a safety net; SIGCHLD and output wake the loop. With whole-job
     // restarts it is also how often the store's round is looked at.
@@ -620,6 +703,9 @@ Outcome Supervisor::supervise(int round) {
     const std::optional<int> sig = read_signals();
     reap_children(&outcome);
     if (sig) return Outcome{.kind = OutcomeKind::kSignalled, .signal = *sig};
+    if (outcome.kind != OutcomeKind::kWorkerFailed) {
+      if (auto stragglers = check_stragglers(Clock::now())) return *std::move(stragglers);
+    }
     if (rounds_ && outcome.kind != OutcomeKind::kWorkerFailed) {
       if (const int silent = rounds_->beat(); silent >= 0) {
         rounds_->report_failure(round, fmt::format("{}'s ddprun stopped responding (no heartbeat)",
@@ -643,20 +729,6 @@ Outcome Supervisor::supervise(int round) {
 void Supervisor::start_restart_rounds() {
   // An elastic job always has rounds: nodes joining restart the workers even with no restarts.
   if (!options_.elastic() && (options_.nnodes < 2 || options_.max_restarts < 1)) return;
-  Milliseconds join_timeout = kDefaultTimeout;
-  if (const auto it = base_env_.find("DDP_TIMEOUT"); it != base_env_.end()) {
-    double seconds = 0;
-    try {
-      seconds = std::stod(it->second);
-    } catch (const std::exception&) {
-    }
-    if (!(seconds > 0)) {
-      throw ConfigError(
-          fmt::format("DDP_TIMEOUT='{}' is not a positive number of seconds (e.g. DDP_TIMEOUT=60)",
-                      it->second));
-    }
-    join_timeout = Milliseconds(static_cast<long long>(seconds * 1000.0));
-  }
   const std::string secret = options_.secret_file.empty()
                                  ? resolve_job_secret(std::nullopt)
                                  : read_secret_file(options_.secret_file, "--secret-file");
@@ -668,19 +740,76 @@ void Supervisor::start_restart_rounds() {
       options_.elastic() ? kElasticSilence
                          : std::max(Milliseconds(30'000),
                                     2 * options_.grace_period + kKillWait + Milliseconds(10'000));
-  rounds_ =
-      std::make_unique<RestartRounds>(RestartRoundsOptions{.host = options_.master_addr,
-                                                           .port = options_.agent_port,
-                                                           .nnodes = options_.nnodes,
-                                                           .node_rank = options_.node_rank,
-                                                           .run_id = options_.run_id,
-                                                           .secret = secret,
-                                                           .join_timeout = join_timeout,
-                                                           .heartbeat_timeout = silence,
-                                                           .min_nodes = options_.min_nnodes,
-                                                           .nproc = options_.nproc_per_node,
-                                                           .last_call = options_.rdzv_last_call,
-                                                           .max_restarts = options_.max_restarts});
+  try {
+    rounds_ = make_rounds(secret, silence);
+  } catch (const StoreError& e) {
+    // The store names its own option for the secret; a ddprun user sets it through ddprun.
+    std::string message = e.what();
+    if (message.find("secret") == std::string::npos) throw;
+    for (const std::string internal :
+         {"; set the same secret on every process (TcpStoreOptions::auth_secret)",
+          " (TcpStoreOptions::auth_secret)", "TcpStoreOptions::auth_secret"}) {
+      if (const auto at = message.find(internal); at != std::string::npos) {
+        message.erase(at, internal.size());
+      }
+    }
+    throw StoreError(fmt::format(
+        "restart rounds at {}:{}: {}; give every node's ddprun the same secret (--secret-file "
+        "FILE, or DDP_SECRET_FILE or DDP_SECRET in its environment), or none to all of them",
+        options_.master_addr, options_.agent_port, message));
+  }
+}
+
+std::string Supervisor::agent_listen_host() const {
+  if (options_.agent_listen_addr) return *options_.agent_listen_addr;
+  if (const auto it = base_env_.find("DDP_STORE_LISTEN_ADDR"); it != base_env_.end()) {
+    if (it->second.empty()) {
+      throw ConfigError(
+          "DDP_STORE_LISTEN_ADDR is set but empty: give an address of this host (e.g. 0.0.0.0 "
+          "for every IPv4 address), or unset it to listen on --master-addr's interface");
+    }
+    return it->second;
+  }
+  const std::string& addr = options_.master_addr;
+  in6_addr literal{};
+  if (::inet_pton(AF_INET, addr.c_str(), &literal) == 1 ||
+      ::inet_pton(AF_INET6, addr.c_str(), &literal) == 1) {
+    return addr;  // a literal address: listen on it, loopback included (one host only then)
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(addr.c_str(), nullptr, &hints, &found) != 0) return addr;  // named later
+  bool only_loopback = true;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      const auto* in = reinterpret_cast<const sockaddr_in*>(a->ai_addr);
+      only_loopback = only_loopback && (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      const auto* in6 = reinterpret_cast<const sockaddr_in6*>(a->ai_addr);
+      only_loopback = only_loopback && IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr);
+    }
+  }
+  ::freeaddrinfo(found);
+  return only_loopback && options_.nnodes > 1 ? std::string() : addr;
+}
+
+std::unique_ptr<RestartRounds> Supervisor::make_rounds(const std::string& secret,
+                                                       Milliseconds silence) const {
+  return std::make_unique<RestartRounds>(
+      RestartRoundsOptions{.host = options_.master_addr,
+                           .port = options_.agent_port,
+                           .listen_host = agent_listen_host(),
+                           .nnodes = options_.nnodes,
+                           .node_rank = options_.node_rank,
+                           .run_id = options_.run_id,
+                           .secret = secret,
+                           .join_timeout = options_.timeout,
+                           .heartbeat_timeout = silence,
+                           .min_nodes = options_.min_nnodes,
+                           .nproc = options_.nproc_per_node,
+                           .last_call = options_.rdzv_last_call,
+                           .max_restarts = options_.max_restarts});
 }
 
 std::optional<int> Supervisor::await_other_nodes(int round, bool& all_succeeded) {
@@ -804,7 +933,7 @@ int Supervisor::run() {
           // round, and the first failure recorded is the one every node names.
           cause = rounds_->report_failure(
               restart_count, fmt::format("rank {} (node {}) {}", outcome.rank, options_.node_rank,
-                                         describe_wait_status(outcome.wait_status)));
+                                         failure_how(outcome)));
         }
         if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
         if (!give_up_or_restart(restart_count, cause)) return kWorkerFailedExitCode;
@@ -888,8 +1017,8 @@ int Supervisor::run_elastic_rounds() {
         const std::string what = note_worker_failure(outcome);
         // Recorded before stopping anything, as in a static job (see run()).
         std::string cause = rounds_->report_failure(
-            round, fmt::format("rank {} (node {}) {}", outcome.rank, node_rank(),
-                               describe_wait_status(outcome.wait_status)));
+            round,
+            fmt::format("rank {} (node {}) {}", outcome.rank, node_rank(), failure_how(outcome)));
         if (const auto sig = stop_everything(SIGTERM, std::nullopt)) return 128 + *sig;
         if (cause.empty()) {
           note(

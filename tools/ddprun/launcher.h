@@ -5,9 +5,12 @@
 //   return run_workers(options);  // ddprun's exit code
 //
 // How it works: one event loop (poll) over every worker's stdout and stderr pipe plus a signalfd
-// for SIGCHLD, SIGINT, SIGTERM and SIGHUP; no thread per worker. Each worker is the leader of its
-// own process group, so stopping a worker stops whatever it started; ddprun is also a child
-// subreaper, so processes that escape their group are reparented to ddprun and stopped too.
+// for SIGCHLD, SIGINT, SIGTERM and SIGHUP; no thread per worker. Each worker leads its own process
+// session and group (setsid: the kernel's autogroup scheduler then gives it a session's share of
+// the CPU, as torchrun's workers get), so stopping a worker stops whatever it started; ddprun is
+// also a child subreaper, so processes that escape their group are reparented to ddprun and
+// stopped too. Workers get PR_SET_PDEATHSIG=SIGKILL (ddprun forks from the calling thread, which
+// must live as long as the job: the main thread), so none outlives a ddprun killed outright.
 // Worker exit is judged by waitpid, output by the pipes: a worker that closes its stdout keeps
 // being supervised.
 //
@@ -22,8 +25,13 @@
 // a node that leaves fails the round, one that arrives moves the job to the next round without
 // costing a restart, and each round's workers get that round's ranks and world size.
 //
+// Once a worker exited with 0, the others get options.timeout (DDP_TIMEOUT) to exit too; one still
+// running then is named and stopped as a failed rank (a stopped process gets SIGCONT after each
+// request to stop, so that its handler runs).
+//
 // Exit codes: 0 when every worker exited with 0; 1 when a worker failed (after --max-restarts
-// restarts) or could not be started; 128+N when ddprun received signal N (130 for SIGINT).
+// restarts), was still running DDP_TIMEOUT after another finished, or could not be started;
+// 128+N when ddprun received signal N (130 for SIGINT).
 //
 // run_workers blocks SIGCHLD/SIGINT/SIGTERM/SIGHUP and ignores SIGPIPE in the calling process
 // (workers get the original settings back), so call it from the main thread of a process that

@@ -23,6 +23,7 @@ RestartRounds::RestartRounds(RestartRoundsOptions options) : options_(std::move(
                                       TcpStoreOptions{.is_server = options_.node_rank == 0,
                                                       .timeout = options_.join_timeout,
                                                       .connect_timeout = options_.join_timeout,
+                                                      .listen_host = options_.listen_host,
                                                       .auth_secret = options_.secret});
   if (elastic()) {
     // Agent 0 serves the store and never asks; the others count themselves in: 1, 2, ...

@@ -66,6 +66,8 @@ namespace ddp::ddprun {
 struct RestartRoundsOptions {
   std::string host;  // --master-addr
   int port = 0;      // --agent-port
+  // Where node 0's store listens ("" = every IPv4 address); see agent_listen_host (launcher.cc).
+  std::string listen_host;
   int nnodes = 1;
   int node_rank = 0;
   std::string run_id = "none";
