@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <mutex>
+#include <optional>
+#include <string>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -35,6 +37,57 @@ void start_trace_from_environment(ProcessGroup& group) {
     std::fprintf(stderr, "ddp: warning: %s (from DDP_TRACE)\n", e.what());
   }
   synchronize_trace_clock(group);
+}
+
+// A launcher variable read as a number; nullopt when unset or not a number.
+std::optional<long long> number_from_environment(const char* name) {
+  const auto text = process_environment(name);
+  if (!text) return std::nullopt;
+  try {
+    std::size_t used = 0;
+    const long long value = std::stoll(*text, &used);
+    if (used == text->size()) return value;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+// The mpi backend learns its world from MPI, which knows it only under mpirun (or srun with
+// PMI). Started by ddprun or torchrun instead, every process would be a world of one and train
+// alone, and the job would exit 0: refused, before MPI starts.
+void refuse_mpi_without_mpirun() {
+  if (process_environment("OMPI_COMM_WORLD_SIZE") || process_environment("PMI_SIZE") ||
+      process_environment("PMIX_RANK")) {
+    return;  // mpirun (or a PMI launcher) started it: MPI knows the world
+  }
+  const auto rank_text = process_environment("RANK");
+  const auto world_text = process_environment("WORLD_SIZE");
+  if (!rank_text && !world_text) return;
+  const auto world = number_from_environment("WORLD_SIZE");
+  const auto rank = number_from_environment("RANK");
+  if (world == 1 && rank.value_or(0) == 0) return;  // a job of one: MPI's world of one is right
+  throw ConfigError(fmt::format(
+      "the mpi backend needs mpirun: this process was started with RANK={} WORLD_SIZE={} (by "
+      "ddprun or torchrun) but not by mpirun, so MPI would make each process a separate world "
+      "of one, training alone. Under ddprun or torchrun use the ring backend (unset DDP_BACKEND "
+      "or set DDP_BACKEND=ring), or launch with mpirun -np {} and DDP_BACKEND=mpi",
+      rank_text.value_or("(unset)"), world_text.value_or("(unset)"),
+      world ? std::to_string(*world) : std::string("N")));
+}
+
+// After MPI started: its world must be the one the launcher announced.
+void check_mpi_world_against_launcher(const ProcessGroup& group) {
+  for (const char* name : {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}) {
+    const auto expected = number_from_environment(name);
+    if (!expected) continue;
+    if (*expected != group.size()) {
+      throw ConfigError(fmt::format(
+          "{}={} but MPI's world has {} process(es): the mpi backend needs the processes to be "
+          "started by mpirun (or srun with MPI support); otherwise use the ring backend",
+          name, *expected, group.size()));
+    }
+    return;
+  }
 }
 
 }  // namespace
@@ -81,6 +134,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
         {.timeout = world.timeout, .group_name = "default", .secret = world.environment.secret});
   } else {  // "mpi": resolve_backend accepts it only when it was built
     // MPI has its own rendezvous; the launcher's variables are only checked against it.
+    refuse_mpi_without_mpirun();
     group = make_mpi_process_group({.timeout = resolve_timeout(options.timeout),
                                     .abort_on_failure = options.mpi_abort_on_failure});
     if (options.launch.rank && *options.launch.rank != group->rank()) {
@@ -91,6 +145,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
       throw ConfigError(fmt::format("options.world_size={} but MPI's world has {} processes",
                                     *options.launch.world_size, group->size()));
     }
+    if (!options.launch.world_size) check_mpi_world_against_launcher(*group);
   }
   start_trace_from_environment(*group);
   std::lock_guard lock(default_group_mutex);

@@ -1,0 +1,100 @@
+// init_process_group() in real processes started the way users start them: by ddprun, by mpirun,
+// or by hand without any launcher (init_allreduce_worker: init, allreduce, check).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "ddp/init.h"
+#include "support/subprocess.h"
+
+namespace ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using test::built_program;
+using test::Subprocess;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Launcher variables a test's own environment might carry (a test run under ddprun or mpirun),
+// removed so that each test sees only what it sets.
+std::map<std::string, std::optional<std::string>> clean_environment() {
+  std::map<std::string, std::optional<std::string>> env;
+  for (const char* name :
+       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "PMI_SIZE",
+        "PMIX_RANK", "TORCHELASTIC_USE_AGENT_STORE", "DDP_BACKEND", "DDP_QUIET", "DDP_SECRET",
+        "DDP_SECRET_FILE", "DDP_TRACE", "DDP_DUMP_DIR"}) {
+    env[name] = std::nullopt;
+  }
+  env["DDP_TIMEOUT"] = "30";
+  return env;
+}
+
+bool mpi_built() {
+  const auto names = available_backends();
+  return std::find(names.begin(), names.end(), "mpi") != names.end();
+}
+
+int count(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1))
+    ++n;
+  return n;
+}
+
+// The adversarial run's finding: under ddprun, DDP_BACKEND=mpi made each process an MPI world of
+// one, and the job exited 0 having trained two separate models.
+TEST(MpiBackendWithoutMpirun, UnderDdprunIsRefusedOnEveryRank) {
+  if (!mpi_built()) GTEST_SKIP() << "the mpi backend is not built (no OpenMPI at configure time)";
+  auto env = clean_environment();
+  env["DDP_BACKEND"] = "mpi";
+  auto job = Subprocess::start(
+      {built_program("ddprun"), "--nproc-per-node", "2", built_program("init_allreduce_worker")},
+      env);
+  const auto result = job.wait(90s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, Not(HasSubstr("of 1: sum 1 ok")));
+  EXPECT_GE(count(result.output, "the mpi backend needs mpirun"), 1) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("DDP_BACKEND=ring"));
+}
+
+// The same refusal without any launcher process: RANK/WORLD_SIZE set by hand.
+TEST(MpiBackendWithoutMpirun, LauncherWorldOfTwoIsNeverAWorldOfOne) {
+  if (!mpi_built()) GTEST_SKIP() << "the mpi backend is not built (no OpenMPI at configure time)";
+  auto env = clean_environment();
+  env["DDP_BACKEND"] = "mpi";
+  env["RANK"] = "1";
+  env["WORLD_SIZE"] = "2";
+  auto worker = Subprocess::start({built_program("init_allreduce_worker")}, env);
+  const auto result = worker.wait(60s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("the mpi backend needs mpirun: this process was started "
+                                       "with RANK=1 WORLD_SIZE=2"));
+  EXPECT_THAT(result.output, HasSubstr("mpirun -np 2"));
+}
+
+// The check does not get in the way of the real thing: under mpirun the mpi backend joins MPI's
+// world of two.
+TEST(MpiBackendWithoutMpirun, UnderMpirunStillRuns) {
+  if (!mpi_built() || std::string(DDP_MPIEXEC).empty()) {
+    GTEST_SKIP() << "the mpi backend is not built (no OpenMPI at configure time)";
+  }
+  auto env = clean_environment();
+  env["DDP_BACKEND"] = "mpi";
+  auto job = Subprocess::start(
+      {"sh", DDP_RUN_UNDER_MPIRUN, DDP_MPIEXEC, "2", "--", built_program("init_allreduce_worker")},
+      env);
+  const auto result = job.wait(120s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  if (result.exit_code == 77) GTEST_SKIP() << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("rank 0 of 2: sum 3 ok"));
+  EXPECT_THAT(result.output, HasSubstr("rank 1 of 2: sum 3 ok"));
+}
+
+}  // namespace
+}  // namespace ddp
