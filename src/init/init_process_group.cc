@@ -90,6 +90,25 @@ void check_mpi_world_against_launcher(const ProcessGroup& group) {
   }
 }
 
+// A process that no launcher started trains alone; say so once, on stderr, with how to start
+// more. Quiet when the caller chose its rank and world itself, or with DDP_QUIET set (not "0").
+void notice_single_process(const InitOptions& options) {
+  if (options.launch.rank || options.launch.world_size) return;
+  for (const char* name : {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                           "SLURM_PROCID", "SLURM_NTASKS", "PMI_SIZE", "PMIX_RANK"}) {
+    if (process_environment(name)) return;
+  }
+  const auto quiet = process_environment("DDP_QUIET");
+  if (quiet && !quiet->empty() && *quiet != "0") return;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::fprintf(stderr,
+                 "ddp: no launcher environment (RANK, WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_*) "
+                 "found; running as a single process. Launch more with `ddprun "
+                 "--nproc-per-node N prog` or torchrun (DDP_QUIET=1 silences this line)\n");
+  });
+}
+
 }  // namespace
 
 std::vector<std::string> available_backends() {
@@ -126,6 +145,7 @@ std::string resolve_backend(const std::string& requested, const std::string& sou
 
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   const std::string backend = resolve_backend(options.backend, "InitOptions::backend");
+  notice_single_process(options);
   std::shared_ptr<ProcessGroup> group;
   if (backend == "ring") {
     World world = rendezvous(options);

@@ -44,6 +44,43 @@ int count(const std::string& text, const std::string& what) {
   return n;
 }
 
+constexpr const char* kNotice =
+    "ddp: no launcher environment (RANK, WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_*) found; running "
+    "as a single process. Launch more with `ddprun --nproc-per-node N prog` or torchrun";
+
+// A program started by hand trains as one process: it says so once, on stderr.
+TEST(NoLauncher, OneLineNoticeOnStderr) {
+  auto worker = Subprocess::start({built_program("init_allreduce_worker")}, clean_environment());
+  const auto result = worker.wait(60s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("rank 0 of 1: sum 1 ok"));
+  EXPECT_EQ(count(result.output, kNotice), 1) << result.output;
+}
+
+TEST(NoLauncher, NoticeSilencedByDdpQuiet) {
+  auto env = clean_environment();
+  env["DDP_QUIET"] = "1";
+  auto worker = Subprocess::start({built_program("init_allreduce_worker")}, env);
+  const auto result = worker.wait(60s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("rank 0 of 1: sum 1 ok"));
+  EXPECT_THAT(result.output, Not(HasSubstr("no launcher environment")));
+}
+
+// Under a launcher there is nothing to say.
+TEST(NoLauncher, NoNoticeUnderDdprun) {
+  auto job = Subprocess::start(
+      {built_program("ddprun"), "--nproc-per-node", "2", built_program("init_allreduce_worker")},
+      clean_environment());
+  const auto result = job.wait(90s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("rank 1 of 2: sum 3 ok"));
+  EXPECT_THAT(result.output, Not(HasSubstr("no launcher environment")));
+}
+
 // The adversarial run's finding: under ddprun, DDP_BACKEND=mpi made each process an MPI world of
 // one, and the job exited 0 having trained two separate models.
 TEST(MpiBackendWithoutMpirun, UnderDdprunIsRefusedOnEveryRank) {
