@@ -1,7 +1,13 @@
 #include "ddp/init.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -23,7 +29,8 @@ std::mutex default_group_mutex;
 std::shared_ptr<ProcessGroup> default_group;
 
 // DDP_TRACE=DIR: starts this rank's timeline and aligns its clock with rank 0's through the new
-// group. A folder that cannot be written is a warning and the job trains untraced; the clock
+// group. The folder was made and probed before the rendezvous (prepare_output_folder); one that
+// went bad since is a warning and the job trains untraced; the clock
 // exchange runs on every rank anyway (every rank sees the same DDP_TRACE), so ranks whose trace
 // did start still pair their messages.
 void start_trace_from_environment(ProcessGroup& group) {
@@ -37,6 +44,34 @@ void start_trace_from_environment(ProcessGroup& group) {
     std::fprintf(stderr, "ddp: warning: %s (from DDP_TRACE)\n", e.what());
   }
   synchronize_trace_clock(group);
+}
+
+// DDP_DUMP_DIR and DDP_TRACE name folders that are written at a failure or at exit: made now
+// (mkdir -p) and probed with a file, or refused with the variable, the path and the system's
+// reason, so that a wrong path shows at the start and not when the dump it was for is lost.
+void prepare_output_folder(const char* variable, const std::string& path) {
+  if (path.empty()) return;
+  namespace fs = std::filesystem;
+  const auto refuse = [&](const std::string& problem) {
+    throw ConfigError(
+        fmt::format("{}='{}' {}; point {} at a folder this process can write, or unset it",
+                    variable, path, problem, variable));
+  };
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(path, ec)) && !fs::is_directory(path, ec)) {
+    refuse("is not a folder (a file of that name exists)");
+  }
+  fs::create_directories(path, ec);
+  if (ec && !fs::is_directory(path)) {  // another rank creating it at once is no error
+    refuse(fmt::format("cannot be created ({})", ec.message()));
+  }
+  const std::string probe = (fs::path(path) / fmt::format(".ddp_probe.{}", ::getpid())).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    refuse(fmt::format("is a folder this process cannot write in ({})", std::strerror(errno)));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
 // A launcher variable read as a number; nullopt when unset or not a number.
@@ -146,6 +181,8 @@ std::string resolve_backend(const std::string& requested, const std::string& sou
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   const std::string backend = resolve_backend(options.backend, "InitOptions::backend");
   notice_single_process(options);
+  prepare_output_folder("DDP_DUMP_DIR", settings::dump_dir());
+  prepare_output_folder("DDP_TRACE", settings::trace_dir());
   std::shared_ptr<ProcessGroup> group;
   if (backend == "ring") {
     World world = rendezvous(options);

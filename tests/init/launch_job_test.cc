@@ -4,15 +4,21 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
 
 #include "ddp/init.h"
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 
 namespace ddp {
 namespace {
 
 using namespace std::chrono_literals;
 using test::built_program;
+using test::ExitStatus;
 using test::Subprocess;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -79,6 +85,58 @@ TEST(NoLauncher, NoNoticeUnderDdprun) {
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_THAT(result.output, HasSubstr("rank 1 of 2: sum 3 ok"));
   EXPECT_THAT(result.output, Not(HasSubstr("no launcher environment")));
+}
+
+// DDP_DUMP_DIR / DDP_TRACE: the folders are made at init (mkdir -p), or refused there by name;
+// before, a missing dump folder was noticed only when the dump it was for was lost.
+ExitStatus run_worker_with(const char* variable, const std::string& path) {
+  auto env = clean_environment();
+  env["DDP_QUIET"] = "1";
+  env[variable] = path;
+  auto worker = Subprocess::start({built_program("init_allreduce_worker")}, env);
+  return worker.wait(60s);
+}
+
+TEST(OutputFolders, MissingFoldersAreCreatedAtInit) {
+  test::TempDir dir("ddp-output-folders");
+  for (const char* variable : {"DDP_DUMP_DIR", "DDP_TRACE"}) {
+    const auto folder = dir.path() / variable / "nested" / "deeper";
+    const auto result = run_worker_with(variable, folder.string());
+    ASSERT_FALSE(result.timed_out) << result.output;
+    EXPECT_EQ(result.exit_code, 0) << variable << ": " << result.output;
+    EXPECT_TRUE(std::filesystem::is_directory(folder)) << variable;
+  }
+  // The trace was written into the folder made for it.
+  EXPECT_TRUE(
+      std::filesystem::exists(dir.path() / "DDP_TRACE" / "nested" / "deeper" / "trace_rank0.json"));
+}
+
+TEST(OutputFolders, PathThatIsAFileIsANamedErrorAtInit) {
+  test::TempDir dir("ddp-output-folders");
+  const auto file = dir.path() / "a-file";
+  std::ofstream(file) << "not a folder\n";
+  for (const char* variable : {"DDP_DUMP_DIR", "DDP_TRACE"}) {
+    for (const auto& path : {file, file / "below"}) {
+      const auto result = run_worker_with(variable, path.string());
+      ASSERT_FALSE(result.timed_out) << result.output;
+      EXPECT_EQ(result.exit_code, 1) << result.output;
+      EXPECT_THAT(result.output, HasSubstr(fmt::format("{}='{}'", variable, path.string())));
+      EXPECT_THAT(result.output, HasSubstr("point " + std::string(variable) + " at a folder"));
+      EXPECT_THAT(result.output, Not(HasSubstr("sum 1 ok")));  // refused before training
+    }
+  }
+  const auto nested = run_worker_with("DDP_DUMP_DIR", (file / "below").string());
+  EXPECT_THAT(nested.output, HasSubstr("cannot be created (Not a directory)"));
+  const auto plain = run_worker_with("DDP_DUMP_DIR", file.string());
+  EXPECT_THAT(plain.output, HasSubstr("is not a folder (a file of that name exists)"));
+}
+
+TEST(OutputFolders, UnwritablePlaceIsANamedErrorWithTheSystemsReason) {
+  // /proc refuses new folders, even to root.
+  const auto result = run_worker_with("DDP_DUMP_DIR", "/proc/ddp-dumps-here");
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("DDP_DUMP_DIR='/proc/ddp-dumps-here' cannot be created ("));
 }
 
 // The adversarial run's finding: under ddprun, DDP_BACKEND=mpi made each process an MPI world of
