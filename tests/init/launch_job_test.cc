@@ -139,6 +139,35 @@ TEST(OutputFolders, UnwritablePlaceIsANamedErrorWithTheSystemsReason) {
   EXPECT_THAT(result.output, HasSubstr("DDP_DUMP_DIR='/proc/ddp-dumps-here' cannot be created ("));
 }
 
+// An error in init comes before the group knows the rank: ddp-bench said "rank -1". Now it says
+// the launcher's RANK, or that the rank is not known yet.
+TEST(ErrorsBeforeInit, NameTheLaunchersRankNotMinusOne) {
+  test::TempDir dir("ddp-rank-before-init");
+  const auto file = dir.path() / "a-file";
+  std::ofstream(file) << "not a folder\n";
+  auto env = clean_environment();
+  env["DDP_QUIET"] = "1";
+  env["DDP_DUMP_DIR"] = file.string();  // init refuses it
+  {
+    auto bench = Subprocess::start({built_program("ddp-bench")}, env);
+    const auto result = bench.wait(60s);
+    ASSERT_FALSE(result.timed_out) << result.output;
+    EXPECT_NE(result.exit_code, 0) << result.output;
+    EXPECT_THAT(result.output, HasSubstr("ddp-bench: before the rank is known: error: "
+                                         "DDP_DUMP_DIR="));
+    EXPECT_THAT(result.output, Not(HasSubstr("rank -1")));
+  }
+  env["RANK"] = "0";
+  env["WORLD_SIZE"] = "1";
+  auto bench = Subprocess::start({built_program("ddp-bench")}, env);
+  const auto result = bench.wait(60s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output,
+              HasSubstr("ddp-bench: rank 0 (RANK, before init finished): error: DDP_DUMP_DIR="));
+  EXPECT_THAT(result.output, Not(HasSubstr("rank -1")));
+}
+
 // The adversarial run's finding: under ddprun, DDP_BACKEND=mpi made each process an MPI world of
 // one, and the job exited 0 having trained two separate models.
 TEST(MpiBackendWithoutMpirun, UnderDdprunIsRefusedOnEveryRank) {
