@@ -83,6 +83,8 @@ TEST_P(C10dStorePython, RoundTripWithPyTorchsOwnServerAndPythonClient) {
   EXPECT_EQ(store.get_string("counter"), "7");
   EXPECT_TRUE(store.check(std::vector<std::string>{"py/key", "cpp/key"}));
   EXPECT_FALSE(store.check(std::vector<std::string>{"py/key", "absent"}));
+  EXPECT_TRUE(store.check(std::vector<std::string>{}));  // nothing missing; nothing sent
+  store.wait(std::vector<std::string>{}, 100ms);
 
   // compare_set keeps ddp's contract on top of c10d's.
   EXPECT_EQ(store.compare_set("cas", "", "a"), "a");
