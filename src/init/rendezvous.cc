@@ -332,10 +332,23 @@ World rendezvous(const InitOptions& options) {
   const std::string token = process_token();
   const std::string holder = store.compare_set(keys.rank(env.rank), "", token);
   if (holder != token) {
+    // In torchrun's store, which outlives its workers, the other claim is most likely a worker
+    // of an earlier round under the same restart count (see docs/store.md, torchrun's store).
+    const std::string agent_hint =
+        agent_prefix
+            ? fmt::format(
+                  ". Under torchrun's store ({}/) the other claim is most likely a worker of an "
+                  "earlier round left under the same TORCHELASTIC_RESTART_COUNT: torchrun "
+                  "restarted the workers without counting a restart (an elastic membership "
+                  "change, or nodes whose restart counts differ). Run torchrun with "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (rank 0 then hosts a fresh ddp store "
+                  "every round), or launch with ddprun",
+                  *agent_prefix)
+            : std::string();
     fail_everywhere(store, keys,
                     fmt::format("two processes claim rank {}: {} and {}; every process of the job "
-                                "needs its own RANK (check the launcher's variables)",
-                                env.rank, holder, token));
+                                "needs its own RANK (check the launcher's variables){}",
+                                env.rank, holder, token, agent_hint));
   }
   const std::string size_text = std::to_string(env.world_size);
   const std::string agreed_size = store.compare_set(keys.world_size(), "", size_text);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -83,6 +84,52 @@ TEST(TorchrunAgentStore, JobSecretIsRefusedByName) {
   EXPECT_NE(result.exit_code, 0) << result.output;
   EXPECT_THAT(result.output, HasSubstr("has no authentication"));
   EXPECT_THAT(result.output, HasSubstr("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"));
+}
+
+// torchrun's store outlives its workers: a claim left there by an earlier round under the same
+// restart count is named as such (with the way out), not only as two processes claiming a rank.
+TEST(TorchrunAgentStore, ClaimLeftByAnEarlierRoundIsExplained) {
+  const std::string python = std::string(DDP_PYTORCH_VENV) + "/bin/python";
+  if (!std::filesystem::exists(python)) {
+    GTEST_SKIP() << "no PyTorch 2.x environment at " << DDP_PYTORCH_VENV
+                 << "; scripts/install-deps.sh installs it";
+  }
+  // torchrun's store, as its agent runs it, holding an earlier worker's claim of rank 0.
+  auto store = Subprocess::start(
+      {python, "-c",
+       "import time, torch.distributed as d\n"
+       "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+       "s.set('ddp/torchrun/attempt_0/world_1/ddp/rendezvous/0/rank/0', 'host pid 1 (old)')\n"
+       "print('PORT', s.port, flush=True)\n"
+       "time.sleep(60)\n"},
+      {{"PYTHONUNBUFFERED", "1"}});
+  std::string port;
+  for (int i = 0; i < 3000 && port.empty(); ++i) {
+    const auto& out = store.output_so_far();
+    if (const auto at = out.find("PORT ");
+        at != std::string::npos && out.find('\n', at) != std::string::npos) {
+      port = out.substr(at + 5, out.find('\n', at) - at - 5);
+    } else {
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  ASSERT_FALSE(port.empty()) << store.output_so_far();
+  auto worker = Subprocess::start({built_program("init_allreduce_worker")},
+                                  {{"RANK", "0"},
+                                   {"WORLD_SIZE", "1"},
+                                   {"MASTER_ADDR", "127.0.0.1"},
+                                   {"MASTER_PORT", port},
+                                   {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                   {"TORCHELASTIC_RESTART_COUNT", "0"},
+                                   {"DDP_SECRET", std::nullopt},
+                                   {"DDP_SECRET_FILE", std::nullopt},
+                                   {"DDP_TIMEOUT", "10"}});
+  const auto result = worker.wait(30s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("two processes claim rank 0: host pid 1 (old) and"));
+  EXPECT_THAT(result.output, HasSubstr("a worker of an earlier round left under the same "
+                                       "TORCHELASTIC_RESTART_COUNT"));
 }
 
 // Without torchrun: TORCHELASTIC_USE_AGENT_STORE=True but MASTER_PORT is a ddp store server.
