@@ -238,6 +238,37 @@ TEST(C10dStoreClient, PyTorch1ServerIsRefusedByName) {
   EXPECT_LT(since(start), 12s);
 }
 
+// The store's host dies while a wait is parked: a StoreError at once, not the wait's deadline,
+// and every later call is refused by name.
+TEST(C10dStoreClient, ServerGoneDuringAWaitIsAStoreErrorAtOnce) {
+  FakeServer server([](net::Socket& peer) {
+    std::uint8_t hello[10];
+    peer.recv_all(hello, sizeof hello, net::deadline_after(5s));
+    peer.send_all(hello + 6, 4, net::deadline_after(5s));
+    std::uint8_t request[1];
+    peer.recv_all(request, 1, net::deadline_after(5s));  // the wait arrives
+    std::this_thread::sleep_for(200ms);
+    peer.close();
+  });
+  C10dStoreClient store("127.0.0.1", server.port(), {.timeout = 5s, .connect_timeout = 5s});
+  const auto start = net::Clock::now();
+  try {
+    store.wait(std::vector<std::string>{"k"}, 30s);
+    ADD_FAILURE() << "wait returned although the server went away";
+  } catch (const StoreError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(fmt::format("connection to the c10d store at 127.0.0.1:{} "
+                                                "lost during wait('k')",
+                                                server.port())));
+  }
+  EXPECT_LT(since(start), 5s);
+  try {
+    store.set("k", "v");
+    ADD_FAILURE() << "a broken client accepted a call";
+  } catch (const StoreError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("is unusable"));
+  }
+}
+
 TEST(C10dStoreClient, OversizedKeysAndValuesAreRefusedBeforeSending) {
   FakeServer server([](net::Socket& peer) {
     // Answer the handshake's ping like a c10d server: echo the nonce.
