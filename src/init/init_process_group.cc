@@ -1,8 +1,16 @@
 #include "ddp/init.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <mutex>
+#include <optional>
+#include <string>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -21,7 +29,8 @@ std::mutex default_group_mutex;
 std::shared_ptr<ProcessGroup> default_group;
 
 // DDP_TRACE=DIR: starts this rank's timeline and aligns its clock with rank 0's through the new
-// group. A folder that cannot be written is a warning and the job trains untraced; the clock
+// group. The folder was made and probed before the rendezvous (prepare_output_folder); one that
+// went bad since is a warning and the job trains untraced; the clock
 // exchange runs on every rank anyway (every rank sees the same DDP_TRACE), so ranks whose trace
 // did start still pair their messages.
 void start_trace_from_environment(ProcessGroup& group) {
@@ -35,6 +44,104 @@ void start_trace_from_environment(ProcessGroup& group) {
     std::fprintf(stderr, "ddp: warning: %s (from DDP_TRACE)\n", e.what());
   }
   synchronize_trace_clock(group);
+}
+
+// DDP_DUMP_DIR and DDP_TRACE name folders that are written at a failure or at exit: made now
+// (mkdir -p) and probed with a file, or refused with the variable, the path and the system's
+// reason, so that a wrong path shows at the start and not when the dump it was for is lost.
+void prepare_output_folder(const char* variable, const std::string& path) {
+  if (path.empty()) return;
+  namespace fs = std::filesystem;
+  const auto refuse = [&](const std::string& problem) {
+    throw ConfigError(
+        fmt::format("{}='{}' {}; point {} at a folder this process can write, or unset it",
+                    variable, path, problem, variable));
+  };
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(path, ec)) && !fs::is_directory(path, ec)) {
+    refuse("is not a folder (a file of that name exists)");
+  }
+  fs::create_directories(path, ec);
+  if (ec && !fs::is_directory(path)) {  // another rank creating it at once is no error
+    refuse(fmt::format("cannot be created ({})", ec.message()));
+  }
+  const std::string probe = (fs::path(path) / fmt::format(".ddp_probe.{}", ::getpid())).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    refuse(fmt::format("is a folder this process cannot write in ({})", std::strerror(errno)));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+// A launcher variable read as a number; nullopt when unset or not a number.
+std::optional<long long> number_from_environment(const char* name) {
+  const auto text = process_environment(name);
+  if (!text) return std::nullopt;
+  try {
+    std::size_t used = 0;
+    const long long value = std::stoll(*text, &used);
+    if (used == text->size()) return value;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+// The mpi backend learns its world from MPI, which knows it only under mpirun (or srun with
+// PMI). Started by ddprun or torchrun instead, every process would be a world of one and train
+// alone, and the job would exit 0: refused, before MPI starts.
+void refuse_mpi_without_mpirun() {
+  if (process_environment("OMPI_COMM_WORLD_SIZE") || process_environment("PMI_SIZE") ||
+      process_environment("PMIX_RANK")) {
+    return;  // mpirun (or a PMI launcher) started it: MPI knows the world
+  }
+  const auto rank_text = process_environment("RANK");
+  const auto world_text = process_environment("WORLD_SIZE");
+  if (!rank_text && !world_text) return;
+  const auto world = number_from_environment("WORLD_SIZE");
+  const auto rank = number_from_environment("RANK");
+  if (world == 1 && rank.value_or(0) == 0) return;  // a job of one: MPI's world of one is right
+  throw ConfigError(fmt::format(
+      "the mpi backend needs mpirun: this process was started with RANK={} WORLD_SIZE={} (by "
+      "ddprun or torchrun) but not by mpirun, so MPI would make each process a separate world "
+      "of one, training alone. Under ddprun or torchrun use the ring backend (unset DDP_BACKEND "
+      "or set DDP_BACKEND=ring), or launch with mpirun -np {} and DDP_BACKEND=mpi",
+      rank_text.value_or("(unset)"), world_text.value_or("(unset)"),
+      world ? std::to_string(*world) : std::string("N")));
+}
+
+// After MPI started: its world must be the one the launcher announced.
+void check_mpi_world_against_launcher(const ProcessGroup& group) {
+  for (const char* name : {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"}) {
+    const auto expected = number_from_environment(name);
+    if (!expected) continue;
+    if (*expected != group.size()) {
+      throw ConfigError(fmt::format(
+          "{}={} but MPI's world has {} process(es): the mpi backend needs the processes to be "
+          "started by mpirun (or srun with MPI support); otherwise use the ring backend",
+          name, *expected, group.size()));
+    }
+    return;
+  }
+}
+
+// A process that no launcher started trains alone; say so once, on stderr, with how to start
+// more. Quiet when the caller chose its rank and world itself, or with DDP_QUIET set (not "0").
+void notice_single_process(const InitOptions& options) {
+  if (options.launch.rank || options.launch.world_size) return;
+  for (const char* name : {"RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                           "SLURM_PROCID", "SLURM_NTASKS", "PMI_SIZE", "PMIX_RANK"}) {
+    if (process_environment(name)) return;
+  }
+  const auto quiet = process_environment("DDP_QUIET");
+  if (quiet && !quiet->empty() && *quiet != "0") return;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::fprintf(stderr,
+                 "ddp: no launcher environment (RANK, WORLD_SIZE, OMPI_COMM_WORLD_*, SLURM_*) "
+                 "found; running as a single process. Launch more with `ddprun "
+                 "--nproc-per-node N prog` or torchrun (DDP_QUIET=1 silences this line)\n");
+  });
 }
 
 }  // namespace
@@ -73,6 +180,9 @@ std::string resolve_backend(const std::string& requested, const std::string& sou
 
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   const std::string backend = resolve_backend(options.backend, "InitOptions::backend");
+  notice_single_process(options);
+  prepare_output_folder("DDP_DUMP_DIR", settings::dump_dir());
+  prepare_output_folder("DDP_TRACE", settings::trace_dir());
   std::shared_ptr<ProcessGroup> group;
   if (backend == "ring") {
     World world = rendezvous(options);
@@ -81,6 +191,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
         {.timeout = world.timeout, .group_name = "default", .secret = world.environment.secret});
   } else {  // "mpi": resolve_backend accepts it only when it was built
     // MPI has its own rendezvous; the launcher's variables are only checked against it.
+    refuse_mpi_without_mpirun();
     group = make_mpi_process_group({.timeout = resolve_timeout(options.timeout),
                                     .abort_on_failure = options.mpi_abort_on_failure});
     if (options.launch.rank && *options.launch.rank != group->rank()) {
@@ -91,6 +202,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
       throw ConfigError(fmt::format("options.world_size={} but MPI's world has {} processes",
                                     *options.launch.world_size, group->size()));
     }
+    if (!options.launch.world_size) check_mpi_world_against_launcher(*group);
   }
   start_trace_from_environment(*group);
   std::lock_guard lock(default_group_mutex);

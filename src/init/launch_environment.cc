@@ -9,6 +9,7 @@
 
 #include "ddp/error.h"
 #include "ddp/job_secret.h"
+#include "init/agent_store.h"
 #include "settings/settings.h"
 
 namespace ddp {
@@ -226,18 +227,6 @@ LaunchEnvironment resolve_launch_environment(const LaunchOptions& options,
         port.source));
   }
 
-  // torchrun 2.x (c10d rendezvous, --standalone) hosts its own c10d TCPStore on MASTER_PORT and
-  // tells the workers so; rank 0's ddp store could not listen there, and ddp does not speak
-  // c10d's store protocol. Say so before a bind error would.
-  if (!options.master_port && world_size > 1 &&
-      env.text("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
-    throw ConfigError(fmt::format(
-        "MASTER_PORT={} is the port of torchrun's own store (TORCHELASTIC_USE_AGENT_STORE=True), "
-        "which ddp cannot use. Run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
-        "environment (it then leaves a free MASTER_PORT to rank 0), or launch with ddprun",
-        master_port));
-  }
-
   const Field restarts =
       env.integer("TORCHELASTIC_RESTART_COUNT", "how many times the job was restarted");
   result.rank = static_cast<int>(my_rank);
@@ -262,4 +251,16 @@ LaunchEnvironment resolve_launch_environment(const LaunchOptions& options,
   return result;
 }
 
+namespace init {
+
+std::optional<std::string> torchrun_agent_store_prefix(const LaunchOptions& options,
+                                                       const LaunchEnvironment& env,
+                                                       const EnvironmentLookup& lookup) {
+  if (options.master_port || options.master_addr) return std::nullopt;
+  if (env.launcher != "ddprun/torchrun") return std::nullopt;
+  if (lookup("TORCHELASTIC_USE_AGENT_STORE").value_or("") != "True") return std::nullopt;
+  return fmt::format("ddp/torchrun/attempt_{}/world_{}", env.restart_count, env.world_size);
+}
+
+}  // namespace init
 }  // namespace ddp

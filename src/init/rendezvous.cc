@@ -15,9 +15,12 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "ddp/prefix_store.h"
 #include "ddp/tcp_store.h"
+#include "init/agent_store.h"
 #include "net/socket.h"
 #include "settings/settings.h"
+#include "store/c10d_store_client.h"
 
 namespace ddp {
 namespace {
@@ -188,6 +191,40 @@ std::shared_ptr<Store> connect_store_warning(const LaunchEnvironment& env, Milli
   }
 }
 
+// torchrun's agent store (init/agent_store.h): every rank is a client; ddp's keys live under
+// `prefix`. The store is torchrun's and has no authentication, so a job secret cannot be honoured
+// there: refused, naming the two ways out.
+std::shared_ptr<Store> connect_agent_store(const LaunchEnvironment& env, const std::string& prefix,
+                                           Milliseconds timeout) {
+  if (!env.secret.empty()) {
+    throw ConfigError(fmt::format(
+        "rank {}: a job secret is set (DDP_SECRET or DDP_SECRET_FILE) but torchrun's own store "
+        "at {}:{} (TORCHELASTIC_USE_AGENT_STORE=True), which ddp joins through, has no "
+        "authentication. Run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+        "environment (rank 0 then hosts ddp's authenticated store on MASTER_PORT), launch with "
+        "ddprun, or unset the secret",
+        env.rank, env.master_addr, env.master_port));
+  }
+  const std::string where =
+      fmt::format("torchrun's store at {}:{} (TORCHELASTIC_USE_AGENT_STORE=True)", env.master_addr,
+                  env.master_port);
+  try {
+    auto client = std::make_shared<C10dStoreClient>(
+        env.master_addr, env.master_port,
+        C10dStoreOptions{.timeout = timeout, .connect_timeout = timeout});
+    return std::make_shared<PrefixStore>(prefix, std::move(client));
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(fmt::format("rank {} could not join through {} within {}: {}", env.rank,
+                                   where, seconds_text(timeout), e.what()));
+  } catch (const StoreError& e) {
+    throw StoreError(fmt::format(
+        "rank {} could not join through {}: {}. If MASTER_PORT is not torchrun's store, unset "
+        "TORCHELASTIC_USE_AGENT_STORE; to have rank 0 host ddp's own store instead, run torchrun "
+        "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        env.rank, where, e.what()));
+  }
+}
+
 // Records `message` for every other rank to see, then throws it here.
 [[noreturn]] void fail_everywhere(Store& store, const Keys& keys, const std::string& message) {
   try {
@@ -278,8 +315,12 @@ World rendezvous(const InitOptions& options) {
   WaitWarnings warnings(env,
                         options.wait_warning ? *options.wait_warning : settings::wait_warning(),
                         world.timeout, options.warn);
+  const auto agent_prefix =
+      init::torchrun_agent_store_prefix(options.launch, env, process_environment);
   if (options.store) {
     world.store = options.store;
+  } else if (agent_prefix) {
+    world.store = connect_agent_store(env, *agent_prefix, world.timeout);
   } else if (env.rank == 0) {
     world.store = connect_store(env, world.timeout, world.timeout);  // it starts the server
   } else {
@@ -291,10 +332,23 @@ World rendezvous(const InitOptions& options) {
   const std::string token = process_token();
   const std::string holder = store.compare_set(keys.rank(env.rank), "", token);
   if (holder != token) {
+    // In torchrun's store, which outlives its workers, the other claim is most likely a worker
+    // of an earlier round under the same restart count (see docs/store.md, torchrun's store).
+    const std::string agent_hint =
+        agent_prefix
+            ? fmt::format(
+                  ". Under torchrun's store ({}/) the other claim is most likely a worker of an "
+                  "earlier round left under the same TORCHELASTIC_RESTART_COUNT: torchrun "
+                  "restarted the workers without counting a restart (an elastic membership "
+                  "change, or nodes whose restart counts differ). Run torchrun with "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (rank 0 then hosts a fresh ddp store "
+                  "every round), or launch with ddprun",
+                  *agent_prefix)
+            : std::string();
     fail_everywhere(store, keys,
                     fmt::format("two processes claim rank {}: {} and {}; every process of the job "
-                                "needs its own RANK (check the launcher's variables)",
-                                env.rank, holder, token));
+                                "needs its own RANK (check the launcher's variables){}",
+                                env.rank, holder, token, agent_hint));
   }
   const std::string size_text = std::to_string(env.world_size);
   const std::string agreed_size = store.compare_set(keys.world_size(), "", size_text);

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "ddp/error.h"
+#include "init/agent_store.h"
 
 namespace ddp {
 namespace {
@@ -64,13 +65,24 @@ TEST(LaunchEnvironment, ReadsTorchrunAndDdprunVariables) {
   EXPECT_EQ(e.launcher, "ddprun/torchrun");
 }
 
-TEST(LaunchEnvironment, TorchrunsAgentStoreIsNamedWithTheFix) {
+// torchrun 2.x's default: its agent hosts the store at MASTER_ADDR:MASTER_PORT and ddp joins
+// through it under a prefix of its own, fresh for every restart and world size.
+TEST(LaunchEnvironment, TorchrunsAgentStoreIsJoinedUnderAPrefixOfItsOwn) {
   Env env = kTorchrun;
   env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
-  expect_config_error(env, {"MASTER_PORT=29400 is the port of torchrun's own store",
-                            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"});
-  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";  // torchrun then leaves the port to rank 0
-  EXPECT_EQ(resolve(env).master_port, 29400);
+  const auto lookup = [&](const std::string& name) -> std::optional<std::string> {
+    const auto it = env.find(name);
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  };
+  const auto e = resolve(env);  // no longer refused
+  EXPECT_EQ(e.master_port, 29400);
+  EXPECT_EQ(init::torchrun_agent_store_prefix({}, e, lookup), "ddp/torchrun/attempt_2/world_8");
+  // An explicit master address or port is not the agent's store (as PyTorch's own check).
+  EXPECT_EQ(init::torchrun_agent_store_prefix({.master_port = 1234}, e, lookup), std::nullopt);
+  EXPECT_EQ(init::torchrun_agent_store_prefix({.master_addr = "h"}, e, lookup), std::nullopt);
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";  // ddprun, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+  EXPECT_EQ(init::torchrun_agent_store_prefix({}, resolve(env), lookup), std::nullopt);
 }
 
 TEST(LaunchEnvironment, ReadsOpenMpiVariables) {

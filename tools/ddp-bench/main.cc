@@ -24,6 +24,19 @@ int usage_error(const std::string& message) {
   return ddp::bench::kUsageExitCode;
 }
 
+// Who this process is, for an error line: its rank once init_process_group returned, else the
+// launcher's rank (an error in init comes before the group knows it), else that it is not known
+// yet. ("rank -1" said nothing.)
+std::string who(int rank) {
+  if (rank >= 0) return fmt::format("rank {}", rank);
+  for (const char* name : {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"}) {
+    if (const auto value = ddp::process_environment(name); value && !value->empty()) {
+      return fmt::format("rank {} ({}, before init finished)", *value, name);
+    }
+  }
+  return "before the rank is known";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -91,11 +104,11 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const std::bad_alloc&) {
     std::cerr << fmt::format(
-        "ddp-bench: rank {}: error: out of memory allocating the buffers (two of up to --max-bytes "
+        "ddp-bench: {}: error: out of memory allocating the buffers (two of up to --max-bytes "
         "each); lower --max-bytes\n",
-        rank);
+        who(rank));
   } catch (const std::exception& e) {
-    std::cerr << fmt::format("ddp-bench: rank {}: error: {}\n", rank, e.what());
+    std::cerr << fmt::format("ddp-bench: {}: error: {}\n", who(rank), e.what());
   }
   return kFailureExitCode;
 }
