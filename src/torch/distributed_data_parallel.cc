@@ -260,7 +260,10 @@ void DistributedDataParallelBase::pre_forward() {
   reducer_->set_gradient_scale(1.0);
   if (reducer_->rebuild_due()) reducer_->rebuild_buckets();
   ++training_forwards_;
-  if (guarded) guard_divergence(loaded_here);
+  // After the forward, once the reducer has accepted the backward to come (a reducer that
+  // refuses, after a failed comm hook, says so before this rank joins a collective).
+  guard_after_forward_ = guarded;
+  loaded_before_forward_ = loaded_here;
   if (options_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) {
     broadcast_buffers_from(0);
   }
@@ -298,6 +301,7 @@ void DistributedDataParallelBase::post_forward(const std::vector<torch::Tensor>&
   // As PyTorch: a forward with gradients enabled prepares the synchronised backward, whatever
   // the mode (a backward after an eval-mode forward is averaged too).
   if (torch::GradMode::is_enabled()) reducer_->prepare_for_backward(outputs);
+  if (std::exchange(guard_after_forward_, false)) guard_divergence(loaded_before_forward_);
   const auto finished = std::chrono::steady_clock::now();
   if (is_training()) {
     ++timed_forwards_;

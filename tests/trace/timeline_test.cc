@@ -202,7 +202,7 @@ TEST(Timeline, MergeNamesAFileThatIsNotATrace) {
   EXPECT_THROW(trace::read_timelines(empty.path()), trace::TraceError);
 }
 
-TEST(Timeline, AnUnwritableTraceFolderIsANamedErrorAndTheJobTrainsUntraced) {
+TEST(Timeline, AnUnwritableTraceFolderIsANamedErrorAtStartTraceAndAtInit) {
   TempDir dir("ddp-timeline-unwritable");
   std::ofstream(dir / "a-file") << "x";
   const std::string bad = (dir / "a-file" / "traces").string();  // a folder under a file
@@ -217,11 +217,18 @@ TEST(Timeline, AnUnwritableTraceFolderIsANamedErrorAndTheJobTrainsUntraced) {
       }
     }
     if (trace_enabled()) throw std::runtime_error("tracing on after a failed start");
-    // The same through the environment: a warning, and the job goes on.
+    // The same through the environment: refused at init, naming the variable and the folder,
+    // before any rank waits for another.
     ::setenv("DDP_TRACE", bad.c_str(), 1);
-    auto group = join_group(rank, 2, port);
-    const auto data = train_steps(group, 2);
-    if (data.iteration != 2) throw std::runtime_error("training did not go on");
+    try {
+      join_group(rank, 2, port);
+      throw std::runtime_error("init_process_group accepted DDP_TRACE under a file");
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      if (what.find("DDP_TRACE") == std::string::npos || what.find(bad) == std::string::npos) {
+        throw std::runtime_error("error does not name DDP_TRACE and the folder: " + what);
+      }
+    }
     if (trace_enabled()) throw std::runtime_error("tracing on after DDP_TRACE failed");
   });
   EXPECT_ALL_RANKS_OK(results);

@@ -21,9 +21,10 @@
 // Module::load) or a replaced parameter tensor of the same shape re-attaches the gradient hooks;
 // a changed parameter set, shape, dtype or device is an Error naming the parameter. The divergence
 // guard, on by default, catches values that differ across the ranks: each training forward (with
-// gradients enabled) agrees in one 4-byte allgather whether any rank loaded or replaced
-// parameters since the last one (torch::load, Module::load, ddp::load_checkpoint, a replaced
-// tensor) and, if so, compares a checksum of every parameter across the ranks before that forward;
+// gradients enabled) agrees in one 4-byte allgather, after the module's forward and before
+// backward, whether any rank loaded or replaced parameters since the last one (torch::load,
+// Module::load, ddp::load_checkpoint, a replaced tensor) and, if so, compares a checksum of every
+// parameter across the ranks before that step's backward;
 // and every divergence_check_every such forwards (default kDefaultDivergenceCheckEvery) it
 // compares them anyway, which catches what no rank can see (a copy_ into a parameter on one
 // rank, an optimizer step skipped). A difference is an Error naming the first parameter that
@@ -169,6 +170,9 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   // means a load or a replacement on this rank.
   std::vector<const void*> parameter_storage_;
   std::uint64_t loads_seen_ = 0;
+  // Set by pre_forward for post_forward: run the guard, and whether this rank loaded.
+  bool guard_after_forward_ = false;
+  bool loaded_before_forward_ = false;
   // Training-mode forwards timed from pre_forward to post_forward (logging_data, traces).
   std::chrono::steady_clock::time_point forward_started_{};
   std::int64_t timed_forwards_ = 0;
