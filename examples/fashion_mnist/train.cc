@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,7 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -221,6 +223,14 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // The folder of --checkpoint must exist and be writable before training starts, not only when
 // the first epoch ends and rank 0 saves.
 void check_checkpoint_folder(const std::string& checkpoint) {
+  std::error_code is_folder_error;
+  if (std::filesystem::is_directory(checkpoint, is_folder_error)) {
+    std::string stem = checkpoint;
+    while (stem.size() > 1 && stem.back() == '/')
+      stem.pop_back();
+    throw ddp::ConfigError(fmt::format(
+        "--checkpoint {} is a folder; give a file path such as {}/ck.pt", checkpoint, stem));
+  }
   std::filesystem::path folder = std::filesystem::path(checkpoint).parent_path();
   if (folder.empty()) folder = ".";
   std::error_code error;
@@ -659,6 +669,20 @@ const CLI::Validator kFinite(
     },
     "FINITE");
 
+// CLI11 reads "-1" and numbers past 2^64 - 1 into a uint64 as 2^64 - 1 without a word: whole
+// numbers are checked as text first.
+const CLI::Validator kUint64(
+    [](std::string& text) -> std::string {
+      std::uint64_t value = 0;
+      const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+      if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
+        return fmt::format("'{}' is not a whole number from 0 to {}", text,
+                           std::numeric_limits<std::uint64_t>::max());
+      }
+      return {};
+    },
+    "UINT64");
+
 int main(int argc, char** argv) {
   Options options;
   CLI::App app{
@@ -710,6 +734,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cosine", "constant"}))
       ->capture_default_str();
   app.add_option("--seed", options.seed, "seed of the model's initialisation and the shuffling")
+      ->check(kUint64)
       ->capture_default_str();
   app.add_option("--data-dir", options.data_dir,
                  "folder with the four *-ubyte.gz files of Fashion-MNIST")

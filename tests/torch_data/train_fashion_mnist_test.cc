@@ -436,6 +436,46 @@ TEST(TrainFashionMnistOptionsTest, CheckpointFolderIsCheckedBeforeTrainingStarts
   }
 }
 
+// CLI11 parses "-1" and numbers past 2^64 - 1 into a uint64 as 2^64 - 1 without a word; the
+// seed is checked as text first.
+TEST(TrainFashionMnistOptionsTest, SeedsOutsideTheUint64RangeAreRejected) {
+  for (const std::string value :
+       {"-1", "18446744073709551616", "99999999999999999999999", "1.5", "0x10", ""}) {
+    SCOPED_TRACE("--seed '" + value + "'");
+    const auto result = Subprocess::start({built_program("train-fashion-mnist"), "--seed", value,
+                                           "--data-dir", "/nonexistent/data"})
+                            .wait(30s);
+    EXPECT_NE(result.exit_code, 0) << result.output;
+    EXPECT_THAT(result.output, HasSubstr("--seed")) << result.output;
+    if (!value.empty()) {
+      EXPECT_THAT(result.output, HasSubstr(value)) << result.output;
+    }
+    EXPECT_THAT(result.output, HasSubstr("0 to 18446744073709551615")) << result.output;
+    EXPECT_THAT(result.output, Not(HasSubstr("/nonexistent/data"))) << result.output;
+  }
+  // The largest seed is accepted: the run goes on to the (missing) data folder.
+  const auto result = Subprocess::start({built_program("train-fashion-mnist"), "--seed",
+                                         "18446744073709551615", "--data-dir", "/nonexistent/data"})
+                          .wait(30s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("/nonexistent/data does not exist")) << result.output;
+}
+
+TEST(TrainFashionMnistOptionsTest, ACheckpointPathThatIsAFolderIsRefusedBeforeTraining) {
+  TempDir dir;
+  const auto start = std::chrono::steady_clock::now();
+  const auto result = Subprocess::start({built_program("train-fashion-mnist"), "--checkpoint",
+                                         dir.path().string(), "--data-dir", "/nonexistent/data"})
+                          .wait(30s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr(fmt::format(
+                                 "--checkpoint {} is a folder; give a file path such as {}/ck.pt",
+                                 dir.path().string(), dir.path().string())))
+      << result.output;
+  EXPECT_THAT(result.output, Not(HasSubstr("/nonexistent/data")));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+}
+
 TEST(TrainFashionMnistOptionsTest, CheckpointEveryStepsNeedsACheckpointAndEvenInputs) {
   const std::string program = built_program("train-fashion-mnist");
   // Both named before the data is read (its folder is missing too).
