@@ -9,6 +9,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <regex>
@@ -548,6 +549,57 @@ TEST_F(TrainFashionMnistTest, UnevenInputsUnderJoinFinishAtWorldThree) {
               HasSubstr("[0] uneven inputs under ddp::Join: batches per epoch by rank 11, 8, 5"));
   EXPECT_THAT(result.output, HasSubstr("world_size=3 "));
   EXPECT_GT(final_accuracy(result.output), 0.5) << result.output;
+}
+
+// A full disk when rank 0 writes the checkpoint, simulated without root: a file-size limit
+// (bash's ulimit -f, KiB) with SIGXFSZ ignored (inherited through exec) makes the write fail with
+// EFBIG as a full disk fails with ENOSPC. The cnn's checkpoint (about 3.4 MB with momentum) does
+// not fit under 1 MiB (the ranks talk over TCP: the shared-memory transport sizes a file, which
+// the limit would refuse). Rank 0 must stop with a named error, not std::terminate; its partial
+// .tmp is removed and the previous checkpoint stays as it was.
+TEST_F(TrainFashionMnistTest, AFullDiskDuringTheCheckpointIsANamedErrorAndACleanStop) {
+  TempDir dir;
+  const auto checkpoint = (dir.path() / "fmnist.pt").string();
+  const std::vector<std::string> common{"--limit-train", "256",     "--log-every", "0",
+                                        "--checkpoint",  checkpoint};
+  auto args = common;
+  args.insert(args.end(), {"--epochs", "1"});
+  const auto first = train(args);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  std::ifstream before_file(checkpoint, std::ios::binary);
+  const std::string before((std::istreambuf_iterator<char>(before_file)), {});
+  ASSERT_GT(before.size(), 2u << 20) << "the checkpoint must not fit under the limit";
+
+  std::vector<std::string> argv{"/bin/bash",
+                                "-c",
+                                "trap '' XFSZ; ulimit -f 1024; exec \"$@\"",
+                                "bash",
+                                built_program("ddprun"),
+                                "--standalone",
+                                "--nproc-per-node",
+                                "2",
+                                built_program("train-fashion-mnist"),
+                                "--epochs",
+                                "2",
+                                "--resume"};
+  argv.insert(argv.end(), common.begin(), common.end());
+  // TCP between the ranks: the shared-memory transport sizes a file, which the limit refuses.
+  auto process = Subprocess::start(
+      argv, {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "60"}, {"DDP_TRANSPORT", "tcp"}});
+  const auto result = process.wait(150s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("continuing at epoch 2")) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("[0] train-fashion-mnist: error: checkpoint: writing " +
+                                       checkpoint + ".tmp failed: File too large"))
+      << result.output;
+  EXPECT_THAT(result.output, HasSubstr(checkpoint + " is unchanged")) << result.output;
+  EXPECT_THAT(result.output, Not(HasSubstr("terminate called"))) << result.output;
+  EXPECT_THAT(result.output, Not(HasSubstr("final test_accuracy"))) << result.output;
+  EXPECT_FALSE(std::filesystem::exists(checkpoint + ".tmp"));
+  std::ifstream after_file(checkpoint, std::ios::binary);
+  const std::string after((std::istreambuf_iterator<char>(after_file)), {});
+  EXPECT_EQ(after, before);
 }
 
 }  // namespace

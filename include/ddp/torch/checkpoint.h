@@ -24,6 +24,9 @@
 // prefix and the file loads without ddp. The optimizer's state is matched to parameters by
 // position, so load into a model and optimizer built the same way as the saved ones.
 //
+// A failed write (a full disk: ENOSPC; a file-size limit: EFBIG) throws Error naming the
+// temporary file and the OS reason; the partial PATH.tmp is removed and PATH is left as it was.
+//
 // Threads: each call is independent; callers must not write the same path from two threads or
 // processes at once (in a job, let one rank save). Throws ddp::Error naming the path and the
 // cause: the file is missing or unreadable (ConfigError), not a checkpoint or corrupt, or does
