@@ -246,6 +246,59 @@ void check_checkpoint_folder(const std::string& checkpoint) {
   }
 }
 
+// The command line that builds an optimizer described as ddp's checkpoints describe it
+// (OptimizerMismatchError), or the description itself for kinds this program does not build.
+std::string optimizer_flags(const std::string& description) {
+  if (description == "Adam") return "--optimizer adam";
+  if (description == "SGD with momentum") return "--optimizer sgd";
+  if (description == "SGD without momentum") return "--optimizer sgd --momentum 0";
+  return description;
+}
+
+// Runs `load` (a resume from --checkpoint); an optimizer of another kind than the file's is
+// named with the options that would fit it.
+template <class Load>
+auto resume_or_explain(const Options& options, const std::string& what, Load load) {
+  try {
+    return load();
+  } catch (const ddp::OptimizerMismatchError& e) {
+    const auto space = e.stored().find(' ');
+    throw ddp::ConfigError(fmt::format(
+        "{} {} holds an {} optimizer's state{}; this run uses {} ({}). Resume with {} or start "
+        "without --resume",
+        what, options.checkpoint, e.stored().substr(0, space),
+        space == std::string::npos ? std::string() : " (" + e.stored().substr(space + 1) + ")",
+        e.current(), optimizer_flags(e.current()), optimizer_flags(e.stored())));
+  }
+}
+
+// A training state's sampler position counts samples of the saved run's shuffled order: over
+// another number of training samples it points elsewhere (or past the end), so such a resume is
+// refused. Files that did not record the size are checked as far as they can be.
+void check_resumed_dataset(const Options& options, const ddp::TrainProgress& resumed,
+                           std::uint64_t samples) {
+  const std::string this_run =
+      options.limit_train > 0 ? fmt::format("{} (--limit-train {})", samples, options.limit_train)
+                              : fmt::format("{} (the whole training set)", samples);
+  if (resumed.dataset_size != 0 && resumed.dataset_size != samples) {
+    throw ddp::ConfigError(fmt::format(
+        "the training state in {} was saved for {} training samples (at world size {}, epoch {}, "
+        "{} samples into it); this run has {}. Its sampler position does not fit another "
+        "dataset size: resume with the --limit-train it was saved with, or start without "
+        "--resume",
+        options.checkpoint, resumed.dataset_size, resumed.world_size, resumed.epoch + 1,
+        resumed.epoch_offset, this_run));
+  }
+  if (resumed.epoch_offset > samples) {
+    throw ddp::ConfigError(fmt::format(
+        "the training state in {} is {} samples into epoch {}, past the {} training samples "
+        "this run has{}; resume with the --limit-train it was saved with, or start without "
+        "--resume",
+        options.checkpoint, resumed.epoch_offset, resumed.epoch + 1, samples,
+        options.limit_train > 0 ? fmt::format(" (--limit-train {})", options.limit_train) : ""));
+  }
+}
+
 int run(const Options& options) {
   const auto job_start = std::chrono::steady_clock::now();
   if (options.resume && options.checkpoint.empty()) {
@@ -379,7 +432,9 @@ int run(const Options& options) {
     // Under `ddprun --max-restarts`, every attempt runs the same command line: the first one
     // finds no file yet and starts from scratch.
     if (std::filesystem::exists(options.checkpoint)) {
-      resumed = train_state.load(options.checkpoint);
+      resumed = resume_or_explain(options, "the training state in",
+                                  [&] { return train_state.load(options.checkpoint); });
+      check_resumed_dataset(options, *resumed, static_cast<std::uint64_t>(train.size()));
       first_epoch = static_cast<int>(resumed->epoch) + 1;
       if (leader) {
         fmt::print(
@@ -393,7 +448,9 @@ int run(const Options& options) {
     }
   } else if (options.resume) {
     // Every rank loads the same file, so ranks agree before DDP's broadcast makes sure of it.
-    const auto info = ddp::load_checkpoint(options.checkpoint, *net, optimizer, options.model);
+    const auto info = resume_or_explain(options, "the checkpoint", [&] {
+      return ddp::load_checkpoint(options.checkpoint, *net, optimizer, options.model);
+    });
     first_epoch = static_cast<int>(info.epoch) + 1;
     if (leader) {
       fmt::print("resumed from {} after epoch {}; continuing at epoch {}\n", options.checkpoint,
@@ -555,7 +612,8 @@ int run(const Options& options) {
                          {.epoch = static_cast<std::uint64_t>(epoch - 1),
                           .epoch_offset = consumed,
                           .global_step = global_step,
-                          .scheduler_step = step},
+                          .scheduler_step = step,
+                          .dataset_size = samples},
                          world_size);
         fmt::print("checkpoint global_step {} epoch {} offset {}\n", global_step, epoch, consumed);
         std::fflush(stdout);
@@ -608,7 +666,8 @@ int run(const Options& options) {
                          {.epoch = static_cast<std::uint64_t>(epoch),
                           .epoch_offset = 0,
                           .global_step = global_step,
-                          .scheduler_step = step},
+                          .scheduler_step = step,
+                          .dataset_size = samples},
                          world_size);
         fmt::print("checkpoint global_step {} epoch {} offset 0\n", global_step, epoch + 1);
       } else if (!options.checkpoint.empty()) {

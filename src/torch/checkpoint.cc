@@ -189,7 +189,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Mod
           fmt::format("it was saved for '{}', but this run uses '{}'", info.tag, expected_tag));
     }
 
-    internal::load_model_and_optimizer(archive, model, optimizer, path);
+    internal::load_model_and_optimizer(archive, model, optimizer, path, "the checkpoint");
   } catch (const c10::Error& e) {
     throw fail(fmt::format("does not fit this model or optimizer: {}", e.what_without_backtrace()));
   }

@@ -602,5 +602,49 @@ TEST_F(TrainFashionMnistTest, AFullDiskDuringTheCheckpointIsANamedErrorAndAClean
   EXPECT_EQ(after, before);
 }
 
+// A training state resumed by a run with another optimizer, or over another number of training
+// samples (whose sampler position no longer fits), is refused with what the file holds and what
+// the run has, before any training.
+TEST_F(TrainFashionMnistTest, ResumingWithAnotherOptimizerOrDatasetSizeIsRefused) {
+  TempDir dir;
+  const auto state = (dir.path() / "state.pt").string();
+  const std::vector<std::string> common{
+      "--epochs", "1", "--log-every", "0", "--checkpoint", state, "--checkpoint-every-steps", "2"};
+  auto args = common;
+  args.insert(args.end(), {"--optimizer", "adam", "--limit-train", "512"});
+  const auto first = train(args);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+
+  args = common;
+  args.insert(args.end(), {"--optimizer", "sgd", "--limit-train", "512", "--resume"});
+  const auto sgd = train(args);
+  EXPECT_NE(sgd.exit_code, 0) << sgd.output;
+  EXPECT_THAT(sgd.output,
+              HasSubstr("the training state in " + state +
+                        " holds an Adam optimizer's state; this run uses SGD with momentum "
+                        "(--optimizer sgd). Resume with --optimizer adam or start without "
+                        "--resume"))
+      << sgd.output;
+  EXPECT_THAT(sgd.output, Not(HasSubstr("INTERNAL ASSERT"))) << sgd.output;
+  EXPECT_THAT(sgd.output, Not(HasSubstr("loss "))) << sgd.output;
+
+  args = common;
+  args.insert(args.end(), {"--optimizer", "adam", "--limit-train", "8", "--resume"});
+  const auto smaller = train(args);
+  EXPECT_NE(smaller.exit_code, 0) << smaller.output;
+  EXPECT_THAT(smaller.output,
+              HasSubstr("the training state in " + state + " was saved for 512 training samples"))
+      << smaller.output;
+  EXPECT_THAT(smaller.output, HasSubstr("this run has 8 (--limit-train 8)")) << smaller.output;
+  EXPECT_THAT(smaller.output, Not(HasSubstr("loss "))) << smaller.output;
+
+  // The same options still resume.
+  args = common;
+  args.insert(args.end(), {"--optimizer", "adam", "--limit-train", "512", "--resume"});
+  const auto same = train(args);
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_THAT(same.output, HasSubstr("resumed from " + state)) << same.output;
+}
+
 }  // namespace
 }  // namespace ddp::test
