@@ -596,6 +596,10 @@ TEST_F(TrainFashionMnistTest, AFullDiskDuringTheCheckpointIsANamedErrorAndAClean
   EXPECT_THAT(result.output, HasSubstr(checkpoint + " is unchanged")) << result.output;
   EXPECT_THAT(result.output, Not(HasSubstr("terminate called"))) << result.output;
   EXPECT_THAT(result.output, Not(HasSubstr("final test_accuracy"))) << result.output;
+  // The launcher names rank 0 as the rank that failed, rank 1 as failing in consequence.
+  EXPECT_THAT(result.output, HasSubstr("ddprun: rank 0 exited with code 1; stopping the other "
+                                       "workers"))
+      << result.output;
   EXPECT_FALSE(std::filesystem::exists(checkpoint + ".tmp"));
   std::ifstream after_file(checkpoint, std::ios::binary);
   const std::string after((std::istreambuf_iterator<char>(after_file)), {});
