@@ -50,13 +50,18 @@ std::string shapes_text(const torch::Tensor& tensor) {
   return tensor.defined() ? fmt::format("[{}]", fmt::join(tensor.sizes(), ", ")) : "undefined";
 }
 
-// True when some parameter group's options (of type OptionsT) satisfy `test`.
+// True when some parameter group's options (of type OptionsT) satisfy `test`; the defaults stand
+// for a group without options of its own (and for an optimizer without groups).
 template <class OptionsT, class Test>
 bool any_group(const torch::optim::Optimizer& optimizer, Test test) {
+  const auto& defaults = static_cast<const OptionsT&>(optimizer.defaults());
+  if (optimizer.param_groups().empty()) return test(defaults);
   for (const auto& group : optimizer.param_groups()) {
-    if (group.has_options() && test(static_cast<const OptionsT&>(group.options()))) return true;
+    if (test(group.has_options() ? static_cast<const OptionsT&>(group.options()) : defaults)) {
+      return true;
+    }
   }
-  return test(static_cast<const OptionsT&>(optimizer.defaults()));
+  return false;
 }
 
 constexpr const char* kOptimizerKindEntry = "optimizer_kind";
