@@ -650,5 +650,26 @@ TEST_F(TrainFashionMnistTest, ResumingWithAnotherOptimizerOrDatasetSizeIsRefused
   EXPECT_THAT(same.output, HasSubstr("resumed from " + state)) << same.output;
 }
 
+// The epoch checkpoint (--checkpoint without --checkpoint-every-steps) records its optimizer
+// too: one saved by SGD without momentum is refused by a run with momentum, naming the options
+// that fit it.
+TEST_F(TrainFashionMnistTest, AnEpochCheckpointOfSgdWithoutMomentumIsRefusedWithMomentum) {
+  TempDir dir;
+  const auto checkpoint = (dir.path() / "ck.pt").string();
+  const auto first = train({"--epochs", "1", "--limit-train", "256", "--log-every", "0",
+                            "--checkpoint", checkpoint, "--momentum", "0"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto second = train({"--epochs", "2", "--limit-train", "256", "--log-every", "0",
+                             "--checkpoint", checkpoint, "--resume"});
+  EXPECT_NE(second.exit_code, 0) << second.output;
+  EXPECT_THAT(second.output,
+              HasSubstr("the checkpoint " + checkpoint +
+                        " holds an SGD optimizer's state (without momentum); this run uses SGD "
+                        "with momentum (--optimizer sgd). Resume with --optimizer sgd --momentum 0 "
+                        "or start without --resume"))
+      << second.output;
+  EXPECT_THAT(second.output, Not(HasSubstr("loss "))) << second.output;
+}
+
 }  // namespace
 }  // namespace ddp::test
