@@ -93,6 +93,8 @@ void save_archive_atomically(torch::serialize::OutputArchive& archive,
     } catch (const c10::Error& e) {
       throw failed(
           fmt::format("writing {} failed: {}", temporary.string(), e.what_without_backtrace()));
+    } catch (const std::exception& e) {  // std::bad_alloc while serialising, say
+      throw failed(fmt::format("writing {} failed: {}", temporary.string(), e.what()));
     }
     if (write_error != 0) {
       throw failed(
