@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,7 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -221,6 +223,14 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // The folder of --checkpoint must exist and be writable before training starts, not only when
 // the first epoch ends and rank 0 saves.
 void check_checkpoint_folder(const std::string& checkpoint) {
+  std::error_code is_folder_error;
+  if (std::filesystem::is_directory(checkpoint, is_folder_error)) {
+    std::string stem = checkpoint;
+    while (stem.size() > 1 && stem.back() == '/')
+      stem.pop_back();
+    throw ddp::ConfigError(fmt::format(
+        "--checkpoint {} is a folder; give a file path such as {}/ck.pt", checkpoint, stem));
+  }
   std::filesystem::path folder = std::filesystem::path(checkpoint).parent_path();
   if (folder.empty()) folder = ".";
   std::error_code error;
@@ -234,6 +244,74 @@ void check_checkpoint_folder(const std::string& checkpoint) {
                                        checkpoint, folder.string(),
                                        std::generic_category().message(errno)));
   }
+}
+
+// The command line that builds an optimizer described as ddp's checkpoints describe it
+// (OptimizerMismatchError), or the description itself for kinds this program does not build.
+std::string optimizer_flags(const std::string& description) {
+  if (description == "Adam") return "--optimizer adam";
+  if (description == "SGD with momentum") return "--optimizer sgd";
+  if (description == "SGD without momentum") return "--optimizer sgd --momentum 0";
+  return description;
+}
+
+// Runs `load` (a resume from --checkpoint); an optimizer of another kind than the file's is
+// named with the options that would fit it.
+template <class Load>
+auto resume_or_explain(const Options& options, const std::string& what, Load load) {
+  try {
+    return load();
+  } catch (const ddp::OptimizerMismatchError& e) {
+    const auto space = e.stored().find(' ');
+    throw ddp::ConfigError(fmt::format(
+        "{} {} holds an {} optimizer's state{}; this run uses {} ({}). Resume with {} or start "
+        "without --resume",
+        what, options.checkpoint, e.stored().substr(0, space),
+        space == std::string::npos ? std::string() : " (" + e.stored().substr(space + 1) + ")",
+        e.current(), optimizer_flags(e.current()), optimizer_flags(e.stored())));
+  }
+}
+
+// A training state's sampler position counts samples of the saved run's shuffled order: over
+// another number of training samples it points elsewhere (or past the end), so such a resume is
+// refused. Files that did not record the size are checked as far as they can be.
+void check_resumed_dataset(const Options& options, const ddp::TrainProgress& resumed,
+                           std::uint64_t samples) {
+  const std::string this_run =
+      options.limit_train > 0 ? fmt::format("{} (--limit-train {})", samples, options.limit_train)
+                              : fmt::format("{} (the whole training set)", samples);
+  if (resumed.dataset_size != 0 && resumed.dataset_size != samples) {
+    throw ddp::ConfigError(fmt::format(
+        "the training state in {} was saved for {} training samples (at world size {}, epoch {}, "
+        "{} samples into it); this run has {}. Its sampler position does not fit another "
+        "dataset size: resume with the --limit-train it was saved with, or start without "
+        "--resume",
+        options.checkpoint, resumed.dataset_size, resumed.world_size, resumed.epoch + 1,
+        resumed.epoch_offset, this_run));
+  }
+  if (resumed.epoch_offset > samples) {
+    throw ddp::ConfigError(fmt::format(
+        "the training state in {} is {} samples into epoch {}, past the {} training samples "
+        "this run has{}; resume with the --limit-train it was saved with, or start without "
+        "--resume",
+        options.checkpoint, resumed.epoch_offset, resumed.epoch + 1, samples,
+        options.limit_train > 0 ? fmt::format(" (--limit-train {})", options.limit_train) : ""));
+  }
+}
+
+// Reports a failure of this rank and ends the process without unwinding (see run()): the
+// error line, then the trace (DDP_TRACE) so far, then exit status 1.
+[[noreturn]] void stop_now(const std::string& what) {
+  std::fflush(stdout);
+  std::cerr << "train-fashion-mnist: error: " << what << std::endl;
+  if (ddp::trace_enabled()) {
+    try {
+      ddp::flush_trace();
+    } catch (const std::exception& e) {
+      std::cerr << "train-fashion-mnist: warning: " << e.what() << std::endl;
+    }
+  }
+  std::_Exit(1);
 }
 
 int run(const Options& options) {
@@ -310,340 +388,366 @@ int run(const Options& options) {
   dataset = {};  // the tensors own copies; free the bytes
 
   auto group = ddp::init_process_group();
-  const int rank = group->rank();
-  const int world_size = group->size();
-  // Micro-batches per optimizer step (1 unless --global-batch-size asks for more).
-  std::int64_t accumulation = 1;
-  if (options.global_batch_size > 0) {
-    const std::int64_t per_pass = static_cast<std::int64_t>(options.batch_size) * world_size;
-    if (options.global_batch_size % per_pass != 0) {
-      throw ddp::ConfigError(fmt::format(
-          "--global-batch-size {} is not a multiple of --batch-size {} x {} rank(s) = {}: every "
-          "optimizer step must take whole micro-batches on every rank. Choose a global batch "
-          "that this world size divides (an elastic job: one that every world size it may run "
-          "at divides), or another --batch-size",
-          options.global_batch_size, options.batch_size, world_size, per_pass));
-    }
-    accumulation = options.global_batch_size / per_pass;
-  }
-  const bool leader = rank == 0;
-  std::optional<fmnist::MetricsLog> metrics;
-  if (leader && !options.metrics.empty()) metrics.emplace(options.metrics);
-  // A bar on a terminal; plain lines (unchanged) otherwise.
-  std::optional<fmnist::ProgressBar> bar;
-  if (leader && options.log_every > 0 && ::isatty(STDOUT_FILENO) == 1) bar.emplace();
-  if (leader) {
-    // First, so that a log says which libtorch (DDP_LIBTORCH=debian|pytorch) produced it.
-    fmt::print("train-fashion-mnist: libtorch {}, {} ranks\n", ddp::libtorch_version(), world_size);
-  }
-
-  Net net(options.model);
-  // Before the optimizer and DDP, as in PyTorch (the conversion keeps the same tensors anyway).
-  if (options.sync_bn) {
-    ddp::convert_sync_batchnorm(net.ptr(), group);
-    if (leader) fmt::print("BatchNorm statistics are synchronised across ranks (SyncBatchNorm)\n");
-  }
-  // zero2 = FSDP's SHARD_GRAD_OP, fsdp = FULL_SHARD; the optimizer then steps on the shards.
-  std::optional<ddp::FullyShardedDataParallel> sharded;
-  if (fsdp) {
-    sharded.emplace(net->layers(), group,
-                    ddp::FsdpOptions{.sharding_strategy = options.sharding == "zero2"
-                                                              ? ddp::ShardingStrategy::kShardGradOp
-                                                              : ddp::ShardingStrategy::kFullShard,
-                                     .min_num_params = options.fsdp_min_params});
-  }
-  const auto optimizer_owner =
-      make_optimizer(options, sharded ? (*sharded)->parameters() : net->parameters(), group);
-  torch::optim::Optimizer& optimizer = *optimizer_owner;
-  // Rank 0 writes checkpoints; with ZeRO every rank first sends it its optimizer shard.
-  auto* zero_optimizer = dynamic_cast<ddp::ZeroRedundancyOptimizer*>(optimizer_owner.get());
-  const auto gather_optimizer_state = [&] {
-    if (zero_optimizer) zero_optimizer->consolidate_state_dict(0);
-  };
-
-  int first_epoch = 1;
-  // With --checkpoint-every-steps the file is a ddp::TrainState (mid-epoch position included).
-  ddp::TrainState train_state(*net, optimizer, {.tag = options.model});
-  std::optional<ddp::TrainProgress> resumed;
-  if (options.resume && train_state_file) {
-    // Under `ddprun --max-restarts`, every attempt runs the same command line: the first one
-    // finds no file yet and starts from scratch.
-    if (std::filesystem::exists(options.checkpoint)) {
-      resumed = train_state.load(options.checkpoint);
-      first_epoch = static_cast<int>(resumed->epoch) + 1;
-      if (leader) {
-        fmt::print(
-            "resumed from {} at epoch {}, {} samples into it, global step {} (saved at world "
-            "size {}, now {})\n",
-            options.checkpoint, first_epoch, resumed->epoch_offset, resumed->global_step,
-            resumed->world_size, world_size);
+  // From here on this process is one rank of a job. A failure on it (a checkpoint that cannot be
+  // written, a collective that fails) is reported and ends the process at once: unwinding would
+  // first destroy the group, whose closed connections make the peers fail and exit, often before
+  // this rank, and the launcher would then name a peer as the rank that failed first.
+  const auto in_job = [&]() -> int {
+    const int rank = group->rank();
+    const int world_size = group->size();
+    // Micro-batches per optimizer step (1 unless --global-batch-size asks for more).
+    std::int64_t accumulation = 1;
+    if (options.global_batch_size > 0) {
+      const std::int64_t per_pass = static_cast<std::int64_t>(options.batch_size) * world_size;
+      if (options.global_batch_size % per_pass != 0) {
+        throw ddp::ConfigError(fmt::format(
+            "--global-batch-size {} is not a multiple of --batch-size {} x {} rank(s) = {}: every "
+            "optimizer step must take whole micro-batches on every rank. Choose a global batch "
+            "that this world size divides (an elastic job: one that every world size it may run "
+            "at divides), or another --batch-size",
+            options.global_batch_size, options.batch_size, world_size, per_pass));
       }
-    } else if (leader) {
-      fmt::print("no checkpoint at {} yet; starting from scratch\n", options.checkpoint);
+      accumulation = options.global_batch_size / per_pass;
     }
-  } else if (options.resume) {
-    // Every rank loads the same file, so ranks agree before DDP's broadcast makes sure of it.
-    const auto info = ddp::load_checkpoint(options.checkpoint, *net, optimizer, options.model);
-    first_epoch = static_cast<int>(info.epoch) + 1;
+    const bool leader = rank == 0;
+    std::optional<fmnist::MetricsLog> metrics;
+    if (leader && !options.metrics.empty()) metrics.emplace(options.metrics);
+    // A bar on a terminal; plain lines (unchanged) otherwise.
+    std::optional<fmnist::ProgressBar> bar;
+    if (leader && options.log_every > 0 && ::isatty(STDOUT_FILENO) == 1) bar.emplace();
     if (leader) {
-      fmt::print("resumed from {} after epoch {}; continuing at epoch {}\n", options.checkpoint,
-                 info.epoch, first_epoch);
+      // First, so that a log says which libtorch (DDP_LIBTORCH=debian|pytorch) produced it.
+      fmt::print("train-fashion-mnist: libtorch {}, {} ranks\n", ddp::libtorch_version(),
+                 world_size);
     }
-  }
-  const bool bf16 = options.mixed_precision == "bf16";
-  ddp::DdpOptions ddp_options;
-  if (bf16) ddp_options.reduce_dtype = torch::kBFloat16;
-  std::optional<ddp::DistributedDataParallel<NetImpl>> ddp_model;
-  if (!sharded) ddp_model.emplace(net.ptr(), group, ddp_options);
-  if (hook.hook) (*ddp_model)->register_comm_hook(*hook.hook, options.comm_hook);
-  const auto forward = [&](torch::Tensor x) {
-    return sharded ? (*sharded)->forward(std::move(x)) : (*ddp_model)->forward(std::move(x));
-  };
-  // Gradient bytes the last step handed to collectives: DDP's reducer counts them; -1 where
-  // nothing counts them (zero2/fsdp).
-  const auto bytes_per_step = [&]() -> std::int64_t {
-    return ddp_model ? static_cast<std::int64_t>((*ddp_model)->reducer().last_timeline().bytes_sent)
-                     : -1;
-  };
-  // With FSDP every rank evaluates (its forward is collective); otherwise rank 0 alone.
-  const auto evaluate_model = [&] {
-    return sharded ? evaluate(**sharded, forward, test)
-                   : evaluate(
-                         *net, [&](torch::Tensor x) { return net->forward(std::move(x)); }, test);
-  };
 
-  const auto samples = static_cast<std::size_t>(train.size());
-  ddp::DistributedSampler sampler(samples, *group,
-                                  {.shuffle = true, .seed = options.seed, .pad = !options.uneven});
-  const auto batch = static_cast<std::int64_t>(options.batch_size);
-  const auto per_rank = static_cast<std::int64_t>(sampler.size());
-  const std::int64_t batches = batches_of(options, samples, rank, world_size);
-  // The learning rate follows the step count of the rank with the most batches (rank 0), so that
-  // ranks at the same step use the same rate also with --uneven.
-  const std::int64_t batches_most = batches_of(options, samples, 0, world_size);
-  // The schedule counts optimizer steps: with accumulation, one per `accumulation` batches.
-  const std::int64_t total_steps =
-      (batches_most + accumulation - 1) / accumulation * options.epochs;
-  if (leader) {
-    fmt::print(
-        "training {} on {} samples ({} per rank, {} batches of {} per rank and epoch), "
-        "{} ranks, {} thread(s) each, {}{}, lr {} ({}) weight decay {}{}{}{}\n",
-        options.model, train.size(), per_rank, batches, batch, world_size, torch::get_num_threads(),
-        options.optimizer == "sgd" ? fmt::format("sgd momentum {}", options.momentum) : "adam",
-        options.sharding == "zero1"   ? " sharded by ZeroRedundancyOptimizer (ZeRO stage 1)"
-        : options.sharding == "zero2" ? fmt::format(" sharded by FullyShardedDataParallel "
-                                                    "SHARD_GRAD_OP (ZeRO stage 2), {} units",
-                                                    (*sharded)->unit_count())
-        : options.sharding == "fsdp"  ? fmt::format(" sharded by FullyShardedDataParallel "
-                                                     "FULL_SHARD (ZeRO stage 3), {} units",
-                                                    (*sharded)->unit_count())
-                                      : std::string(),
-        options.lr, options.schedule, options.weight_decay,
-        bf16 ? ", mixed precision bf16 (autocast forward, bf16 gradient reduction)" : "",
-        hook.powersgd_state
-            ? fmt::format(", comm hook {} (rank {}, from step {})", options.comm_hook,
-                          options.powersgd_rank, options.powersgd_start_iter)
-        : hook.hook ? fmt::format(", comm hook {}", options.comm_hook)
-                    : "",
-        options.global_batch_size > 0
-            ? fmt::format(", global batch {} ({} micro-batch(es) of {} per rank and step)",
-                          options.global_batch_size, accumulation, batch)
-            : "");
-    if (options.uneven) {
-      std::vector<std::int64_t> counts;
-      for (int r = 0; r < world_size; ++r)
-        counts.push_back(batches_of(options, samples, r, world_size));
-      fmt::print("uneven inputs under ddp::Join: batches per epoch by rank {}\n",
-                 fmt::join(counts, ", "));
+    Net net(options.model);
+    // Before the optimizer and DDP, as in PyTorch (the conversion keeps the same tensors anyway).
+    if (options.sync_bn) {
+      ddp::convert_sync_batchnorm(net.ptr(), group);
+      if (leader)
+        fmt::print("BatchNorm statistics are synchronised across ranks (SyncBatchNorm)\n");
     }
-    std::fflush(stdout);
-  }
+    // zero2 = FSDP's SHARD_GRAD_OP, fsdp = FULL_SHARD; the optimizer then steps on the shards.
+    std::optional<ddp::FullyShardedDataParallel> sharded;
+    if (fsdp) {
+      sharded.emplace(
+          net->layers(), group,
+          ddp::FsdpOptions{.sharding_strategy = options.sharding == "zero2"
+                                                    ? ddp::ShardingStrategy::kShardGradOp
+                                                    : ddp::ShardingStrategy::kFullShard,
+                           .min_num_params = options.fsdp_min_params});
+    }
+    const auto optimizer_owner =
+        make_optimizer(options, sharded ? (*sharded)->parameters() : net->parameters(), group);
+    torch::optim::Optimizer& optimizer = *optimizer_owner;
+    // Rank 0 writes checkpoints; with ZeRO every rank first sends it its optimizer shard.
+    auto* zero_optimizer = dynamic_cast<ddp::ZeroRedundancyOptimizer*>(optimizer_owner.get());
+    const auto gather_optimizer_state = [&] {
+      if (zero_optimizer) zero_optimizer->consolidate_state_dict(0);
+    };
 
-  // With --uneven the ranks make different numbers of steps; one Join over the whole run lets the
-  // ranks that finish first shadow the others (joining once, at the end, also keeps the
-  // optimizers' momentum identical on every rank).
-  std::optional<ddp::Join> join;
-  if (options.uneven) join.emplace(std::vector<std::reference_wrapper<ddp::Joinable>>{**ddp_model});
+    int first_epoch = 1;
+    // With --checkpoint-every-steps the file is a ddp::TrainState (mid-epoch position included).
+    ddp::TrainState train_state(*net, optimizer, {.tag = options.model});
+    std::optional<ddp::TrainProgress> resumed;
+    if (options.resume && train_state_file) {
+      // Under `ddprun --max-restarts`, every attempt runs the same command line: the first one
+      // finds no file yet and starts from scratch.
+      if (std::filesystem::exists(options.checkpoint)) {
+        resumed = resume_or_explain(options, "the training state in",
+                                    [&] { return train_state.load(options.checkpoint); });
+        check_resumed_dataset(options, *resumed, static_cast<std::uint64_t>(train.size()));
+        first_epoch = static_cast<int>(resumed->epoch) + 1;
+        if (leader) {
+          fmt::print(
+              "resumed from {} at epoch {}, {} samples into it, global step {} (saved at world "
+              "size {}, now {})\n",
+              options.checkpoint, first_epoch, resumed->epoch_offset, resumed->global_step,
+              resumed->world_size, world_size);
+        }
+      } else if (leader) {
+        fmt::print("no checkpoint at {} yet; starting from scratch\n", options.checkpoint);
+      }
+    } else if (options.resume) {
+      // Every rank loads the same file, so ranks agree before DDP's broadcast makes sure of it.
+      const auto info = resume_or_explain(options, "the checkpoint", [&] {
+        return ddp::load_checkpoint(options.checkpoint, *net, optimizer, options.model);
+      });
+      first_epoch = static_cast<int>(info.epoch) + 1;
+      if (leader) {
+        fmt::print("resumed from {} after epoch {}; continuing at epoch {}\n", options.checkpoint,
+                   info.epoch, first_epoch);
+      }
+    }
+    const bool bf16 = options.mixed_precision == "bf16";
+    ddp::DdpOptions ddp_options;
+    if (bf16) ddp_options.reduce_dtype = torch::kBFloat16;
+    std::optional<ddp::DistributedDataParallel<NetImpl>> ddp_model;
+    if (!sharded) ddp_model.emplace(net.ptr(), group, ddp_options);
+    if (hook.hook) (*ddp_model)->register_comm_hook(*hook.hook, options.comm_hook);
+    const auto forward = [&](torch::Tensor x) {
+      return sharded ? (*sharded)->forward(std::move(x)) : (*ddp_model)->forward(std::move(x));
+    };
+    // Gradient bytes the last step handed to collectives: DDP's reducer counts them; -1 where
+    // nothing counts them (zero2/fsdp).
+    const auto bytes_per_step = [&]() -> std::int64_t {
+      return ddp_model
+                 ? static_cast<std::int64_t>((*ddp_model)->reducer().last_timeline().bytes_sent)
+                 : -1;
+    };
+    // With FSDP every rank evaluates (its forward is collective); otherwise rank 0 alone.
+    const auto evaluate_model = [&] {
+      return sharded ? evaluate(**sharded, forward, test)
+                     : evaluate(
+                           *net, [&](torch::Tensor x) { return net->forward(std::move(x)); }, test);
+    };
 
-  double accuracy = 0.0;
-  bool evaluated = false;
-  const std::int64_t steps_per_epoch = (batches + accumulation - 1) / accumulation;
-  std::int64_t step = (first_epoch - 1) * steps_per_epoch;  // of the learning-rate schedule
-  std::int64_t global_step = step;                          // optimizer steps
-  if (resumed) {
-    global_step = resumed->global_step;
-    // At the saved world size the schedule continues at its step; at another, steps per epoch
-    // differ, so the schedule continues at the step of the data position instead.
-    const auto per_step = static_cast<std::uint64_t>(batch * world_size * accumulation);
-    step = resumed->world_size == world_size
-               ? resumed->scheduler_step
-               : (first_epoch - 1) * steps_per_epoch +
-                     static_cast<std::int64_t>((resumed->epoch_offset + per_step - 1) / per_step);
-  }
-  for (int epoch = first_epoch; epoch <= options.epochs; ++epoch) {
-    const auto epoch_start = std::chrono::steady_clock::now();
-    const std::uint64_t start_offset = resumed && epoch == first_epoch ? resumed->epoch_offset : 0;
-    sampler.set_epoch(static_cast<std::uint64_t>(epoch - 1), start_offset);
-    const auto indices_vector = sampler.indices();
-    const auto indices = torch::tensor(indices_vector, torch::kInt64);
-    // A resumed epoch has fewer batches (sampler.size() counts what is left of it).
-    const auto epoch_per_rank = static_cast<std::int64_t>(sampler.size());
-    const std::int64_t epoch_batches =
-        options.uneven ? batches : (epoch_per_rank + batch - 1) / batch;
+    const auto samples = static_cast<std::size_t>(train.size());
+    ddp::DistributedSampler sampler(
+        samples, *group, {.shuffle = true, .seed = options.seed, .pad = !options.uneven});
+    const auto batch = static_cast<std::int64_t>(options.batch_size);
+    const auto per_rank = static_cast<std::int64_t>(sampler.size());
+    const std::int64_t batches = batches_of(options, samples, rank, world_size);
+    // The learning rate follows the step count of the rank with the most batches (rank 0), so that
+    // ranks at the same step use the same rate also with --uneven.
+    const std::int64_t batches_most = batches_of(options, samples, 0, world_size);
+    // The schedule counts optimizer steps: with accumulation, one per `accumulation` batches.
+    const std::int64_t total_steps =
+        (batches_most + accumulation - 1) / accumulation * options.epochs;
+    if (leader) {
+      fmt::print(
+          "training {} on {} samples ({} per rank, {} batches of {} per rank and epoch), "
+          "{} ranks, {} thread(s) each, {}{}, lr {} ({}) weight decay {}{}{}{}\n",
+          options.model, train.size(), per_rank, batches, batch, world_size,
+          torch::get_num_threads(),
+          options.optimizer == "sgd" ? fmt::format("sgd momentum {}", options.momentum) : "adam",
+          options.sharding == "zero1"   ? " sharded by ZeroRedundancyOptimizer (ZeRO stage 1)"
+          : options.sharding == "zero2" ? fmt::format(" sharded by FullyShardedDataParallel "
+                                                      "SHARD_GRAD_OP (ZeRO stage 2), {} units",
+                                                      (*sharded)->unit_count())
+          : options.sharding == "fsdp"  ? fmt::format(" sharded by FullyShardedDataParallel "
+                                                       "FULL_SHARD (ZeRO stage 3), {} units",
+                                                      (*sharded)->unit_count())
+                                        : std::string(),
+          options.lr, options.schedule, options.weight_decay,
+          bf16 ? ", mixed precision bf16 (autocast forward, bf16 gradient reduction)" : "",
+          hook.powersgd_state
+              ? fmt::format(", comm hook {} (rank {}, from step {})", options.comm_hook,
+                            options.powersgd_rank, options.powersgd_start_iter)
+          : hook.hook ? fmt::format(", comm hook {}", options.comm_hook)
+                      : "",
+          options.global_batch_size > 0
+              ? fmt::format(", global batch {} ({} micro-batch(es) of {} per rank and step)",
+                            options.global_batch_size, accumulation, batch)
+              : "");
+      if (options.uneven) {
+        std::vector<std::int64_t> counts;
+        for (int r = 0; r < world_size; ++r)
+          counts.push_back(batches_of(options, samples, r, world_size));
+        fmt::print("uneven inputs under ddp::Join: batches per epoch by rank {}\n",
+                   fmt::join(counts, ", "));
+      }
+      std::fflush(stdout);
+    }
 
-    double loss_sum = 0.0;
-    double window_loss = 0.0;
-    std::int64_t window_batches = 0;
-    auto window_start = std::chrono::steady_clock::now();
-    if (bar) bar->start(epoch, static_cast<std::int64_t>(samples));
-    for (std::int64_t b = 0; b < epoch_batches; ++b) {
-      const auto start = b * batch;
-      torch::Tensor x, y;
-      {
-        auto span = ddp::trace_span("data loading", "train", {{"step", step}});
-        const auto rows = indices.narrow(0, start, std::min(batch, epoch_per_rank - start));
-        x = train.images.index_select(0, rows);
-        y = train.labels.index_select(0, rows);
-      }
-      // A step of `accumulation` micro-batches (a resume lands on a step boundary: checkpoints
-      // are written after steps, at multiples of the global batch); the epoch's last may be short.
-      const std::int64_t group_first = b - b % accumulation;
-      const std::int64_t group_size = std::min(accumulation, epoch_batches - group_first);
-      const bool steps_now = b + 1 == group_first + group_size;
-      if (b == group_first) {
-        set_learning_rate(optimizer, learning_rate(options, step++, total_steps));
-        optimizer.zero_grad();
-      }
-      torch::Tensor loss;
-      {
-        // bf16 has fp32's exponent range: no loss scaling needed (as PyTorch's recipe for it).
-        ddp::AutocastGuard autocast(torch::kBFloat16, /*enabled=*/bf16);
-        loss = torch::nn::functional::cross_entropy(forward(x).to(torch::kFloat32), y);
-      }
-      {
-        auto span = ddp::trace_span("backward", "train", {{"step", step}});
-        // Micro-batches before a group's last add their gradients locally (DDP's no_sync); the
-        // last one's backward averages the sum over the ranks. Each contributes 1/group_size.
-        std::optional<ddp::NoSyncGuard> no_sync;
-        if (!steps_now && ddp_model) no_sync.emplace((*ddp_model)->no_sync());
-        (group_size > 1 ? loss / static_cast<double>(group_size) : loss).backward();
-      }
-      if (steps_now) {
-        auto span = ddp::trace_span("optimizer step", "train", {{"step", step}});
-        optimizer.step();
-        ++global_step;
-      }
-      const bool checkpoint_now = steps_now && train_state_file &&
-                                  global_step % options.checkpoint_every_steps == 0 &&
-                                  b + 1 < epoch_batches;
-      if (checkpoint_now) gather_optimizer_state();
-      if (leader && checkpoint_now) {
-        auto span = ddp::trace_span("checkpoint", "train", {{"step", step}});
-        const auto consumed = sampler.consumed_after(
-            static_cast<std::uint64_t>(std::min<std::int64_t>((b + 1) * batch, epoch_per_rank)));
-        train_state.save(options.checkpoint,
-                         {.epoch = static_cast<std::uint64_t>(epoch - 1),
-                          .epoch_offset = consumed,
-                          .global_step = global_step,
-                          .scheduler_step = step},
-                         world_size);
-        fmt::print("checkpoint global_step {} epoch {} offset {}\n", global_step, epoch, consumed);
-        std::fflush(stdout);
-      }
+    // With --uneven the ranks make different numbers of steps; one Join over the whole run lets the
+    // ranks that finish first shadow the others (joining once, at the end, also keeps the
+    // optimizers' momentum identical on every rank).
+    std::optional<ddp::Join> join;
+    if (options.uneven)
+      join.emplace(std::vector<std::reference_wrapper<ddp::Joinable>>{**ddp_model});
 
-      const double value = loss.item<double>();
-      loss_sum += value;
-      window_loss += value;
-      ++window_batches;
-      // Global samples of the epoch done, counting those before a resume.
-      const auto seen = static_cast<std::int64_t>(sampler.consumed_after(
-          static_cast<std::uint64_t>(std::min<std::int64_t>((b + 1) * batch, epoch_per_rank))));
-      if (bar) bar->update(seen, window_loss / static_cast<double>(window_batches));
-      if (leader && options.log_every > 0 && (b + 1) % options.log_every == 0) {
-        if (!bar) {
-          fmt::print("epoch {} [{}/{}] loss {:.4f}\n", epoch, seen, samples,
-                     window_loss / static_cast<double>(window_batches));
+    double accuracy = 0.0;
+    bool evaluated = false;
+    const std::int64_t steps_per_epoch = (batches + accumulation - 1) / accumulation;
+    std::int64_t step = (first_epoch - 1) * steps_per_epoch;  // of the learning-rate schedule
+    std::int64_t global_step = step;                          // optimizer steps
+    if (resumed) {
+      global_step = resumed->global_step;
+      // At the saved world size the schedule continues at its step; at another, steps per epoch
+      // differ, so the schedule continues at the step of the data position instead.
+      const auto per_step = static_cast<std::uint64_t>(batch * world_size * accumulation);
+      step = resumed->world_size == world_size
+                 ? resumed->scheduler_step
+                 : (first_epoch - 1) * steps_per_epoch +
+                       static_cast<std::int64_t>((resumed->epoch_offset + per_step - 1) / per_step);
+    }
+    for (int epoch = first_epoch; epoch <= options.epochs; ++epoch) {
+      const auto epoch_start = std::chrono::steady_clock::now();
+      const std::uint64_t start_offset =
+          resumed && epoch == first_epoch ? resumed->epoch_offset : 0;
+      sampler.set_epoch(static_cast<std::uint64_t>(epoch - 1), start_offset);
+      const auto indices_vector = sampler.indices();
+      const auto indices = torch::tensor(indices_vector, torch::kInt64);
+      // A resumed epoch has fewer batches (sampler.size() counts what is left of it).
+      const auto epoch_per_rank = static_cast<std::int64_t>(sampler.size());
+      const std::int64_t epoch_batches =
+          options.uneven ? batches : (epoch_per_rank + batch - 1) / batch;
+
+      double loss_sum = 0.0;
+      double window_loss = 0.0;
+      std::int64_t window_batches = 0;
+      auto window_start = std::chrono::steady_clock::now();
+      if (bar) bar->start(epoch, static_cast<std::int64_t>(samples));
+      for (std::int64_t b = 0; b < epoch_batches; ++b) {
+        const auto start = b * batch;
+        torch::Tensor x, y;
+        {
+          auto span = ddp::trace_span("data loading", "train", {{"step", step}});
+          const auto rows = indices.narrow(0, start, std::min(batch, epoch_per_rank - start));
+          x = train.images.index_select(0, rows);
+          y = train.labels.index_select(0, rows);
+        }
+        // A step of `accumulation` micro-batches (a resume lands on a step boundary: checkpoints
+        // are written after steps, at multiples of the global batch); the epoch's last may be
+        // short.
+        const std::int64_t group_first = b - b % accumulation;
+        const std::int64_t group_size = std::min(accumulation, epoch_batches - group_first);
+        const bool steps_now = b + 1 == group_first + group_size;
+        if (b == group_first) {
+          set_learning_rate(optimizer, learning_rate(options, step++, total_steps));
+          optimizer.zero_grad();
+        }
+        torch::Tensor loss;
+        {
+          // bf16 has fp32's exponent range: no loss scaling needed (as PyTorch's recipe for it).
+          ddp::AutocastGuard autocast(torch::kBFloat16, /*enabled=*/bf16);
+          loss = torch::nn::functional::cross_entropy(forward(x).to(torch::kFloat32), y);
+        }
+        {
+          auto span = ddp::trace_span("backward", "train", {{"step", step}});
+          // Micro-batches before a group's last add their gradients locally (DDP's no_sync); the
+          // last one's backward averages the sum over the ranks. Each contributes 1/group_size.
+          std::optional<ddp::NoSyncGuard> no_sync;
+          if (!steps_now && ddp_model) no_sync.emplace((*ddp_model)->no_sync());
+          (group_size > 1 ? loss / static_cast<double>(group_size) : loss).backward();
+        }
+        if (steps_now) {
+          auto span = ddp::trace_span("optimizer step", "train", {{"step", step}});
+          optimizer.step();
+          ++global_step;
+        }
+        const bool checkpoint_now = steps_now && train_state_file &&
+                                    global_step % options.checkpoint_every_steps == 0 &&
+                                    b + 1 < epoch_batches;
+        if (checkpoint_now) gather_optimizer_state();
+        if (leader && checkpoint_now) {
+          auto span = ddp::trace_span("checkpoint", "train", {{"step", step}});
+          const auto consumed = sampler.consumed_after(
+              static_cast<std::uint64_t>(std::min<std::int64_t>((b + 1) * batch, epoch_per_rank)));
+          train_state.save(options.checkpoint,
+                           {.epoch = static_cast<std::uint64_t>(epoch - 1),
+                            .epoch_offset = consumed,
+                            .global_step = global_step,
+                            .scheduler_step = step,
+                            .dataset_size = samples},
+                           world_size);
+          fmt::print("checkpoint global_step {} epoch {} offset {}\n", global_step, epoch,
+                     consumed);
           std::fflush(stdout);
         }
+
+        const double value = loss.item<double>();
+        loss_sum += value;
+        window_loss += value;
+        ++window_batches;
+        // Global samples of the epoch done, counting those before a resume.
+        const auto seen = static_cast<std::int64_t>(sampler.consumed_after(
+            static_cast<std::uint64_t>(std::min<std::int64_t>((b + 1) * batch, epoch_per_rank))));
+        if (bar) bar->update(seen, window_loss / static_cast<double>(window_batches));
+        if (leader && options.log_every > 0 && (b + 1) % options.log_every == 0) {
+          if (!bar) {
+            fmt::print("epoch {} [{}/{}] loss {:.4f}\n", epoch, seen, samples,
+                       window_loss / static_cast<double>(window_batches));
+            std::fflush(stdout);
+          }
+          if (metrics) {
+            const double window_seconds = seconds_since(window_start);
+            metrics->write(
+                {.kind = "step",
+                 .epoch = epoch,
+                 .step = step,
+                 .loss = window_loss / static_cast<double>(window_batches),
+                 .samples_per_s =
+                     static_cast<double>(window_batches * batch * world_size) / window_seconds,
+                 .step_time_s = window_seconds / static_cast<double>(window_batches),
+                 .bytes_per_step = bytes_per_step(),
+                 .world_size = world_size,
+                 .time_s = seconds_since(job_start)});
+          }
+          window_loss = 0.0;
+          window_batches = 0;
+          window_start = std::chrono::steady_clock::now();
+        }
+      }
+      const double train_seconds = seconds_since(epoch_start);
+      if (bar) bar->finish();
+      if (!options.checkpoint.empty()) gather_optimizer_state();
+      if (leader || sharded) {
+        auto span = ddp::trace_span("evaluate", "train", {{"epoch", epoch}});
+        accuracy = evaluate_model();
+        evaluated = true;
+      }
+      if (leader) {
+        if (train_state_file) {
+          train_state.save(options.checkpoint,
+                           {.epoch = static_cast<std::uint64_t>(epoch),
+                            .epoch_offset = 0,
+                            .global_step = global_step,
+                            .scheduler_step = step,
+                            .dataset_size = samples},
+                           world_size);
+          fmt::print("checkpoint global_step {} epoch {} offset 0\n", global_step, epoch + 1);
+        } else if (!options.checkpoint.empty()) {
+          ddp::save_checkpoint(options.checkpoint, *net, optimizer,
+                               {.epoch = epoch, .tag = options.model});
+        }
+        // loss: the mean over rank 0's batches (a loss averaged over ranks would cost a
+        // collective per epoch for a number only printed).
+        fmt::print("epoch {} loss {:.4f} test_accuracy {:.4f} samples_per_s {:.0f} time {:.1f}\n",
+                   epoch, loss_sum / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
+                   accuracy, static_cast<double>(sampler.total_size()) / train_seconds,
+                   seconds_since(epoch_start));
+        std::fflush(stdout);
         if (metrics) {
-          const double window_seconds = seconds_since(window_start);
           metrics->write(
-              {.kind = "step",
+              {.kind = "epoch",
                .epoch = epoch,
                .step = step,
-               .loss = window_loss / static_cast<double>(window_batches),
-               .samples_per_s =
-                   static_cast<double>(window_batches * batch * world_size) / window_seconds,
-               .step_time_s = window_seconds / static_cast<double>(window_batches),
+               .loss = loss_sum / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
+               .accuracy = accuracy,
+               .samples_per_s = static_cast<double>(sampler.total_size()) / train_seconds,
+               .step_time_s =
+                   train_seconds / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
                .bytes_per_step = bytes_per_step(),
                .world_size = world_size,
                .time_s = seconds_since(job_start)});
         }
-        window_loss = 0.0;
-        window_batches = 0;
-        window_start = std::chrono::steady_clock::now();
       }
     }
-    const double train_seconds = seconds_since(epoch_start);
-    if (bar) bar->finish();
-    if (!options.checkpoint.empty()) gather_optimizer_state();
-    if (leader || sharded) {
-      auto span = ddp::trace_span("evaluate", "train", {{"epoch", epoch}});
-      accuracy = evaluate_model();
-      evaluated = true;
-    }
-    if (leader) {
-      if (train_state_file) {
-        train_state.save(options.checkpoint,
-                         {.epoch = static_cast<std::uint64_t>(epoch),
-                          .epoch_offset = 0,
-                          .global_step = global_step,
-                          .scheduler_step = step},
-                         world_size);
-        fmt::print("checkpoint global_step {} epoch {} offset 0\n", global_step, epoch + 1);
-      } else if (!options.checkpoint.empty()) {
-        ddp::save_checkpoint(options.checkpoint, *net, optimizer,
-                             {.epoch = epoch, .tag = options.model});
-      }
-      // loss: the mean over rank 0's batches (a loss averaged over ranks would cost a
-      // collective per epoch for a number only printed).
-      fmt::print("epoch {} loss {:.4f} test_accuracy {:.4f} samples_per_s {:.0f} time {:.1f}\n",
-                 epoch, loss_sum / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
-                 accuracy, static_cast<double>(sampler.total_size()) / train_seconds,
-                 seconds_since(epoch_start));
-      std::fflush(stdout);
-      if (metrics) {
-        metrics->write(
-            {.kind = "epoch",
-             .epoch = epoch,
-             .step = step,
-             .loss = loss_sum / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
-             .accuracy = accuracy,
-             .samples_per_s = static_cast<double>(sampler.total_size()) / train_seconds,
-             .step_time_s =
-                 train_seconds / static_cast<double>(std::max<std::int64_t>(epoch_batches, 1)),
-             .bytes_per_step = bytes_per_step(),
-             .world_size = world_size,
-             .time_s = seconds_since(job_start)});
-      }
-    }
-  }
-  if (join) join->finish();
-  if ((leader || sharded) && !evaluated) accuracy = evaluate_model();  // resumed, nothing to do
+    if (join) join->finish();
+    if ((leader || sharded) && !evaluated) accuracy = evaluate_model();  // resumed, nothing to do
 
-  // Leave together: rank 0 hosts the rendezvous store, and the others may still be in their
-  // last collective when rank 0 finishes evaluating.
-  group->barrier()->wait();
-  if (leader) {
-    fmt::print(
-        "final test_accuracy={:.4f} epochs={} world_size={} model={} batch_size={} "
-        "lr={} train_samples={} time_s={:.1f} bytes_per_step={}\n",
-        accuracy, options.epochs, world_size, options.model, options.batch_size, options.lr,
-        train.size(), seconds_since(job_start), bytes_per_step());
-    std::fflush(stdout);
+    // Leave together: rank 0 hosts the rendezvous store, and the others may still be in their
+    // last collective when rank 0 finishes evaluating.
+    group->barrier()->wait();
+    if (leader) {
+      fmt::print(
+          "final test_accuracy={:.4f} epochs={} world_size={} model={} batch_size={} "
+          "lr={} train_samples={} time_s={:.1f} bytes_per_step={}\n",
+          accuracy, options.epochs, world_size, options.model, options.batch_size, options.lr,
+          train.size(), seconds_since(job_start), bytes_per_step());
+      std::fflush(stdout);
+    }
+    ddp::destroy_process_group();
+    return 0;
+  };
+  try {
+    return in_job();
+  } catch (const std::exception& e) {
+    stop_now(e.what());
   }
-  ddp::destroy_process_group();
-  return 0;
 }
 
 }  // namespace
@@ -658,6 +762,20 @@ const CLI::Validator kFinite(
       return {};
     },
     "FINITE");
+
+// CLI11 reads "-1" and numbers past 2^64 - 1 into a uint64 as 2^64 - 1 without a word: whole
+// numbers are checked as text first.
+const CLI::Validator kUint64(
+    [](std::string& text) -> std::string {
+      std::uint64_t value = 0;
+      const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+      if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
+        return fmt::format("'{}' is not a whole number from 0 to {}", text,
+                           std::numeric_limits<std::uint64_t>::max());
+      }
+      return {};
+    },
+    "UINT64");
 
 int main(int argc, char** argv) {
   Options options;
@@ -710,6 +828,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cosine", "constant"}))
       ->capture_default_str();
   app.add_option("--seed", options.seed, "seed of the model's initialisation and the shuffling")
+      ->check(kUint64)
       ->capture_default_str();
   app.add_option("--data-dir", options.data_dir,
                  "folder with the four *-ubyte.gz files of Fashion-MNIST")

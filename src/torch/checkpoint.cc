@@ -22,24 +22,20 @@ std::string errno_text(int error) {
   return std::generic_category().message(error);
 }
 
-void write_all(int fd, const char* data, std::size_t size, const std::filesystem::path& path) {
+// Writes everything or returns the errno of the first failure (0 on success). Never throws: it
+// runs inside libtorch's archive writer, whose destructor writes the zip's end again, so an
+// exception thrown from here would escape that destructor into std::terminate.
+int write_all(int fd, const char* data, std::size_t size) noexcept {
   while (size > 0) {
     const ssize_t written = ::write(fd, data, size);
     if (written < 0) {
       if (errno == EINTR) continue;
-      throw Error(
-          fmt::format("checkpoint: writing {} failed: {}", path.string(), errno_text(errno)));
+      return errno;
     }
     data += written;
     size -= static_cast<std::size_t>(written);
   }
-}
-
-void fsync_or_throw(int fd, const std::filesystem::path& path) {
-  if (::fsync(fd) != 0) {
-    throw Error(
-        fmt::format("checkpoint: fsync of {} failed: {}", path.string(), errno_text(errno)));
-  }
+  return 0;
 }
 
 // Checkpoints written before ddp stored checksums still load (refusing them would strand every
@@ -66,6 +62,17 @@ void save_archive_atomically(torch::serialize::OutputArchive& archive,
                     "writable?)",
                     temporary.string(), errno_text(errno)));
   }
+  // Every failure from here on removes the partial temporary file (a full disk must not stay
+  // full of it) and says that `path` itself was not touched.
+  const auto failed = [&](const std::string& what) {
+    ::unlink(temporary.c_str());
+    std::error_code error;
+    const bool previous = std::filesystem::exists(path, error);
+    return Error(fmt::format(
+        "checkpoint: {}; the partial {} was removed and {}", what, temporary.string(),
+        previous ? fmt::format("{} is unchanged (the previous checkpoint is intact)", path.string())
+                 : fmt::format("nothing was written to {}", path.string())));
+  };
   {
     // Closes the file on the error paths; the normal path closes it itself to see close's error.
     struct Closer {
@@ -75,20 +82,36 @@ void save_archive_atomically(torch::serialize::OutputArchive& archive,
         if (!closed) ::close(fd);
       }
     } closer{raw_fd};
-    archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
-      write_all(raw_fd, static_cast<const char*>(data), size, temporary);
-      return size;
-    });
-    fsync_or_throw(raw_fd, temporary);
+    int write_error = 0;
+    try {
+      archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
+        // After a failure the rest is dropped (the writer must not see a short write: it would
+        // throw, and throw again from its destructor); the failure is reported below.
+        if (write_error == 0) write_error = write_all(raw_fd, static_cast<const char*>(data), size);
+        return size;
+      });
+    } catch (const c10::Error& e) {
+      throw failed(
+          fmt::format("writing {} failed: {}", temporary.string(), e.what_without_backtrace()));
+    } catch (const std::exception& e) {  // std::bad_alloc while serialising, say
+      throw failed(fmt::format("writing {} failed: {}", temporary.string(), e.what()));
+    }
+    if (write_error != 0) {
+      throw failed(
+          fmt::format("writing {} failed: {}", temporary.string(), errno_text(write_error)));
+    }
+    if (::fsync(raw_fd) != 0) {
+      throw failed(fmt::format("fsync of {} failed: {}", temporary.string(), errno_text(errno)));
+    }
     closer.closed = true;
     if (::close(raw_fd) != 0) {
-      throw Error(
-          fmt::format("checkpoint: closing {} failed: {}", temporary.string(), errno_text(errno)));
+      throw failed(fmt::format("closing {} failed: {}", temporary.string(), errno_text(errno)));
     }
   }
   if (::rename(temporary.c_str(), path.c_str()) != 0) {
-    throw Error(fmt::format("checkpoint: renaming {} to {} failed: {}", temporary.string(),
-                            path.string(), errno_text(errno)));
+    const int rename_errno = errno;
+    throw failed(fmt::format("renaming {} to {} failed: {}", temporary.string(), path.string(),
+                             errno_text(rename_errno)));
   }
   // The rename lives in the folder's entries: without this fsync a crash may forget it.
   auto folder = path.parent_path();
@@ -168,7 +191,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Mod
           fmt::format("it was saved for '{}', but this run uses '{}'", info.tag, expected_tag));
     }
 
-    internal::load_model_and_optimizer(archive, model, optimizer, path);
+    internal::load_model_and_optimizer(archive, model, optimizer, path, "the checkpoint");
   } catch (const c10::Error& e) {
     throw fail(fmt::format("does not fit this model or optimizer: {}", e.what_without_backtrace()));
   }

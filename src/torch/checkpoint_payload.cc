@@ -1,12 +1,15 @@
 #include "torch/checkpoint_payload.h"
 
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "ddp/torch/checkpoint.h"
+#include "ddp/torch/zero_redundancy_optimizer.h"
 #include "torch/parameter_loads.h"
 
 namespace ddp::internal {
@@ -48,7 +51,59 @@ std::string shapes_text(const torch::Tensor& tensor) {
   return tensor.defined() ? fmt::format("[{}]", fmt::join(tensor.sizes(), ", ")) : "undefined";
 }
 
+// True when some parameter group's options (of type OptionsT) satisfy `test`; the defaults stand
+// for a group without options of its own (and for an optimizer without groups).
+template <class OptionsT, class Test>
+bool any_group(const torch::optim::Optimizer& optimizer, Test test) {
+  const auto& defaults = static_cast<const OptionsT&>(optimizer.defaults());
+  if (optimizer.param_groups().empty()) return test(defaults);
+  for (const auto& group : optimizer.param_groups()) {
+    if (test(group.has_options() ? static_cast<const OptionsT&>(group.options()) : defaults)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+constexpr const char* kOptimizerKindEntry = "optimizer_kind";
+
 }  // namespace
+
+std::string describe_optimizer(const torch::optim::Optimizer& optimizer) {
+  namespace optim = torch::optim;
+  if (const auto* zero = dynamic_cast<const ZeroRedundancyOptimizer*>(&optimizer)) {
+    return describe_optimizer(zero->local_optimizer());
+  }
+  if (dynamic_cast<const optim::SGD*>(&optimizer) != nullptr) {
+    return any_group<optim::SGDOptions>(optimizer,
+                                        [](const auto& o) { return o.momentum() != 0.0; })
+               ? "SGD with momentum"
+               : "SGD without momentum";
+  }
+  if (dynamic_cast<const optim::Adam*>(&optimizer) != nullptr) {
+    return any_group<optim::AdamOptions>(optimizer, [](const auto& o) { return o.amsgrad(); })
+               ? "Adam with amsgrad"
+               : "Adam";
+  }
+  if (dynamic_cast<const optim::AdamW*>(&optimizer) != nullptr) {
+    return any_group<optim::AdamWOptions>(optimizer, [](const auto& o) { return o.amsgrad(); })
+               ? "AdamW with amsgrad"
+               : "AdamW";
+  }
+  if (dynamic_cast<const optim::Adagrad*>(&optimizer) != nullptr) return "Adagrad";
+  if (dynamic_cast<const optim::RMSprop*>(&optimizer) != nullptr) {
+    const bool momentum = any_group<optim::RMSpropOptions>(
+        optimizer, [](const auto& o) { return o.momentum() != 0.0; });
+    const bool centered =
+        any_group<optim::RMSpropOptions>(optimizer, [](const auto& o) { return o.centered(); });
+    if (momentum && centered) return "RMSprop with momentum, centered";
+    if (momentum) return "RMSprop with momentum";
+    if (centered) return "RMSprop centered";
+    return "RMSprop";
+  }
+  if (dynamic_cast<const optim::LBFGS*>(&optimizer) != nullptr) return "LBFGS";
+  return c10::demangle(typeid(optimizer).name());
+}
 
 void write_model_and_optimizer(torch::serialize::OutputArchive& archive,
                                const torch::nn::Module& model,
@@ -60,11 +115,12 @@ void write_model_and_optimizer(torch::serialize::OutputArchive& archive,
   torch::serialize::OutputArchive optimizer_archive(archive.compilation_unit());
   optimizer.save(optimizer_archive);
   archive.write("optimizer", optimizer_archive);
+  archive.write(kOptimizerKindEntry, c10::IValue(describe_optimizer(optimizer)));
 }
 
 void load_model_and_optimizer(torch::serialize::InputArchive& archive, torch::nn::Module& model,
-                              torch::optim::Optimizer& optimizer,
-                              const std::filesystem::path& path) {
+                              torch::optim::Optimizer& optimizer, const std::filesystem::path& path,
+                              const std::string& what) {
   const auto fail = [&](const std::string& what) {
     return Error(fmt::format("checkpoint: {}: {}", path.string(), what));
   };
@@ -87,6 +143,25 @@ void load_model_and_optimizer(torch::serialize::InputArchive& archive, torch::nn
                              fmt::join(t.target.sizes(), ", "),
                              c10::toString(t.target.scalar_type())));
     }
+  }
+  // Before libtorch reads the optimizer's state: read as another kind's, it fails with an internal
+  // assertion ("is_tensor_type INTERNAL ASSERT FAILED") that says nothing of the cause.
+  const std::string current = describe_optimizer(optimizer);
+  c10::IValue stored_kind;
+  if (archive.try_read(kOptimizerKindEntry, stored_kind) && stored_kind.isString() &&
+      stored_kind.toStringRef() != current) {
+    const std::string& stored = stored_kind.toStringRef();
+    // "Adam" -> "an Adam optimizer's state", "SGD with momentum" -> "an SGD optimizer's state
+    // (with momentum)".
+    const auto space = stored.find(' ');
+    const std::string kind = stored.substr(0, space);
+    const std::string detail =
+        space == std::string::npos ? std::string() : " (" + stored.substr(space + 1) + ")";
+    throw OptimizerMismatchError(
+        fmt::format("{} {} holds an {} optimizer's state{}; this run uses {}. Resume with the "
+                    "optimizer it was saved with ({}) or start without resuming",
+                    what, path.string(), kind, detail, current, stored),
+        stored, current);
   }
   torch::serialize::InputArchive optimizer_archive;
   if (!archive.try_read("optimizer", optimizer_archive)) throw fail("it holds no optimizer");

@@ -9,12 +9,19 @@
 #pragma once
 
 #include <filesystem>
+#include <string>
 
 #include <torch/torch.h>
 
 namespace ddp::internal {
 
-// Writes the entries "model" (Module::save's layout) and "optimizer" into `archive`.
+// The optimizer's kind and the options that shape its state, e.g. "Adam", "Adam with amsgrad",
+// "SGD with momentum", "SGD without momentum", "RMSprop with momentum, centered"; a
+// ZeroRedundancyOptimizer is described by its local optimizer (its files are that one's).
+std::string describe_optimizer(const torch::optim::Optimizer& optimizer);
+
+// Writes the entries "model" (Module::save's layout), "optimizer" and "optimizer_kind"
+// (describe_optimizer) into `archive`.
 void write_model_and_optimizer(torch::serialize::OutputArchive& archive,
                                const torch::nn::Module& model,
                                const torch::optim::Optimizer& optimizer);
@@ -22,9 +29,11 @@ void write_model_and_optimizer(torch::serialize::OutputArchive& archive,
 // Reads them back into the model's existing tensors and the optimizer. Every stored tensor is read
 // and its shape and dtype checked before anything changes, so an archive that does not fit (from
 // another model) leaves the model as it was. Throws ddp::Error naming `path` and the tensor or
-// entry that is missing or differs; c10::Error from the optimizer's own load passes through.
+// entry that is missing or differs, and OptimizerMismatchError (checkpoint.h) when the archive's
+// "optimizer_kind" differs from the optimizer's (`what` starts its message: "the checkpoint",
+// "the training state in"); c10::Error from the optimizer's own load passes through.
 void load_model_and_optimizer(torch::serialize::InputArchive& archive, torch::nn::Module& model,
-                              torch::optim::Optimizer& optimizer,
-                              const std::filesystem::path& path);
+                              torch::optim::Optimizer& optimizer, const std::filesystem::path& path,
+                              const std::string& what);
 
 }  // namespace ddp::internal

@@ -47,6 +47,7 @@ void TrainState::save(const std::filesystem::path& path, const TrainProgress& pr
   archive.write(
       "world_size",
       c10::IValue(static_cast<std::int64_t>(world_size > 0 ? world_size : progress.world_size)));
+  archive.write("dataset_size", c10::IValue(static_cast<std::int64_t>(progress.dataset_size)));
   archive.write("torch_rng", torch_generator_state());
   archive.write("user_rng",
                 c10::IValue(options_.rng != nullptr ? mt19937_text(*options_.rng) : std::string()));
@@ -97,6 +98,14 @@ TrainProgress TrainState::load(const std::filesystem::path& path) {
     progress.global_step = read_int("global_step");
     progress.scheduler_step = read_int("scheduler_step");
     progress.world_size = static_cast<int>(read_int("world_size"));
+    // Absent in files written before it was stored: 0, not recorded.
+    c10::IValue dataset_size;
+    if (archive.try_read("dataset_size", dataset_size)) {
+      if (!dataset_size.isInt() || dataset_size.toInt() < 0) {
+        throw fail("the 'dataset_size' entry is not a non-negative integer");
+      }
+      progress.dataset_size = static_cast<std::uint64_t>(dataset_size.toInt());
+    }
 
     // The generators are parsed before anything changes, like the tensors.
     torch::Tensor torch_rng;
@@ -119,7 +128,7 @@ TrainProgress TrainState::load(const std::filesystem::path& path) {
       if (!text) throw fail("its 'user_rng' entry is not a std::mt19937 state");
     }
 
-    internal::load_model_and_optimizer(archive, model_, optimizer_, path);
+    internal::load_model_and_optimizer(archive, model_, optimizer_, path, "the training state in");
     {
       auto generator = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(generator.mutex());

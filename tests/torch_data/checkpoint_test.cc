@@ -3,15 +3,20 @@
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ddp/error.h"
@@ -302,6 +307,77 @@ TEST(CheckpointTest, UnwritableLocationIsAnErrorNamingThePath) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("/nonexistent-ddp-folder/run.pt.tmp"));
   }
+}
+
+// A full disk in the middle of a save, simulated without root: in a forked child, a file-size
+// limit (RLIMIT_FSIZE) with SIGXFSZ ignored makes write() fail with EFBIG once the file would
+// pass it, as ENOSPC does on a full disk. The save must throw a named ddp::Error (not escape
+// through libtorch's writer into std::terminate), remove its partial PATH.tmp and leave the
+// previous file as it was. Child exit codes: 0 caught ddp::Error, 2 no error, 3 another
+// exception; the message goes to a file for the parent to check.
+TEST(CheckpointTest, AFullDiskDuringSaveIsANamedErrorThatRemovesTheTemporary) {
+  torch::set_num_threads(1);
+  TempDir dir;
+  const auto path = dir.path() / "run.pt";
+  const auto message_file = dir.path() / "message.txt";
+  Model small;
+  save_checkpoint(path, *small.net, *small.optimizer, {.epoch = 1});
+  const auto before = [&] {
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  }();
+  // 64 KiB of weights: far past the 16 KiB limit.
+  Model big(2000);
+
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit limit {};
+    ::getrlimit(RLIMIT_FSIZE, &limit);
+    limit.rlim_cur = 16 * 1024;
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) ::_exit(4);
+    int code = 2;
+    std::string text;
+    try {
+      save_checkpoint(path, *big.net, *big.optimizer, {.epoch = 2});
+    } catch (const Error& e) {
+      code = 0;
+      text = e.what();
+    } catch (const std::exception& e) {
+      code = 3;
+      text = e.what();
+    }
+    // The message is short: it fits under the limit.
+    std::ofstream(message_file) << text;
+    ::_exit(code);
+  }
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (::waitpid(child, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(child, SIGKILL);
+      ::waitpid(child, &status, 0);
+      FAIL() << "the saving child did not finish within 60 s";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::ifstream in(message_file);
+  const std::string message((std::istreambuf_iterator<char>(in)), {});
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << WTERMSIG(status)
+                                 << " (SIGABRT: std::terminate)";
+  ASSERT_EQ(WEXITSTATUS(status), 0) << "exit " << WEXITSTATUS(status) << ": " << message;
+  EXPECT_THAT(message, HasSubstr(path.string() + ".tmp"));
+  EXPECT_THAT(message, HasSubstr("File too large"));  // strerror(EFBIG); ENOSPC on a full disk
+  EXPECT_THAT(message, HasSubstr(path.string() + " is unchanged"));
+  EXPECT_FALSE(std::filesystem::exists(path.string() + ".tmp"));
+  const std::string after = [&] {
+    std::ifstream file(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(file)), {});
+  }();
+  EXPECT_EQ(after, before);
+  Model loaded;
+  EXPECT_EQ(load_checkpoint(path, *loaded.net, *loaded.optimizer).epoch, 1);
 }
 
 }  // namespace

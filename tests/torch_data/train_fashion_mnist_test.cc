@@ -9,6 +9,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <regex>
@@ -436,6 +437,46 @@ TEST(TrainFashionMnistOptionsTest, CheckpointFolderIsCheckedBeforeTrainingStarts
   }
 }
 
+// CLI11 parses "-1" and numbers past 2^64 - 1 into a uint64 as 2^64 - 1 without a word; the
+// seed is checked as text first.
+TEST(TrainFashionMnistOptionsTest, SeedsOutsideTheUint64RangeAreRejected) {
+  for (const std::string value :
+       {"-1", "18446744073709551616", "99999999999999999999999", "1.5", "0x10", ""}) {
+    SCOPED_TRACE("--seed '" + value + "'");
+    const auto result = Subprocess::start({built_program("train-fashion-mnist"), "--seed", value,
+                                           "--data-dir", "/nonexistent/data"})
+                            .wait(30s);
+    EXPECT_NE(result.exit_code, 0) << result.output;
+    EXPECT_THAT(result.output, HasSubstr("--seed")) << result.output;
+    if (!value.empty()) {
+      EXPECT_THAT(result.output, HasSubstr(value)) << result.output;
+    }
+    EXPECT_THAT(result.output, HasSubstr("0 to 18446744073709551615")) << result.output;
+    EXPECT_THAT(result.output, Not(HasSubstr("/nonexistent/data"))) << result.output;
+  }
+  // The largest seed is accepted: the run goes on to the (missing) data folder.
+  const auto result = Subprocess::start({built_program("train-fashion-mnist"), "--seed",
+                                         "18446744073709551615", "--data-dir", "/nonexistent/data"})
+                          .wait(30s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("/nonexistent/data does not exist")) << result.output;
+}
+
+TEST(TrainFashionMnistOptionsTest, ACheckpointPathThatIsAFolderIsRefusedBeforeTraining) {
+  TempDir dir;
+  const auto start = std::chrono::steady_clock::now();
+  const auto result = Subprocess::start({built_program("train-fashion-mnist"), "--checkpoint",
+                                         dir.path().string(), "--data-dir", "/nonexistent/data"})
+                          .wait(30s);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr(fmt::format(
+                                 "--checkpoint {} is a folder; give a file path such as {}/ck.pt",
+                                 dir.path().string(), dir.path().string())))
+      << result.output;
+  EXPECT_THAT(result.output, Not(HasSubstr("/nonexistent/data")));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+}
+
 TEST(TrainFashionMnistOptionsTest, CheckpointEveryStepsNeedsACheckpointAndEvenInputs) {
   const std::string program = built_program("train-fashion-mnist");
   // Both named before the data is read (its folder is missing too).
@@ -508,6 +549,126 @@ TEST_F(TrainFashionMnistTest, UnevenInputsUnderJoinFinishAtWorldThree) {
               HasSubstr("[0] uneven inputs under ddp::Join: batches per epoch by rank 11, 8, 5"));
   EXPECT_THAT(result.output, HasSubstr("world_size=3 "));
   EXPECT_GT(final_accuracy(result.output), 0.5) << result.output;
+}
+
+// A full disk when rank 0 writes the checkpoint, simulated without root: a file-size limit
+// (bash's ulimit -f, KiB) with SIGXFSZ ignored (inherited through exec) makes the write fail with
+// EFBIG as a full disk fails with ENOSPC. The cnn's checkpoint (about 3.4 MB with momentum) does
+// not fit under 1 MiB (the ranks talk over TCP: the shared-memory transport sizes a file, which
+// the limit would refuse). Rank 0 must stop with a named error, not std::terminate; its partial
+// .tmp is removed and the previous checkpoint stays as it was.
+TEST_F(TrainFashionMnistTest, AFullDiskDuringTheCheckpointIsANamedErrorAndACleanStop) {
+  TempDir dir;
+  const auto checkpoint = (dir.path() / "fmnist.pt").string();
+  const std::vector<std::string> common{"--limit-train", "256",     "--log-every", "0",
+                                        "--checkpoint",  checkpoint};
+  auto args = common;
+  args.insert(args.end(), {"--epochs", "1"});
+  const auto first = train(args);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  std::ifstream before_file(checkpoint, std::ios::binary);
+  const std::string before((std::istreambuf_iterator<char>(before_file)), {});
+  ASSERT_GT(before.size(), 2u << 20) << "the checkpoint must not fit under the limit";
+
+  std::vector<std::string> argv{"/bin/bash",
+                                "-c",
+                                "trap '' XFSZ; ulimit -f 1024; exec \"$@\"",
+                                "bash",
+                                built_program("ddprun"),
+                                "--standalone",
+                                "--nproc-per-node",
+                                "2",
+                                built_program("train-fashion-mnist"),
+                                "--epochs",
+                                "2",
+                                "--resume"};
+  argv.insert(argv.end(), common.begin(), common.end());
+  // TCP between the ranks: the shared-memory transport sizes a file, which the limit refuses.
+  auto process = Subprocess::start(
+      argv, {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "60"}, {"DDP_TRANSPORT", "tcp"}});
+  const auto result = process.wait(150s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("continuing at epoch 2")) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("[0] train-fashion-mnist: error: checkpoint: writing " +
+                                       checkpoint + ".tmp failed: File too large"))
+      << result.output;
+  EXPECT_THAT(result.output, HasSubstr(checkpoint + " is unchanged")) << result.output;
+  EXPECT_THAT(result.output, Not(HasSubstr("terminate called"))) << result.output;
+  EXPECT_THAT(result.output, Not(HasSubstr("final test_accuracy"))) << result.output;
+  // The launcher names rank 0 as the rank that failed, rank 1 as failing in consequence.
+  EXPECT_THAT(result.output, HasSubstr("ddprun: rank 0 exited with code 1; stopping the other "
+                                       "workers"))
+      << result.output;
+  EXPECT_FALSE(std::filesystem::exists(checkpoint + ".tmp"));
+  std::ifstream after_file(checkpoint, std::ios::binary);
+  const std::string after((std::istreambuf_iterator<char>(after_file)), {});
+  EXPECT_EQ(after, before);
+}
+
+// A training state resumed by a run with another optimizer, or over another number of training
+// samples (whose sampler position no longer fits), is refused with what the file holds and what
+// the run has, before any training.
+TEST_F(TrainFashionMnistTest, ResumingWithAnotherOptimizerOrDatasetSizeIsRefused) {
+  TempDir dir;
+  const auto state = (dir.path() / "state.pt").string();
+  const std::vector<std::string> common{
+      "--epochs", "1", "--log-every", "0", "--checkpoint", state, "--checkpoint-every-steps", "2"};
+  auto args = common;
+  args.insert(args.end(), {"--optimizer", "adam", "--limit-train", "512"});
+  const auto first = train(args);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+
+  args = common;
+  args.insert(args.end(), {"--optimizer", "sgd", "--limit-train", "512", "--resume"});
+  const auto sgd = train(args);
+  EXPECT_NE(sgd.exit_code, 0) << sgd.output;
+  EXPECT_THAT(sgd.output,
+              HasSubstr("the training state in " + state +
+                        " holds an Adam optimizer's state; this run uses SGD with momentum "
+                        "(--optimizer sgd). Resume with --optimizer adam or start without "
+                        "--resume"))
+      << sgd.output;
+  EXPECT_THAT(sgd.output, Not(HasSubstr("INTERNAL ASSERT"))) << sgd.output;
+  EXPECT_THAT(sgd.output, Not(HasSubstr("loss "))) << sgd.output;
+
+  args = common;
+  args.insert(args.end(), {"--optimizer", "adam", "--limit-train", "8", "--resume"});
+  const auto smaller = train(args);
+  EXPECT_NE(smaller.exit_code, 0) << smaller.output;
+  EXPECT_THAT(smaller.output,
+              HasSubstr("the training state in " + state + " was saved for 512 training samples"))
+      << smaller.output;
+  EXPECT_THAT(smaller.output, HasSubstr("this run has 8 (--limit-train 8)")) << smaller.output;
+  EXPECT_THAT(smaller.output, Not(HasSubstr("loss "))) << smaller.output;
+
+  // The same options still resume.
+  args = common;
+  args.insert(args.end(), {"--optimizer", "adam", "--limit-train", "512", "--resume"});
+  const auto same = train(args);
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_THAT(same.output, HasSubstr("resumed from " + state)) << same.output;
+}
+
+// The epoch checkpoint (--checkpoint without --checkpoint-every-steps) records its optimizer
+// too: one saved by SGD without momentum is refused by a run with momentum, naming the options
+// that fit it.
+TEST_F(TrainFashionMnistTest, AnEpochCheckpointOfSgdWithoutMomentumIsRefusedWithMomentum) {
+  TempDir dir;
+  const auto checkpoint = (dir.path() / "ck.pt").string();
+  const auto first = train({"--epochs", "1", "--limit-train", "256", "--log-every", "0",
+                            "--checkpoint", checkpoint, "--momentum", "0"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto second = train({"--epochs", "2", "--limit-train", "256", "--log-every", "0",
+                             "--checkpoint", checkpoint, "--resume"});
+  EXPECT_NE(second.exit_code, 0) << second.output;
+  EXPECT_THAT(second.output,
+              HasSubstr("the checkpoint " + checkpoint +
+                        " holds an SGD optimizer's state (without momentum); this run uses SGD "
+                        "with momentum (--optimizer sgd). Resume with --optimizer sgd --momentum 0 "
+                        "or start without --resume"))
+      << second.output;
+  EXPECT_THAT(second.output, Not(HasSubstr("loss "))) << second.output;
 }
 
 }  // namespace

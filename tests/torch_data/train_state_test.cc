@@ -10,6 +10,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint.h"
@@ -20,6 +21,7 @@ namespace ddp::test {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct Trainee {
   torch::nn::Sequential net;
@@ -181,6 +183,78 @@ TEST(TrainStateTest, MissingFileIsAConfigErrorAndAMissingGeneratorIsNamed) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("saved without a std::mt19937"));
   }
+}
+
+// An optimizer of another kind (or with other state-shaping options) is named, with the kind the
+// file holds and the kind of this run, instead of libtorch's "is_tensor_type INTERNAL ASSERT
+// FAILED"; nothing changes. The same holds for save_checkpoint's files.
+TEST(TrainStateTest, AnotherOptimizerIsANamedErrorThatChangesNothing) {
+  TempDir dir;
+  const auto sgd_file = dir.path() / "sgd.pt";
+  const auto adam_file = dir.path() / "adam.pt";
+  Trainee sgd_model;  // SGD with momentum
+  sgd_model.step();
+  TrainState(*sgd_model.net, *sgd_model.optimizer).save(sgd_file, {.global_step = 1});
+  Trainee adam_model;
+  torch::optim::Adam adam(adam_model.net->parameters(), torch::optim::AdamOptions(1e-3));
+  TrainState(*adam_model.net, adam).save(adam_file, {.global_step = 1});
+
+  const auto expect_mismatch = [](TrainState& state, const std::filesystem::path& file,
+                                  const std::string& stored, const std::string& current,
+                                  const std::vector<torch::Tensor>& unchanged,
+                                  const Trainee& model) {
+    try {
+      state.load(file);
+      ADD_FAILURE() << "loaded " << file << " into another optimizer";
+    } catch (const OptimizerMismatchError& e) {
+      EXPECT_THAT(e.what(), HasSubstr(file.string() + " holds " + stored));
+      EXPECT_THAT(e.what(), HasSubstr("this run uses " + current));
+      EXPECT_THAT(e.what(), Not(HasSubstr("INTERNAL ASSERT")));
+      EXPECT_THAT(e.what(), HasSubstr("start without resuming"));
+    }
+    expect_equal(model.snapshot(), unchanged);
+  };
+
+  Trainee into_sgd;
+  TrainState sgd_state(*into_sgd.net, *into_sgd.optimizer);
+  expect_mismatch(sgd_state, adam_file, "an Adam optimizer's state", "SGD with momentum",
+                  into_sgd.snapshot(), into_sgd);
+
+  Trainee into_adam;
+  torch::optim::Adam adam2(into_adam.net->parameters(), torch::optim::AdamOptions(1e-3));
+  TrainState adam_state(*into_adam.net, adam2);
+  expect_mismatch(adam_state, sgd_file, "an SGD optimizer's state (with momentum)", "Adam",
+                  into_adam.snapshot(), into_adam);
+
+  Trainee plain;
+  torch::optim::SGD no_momentum(plain.net->parameters(), torch::optim::SGDOptions(0.1));
+  TrainState plain_state(*plain.net, no_momentum);
+  expect_mismatch(plain_state, sgd_file, "an SGD optimizer's state (with momentum)",
+                  "SGD without momentum", plain.snapshot(), plain);
+
+  // save_checkpoint's files say the same.
+  const auto checkpoint = dir.path() / "checkpoint.pt";
+  save_checkpoint(checkpoint, *adam_model.net, adam, {.epoch = 1});
+  try {
+    load_checkpoint(checkpoint, *into_sgd.net, *into_sgd.optimizer);
+    ADD_FAILURE() << "load_checkpoint loaded an Adam state into SGD";
+  } catch (const OptimizerMismatchError& e) {
+    EXPECT_EQ(e.stored(), "Adam");
+    EXPECT_EQ(e.current(), "SGD with momentum");
+    EXPECT_THAT(e.what(), Not(HasSubstr("INTERNAL ASSERT")));
+  }
+  // The same kind still loads.
+  EXPECT_EQ(TrainState(*into_sgd.net, *into_sgd.optimizer).load(sgd_file).global_step, 1);
+}
+
+TEST(TrainStateTest, TheDatasetSizeIsStoredAndReturned) {
+  TempDir dir;
+  Trainee model;
+  TrainState state(*model.net, *model.optimizer);
+  state.save(dir.path() / "state.pt", {.epoch = 1, .epoch_offset = 256, .dataset_size = 512});
+  EXPECT_EQ(state.load(dir.path() / "state.pt").dataset_size, 512u);
+  state.save(dir.path() / "unknown.pt", {.epoch = 1});
+  EXPECT_EQ(state.load(dir.path() / "unknown.pt").dataset_size, 0u);  // not recorded
 }
 
 }  // namespace

@@ -24,6 +24,14 @@
 // prefix and the file loads without ddp. The optimizer's state is matched to parameters by
 // position, so load into a model and optimizer built the same way as the saved ones.
 //
+// The optimizer: files record its kind and the options that shape its state ("Adam", "Adam with
+// amsgrad", "SGD with momentum", "SGD without momentum", ...), and loading into an optimizer that
+// differs throws OptimizerMismatchError naming both (files written before the kind was recorded
+// load as before).
+//
+// A failed write (a full disk: ENOSPC; a file-size limit: EFBIG) throws Error naming the
+// temporary file and the OS reason; the partial PATH.tmp is removed and PATH is left as it was.
+//
 // Threads: each call is independent; callers must not write the same path from two threads or
 // processes at once (in a job, let one rank save). Throws ddp::Error naming the path and the
 // cause: the file is missing or unreadable (ConfigError), not a checkpoint or corrupt, or does
@@ -33,12 +41,30 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <utility>
 
 #include <torch/torch.h>
+
+#include "ddp/error.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
 namespace ddp {
+
+// The file holds the state of another kind of optimizer (or of one whose options give its state
+// another shape, e.g. SGD with and without momentum) than the one it is loaded into.
+class OptimizerMismatchError : public Error {
+ public:
+  OptimizerMismatchError(const std::string& message, std::string stored, std::string current)
+      : Error(message), stored_(std::move(stored)), current_(std::move(current)) {}
+  // The optimizers as described in the message, e.g. "Adam" and "SGD with momentum".
+  const std::string& stored() const { return stored_; }
+  const std::string& current() const { return current_; }
+
+ private:
+  std::string stored_;
+  std::string current_;
+};
 
 struct CheckpointInfo {
   std::int64_t epoch = 0;  // the last completed epoch

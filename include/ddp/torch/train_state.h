@@ -19,7 +19,8 @@
 // What is stored: the model's parameters and buffers and the optimizer's state (as
 // save_checkpoint, checkpoint.h), the progress below (epoch, global samples consumed in it, global
 // step, the LR scheduler's step count, world size at save time), the state of torch's default CPU
-// generator, and, when options.rng is set, that std::mt19937's state.
+// generator, and, when options.rng is set, that std::mt19937's state. The optimizer's kind is
+// recorded and checked on load (OptimizerMismatchError, checkpoint.h).
 //
 // Resuming at a different world size works because the position is stored in global samples, not
 // steps: DistributedSampler::set_epoch(epoch, epoch_offset) skips the samples every rank together
@@ -38,8 +39,9 @@
 // outlive it) and is used from one thread at a time. Errors: ddp::ConfigError when the file is
 // missing; ddp::Error naming the file and what is wrong: damaged or truncated ("is damaged",
 // "is not a readable torch archive"), not a training state ("not a ddp training state"), saved for
-// another model ("was saved for 'mlp'" or the tensor that differs), a generator state that cannot
-// be read; and for I/O failures while writing.
+// another model ("was saved for 'mlp'" or the tensor that differs), for another optimizer
+// (OptimizerMismatchError), a generator state that cannot be read; and for I/O failures while
+// writing (the previous file stays intact, the partial PATH.tmp is removed).
 #pragma once
 
 #include <cstdint>
@@ -60,6 +62,10 @@ struct TrainProgress {
   std::int64_t global_step = 0;     // optimizer steps taken since the start of the run
   std::int64_t scheduler_step = 0;  // the LR scheduler's step count
   int world_size = 0;               // set by save from its argument; informational on load
+  // Samples of the dataset the sampler deals (its length), for the caller to compare on resume:
+  // epoch_offset counts positions in that dataset's shuffled order, which another size changes.
+  // 0: not recorded (also in files written before it was stored).
+  std::uint64_t dataset_size = 0;
 };
 
 struct TrainStateOptions {
