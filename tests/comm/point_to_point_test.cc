@@ -2,8 +2,10 @@
 // own (a cycle in which every rank sends 64 MiB before it receives completes; so does a halo
 // exchange posted sends-first), match by (source, tag) in posting order, do not wait for the
 // collective queue, and fail with a named CommError on both ranks for a count, dtype or tag
-// mismatch and on the receiver when the sender dies mid-message. Over TCP and over the auto
-// transport (shared memory for collectives; point to point runs over TCP for both).
+// mismatch and on the receiver when the sender dies mid-message; a sender that exits at once
+// after its last send loses none of its messages (though the receiver's writes to it fail or it
+// resets the connection). Over TCP and over the auto transport (shared memory for collectives;
+// point to point runs over TCP for both).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -354,9 +356,13 @@ bool has_exited(pid_t pid) {
   return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z';
 }
 
-// Whether every TCP connection of this process has had all it wrote acknowledged by the peer's
-// kernel (tx_queue 0 in /proc/net/tcp and tcp6).
-bool all_tcp_acknowledged() {
+// The bytes queued on this process's TCP connections (/proc/net/tcp and tcp6): written but not yet
+// acknowledged by the peer's kernel (tx), and arrived but not yet read (rx).
+struct TcpQueues {
+  unsigned long long tx = 0, rx = 0;
+};
+
+TcpQueues tcp_queues() {
   std::set<std::string> inodes;
   for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
     std::error_code ec;
@@ -365,6 +371,7 @@ bool all_tcp_acknowledged() {
       inodes.insert(target.substr(8, target.size() - 9));
     }
   }
+  TcpQueues q;
   for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
     std::ifstream in(table);
     std::string line;
@@ -374,12 +381,31 @@ bool all_tcp_acknowledged() {
       std::string slot, local, remote, state, queues, timer, retransmits, uid, probes, inode;
       fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
           probes >> inode;
-      if (inodes.count(inode) != 0 && queues.substr(0, queues.find(':')) != "00000000") {
-        return false;
-      }
+      const auto colon = queues.find(':');
+      if (inodes.count(inode) == 0 || colon == std::string::npos) continue;
+      q.tx += std::stoull(queues.substr(0, colon), nullptr, 16);
+      q.rx += std::stoull(queues.substr(colon + 1), nullptr, 16);
     }
   }
-  return true;
+  return q;
+}
+
+bool all_tcp_acknowledged() {
+  return tcp_queues().tx == 0;
+}
+
+// Waits for `w`, which must fail as 'peer gone' naming rank 0.
+void expect_peer_gone(const std::shared_ptr<Work>& w, const std::string& what) {
+  try {
+    w->wait();
+  } catch (const CommError& e) {
+    if (e.kind() != CommErrorKind::kPeerGone || e.peer() != 0) {
+      throw std::runtime_error(fmt::format("{}: kind '{}', peer {}, not 'peer gone', 0: {}", what,
+                                           to_string(e.kind()), e.peer(), e.what()));
+    }
+    return;
+  }
+  throw std::runtime_error(what + " succeeded");
 }
 
 // Polls `ready` every millisecond until it holds or `limit` passes; returns whether it held.
@@ -494,24 +520,118 @@ TEST_P(PointToPointRules, MessagesStillUnreadWhenWritingToTheExitedSenderFailsAr
           check_message(got[static_cast<std::size_t>(k)], 0, static_cast<unsigned>(k),
                         fmt::format("message {}", k));
         }
-        auto expect_peer_gone = [&](const std::shared_ptr<Work>& w, const std::string& what) {
-          try {
-            w->wait();
-          } catch (const CommError& e) {
-            if (e.kind() != CommErrorKind::kPeerGone || e.peer() != 0) {
-              throw std::runtime_error(fmt::format("{}: kind '{}', peer {}, not 'peer gone', 0: {}",
-                                                   what, to_string(e.kind()), e.peer(), e.what()));
-            }
-            return;
-          }
-          throw std::runtime_error(what + " succeeded");
-        };
         expect_peer_gone(r_never, "the receive rank 0 never matched");
         if (Clock::now() - released > 10s) {
           throw std::runtime_error("the unmatched receive failed only at its deadline");
         }
         expect_peer_gone(pg->recv(never.data(), never.size(), DType::kInt32, 0, 1),
                          "a receive posted after rank 0 exited");
+        expect_peer_gone(pg->send(never.data(), never.size(), DType::kInt32, 0, 1),
+                         "a send posted after rank 0 exited");
+      },
+      90s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// The sender exits at once (std::_Exit) with credit the receiver returned still unread by it, so
+// its kernel resets the connection (no orderly end): the messages the receiver had already
+// buffered are still received, in order, after the reset. A receive that rank 0 never matched
+// fails as 'peer gone' at once, as does a send.
+TEST_P(PointToPointRules, MessagesBufferedBeforeTheExitedSendersResetAreStillReceived) {
+  TempDir dir;
+  const auto pid_file = dir.path() / "sender.pid";
+  const auto credited_file = dir.path() / "receiver.credited";
+  const auto ready_file = dir.path() / "sender.ready";
+  auto touch = [](const std::filesystem::path& path, const std::string& text) {
+    const auto tmp = path.string() + ".tmp";
+    std::ofstream(tmp) << text;
+    std::filesystem::rename(tmp, path);
+  };
+  auto results = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg =
+            make_group(dir.path(), rank, 2, with_mode(GetParam(), {.timeout = 20s, .spin = 0us}));
+        constexpr int kMessages = 50;                     // eager, tag 1
+        constexpr std::size_t kLarge = (256u << 10) / 4;  // rendezvous, tag 0
+        auto count_of = [](int k) { return static_cast<std::size_t>(1 + (k * 37) % 60); };
+        if (rank == 0) {
+          touch(pid_file, std::to_string(::getpid()));
+          std::vector<std::vector<std::uint32_t>> bufs;
+          for (int k = 0; k < kMessages; ++k) {
+            bufs.push_back(make_message(count_of(k), 0, static_cast<unsigned>(k)));
+            pg->send(bufs.back().data(), count_of(k), DType::kInt32, 1, 1)->wait();
+          }
+          // The rendezvous send completes on the progress thread (once its payload is written),
+          // whose callback then holds it: the credit that comes back stays unread.
+          const auto large = make_message(kLarge, 0, 999);
+          auto held = std::make_shared<std::atomic<bool>>(false);
+          auto s_large = pg->send(large.data(), kLarge, DType::kInt32, 1, 0);
+          s_large->then([held](Work&) {
+            *held = true;
+            std::this_thread::sleep_for(60s);  // the process exits meanwhile
+          });
+          touch(ready_file, "");  // the receive may go: the callback cannot run here
+          if (!poll_until([&] { return held->load(); }, 20s)) {
+            throw std::runtime_error("the rendezvous send did not complete");
+          }
+          if (!poll_until([&] { return std::filesystem::exists(credited_file); }, 20s)) {
+            throw std::runtime_error("the receiver returned no credit");
+          }
+          // Everything written is in the receiver's kernel, and its credit is in ours, unread: the
+          // exit resets the connection.
+          if (!poll_until(
+                  [] {
+                    const auto q = tcp_queues();
+                    return q.tx == 0 && q.rx > 0;
+                  },
+                  20s)) {
+            throw std::runtime_error("the credit did not arrive, or the messages were not taken");
+          }
+          std::_Exit(0);
+        }
+        if (!poll_until([&] { return std::filesystem::exists(ready_file); }, 20s)) {
+          throw std::runtime_error("rank 0 did not send its rendezvous message");
+        }
+        std::vector<std::uint32_t> got_large(kLarge);
+        pg->recv(got_large.data(), kLarge, DType::kInt32, 0, 0)->wait();
+        check_message(got_large, 0, 999, "the rendezvous message");
+        // The eager messages came before it, so they are all buffered here now.
+        std::vector<std::vector<std::uint32_t>> got(kMessages);
+        std::vector<std::shared_ptr<Work>> recvs;
+        auto post = [&](int k) {
+          got[static_cast<std::size_t>(k)].assign(count_of(k), 0);
+          recvs.push_back(
+              pg->recv(got[static_cast<std::size_t>(k)].data(), count_of(k), DType::kInt32, 0, 1));
+        };
+        post(0);  // delivered at once: its credit goes back to rank 0, which does not read it
+        recvs[0]->wait();
+        touch(credited_file, "");
+        pid_t sender = 0;
+        if (!poll_until([&] { return std::filesystem::exists(pid_file); }, 20s)) {
+          throw std::runtime_error("rank 0 wrote no pid");
+        }
+        std::ifstream(pid_file) >> sender;
+        if (!poll_until([&] { return has_exited(sender); }, 20s)) {
+          throw std::runtime_error("rank 0 did not exit");
+        }
+        // Lets the progress thread read the reset before the receives below are posted (they
+        // must succeed in either order).
+        std::this_thread::sleep_for(200ms);
+        for (int k = 1; k < kMessages; ++k)
+          post(k);
+        for (int k = 0; k < kMessages; ++k) {
+          recvs[static_cast<std::size_t>(k)]->wait();
+          check_message(got[static_cast<std::size_t>(k)], 0, static_cast<unsigned>(k),
+                        fmt::format("message {}", k));
+        }
+        std::vector<std::uint32_t> never(16);
+        const auto posted = Clock::now();
+        expect_peer_gone(pg->recv(never.data(), never.size(), DType::kInt32, 0, 1),
+                         "a receive rank 0 never matched");
+        if (Clock::now() - posted > 10s) {
+          throw std::runtime_error("the unmatched receive failed only at its deadline");
+        }
         expect_peer_gone(pg->send(never.data(), never.size(), DType::kInt32, 0, 1),
                          "a send posted after rank 0 exited");
       },
