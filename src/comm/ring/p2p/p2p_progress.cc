@@ -136,8 +136,11 @@ void P2pEngine::State::read_from(Peer& p) {
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return;
     // A reset once the bytes that arrived before it are read (e.g. the peer exited with our
-    // credit unread): the stream ended there, as with EOF.
-    if (errno == ECONNRESET) return on_closed(p, fmt::format(" ({})", error_text(errno)));
+    // credit unread): the stream ended there, as with EOF, and nothing can be written any more.
+    if (errno == ECONNRESET) {
+      p.write_broken = true;
+      return on_closed(p, fmt::format(" ({})", error_text(errno)));
+    }
     return fail_peer(p, closed_error(p, fmt::format(" ({})", error_text(errno))));
   }
 }
