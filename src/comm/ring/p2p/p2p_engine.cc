@@ -86,7 +86,8 @@ P2pEngine::~P2pEngine() {
   }
   const auto until = Clock::now() + kCloseLinger;
   for (auto& p : s.peers) {
-    if (p.fd < 0 || p.failed) continue;
+    // A peer whose end is gone (a write failed) takes nothing more: no waiting for it.
+    if (p.fd < 0 || p.failed || p.write_broken) continue;
     for (;;) {
       while (net::recv_nonblocking(p.fd, s.discard.data(), s.discard.size()) > 0) {
       }
@@ -120,7 +121,7 @@ std::shared_ptr<Work> P2pEngine::send(const void* buf, std::size_t count, DType 
                          dst, state_);
   auto work = op->work;
   std::exception_ptr error = s.poison ? s.poison : p.failed;
-  if (!error && p.closed) {
+  if (!error && (p.closed || p.write_broken)) {
     error = s.comm_error(CommErrorKind::kPeerGone,
                          fmt::format("rank {}: {} in group '{}': rank {} closed its "
                                      "point-to-point connection (it destroyed its group or "

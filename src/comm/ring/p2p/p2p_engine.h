@@ -24,7 +24,9 @@
 // filled. Deadlines: each operation fails at its timeout (CallOptions, or the group's), counted
 // from when it was posted; the channel to that peer is then failed (its socket shut, so the peer
 // fails too) since the order of the streams can no longer be trusted. A closed connection fails
-// the operations with that peer, naming it. abort() fails everything (the group's poisoning).
+// the operations with that peer, naming it: sends at once (also when a write finds the peer gone),
+// receives once everything the peer sent before it closed has been read and matched (a peer that
+// sends and exits at once loses no message). abort() fails everything (the group's poisoning).
 //
 // Threads: send/recv/abort from any thread. Works complete on the progress thread, on the posting
 // thread when they can complete at once, or on a thread in Work::wait() (see spin); callbacks run

@@ -5,7 +5,7 @@ namespace ddp::comm::p2p {
 
 void P2pEngine::State::return_credit(Peer& p, std::size_t message_bytes) {
   const std::size_t bytes = eager_cost(message_bytes);
-  if (p.failed || p.closed) return;
+  if (p.failed || p.closed || p.write_broken) return;
   if (!p.out.empty() && p.out.back().header.type == FrameType::kCredit && p.out.back().done == 0) {
     p.out.back().header.count += bytes;
     return;
@@ -210,6 +210,7 @@ void P2pEngine::State::on_frame(Peer& p) {
       return;
     }
     case FrameType::kClearToSend: {
+      if (p.write_broken) return;  // its send already failed: the payload cannot go
       auto it = p.sends.find(m.message);
       if (it == p.sends.end() || it->second->cleared ||
           it->second->header.type != FrameType::kRequest) {

@@ -52,10 +52,11 @@ std::string P2pEngine::State::first_pending(const Peer& p) const {
   return "point-to-point";
 }
 
-std::exception_ptr P2pEngine::State::closed_error(const Peer& p, const std::string& detail) const {
+std::exception_ptr P2pEngine::State::closed_error(const Peer& p, const std::string& detail,
+                                                  const std::string& named) const {
   const int peer = peer_index(p);
   const std::string reason = options.reason_of ? options.reason_of(peer) : std::string();
-  const std::string op = first_pending(p);
+  const std::string op = named.empty() ? first_pending(p) : named;
   const std::string others = p.recvs.empty() ? std::string() : unmatched(p);
   return comm_error(
       reason.empty() ? CommErrorKind::kPeerGone : CommErrorKind::kAborted,
@@ -74,14 +75,24 @@ std::exception_ptr P2pEngine::State::closed_error(const Peer& p, const std::stri
 }
 
 void P2pEngine::State::on_closed(Peer& p, const std::string& detail) {
-  if (p.in_header_done != 0 || p.in_left != 0 || !detail.empty()) {
-    return fail_peer(p, closed_error(p, detail));
-  }
+  if (p.in_header_done != 0 || p.in_left != 0) return fail_peer(p, closed_error(p, detail));
   p.closed = true;
+  // Everything the peer sent has been read: the receives still pending cannot be satisfied.
   if (!p.idle()) fail_pending(p, closed_error(p, detail));
   for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
     it = it->complete && it->header.type == FrameType::kEager ? std::next(it)
                                                               : p.unexpected.erase(it);
+  }
+}
+
+void P2pEngine::State::on_write_broken(Peer& p, const std::string& detail) {
+  p.write_broken = true;
+  p.out.clear();
+  if (!p.sends.empty()) {
+    const auto error = closed_error(p, detail, p.sends.begin()->second->work->description());
+    for (auto& [number, op] : p.sends)
+      completions.emplace_back(op->work, error);
+    p.sends.clear();
   }
 }
 
@@ -124,12 +135,18 @@ void P2pEngine::State::read_from(Peer& p) {
     if (n == 0) return on_closed(p, "");
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-    return on_closed(p, fmt::format(" ({})", error_text(errno)));
+    // A reset once the bytes that arrived before it are read (e.g. the peer exited with our
+    // credit unread): the stream ended there, as with EOF, and nothing can be written any more.
+    if (errno == ECONNRESET) {
+      p.write_broken = true;
+      return on_closed(p, fmt::format(" ({})", error_text(errno)));
+    }
+    return fail_peer(p, closed_error(p, fmt::format(" ({})", error_text(errno))));
   }
 }
 
 void P2pEngine::State::write_to(Peer& p) {
-  if (p.closed) {
+  if (p.closed || p.write_broken) {
     p.out.clear();  // only control frames can be left for a peer that has gone
     return;
   }
@@ -149,7 +166,12 @@ void P2pEngine::State::write_to(Peer& p) {
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-      return on_closed(p, fmt::format(" ({})", error_text(errno)));
+      // The peer closed its end; what it sent before may still be unread here (see
+      // on_write_broken).
+      if (errno == EPIPE || errno == ECONNRESET) {
+        return on_write_broken(p, fmt::format(" ({})", error_text(errno)));
+      }
+      return fail_peer(p, closed_error(p, fmt::format(" ({})", error_text(errno))));
     }
     auto left = static_cast<std::size_t>(n);
     while (left > 0 && !p.out.empty()) {

@@ -93,6 +93,9 @@ struct Peer {
   net::Socket socket;
   std::exception_ptr failed;  // set once: every operation with this peer fails with it
   bool closed = false;        // the peer closed cleanly (its messages already here still match)
+  // Writing failed (EPIPE, ECONNRESET: the peer has closed its end): nothing more is written, but
+  // what it sent before is still read, up to the end of the stream.
+  bool write_broken = false;
 
   // Sending.
   std::deque<OutItem> out;
@@ -198,10 +201,18 @@ struct P2pEngine::State {
   // it close and fails too).
   void fail_peer(Peer& p, std::exception_ptr error);
   std::string first_pending(const Peer& p) const;
-  std::exception_ptr closed_error(const Peer& p, const std::string& detail) const;
-  // The connection to `p` closed or broke: mid-frame or with operations pending, that is their
-  // failure. Complete messages already here can still be received.
+  // `named`: the operation to name, "" for the first pending one.
+  std::exception_ptr closed_error(const Peer& p, const std::string& detail,
+                                  const std::string& named = "") const;
+  // The stream from `p` ended (EOF, or a reset after the last complete frame): mid-frame or with
+  // operations pending, that is their failure. Complete messages already here can still be
+  // received.
   void on_closed(Peer& p, const std::string& detail);
+  // Writing to `p` failed because it closed its end (EPIPE, ECONNRESET): fails the sends (they
+  // need the peer to read) and writes nothing more, but keeps reading, so that the messages it
+  // sent before it closed still reach their receives; the end of the stream (on_closed) fails
+  // the receives they do not satisfy.
+  void on_write_broken(Peer& p, const std::string& detail);
   void fail_protocol(Peer& p, const std::string& what);
   void queue_frame(Peer& p, const P2pFrame& frame) { p.out.push_back(OutItem{frame}); }
 
