@@ -183,7 +183,8 @@ TEST_F(TrainFashionMnistTest, FirstLineNamesTheLibtorch) {
 }
 
 // PyTorch 2.x's own launcher (its torchrun runs on Python 3.11, Debian's 1.13 one does not),
-// starting the ddp program directly (--no-python), as a user coming from PyTorch would.
+// starting the ddp program directly (--no-python) with torchrun's defaults, as a user coming from
+// PyTorch would.
 TEST_F(TrainFashionMnistTest, TrainsUnderPyTorch2sTorchrun) {
   if (!std::filesystem::exists(std::filesystem::path(DDP_PYTORCH_VENV) / "bin" / "python")) {
     GTEST_SKIP() << "no PyTorch 2.x environment at " << DDP_PYTORCH_VENV
@@ -193,11 +194,9 @@ TEST_F(TrainFashionMnistTest, TrainsUnderPyTorch2sTorchrun) {
       {DDP_PYTORCH_PYTHON, "-m", "torch.distributed.run", "--no-python", "--standalone",
        "--nproc-per-node", "2", "--tee", "3", built_program("train-fashion-mnist"), "--epochs", "1",
        "--limit-train", "1024", "--batch-size", "64", "--log-every", "0"},
-      {{"OMP_NUM_THREADS", "1"},
-       {"DDP_TIMEOUT", "120"},
-       {"DDP_PYTORCH_VENV", DDP_PYTORCH_VENV},
-       // Its rendezvous store is its own (c10d's), not ddp's: leave MASTER_PORT to rank 0.
-       {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"}});
+      {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "120"}, {"DDP_PYTORCH_VENV", DDP_PYTORCH_VENV}});
+  // torchrun's default environment (TORCHELASTIC_USE_AGENT_STORE=True): the ranks join through
+  // torchrun's own c10d store.
   const auto result = process.wait(150s);
   ASSERT_FALSE(result.timed_out) << "torchrun did not finish:\n" << result.output;
   ASSERT_EQ(result.exit_code, 0) << result.output;
