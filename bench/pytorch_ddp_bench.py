@@ -87,9 +87,11 @@ def main():
     model = make_model(args.model)
     if distributed:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+        # bucket_cap_mb only when asked for: PyTorch 1.13's DDP rejects None (2.x reads it as
+        # "the default"), and this script runs on both.
+        caps = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
         model = nn.parallel.DistributedDataParallel(
-            model, gradient_as_bucket_view=args.gradient_as_bucket_view,
-            bucket_cap_mb=args.bucket_cap_mb)
+            model, gradient_as_bucket_view=args.gradient_as_bucket_view, **caps)
         register_comm_hook(model, args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(100 + rank)
