@@ -81,10 +81,12 @@ sanitized_build() {  # DIR TARGET [cmake args...]
   cmake --build "$dir" --target "$target"
 }
 
+# The tests that start OpenMPI (MPI_Init under mpirun): the sanitizer stages treat them apart.
+mpi_tests='^mpi\.|MpiBackendUnderMpirun|MpiBackendWithoutMpirun\.UnderMpirun'
+
 if want asan; then
   stage_start asan
   sanitized_build build-asan all -DDDP_SANITIZE=address
-  mpi_tests='^mpi\.|MpiBackendUnderMpirun'
   env "${sanitizer_env[@]}" ctest --test-dir build-asan --output-on-failure --timeout 900 \
     -j "$jobs" -L 'unit|multiprocess' -E "$mpi_tests"
   # The tests that run OpenMPI: its leaks are suppressed (tests/sanitizers/lsan.supp), which
@@ -105,7 +107,7 @@ if want tsan; then
   # inside its TCP transport during MPI_Init (docs/fuzzing.md).
   for dir in net store comm shm init; do
     env "${sanitizer_env[@]}" ctest --test-dir "build-tsan/tests/$dir" --output-on-failure \
-      --timeout 900 -j "$jobs" -L 'unit|multiprocess' -E '^mpi\.|MpiBackendUnderMpirun'
+      --timeout 900 -j "$jobs" -L 'unit|multiprocess' -E "$mpi_tests"
   done
   stage_end tsan
 fi
