@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <set>
+#include <sstream>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -124,6 +125,42 @@ TEST(DataLoaderSampler, AResetForAnotherDatasetSizeIsANamedError) {
     EXPECT_THAT(e.what(), HasSubstr("12 samples"));
     EXPECT_THAT(e.what(), HasSubstr("built for 10"));
   }
+}
+
+TEST(DataLoaderSampler, SaveAndLoadRestoreThePositionAndRefuseAnotherSamplersState) {
+  DataLoaderSampler sampler(40, 1, 2, {.shuffle = true, .seed = 5});
+  sampler.set_epoch(3, 6);
+  sampler.reset();
+  const auto first = sampler.next(4);
+  ASSERT_TRUE(first.has_value());
+  torch::serialize::OutputArchive out;
+  sampler.save(out);
+  std::stringstream bytes;
+  out.save_to(bytes);
+
+  // The same sampler shape resumes at the same epoch, offset and position.
+  DataLoaderSampler resumed(40, 1, 2, {.shuffle = true, .seed = 5});
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  resumed.load(in);
+  EXPECT_EQ(resumed.sampler().epoch(), 3u);
+  EXPECT_EQ(resumed.sampler().start_offset(), 6u);
+  EXPECT_EQ(resumed.dealt(), 4u);
+  EXPECT_EQ(resumed.next(4), sampler.next(4));
+
+  // Another dataset size or world size is refused by name.
+  DataLoaderSampler other(41, 1, 2);
+  bytes.seekg(0);
+  torch::serialize::InputArchive again;
+  again.load_from(bytes);
+  try {
+    other.load(again);
+    FAIL() << "a sampler of another dataset size loaded the state";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("dealt 40 samples over 2 ranks"));
+    EXPECT_THAT(e.what(), HasSubstr("deals 41 over 2"));
+  }
+  EXPECT_THROW(sampler.next(0), ConfigError);
 }
 
 // ---- the model holder as a class member ---------------------------------------------------------
