@@ -41,6 +41,16 @@ struct CallOptions {
   // operation runs on the calling thread without a Work of its own or a lock round trip more; on
   // a busy one it is queued behind the others and waited for. Collectives only (not send/recv).
   bool blocking = false;
+  // For a group whose buffers are device memory (memory_space() == MemorySpace::kCuda): the CUDA
+  // stream (a cudaStream_t, opaque here) whose work queued so far the call must follow, captured
+  // when the call is made. nullptr = the device's default stream. Host groups ignore it.
+  void* cuda_stream = nullptr;
+};
+
+// Where the buffers a group's calls name must live.
+enum class MemorySpace : std::uint8_t {
+  kHost,  // ring, mpi: host memory (a CUDA tensor is staged through a host twin by the torch layer)
+  kCuda,  // nccl: device memory on the CUDA device this process selected
 };
 
 // One piece of a buffer made of several (see ProcessGroup::allreduce_segments): `count` elements
@@ -61,6 +71,8 @@ class ProcessGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   virtual std::string_view backend() const = 0;
+  // Where the buffers of this group's calls live (see MemorySpace). Host by default.
+  virtual MemorySpace memory_space() const { return MemorySpace::kHost; }
   // This rank's index among the ranks of this group on the caller's host (0..local_size()-1, in
   // rank order), and how many ranks of this group that host has. Backends that know their
   // topology override these; the default throws ConfigError.
