@@ -19,6 +19,8 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -179,6 +181,21 @@ class ProcessGroup {
   // of this group). Returns the subgroup (ranks renumbered 0..n-1 in that order) for members,
   // nullptr for the others. Runs on the calling thread; it does not wait for queued work.
   virtual std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) = 0;
+
+ protected:
+  // The seams of the default uneven collectives above, for a group whose buffers are not host
+  // memory (the nccl backend's are device memory). Defaults: host memory and memcpy.
+  //   exchange_words  every rank's `mine` (the same length everywhere) in rank order, waited for;
+  //                   `mine` and the result are host vectors whatever the group's memory space
+  //   make_scratch    `bytes` of the group's memory space (zeroed for host memory), freed when
+  //                   the last owner lets go
+  //   block_copier    copies between buffers of the group's memory space, ordered as the call
+  //                   whose `options` it is given (the nccl backend: on CallOptions::cuda_stream)
+  using BlockCopier = std::function<void(void* dst, const void* src, std::size_t bytes)>;
+  virtual std::vector<std::int64_t> exchange_words(const std::vector<std::int64_t>& mine,
+                                                   CallOptions options);
+  virtual std::shared_ptr<void> make_scratch(std::size_t bytes);
+  virtual BlockCopier block_copier(const CallOptions& options);
 
  private:
   int rank_;

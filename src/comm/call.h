@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +33,9 @@ struct Call {
   OpHeader header;    // sent, and expected from every peer
   std::string label;  // replaces the description (the steps of a hierarchical allreduce)
   std::vector<BufferSegment> segments;  // allreduce_segments in place (send/recv null)
+  // The backend's per-call state made on the caller's thread (GroupFront::prepare_call), e.g. the
+  // nccl backend's event recorded on CallOptions::cuda_stream; opaque to the front and the queue.
+  std::shared_ptr<void> backend_state;
 
   // Formatted when needed (errors, TCP steps), not on every call: it allocates.
   std::string description() const {

@@ -69,6 +69,7 @@ Call GroupFront::make_call(Collective kind, const void* send, void* recv, std::s
 std::shared_ptr<Work> GroupFront::submit(Call call, const CallOptions& options) {
   call.header.algorithm = algorithm_for(call);
   call.timeout = OpQueue::call_timeout(options, timeout_);
+  prepare_call(call, options);
   return queue_.submit<CallWork>(std::move(call), options.blocking, observer_);
 }
 

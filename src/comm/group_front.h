@@ -11,6 +11,9 @@
 //   algorithm_for       which algorithm a call takes (part of the fingerprint); default none
 //   post_send/post_recv start a point-to-point operation (past the queue)
 //   make_subgroup       new_group after the rank list was checked
+//   prepare_call        on the caller's thread, before the call is queued: capture what must be
+//                       captured when the call is made (the nccl backend records an event on
+//                       CallOptions::cuda_stream into Call::backend_state); default nothing
 //   and what it supports: max_count(), min_tag()/max_tag(), and ProcessGroup's
 //   allreduce_segments_in_place().
 // Lifetime: the derived destructor calls stop_queue() first, before the state run_call() uses
@@ -77,6 +80,12 @@ class GroupFront : public ProcessGroup, protected OpQueue::Runner {
 
   // The backend. See the file comment.
   virtual void run_call(Call& call, net::Deadline deadline) = 0;
+  // Called by submit() on the caller's thread after the checks, before the call is queued (so in
+  // the caller's order of calls, not the queue's). May throw (the call is then not issued).
+  virtual void prepare_call(Call& call, const CallOptions& options) {
+    static_cast<void>(call);
+    static_cast<void>(options);
+  }
   virtual Algorithm algorithm_for(const Call& call) const {
     static_cast<void>(call);
     return Algorithm::kNone;

@@ -41,39 +41,31 @@ std::size_t total(const std::vector<std::size_t>& counts) {
   return std::accumulate(counts.begin(), counts.end(), std::size_t{0});
 }
 
-// Every rank contributes `mine` (the same length on every rank) and gets every rank's, waiting for
-// it: the size exchange of the uneven collectives. Its int64 words are compared, never reduced.
-std::vector<std::int64_t> exchange_words(ProcessGroup& pg, const std::vector<std::int64_t>& mine,
-                                         CallOptions options) {
-  std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(pg.size()));
-  pg.allgather(mine.data(), all.data(), mine.size(), DType::kInt64, options)->wait();
-  return all;
-}
+using Copier = std::function<void(void* dst, const void* src, std::size_t bytes)>;
 
 // Copies block j (counts[j] elements) of a buffer of padded blocks into place, after the padded
-// collective succeeded.
-void unpad(const std::byte* padded, std::size_t block_bytes, void* out,
+// collective succeeded (through the group's copy_bytes: its buffers may be device memory).
+void unpad(const Copier& copier, const std::byte* padded, std::size_t block_bytes, void* out,
            const std::vector<std::size_t>& counts, std::size_t element_bytes) {
   std::size_t at = 0;
   for (std::size_t j = 0; j < counts.size(); ++j) {
     const std::size_t bytes = counts[j] * element_bytes;
-    if (bytes > 0) std::memcpy(static_cast<std::byte*>(out) + at, padded + j * block_bytes, bytes);
+    if (bytes > 0) copier(static_cast<std::byte*>(out) + at, padded + j * block_bytes, bytes);
     at += bytes;
   }
 }
 
-// Lays `counts` consecutive blocks of `in` out at a stride of `block_bytes` (zeros between).
-std::vector<std::byte> pad(const void* in, const std::vector<std::size_t>& counts,
-                           std::size_t block_bytes, std::size_t element_bytes) {
-  std::vector<std::byte> padded(block_bytes * counts.size());
+// Lays `counts` consecutive blocks of `in` out at a stride of `block_bytes` in `padded` (which
+// holds at least counts.size() blocks; the gaps keep what they held).
+void pad(const Copier& copier, std::byte* padded, const void* in,
+         const std::vector<std::size_t>& counts, std::size_t block_bytes,
+         std::size_t element_bytes) {
   std::size_t at = 0;
   for (std::size_t j = 0; j < counts.size(); ++j) {
     const std::size_t bytes = counts[j] * element_bytes;
-    if (bytes > 0)
-      std::memcpy(padded.data() + j * block_bytes, static_cast<const std::byte*>(in) + at, bytes);
+    if (bytes > 0) copier(padded + j * block_bytes, static_cast<const std::byte*>(in) + at, bytes);
     at += bytes;
   }
-  return padded;
 }
 
 bool all_equal(const std::vector<std::size_t>& counts) {
@@ -96,6 +88,25 @@ int ProcessGroup::local_size() const {
       backend()));
 }
 
+// Every rank contributes `mine` (the same length on every rank) and gets every rank's, waiting for
+// it: the size exchange of the uneven collectives. Its int64 words are compared, never reduced.
+std::vector<std::int64_t> ProcessGroup::exchange_words(const std::vector<std::int64_t>& mine,
+                                                       CallOptions options) {
+  std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size()));
+  allgather(mine.data(), all.data(), mine.size(), DType::kInt64, options)->wait();
+  return all;
+}
+
+std::shared_ptr<void> ProcessGroup::make_scratch(std::size_t bytes) {
+  auto buffer = std::make_shared<std::vector<std::byte>>(bytes);
+  return std::shared_ptr<void>(buffer, buffer->data());
+}
+
+ProcessGroup::BlockCopier ProcessGroup::block_copier(const CallOptions& options) {
+  static_cast<void>(options);
+  return [](void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); };
+}
+
 // Cost: one allgather of 2 words per rank (waited for), then one allgather of size() blocks of
 // max(recv_counts) elements (padding only when the counts differ).
 std::shared_ptr<Work> ProcessGroup::allgather_v(const void* send, std::size_t send_count,
@@ -105,8 +116,8 @@ std::shared_ptr<Work> ProcessGroup::allgather_v(const void* send, std::size_t se
   check_counts_length(recv_counts, size(), "allgather_v", "recv_counts");
   comm::check_buffer(send, send_count, "allgather_v", "send");
   comm::check_buffer(recv, total(recv_counts), "allgather_v", "recv");
-  const auto words = exchange_words(
-      *this, {static_cast<std::int64_t>(send_count), fingerprint(recv_counts)}, options);
+  const auto words =
+      exchange_words({static_cast<std::int64_t>(send_count), fingerprint(recv_counts)}, options);
   // Every rank judges the same words, so every rank reaches the same verdict.
   std::vector<std::size_t> sent(static_cast<std::size_t>(size()));
   bool same_view = true;
@@ -126,13 +137,16 @@ std::shared_ptr<Work> ProcessGroup::allgather_v(const void* send, std::size_t se
   }
   const std::size_t esz = dtype_size(dtype);
   const std::size_t block = *std::max_element(recv_counts.begin(), recv_counts.end());
-  auto padded = std::make_shared<std::vector<std::byte>>(block * esz * (recv_counts.size() + 1));
+  auto padded = make_scratch(block * esz * (recv_counts.size() + 1));
+  auto* base = static_cast<std::byte*>(padded.get());
+  auto copier = block_copier(options);
   // The first block is this rank's padded input, the rest the gathered blocks.
-  if (send_count > 0) std::memcpy(padded->data(), send, send_count * esz);
-  std::byte* gathered = padded->data() + block * esz;
-  auto work = allgather(padded->data(), gathered, block, dtype, options);
-  work->then([padded, gathered, recv, counts = std::move(recv_counts), block, esz](Work& done) {
-    if (!done.error()) unpad(gathered, block * esz, recv, counts, esz);
+  if (send_count > 0) copier(base, send, send_count * esz);
+  std::byte* gathered = base + block * esz;
+  auto work = allgather(base, gathered, block, dtype, options);
+  work->then([padded, gathered, recv, counts = std::move(recv_counts), block, esz,
+              copier](Work& done) mutable {
+    if (!done.error()) unpad(copier, gathered, block * esz, recv, counts, esz);
   });
   return work;
 }
@@ -155,7 +169,7 @@ std::shared_ptr<Work> ProcessGroup::alltoall_v(const void* send,
     mine[n + j] = static_cast<std::int64_t>(recv_counts[j]);
   }
   // words[r * 2n + j]: what r sends to j; words[r * 2n + n + j]: what r expects from j.
-  const auto words = exchange_words(*this, mine, options);
+  const auto words = exchange_words(mine, options);
   std::vector<std::string> disagreements;
   std::size_t block = 0;
   for (std::size_t r = 0; r < n; ++r) {
@@ -180,12 +194,16 @@ std::shared_ptr<Work> ProcessGroup::alltoall_v(const void* send,
     return alltoall(send, recv, block, dtype, options);
   }
   const std::size_t esz = dtype_size(dtype);
-  auto padded = std::make_shared<std::vector<std::byte>>(pad(send, send_counts, block * esz, esz));
-  auto out = std::make_shared<std::vector<std::byte>>(block * esz * n);
-  auto work = alltoall(padded->data(), out->data(), block, dtype, options);
-  work->then([padded, out, recv, counts = std::move(recv_counts), block, esz](Work& done) {
-    if (!done.error()) unpad(out->data(), block * esz, recv, counts, esz);
-  });
+  auto padded = make_scratch(block * esz * n);
+  auto out = make_scratch(block * esz * n);
+  auto copier = block_copier(options);
+  pad(copier, static_cast<std::byte*>(padded.get()), send, send_counts, block * esz, esz);
+  auto work = alltoall(padded.get(), out.get(), block, dtype, options);
+  work->then(
+      [padded, out, recv, counts = std::move(recv_counts), block, esz, copier](Work& done) mutable {
+        if (!done.error())
+          unpad(copier, static_cast<const std::byte*>(out.get()), block * esz, recv, counts, esz);
+      });
   return work;
 }
 
@@ -200,7 +218,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_v(const void* send, void* rec
   comm::check_buffer(send, total(recv_counts), "reduce_scatter_v", "send");
   comm::check_buffer(recv, recv_counts[static_cast<std::size_t>(rank())], "reduce_scatter_v",
                      "recv");
-  const auto words = exchange_words(*this, {fingerprint(recv_counts)}, options);
+  const auto words = exchange_words({fingerprint(recv_counts)}, options);
   std::vector<int> differing;
   for (std::size_t r = 0; r < words.size(); ++r) {
     if (words[r] != words[static_cast<std::size_t>(rank())])
@@ -217,12 +235,14 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_v(const void* send, void* rec
   }
   const std::size_t esz = dtype_size(dtype);
   const std::size_t block = *std::max_element(recv_counts.begin(), recv_counts.end());
-  auto padded = std::make_shared<std::vector<std::byte>>(pad(send, recv_counts, block * esz, esz));
-  auto out = std::make_shared<std::vector<std::byte>>(block * esz);
-  auto work = reduce_scatter(padded->data(), out->data(), block, dtype, op, options);
+  auto padded = make_scratch(block * esz * recv_counts.size());
+  auto out = make_scratch(block * esz);
+  auto copier = block_copier(options);
+  pad(copier, static_cast<std::byte*>(padded.get()), send, recv_counts, block * esz, esz);
+  auto work = reduce_scatter(padded.get(), out.get(), block, dtype, op, options);
   const std::size_t mine = recv_counts[static_cast<std::size_t>(rank())];
-  work->then([padded, out, recv, mine, esz](Work& done) {
-    if (!done.error() && mine > 0) std::memcpy(recv, out->data(), mine * esz);
+  work->then([padded, out, recv, mine, esz, copier](Work& done) mutable {
+    if (!done.error() && mine > 0) copier(recv, out.get(), mine * esz);
   });
   return work;
 }
