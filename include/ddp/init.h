@@ -7,6 +7,8 @@
 // job's default ProcessGroup with the chosen backend and makes it the default group
 // (default_process_group()). Backend, first that applies: InitOptions::backend, the environment
 // variable DDP_BACKEND, "mpi" when launched by mpirun and the mpi backend was built, else "ring".
+// "nccl" (only when chosen) drives CUDA device LOCAL_RANK of each rank; its calls take device
+// buffers (ProcessGroup::memory_space()).
 //
 // Call it once per process, from one thread. Throws what rendezvous() throws, ConfigError for an
 // unknown backend (the message lists the available ones), and CommError when the group's
@@ -31,7 +33,8 @@ std::shared_ptr<ProcessGroup> default_process_group();
 // Forgets the default group (it is destroyed once nobody else holds it). Thread-safe.
 void destroy_process_group();
 
-// Backends built into this library, e.g. {"ring", "mpi"}.
+// Backends built into this library, e.g. {"ring", "mpi", "nccl"}. ("nccl" when it was built: the
+// machine may still lack a GPU or libnccl, which init_process_group then names.)
 std::vector<std::string> available_backends();
 
 // The backend init_process_group() uses, and the one parser of backend names every tool shares:

@@ -17,6 +17,7 @@
 
 #include "ddp/error.h"
 #include "ddp/mpi_process_group.h"
+#include "ddp/nccl_process_group.h"
 #include "ddp/prefix_store.h"
 #include "ddp/ring_process_group.h"
 #include "ddp/trace.h"
@@ -149,6 +150,7 @@ void notice_single_process(const InitOptions& options) {
 std::vector<std::string> available_backends() {
   std::vector<std::string> names{"ring"};
   if (mpi_backend_available()) names.push_back("mpi");
+  if (nccl_backend_available()) names.push_back("nccl");
   return names;
 }
 
@@ -171,9 +173,12 @@ std::string resolve_backend(const std::string& requested, const std::string& sou
     throw ConfigError(fmt::format(
         "unknown backend '{}' (from {}); this build of ddp has: {}{}", name, from,
         fmt::join(names, ", "),
-        name == "mpi" ? " (the mpi backend needs OpenMPI (libopenmpi-dev) at configure time and "
-                        "-DDDP_WITH_MPI=ON)"
-                      : ""));
+        name == "mpi"    ? " (the mpi backend needs OpenMPI (libopenmpi-dev) at configure time and "
+                           "-DDDP_WITH_MPI=ON)"
+        : name == "nccl" ? fmt::format(" (the nccl backend is not built: {}; it needs nccl.h and "
+                                       "cuda_runtime.h at configure time and -DDDP_WITH_NCCL=ON)",
+                                       nccl_backend_unavailable_reason())
+                         : std::string()));
   }
   return name;
 }
@@ -189,6 +194,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     group = make_ring_process_group(
         std::make_shared<PrefixStore>("ddp/pg", world.store), world.rank(), world.size(),
         {.timeout = world.timeout, .group_name = "default", .secret = world.environment.secret});
+  } else if (backend == "nccl") {  // resolve_backend accepts it only when it was built
+    // Rendezvous as the ring backend; each rank drives the GPU of its local rank (LOCAL_RANK).
+    World world = rendezvous(options);
+    group = make_nccl_process_group(
+        std::make_shared<PrefixStore>("ddp/pg", world.store), world.rank(), world.size(),
+        {.timeout = world.timeout, .group_name = "default", .device = world.local_rank()});
   } else {  // "mpi": resolve_backend accepts it only when it was built
     // MPI has its own rendezvous; the launcher's variables are only checked against it.
     refuse_mpi_without_mpirun();

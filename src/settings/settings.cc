@@ -68,6 +68,10 @@ std::string advertise_address(const Lookup& lookup) {
   return value_or_empty(lookup, "DDP_ADVERTISE_ADDR");
 }
 
+std::string nccl_library(const Lookup& lookup) {
+  return value_or_empty(lookup, "DDP_NCCL_LIBRARY");
+}
+
 std::size_t flight_recorder_entries(const Lookup& lookup) {
   constexpr std::size_t kMax = 10'000'000;
   const auto text = lookup("DDP_FLIGHT_RECORDER_ENTRIES");

@@ -40,6 +40,11 @@ std::string host_id(const Lookup& lookup = environment);
 // DDP_ADVERTISE_ADDR: the address peers use to reach this rank.
 std::string advertise_address(const Lookup& lookup = environment);
 
+// The nccl backend's variable ("" when unset or empty):
+// DDP_NCCL_LIBRARY: a path to the libnccl to load instead of libnccl.so.2 (tests name a missing
+// one to see the "cannot load libnccl" error).
+std::string nccl_library(const Lookup& lookup = environment);
+
 // The flight recorder (docs/observability.md):
 // DDP_FLIGHT_RECORDER_ENTRIES: how many operations each group keeps (default 2000; 0 = off).
 inline constexpr std::size_t kDefaultFlightRecorderEntries = 2000;
