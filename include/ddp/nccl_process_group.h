@@ -64,6 +64,12 @@ struct NcclOptions {
 std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> store, int rank,
                                                       int size, NcclOptions options = {});
 
+// What make_nccl_process_group checks on this rank before it meets the others: loads libnccl and
+// the CUDA runtime and makes options.device current after checking it exists (ConfigError as
+// above). init_process_group calls it before the rendezvous, so that a rank without a GPU or
+// libnccl fails at once rather than after waiting for its peers. Returns the device.
+int prepare_nccl_device(const NcclOptions& options);
+
 // Whether this build of ddp has the nccl backend (false: make_nccl_process_group throws, saying
 // why). True does not mean this machine has a GPU or libnccl: that shows when a group is made.
 bool nccl_backend_available();

@@ -195,7 +195,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
         std::make_shared<PrefixStore>("ddp/pg", world.store), world.rank(), world.size(),
         {.timeout = world.timeout, .group_name = "default", .secret = world.environment.secret});
   } else if (backend == "nccl") {  // resolve_backend accepts it only when it was built
-    // Rendezvous as the ring backend; each rank drives the GPU of its local rank (LOCAL_RANK).
+    // Each rank drives the GPU of its local rank (LOCAL_RANK); one without a GPU or libnccl
+    // fails here, before it waits for its peers in the rendezvous (as the ring backend's).
+    prepare_nccl_device({.device = resolve_launch_environment(options.launch).local_rank});
     World world = rendezvous(options);
     group = make_nccl_process_group(
         std::make_shared<PrefixStore>("ddp/pg", world.store), world.rank(), world.size(),

@@ -440,14 +440,19 @@ std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store> sto
   if (options.library.empty()) options.library = settings::nccl_library();
   // Each rank checks its own machine before meeting the others: a missing library or device is
   // this rank's ConfigError at once, not a peer's timeout later.
+  const int device = prepare_nccl_device(options);
   const auto& lib = comm::nccl::NcclLibrary::load(options.library);
-  const int device = lib.select_device(options.device);
   options.device = device;
   auto group = std::make_shared<comm::nccl::NcclProcessGroup>(std::move(store), lib, device, rank,
                                                               size, std::move(options));
   group->connect();
   group->start();
   return group;
+}
+
+int prepare_nccl_device(const NcclOptions& options) {
+  const std::string library = options.library.empty() ? settings::nccl_library() : options.library;
+  return comm::nccl::NcclLibrary::load(library).select_device(options.device);
 }
 
 bool nccl_backend_available() {

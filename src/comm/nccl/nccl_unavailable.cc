@@ -11,13 +11,25 @@
 
 namespace ddp {
 
-std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store>, int, int,
-                                                      NcclOptions) {
+namespace {
+
+[[noreturn]] void refuse() {
   throw ConfigError(fmt::format(
       "the nccl backend is not built into this ddp ({}): rebuild with nccl.h and cuda_runtime.h "
       "available (PyTorch's CUDA wheel in DDP_PYTORCH_VENV, or the CUDA toolkit and NCCL in "
       "/usr/local/cuda) and -DDDP_WITH_NCCL=ON, or use the ring backend",
       DDP_NCCL_OFF_REASON));
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> make_nccl_process_group(std::shared_ptr<Store>, int, int,
+                                                      NcclOptions) {
+  refuse();
+}
+
+int prepare_nccl_device(const NcclOptions&) {
+  refuse();
 }
 
 bool nccl_backend_available() {
