@@ -11,11 +11,11 @@ namespace ddp::comm::nccl {
 class DeviceGuard {
  public:
   DeviceGuard(const NcclLibrary& lib, int device) : lib_(lib) {
-    if (lib_.GetDevice(&previous_) == cudaSuccess && previous_ != device) {
-      lib_.SetDevice(device);
-    } else {
-      previous_ = -1;
-    }
+    int current = -1;
+    const bool known = lib_.GetDevice(&current) == cudaSuccess;
+    if (known && current == device) return;
+    lib_.SetDevice(device);
+    if (known) previous_ = current;
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
