@@ -96,6 +96,25 @@ TEST(NcclBackend, MakeGroupChecksTheMachineBeforeMeetingAnyone) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+TEST(NcclBackend, ALibraryWithoutNcclsFunctionsIsNamed) {
+  if (!nccl_backend_available()) GTEST_SKIP() << "the nccl backend is not built";
+  // libm loads, but it is no libnccl: the missing function is named, not a crash at the call.
+  const auto results = test::run_ranks(1, [](int) {
+    try {
+      prepare_nccl_device({.library = "libm.so.6"});
+    } catch (const ConfigError& e) {
+      const std::string text = e.what();
+      if (text.find("has no function ncclGetVersion") == std::string::npos ||
+          text.find("NCCL 2.14 or later") == std::string::npos) {
+        throw std::runtime_error("the error does not name the function and the fix: " + text);
+      }
+      return;
+    }
+    throw std::runtime_error("libm was taken for libnccl");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(NcclBackend, ListedExactlyWhenBuilt) {
   ::unsetenv("DDP_BACKEND");
   const auto names = available_backends();
