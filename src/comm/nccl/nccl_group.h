@@ -101,7 +101,7 @@ class NcclProcessGroup final : public GroupFront,
   CommError error(const Call& call, CommErrorKind kind, const std::string& what) const;
   // Throws the CommError of a communicator result that is not ok (kind by nccl_errors.h).
   void throw_if_failed(const Call& call, const NcclComm::Result& result, const char* what,
-                       net::Deadline deadline, NcclComm& comm) const;
+                       NcclComm& comm) const;
   // Throws the CommError of a failed CUDA runtime call.
   void check_cuda(const Call& call, cudaError_t rc, const char* what) const;
   // Polls `event` (recorded on a stream after the call's NCCL work) and `comm`'s asynchronous

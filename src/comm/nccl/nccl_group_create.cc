@@ -120,7 +120,7 @@ class NcclProcessGroup::P2pRunner final : public OpQueue::Runner {
           deadline);
     };
     g.throw_if_failed(named, transfer(device, sizeof(OpHeader), ncclUint8),
-                      "exchanging its fingerprint", deadline, *g.p2p_comm_);
+                      "exchanging its fingerprint", *g.p2p_comm_);
     if (p.is_recv) {
       g.check_cuda(
           named,
@@ -142,7 +142,7 @@ class NcclProcessGroup::P2pRunner final : public OpQueue::Runner {
     if (p.count == 0) return;
     void* buf = p.is_recv ? p.recv : const_cast<void*>(p.send);
     g.throw_if_failed(named, transfer(buf, p.count, nccl_dtype(p.dtype)), "moving its data",
-                      deadline, *g.p2p_comm_);
+                      *g.p2p_comm_);
     g.check_cuda(named, lib.EventRecord(done_, g.p2p_stream_), "cudaEventRecord");
     g.wait_for_event(named, done_, *g.p2p_comm_, deadline, "moving its data");
   }

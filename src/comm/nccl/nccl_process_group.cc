@@ -74,8 +74,7 @@ CommError NcclProcessGroup::error(const Call& call, CommErrorKind kind,
 }
 
 void NcclProcessGroup::throw_if_failed(const Call& call, const NcclComm::Result& result,
-                                       const char* what, net::Deadline deadline,
-                                       NcclComm& comm) const {
+                                       const char* what, NcclComm& comm) const {
   switch (result.outcome) {
     case NcclComm::Outcome::kReady:
       return;
@@ -91,7 +90,6 @@ void NcclProcessGroup::throw_if_failed(const Call& call, const NcclComm::Result&
     case NcclComm::Outcome::kFailed:
       break;
   }
-  static_cast<void>(deadline);
   throw error(call, kind_of(result.code),
               fmt::format("{} {}", what,
                           describe_nccl_failure(result.code, lib_.GetErrorString(result.code),
@@ -128,10 +126,9 @@ void NcclProcessGroup::wait_for_event(const Call& call, cudaEvent_t event, NcclC
       check_cuda(call, rc, "cudaEventQuery (the call's completion)");
     }
     // A peer's failure shows as the communicator's asynchronous error while this event waits.
-    throw_if_failed(call, comm.poll(), what, deadline, comm);
+    throw_if_failed(call, comm.poll(), what, comm);
     if (net::Clock::now() >= deadline) {
-      throw_if_failed(call, {NcclComm::Outcome::kTimedOut, ncclInProgress, {}}, what, deadline,
-                      comm);
+      throw_if_failed(call, {NcclComm::Outcome::kTimedOut, ncclInProgress, {}}, what, comm);
     }
     back_off(idle);
   }
@@ -149,7 +146,7 @@ void NcclProcessGroup::check_fingerprints(Call& call, net::Deadline deadline) {
         return lib_.AllGather(device, device + kHeader, kHeader, ncclUint8, comm, stream_);
       },
       deadline);
-  throw_if_failed(call, result, "in its fingerprint check", deadline, *comm_);
+  throw_if_failed(call, result, "in its fingerprint check", *comm_);
   check_cuda(
       call,
       lib_.MemcpyAsync(host + 1, device + kHeader, kHeader * static_cast<std::size_t>(size()),
@@ -207,7 +204,7 @@ void NcclProcessGroup::run_call(Call& call, net::Deadline deadline) {
   if (total == 0) return;
   const auto result =
       comm_->run([&](ncclComm_t comm) { return enqueue_collective(call, comm); }, deadline);
-  throw_if_failed(call, result, "when it was enqueued", deadline, *comm_);
+  throw_if_failed(call, result, "when it was enqueued", *comm_);
   check_cuda(call, lib_.EventRecord(call_done_, stream_), "cudaEventRecord");
   wait_for_event(call, call_done_, *comm_, deadline, "on the device");
 }
