@@ -104,8 +104,9 @@ if want tsan; then
   sanitized_build build-tsan all -DDDP_SANITIZE=thread
   # The engine and the store (and the layers under them): where threads meet. The tests that run
   # OpenMPI are left out: it is not TSan-instrumented, and TSan reports a lock-order inversion
-  # inside its TCP transport during MPI_Init (docs/fuzzing.md).
-  for dir in net store comm shm init; do
+  # inside its TCP transport during MPI_Init (docs/fuzzing.md). tests/nccl's CPU tests dlopen
+  # libcudart (no GPU here) and pass under TSan; its GPU test (label gpu) is left out by -L.
+  for dir in net store comm shm init nccl; do
     env "${sanitizer_env[@]}" ctest --test-dir "build-tsan/tests/$dir" --output-on-failure \
       --timeout 900 -j "$jobs" -L 'unit|multiprocess' -E "$mpi_tests"
   done
