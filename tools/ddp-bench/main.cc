@@ -62,6 +62,15 @@ int main(int argc, char** argv) {
   try {
     auto group = ddp::init_process_group({.backend = options.backend, .timeout = options.timeout});
     rank = group->rank();
+    if (group->memory_space() != ddp::MemorySpace::kHost) {
+      // Its buffers are host memory: a device-memory backend (DDP_BACKEND=nccl) is not measured.
+      if (rank == 0) {
+        usage_error(fmt::format("ddp-bench measures host buffers; the {} backend takes CUDA "
+                                "device memory; use the ring or mpi backend",
+                                group->backend()));
+      }
+      return kUsageExitCode;
+    }
     const bool rooted =
         std::any_of(options.collectives.begin(), options.collectives.end(), [](Collective c) {
           return c == Collective::kBroadcast || c == Collective::kReduce ||
