@@ -14,8 +14,12 @@
       Writes gpu-check's one JSON file from DIR (machine.json, torch.json, gpu_tests.json,
       records.jsonl, meta.json), atomically; callable after every step, so a run cut short
       still leaves the JSON of what it did.
+  gpu_report.py machine --out FILE | torch --python PY --out FILE
+      The machine (nvidia-smi, OS, compiler, CMake, nvcc) and PY's torch, as JSON.
+  gpu_report.py check-cache --cache CMakeCache.txt --deps DIR
+      Fails unless fmt, GoogleTest, CLI11, nlohmann-json and zlib were found in DIR.
   gpu_report.py self-test
-      Exercises the three above on made-up inputs (CTest runs it, label unit).
+      Exercises ctest-summary, record-step and render on made-up inputs (CTest runs it, label unit).
 """
 import argparse
 import json
@@ -226,6 +230,97 @@ def render(args):
     write_json(args.out, report)
 
 
+def run_text(cmd, timeout=30):
+    """A command's output, or what kept it from running (never raises)."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{cmd[0]}: {e}"
+    text = (out.stdout + out.stderr).strip()
+    return (text, None) if out.returncode == 0 else (None, f"{' '.join(cmd)}: exit "
+                                                            f"{out.returncode}: {text[-300:]}")
+
+
+def machine(args):
+    info = {}
+    text, err = run_text(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap",
+                          "--format=csv,noheader"])
+    gpus = []
+    for line in (text or "").splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) >= 2:
+            gpus.append(dict(zip(["name", "driver", "memory", "compute_capability"], fields)))
+    info["gpus"] = gpus
+    info["gpu_count"] = len(gpus)
+    if err:
+        info["nvidia_smi_error"] = err
+    try:
+        with open("/etc/os-release") as f:
+            release = dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+        info["os"] = release.get("PRETTY_NAME", "").strip('"')
+    except OSError as e:
+        info["os"] = f"unknown ({e})"
+    info["kernel"] = os.uname().release
+    info["cpus"] = os.cpu_count()
+    for name, cmd, pick in [("compiler", ["c++", "--version"], 0), ("cmake", ["cmake", "--version"], 0),
+                            ("ninja", ["ninja", "--version"], 0), ("nvcc", ["nvcc", "--version"], -2),
+                            ("ccache", ["ccache", "--version"], 0)]:
+        text, err = run_text(cmd)
+        info[name] = text.splitlines()[pick] if text else err
+    write_json(args.out, info)
+
+
+TORCH_PROBE = r"""
+import json, sys, torch
+info = {"version": torch.__version__, "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count(),
+        "cmake_prefix_path": torch.utils.cmake_prefix_path, "python": sys.version.split()[0],
+        "python_prefix": sys.prefix, "python_executable": sys.executable,
+        "cxx11_abi": torch.compiled_with_cxx11_abi()}
+if info["cuda_available"]:
+    info["devices"] = [torch.cuda.get_device_name(i) for i in range(info["device_count"])]
+try:
+    info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+except Exception as e:  # a build without NCCL
+    info["nccl"] = f"unavailable ({e})"
+print(json.dumps(info))
+"""
+
+
+def torch_info(args):
+    text, err = run_text([args.python, "-c", TORCH_PROBE], timeout=120)
+    if err:
+        write_json(args.out, {"error": err})
+        raise SystemExit(f"gpu_report: {err}")
+    write_json(args.out, json.loads(text.splitlines()[-1]))
+
+
+CARRIED = ["fmt_DIR", "GTest_DIR", "CLI11_DIR", "nlohmann_json_DIR", "ZLIB_INCLUDE_DIR",
+           "ZLIB_LIBRARY_RELEASE"]
+
+
+def check_cache(args):
+    """Each carried package was found in the carried folder, not the system's."""
+    deps = os.path.realpath(args.deps)
+    found = {}
+    with open(args.cache) as f:
+        for line in f:
+            key, _, value = line.rstrip("\n").partition("=")
+            name = key.split(":")[0]
+            if name in CARRIED:
+                found[name] = value
+    bad = []
+    for name in CARRIED:
+        value = found.get(name)
+        where = os.path.realpath(value) if value else None
+        ok = where is not None and (where == deps or where.startswith(deps + os.sep))
+        print(f"{name} = {value} ({'carried' if ok else 'NOT from ' + args.deps})")
+        if not ok:
+            bad.append(f"{name} = {value}")
+    if bad:
+        raise SystemExit(f"error: packages not taken from {args.deps}: {'; '.join(bad)}")
+
+
 def self_test(_args):
     """The writer on made-up inputs: a skipped, a passed and a failed GPU test, an ok step, a
     failed benchmark, a timed-out one, one with a result line; then the rendered file."""
@@ -334,6 +429,17 @@ def main():
     p.add_argument("--state", required=True)
     p.add_argument("--out", required=True)
     p.set_defaults(run=render)
+    p = sub.add_parser("machine")
+    p.add_argument("--out", required=True)
+    p.set_defaults(run=machine)
+    p = sub.add_parser("torch")
+    p.add_argument("--python", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(run=torch_info)
+    p = sub.add_parser("check-cache")
+    p.add_argument("--cache", required=True)
+    p.add_argument("--deps", required=True)
+    p.set_defaults(run=check_cache)
     p = sub.add_parser("self-test")
     p.set_defaults(run=self_test)
     args = parser.parse_args()
