@@ -23,7 +23,7 @@
 # (default nproc), DDP_GPU_CHECK_BUDGET (seconds, default 360), DDP_GPU_CHECK_BUILD (default
 # build-gpu), DDP_GPU_DEPS (default .gpu-deps), DDP_GPU_CHECK_STEPS (timed steps per benchmark,
 # default 20).
-set -euo pipefail
+set -eEuo pipefail  # -E: the ERR trap below also sees failures inside functions
 cd "$(dirname "$0")/.."
 repo=$PWD
 
@@ -87,6 +87,9 @@ fi
 mkdir -p "$state/logs"
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 failures=()  # failures of the script itself, beside the steps'
+completed=0  # set once the last benchmark was recorded: only then can the JSON say "ok"
+last_error=""
+trap 'last_error="line $LINENO: $BASH_COMMAND (exit $?)"' ERR
 
 render() { "$python" "$report" render --state "$state" --out "$out"; }
 
@@ -96,13 +99,14 @@ write_meta() {  # [finished]
   if changes=$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null); then
     dirty=$(grep -c . <<<"$changes" || true)
   fi
-  FINISHED=$finished STARTED=$started ELAPSED=$((SECONDS - start)) BUDGET=$budget COMMIT=$commit \
+  FINISHED=$finished COMPLETED=$completed STARTED=$started ELAPSED=$((SECONDS - start)) BUDGET=$budget COMMIT=$commit \
     DIRTY=$dirty JOBS=$jobs BUILD=$build DEPS=$deps PY=$python STEPS=$bench_steps \
     FAILURES=$(printf '%s\n' "${failures[@]+"${failures[@]}"}") \
     "$python" - "$state/meta.json" <<'EOF'
 import json, os, sys
 e = os.environ
 meta = {"started": e["STARTED"], "finished": e["FINISHED"] or None,
+        "completed": e["COMPLETED"] == "1",
         "elapsed_s": int(e["ELAPSED"]), "budget_s": int(e["BUDGET"]),
         "git": {"commit": e["COMMIT"], "modified_tracked_files": int(e["DIRTY"] or 0)},
         "options": {"jobs": int(e["JOBS"]), "build": e["BUILD"], "deps": e["DEPS"],
@@ -160,7 +164,9 @@ run_step() {
 finish() {
   local rc=$?
   trap - EXIT
-  if ((rc != 0 && rc != 1)); then failures+=("gpu-check.sh stopped early (exit $rc)"); fi
+  if ((rc != 0 && !completed)) && [[ -n $last_error ]]; then
+    failures+=("gpu-check.sh stopped early at $last_error")
+  fi
   write_meta "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   render || true
   # The step logs, as one file beside the JSON (the device tool brings back a few files only).
@@ -194,6 +200,7 @@ if ((self_test)); then
   run_step benchmark left-out 0 -- true || true
   run_step benchmark measured 10 --extra world=1 -- echo "step_ms=2.000 samples_per_s=32000.0" ||
     true
+  completed=1
   write_meta "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   render
   "$python" - "$out" <<'EOF'
@@ -241,9 +248,11 @@ fi
 # (libfmt.so.9; their build RPATH names the folder too). The wheel's CUDA libraries come first for
 # the CUDA runtime probe, which loads libcudart by name, as libtorch does through its RPATH.
 deps_lib=$deps/usr/lib/x86_64-linux-gnu
-site=$(dirname "$(dirname "$torch_cmake")")
-cuda_libs=$(find "$site/nvidia" -mindepth 2 -maxdepth 3 -type d -name lib 2>/dev/null | sort |
-  paste -sd:)
+site=$(dirname "$(dirname "$(dirname "$torch_cmake")")")  # site-packages/torch/share/cmake
+cuda_libs=""
+if [[ -d $site/nvidia ]]; then
+  cuda_libs=$(find "$site/nvidia" -mindepth 2 -maxdepth 3 -type d -name lib | sort | paste -sd:)
+fi
 ddp_env=(env "LD_LIBRARY_PATH=$deps_lib${cuda_libs:+:$cuda_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
 # PyTorch's side runs with the machine's own LD_LIBRARY_PATH (the driver's folder may be on it),
 # not the carried libraries, though ddprun, which starts it, needs them.
@@ -265,7 +274,7 @@ run_step step carried-deps-used 10 -- "$python" "$report" check-cache --cache "$
   --deps "$deps" || true
 
 # 3. Build only what the check runs.
-if ! run_step step build "$(step_limit 600 110)" -- \
+if ! run_step step build "$(step_limit "$budget" 110)" -- \
   cmake --build "$build" -j "$jobs" --target ddp_gpu_tests ddprun ddp-train-bench; then
   exit 1
 fi
@@ -293,15 +302,18 @@ bench() {  # NAME SIDE WORLD BACKEND -- COMMAND...
   run_step benchmark "$name" "$(step_limit 75 0)" --extra "side=$side" --extra "world=$world" \
     --extra "backend=$backend" -- env OMP_NUM_THREADS=1 "$@" || true
 }
-bench ddp-w1-no-ddp ddp 1 none -- "${ddprun[@]}" --nproc-per-node 1 \
-  "$train_bench" "${bench_args[@]}"
-bench pytorch-w1-no-ddp pytorch 1 none -- "${ddprun[@]}" --nproc-per-node 1 \
-  "${torch_bench[@]}" "${bench_args[@]}"
-bench ddp-w1-nccl ddp 1 nccl -- DDP_BACKEND=nccl "${ddprun[@]}" --nproc-per-node 1 \
-  "$train_bench" "${bench_args[@]}" --always-ddp
-bench pytorch-w1-nccl pytorch 1 nccl -- "${ddprun[@]}" --nproc-per-node 1 "${torch_bench[@]}" \
-  "${bench_args[@]}" --always-ddp --backend nccl
+# World 2 on one GPU first (the staged path against gloo with CUDA tensors), then world 1 over
+# NCCL, then world 1 without DDP (the floor both DDPs are measured against).
 bench ddp-w2-one-gpu-staged ddp 2 ring -- "${ddprun[@]}" --nproc-per-node 2 \
   "$train_bench" "${bench_args[@]}"
 bench pytorch-w2-one-gpu-gloo pytorch 2 gloo -- "${ddprun[@]}" --nproc-per-node 2 \
   "${torch_bench[@]}" "${bench_args[@]}" --backend gloo
+bench ddp-w1-nccl ddp 1 nccl -- DDP_BACKEND=nccl "${ddprun[@]}" --nproc-per-node 1 \
+  "$train_bench" "${bench_args[@]}" --always-ddp
+bench pytorch-w1-nccl pytorch 1 nccl -- "${ddprun[@]}" --nproc-per-node 1 "${torch_bench[@]}" \
+  "${bench_args[@]}" --always-ddp --backend nccl
+bench ddp-w1-no-ddp ddp 1 none -- "${ddprun[@]}" --nproc-per-node 1 \
+  "$train_bench" "${bench_args[@]}"
+bench pytorch-w1-no-ddp pytorch 1 none -- "${ddprun[@]}" --nproc-per-node 1 \
+  "${torch_bench[@]}" "${bench_args[@]}"
+completed=1

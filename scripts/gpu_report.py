@@ -210,6 +210,8 @@ def render(args):
             failures.append(f"{gpu_tests['skipped']} GPU tests skipped on a machine where "
                             f"nvidia-smi lists {machine['gpu_count']} GPU(s)")
     finished = meta.get("finished")
+    if finished and not meta.get("completed") and not failures:
+        failures.append("gpu-check.sh stopped before its last step, for no recorded reason")
     status = "incomplete" if not finished else ("failed" if failures else "ok")
     report = {
         "schema": "ddp-gpu-check/1",
@@ -384,7 +386,8 @@ no CUDA device (libcudart.so.13: cudaGetDeviceCount error 35)
                        {"name": "G.Skips", "status": "skipped", "seconds": 0,
                         "message": NO_DEVICE}]})
         write_json(os.path.join(state, "machine.json"), {"gpu_count": 0})
-        write_json(os.path.join(state, "meta.json"), {"started": "t0", "finished": "t1"})
+        write_json(os.path.join(state, "meta.json"),
+                   {"started": "t0", "finished": "t1", "completed": True})
         render(ns(state=state, out=out))
         report = read_json(out)
         bench = {b["name"]: b for b in report["benchmarks"]}
