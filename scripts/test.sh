@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds and runs every test, in stages (CTest labels: unit,
-# multiprocess, netns, slow, fuzz):
+# multiprocess, netns, slow, fuzz, gpu; after each ctest run of the main and pytorch stages, one
+# line says how many tests labelled gpu did not run for want of a CUDA device, docs/gpu.md):
 #   main   the default build against DDP_LIBTORCH's libtorch (debian: build/, pytorch:
 #          build-pytorch/): every test
 #   pytorch  when main is against Debian's libtorch: build-pytorch/ against PyTorch 2.x from PyPI,
