@@ -124,6 +124,7 @@ def write_json(path, value):
     with os.fdopen(fd, "w") as f:
         json.dump(value, f, indent=1)
         f.write("\n")
+    os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the report from other users
     os.replace(tmp, path)
 
 
