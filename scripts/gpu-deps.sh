@@ -49,6 +49,7 @@ rm -rf "$dest.new"
 mkdir -p "$dest.new"
 for deb in "$work"/*.deb; do
   dpkg -x "$deb" "$dest.new"
+  # shellcheck disable=SC2016  # dpkg-deb's own ${field} syntax, not the shell's
   dpkg-deb -W --showformat='${Package} ${Version}\n' "$deb" >>"$dest.new/MANIFEST"
 done
 # Documentation and manual pages are not needed for the build.
