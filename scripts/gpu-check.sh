@@ -268,6 +268,17 @@ configure=(cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
   "-DCMAKE_PREFIX_PATH=$deps/usr" -DDDP_WITH_MPI=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
   -DCMAKE_DISABLE_FIND_PACKAGE_OpenSSL=ON -DDDP_BUILD_BENCH=ON -DDDP_BENCH_MICRO=OFF
   -DDDP_BUILD_TESTS=ON)
+# The nccl backend compiles against nccl.h and cuda_runtime.h: those of the wheel's NCCL and CUDA
+# runtime (what torch loads), wherever that Python keeps them.
+if [[ -f $site/nvidia/nccl/include/nccl.h ]]; then
+  configure+=("-DDDP_NCCL_INCLUDE_DIR=$site/nvidia/nccl/include")
+fi
+for dir in cu13/include cuda_runtime/include; do  # CUDA 13's wheels, then 12's
+  if [[ -f $site/nvidia/$dir/cuda_runtime.h ]]; then
+    configure+=("-DDDP_CUDA_RUNTIME_INCLUDE_DIR=$site/nvidia/$dir")
+    break
+  fi
+done
 if ! run_step step configure "$(step_limit 120 200)" -- "${configure[@]}"; then exit 1; fi
 # The carried packages must be the ones found (a system copy would hide a gap in .gpu-deps).
 run_step step carried-deps-used 10 -- "$python" "$report" check-cache --cache "$build/CMakeCache.txt" \
