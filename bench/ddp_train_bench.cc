@@ -19,19 +19,30 @@
 // (BackwardTimeline::bytes_sent; 0 with one process). --comm-hook powersgd|batched-powersgd
 // (--powersgd-rank r, compression from iteration --powersgd-start-iter, default 2, so within
 // the warm-up) and int8 compress it.
-// With one process the model is trained without DistributedDataParallel, as the Python peer does.
+// With one process the model is trained without DistributedDataParallel, as the Python peer does,
+// unless --always-ddp (DDP's own cost at world 1, e.g. over DDP_BACKEND=nccl).
+//
+// --device cuda puts the model and the batch on cuda:(LOCAL_RANK % device count), so that two
+// ranks share one GPU on a one-GPU machine (through the torch layer's staged path: host twins on
+// the ring engine), and synchronises the device before each step's clock is read. Needs a libtorch
+// with CUDA and a device; a CUDA tensor the torch layer does not take yet is its named error.
+// peak_mem_mb and state_mem_mb are host memory (VmHWM, VmRSS) on either device, and --phases
+// times the host's side of each phase there (only the whole step waits for the device).
 #include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
@@ -96,6 +107,29 @@ void warm_up_libtorch(const std::string& optimizer_name, int batch_size) {
   malloc_trim(0);
 }
 
+// The device of --device for this process: cpu, or cuda:(LOCAL_RANK % device count), chosen
+// before the process group exists (as a PyTorch script calls torch.cuda.set_device first).
+torch::Device pick_device(const std::string& name) {
+  if (name == "cpu") return torch::kCPU;
+  if (!torch::cuda::is_available()) {
+    throw std::runtime_error(
+        "--device cuda, but this libtorch sees no CUDA device (torch::cuda::is_available() is "
+        "false: a libtorch without CUDA, no GPU, or no driver). Run on a GPU machine with a "
+        "CUDA-enabled libtorch (scripts/gpu-check.sh, docs/gpu.md), or use --device cpu");
+  }
+  const auto count = static_cast<int>(torch::cuda::device_count());
+  int local_rank = 0;
+  if (const char* text = std::getenv("LOCAL_RANK"); text != nullptr && *text != '\0') {
+    try {
+      local_rank = std::stoi(text);
+    } catch (const std::exception&) {
+      throw std::runtime_error(fmt::format("LOCAL_RANK is '{}', not a number", text));
+    }
+  }
+  if (local_rank < 0) throw std::runtime_error(fmt::format("LOCAL_RANK is {}", local_rank));
+  return {torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % count)};
+}
+
 double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const auto n = values.size();
@@ -121,6 +155,8 @@ int main(int argc, char** argv) {
   std::optional<std::int64_t> divergence_check_every;  // unset: the library's default
   bool check_costs = false;
   bool sync_bn = false;
+  std::string device_name = "cpu";
+  bool always_ddp = false;
   app.add_option("--model", model_name, "cnn, mlp or large (an mlp of 53.6 M parameters)")
       ->check(CLI::IsMember({"cnn", "mlp", "large"}));
   std::string optimizer_name = "sgd";
@@ -135,6 +171,11 @@ int main(int argc, char** argv) {
   app.add_option("--min-num-params", min_num_params,
                  "zero2/fsdp: a unit closes once it holds this many parameters")
       ->check(CLI::PositiveNumber);
+  app.add_option("--device", device_name,
+                 "cpu, or cuda: cuda:(LOCAL_RANK % device count); two ranks may share a GPU")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_flag("--always-ddp", always_ddp,
+               "wrap the model in DistributedDataParallel also with one process (DDP's own cost)");
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
   app.add_option("--batch-size", batch_size, "samples per rank and step")
@@ -172,8 +213,15 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
 
+  std::string where;  // the device, in error messages of CUDA runs
   try {
     torch::set_num_threads(threads);
+    const torch::Device device = pick_device(device_name);
+    if (device.is_cuda()) where = fmt::format(" (--device cuda: {})", device.str());
+    // Step times must include the device's work, which runs asynchronously to the host.
+    auto sync_device = [&] {
+      if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    };
     auto group = ddp::init_process_group();
     const int rank = group->rank();
     const int world = group->size();
@@ -181,6 +229,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(1234);
     const double rss_before_model_mib = status_mib("VmRSS");
     auto net = make_model(model_name);
+    net->to(device);
     if (sync_bn) ddp::convert_sync_batchnorm(net.ptr(), group);
     std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
     std::shared_ptr<ddp::FullyShardedDataParallelImpl> fsdp_model;
@@ -194,7 +243,7 @@ int main(int argc, char** argv) {
                                                         : ddp::ShardingStrategy::kShardGradOp,
                                .min_num_params = min_num_params})
               .ptr();
-    } else if (world > 1) {
+    } else if (world > 1 || always_ddp) {
       ddp_model = ddp::DistributedDataParallel(net, group,
                                                {.bucket_cap_mb = bucket_cap_mb,
                                                 .first_bucket_cap_mb = first_bucket_cap_mb,
@@ -223,8 +272,9 @@ int main(int argc, char** argv) {
     }
     auto& opt = *optimizer;
     torch::manual_seed(100 + rank);
-    const auto x = torch::randn({batch_size, 1, 28, 28});
-    const auto y = torch::randint(0, 10, {batch_size});
+    const auto x = torch::randn({batch_size, 1, 28, 28}).to(device);
+    const auto y = torch::randint(0, 10, {batch_size}).to(device);
+    sync_device();
 
     using Clock = std::chrono::steady_clock;
     auto ms = [](Clock::duration d) {
@@ -246,6 +296,7 @@ int main(int argc, char** argv) {
       torch::nn::functional::cross_entropy(logits, y).backward();
       const auto backward_returned = Clock::now();
       opt.step();
+      sync_device();
       const auto stop = Clock::now();
       const std::chrono::duration<double> elapsed = stop - start;
       if (step + 1 == warmup + steps) {
@@ -326,9 +377,9 @@ int main(int argc, char** argv) {
       }
       fmt::print(
           "model={} world_size={} batch_size={} threads={} steps={} backend={} optimizer={} "
-          "sharding={} params={} largest_unit_params={}\n",
+          "sharding={} params={} largest_unit_params={} device={} ddp={}\n",
           model_name, world, batch_size, threads, steps, group->backend(), optimizer_name, sharding,
-          params, largest_unit);
+          params, largest_unit, device_name, (ddp_model || fsdp_model) ? "on" : "off");
       fmt::print(
           "step_ms={:.3f} samples_per_s={:.1f} peak_mem_mb={:.1f} state_mem_mb={:.1f} "
           "bytes_per_step={:.0f}\n",
@@ -336,16 +387,16 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const ddp::Error& e) {
-    fmt::print(stderr, "ddp-train-bench: {}\n", e.what());
+    fmt::print(stderr, "ddp-train-bench{}: {}\n", where, e.what());
     return 1;
   } catch (const c10::Error& e) {
     // libtorch's errors, e.g. an allocation over a memory limit (docs/sharding.md): a named exit,
     // not std::terminate, so the launcher reports the rank's failure and its reason (without
     // libtorch's 30-frame backtrace).
-    fmt::print(stderr, "ddp-train-bench: error: {}\n", e.what_without_backtrace());
+    fmt::print(stderr, "ddp-train-bench{}: error: {}\n", where, e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "ddp-train-bench: error: {}\n", e.what());
+    fmt::print(stderr, "ddp-train-bench{}: error: {}\n", where, e.what());
     return 1;
   }
 }

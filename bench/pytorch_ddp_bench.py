@@ -16,6 +16,12 @@ the model has more than one bucket (`enforce fail at gloo/transport/tcp/pair.cc:
 op.preamble.length <= op.nbytes`): the hook's second allreduce is issued from a future's callback
 and races with the next bucket's allreduce, so the ranks pair different collectives. With one
 bucket (--bucket-cap-mb larger than the model's gradients) it runs.
+
+--device cuda puts the model and the batch on cuda:(LOCAL_RANK % device count) and synchronises
+the device before each step's clock is read; --backend gloo (the default; with CUDA tensors too:
+gloo stages them through host memory, and two ranks may share one GPU) or nccl (one GPU per rank:
+NCCL refuses two ranks on one GPU). --always-ddp wraps the model in DDP also with one process
+(DDP's own cost). These are ddp-train-bench's options of the same names (docs/gpu.md).
 """
 import argparse
 import os
@@ -59,6 +65,10 @@ def register_comm_hook(model, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="mlp", choices=["cnn", "mlp"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--always-ddp", action="store_true",
+                        help="wrap the model in DDP also with one process")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -82,21 +92,42 @@ def main():
     torch.set_num_threads(args.threads)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = world > 1
+    distributed = world > 1 or args.always_ddp
+    if args.backend == "nccl" and args.device != "cuda":
+        parser.error("--backend nccl needs --device cuda")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"pytorch_ddp_bench: --device cuda, but torch {torch.__version__} "
+                             "sees no CUDA device (torch.cuda.is_available() is False)")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if distributed and "MASTER_ADDR" not in os.environ:
+        # --always-ddp with one process started without a launcher: a store of its own.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     torch.manual_seed(1234)
-    model = make_model(args.model)
+    model = make_model(args.model).to(device)
     if distributed:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group(args.backend, rank=rank, world_size=world)
         # bucket_cap_mb only when asked for: PyTorch 1.13's DDP rejects None (2.x reads it as
         # "the default"), and this script runs on both.
         caps = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+        ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
         model = nn.parallel.DistributedDataParallel(
-            model, gradient_as_bucket_view=args.gradient_as_bucket_view, **caps)
+            model, gradient_as_bucket_view=args.gradient_as_bucket_view, **ids, **caps)
         register_comm_hook(model, args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(100 + rank)
-    x = torch.randn(args.batch_size, 1, 28, 28)
-    y = torch.randint(0, 10, (args.batch_size,))
+    x = torch.randn(args.batch_size, 1, 28, 28).to(device)
+    y = torch.randint(0, 10, (args.batch_size,)).to(device)
+    sync()
 
     times = []
     for step in range(args.warmup + args.steps):
@@ -105,12 +136,15 @@ def main():
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+        sync()
         elapsed = time.perf_counter() - start
         if step >= args.warmup:
             times.append(elapsed)
     if distributed:
         # Every rank's median, so the slowest rank decides (as in ddp-train-bench).
-        median = torch.tensor([statistics.median(times)])
+        # nccl reduces device tensors only; gloo takes either.
+        median = torch.tensor([statistics.median(times)],
+                              device=device if args.backend == "nccl" else "cpu")
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
         step_s = median.item()
         dist.barrier()
@@ -118,6 +152,9 @@ def main():
     else:
         step_s = statistics.median(times)
     if rank == 0:
+        print(f"model={args.model} world_size={world} batch_size={args.batch_size} "
+              f"device={args.device} backend={args.backend if distributed else 'none'} "
+              f"ddp={'on' if distributed else 'off'} torch={torch.__version__}")
         print(f"step_ms={step_s * 1e3:.3f} samples_per_s={world * args.batch_size / step_s:.1f}")
 
 

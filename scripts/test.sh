@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds and runs every test, in stages (CTest labels: unit,
-# multiprocess, netns, slow, fuzz):
+# multiprocess, netns, slow, fuzz, gpu; after each ctest run of the main and pytorch stages, one
+# line says how many tests labelled gpu did not run for want of a CUDA device, docs/gpu.md):
 #   main   the default build against DDP_LIBTORCH's libtorch (debian: build/, pytorch:
 #          build-pytorch/): every test
 #   pytorch  when main is against Debian's libtorch: build-pytorch/ against PyTorch 2.x from PyPI,
@@ -42,10 +43,29 @@ sanitizer_env=(
   "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1"
   "TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/sanitizers/tsan.supp"
 )
+# ctest over a build that may hold tests labelled gpu, then one line on them: a GPU test that
+# skipped for want of a CUDA device is never a silent pass (scripts/gpu_report.py reads ctest's
+# JUnit file; docs/gpu.md). The exit status is ctest's, or the report's if that fails.
+#   run_ctest DIR [ctest arguments...]
+run_ctest() {
+  local dir=$1 junit rc=0
+  shift
+  junit=$(mktemp --suffix=.xml)
+  ctest --test-dir "$dir" --output-junit "$junit" "$@" || rc=$?
+  python3 scripts/gpu_report.py ctest-summary --test-dir "$dir" --junit "$junit" \
+    --prefix test.sh || { ((rc != 0)) || rc=$?; }
+  rm -f "$junit"
+  return "$rc"
+}
+
 timings=()
 stage_start() { echo "=== test.sh: stage $1 ==="; stage_t0=$SECONDS; }
 stage_end() { timings+=("$1 $((SECONDS - stage_t0)) s"); }
-trap 'for t in "${timings[@]}"; do echo "test.sh: stage $t"; done' EXIT
+report_timings() {
+  local t
+  for t in "${timings[@]}"; do echo "test.sh: stage $t"; done
+}
+trap report_timings EXIT
 
 bash scripts/install-deps.sh
 
@@ -55,7 +75,7 @@ if want main; then
   cmake -S . -B "$ddp_build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "${ddp_cmake_libtorch[@]}"
   cmake --build "$ddp_build_dir"
-  ctest --test-dir "$ddp_build_dir" --output-on-failure --timeout 600 -j "$jobs" "$@"
+  run_ctest "$ddp_build_dir" --output-on-failure --timeout 600 -j "$jobs" "$@"
   stage_end main
 fi
 
@@ -67,7 +87,7 @@ if want pytorch; then
     "${ddp_cmake_libtorch[@]}"
   cmake --build "$ddp_build_dir"
   for dir in tests/torch tests/torch_data tests/package tests/libtorch_select; do
-    ctest --test-dir "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs"
+    run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs"
   done
   stage_end pytorch
 fi
@@ -80,6 +100,11 @@ sanitized_build() {  # DIR TARGET [cmake args...]
     -DDDP_BUILD_BENCH=OFF "$@"
   cmake --build "$dir" --target "$target"
 }
+
+# The sanitizer stages leave the tests labelled gpu out (by label: asan runs unit and
+# multiprocess, tsan those in the engine's folders): the CUDA runtime and driver they load are
+# not sanitizer-built (ASan needs protect_shadow_gap=0 for them, TSan does not see their threads'
+# synchronisation), and there is no GPU here to run them on. The main stage reports them.
 
 # The tests that start OpenMPI (MPI_Init under mpirun): the sanitizer stages treat them apart.
 mpi_tests='^mpi\.|MpiBackendUnderMpirun|MpiBackendWithoutMpirun\.UnderMpirun'
