@@ -1,14 +1,17 @@
 // DeviceStaging over CUDA streams and events (see device_staging.h). Compiled only when the
 // libtorch has CUDA (DDP_TORCH_CUDA). Everything goes through c10's streams and events and
 // ATen's copies, never the CUDA runtime API directly: ddp links no libcudart of its own
-// (cmake/DdpFindTorch.cmake, --as-needed).
+// (cmake/DdpFindTorch.cmake, --as-needed). Hence the device-generic guards (c10::DeviceGuard,
+// c10::StreamGuard, c10::Event reach CUDA through libc10_cuda's registered implementation):
+// c10::cuda::CUDAGuard would instantiate CUDAGuardImpl's inline methods, which call the runtime.
 #include <algorithm>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <fmt/format.h>
 
@@ -60,13 +63,13 @@ class CudaStaging final : public DeviceStaging {
 
   void copy_out(std::size_t b, const torch::Tensor& bucket, torch::Tensor& twin) override {
     torch::NoGradGuard no_grad;
-    const c10::cuda::CUDAGuard guard(device_);
+    const c10::DeviceGuard guard(device_);
     // The gradients were written into the bucket on the current stream (the one autograd runs
     // this part of backward on): the copy must follow that work, not the default stream.
     ready_[b]->record(c10::cuda::getCurrentCUDAStream(device_.index()));
     ready_[b]->block(copy_out_stream_);
     {
-      const c10::cuda::CUDAStreamGuard on_copy_stream(copy_out_stream_);
+      const c10::StreamGuard on_copy_stream(copy_out_stream_);
       twin.copy_(bucket, /*non_blocking=*/true);
     }
     // The caching allocator must not hand the bucket's memory to others while this stream reads it.
@@ -88,9 +91,9 @@ class CudaStaging final : public DeviceStaging {
 
   void copy_in(std::size_t b, const torch::Tensor& twin, torch::Tensor& bucket) override {
     torch::NoGradGuard no_grad;
-    const c10::cuda::CUDAGuard guard(device_);
+    const c10::DeviceGuard guard(device_);
     {
-      const c10::cuda::CUDAStreamGuard on_copy_stream(copy_in_stream_);
+      const c10::StreamGuard on_copy_stream(copy_in_stream_);
       bucket.copy_(twin, /*non_blocking=*/true);
     }
     bucket.record_stream(copy_in_stream_);
@@ -98,7 +101,7 @@ class CudaStaging final : public DeviceStaging {
   }
 
   void join() override {
-    const c10::cuda::CUDAGuard guard(device_);
+    const c10::DeviceGuard guard(device_);
     const c10::Stream current = c10::cuda::getCurrentCUDAStream(device_.index());
     // An event never recorded blocks nothing; one recorded in an earlier pass is long complete.
     for (const auto& event : copied_in_)
