@@ -86,13 +86,15 @@ std::shared_ptr<Work> allreduce_tensor(ProcessGroup& group, torch::Tensor& tenso
   auto work = group.allreduce(engine.buffer.data_ptr(), static_cast<std::size_t>(tensor.numel()),
                               to_dtype(tensor.scalar_type()), op, engine.options);
   if (engine.staged) {
-    // Back to the device before wait() returns (callbacks registered before completion have run
-    // by then). The copy is synchronous, so the caller's stream sees the result.
-    work->then([host = engine.buffer, target = tensor](Work& done) mutable {
-      if (done.error()) return;
-      torch::NoGradGuard no_grad;
-      target.copy_(host);
-    });
+    // Back to the device as the chain's last step, so that wait() returns after it and throws
+    // its error. The copy is synchronous, so the caller's stream sees the result. It issues no
+    // collective, so chaining it cannot reorder collectives between ranks.
+    return work->and_then(
+        [host = engine.buffer, target = tensor](Work&) mutable -> std::shared_ptr<Work> {
+          torch::NoGradGuard no_grad;
+          target.copy_(host);
+          return nullptr;
+        });
   }
   return work;
 }

@@ -32,7 +32,9 @@ DType to_dtype(c10::ScalarType type);
 // `what` names it in the error.
 void check_collective_tensor(const torch::Tensor& tensor, const std::string& what);
 
-// Starts an in-place allreduce of a contiguous tensor; the tensor must outlive the Work.
+// Starts an in-place allreduce of a contiguous tensor; the tensor must outlive the Work. For a
+// CUDA tensor on a host group the Work is a chain (Work::and_then) whose last step copies the
+// result back to the device; its wait() throws that copy's error too.
 std::shared_ptr<Work> allreduce_tensor(ProcessGroup& group, torch::Tensor& tensor, ReduceOp op);
 
 // Broadcasts `tensors` from `root` in place, packing tensors of one dtype into flat buffers of at
