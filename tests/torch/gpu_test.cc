@@ -168,7 +168,7 @@ TEST(Gpu, TensorHelpersStageCudaTensorsOnAHostGroupInPlace) {
                     torch::TensorOptions(kCuda0).dtype(torch::kLong))};
     broadcast_coalesced(*pg, tensors, /*root=*/1);
     require(torch::equal(tensors[0].cpu(), torch::full({3}, 10.0f)), "broadcast (float) is wrong");
-    require(torch::equal(tensors[1].cpu(), torch::full({2}, std::int64_t{1})),
+    require(torch::equal(tensors[1].cpu(), torch::full({2}, 1, torch::kLong)),
             "broadcast (int64) is wrong");
   });
   EXPECT_ALL_RANKS_OK(results);
