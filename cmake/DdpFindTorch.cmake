@@ -49,8 +49,9 @@ elseif(DDP_LIBTORCH STREQUAL "pytorch")
   endif()
   # PyPI's libtorch is CUDA-enabled: its Caffe2Config.cmake finds the CUDA toolkit and, without
   # an architecture list, compiles and runs a probe for installed GPUs (which fails where there
-  # is none, and under CMake 3.25 fails to configure at all). ddp compiles no CUDA code, so the
-  # list only needs to be valid; 9.0 is Hopper.
+  # is none, and under CMake 3.25 fails to configure at all). ddp compiles no CUDA kernels (its
+  # CUDA code is host C++ over c10's streams and events, DDP_TORCH_CUDA below), so the list only
+  # needs to be valid; 9.0 is Hopper.
   if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
     set(TORCH_CUDA_ARCH_LIST "9.0")
   endif()
@@ -89,7 +90,8 @@ if(Torch_FOUND AND DDP_LIBTORCH STREQUAL "pytorch")
   # RPATH ($ORIGIN/../../nvidia/...), which GNU ld does not expand when it checks libtorch_cuda's
   # own dependencies at link time: it would take the system's older libnccl and fail. And
   # TorchConfig adds the CUDA toolkit's libcudart and libnvrtc (13.0 here) to every link, though
-  # ddp calls neither; as DT_NEEDED entries they would load instead of the wheel's own (13.2)
+  # ddp calls neither (its CUDA code goes through c10's streams and events and ATen's copies, never
+  # the runtime API itself: keep it so); as DT_NEEDED entries they would load instead of the wheel's own (13.2)
   # and run libtorch_cuda against an older runtime than it was built with. --as-needed drops
   # them, so libtorch loads the CUDA it ships.
   get_filename_component(_ddp_site "${Torch_DIR}/../../../.." ABSOLUTE)
@@ -141,6 +143,14 @@ else()
     "${DDP_TORCH_LIBRARY}" "${DDP_TORCH_CPU_LIBRARY}" "${DDP_C10_LIBRARY}")
   set(DDP_TORCH_SOURCE "system headers (${DDP_TORCH_INCLUDE_DIR})")
   set(_ddp_c10 "${DDP_C10_LIBRARY}")
+endif()
+
+# DDP_TORCH_CUDA: the torch layer's CUDA sources (streams, events, pinned host twins; see
+# src/torch/device_staging.h) are compiled when this libtorch has CUDA: its TorchConfig then lists
+# the CUDA libraries (libc10_cuda among them) in TORCH_CUDA_LIBRARIES, or defines torch_cuda.
+set(DDP_TORCH_CUDA OFF)
+if(Torch_FOUND AND (TORCH_CUDA_LIBRARIES OR TARGET torch_cuda))
+  set(DDP_TORCH_CUDA ON)
 endif()
 
 # The version, from the headers (what the code is compiled against).
@@ -206,3 +216,8 @@ if(_ddp_c10 AND NOT ${_ddp_abi_ok})
 endif()
 message(STATUS "ddp: libtorch ${DDP_LIBTORCH_VERSION} (DDP_LIBTORCH=${DDP_LIBTORCH}) from "
                "${DDP_TORCH_SOURCE}")
+if(DDP_TORCH_CUDA)
+  message(STATUS "ddp: torch layer with CUDA (libtorch ${DDP_LIBTORCH_VERSION} has it)")
+else()
+  message(STATUS "ddp: torch layer without CUDA (libtorch ${DDP_LIBTORCH_VERSION} has none)")
+endif()

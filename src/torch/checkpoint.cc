@@ -12,6 +12,7 @@
 #include "ddp/error.h"
 #include "torch/checkpoint_integrity.h"
 #include "torch/checkpoint_payload.h"
+#include "torch/parameter_devices.h"
 
 namespace ddp {
 namespace {
@@ -130,7 +131,9 @@ void save_archive_atomically(torch::serialize::OutputArchive& archive,
   }
 }
 
-torch::serialize::InputArchive load_archive(const std::filesystem::path& path) {
+torch::serialize::InputArchive load_archive(const std::filesystem::path& path,
+                                            std::optional<torch::Device> map_location) {
+  if (map_location) detail::check_device_usable(*map_location, "load_archive's map_location");
   std::error_code error;
   if (!std::filesystem::is_regular_file(path, error)) {
     throw ConfigError(
@@ -138,7 +141,11 @@ torch::serialize::InputArchive load_archive(const std::filesystem::path& path) {
   }
   torch::serialize::InputArchive archive;
   try {
-    archive.load_from(path.string());
+    if (map_location) {
+      archive.load_from(path.string(), *map_location);
+    } else {
+      archive.load_from(path.string());
+    }
   } catch (const c10::Error& e) {
     throw Error(
         fmt::format("checkpoint: {} is not a readable torch archive (corrupt or "
@@ -160,9 +167,9 @@ void save_checkpoint(const std::filesystem::path& path, const torch::nn::Module&
 }
 
 CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Module& model,
-                               torch::optim::Optimizer& optimizer,
-                               const std::string& expected_tag) {
-  auto archive = load_archive(path);
+                               torch::optim::Optimizer& optimizer, const std::string& expected_tag,
+                               std::optional<torch::Device> map_location) {
+  auto archive = load_archive(path, map_location);
   const auto fail = [&](const std::string& what) {
     return Error(fmt::format("checkpoint: {}: {}", path.string(), what));
   };

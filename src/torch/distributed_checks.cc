@@ -8,6 +8,14 @@ namespace ddp::detail {
 
 void check_tensor(const torch::Tensor& tensor, const std::string& what) {
   check_collective_tensor(tensor, what);
+  if (tensor.is_cuda()) {
+    // These calls hand the engine the tensor's memory itself; staging them is issue 25's next step.
+    throw ConfigError(fmt::format(
+        "{} is on {}; this call does not take CUDA tensors yet (issue 25: only allreduce_tensor, "
+        "broadcast_coalesced and DistributedDataParallel do). Pass tensor.cpu() and copy the "
+        "result back",
+        what, tensor.device().str()));
+  }
   if (!tensor.is_contiguous()) {
     throw ConfigError(fmt::format(
         "{} is not contiguous (strides {}); pass tensor.contiguous() and copy the result back",

@@ -14,8 +14,8 @@
 
 namespace ddp::detail {
 
-// `tensor` can be handed to the engine: defined, dense, on the CPU, of a communicable dtype and
-// contiguous. `what` names it, e.g. "all_gather: tensor_list[2]".
+// `tensor` can be handed to the engine as it is: defined, dense, on the CPU (CUDA: not yet), of a
+// communicable dtype and contiguous. `what` names it, e.g. "all_gather: tensor_list[2]".
 void check_tensor(const torch::Tensor& tensor, const std::string& what);
 // check_tensor, and of dtype `want` (the dtype of `reference`, named in the message).
 void check_tensor_like(const torch::Tensor& tensor, const std::string& what,

@@ -20,6 +20,7 @@
 #include "ddp_phase.h"
 #include "parameter_loads.h"
 #include "rank_agreement.h"
+#include "torch/parameter_devices.h"
 
 namespace ddp {
 namespace {
@@ -116,17 +117,37 @@ std::string shape_text(const torch::Tensor& t) {
 // Every rank describes its parameters (name, shape, dtype; one line each, the count last) and the
 // ranks compare the descriptions (rank_agreement.h: one small allgather when they agree). The first
 // line that differs is named by every rank (so none waits in a later collective).
+//
+// The device type is part of the description (not its index: ranks on cuda:0 and cuda:1 agree),
+// so ranks with parameters on the CPU and on CUDA are named; a rank whose own parameters are on
+// two devices reports that instead, and every rank fails with its error.
 void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
                             const std::vector<torch::Tensor>& params) {
+  // Every rank's group is the same backend, so every rank refuses here before any collective.
+  if (group.memory_space() == MemorySpace::kCuda) {
+    throw ConfigError(fmt::format(
+        "DistributedDataParallel over a {} group is not supported yet (issue 25): DDP's own "
+        "checks (this agreement, the divergence guard, Join's plan) exchange host buffers, which "
+        "that backend cannot read. Use a host group (DDP_BACKEND=ring or mpi): DDP stages CUDA "
+        "parameters' buckets through pinned host memory there (docs/gpu.md)",
+        group.backend()));
+  }
   std::string description;
-  for (std::size_t i = 0; i < params.size(); ++i)
-    description += fmt::format("parameter '{}' {}\n", names[i], shape_text(params[i]));
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    description += fmt::format("parameter '{}' {} on {}\n", names[i], shape_text(params[i]),
+                               c10::DeviceTypeName(params[i].device().type(), /*lower_case=*/true));
+  }
   description += fmt::format("{} trainable parameters\n", params.size());
-  const auto agreement = internal::compare_across_ranks(group, description, "");
+  const auto mixed = detail::mixed_devices(params, names);
+  const auto agreement = internal::compare_across_ranks(group, description, mixed.value_or(""));
+  if (agreement.failed_rank >= 0) {
+    throw ConfigError(fmt::format("rank {}: {}", agreement.failed_rank, agreement.failure));
+  }
   if (agreement.difference.empty()) return;
   throw Error(fmt::format(
       "DistributedDataParallel: the model differs across ranks: {}. Every rank must construct the "
-      "same model (the same architecture, sizes and requires_grad) before wrapping it",
+      "same model (the same architecture, sizes and requires_grad, on the same kind of device: "
+      "module->to(device) on every rank) before wrapping it",
       agreement.difference));
 }
 
@@ -172,7 +193,8 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
           megabytes_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
       .find_unused_parameters = options_.find_unused_parameters,
       .gradient_as_bucket_view = options_.gradient_as_bucket_view,
-      .static_graph = options_.static_graph};
+      .static_graph = options_.static_graph,
+      .staging_for_tests = options_.staging_for_tests};
   register_module("module", module);
 
   std::vector<torch::Tensor> params;

@@ -243,9 +243,10 @@ void FullyShardedDataParallelImpl::build() {
           }
           if (p.scalar_type() != torch::kFloat || !p.device().is_cpu() || p.is_sparse()) {
             throw ConfigError(fmt::format(
-                "FullyShardedDataParallel: parameter {} of child {} must be a dense fp32 CPU "
-                "tensor (the flat buffers are fp32)",
-                shape_text(p), c));
+                "FullyShardedDataParallel: parameter {} of child {} is {} on {}; it must be a "
+                "dense fp32 CPU tensor (the flat buffers are fp32 host memory; FSDP is not yet "
+                "on CUDA, issue 25)",
+                shape_text(p), c, c10::toString(p.scalar_type()), p.device().str()));
           }
           unit->offsets.push_back(unit->numel);
           unit->params.push_back(p);

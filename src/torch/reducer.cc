@@ -10,10 +10,14 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "ddp/timeouts.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/trace.h"
 #include "ddp_phase.h"
 #include "libtorch_compat.h"
+#include "torch/device_staging.h"
+#include "torch/parameter_devices.h"
+#include "torch/staging_thread.h"
 
 namespace ddp {
 
@@ -32,6 +36,15 @@ struct Reducer::Bucket {
   bool reduced_in_place = false;
   // Set by the Work's completion callback (any thread): steady-clock nanoseconds, 0 = not yet.
   std::shared_ptr<std::atomic<std::int64_t>> completed_ns;
+  // Staged buckets (device_staging.h): the host twin the engine reduces, and its pieces shaped
+  // like the parameters (what the comm hook gets).
+  torch::Tensor twin;
+  std::vector<torch::Tensor> twin_views;
+  // Written by the staging thread, read after StagingThread::drain: why the bucket's reduction
+  // did not start.
+  std::string staging_error;
+  // Written by the copy-in callback, read after the Work's wait: why the copy-in failed.
+  std::shared_ptr<std::string> copy_in_error;
 };
 
 namespace {
@@ -86,6 +99,22 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
           fmt::format("parameter '{}' must be a leaf tensor that requires grad", names_[i]));
     }
   }
+  if (const auto mixed = detail::mixed_devices(parameters_, names_)) throw ConfigError(*mixed);
+  const c10::Device device =
+      parameters_.empty() ? c10::Device(c10::kCPU) : parameters_.front().device();
+  if (group_->memory_space() == MemorySpace::kCuda && !device.is_cuda()) {
+    throw ConfigError(fmt::format(
+        "DistributedDataParallel: the parameters are on {}, but the process group ({}) takes "
+        "CUDA memory only; move the module to its GPU (module->to(torch::Device(\"cuda:<local "
+        "rank>\"))) or use a host group (ring, mpi)",
+        device.str(), group_->backend()));
+  }
+  if (options_.staging_for_tests.enabled) {
+    staging_ = detail::make_host_staging(options_.staging_for_tests.observer);
+  } else if (device.is_cuda() && group_->memory_space() == MemorySpace::kHost) {
+    staging_ = detail::make_cuda_staging(device);
+  }
+  if (staging_) staging_thread_ = std::make_unique<detail::StagingThread>();
   ready_.assign(parameters_.size(), false);
   used_.assign(parameters_.size(), false);
 
@@ -153,7 +182,8 @@ std::size_t Reducer::check_parameters(const std::vector<torch::Tensor>& paramete
 }
 
 Reducer::~Reducer() {
-  grad_hooks_.clear();  // first: no hook may run into a Reducer being destroyed
+  grad_hooks_.clear();      // first: no hook may run into a Reducer being destroyed
+  staging_thread_.reset();  // lets a launch in progress finish; nothing launches after it
   std::lock_guard lock(mutex_);
   wait_for_launched_buckets();
 }
@@ -200,8 +230,19 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
       bucket.offsets.push_back(total);
       total += parameters_[i].numel();
     }
-    bucket.contents =
-        torch::zeros({total}, parameters_[bucket.params.front()].options().requires_grad(false));
+    const auto options = parameters_[bucket.params.front()].options().requires_grad(false);
+    try {
+      bucket.contents = torch::zeros({total}, options);
+    } catch (const c10::Error& e) {
+      // A device out of memory: a named error rather than libtorch's allocator trace.
+      throw Error(fmt::format(
+          "DistributedDataParallel: could not allocate gradient bucket {} ({} bytes) on {}: {}. "
+          "The buckets hold a copy of every gradient (gradient_as_bucket_view = true makes the "
+          "gradients live in them instead); free memory or use a smaller model or batch",
+          b + 1,
+          total * static_cast<std::int64_t>(c10::elementSize(options.dtype().toScalarType())),
+          options.device().str(), e.what_without_backtrace()));
+    }
     for (std::size_t k = 0; k < bucket.params.size(); ++k) {
       const auto i = bucket.params[k];
       bucket.views.push_back(alias_of(bucket.contents, bucket.offsets[k], parameters_[i]));
@@ -209,6 +250,20 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
     }
     bucket.pending = bucket.params.size();
     bucket.left_in_place.assign(bucket.params.size(), 0);
+  }
+  if (staging_) {
+    // Twins made (and the old ones dropped) whenever the buckets are built.
+    std::vector<torch::Tensor> contents;
+    for (const auto& bucket : buckets)
+      contents.push_back(bucket.contents);
+    auto twins = staging_->make_twins(contents);
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      auto& bucket = buckets[b];
+      bucket.twin = std::move(twins[b]);
+      for (std::size_t k = 0; k < bucket.params.size(); ++k)
+        bucket.twin_views.push_back(
+            alias_of(bucket.twin, bucket.offsets[k], parameters_[bucket.params[k]]));
+    }
   }
   buckets_ = std::move(buckets);
 
@@ -328,6 +383,10 @@ void Reducer::launch_ready_buckets() {
     timeline_.bucket_launched[b] = Clock::now();
     bucket.launched = true;
     bucket.completed_ns = std::make_shared<std::atomic<std::int64_t>>(0);
+    if (staging_) {
+      launch_staged(b);  // the staging thread records the launch, its bytes and its completion
+      continue;
+    }
     if (bucket.left_in_place_count == bucket.params.size()) {
       reduce_in_place(bucket);
       timeline_.bucket_in_place[b] = true;
@@ -347,7 +406,7 @@ void Reducer::launch_ready_buckets() {
 bool Reducer::can_reduce_in_place(const torch::Tensor& grad) const {
   // Only where the group reduces the pieces where they lie: elsewhere allreduce_segments would pack
   // them into a temporary per call, and the bucket's own flat buffer is the better target.
-  return !custom_hook_ && !options_.gradient_as_bucket_view && grad.is_contiguous() &&
+  return !staging_ && !custom_hook_ && !options_.gradient_as_bucket_view && grad.is_contiguous() &&
          grad.device().is_cpu() && !grad.is_sparse() && group_->allreduce_segments_in_place();
 }
 
@@ -380,6 +439,78 @@ void Reducer::launch_through_hook(std::size_t b) {
   bucket.reduction = run_comm_hook(b, "");
 }
 
+void Reducer::launch_staged(std::size_t b) {
+  auto& bucket = buckets_[b];
+  bucket.copy_in_error = std::make_shared<std::string>();
+  staging_->copy_out(b, bucket.contents, bucket.twin);  // queued behind the gradients; no wait
+  staging_thread_->submit([this, b] { run_staged(b); });
+}
+
+void Reducer::run_staged(std::size_t b) noexcept {
+  // Touches only this bucket's fields and its timeline slots; the autograd thread reads them
+  // after StagingThread::drain (finish_staging).
+  auto& bucket = buckets_[b];
+  if (staging_failed_) return;  // an earlier bucket did not start: later ones must not either
+  try {
+    const auto deadline = Clock::now() + kDefaultTimeout;
+    if (!staging_->wait_copied_out(b, deadline)) {
+      throw TimeoutError(fmt::format(
+          "the copy of {} to host memory did not complete within {} s (the device is stuck or "
+          "far behind)",
+          bucket_phase(b), kDefaultTimeout.count() / 1000));
+    }
+    torch::NoGradGuard no_grad;
+    timeline_.bucket_launched[b] = Clock::now();
+    GradBucket grad_bucket = hook_bucket(b);
+    bucket.reduction = comm_hook_(*group_, grad_bucket);
+    timeline_.bucket_bytes_sent[b] =
+        bucket.reduction.bytes_sent.value_or(static_cast<std::size_t>(bucket.twin.nbytes()));
+    auto& work = bucket.reduction.work;
+    if (work) {
+      work->then([done = bucket.completed_ns](Work&) {
+        done->store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+      });
+    }
+    if (bucket.reduction.finish) return;  // copied in after finish (finalize_backward)
+    if (!work) {
+      staging_->copy_in(b, bucket.twin, bucket.contents);
+      return;
+    }
+    // Copied back as soon as the engine is done with it, while later buckets are on the wire.
+    work->then([staging = staging_.get(), b, twin = bucket.twin, contents = bucket.contents,
+                error = bucket.copy_in_error](Work& done) mutable {
+      if (done.error()) return;  // reported by the wait in finalize_backward
+      try {
+        staging->copy_in(b, twin, contents);
+      } catch (const std::exception& e) {
+        *error = e.what();
+      }
+    });
+  } catch (const std::exception& e) {
+    staging_failed_ = true;
+    bucket.staging_error = e.what();
+  }
+}
+
+void Reducer::finish_staging() {
+  if (!staging_thread_->drain(Clock::now() + kDefaultTimeout)) {
+    throw TimeoutError(fmt::format(
+        "DistributedDataParallel (rank {}): the staging thread did not launch the gradient "
+        "buckets within {} s of the end of backward",
+        group_->rank(), kDefaultTimeout.count() / 1000));
+  }
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].staging_error.empty()) continue;
+    hook_failure_ = fmt::format(
+        "DistributedDataParallel (rank {}): {} was not reduced: {}. This rank did not make the "
+        "bucket's collectives, so the other ranks fail in them within the group's timeout; the "
+        "ranks are out of step and this DistributedDataParallel refuses to synchronise again: "
+        "fix the cause, then start again with a new process group (from a checkpoint)",
+        group_->rank(), bucket_phase(b), buckets_[b].staging_error);
+    throw Error(hook_failure_);
+  }
+}
+
 BucketReduction Reducer::run_comm_hook(std::size_t b, const char* context) {
   GradBucket grad_bucket = hook_bucket(b);
   try {
@@ -408,9 +539,10 @@ void Reducer::throw_if_hook_failed() const {
 
 GradBucket Reducer::hook_bucket(std::size_t b) const {
   const auto& bucket = buckets_[b];
+  const bool staged = bucket.twin.defined();  // the hook reduces the host twin
   GradBucket grad_bucket{.index = b,
-                         .buffer = bucket.contents,
-                         .gradients = bucket.views,
+                         .buffer = staged ? bucket.twin : bucket.contents,
+                         .gradients = staged ? bucket.twin_views : bucket.views,
                          .is_last = b + 1 == buckets_.size()};
   for (const auto i : bucket.params)
     grad_bucket.parameter_names.push_back(names_[i]);
@@ -438,7 +570,9 @@ void Reducer::reset_iteration() {
     std::fill(bucket.left_in_place.begin(), bucket.left_in_place.end(), 0);
     bucket.left_in_place_count = 0;
     bucket.reduced_in_place = false;
+    bucket.staging_error.clear();
   }
+  staging_failed_ = false;
   next_bucket_ = 0;
   callback_queued_ = false;
   expect_hooks_ = false;
@@ -451,6 +585,7 @@ void Reducer::finalize_backward() {
   std::lock_guard lock(mutex_);
   timeline_.backward_finished = Clock::now();
   try {
+    if (staging_thread_) finish_staging();  // first: the staging thread touches the buckets
     if (next_bucket_ < buckets_.size()) {
       std::vector<std::size_t> missing;
       for (std::size_t i = 0; i < parameters_.size(); ++i) {
@@ -491,7 +626,19 @@ void Reducer::finalize_backward() {
                            [&] {
                              if (bucket.reduction.finish) bucket.reduction.finish();
                            });
+      if (bucket.twin.defined()) {
+        if (bucket.reduction.finish) staging_->copy_in(b, bucket.twin, bucket.contents);
+        if (bucket.copy_in_error && !bucket.copy_in_error->empty()) {
+          throw Error(
+              fmt::format("DistributedDataParallel (rank {}): copying the average of {} "
+                          "back to {} failed: {}",
+                          group_->rank(), bucket_phase(b), bucket.contents.device().str(),
+                          *bucket.copy_in_error));
+        }
+      }
     }
+    // The current stream (the one backward() returns on) reads the buckets only after the copies.
+    if (staging_) staging_->join();
     if (used_work) {
       detail::in_ddp_phase([] { return std::string("unused-parameter map after backward"); },
                            [&] { used_work->wait(); });
@@ -611,6 +758,14 @@ void Reducer::shadow_backward() {
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     auto& bucket = buckets_[b];
     bucket.contents.zero_();
+    if (bucket.twin.defined()) {
+      // Through the stream order (the twin may still be read by the last pass's copy-in).
+      staging_->copy_out(b, bucket.contents, bucket.twin);
+      if (!staging_->wait_copied_out(b, Clock::now() + kDefaultTimeout)) {
+        throw TimeoutError(fmt::format("the copy of {} to host memory did not complete within {} s",
+                                       bucket_phase(b), kDefaultTimeout.count() / 1000));
+      }
+    }
     reductions.push_back(run_comm_hook(b, " while this joined rank shadowed the others"));
   }
   std::vector<std::int32_t> unused_map;
@@ -627,7 +782,9 @@ void Reducer::shadow_backward() {
                              if (reductions[b].work) reductions[b].work->wait();
                              if (reductions[b].finish) reductions[b].finish();
                            });
+      if (buckets_[b].twin.defined()) staging_->copy_in(b, buckets_[b].twin, buckets_[b].contents);
     }
+    if (staging_) staging_->join();
     if (used_work) {
       detail::in_ddp_phase([] { return std::string("joined rank shadowing the unused map"); },
                            [&] { used_work->wait(); });

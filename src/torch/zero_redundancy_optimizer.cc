@@ -104,8 +104,11 @@ void ZeroRedundancyOptimizer::build(std::vector<OptimizerParamGroup> param_group
         const std::size_t index = params_.size();
         if (!p.defined() || !p.is_leaf() || p.is_sparse() || !p.device().is_cpu()) {
           throw ConfigError(fmt::format(
-              "ZeroRedundancyOptimizer: parameter {} (group {}) must be a dense CPU leaf tensor",
-              index, g));
+              "ZeroRedundancyOptimizer: parameter {} (group {}) must be a dense CPU leaf tensor{}",
+              index, g,
+              p.defined() && p.is_cuda()
+                  ? fmt::format(" (it is on {}: not yet on CUDA, issue 25)", p.device().str())
+                  : ""));
         }
         if (!seen.insert(p.unsafeGetTensorImpl()).second) {
           throw ConfigError(fmt::format(

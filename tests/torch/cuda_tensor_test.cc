@@ -1,7 +1,9 @@
-// A CUDA tensor handed to ddp gets ddp's clear error (ddp moves CPU tensors only; docs/
-// architecture.md plans CUDA), with either libtorch and on a machine without a GPU: the tensor
+// What ddp does with a CUDA tensor, checked with either libtorch and without a GPU: the tensor
 // wraps a host address that it declares to be on cuda:0 (at::for_blob with an explicit target
-// device asks no CUDA driver), so only its device says CUDA, which is all the check may read.
+// device asks no CUDA driver), so only its device says CUDA, which is all the checks may read.
+// The helpers that stage CUDA tensors (allreduce_tensor, broadcast_coalesced) accept it; the
+// calls that hand the engine the tensor's own memory refuse it by name; tests/torch/gpu_test.cc
+// moves real CUDA tensors where there is a GPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -11,7 +13,10 @@
 #include <torch/torch.h>
 
 #include "ddp/error.h"
+#include "ddp/torch/distributed.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "support/multiprocess.h"
+#include "torch/ddp_test_util.h"
 
 namespace ddp {
 namespace {
@@ -26,33 +31,45 @@ torch::Tensor tensor_declared_on_cuda(float* host_memory, std::int64_t n) {
       .make_tensor();
 }
 
-TEST(CudaTensor, IsRefusedNamingItsDeviceAndWhatDdpMoves) {
+// The tensor, or a skip where this libtorch cannot describe one without a GPU.
+#define DECLARE_CUDA_TENSOR(tensor, memory)                                       \
+  torch::Tensor tensor;                                                           \
+  try {                                                                           \
+    tensor = tensor_declared_on_cuda(memory.data(), memory.size());               \
+  } catch (const c10::Error& e) {                                                 \
+    GTEST_SKIP() << "this libtorch cannot describe a CUDA tensor without a GPU (" \
+                 << e.what_without_backtrace() << ")";                            \
+  }                                                                               \
+  ASSERT_TRUE(tensor.is_cuda())
+
+TEST(CudaTensor, IsAcceptedByTheHelpersThatStageIt) {
   std::array<float, 4> memory{};
-  torch::Tensor tensor;
+  DECLARE_CUDA_TENSOR(tensor, memory);
+  EXPECT_NO_THROW(check_collective_tensor(tensor, "the gradient of 'fc.weight'"));
+}
+
+TEST(CudaTensor, TheCallsThatDoNotStageItYetRefuseItByName) {
+  std::array<float, 4> memory{};
+  DECLARE_CUDA_TENSOR(tensor, memory);
+  auto group = test::join_group(0, 1, test::free_port());
   try {
-    tensor = tensor_declared_on_cuda(memory.data(), memory.size());
-  } catch (const c10::Error& e) {
-    GTEST_SKIP() << "this libtorch cannot describe a CUDA tensor without a GPU ("
-                 << e.what_without_backtrace() << "); check_collective_tensor's device test "
-                 << "is then covered by the non-CPU case only";
-  }
-  ASSERT_TRUE(tensor.is_cuda());
-  try {
-    check_collective_tensor(tensor, "the gradient of 'fc.weight'");
-    FAIL() << "a CUDA tensor was accepted";
+    all_reduce(tensor, ReduceOp::kSum, *group);
+    FAIL() << "a CUDA tensor went to the engine as it is";
   } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("the gradient of 'fc.weight' is on cuda:0"));
-    EXPECT_THAT(e.what(), HasSubstr("ddp moves CPU tensors only"));
+    EXPECT_THAT(e.what(), HasSubstr("all_reduce: tensor is on cuda:0; this call does not take "
+                                    "CUDA tensors yet (issue 25"));
+    EXPECT_THAT(e.what(), HasSubstr("tensor.cpu()"));
   }
 }
 
-TEST(CudaTensor, AMetaTensorIsRefusedTheSameWay) {
+TEST(CudaTensor, AMetaTensorIsRefusedNamingTheDevicesDdpMoves) {
   const auto tensor = torch::empty({4}, torch::TensorOptions().device(torch::kMeta));
   try {
     check_collective_tensor(tensor, "the allreduce tensor");
     FAIL() << "a meta tensor was accepted";
   } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("the allreduce tensor is on meta; ddp moves CPU tensors only"));
+    EXPECT_THAT(e.what(),
+                HasSubstr("the allreduce tensor is on meta; ddp moves CPU and CUDA tensors only"));
   }
 }
 

@@ -430,7 +430,7 @@ TEST(DistributedApiBadInput, TheSameMistakeOnEveryRankIsANamedErrorThatLeavesThe
         "not contiguous", "transposed tensor");
     require_throws<ConfigError>(
         [&] { broadcast(torch::zeros({4}, torch::TensorOptions().device(torch::kMeta)), 0); },
-        "CPU tensors only", "a tensor on another device");
+        "ddp moves CPU and CUDA tensors only", "a tensor on another device");
     require_throws<ConfigError>([&] { all_gather_into_tensor(torch::zeros({5}), f32); }, "needs 12",
                                 "all_gather_into_tensor output of the wrong size");
     require_throws<ConfigError>(

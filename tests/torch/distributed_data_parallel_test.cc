@@ -241,8 +241,9 @@ TEST(DistributedDataParallel, DifferentModelsAcrossRanksAreNamedAtConstruction) 
         } catch (const ddp::Error& e) {
           const std::string message = e.what();
           // Every rank names the first parameter that differs, as rank 0 and rank 1 have it.
-          if (message.find("rank 0 has parameter 'fc1.weight' [32, 20] Float but rank 1 has "
-                           "parameter 'fc1.weight' [33, 20] Float") == std::string::npos) {
+          if (message.find("rank 0 has parameter 'fc1.weight' [32, 20] Float on cpu but rank 1 "
+                           "has parameter 'fc1.weight' [33, 20] Float on cpu") ==
+              std::string::npos) {
             throw std::runtime_error("message does not name the parameter and ranks: " + message);
           }
           return;

@@ -40,6 +40,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -77,8 +78,12 @@ void save_archive_atomically(torch::serialize::OutputArchive& archive,
                              const std::filesystem::path& path);
 
 // Reads an archive written by save_archive_atomically (or torch::save), verifying its checksums
-// when it has them (Error naming the path and the entry that differs).
-torch::serialize::InputArchive load_archive(const std::filesystem::path& path);
+// when it has them (Error naming the path and the entry that differs). `map_location`: the device
+// its tensors are read onto (as torch.load's), e.g. torch::kCPU for a checkpoint saved from CUDA
+// on a machine without a GPU; unset = the devices they were saved from. A CUDA device this
+// process does not see is a ConfigError naming how many it sees, before the file is read.
+torch::serialize::InputArchive load_archive(const std::filesystem::path& path,
+                                            std::optional<torch::Device> map_location = {});
 
 void save_checkpoint(const std::filesystem::path& path, const torch::nn::Module& model,
                      const torch::optim::Optimizer& optimizer, const CheckpointInfo& info);
@@ -90,9 +95,12 @@ void save_checkpoint(const std::filesystem::path& path, const torch::nn::Module&
 // either order with DistributedDataParallel: load into the unwrapped module before wrapping, or
 // into model->module() afterwards; load on every rank (a rank that skips the load keeps its own
 // values, which the DDP divergence check reports).
+// `map_location` as for load_archive: the stored tensors are read there, then copied into the
+// model's tensors on whatever device those are.
 CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Module& model,
                                torch::optim::Optimizer& optimizer,
-                               const std::string& expected_tag = {});
+                               const std::string& expected_tag = {},
+                               std::optional<torch::Device> map_location = {});
 
 }  // namespace ddp
 #pragma GCC visibility pop

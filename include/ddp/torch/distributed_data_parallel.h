@@ -87,6 +87,9 @@ struct DdpOptions {
   // wire) while parameters and .grad stay fp32; the same as registering bf16_compress_hook() or
   // fp16_compress_hook(), which a later register_comm_hook replaces. nullopt: the gradients' dtype.
   std::optional<torch::ScalarType> reduce_dtype;
+  // For tests only (ReducerOptions::staging_for_tests): CPU buckets take the staged path of CUDA
+  // buckets on a host group.
+  ReducerOptions::StagingForTests staging_for_tests;
 };
 
 // Restores the previous synchronisation mode when it goes out of scope.

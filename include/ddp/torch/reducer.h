@@ -13,7 +13,17 @@
 // gradients actually became ready on rank 0 (broadcast, so every rank agrees), at the start of
 // the next forward.
 //
-// Threads: hooks and the final callback run on the autograd thread; prepare_* and the setters on
+// Devices: the parameters must all be on one device, the CPU or a CUDA device; buckets live there
+// and the gradients are views into them (gradient_as_bucket_view) or copied. CUDA buckets on a
+// group of host memory (ProcessGroup::memory_space() == kHost: ring, mpi) are staged through
+// pinned host twins without blocking the autograd thread: copy-out after the bucket is ready,
+// the comm hook runs on a staging thread over the twin (in bucket order), copy-in when its Work
+// completes, and the current stream waits for the copies before backward() returns
+// (src/torch/device_staging.h). On a CUDA group (nccl) the hook gets the device bucket and the
+// collectives take the current stream; waiting for a bucket blocks the host until it is done.
+//
+// Threads: hooks and the final callback run on the autograd thread (comm hooks of staged buckets
+// run on the staging thread, one at a time, in bucket order); prepare_* and the setters on
 // the thread that runs forward. Do not run two backward passes over one Reducer at once.
 // Lifetime: destroying the Reducer waits (bounded by the group's timeout) for reductions in flight
 // and removes its hooks; it must not be destroyed while a backward pass over its parameters runs.
@@ -34,9 +44,11 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <torch/torch.h>
@@ -51,6 +63,10 @@ namespace ddp {
 namespace libtorch_compat {
 class GradReadyHook;  // src/torch/libtorch_compat.h
 }  // namespace libtorch_compat
+namespace detail {
+class DeviceStaging;  // src/torch/device_staging.h
+class StagingThread;  // src/torch/staging_thread.h
+}  // namespace detail
 
 struct ReducerOptions {
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;
@@ -60,6 +76,15 @@ struct ReducerOptions {
   // The set of used parameters and their ready order never change: unused parameters are found
   // once (first iteration) instead of in every forward.
   bool static_graph = false;
+  // For tests only: CPU buckets take the staged path that CUDA buckets on a host group take (host
+  // twins, copy-out, reduction on the staging thread, copy-in, join; src/torch/device_staging.h),
+  // and `observer` (may be empty; called from several threads) is told each step: "twin",
+  // "copy_out", "copied_out", "copy_in" with the bucket and its twin's address, then "join".
+  struct StagingForTests {
+    bool enabled = false;
+    std::function<void(std::string_view step, std::size_t bucket, const void* twin)> observer;
+  };
+  StagingForTests staging_for_tests;
 };
 
 // What happened in the last synchronised backward pass (for tests and profiling).
@@ -169,6 +194,9 @@ class Reducer {
   bool can_reduce_in_place(const torch::Tensor& grad) const;
   void reduce_in_place(Bucket& bucket);
   void launch_through_hook(std::size_t bucket);
+  void launch_staged(std::size_t bucket);
+  void run_staged(std::size_t bucket) noexcept;  // on the staging thread
+  void finish_staging();                         // end of backward: every staged bucket launched
   BucketReduction run_comm_hook(std::size_t bucket, const char* context);
   void throw_if_hook_failed() const;
   GradBucket hook_bucket(std::size_t bucket) const;  // what the comm hook gets for a bucket
@@ -197,6 +225,12 @@ class Reducer {
   std::string hook_failure_;
 
   std::vector<std::unique_ptr<libtorch_compat::GradReadyHook>> grad_hooks_;  // per parameter
+
+  // Buckets on a device the group cannot read (CUDA on a host group; or staging_for_tests) are
+  // reduced through host twins; null otherwise. The staging thread launches them in bucket order.
+  std::unique_ptr<detail::DeviceStaging> staging_;
+  std::unique_ptr<detail::StagingThread> staging_thread_;
+  bool staging_failed_ = false;  // staging thread only (read after StagingThread::drain)
 
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;  // per parameter

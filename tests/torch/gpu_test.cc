@@ -1,0 +1,212 @@
+// ddp on CUDA tensors (issue 25): DistributedDataParallel with both ranks on cuda:0 through the
+// ring (a host group: buckets staged through pinned host twins), the tensor helpers on CUDA
+// tensors, checkpoints moved between CUDA and the CPU with map_location. Needs a CUDA device;
+// every test skips with "no CUDA device" where there is none.
+//
+// CUDA is only ever initialised in the rank processes (run_ranks forks them, and a child cannot
+// use CUDA that its parent initialised), so whether a device exists is asked in a child too.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <stdexcept>
+
+#include "ddp/torch/checkpoint.h"
+#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/powersgd_hook.h"
+#include "ddp/torch/tensor_collectives.h"
+#include "support/multiprocess.h"
+#include "support/temp_dir.h"
+#include "torch/ddp_test_models.h"
+#include "torch/ddp_test_util.h"
+
+namespace ddp {
+namespace {
+
+bool cuda_device_present() {
+  static const bool present = [] {
+    const pid_t pid = ::fork();
+    if (pid == 0) ::_exit(torch::cuda::is_available() ? 0 : 1);
+    int status = 0;
+    if (pid < 0 || ::waitpid(pid, &status, 0) != pid) return false;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }();
+  return present;
+}
+
+#define SKIP_WITHOUT_CUDA()             \
+  do {                                  \
+    if (!cuda_device_present()) {       \
+      GTEST_SKIP() << "no CUDA device"; \
+    }                                   \
+  } while (false)
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+const torch::Device kCuda0(torch::kCUDA, 0);
+
+// Trains an Mlp for 5 steps on 2 ranks, both on cuda:0, with per-rank batch 8, after `setup`
+// (a comm hook); returns rank 0's final parameters on the CPU through `out` (rank 0 checks).
+// Every rank checks after every step that both hold bit-identical parameters.
+void train_on_cuda(int rank, const std::shared_ptr<ProcessGroup>& pg, const test::Batches& data,
+                   const torch::Device& device,
+                   const std::function<void(DistributedDataParallelBase&)>& setup,
+                   std::vector<torch::Tensor>& out) {
+  torch::manual_seed(100 + rank);  // different on every rank: construction must broadcast
+  test::Mlp net;
+  net->to(device);
+  DistributedDataParallel model(net.ptr(), pg);
+  if (setup) setup(*model);
+  auto opt = test::make_sgd(model->parameters());
+  for (int step = 0; step < data.inputs.size(0); ++step) {
+    opt.zero_grad();
+    const auto x = data.inputs[step].narrow(0, rank * 8, 8).to(device);
+    const auto y = data.targets[step].narrow(0, rank * 8, 8).to(device);
+    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+    for (const auto& p : model->parameters())
+      require(p.grad().device() == device, "a gradient left its device");
+    opt.step();
+    std::vector<torch::Tensor> on_cpu;
+    for (const auto& p : model->parameters())
+      on_cpu.push_back(p.detach().cpu());
+    test::expect_identical_across_ranks(*pg, on_cpu, fmt::format("parameters after step {}", step));
+  }
+  out.clear();
+  for (const auto& p : model->parameters())
+    out.push_back(p.detach().cpu());
+}
+
+std::vector<torch::Tensor> one_process(const test::Batches& data, const torch::Device& device) {
+  torch::manual_seed(100);
+  test::Mlp reference;
+  reference->to(device);
+  auto opt = test::make_sgd(reference->parameters());
+  for (int step = 0; step < data.inputs.size(0); ++step) {
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(reference->forward(data.inputs[step].to(device)),
+                                         data.targets[step].to(device))
+        .backward();
+    opt.step();
+  }
+  std::vector<torch::Tensor> params;
+  for (const auto& p : reference->parameters())
+    params.push_back(p.detach().cpu());
+  return params;
+}
+
+void expect_all_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want,
+                      double tolerance) {
+  require(got.size() == want.size(), "parameter counts differ");
+  for (std::size_t i = 0; i < got.size(); ++i)
+    test::expect_close(got[i], want[i], fmt::format("parameter {}", i), tolerance,
+                       std::max(1e-6, tolerance * 0.1));
+}
+
+TEST(Gpu, DdpOnCudaThroughTheStagedRingEqualsOneProcess) {
+  SKIP_WITHOUT_CUDA();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    const auto data = test::make_batches(5, 16, {20});
+    std::vector<torch::Tensor> got;
+    train_on_cuda(rank, pg, data, kCuda0, nullptr, got);
+    if (rank == 0) expect_all_close(got, one_process(data, kCuda0), 1e-5);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A compressing hook runs on the host twin (the staging thread): the same arithmetic as on the
+// CPU, so CUDA DDP equals CPU DDP with the same hook up to the gradients' own CUDA/CPU difference
+// (which fp16 rounding may magnify to one ulp of fp16: hence the tolerance of the CPU suite).
+void check_hook_on_cuda_equals_on_cpu(
+    const std::function<void(DistributedDataParallelBase&)>& setup, double tolerance) {
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    const auto data = test::make_batches(5, 16, {20});
+    std::vector<torch::Tensor> on_cuda;
+    std::vector<torch::Tensor> on_cpu;
+    train_on_cuda(rank, pg, data, kCuda0, setup, on_cuda);
+    train_on_cuda(rank, pg, data, torch::Device(torch::kCPU), setup, on_cpu);
+    expect_all_close(on_cuda, on_cpu, tolerance);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Gpu, Fp16HookOnCudaEqualsTheCpuRun) {
+  SKIP_WITHOUT_CUDA();
+  check_hook_on_cuda_equals_on_cpu(
+      [](DistributedDataParallelBase& m) { m.register_comm_hook(fp16_compress_hook()); }, 1e-2);
+}
+
+TEST(Gpu, PowerSgdOnCudaEqualsTheCpuRun) {
+  SKIP_WITHOUT_CUDA();
+  check_hook_on_cuda_equals_on_cpu(
+      [](DistributedDataParallelBase& m) {
+        m.register_comm_hook(powersgd_hook(std::make_shared<PowerSGDState>(
+            PowerSGDOptions{.matrix_approximation_rank = 2, .start_powersgd_iter = 2})));
+      },
+      1e-4);
+}
+
+TEST(Gpu, TensorHelpersStageCudaTensorsOnAHostGroupInPlace) {
+  SKIP_WITHOUT_CUDA();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    auto tensor = torch::full({1000}, static_cast<float>(rank + 1), torch::TensorOptions(kCuda0));
+    const auto before = tensor.data_ptr();
+    allreduce_tensor(*pg, tensor, ReduceOp::kSum)->wait();
+    require(tensor.is_cuda() && tensor.data_ptr() == before, "the result is not in place");
+    require(torch::equal(tensor.cpu(), torch::full({1000}, 3.0f)), "allreduce sum is wrong");
+
+    std::vector<torch::Tensor> tensors{
+        torch::full({3}, rank * 10.0, torch::TensorOptions(kCuda0)),
+        torch::full({2}, static_cast<std::int64_t>(rank),
+                    torch::TensorOptions(kCuda0).dtype(torch::kLong))};
+    broadcast_coalesced(*pg, tensors, /*root=*/1);
+    require(torch::equal(tensors[0].cpu(), torch::full({3}, 10.0f)), "broadcast (float) is wrong");
+    require(torch::equal(tensors[1].cpu(), torch::full({2}, 1, torch::kLong)),
+            "broadcast (int64) is wrong");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Gpu, CheckpointMapLocationMovesBetweenCudaAndTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  const auto results = test::run_ranks(1, [&](int) {
+    test::TempDir dir("ddp-gpu-checkpoint");
+    torch::manual_seed(1);
+    test::Mlp on_cuda;
+    on_cuda->to(kCuda0);
+    auto cuda_opt = test::make_sgd(on_cuda->parameters());
+    save_checkpoint(dir.path() / "cuda.pt", *on_cuda, cuda_opt, {.epoch = 1, .tag = "mlp"});
+
+    torch::manual_seed(2);
+    test::Mlp on_cpu;
+    auto cpu_opt = test::make_sgd(on_cpu->parameters());
+    load_checkpoint(dir.path() / "cuda.pt", *on_cpu, cpu_opt, "mlp", torch::Device(torch::kCPU));
+    for (std::size_t i = 0; i < on_cpu->parameters().size(); ++i) {
+      require(on_cpu->parameters()[i].device().is_cpu(), "a CPU parameter moved");
+      require(torch::equal(on_cpu->parameters()[i], on_cuda->parameters()[i].cpu()),
+              "CUDA checkpoint loaded on the CPU differs");
+    }
+
+    torch::manual_seed(3);
+    test::Mlp saved_on_cpu;
+    auto saved_opt = test::make_sgd(saved_on_cpu->parameters());
+    save_checkpoint(dir.path() / "cpu.pt", *saved_on_cpu, saved_opt, {.epoch = 1, .tag = "mlp"});
+    load_checkpoint(dir.path() / "cpu.pt", *on_cuda, cuda_opt, "mlp", kCuda0);
+    for (std::size_t i = 0; i < on_cuda->parameters().size(); ++i) {
+      require(on_cuda->parameters()[i].is_cuda(), "a CUDA parameter moved");
+      require(torch::equal(on_cuda->parameters()[i].cpu(), saved_on_cpu->parameters()[i]),
+              "CPU checkpoint loaded on CUDA differs");
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+}  // namespace
+}  // namespace ddp
