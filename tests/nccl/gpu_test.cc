@@ -25,6 +25,7 @@
 #include "comm/file_store.h"
 #include "comm/nccl/nccl_library.h"
 #include "ddp/comm_error.h"
+#include "ddp/error.h"
 #include "ddp/nccl_process_group.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
@@ -375,6 +376,38 @@ TEST(NcclGpu, EveryCollectiveAtOneRankPerDevice) {
         check_every_collective(*pg, NcclLibrary::load(""));
       },
       240s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(NcclGpu, AHostBufferIsRefusedByNameBeforeAnythingRuns) {
+  REQUIRE_CUDA_DEVICES(1);
+  test::TempDir dir;
+  const auto results = test::run_ranks(
+      1,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, 1);
+        std::vector<float> host(8, 1.0f);
+        for (const bool broadcast : {false, true}) {
+          try {
+            if (broadcast) {
+              pg->broadcast(host.data(), host.size(), DType::kFloat32, 0)->wait();
+            } else {
+              pg->allreduce(host.data(), host.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+            }
+            throw std::runtime_error("a host buffer was handed to NCCL");
+          } catch (const ConfigError& e) {
+            const std::string text = e.what();
+            require(text.find("is host memory") != std::string::npos &&
+                        text.find("device memory only") != std::string::npos,
+                    "the message does not say why: " + text);
+          }
+        }
+        // Nothing was queued: the group still works.
+        DeviceArray<float> buf(NcclLibrary::load(""), std::vector<float>(8, 2.0f));
+        pg->allreduce(buf.get(), 8, DType::kFloat32, ReduceOp::kSum, {.blocking = true});
+        expect_values(buf.download(), std::vector<float>(8, 2.0f), "allreduce after the refusal");
+      },
+      120s);
   EXPECT_ALL_RANKS_OK(results);
 }
 

@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -80,6 +81,10 @@ class NcclProcessGroup final : public GroupFront,
 
  protected:
   void prepare_call(Call& call, const CallOptions& options) override;
+  // Throws ConfigError when `buffer` (non-null) is host memory NCCL cannot address; `call`
+  // describes the operation for the message (formatted only then).
+  void check_device_memory(const void* buffer, const char* which,
+                           const std::function<std::string()>& call) const;
   void run_call(Call& call, net::Deadline deadline) override;
   void on_poison(const std::string& reason) noexcept override;
   std::shared_ptr<Work> post_send(const void* buf, std::size_t count, DType dtype, int dst, int tag,

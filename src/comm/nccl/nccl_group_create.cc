@@ -300,6 +300,7 @@ void NcclProcessGroup::connect() {
 
 std::shared_ptr<Work> NcclProcessGroup::post_send(const void* buf, std::size_t count, DType dtype,
                                                   int dst, int tag, CallOptions options) {
+  check_device_memory(buf, "send", [&] { return fmt::format("send to rank {}", dst); });
   P2pCall p{.is_recv = false, .send = buf, .count = count, .dtype = dtype, .peer = dst};
   {
     std::lock_guard lock(p2p_mutex_);
@@ -322,6 +323,7 @@ std::shared_ptr<Work> NcclProcessGroup::post_send(const void* buf, std::size_t c
 
 std::shared_ptr<Work> NcclProcessGroup::post_recv(void* buf, std::size_t count, DType dtype,
                                                   int src, int tag, CallOptions options) {
+  check_device_memory(buf, "receive", [&] { return fmt::format("recv from rank {}", src); });
   P2pCall p{.is_recv = true, .recv = buf, .count = count, .dtype = dtype, .peer = src};
   {
     std::lock_guard lock(p2p_mutex_);

@@ -165,6 +165,8 @@ std::unique_ptr<NcclLibrary> load_now(const std::string& library) {
   c("cudaMemsetAsync", lib->MemsetAsync);
   c("cudaStreamSynchronize", lib->StreamSynchronize);
   c("cudaDeviceSynchronize", lib->DeviceSynchronize);
+  c("cudaPointerGetAttributes", lib->PointerGetAttributes);
+  c("cudaGetLastError", lib->GetLastErrorCuda);
 
   int version = 0;
   if (lib->GetVersion(&version) == ncclSuccess) lib->nccl_version = version;

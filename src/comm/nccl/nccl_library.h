@@ -74,6 +74,8 @@ struct NcclLibrary {
   cudaError_t (*MemsetAsync)(void*, int, size_t, cudaStream_t);
   cudaError_t (*StreamSynchronize)(cudaStream_t);
   cudaError_t (*DeviceSynchronize)();
+  cudaError_t (*PointerGetAttributes)(cudaPointerAttributes*, const void*);
+  cudaError_t (*GetLastErrorCuda)();
 
   // Loads both libraries (or returns the table loaded before). `library`: see the file comment.
   static const NcclLibrary& load(const std::string& library);

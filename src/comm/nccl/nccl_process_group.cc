@@ -1,6 +1,8 @@
 // Running one call of the nccl backend: ordering after the caller's stream, the fingerprint check,
 // completion by polling under the deadline, errors and poisoning (see nccl_group.h).
 #include <algorithm>
+#include <functional>
+#include <string>
 #include <utility>
 
 #include <fmt/format.h>
@@ -102,10 +104,32 @@ void NcclProcessGroup::check_cuda(const Call& call, cudaError_t rc, const char* 
               describe_cuda_failure(what, rc, lib_.GetErrorName(rc), lib_.GetErrorStringCuda(rc)));
 }
 
+// A host buffer handed to NCCL would fault inside its kernel (and take the CUDA context with
+// it): refuse it by name before anything is queued. Pageable host memory is "unregistered";
+// pinned or managed memory the device can address is let through, as NCCL allows it.
+void NcclProcessGroup::check_device_memory(const void* buffer, const char* which,
+                                           const std::function<std::string()>& call) const {
+  if (buffer == nullptr) return;
+  cudaPointerAttributes attributes{};
+  const cudaError_t rc = lib_.PointerGetAttributes(&attributes, buffer);
+  if (rc != cudaSuccess) lib_.GetLastErrorCuda();  // clear the error an unknown pointer leaves
+  if (rc == cudaSuccess && attributes.type != cudaMemoryTypeUnregistered) return;
+  throw ConfigError(fmt::format(
+      "rank {} of group '{}' (nccl backend): {}: the {} buffer {} is host memory, and NCCL reads "
+      "and writes device memory only; pass a buffer on CUDA device {} (a CUDA tensor), or use a "
+      "host group (ring, mpi) for host buffers",
+      rank(), name(), call(), which, buffer, device_));
+}
+
 // The event of the caller's stream, recorded now, on the caller's thread: the call must see what
 // the caller queued before it, not what it queues after.
 void NcclProcessGroup::prepare_call(Call& call, const CallOptions& options) {
   DeviceGuard guard(lib_, device_);
+  const auto described = [&call] { return call.description(); };
+  check_device_memory(call.send, "send", described);
+  check_device_memory(call.recv, "receive", described);
+  for (const auto& segment : call.segments)
+    check_device_memory(segment.data, "segment", described);
   cudaEvent_t event = nullptr;
   check_cuda(call, lib_.EventCreateWithFlags(&event, cudaEventDisableTiming),
              "cudaEventCreateWithFlags (the caller's stream event)");
