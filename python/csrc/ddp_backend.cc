@@ -193,8 +193,8 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::allreduce_coalesced(
     check_cpu_dense(tensors[i], fmt::format("allreduce_coalesced's tensor {}", i));
     TORCH_CHECK(tensors[i].scalar_type() == tensors[0].scalar_type(),
                 "ddp backend: allreduce_coalesced's tensors must share one dtype: tensor ", i,
-                " is ", c10::toString(tensors[i].scalar_type()), ", tensor 0 is ",
-                c10::toString(tensors[0].scalar_type()));
+                " is ", dtype_name(tensors[i].scalar_type()), ", tensor 0 is ",
+                dtype_name(tensors[0].scalar_type()));
   }
   // One collective over the tensors packed together, unpacked on success: one message instead of
   // one per tensor.
@@ -247,8 +247,8 @@ DdpBackend::Step DdpBackend::allgather_step(const std::string& call,
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     check_cpu_dense(outputs[i], fmt::format("{}'s output {}", call, i));
     TORCH_CHECK(outputs[i].scalar_type() == input.scalar_type(), "ddp backend: ", call,
-                "'s output ", i, " is ", c10::toString(outputs[i].scalar_type()),
-                " but the input is ", c10::toString(input.scalar_type()));
+                "'s output ", i, " is ", dtype_name(outputs[i].scalar_type()), " but the input is ",
+                dtype_name(input.scalar_type()));
   }
   TORCH_CHECK(outputs[getRank()].numel() == input.numel(), "ddp backend: ", call, "'s output ",
               getRank(), " (this rank's) has ", outputs[getRank()].numel(),
@@ -276,8 +276,8 @@ DdpBackend::Step DdpBackend::allgather_base_step(const std::string& call, at::Te
   check_cpu_dense(input, call + "'s input");
   check_cpu_dense(output, call + "'s output");
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "ddp backend: ", call, "'s output is ",
-              c10::toString(output.scalar_type()), " but its input is ",
-              c10::toString(input.scalar_type()));
+              dtype_name(output.scalar_type()), " but its input is ",
+              dtype_name(input.scalar_type()));
   TORCH_CHECK(output.numel() == input.numel() * getSize(), "ddp backend: ", call, "'s output has ",
               output.numel(), " elements; it must hold the group's ", getSize(), " inputs of ",
               input.numel());
@@ -433,8 +433,8 @@ DdpBackend::Step DdpBackend::reduce_scatter_base_step(const std::string& call, a
   check_cpu_dense(input, call + "'s input");
   check_cpu_dense(output, call + "'s output");
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "ddp backend: ", call, "'s output is ",
-              c10::toString(output.scalar_type()), " but its input is ",
-              c10::toString(input.scalar_type()));
+              dtype_name(output.scalar_type()), " but its input is ",
+              dtype_name(input.scalar_type()));
   TORCH_CHECK(input.numel() == output.numel() * getSize(), "ddp backend: ", call, "'s input has ",
               input.numel(), " elements; it must hold ", getSize(), " blocks of the output's ",
               output.numel());
@@ -466,8 +466,8 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::reduce_scatter(
     TORCH_CHECK(inputs[0][i].scalar_type() == outputs[0].scalar_type(),
                 "ddp backend: "
                 "reduce_scatter's input ",
-                i, " is ", c10::toString(inputs[0][i].scalar_type()), " but the output is ",
-                c10::toString(outputs[0].scalar_type()));
+                i, " is ", dtype_name(inputs[0][i].scalar_type()), " but the output is ",
+                dtype_name(outputs[0].scalar_type()));
   }
   TORCH_CHECK(inputs[0][getRank()].numel() == outputs[0].numel(),
               "ddp backend: reduce_scatter's "
@@ -529,8 +529,8 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::alltoall_base(at::Tensor& output, at:
   TORCH_CHECK(output.scalar_type() == input.scalar_type(),
               "ddp backend: all_to_all_single's "
               "output is ",
-              c10::toString(output.scalar_type()), " but its input is ",
-              c10::toString(input.scalar_type()));
+              dtype_name(output.scalar_type()), " but its input is ",
+              dtype_name(input.scalar_type()));
   const int size = getSize();
   at::Tensor in = input.contiguous();
   auto out = contiguous_of(output);
@@ -592,7 +592,7 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::alltoall(std::vector<at::Tensor>& out
     TORCH_CHECK(inputs[r].scalar_type() == inputs[0].scalar_type() &&
                     outputs[r].scalar_type() == inputs[0].scalar_type(),
                 "ddp backend: all_to_all's tensors must share one dtype (",
-                c10::toString(inputs[0].scalar_type()), ")");
+                dtype_name(inputs[0].scalar_type()), ")");
   }
   at::Tensor send = packed(inputs);
   at::Tensor recv =

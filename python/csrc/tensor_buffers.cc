@@ -63,6 +63,10 @@ std::string op_name(c10d::ReduceOp::RedOpType op) {
 
 }  // namespace
 
+std::string dtype_name(at::ScalarType type) {
+  return "torch." + std::string(c10::getDtypeNames(type).first);
+}
+
 Buffer movement_buffer(const at::Tensor& contiguous) {
   Buffer buffer{contiguous.data_ptr(), static_cast<std::size_t>(contiguous.numel()),
                 ddp::DType::kUInt8};
@@ -82,7 +86,7 @@ Reduction reduction_buffer(const at::Tensor& contiguous, const c10d::ReduceOp& o
               ddp::DType::kUInt8};
   auto refuse = [&](const std::string& why) {
     TORCH_CHECK(false, "ddp backend: ", call, " with ReduceOp.", op_name(kind), " on a ",
-                c10::toString(type), " tensor: ", why);
+                dtype_name(type), " tensor: ", why);
   };
   if (type == at::kBool) {
     // A bool is a byte holding 0 or 1: MAX is logical or (c10d's SUM and BOR on bools), MIN is
@@ -168,8 +172,8 @@ void check_same_type_and_size(const std::vector<at::Tensor>& tensors, const at::
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     check_cpu_dense(tensors[i], fmt::format("{} {}", what, i));
     TORCH_CHECK(tensors[i].scalar_type() == like.scalar_type(), "ddp backend: ", what, " ", i,
-                " is ", c10::toString(tensors[i].scalar_type()), " but the input is ",
-                c10::toString(like.scalar_type()));
+                " is ", dtype_name(tensors[i].scalar_type()), " but the input is ",
+                dtype_name(like.scalar_type()));
     TORCH_CHECK(tensors[i].numel() == like.numel(), "ddp backend: ", what, " ", i, " has ",
                 tensors[i].numel(), " elements but the input has ", like.numel());
   }

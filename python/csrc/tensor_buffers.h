@@ -19,6 +19,9 @@
 
 namespace torch_ddp {
 
+// A dtype as Python spells it ("torch.int16"), for messages.
+std::string dtype_name(at::ScalarType type);
+
 // A tensor's elements as (pointer, count, dtype) for the engine.
 struct Buffer {
   void* data = nullptr;
