@@ -22,6 +22,8 @@
 #include "ddp/error.h"
 #include "ddp/torch/c10d_process_group.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/join.h"
+#include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
@@ -68,7 +70,7 @@ std::shared_ptr<ProcessGroup> wrap_gloo(const std::string& store_path, int rank,
 }
 #endif
 
-std::string store_file(const test::TempDir& dir) {
+[[maybe_unused]] std::string store_file(const test::TempDir& dir) {
   return (dir.path() / "store").string();
 }
 
@@ -319,6 +321,201 @@ void check_every_operation(ProcessGroup& pg) {
   check_send_recv(pg);
 }
 
+// A c10d collectives class that runs every call over a ddp ring group: a stand-in for gloo where
+// no ProcessGroupGloo can be built (PyPI's libtorch), so the adapter's mapping of each operation
+// onto c10d's calls (the tensor lists, views and options it passes, the Works it waits for) is
+// checked in both builds. A c10d::Backend in 2.x, a c10d::ProcessGroup in 1.13, as gloo is.
+#if TORCH_VERSION_MAJOR >= 2
+using C10dBase = c10d::Backend;
+#else
+using C10dBase = c10d::ProcessGroup;
+#endif
+
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork() { finish(); }
+};
+
+// A c10d Work for a ddp Work still running (point to point).
+class ForwardingWork : public c10d::Work {
+ public:
+  explicit ForwardingWork(std::shared_ptr<ddp::Work> work) : work_(std::move(work)) {}
+  bool isCompleted() override { return work_->is_completed(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (!work_->wait_for(timeout.count() == 0 ? std::chrono::milliseconds(60'000) : timeout)) {
+      TORCH_CHECK(false, "ForwardingWork: timed out");
+    }
+    if (auto error = work_->error()) std::rethrow_exception(error);
+    return true;
+  }
+
+ private:
+  std::shared_ptr<ddp::Work> work_;  // ddp's, not c10d's (this class's base)
+};
+
+class RingBackedC10d final : public C10dBase {
+ public:
+  explicit RingBackedC10d(std::shared_ptr<ddp::ProcessGroup> ring)
+      : C10dBase(ring->rank(), ring->size()), ring_(std::move(ring)) {}
+  const std::string getBackendName() const override { return "ring-double"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    auto& t = single(tensors);
+    ring_->allreduce(t.data_ptr(), n(t), dtype(t), op(opts.reduceOp), blocking())->wait();
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    auto& t = single(tensors);
+    ring_->broadcast(t.data_ptr(), n(t), dtype(t), static_cast<int>(opts.rootRank), blocking())
+        ->wait();
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    auto& t = single(tensors);
+    auto result = t.clone();
+    ring_
+        ->reduce(t.data_ptr(), result.data_ptr(), n(t), dtype(t), op(opts.reduceOp),
+                 static_cast<int>(opts.rootRank), blocking())
+        ->wait();
+    if (getRank() == opts.rootRank) t.copy_(result);
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions&) override {
+    auto& in = single(inputs);
+    auto all = torch::empty({getSize() * in.numel()}, in.options());
+    ring_->allgather(in.data_ptr(), all.data_ptr(), n(in), dtype(in), blocking())->wait();
+    unpack(all, outputs.at(0));
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    auto& in = single(inputs);
+    const bool root = getRank() == opts.rootRank;
+    if (root != (outputs.size() == 1)) TORCH_CHECK(false, "gather: outputs at the root only");
+    auto all = torch::empty({getSize() * in.numel()}, in.options());
+    ring_
+        ->gather(in.data_ptr(), all.data_ptr(), n(in), dtype(in), static_cast<int>(opts.rootRank),
+                 blocking())
+        ->wait();
+    if (root) unpack(all, outputs[0]);
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    auto& out = single(outputs);
+    const bool root = getRank() == opts.rootRank;
+    if (root != (inputs.size() == 1)) TORCH_CHECK(false, "scatter: inputs at the root only");
+    auto all = root ? torch::cat(inputs[0]) : torch::empty({0}, out.options());
+    ring_
+        ->scatter(root ? all.data_ptr() : nullptr, out.data_ptr(), n(out), dtype(out),
+                  static_cast<int>(opts.rootRank), blocking())
+        ->wait();
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    auto& out = single(outputs);
+    auto all = torch::cat(inputs.at(0));
+    ring_
+        ->reduce_scatter(all.data_ptr(), out.data_ptr(), n(out), dtype(out), op(opts.reduceOp),
+                         blocking())
+        ->wait();
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions&) override {
+    if (!output_splits.empty() || !input_splits.empty()) TORCH_CHECK(false, "equal splits only");
+    ring_
+        ->alltoall(input.data_ptr(), output.data_ptr(), n(input) / getSize(), dtype(input),
+                   blocking())
+        ->wait();
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    ring_->barrier(blocking())->wait();
+    return done();
+  }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    auto& t = single(tensors);
+    return c10::make_intrusive<ForwardingWork>(ring_->send(t.data_ptr(), n(t), dtype(t), dst, tag));
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    auto& t = single(tensors);
+    return c10::make_intrusive<ForwardingWork>(ring_->recv(t.data_ptr(), n(t), dtype(t), src, tag));
+  }
+
+ private:
+  static at::Tensor& single(std::vector<at::Tensor>& tensors) {
+    if (tensors.size() != 1 || !tensors[0].is_contiguous()) {
+      TORCH_CHECK(false, "RingBackedC10d: one contiguous tensor per call");
+    }
+    return tensors[0];
+  }
+  static std::size_t n(const at::Tensor& t) { return static_cast<std::size_t>(t.numel()); }
+  static DType dtype(const at::Tensor& t) { return to_dtype(t.scalar_type()); }
+  static CallOptions blocking() { return {.blocking = true}; }
+  static ReduceOp op(const c10d::ReduceOp& op) {
+    const auto type = static_cast<c10d::ReduceOp::RedOpType>(op);
+    if (type == c10d::ReduceOp::SUM) return ReduceOp::kSum;
+    if (type == c10d::ReduceOp::MIN) return ReduceOp::kMin;
+    if (type == c10d::ReduceOp::MAX) return ReduceOp::kMax;
+    if (type == c10d::ReduceOp::PRODUCT) return ReduceOp::kProduct;
+    throw std::invalid_argument("RingBackedC10d: reduce op not mapped");
+  }
+  static void unpack(const at::Tensor& all, std::vector<at::Tensor>& outputs) {
+    auto pieces = all.chunk(static_cast<int64_t>(outputs.size()));
+    for (std::size_t r = 0; r < outputs.size(); ++r)
+      outputs[r].copy_(pieces[r]);
+  }
+  static c10::intrusive_ptr<c10d::Work> done() { return c10::make_intrusive<DoneWork>(); }
+
+  std::shared_ptr<ddp::ProcessGroup> ring_;
+};
+
+// The wrapped double over a fresh ring group. 2.x: through a c10d::ProcessGroup holding it as
+// its CPU backend when `through_group`, else the Backend itself.
+std::shared_ptr<ProcessGroup> wrap_double(int rank, int size, int port, bool through_group) {
+  auto ring = test::join_group(rank, size, port);
+  auto double_ = c10::make_intrusive<RingBackedC10d>(ring);
+#if TORCH_VERSION_MAJOR >= 2
+  if (through_group) {
+    auto group = c10::make_intrusive<c10d::ProcessGroup>(rank, size);
+    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
+                      c10::intrusive_ptr<c10d::Backend>(double_));
+    return wrap_c10d(group, {.name = "double"});
+  }
+#else
+  static_cast<void>(through_group);  // 1.13: the double is a c10d::ProcessGroup already
+#endif
+  return wrap_c10d(double_, {.name = "double"});
+}
+
+class C10dDoubleWorld : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(C10dDoubleWorld, EveryOperationGivesTheExpectedValues) {
+  const auto [world, through_group] = GetParam();
+  const int port = test::free_port();
+  const auto results = run_ranks(world, [&](int rank) {
+    auto pg = wrap_double(rank, world, port, through_group);
+    if (pg->backend() != "c10d:ring-double") throw std::runtime_error(std::string(pg->backend()));
+    check_every_operation(*pg);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+INSTANTIATE_TEST_SUITE_P(World, C10dDoubleWorld,
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()));
+
 class C10dGlooWorld : public ::testing::TestWithParam<int> {};
 
 TEST_P(C10dGlooWorld, EveryOperationGivesTheExpectedValues) {
@@ -463,9 +660,15 @@ TEST(C10dGloo, DeadlineIsACommErrorOfKindTimeoutAndPoisonsTheGroup) {
 // group gives the same parameters.
 constexpr int kIn = 6, kHidden = 8, kOut = 3, kBatch = 4, kSteps = 4;
 
-torch::nn::Sequential make_model() {
-  torch::nn::Sequential model(torch::nn::Linear(kIn, kHidden), torch::nn::Tanh(),
-                              torch::nn::Linear(kHidden, kOut));
+// What is trained: plain DDP with SGD, DDP with ZeRO (Adam), a model with SyncBatchNorm, or DDP
+// under Join with rank r training kSteps + r steps.
+enum class Training { kDdp, kZero, kSyncBatchNorm, kJoin };
+
+torch::nn::Sequential make_model(bool batch_norm) {
+  torch::nn::Sequential model(torch::nn::Linear(kIn, kHidden));
+  if (batch_norm) model->push_back(torch::nn::BatchNorm1d(kHidden));
+  model->push_back(torch::nn::Tanh());
+  model->push_back(torch::nn::Linear(kHidden, kOut));
   torch::NoGradGuard no_grad;
   int k = 0;
   for (auto& p : model->parameters()) {
@@ -484,15 +687,18 @@ std::pair<at::Tensor, at::Tensor> make_batch(int rank, int step) {
   return {x.view({kBatch, kIn}).to(torch::kFloat32), y.view({kBatch, kOut}).to(torch::kFloat32)};
 }
 
-// Trains kSteps steps on 2 ranks over the group `make_group` builds; rank 0 saves its model.
-void train(const std::function<std::shared_ptr<ProcessGroup>(int rank)>& make_group, bool zero,
-           const std::string& out_file) {
+// Trains on 2 ranks over the group `make_group` builds; returns rank 0's parameters and buffers
+// (every rank checks that all hold the same parameters).
+std::vector<at::Tensor> train(
+    const std::function<std::shared_ptr<ProcessGroup>(int rank)>& make_group, Training training,
+    const std::string& out_file) {
   const auto results = run_ranks(2, [&](int rank) {
     auto pg = make_group(rank);
-    auto net = make_model();
+    auto net = make_model(training == Training::kSyncBatchNorm);
+    if (training == Training::kSyncBatchNorm) convert_sync_batchnorm(net.ptr(), pg);
     DistributedDataParallel model(net, pg);
     std::unique_ptr<torch::optim::Optimizer> opt;
-    if (zero) {
+    if (training == Training::kZero) {
       opt = std::make_unique<ZeroRedundancyOptimizer>(
           model->parameters(),
           optimizer_factory<torch::optim::Adam>(torch::optim::AdamOptions(0.01)), pg);
@@ -500,51 +706,91 @@ void train(const std::function<std::shared_ptr<ProcessGroup>(int rank)>& make_gr
       opt = std::make_unique<torch::optim::SGD>(model->parameters(),
                                                 torch::optim::SGDOptions(0.1).momentum(0.9));
     }
-    for (int step = 0; step < kSteps; ++step) {
-      auto [x, y] = make_batch(rank, step);
-      opt->zero_grad();
-      torch::mse_loss(model->forward(x), y).backward();
-      opt->step();
+    const int steps = training == Training::kJoin ? kSteps + rank : kSteps;
+    {
+      Join join({*model}, {.enable = training == Training::kJoin});
+      for (int step = 0; step < steps; ++step) {
+        auto [x, y] = make_batch(rank, step);
+        opt->zero_grad();
+        torch::mse_loss(model->forward(x), y).backward();
+        opt->step();
+      }
     }
     test::expect_identical_across_ranks(*pg, model->parameters(), "parameters");
-    if (rank == 0) torch::save(net, out_file);
+    if (rank == 0) {
+      std::vector<at::Tensor> state;
+      for (const auto& p : net->parameters())
+        state.push_back(p.detach().clone());
+      for (const auto& b : net->buffers())
+        state.push_back(b.detach().clone());
+      torch::save(state, out_file);
+    }
   });
   for (const auto& r : results) {
     if (!r.ok()) throw std::runtime_error(test::describe(results));
   }
+  std::vector<at::Tensor> state;
+  torch::load(state, out_file);
+  return state;
 }
 
-void expect_same_training(bool zero) {
-#if DDP_TEST_C10D_GLOO
-  test::TempDir dir("ddp-c10d");
-  const auto gloo_file = (dir.path() / "gloo.pt").string();
-  const auto ring_file = (dir.path() / "ring.pt").string();
-  train([&](int rank) { return wrap_gloo(store_file(dir), rank, 2); }, zero, gloo_file);
+// The same training over the wrapped group and over a ring group of ddp's own.
+void expect_same_training(const std::function<std::shared_ptr<ProcessGroup>(int rank)>& wrapped,
+                          Training training) {
+  test::TempDir dir("ddp-c10d-train");
+  const auto a = train(wrapped, training, (dir.path() / "wrapped.pt").string());
   const int port = test::free_port();
-  train([&](int rank) { return test::join_group(rank, 2, port); }, zero, ring_file);
-  auto over_gloo = make_model(), over_ring = make_model();
-  torch::load(over_gloo, gloo_file);
-  torch::load(over_ring, ring_file);
-  const auto a = over_gloo->parameters(), b = over_ring->parameters();
+  const auto b = train([&](int rank) { return test::join_group(rank, 2, port); }, training,
+                       (dir.path() / "ring.pt").string());
   ASSERT_EQ(a.size(), b.size());
   for (std::size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LE((a[i] - b[i]).abs().max().item<double>(), 1e-6) << "parameter " << i;
+    EXPECT_LE((a[i].to(torch::kFloat64) - b[i].to(torch::kFloat64)).abs().max().item<double>(),
+              1e-6)
+        << "tensor " << i;
   }
   // And training moved them (the comparison is not of two untouched models).
-  EXPECT_GT((a[0] - make_model()->parameters()[0]).abs().max().item<double>(), 1e-3);
-#else
-  static_cast<void>(zero);
+  const auto initial = make_model(training == Training::kSyncBatchNorm)->parameters();
+  double moved = 0;
+  for (std::size_t i = 0; i < initial.size(); ++i) {
+    moved = std::max(moved, (a[i] - initial[i]).abs().max().item<double>());
+  }
+  EXPECT_GT(moved, 1e-3);
+}
+
+class C10dGlooTraining : public ::testing::TestWithParam<Training> {};
+
+TEST_P(C10dGlooTraining, OverGlooEqualsRingGroup) {
+  REQUIRE_GLOO();
+#if DDP_TEST_C10D_GLOO
+  test::TempDir dir("ddp-c10d");
+  expect_same_training([&](int rank) { return wrap_gloo(store_file(dir), rank, 2); }, GetParam());
 #endif
 }
 
-TEST(C10dGloo, DistributedDataParallelOverGlooEqualsRingGroup) {
-  REQUIRE_GLOO();
-  expect_same_training(/*zero=*/false);
+std::string training_name(const ::testing::TestParamInfo<Training>& info) {
+  switch (info.param) {
+    case Training::kDdp:
+      return "DistributedDataParallel";
+    case Training::kZero:
+      return "ZeroRedundancyOptimizer";
+    case Training::kSyncBatchNorm:
+      return "SyncBatchNorm";
+    case Training::kJoin:
+      return "Join";
+  }
+  return "unknown";
 }
 
-TEST(C10dGloo, ZeroRedundancyOptimizerOverGlooEqualsRingGroup) {
-  REQUIRE_GLOO();
-  expect_same_training(/*zero=*/true);
+INSTANTIATE_TEST_SUITE_P(Training, C10dGlooTraining,
+                         ::testing::Values(Training::kDdp, Training::kZero,
+                                           Training::kSyncBatchNorm, Training::kJoin),
+                         training_name);
+
+// DDP over the wrapped ring-backed double: the adapter under DDP in both builds.
+TEST(C10dDouble, DistributedDataParallelEqualsRingGroup) {
+  const int port = test::free_port();
+  expect_same_training([&](int rank) { return wrap_double(rank, 2, port, /*through_group=*/true); },
+                       Training::kDdp);
 }
 
 }  // namespace

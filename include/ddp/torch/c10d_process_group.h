@@ -15,16 +15,21 @@
 // argument checks, call record and sequence numbers, queue, poisoning and errors by kind. Each
 // call hands the caller's buffers to c10d as tensors made with torch::from_blob (no copy) and
 // waits for c10d's Work within the call's deadline, which it also passes to c10d as the
-// operation's own timeout, so c10d gives the buffers up by then. ReduceOp::kAvg is a sum divided
-// by the group size (c10d's gloo has no average); reduce_scatter is an allreduce plus a copy of
-// this rank's block where c10d's backend refuses reduce_scatter (gloo in 1.13). The uneven
+// operation's own timeout, so c10d gives the buffers up by then (2.x; 1.13's gloo keeps its
+// group-wide ProcessGroupGloo::Options::timeout: set it no longer than ddp's). ReduceOp::kAvg is a
+// sum divided by the group size (c10d's gloo has no average); reduce_scatter is an allreduce plus a
+// copy of this rank's block where c10d's backend refuses reduce_scatter (gloo in 1.13). The uneven
 // collectives are the front's (padded to the largest block).
 //
 // Errors: ConfigError from wrap_c10d for a null group; from a call, before anything is queued,
 // for a bad argument or a dtype the backend cannot reduce (naming the operation and the backend);
 // from new_group when options.new_group is not set (a c10d group cannot split itself without a
 // store). CommError from Work::wait: kTimeout when the deadline passed, kTransport when c10d
-// reported a failure (its message included).
+// reported a failure (its message included). Ranks that issue different collectives are not
+// named as with ring and mpi: c10d's gloo sends no call header to compare.
+//
+// Threads: as any ProcessGroup (process_group.h). The c10d group must not be used directly while
+// the wrapper has calls in flight (c10d would see two interleaved streams of collectives).
 #pragma once
 
 #include <chrono>
