@@ -6,17 +6,16 @@
 //
 // Building a ProcessGroupGloo needs gloo's headers (tests/torch/CMakeLists.txt says where they
 // come from); without them (PyPI's libtorch) the tests that need one skip, saying why.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
-#include <map>
-#include <numeric>
+#include <functional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
-#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
@@ -40,7 +39,6 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::run_ranks;
-using ::testing::HasSubstr;
 
 #if DDP_TEST_C10D_GLOO
 #define REQUIRE_GLOO()
