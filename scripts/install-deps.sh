@@ -9,6 +9,7 @@ packages=(
   g++ cmake ninja-build ccache pkg-config git clang-format
   clang libclang-rt-14-dev  # the fuzz stage of scripts/test.sh: clang and libFuzzer
   libtorch-dev libopenblas0-pthread
+  libgloo-dev  # gloo's headers: tests/torch builds c10d::ProcessGroupGloo (libtorch links libgloo0)
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist python3-torch
   python3-venv  # the PyTorch 2.x environment below
