@@ -1,6 +1,10 @@
 #!/usr/bin/python3
 """torch.distributed's gloo allreduce (float32, sum), timed exactly as ddp-bench times ddp's.
 
+--backend ddp times the same calls on ddp's engine registered as a torch.distributed backend
+(torch_ddp, PyTorch 2.x: scripts/pytorch-python with torch_ddp installed or on PYTHONPATH);
+bench/torch_ddp_compare.py runs the two side by side.
+
 One process per rank; the caller starts them with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 in the environment (bench/compare_allreduce.py does; torchrun is not used because Debian's
 python3-torch 1.13 torchrun fails under Python 3.11 before starting any worker). Run it with the
@@ -59,6 +63,9 @@ def main():
     parser.add_argument("--iters", type=positive, default=20)
     parser.add_argument("--warmup", type=non_negative, default=5)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "ddp"],
+                        help="torch.distributed backend: gloo, or ddp (needs torch_ddp, "
+                             "docs/pytorch-backend.md; PyTorch 2.x)")
     args = parser.parse_args()  # exits 2 on bad arguments
 
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -71,10 +78,13 @@ def main():
     import torch
     import torch.distributed as dist
 
+    if args.backend == "ddp":
+        import torch_ddp  # noqa: F401  (registers the backend "ddp")
+
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout))
 
     max_count = max(max(1, size // 4) for size in args.sizes)
@@ -115,7 +125,7 @@ def main():
                 "time_max_us": float(times.max()), "algbw_gbps": algbw,
                 "busbw_gbps": algbw * 2 * (world_size - 1) / world_size,
                 "wrong": int(wrong.item()), "iters": args.iters, "warmup": args.warmup,
-                "world_size": world_size, "backend": "gloo",
+                "world_size": world_size, "backend": args.backend,
                 "torch": torch.__version__}), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -20,7 +20,8 @@ bucket (--bucket-cap-mb larger than the model's gradients) it runs.
 --device cuda puts the model and the batch on cuda:(LOCAL_RANK % device count) and synchronises
 the device before each step's clock is read; --backend gloo (the default; with CUDA tensors too:
 gloo stages them through host memory, and two ranks may share one GPU) or nccl (one GPU per rank:
-NCCL refuses two ranks on one GPU). --always-ddp wraps the model in DDP also with one process
+NCCL refuses two ranks on one GPU) or ddp (ddp's engine as a torch.distributed backend: torch_ddp,
+docs/pytorch-backend.md; CPU tensors). --always-ddp wraps the model in DDP also with one process
 (DDP's own cost). These are ddp-train-bench's options of the same names (docs/gpu.md).
 """
 import argparse
@@ -66,7 +67,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="mlp", choices=["cnn", "mlp"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "ddp"])
     parser.add_argument("--always-ddp", action="store_true",
                         help="wrap the model in DDP also with one process")
     parser.add_argument("--steps", type=int, default=30)
@@ -93,6 +94,8 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = world > 1 or args.always_ddp
+    if args.backend == "ddp" and args.device != "cpu":
+        parser.error("--backend ddp takes CPU tensors: use --device cpu")
     if args.backend == "nccl" and args.device != "cuda":
         parser.error("--backend nccl needs --device cuda")
     device = torch.device("cpu")
@@ -115,6 +118,8 @@ def main():
     torch.manual_seed(1234)
     model = make_model(args.model).to(device)
     if distributed:
+        if args.backend == "ddp":
+            import torch_ddp  # noqa: F401  (registers the backend "ddp")
         dist.init_process_group(args.backend, rank=rank, world_size=world)
         # bucket_cap_mb only when asked for: PyTorch 1.13's DDP rejects None (2.x reads it as
         # "the default"), and this script runs on both.

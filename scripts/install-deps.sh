@@ -13,6 +13,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist python3-torch
   python3-venv  # the PyTorch 2.x environment below
+  libpython3-dev  # Python.h: torch_ddp, the extension in python/ (built in the pytorch stage)
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libfmt-dev nlohmann-json3-dev zlib1g-dev libssl-dev
   iproute2 procps

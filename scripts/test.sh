@@ -6,8 +6,9 @@
 #          build-pytorch/): every test
 #   pytorch  when main is against Debian's libtorch: build-pytorch/ against PyTorch 2.x from PyPI,
 #          the tests of everything that links libtorch (ddp::torch, the trainer, the package, the
-#          configure checks, PyTorch's torchrun); the layers below (net, store, comm, init) do not
-#          link libtorch and are the same code as in main
+#          configure checks, PyTorch's torchrun) and of torch_ddp (python/: ddp as a
+#          torch.distributed backend, pip-installed into the PyTorch environment); the layers
+#          below (net, store, comm, init) do not link libtorch and are the same code as in main
 #   asan   build-asan/ (ASan+UBSan, no libtorch): the unit and multiprocess suites
 #   tsan   build-tsan/ (TSan, no libtorch): the net, store, engine (comm, shm) and init tests
 #   fuzz   build-fuzz/ (clang, libFuzzer+ASan+UBSan, no libtorch): each harness for
@@ -72,9 +73,15 @@ bash scripts/install-deps.sh
 if want main; then
   stage_start main
   echo "test.sh: main stage against $ddp_libtorch_line ($ddp_build_dir/)"
+  python_option=()  # torch_ddp builds against PyTorch's own libtorch only
+  [[ $ddp_libtorch == pytorch ]] && python_option=(-DDDP_BUILD_PYTHON=ON)
   cmake -S . -B "$ddp_build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    "${ddp_cmake_libtorch[@]}"
+    "${ddp_cmake_libtorch[@]}" "${python_option[@]}"
   cmake --build "$ddp_build_dir"
+  if [[ $ddp_libtorch == pytorch ]]; then
+    TORCH_DDP_BUILD_DIR=$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
+      --no-build-isolation ./python
+  fi
   run_ctest "$ddp_build_dir" --output-on-failure --timeout 600 -j "$jobs" "$@"
   stage_end main
 fi
@@ -84,9 +91,13 @@ if want pytorch; then
   DDP_LIBTORCH=pytorch source scripts/libtorch-choice.sh
   echo "test.sh: pytorch stage against $ddp_libtorch_line ($ddp_build_dir/)"
   cmake -S . -B "$ddp_build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    "${ddp_cmake_libtorch[@]}"
+    "${ddp_cmake_libtorch[@]}" -DDDP_BUILD_PYTHON=ON
   cmake --build "$ddp_build_dir"
-  for dir in tests/torch tests/torch_data tests/package tests/libtorch_select; do
+  # torch_ddp into the PyTorch environment, as the README says (reusing this build), for the
+  # tests below and PyTorch's own suite (python/ and tests/python run it from the build folder).
+  TORCH_DDP_BUILD_DIR=$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
+    --no-build-isolation ./python
+  for dir in tests/torch tests/torch_data tests/package tests/libtorch_select python; do
     run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs"
   done
   stage_end pytorch
