@@ -98,6 +98,7 @@ class NotImportedEverywhere(unittest.TestCase):
         ctx = multiprocessing.get_context("spawn")
         with tempfile.TemporaryDirectory() as folder:
             init_file = os.path.join(folder, "store")
+            os.environ["DDP_DUMP_DIR"] = folder
             procs = [ctx.Process(target=_only_rank_0_imports, args=(r, init_file)) for r in (0, 1)]
             for p in procs:
                 p.start()

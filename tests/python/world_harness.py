@@ -45,6 +45,8 @@ def run_world(fn, world_size, backend="ddp", timeout=120.0, args=(), pg_timeout=
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="torch_ddp_test_") as folder:
         init_file = os.path.join(folder, "store")
+        # A failing world writes ddp's flight recorder dumps here, not into the source tree.
+        os.environ["DDP_DUMP_DIR"] = folder
         processes = [
             context.Process(
                 target=_rank_main,
