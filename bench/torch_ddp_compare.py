@@ -13,7 +13,7 @@ round by round so that both see the same machine:
 Prints one markdown table (medians over rounds, and the ratio ddp/gloo) and, with --json, writes
 every measurement. torch_ddp comes from --torch-ddp (a folder holding the package, default the
 build folder's python/ when it has one) or from the environment where it was pip-installed.
---tiny runs each measurement once at toy sizes (CI runs it so the driver cannot rot).
+--tiny runs each measurement once at toy sizes, the mlp only (CI runs it so the driver cannot rot).
 """
 
 from __future__ import annotations
@@ -111,12 +111,13 @@ def main():
     iters = 3 if args.tiny else 30
     steps = 2 if args.tiny else 20
     small, large = (1024, 65536) if args.tiny else (1024, 64 << 20)
+    models = ("mlp",) if args.tiny else ("mlp", "cnn")
     results = {b: {"allreduce": [], "mlp": [], "cnn": []} for b in ("gloo", "ddp")}
     for r in range(rounds):
         for backend in (("gloo", "ddp") if r % 2 == 0 else ("ddp", "gloo")):
             results[backend]["allreduce"].append(
                 allreduce(python, backend, sizes, iters, env, args.world))
-            for model in ("mlp", "cnn"):
+            for model in models:
                 results[backend][model].append(ddp_step(python, backend, model, steps, env,
                                                         args.world))
         print(f"torch_ddp_compare: round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
@@ -144,6 +145,8 @@ def main():
     print(f"| all_reduce {large >> 20 if large >= 1 << 20 else large} "
           f"{'MiB' if large >= 1 << 20 else 'B'} busbw, GB/s | {g:.2f} | {d:.2f} | {d / g:.2f}x |")
     for name, m in (("mlp", mlp), ("cnn", cnn)):
+        if name not in models:
+            continue
         g, d = med("gloo", m), med("ddp", m)
         print(f"| PyTorch DDP {name}, samples/s | {g:.0f} | {d:.0f} | {d / g:.2f}x |")
     if args.json:
