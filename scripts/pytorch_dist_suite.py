@@ -91,12 +91,12 @@ import unittest  # noqa: E402
 
 BUILTIN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 # DistTestCases.backend_feature entries that a backend outside PyTorch is given under
-# --features like-gloo (docs/pytorch-backend.md says why): "ddp" (47 DDP tests) and
-# "subgroup" (5 new_subgroups tests) always; "gpu" and "plugin" only where no CUDA device
-# is visible: require_backend_is_available(backend_feature["gpu"]) gates 33 tests, of which
-# 31 also need 2 GPUs (so they skip at run time, as on gloo) and 2 (all_gather_object) run
-# on CPU; "plugin" is that decorator's "is available" list for names it does not know.
-# "cuda" is never added: its 6 tests all need as many GPUs as ranks.
+# --features like-gloo (docs/pytorch-backend.md says why): "ddp" (47 DDP tests that gloo
+# runs) and "subgroup" (5) always; "gpu" and "plugin" only where no CUDA device is visible:
+# require_backend_is_available(backend_feature["gpu"]) gates 25 tests that gloo runs, 23 of
+# which also need 2 GPUs (they skip at run time, as on gloo) while 2 (all_gather_object_*)
+# run on CPU; "plugin" is that decorator's "available" list for names it does not know.
+# "cuda" is never added: its 6 tests need as many GPUs as ranks.
 LIKE_GLOO_FEATURES = ("ddp", "subgroup")
 LIKE_GLOO_FEATURES_NO_GPU = ("gpu", "plugin")
 ROLE = os.environ.get("DDP_SUITE_ROLE", "")
@@ -160,13 +160,26 @@ if ROLE == "worker":
             # In a spawned rank: record that this rank sees the backend registered.
             log = os.environ.get("DDP_SUITE_CHILD_LOG")
             if log:
+                registered = _backend_registered(_BACKEND)
+                via = "import" if registered else None
+                ensure = getattr(dist.Backend, "_ensure_backend_registered", None)
+                if not registered and ensure is not None:
+                    # PyTorch loads a backend named by a "torch.distributed.backends" entry
+                    # point on first use (init_process_group): registered, without --import.
+                    try:
+                        ensure(_BACKEND)
+                    except Exception:
+                        pass
+                    registered = _backend_registered(_BACKEND)
+                    via = "entry point" if registered else None
                 line = json.dumps(
                     {
                         "test": test_name,
                         "rank": rank,
                         "pid": os.getpid(),
                         "imports": [m for m in _IMPORTED if m in sys.modules],
-                        "registered": _backend_registered(_BACKEND),
+                        "registered": registered,
+                        "via": via,
                     }
                 )
                 with open(log, "a") as f:
@@ -517,6 +530,7 @@ def _orchestrate(args):
         "worker_restarts": restarts - 1,
         "ranks_started": len(children),
         "ranks_saw_backend": sum(1 for c in children if c["registered"]),
+        "ranks_via_entry_point": sum(1 for c in children if c.get("via") == "entry point"),
         "totals": totals,
         "tests": {n: results[n] for n in names},
     }
