@@ -558,6 +558,15 @@ def _load(path):
         return json.load(f)
 
 
+def _why(r):
+    """A skip's reason, or the error line of a failure's traceback."""
+    if r.get("reason"):
+        return r["reason"]
+    lines = (r.get("detail") or "").splitlines()
+    errs = [ln.strip() for ln in lines if re.match(r"^\s*[\w.]*(Error|Exception|Timeout)\b", ln)]
+    return errs[-1] if errs else (lines[-1].strip() if lines else "")
+
+
 def _compare(a_path, b_path):
     a, b = _load(a_path), _load(b_path)
     la = f"{a['backend']} w{a['world_size']}"
@@ -573,10 +582,7 @@ def _compare(a_path, b_path):
         print(f"### passed on {lx}, not on {ly}: {len(diff)}")
         for n in diff:
             r = y["tests"][n]
-            why = r.get("reason") or (r.get("detail") or "").strip().splitlines()[-1:] or [""]
-            if isinstance(why, list):
-                why = why[0]
-            print(f"- {n}: {r['status']}: {why[:300]}")
+            print(f"- {n}: {r['status']}: {_why(r)[:300]}")
         print()
     return 0
 
