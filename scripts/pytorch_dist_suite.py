@@ -424,11 +424,11 @@ def _orchestrate(args):
 
     procs = []
 
+    class _Interrupted(Exception):
+        pass
+
     def _on_signal(signum, frame):
-        for pr in procs:
-            if pr.poll() is None:
-                _kill_group(pr)
-        raise SystemExit(128 + signum)
+        raise _Interrupted(signum)
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
@@ -439,80 +439,91 @@ def _orchestrate(args):
     pending = list(names)
     restarts = 0
     unskipped = []
-    while pending:
-        tests_in = os.path.join(work, f"tests-{restarts}.txt")
-        with open(tests_in, "w") as f:
-            f.write("\n".join(pending) + "\n")
-        proc = subprocess.Popen(
-            [py, me, "--worker", "--tests-in", tests_in, "--events", events_path],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        procs.append(proc)
-        current = None
-        seen = 0
-        while True:
-            rc = proc.poll()
-            evs = _read_events(events_path)
-            for ev in evs[seen:]:
-                if ev["event"] == "unskipped":
-                    unskipped = ev["tests"]
-                elif ev["event"] == "start":
-                    current = (ev["test"], time.time())
-                    if args.verbose:
-                        print(f"  {ev['test']} ...", end="", flush=True)
-                else:
-                    results[ev["test"]] = {
-                        k: v for k, v in ev.items() if k not in ("event", "test")
+    interrupted = None
+    try:
+        while pending:
+            tests_in = os.path.join(work, f"tests-{restarts}.txt")
+            with open(tests_in, "w") as f:
+                f.write("\n".join(pending) + "\n")
+            proc = subprocess.Popen(
+                [py, me, "--worker", "--tests-in", tests_in, "--events", events_path],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            procs.append(proc)
+            current = None
+            seen = 0
+            while True:
+                rc = proc.poll()
+                evs = _read_events(events_path)
+                for ev in evs[seen:]:
+                    if ev["event"] == "unskipped":
+                        unskipped = ev["tests"]
+                    elif ev["event"] == "start":
+                        current = (ev["test"], time.time())
+                        if args.verbose:
+                            print(f"  {ev['test']} ...", end="", flush=True)
+                    else:
+                        results[ev["test"]] = {
+                            k: v for k, v in ev.items() if k not in ("event", "test")
+                        }
+                        current = None
+                        if args.verbose:
+                            print(f" {ev['status']} ({ev['time_s']}s)", flush=True)
+                seen = len(evs)
+                if rc is not None:
+                    break
+                if current and time.time() - current[1] > args.timeout + 60:
+                    _kill_group(proc)
+                    results[current[0]] = {
+                        "status": "hang",
+                        "time_s": round(time.time() - current[1], 2),
+                        "detail": f"watchdog: no result after {args.timeout + 60} s; worker killed",
                     }
-                    current = None
                     if args.verbose:
-                        print(f" {ev['status']} ({ev['time_s']}s)", flush=True)
-            seen = len(evs)
-            if rc is not None:
-                break
-            if current and time.time() - current[1] > args.timeout + 60:
+                        print(" hang (watchdog)", flush=True)
+                    break
+                time.sleep(0.5)
+            if proc.poll() is None:
                 _kill_group(proc)
+            else:
+                # The worker exited; its ranks (same process group) must not outlive it.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if current and current[0] not in results:
                 results[current[0]] = {
-                    "status": "hang",
+                    "status": "error",
                     "time_s": round(time.time() - current[1], 2),
-                    "detail": f"watchdog: no result after {args.timeout + 60} s; worker killed",
+                    "detail": f"the worker exited with {proc.returncode} during this test (see {log_path})",
                 }
-                if args.verbose:
-                    print(" hang (watchdog)", flush=True)
-                break
-            time.sleep(0.5)
-        if proc.poll() is None:
-            _kill_group(proc)
-        else:
-            # The worker exited; its ranks (same process group) must not outlive it.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if current and current[0] not in results:
-            results[current[0]] = {
-                "status": "error",
-                "time_s": round(time.time() - current[1], 2),
-                "detail": f"the worker exited with {proc.returncode} during this test (see {log_path})",
-            }
-        left = [n for n in pending if n not in results]
-        if left and left == pending:
-            # Nothing progressed: do not loop forever.
-            for n in left:
-                results[n] = {"status": "error", "time_s": 0, "detail": "worker did not start"}
-            left = []
-        pending = left
-        restarts += 1
+            left = [n for n in pending if n not in results]
+            if left and left == pending:
+                # Nothing progressed: do not loop forever.
+                for n in left:
+                    results[n] = {"status": "error", "time_s": 0, "detail": "worker did not start"}
+                left = []
+            pending = left
+            restarts += 1
+    except _Interrupted as e:
+        # SIGTERM/SIGINT: the ranks go, the results so far are written, the rest is "not run".
+        interrupted = e.args[0]
+        for pr in procs:
+            if pr.poll() is None:
+                _kill_group(pr)
+        for n in names:
+            if n not in results:
+                results[n] = {"status": "not run", "time_s": 0, "detail": "the run was interrupted"}
     wall = time.time() - t_start
     log.close()
 
     children = _read_events(os.path.join(work, "children.jsonl"))
     totals = {s: 0 for s in STATUSES}
     for r in results.values():
-        totals[r["status"]] += 1
+        totals[r["status"]] = totals.get(r["status"], 0) + 1
     totals["total"] = len(results)
     out = {
         "backend": backend,
@@ -527,7 +538,8 @@ def _orchestrate(args):
         "torch": torch.__version__,
         "selection": {"filter": args.filter, "tests_file": args.tests_file},
         "wall_s": round(wall, 1),
-        "worker_restarts": restarts - 1,
+        "worker_restarts": max(restarts - 1, 0),
+        "interrupted_by_signal": interrupted,
         "ranks_started": len(children),
         "ranks_saw_backend": sum(1 for c in children if c["registered"]),
         "ranks_via_entry_point": sum(1 for c in children if c.get("via") == "entry point"),
@@ -539,7 +551,7 @@ def _orchestrate(args):
         f.write("\n")
     print(
         f"{backend} world {args.world_size}: "
-        + ", ".join(f"{totals[s]} {s}" for s in STATUSES)
+        + ", ".join(f"{totals[s]} {s}" for s in STATUSES + ("not run",) if s in totals)
         + f" of {totals['total']} in {wall:.0f} s; ranks that saw the backend registered: "
         f"{out['ranks_saw_backend']}/{out['ranks_started']} -> {args.out}"
     )
@@ -547,6 +559,8 @@ def _orchestrate(args):
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"kept {work}")
+    if interrupted:
+        return 128 + interrupted
     if out["ranks_saw_backend"] != out["ranks_started"]:
         print("pytorch_dist_suite: some ranks did not see the backend registered", file=sys.stderr)
         return 3
