@@ -602,14 +602,19 @@ def _compare(a_path, b_path):
 
 
 def _markdown(paths):
-    print("| backend | world | passed | failed | error | skipped | hang | total | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| backend | world | ranks | skips | passed | failed | error | skipped | hang "
+        "| not run | total | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in paths:
         d = _load(p)
         t = d["totals"]
         print(
-            f"| {d['backend']} | {d['world_size']} | {t['passed']} | {t['failed']} | "
-            f"{t['error']} | {t['skipped']} | {t['hang']} | {t['total']} | {d['wall_s']:.0f} |"
+            f"| {d['backend']} | {d['world_size']} | {d.get('start_method', 'spawn')} | "
+            f"{d.get('skips', 'suite')} | {t['passed']} | {t['failed']} | {t['error']} | "
+            f"{t['skipped']} | {t['hang']} | {t.get('not run', 0)} | {t['total']} | "
+            f"{d['wall_s']:.0f} |"
         )
     return 0
 
