@@ -57,4 +57,10 @@ done
   done
 } >"$outdir/summary.md"
 cat "$outdir/summary.md"
+# The gate: every test that passed on gloo passed on the backend, but for the name-caused ones
+# (scripts/pytorch_dist_suite_allowed.txt).
+for w in $worlds; do
+  "${py[@]}" scripts/pytorch_dist_suite.py --require-parity "$outdir/gloo-w$w.json" \
+    "$outdir/$backend-w$w.json" --allowed scripts/pytorch_dist_suite_allowed.txt || rc=1
+done
 exit "$rc"

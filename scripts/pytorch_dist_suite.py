@@ -601,6 +601,34 @@ def _compare(a_path, b_path):
     return 0
 
 
+def _require_parity(ref_path, other_path, allowed_path):
+    """Exit status 1 when a test that passed on the reference run (gloo) did not pass on the other
+    (ddp), unless `allowed_path` lists it (one name a line, `# reason` comments): the gate CI
+    applies. Prints each such test with its reason."""
+    ref, other = _load(ref_path), _load(other_path)
+    allowed = set()
+    if allowed_path:
+        with open(allowed_path) as f:
+            allowed = {ln.split("#")[0].strip() for ln in f if ln.split("#")[0].strip()}
+    bad, excused = [], []
+    for name, r in ref["tests"].items():
+        if r["status"] != "passed":
+            continue
+        o = other["tests"].get(name, {"status": "not run"})
+        if o["status"] == "passed":
+            continue
+        (excused if name in allowed else bad).append((name, o))
+    label = f"{other['backend']} w{other['world_size']}"
+    for name, o in excused:
+        print(f"allowed: {name} ({o['status']} on {label}; {allowed_path} says why)")
+    for name, o in bad:
+        print(f"NOT PASSED on {label} but passed on {ref['backend']}: {name}: {o['status']}: "
+              f"{_why(o)[:300]}")
+    print(f"parity: {len(bad)} test(s) that passed on {ref['backend']} did not pass on {label}"
+          f" ({len(excused)} allowed)")
+    return 1 if bad else 0
+
+
 def _markdown(paths):
     print(
         "| backend | world | ranks | skips | passed | failed | error | skipped | hang "
@@ -663,6 +691,10 @@ def main():
     p.add_argument("-v", "--verbose", action="store_true", help="a line per test")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"))
     p.add_argument("--markdown", nargs="+", metavar="R.json", help="a counts table")
+    p.add_argument("--require-parity", nargs=2, metavar=("GLOO.json", "OTHER.json"),
+                   help="exit 1 when a test that passed in GLOO.json did not pass in OTHER.json "
+                   "and --allowed does not list it")
+    p.add_argument("--allowed", help="with --require-parity: tests allowed to differ")
     # Worker side (internal).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--list", action="store_true", help="print the suite's test names")
@@ -675,6 +707,8 @@ def main():
         return _compare(*args.compare)
     if args.markdown:
         return _markdown(args.markdown)
+    if args.require_parity:
+        return _require_parity(*args.require_parity, args.allowed)
     if not args.backend:
         p.error("--backend is required")
     if args.list:

@@ -100,6 +100,11 @@ if want pytorch; then
   for dir in tests/torch tests/torch_data tests/package tests/libtorch_select python; do
     run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs"
   done
+  # PyTorch's own distributed test suite, a fixed subset, on gloo and on ddp at world 2 and 3:
+  # every test that passes on gloo must pass on ddp but for the listed ones
+  # (docs/pytorch-backend.md; about two minutes).
+  WORLDS="2 3" scripts/pytorch-dist-suite.sh ddp torch_ddp "$ddp_build_dir/pytorch-suite-ci" -- \
+    --tests-file scripts/pytorch_dist_suite_ci.txt --start-method fork
   stage_end pytorch
 fi
 

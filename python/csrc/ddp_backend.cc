@@ -620,23 +620,49 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::barrier(const c10d::BarrierOptions& o
 }
 
 void DdpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  // As gloo's: every rank reports to rank 0, which waits for each within the timeout and names
-  // the ranks that did not come; then rank 0 releases them. The messages travel point to point on
-  // a tag of their own, so a rank that never arrives cannot be mistaken for one that did.
-  const auto timeout = opts.timeout > std::chrono::milliseconds(0) ? opts.timeout : timeout_;
-  ddp::CallOptions options;
-  options.timeout = timeout;
+  // As gloo's, in gloo's words (callers match on them): every rank reports to rank 0, which waits
+  // for each within the timeout and names the ranks that did not come; then rank 0 releases
+  // them. The messages travel point to point on a tag of their own, so a rank that never arrives
+  // cannot be mistaken for one that did. A timeout of 0 is spent before anything is waited for.
+  const auto start = std::chrono::steady_clock::now();
+  const auto timeout =
+      opts.timeout >= std::chrono::milliseconds(0) ? opts.timeout : timeout_;  // -1 = unset
+  const auto deadline = start + timeout;
+  auto left = [&] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                 std::chrono::steady_clock::now());
+  };
+  auto elapsed_ms = [&] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                 start)
+        .count();
+  };
+  auto p2p_options = [&] {
+    ddp::CallOptions options;  // 0 would mean "the group's timeout" to the engine
+    options.timeout = std::max(left(), std::chrono::milliseconds(1));
+    return options;
+  };
   auto token = at::zeros({1}, at::kByte);
   const int size = getSize();
   if (getRank() != 0) {
-    engine("monitored_barrier", [&] {
-      group_->send(token.data_ptr(), 1, ddp::DType::kUInt8, 0, kMonitoredBarrierTag, options)
+    try {
+      group_->send(token.data_ptr(), 1, ddp::DType::kUInt8, 0, kMonitoredBarrierTag, p2p_options())
           ->wait();
-      group_->recv(token.data_ptr(), 1, ddp::DType::kUInt8, 0, kMonitoredBarrierTag, options)
+      group_->recv(token.data_ptr(), 1, ddp::DType::kUInt8, 0, kMonitoredBarrierTag, p2p_options())
           ->wait();
-      return 0;
-    });
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(DistBackendError,
+                      fmt::format("Rank {} successfully reached monitoredBarrier, but received "
+                                  "errors while waiting for send/recv from rank 0. Please check "
+                                  "rank 0's logs for the rank that failed. (ddp: {})",
+                                  getRank(), e.what()));
+    }
     return;
+  }
+  if (left() <= std::chrono::milliseconds(0)) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        fmt::format("[Rank 0]: Rank 0 timed out in monitoredBarrier after {} ms", elapsed_ms()));
   }
   std::vector<at::Tensor> tokens;
   std::vector<std::shared_ptr<ddp::Work>> arrivals;
@@ -644,13 +670,14 @@ void DdpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_al
     tokens.push_back(at::zeros({1}, at::kByte));
     arrivals.push_back(engine("monitored_barrier", [&] {
       return group_->recv(tokens.back().data_ptr(), 1, ddp::DType::kUInt8, r, kMonitoredBarrierTag,
-                          options);
+                          p2p_options());
     }));
   }
   std::vector<int> missing;
   for (int r = 1; r < size; ++r) {
     auto& arrival = arrivals[r - 1];
-    const bool arrived = arrival->wait_for(timeout) && !arrival->error();
+    const bool arrived =
+        arrival->wait_for(std::max(left(), std::chrono::milliseconds(0))) && !arrival->error();
     if (!arrived) {
       missing.push_back(r);
       if (!wait_all_ranks) break;
@@ -659,25 +686,26 @@ void DdpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_al
   if (!missing.empty()) {
     if (wait_all_ranks) {
       C10_THROW_ERROR(DistBackendError,
-                      fmt::format("Ranks {} failed to pass monitoredBarrier in {} ms",
+                      fmt::format("[Rank 0]: Ranks {} failed to pass monitoredBarrier in {} ms",
                                   fmt::join(missing, ", "), timeout.count()));
     }
     C10_THROW_ERROR(DistBackendError,
-                    fmt::format("Rank {} failed to pass monitoredBarrier in {} ms", missing[0],
-                                timeout.count()));
+                    fmt::format("[Rank 0]: Rank {} failed to pass monitoredBarrier in {} ms",
+                                missing[0], timeout.count()));
   }
   std::vector<std::shared_ptr<ddp::Work>> releases;
   for (int r = 1; r < size; ++r) {
     releases.push_back(engine("monitored_barrier", [&] {
       return group_->send(token.data_ptr(), 1, ddp::DType::kUInt8, r, kMonitoredBarrierTag,
-                          options);
+                          p2p_options());
     }));
   }
-  for (auto& release : releases)
+  for (auto& release : releases) {
     engine("monitored_barrier", [&] {
       release->wait();
       return 0;
     });
+  }
 }
 
 // ---- point to point ----

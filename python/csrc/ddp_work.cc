@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "ddp/error.h"
+
 namespace torch_ddp {
 
 std::exception_ptr as_backend_error(std::exception_ptr error, const std::string& call) {
@@ -12,8 +14,16 @@ std::exception_ptr as_backend_error(std::exception_ptr error, const std::string&
   } catch (const c10::DistBackendError&) {
     return std::current_exception();
   } catch (const std::exception& e) {
+    // A deadline that passed says so in the words c10d's callers match on (gloo's "Timed out").
+    const std::string what = e.what();
+    const bool deadline = dynamic_cast<const ddp::TimeoutError*>(&e) != nullptr ||
+                          what.find("timed out") != std::string::npos;
     try {
-      C10_THROW_ERROR(DistBackendError, fmt::format("ddp backend: {} failed: {}", call, e.what()));
+      C10_THROW_ERROR(DistBackendError,
+                      deadline ? fmt::format("ddp backend: {} failed: Timed out (its deadline "
+                                             "passed): {}",
+                                             call, what)
+                               : fmt::format("ddp backend: {} failed: {}", call, what));
     } catch (...) {
       return std::current_exception();
     }
