@@ -75,6 +75,9 @@ setup(
     packages=["torch_ddp"],
     ext_modules=[Extension("torch_ddp._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
+    # PyTorch loads the registrar on the first init_process_group("ddp") of a process that never
+    # imported torch_ddp (a spawned rank, a torchrun script).
+    entry_points={"torch.distributed.backends": ["ddp = torch_ddp:_register"]},
     python_requires=">=3.9",
     zip_safe=False,
 )

@@ -8,7 +8,9 @@
     dist.init_process_group("ddp")                   # CPU tensors through ddp's engine
     dist.init_process_group("cpu:ddp,cuda:nccl")     # and CUDA tensors through NCCL
 
-Every process of the job must import it before ``init_process_group``. Inside one host the
+Every process of the job imports it before ``init_process_group``; where the package is
+pip-installed, PyTorch also loads it by itself on the first ``init_process_group("ddp")`` (an
+entry point in the ``torch.distributed.backends`` group). Inside one host the
 collectives run through shared memory, between hosts over TCP (docs/pytorch-backend.md).
 """
 
@@ -50,7 +52,14 @@ def transport(group=None) -> str:
     return _C._transport(pg._get_backend(torch.device("cpu")))
 
 
-if BACKEND_NAME not in dist.Backend.backend_list:
-    dist.Backend.register_backend(
-        BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"]
-    )
+def _register() -> None:
+    """Registers the backend (once). Also the package's ``torch.distributed.backends`` entry
+    point: an installed torch_ddp registers itself on the first ``init_process_group("ddp")`` of a
+    process that never imported it."""
+    if BACKEND_NAME.upper() not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"]
+        )
+
+
+_register()

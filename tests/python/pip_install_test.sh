@@ -31,3 +31,19 @@ timeout 120 "$python" world.py 0 "$target/store" &
 pid=$!
 timeout 120 "$python" world.py 1 "$target/store"
 wait "$pid"
+# The entry point: a program that never imports torch_ddp still gets the backend.
+cat > entry.py <<'PY'
+import datetime, sys
+import torch, torch.distributed as dist
+dist.init_process_group("ddp", init_method=f"file://{sys.argv[2]}", rank=int(sys.argv[1]),
+                        world_size=2, timeout=datetime.timedelta(seconds=60))
+t = torch.ones(2)
+dist.all_reduce(t)
+assert torch.equal(t, torch.full((2,), 2.0)), t
+assert "torch_ddp" in sys.modules, "the backend did not come from torch_ddp"
+print(f"rank {sys.argv[1]}: registered through the entry point")
+PY
+timeout 120 "$python" entry.py 0 "$target/store2" &
+pid=$!
+timeout 120 "$python" entry.py 1 "$target/store2"
+wait "$pid"
