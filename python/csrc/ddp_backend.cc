@@ -172,6 +172,7 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::broadcast(std::vector<at::Tensor>& te
 c10::intrusive_ptr<c10d::Work> DdpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
   check_count(tensors, 1, "allreduce");
+  if (tensors[0].defined() && tensors[0].is_sparse()) return sparse_allreduce(tensors[0], opts);
   check_cpu_dense(tensors[0], "allreduce's tensor");
   auto c = contiguous_of(tensors[0]);
   const Reduction r = reduction_buffer(c.tensor, opts.reduceOp, "allreduce");
@@ -184,6 +185,72 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::allreduce(std::vector<at::Tensor>& te
             {c.tensor}};
   if (c.is_copy) step.finish = [dst = tensors[0], src = c.tensor]() mutable { dst.copy_(src); };
   return run(c10d::OpType::ALLREDUCE, "allreduce", {std::move(step)}, tensors);
+}
+
+c10::intrusive_ptr<c10d::Work> DdpBackend::sparse_allreduce(at::Tensor& tensor,
+                                                            const c10d::AllreduceOptions& opts) {
+  // As gloo does it: every rank's (coalesced) indices and values are gathered, and the sum is
+  // their concatenation coalesced, written into the tensor. Three collectives run back to back
+  // on the calling thread (the sizes of the second and third come from the first).
+  TORCH_CHECK(tensor.device().is_cpu(), "ddp backend: all_reduce of a sparse tensor on ",
+              tensor.device(), ": the ddp backend takes CPU tensors");
+  TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM,
+              "ddp backend: all_reduce of a sparse tensor "
+              "takes ReduceOp.SUM only (as gloo)");
+  const auto options = call_options(opts.timeout, /*async_op=*/false);
+  const at::Tensor input = tensor.coalesce();
+  const at::Tensor indices = input._indices().contiguous();  // [sparse_dim, nnz], int64
+  const at::Tensor values = input._values().contiguous();    // [nnz, dense dims...]
+  const int64_t sparse_dim = indices.size(0);
+  const int64_t per_value = values.numel() / std::max<int64_t>(1, input._nnz());
+  const int size = getSize();
+  std::vector<int64_t> nnz(size);
+  int64_t mine = input._nnz();
+  engine("all_reduce (sparse)",
+         [&] { return group_->allgather(&mine, nnz.data(), 1, ddp::DType::kInt64, options); });
+  std::vector<std::size_t> index_counts(size), value_counts(size);
+  int64_t total = 0;
+  for (int r = 0; r < size; ++r) {
+    index_counts[r] = static_cast<std::size_t>(sparse_dim * nnz[r]);
+    total += nnz[r];
+  }
+  at::Tensor all_indices = at::empty({sparse_dim * total}, indices.options());
+  std::vector<int64_t> value_shape = values.sizes().vec();
+  value_shape[0] = total;
+  at::Tensor all_values = at::empty(value_shape, values.options());
+  const Buffer vb = movement_buffer(values);
+  const std::size_t scale =
+      values.numel() > 0 ? vb.count / values.numel() : unit_scale(values.reshape(-1));
+  for (int r = 0; r < size; ++r) {
+    value_counts[r] = static_cast<std::size_t>(nnz[r] * per_value) * scale;
+  }
+  engine("all_reduce (sparse)", [&] {
+    return group_->allgather_v(indices.data_ptr(), index_counts[getRank()], all_indices.data_ptr(),
+                               index_counts, ddp::DType::kInt64, options);
+  });
+  engine("all_reduce (sparse)", [&] {
+    return group_->allgather_v(vb.data, value_counts[getRank()], all_values.data_ptr(),
+                               value_counts, vb.dtype, options);
+  });
+  std::vector<at::Tensor> index_parts;
+  int64_t offset = 0;
+  for (int r = 0; r < size; ++r) {
+    index_parts.push_back(
+        all_indices.narrow(0, offset * sparse_dim, nnz[r] * sparse_dim).view({sparse_dim, nnz[r]}));
+    offset += nnz[r];
+  }
+  at::Tensor sum =
+      at::sparse_coo_tensor(at::cat(index_parts, 1), all_values, input.sizes()).coalesce();
+  tensor.copy_(sum);
+  ++sequence_;
+  DdpWork::Spec spec;
+  spec.rank = getRank();
+  spec.type = c10d::OpType::ALLREDUCE;
+  spec.call = "all_reduce (sparse)";
+  spec.outputs = {tensor};
+  spec.completer = completer_;
+  spec.timeout = timeout_;
+  return DdpWork::start(std::move(spec));
 }
 
 c10::intrusive_ptr<c10d::Work> DdpBackend::allreduce_coalesced(

@@ -5,7 +5,8 @@
 // (init_process_group, new_group, new_subgroups) with that group's ranks and a prefix store of
 // its own, and the ring meets its peers through that store (c10d_store_bridge.h).
 //
-// Every operation gloo implements for CPU tensors is here except recvAnysource (ddp's engine has
+// Every operation gloo implements for CPU tensors is here (sparse allreduce too) except
+// recvAnysource (ddp's engine has
 // no any-source receive yet: a RuntimeError says so). Calls check their tensors before anything
 // is sent (tensor_buffers.h); a call with async_op=False runs on the calling thread when the
 // group is idle (CallOptions::blocking); the rest return a DdpWork (ddp_work.h). Failures are
@@ -102,6 +103,8 @@ class DdpBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const std::string& call,
                                      std::vector<Step> steps, std::vector<at::Tensor> outputs);
   ddp::CallOptions call_options(std::chrono::milliseconds timeout, bool async_op) const;
+  c10::intrusive_ptr<c10d::Work> sparse_allreduce(at::Tensor& tensor,
+                                                  const c10d::AllreduceOptions& opts);
   Step allgather_step(const std::string& call, std::vector<at::Tensor>& outputs,
                       const at::Tensor& input, const ddp::CallOptions& options);
   Step allgather_base_step(const std::string& call, at::Tensor& output, const at::Tensor& input,

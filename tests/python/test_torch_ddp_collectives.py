@@ -71,6 +71,15 @@ def collectives(rank, world):
     dist.all_reduce(big)
     check_equal("all_reduce 4 MiB", big, torch.full((1 << 20,), float(sum(r + 1 for r in ranks))))
 
+    # sparse allreduce (SUM): ranks hold different nonzeros, some shared
+    sp = torch.sparse_coo_tensor([[rank, 4]], [float(rank + 1), 1.0], (6,))
+    dist.all_reduce(sp)
+    want = torch.zeros(6)
+    for r in ranks:
+        want[r] += r + 1
+        want[4] += 1.0
+    check_equal("sparse all_reduce", sp.to_dense(), want)
+
     # allreduce_coalesced
     ts = [value(rank, 3), value(rank, 2).view(1, 2)]
     dist.all_reduce_coalesced(ts)
