@@ -340,11 +340,7 @@ DdpBackend::Step DdpBackend::allgather_step(const std::string& call,
 DdpBackend::Step DdpBackend::allgather_base_step(const std::string& call, at::Tensor& output,
                                                  const at::Tensor& input,
                                                  const ddp::CallOptions& options) {
-  check_cpu_dense(input, call + "'s input");
-  check_cpu_dense(output, call + "'s output");
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "ddp backend: ", call, "'s output is ",
-              dtype_name(output.scalar_type()), " but its input is ",
-              dtype_name(input.scalar_type()));
+  check_output_matches_input(output, input, call);
   TORCH_CHECK(output.numel() == input.numel() * getSize(), "ddp backend: ", call, "'s output has ",
               output.numel(), " elements; it must hold the group's ", getSize(), " inputs of ",
               input.numel());
@@ -497,11 +493,7 @@ DdpBackend::Step DdpBackend::reduce_scatter_base_step(const std::string& call, a
                                                       const at::Tensor& input,
                                                       const c10d::ReduceOp& op,
                                                       const ddp::CallOptions& options) {
-  check_cpu_dense(input, call + "'s input");
-  check_cpu_dense(output, call + "'s output");
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "ddp backend: ", call, "'s output is ",
-              dtype_name(output.scalar_type()), " but its input is ",
-              dtype_name(input.scalar_type()));
+  check_output_matches_input(output, input, call);
   TORCH_CHECK(input.numel() == output.numel() * getSize(), "ddp backend: ", call, "'s input has ",
               input.numel(), " elements; it must hold ", getSize(), " blocks of the output's ",
               output.numel());
@@ -591,13 +583,7 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::alltoall_base(at::Tensor& output, at:
                                                          std::vector<int64_t>& output_split_sizes,
                                                          std::vector<int64_t>& input_split_sizes,
                                                          const c10d::AllToAllOptions& opts) {
-  check_cpu_dense(input, "all_to_all_single's input");
-  check_cpu_dense(output, "all_to_all_single's output");
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(),
-              "ddp backend: all_to_all_single's "
-              "output is ",
-              dtype_name(output.scalar_type()), " but its input is ",
-              dtype_name(input.scalar_type()));
+  check_output_matches_input(output, input, "all_to_all_single");
   const int size = getSize();
   at::Tensor in = input.contiguous();
   auto out = contiguous_of(output);

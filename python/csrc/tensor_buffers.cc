@@ -160,6 +160,15 @@ void check_cpu_dense(const at::Tensor& tensor, const std::string& what) {
               "to send CUDA tensors through NCCL)");
 }
 
+void check_output_matches_input(const at::Tensor& output, const at::Tensor& input,
+                                const std::string& call) {
+  check_cpu_dense(input, call + "'s input");
+  check_cpu_dense(output, call + "'s output");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "ddp backend: ", call, "'s output is ",
+              dtype_name(output.scalar_type()), " but its input is ",
+              dtype_name(input.scalar_type()));
+}
+
 void check_count(const std::vector<at::Tensor>& tensors, std::size_t expected,
                  const std::string& what) {
   TORCH_CHECK(tensors.size() == expected, "ddp backend: ", what, " takes ", expected,

@@ -46,6 +46,11 @@ Reduction reduction_buffer(const at::Tensor& contiguous, const c10d::ReduceOp& o
 // the message ("allreduce's tensor", "all_gather's output 2").
 void check_cpu_dense(const at::Tensor& tensor, const std::string& what);
 
+// Both tensors pass check_cpu_dense and `output` has `input`'s dtype, else a RuntimeError naming
+// `call` ("all_to_all_single") and both dtypes.
+void check_output_matches_input(const at::Tensor& output, const at::Tensor& input,
+                                const std::string& call);
+
 // The number of tensors a call takes (c10d passes lists; ddp, like gloo for CPU tensors, takes
 // one per rank).
 void check_count(const std::vector<at::Tensor>& tensors, std::size_t expected,
