@@ -30,6 +30,9 @@ if [[ ! -d .cache/pytorch-suite-deps/expecttest ]]; then
 fi
 
 mkdir -p "$outdir"
+# Tests that time out on purpose make ddp write flight-recorder dumps: into the output folder,
+# not the working directory (the source tree).
+export DDP_DUMP_DIR=${DDP_DUMP_DIR:-$(realpath "$outdir")}
 imp=()
 [[ -n $module ]] && imp=(--import "$module")
 runs=()
