@@ -176,6 +176,13 @@ class ProcessGroup {
                                      int tag = 0, CallOptions options = {}) = 0;
   virtual std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src,
                                      int tag = 0, CallOptions options = {}) = 0;
+  // A recv from whichever rank's send with `tag` comes first (MPI_ANY_SOURCE): messages already
+  // here in arrival order, and a recv naming that rank posted earlier takes a message first.
+  // `*source` holds the sender's rank once the Work completed without error (`source` must stay
+  // valid until then, like `buf`). It fails at its deadline, and when no rank is left that could
+  // send. Ring and mpi backends; the default is a ConfigError naming the backend.
+  virtual std::shared_ptr<Work> recv_any_source(void* buf, std::size_t count, DType dtype,
+                                                int* source, int tag = 0, CallOptions options = {});
 
   // Collective over this group: every member calls it with the same ranks (sorted, unique, ranks
   // of this group). Returns the subgroup (ranks renumbered 0..n-1 in that order) for members,

@@ -123,8 +123,10 @@ ddp::CallOptions DdpBackend::call_options(std::chrono::milliseconds timeout, boo
 
 c10::intrusive_ptr<c10d::Work> DdpBackend::run(c10d::OpType type, const std::string& call,
                                                std::vector<Step> steps,
-                                               std::vector<at::Tensor> outputs) {
+                                               std::vector<at::Tensor> outputs,
+                                               std::shared_ptr<int> source) {
   DdpWork::Spec spec;
+  spec.source = std::move(source);
   spec.rank = getRank();
   spec.type = type;
   spec.call = call;
@@ -799,11 +801,19 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::recv(std::vector<at::Tensor>& tensors
   return run(c10d::OpType::RECV, "recv", {std::move(step)}, tensors);
 }
 
-c10::intrusive_ptr<c10d::Work> DdpBackend::recvAnysource(std::vector<at::Tensor>&, int) {
-  TORCH_CHECK(false,
-              "ddp backend: recv without a source rank (recv from any source) is not "
-              "supported: ddp's engine matches each receive to one sender. Pass src=..., or use "
-              "gloo for this call");
+c10::intrusive_ptr<c10d::Work> DdpBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                         int tag) {
+  check_count(tensors, 1, "recv");
+  check_cpu_dense(tensors[0], "recv's tensor");
+  auto out = contiguous_of(tensors[0]);
+  const Buffer b = movement_buffer(out.tensor);
+  auto source = std::make_shared<int>(-1);
+  auto work = engine("recv", [&] {
+    return group_->recv_any_source(b.data, b.count, b.dtype, source.get(), tag, ddp::CallOptions{});
+  });
+  Step step{std::move(work), nullptr, {out.tensor}};
+  if (out.is_copy) step.finish = [dst = tensors[0], src = out.tensor]() mutable { dst.copy_(src); };
+  return run(c10d::OpType::RECVANYSOURCE, "recv", {std::move(step)}, tensors, std::move(source));
 }
 
 }  // namespace torch_ddp

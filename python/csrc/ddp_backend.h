@@ -5,12 +5,12 @@
 // (init_process_group, new_group, new_subgroups) with that group's ranks and a prefix store of
 // its own, and the ring meets its peers through that store (c10d_store_bridge.h).
 //
-// Every operation gloo implements for CPU tensors is here (sparse allreduce too) except
-// recvAnysource (ddp's engine has
-// no any-source receive yet: a RuntimeError says so). Calls check their tensors before anything
-// is sent (tensor_buffers.h); a call with async_op=False runs on the calling thread when the
-// group is idle (CallOptions::blocking); the rest return a DdpWork (ddp_work.h). Failures are
-// c10::DistBackendError; argument errors are c10::Error (RuntimeError in Python).
+// Every operation gloo implements for CPU tensors is here (sparse allreduce too, and recv from
+// any source: ProcessGroup::recv_any_source, its sender in DdpWork::sourceRank()). Calls check
+// their tensors before anything is sent (tensor_buffers.h); a call with async_op=False runs on the
+// calling thread when the group is idle (CallOptions::blocking); the rest return a DdpWork
+// (ddp_work.h). Failures are c10::DistBackendError; argument errors are c10::Error (RuntimeError in
+// Python).
 #pragma once
 
 #include <torch/extension.h>
@@ -101,7 +101,8 @@ class DdpBackend : public c10d::Backend {
  private:
   struct Step;  // one engine operation of a call and what to do after it (ddp_backend.cc)
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const std::string& call,
-                                     std::vector<Step> steps, std::vector<at::Tensor> outputs);
+                                     std::vector<Step> steps, std::vector<at::Tensor> outputs,
+                                     std::shared_ptr<int> source = nullptr);
   ddp::CallOptions call_options(std::chrono::milliseconds timeout, bool async_op) const;
   c10::intrusive_ptr<c10d::Work> sparse_allreduce(at::Tensor& tensor,
                                                   const c10d::AllreduceOptions& opts);

@@ -34,7 +34,8 @@ DdpWork::DdpWork(Spec spec)
     : c10d::Work(spec.rank, spec.type),
       parts_(std::move(spec.parts)),
       state_(std::make_shared<State>()),
-      timeout_(spec.timeout) {
+      timeout_(spec.timeout),
+      source_(std::move(spec.source)) {
   state_->remaining = parts_.size();
   state_->outputs = std::move(spec.outputs);
   state_->keep_alive = std::move(spec.keep_alive);
@@ -175,6 +176,15 @@ c10::intrusive_ptr<c10::ivalue::Future> DdpWork::getFuture() {
   // Already complete: the caller's thread completes it (its callbacks added later run inline).
   if (complete_now) complete_future(state_);
   return future;
+}
+
+int DdpWork::sourceRank() const {
+  if (!source_) return c10d::Work::sourceRank();
+  std::lock_guard lock(state_->mutex);
+  TORCH_CHECK(state_->completed && !state_->error,
+              "ddp backend: the source rank of a recv from any source is known once it completed "
+              "without error; wait() for it first");
+  return *source_;
 }
 
 }  // namespace torch_ddp

@@ -41,6 +41,8 @@ class DdpWork : public c10d::Work {
     std::function<void()> finish;        // may be empty
     std::shared_ptr<FutureCompleter> completer;
     std::chrono::milliseconds timeout{0};
+    // A receive from any source: where the engine writes the sender's rank (sourceRank()).
+    std::shared_ptr<int> source;
   };
   // Registers the completion callbacks: a Work whose parts have completed completes at once.
   static c10::intrusive_ptr<DdpWork> start(Spec spec);
@@ -53,6 +55,8 @@ class DdpWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::chrono::milliseconds getTimeout() const override { return timeout_; }
+  // The sender of a receive from any source, once it completed (c10d's error otherwise).
+  int sourceRank() const override;
 
   explicit DdpWork(Spec spec);
 
@@ -78,6 +82,7 @@ class DdpWork : public c10d::Work {
   std::vector<std::shared_ptr<ddp::Work>> parts_;
   std::shared_ptr<State> state_;
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<int> source_;
 };
 
 }  // namespace torch_ddp

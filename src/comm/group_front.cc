@@ -39,6 +39,10 @@ void GroupFront::check_point_to_point(const void* buf, std::size_t count, DType 
                                       int tag, const char* op, const char* peer_name) const {
   check_buffer(buf, count, op, "buf");
   comm::check_peer(peer, rank(), size(), name_, op, peer_name);
+  check_message(dtype, tag, op);
+}
+
+void GroupFront::check_message(DType dtype, int tag, const char* op) const {
   comm::check_enums(op, dtype, std::nullopt);
   if (tag < min_tag() || tag > max_tag()) {
     throw ConfigError(fmt::format("{}: tag {} is outside {}..{}, the tags the {} backend accepts",
@@ -176,6 +180,22 @@ std::shared_ptr<Work> GroupFront::recv(void* buf, std::size_t count, DType dtype
                                        CallOptions options) {
   check_point_to_point(buf, count, dtype, src, tag, "recv", "src");
   return finish_if_blocking(post_recv(buf, count, dtype, src, tag, options), options);
+}
+
+std::shared_ptr<Work> GroupFront::recv_any_source(void* buf, std::size_t count, DType dtype,
+                                                  int* source, int tag, CallOptions options) {
+  check_buffer(buf, count, "recv_any_source", "buf");
+  check_message(dtype, tag, "recv_any_source");
+  if (size() == 1) {
+    throw ConfigError(fmt::format(
+        "recv_any_source in group '{}': the group has one rank, so no other rank can send", name_));
+  }
+  if (source == nullptr) {
+    throw ConfigError(fmt::format(
+        "recv_any_source in group '{}': `source` is null; pass where the sender's rank goes",
+        name_));
+  }
+  return finish_if_blocking(post_recv_any_source(buf, count, dtype, source, tag, options), options);
 }
 
 std::shared_ptr<ProcessGroup> GroupFront::new_group(std::vector<int> ranks) {

@@ -9,7 +9,8 @@
 //                       throw a CommError of the right kind on failure
 //   on_poison           the group failed: tell the peers, shut connections (OpQueue::Runner)
 //   algorithm_for       which algorithm a call takes (part of the fingerprint); default none
-//   post_send/post_recv start a point-to-point operation (past the queue)
+//   post_send/post_recv start a point-to-point operation (past the queue);
+//   post_recv_any_source where the backend can (default: refused)
 //   make_subgroup       new_group after the rank list was checked
 //   prepare_call        on the caller's thread, before the call is queued: capture what must be
 //                       captured when the call is made (the nccl backend records an event on
@@ -61,6 +62,8 @@ class GroupFront : public ProcessGroup, protected OpQueue::Runner {
                              CallOptions options) final;
   std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
                              CallOptions options) final;
+  std::shared_ptr<Work> recv_any_source(void* buf, std::size_t count, DType dtype, int* source,
+                                        int tag, CallOptions options) final;
   std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks) final;
 
   const std::string& name() const { return name_; }
@@ -94,6 +97,12 @@ class GroupFront : public ProcessGroup, protected OpQueue::Runner {
                                           int tag, CallOptions options) = 0;
   virtual std::shared_ptr<Work> post_recv(void* buf, std::size_t count, DType dtype, int src,
                                           int tag, CallOptions options) = 0;
+  // A backend that can receive from any source (ProcessGroup::recv_any_source); the default
+  // refuses, naming the backend.
+  virtual std::shared_ptr<Work> post_recv_any_source(void* buf, std::size_t count, DType dtype,
+                                                     int* source, int tag, CallOptions options) {
+    return ProcessGroup::recv_any_source(buf, count, dtype, source, tag, options);
+  }
   virtual std::shared_ptr<ProcessGroup> make_subgroup(std::vector<int> ranks) = 0;
   // The most elements one call may name (a larger count is a ConfigError before anything runs).
   virtual std::size_t max_count() const { return SIZE_MAX; }
@@ -109,6 +118,7 @@ class GroupFront : public ProcessGroup, protected OpQueue::Runner {
   void check_rank(int r, const char* op, const char* name) const;
   void check_point_to_point(const void* buf, std::size_t count, DType dtype, int peer, int tag,
                             const char* op, const char* peer_name) const;
+  void check_message(DType dtype, int tag, const char* op) const;
   // Checks the enums and builds the call and its header; the backend picks the algorithm.
   Call make_call(Collective kind, const void* send, void* recv, std::size_t count, DType dtype,
                  std::optional<ReduceOp> op, int root) const;

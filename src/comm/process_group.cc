@@ -90,6 +90,20 @@ int ProcessGroup::local_size() const {
 
 // Every rank contributes `mine` (the same length on every rank) and gets every rank's, waiting for
 // it: the size exchange of the uneven collectives. Its int64 words are compared, never reduced.
+std::shared_ptr<Work> ProcessGroup::recv_any_source(void* buf, std::size_t count, DType dtype,
+                                                    int* source, int tag, CallOptions options) {
+  static_cast<void>(buf);
+  static_cast<void>(count);
+  static_cast<void>(dtype);
+  static_cast<void>(source);
+  static_cast<void>(tag);
+  static_cast<void>(options);
+  throw ConfigError(fmt::format(
+      "recv_any_source: the {} backend cannot receive from any source (the ring and mpi "
+      "backends can); name the sender with recv(..., src, ...)",
+      backend()));
+}
+
 std::vector<std::int64_t> ProcessGroup::exchange_words(const std::vector<std::int64_t>& mine,
                                                        CallOptions options) {
   std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size()));

@@ -49,6 +49,16 @@ int recv(const torch::Tensor& tensor, int src, int tag, GroupRef group) {
   return src;
 }
 
+int recv_any_source(const torch::Tensor& tensor, int tag, GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_tensor(tensor, "recv_any_source: tensor");
+  int source = -1;
+  // Blocking: `source` outlives the operation (a failed one is finished with by the engine).
+  g.recv_any_source(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), &source, tag)
+      ->wait();
+  return source;
+}
+
 std::vector<std::shared_ptr<Work>> batch_isend_irecv(const std::vector<P2POp>& ops) {
   // Check everything before starting anything, so a bad entry leaves nothing half-posted.
   ProcessGroup* common = nullptr;

@@ -448,6 +448,35 @@ void run_p2p() {
   }
   pg->barrier()->wait();
 
+  // 4b. Rank 0 receives one message from every other rank from any source: each once, with the
+  // sender's rank.
+  {
+    constexpr std::size_t kCount = 300;
+    if (rank == 0) {
+      std::vector<std::vector<float>> ins(static_cast<std::size_t>(size - 1),
+                                          std::vector<float>(kCount, -1.0f));
+      std::vector<int> sources(static_cast<std::size_t>(size - 1), -1);
+      std::vector<std::shared_ptr<ddp::Work>> recvs;
+      for (int k = 0; k < size - 1; ++k) {
+        recvs.push_back(pg->recv_any_source(ins[static_cast<std::size_t>(k)].data(), kCount, f32,
+                                            &sources[static_cast<std::size_t>(k)], 14));
+      }
+      std::vector<bool> seen(static_cast<std::size_t>(size), false);
+      for (int k = 0; k < size - 1; ++k) {
+        recvs[static_cast<std::size_t>(k)]->wait();
+        const int from = sources[static_cast<std::size_t>(k)];
+        expect(from >= 1 && from < size && !seen[static_cast<std::size_t>(from)],
+               fmt::format("receive from any source {} reports source {}", k, from));
+        seen[static_cast<std::size_t>(from)] = true;
+        expect_message(ins[static_cast<std::size_t>(k)], from, 14, "receive from any source");
+      }
+    } else {
+      const std::vector<float> out = p2p_message(rank, 14, kCount);
+      pg->send(out.data(), kCount, f32, 0, 14)->wait();
+    }
+  }
+  pg->barrier()->wait();
+
   // 5. A count mismatch is named on the receiver: a receive shorter than the message
   // (MPI_ERR_TRUNCATE). The group stays usable.
   if (rank == 0) {

@@ -183,6 +183,27 @@ def collectives(rank, world):
         check_equal("recv tag 1", a, value(0, 3, offset=2))
         check_equal("recv tag 2", b, value(0, 3, offset=1))
 
+    # recv from any source: rank 0 hears from every other rank once, and each call names its sender
+    if rank == 0:
+        senders = set()
+        for _ in range(world - 1):
+            t = torch.zeros(5)
+            sender = dist.recv(t, tag=4)
+            check_equal(f"recv from any source (rank {sender})", t, value(sender, 5))
+            senders.add(sender)
+        work = dist.irecv(torch.zeros(5), tag=4)
+        dist.barrier()  # the ranks send again after it
+        work.wait()
+        senders_async = work._source_rank()
+        assert senders == set(range(1, world)), senders
+        assert 1 <= senders_async < world, senders_async
+        for _ in range(world - 2):
+            dist.recv(torch.zeros(5), tag=4)
+    else:
+        dist.send(value(rank, 5), dst=0, tag=4)
+        dist.barrier()
+        dist.send(value(rank, 5), dst=0, tag=4)
+
     # barriers, subgroups
     dist.barrier()
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)

@@ -4,6 +4,7 @@
 // arguments, which must give a named error on every rank without a hang.
 #include <chrono>
 #include <numeric>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -307,6 +308,19 @@ TEST(DistributedApiP2P, SendRecvWithTagsAndABatchedRingExchange) {
           batch_isend_irecv({{P2POp::Kind::kIsend, to_next, rank, *pg, 0}});
         },
         "ops[0].peer", "batch_isend_irecv to self");
+    // Rank 0 receives from any source, once from each other rank, and learns who sent.
+    if (rank == 0) {
+      std::set<int> senders;
+      for (int k = 1; k < size; ++k) {
+        auto t = torch::zeros({4}, torch::kInt32);
+        const int from = recv_any_source(t, 5);
+        require_equal(t, torch::full({4}, from, torch::kInt32), "recv_any_source's data");
+        senders.insert(from);
+      }
+      require(senders == std::set<int>{1, 2}, "recv_any_source heard from ranks 1 and 2");
+    } else {
+      send(torch::full({4}, rank, torch::kInt32), 0, 5);
+    }
     barrier();
   });
   EXPECT_ALL_RANKS_OK(results);

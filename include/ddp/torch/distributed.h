@@ -184,8 +184,11 @@ void monitored_barrier(MonitoredBarrierOptions options = {}, GroupRef group = {}
 // ---- Point to point -----------------------------------------------------------------------
 // Matches the peer's recv/send with the same tag, in issue order (ProcessGroup::send/recv).
 void send(const torch::Tensor& tensor, int dst, int tag = 0, GroupRef group = {});
-// Returns the sender's rank (`src`; receiving from any source is not supported).
+// Returns the sender's rank (`src`).
 int recv(const torch::Tensor& tensor, int src, int tag = 0, GroupRef group = {});
+// Receives the first message with `tag` from any rank (PyTorch's recv with src=None) and returns
+// its sender (ProcessGroup::recv_any_source: the ring and mpi backends).
+int recv_any_source(const torch::Tensor& tensor, int tag = 0, GroupRef group = {});
 std::shared_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag = 0, GroupRef group = {});
 std::shared_ptr<Work> irecv(const torch::Tensor& tensor, int src, int tag = 0, GroupRef group = {});
 

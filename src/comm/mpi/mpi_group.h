@@ -253,6 +253,17 @@ class MpiProcessGroup final : public comm::GroupFront,
             .is_recv = true, .recv = buf, .count = count, .dtype = dtype, .peer = src, .tag = tag},
         options);
   }
+  std::shared_ptr<Work> post_recv_any_source(void* buf, std::size_t count, DType dtype, int* source,
+                                             int tag, CallOptions options) override {
+    return post_p2p(comm::mpi::P2pCall{.is_recv = true,
+                                       .recv = buf,
+                                       .count = count,
+                                       .dtype = dtype,
+                                       .peer = MPI_ANY_SOURCE,
+                                       .tag = tag,
+                                       .source = source},
+                    options);
+  }
   std::shared_ptr<ProcessGroup> make_subgroup(std::vector<int> ranks) override;
   // One MPI call takes an int count.
   std::size_t max_count() const override { return static_cast<std::size_t>(INT_MAX); }

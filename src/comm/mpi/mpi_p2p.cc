@@ -55,6 +55,10 @@ std::shared_ptr<MpiP2pWork> MpiP2pWork::post(std::shared_ptr<const P2pContext> c
 }
 
 std::string MpiP2pWork::description() const {
+  if (call_.peer == MPI_ANY_SOURCE) {
+    return fmt::format("recv({} x {}) from any rank, tag {}", to_string(call_.dtype), call_.count,
+                       call_.tag);
+  }
   return fmt::format("{}({} x {}) {} rank {}, tag {}", call_.is_recv ? "recv" : "send",
                      to_string(call_.dtype), call_.count, call_.is_recv ? "from" : "to", call_.peer,
                      call_.tag);
@@ -115,7 +119,7 @@ bool MpiP2pWork::poll_locked(std::exception_ptr& error) {
                           fmt::format("failed: rank {} sent more than the {} elements this receive "
                                       "posted (MPI_ERR_TRUNCATE); "
                                       "sender and receiver must agree on count and dtype",
-                                      call_.peer, call_.count));
+                                      status_.MPI_SOURCE, call_.count));
     } else {
       error = fail_locked(CommErrorKind::kTransport, fmt::format("failed: {}", mpi_error_text(rc)));
     }
@@ -131,7 +135,9 @@ bool MpiP2pWork::poll_locked(std::exception_ptr& error) {
                             fmt::format("received {} elements from rank {} but expected {}: sender "
                                         "and receiver must agree on "
                                         "count and dtype",
-                                        received, call_.peer, call_.count));
+                                        received, status_.MPI_SOURCE, call_.count));
+      } else if (call_.source != nullptr) {
+        *call_.source = status_.MPI_SOURCE;
       }
     }
     return true;
@@ -148,12 +154,15 @@ bool MpiP2pWork::poll_locked(std::exception_ptr& error) {
     }
     error = fail_locked(
         CommErrorKind::kTimeout,
-        fmt::format("did not complete within {} ms: {}", call_.timeout.count(),
-                    notice.empty()
-                        ? fmt::format("rank {} did not post the matching {} with tag {}, or is "
-                                      "stuck or gone",
-                                      call_.peer, call_.is_recv ? "send" : "receive", call_.tag)
-                        : notice));
+        fmt::format(
+            "did not complete within {} ms: {}", call_.timeout.count(),
+            notice.empty()
+                ? fmt::format("{} did not post the matching {} with tag {}, or is "
+                              "stuck or gone",
+                              call_.peer == MPI_ANY_SOURCE ? std::string("no rank")
+                                                           : fmt::format("rank {}", call_.peer),
+                              call_.is_recv ? "send" : "receive", call_.tag)
+                : notice));
     return true;
   }
   if (now >= next_notice_check_) {

@@ -47,9 +47,10 @@ struct P2pCall {
   void* recv = nullptr;
   std::size_t count = 0;
   DType dtype = DType::kFloat32;
-  int peer = -1;
+  int peer = -1;  // MPI_ANY_SOURCE for a receive from any source
   int tag = 0;
   std::chrono::milliseconds timeout{0};
+  int* source = nullptr;  // a receive from any source: the sender's rank, set on success
 };
 
 class MpiP2pWork final : public Work {

@@ -60,6 +60,10 @@ class RingProcessGroup final : public GroupFront,
                                   CallOptions options) override {
     return p2p_->recv(buf, count, dtype, src, tag, options);
   }
+  std::shared_ptr<Work> post_recv_any_source(void* buf, std::size_t count, DType dtype, int* source,
+                                             int tag, CallOptions options) override {
+    return p2p_->recv_any_source(buf, count, dtype, source, tag, options);
+  }
   std::shared_ptr<ProcessGroup> make_subgroup(std::vector<int> ranks) override;
 
  private:

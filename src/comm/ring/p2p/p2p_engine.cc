@@ -170,6 +170,7 @@ std::shared_ptr<Work> P2pEngine::recv(void* buf, std::size_t count, DType dtype,
   std::unique_lock lock(s.mutex);
   Peer& p = s.peers[static_cast<std::size_t>(src)];
   op->number = p.next_recv++;
+  op->order = s.next_post_order++;
   op->work =
       s.make_work(describe_recv(dtype, count, tag, src, op->number), op->timeout, src, state_);
   auto work = op->work;
@@ -185,6 +186,47 @@ std::shared_ptr<Work> P2pEngine::recv(void* buf, std::size_t count, DType dtype,
     if (!p.out.empty()) s.wake();
   }
   if (p.recvs.count(op->number) != 0) s.note_deadline(op->deadline);
+  s.drain(lock);
+  return work;
+}
+
+std::shared_ptr<Work> P2pEngine::recv_any_source(void* buf, std::size_t count, DType dtype,
+                                                 int* source, int tag, CallOptions options) {
+  check_enums("recv", dtype, std::nullopt);
+  if (options.timeout.count() < 0) {
+    throw ConfigError(
+        fmt::format("CallOptions::timeout is negative ({} ms)", options.timeout.count()));
+  }
+  State& s = *state_;
+  auto op = std::make_shared<RecvOp>();
+  op->timeout = options.timeout.count() > 0 ? options.timeout : s.options.timeout;
+  op->deadline = net::deadline_after(op->timeout);
+  op->data = static_cast<std::byte*>(buf);
+  op->count = count;
+  op->dtype = dtype;
+  op->tag = tag;
+  op->peer = -1;
+  op->source = source;
+  std::unique_lock lock(s.mutex);
+  op->order = s.next_post_order++;
+  op->work =
+      s.make_work(describe_recv_any(dtype, count, tag, s.next_any++), op->timeout, -1, state_);
+  auto work = op->work;
+  if (s.poison) {
+    lock.unlock();
+    work->complete(s.poison);
+    return work;
+  }
+  s.match_posted_any(op);
+  // Bound to a peer, it may have queued a clear-to-send or a rejection for it.
+  if (op->peer >= 0) {
+    Peer& p = s.peers[static_cast<std::size_t>(op->peer)];
+    if (!p.out.empty()) {
+      if (p.out.size() == 1) s.write_to(p);
+      if (!p.out.empty()) s.wake();
+    }
+  }
+  s.note_deadline(op->deadline);
   s.drain(lock);
   return work;
 }

@@ -82,6 +82,12 @@ class P2pEngine {
                              CallOptions options);
   std::shared_ptr<Work> recv(void* buf, std::size_t count, DType dtype, int src, int tag,
                              CallOptions options);
+  // A receive from whichever peer's message with `tag` comes first (arrival order for messages
+  // already here; a receive from that peer posted earlier takes a message first). `*source` is
+  // set to the sender's rank before the Work completes. It fails at its deadline, when no peer is
+  // left, or with abort(); a failing connection fails it only once it is bound to that peer.
+  std::shared_ptr<Work> recv_any_source(void* buf, std::size_t count, DType dtype, int* source,
+                                        int tag, CallOptions options);
 
   // Fails every pending and later operation with `error` and shuts the connections.
   void abort(std::exception_ptr error);

@@ -18,7 +18,8 @@ void P2pEngine::State::return_credit(Peer& p, std::size_t message_bytes) {
 
 void P2pEngine::State::reject(Peer& p, const P2pFrame& m, const std::shared_ptr<RecvOp>& op) {
   const int peer = peer_index(p);
-  const std::string mine = describe_recv(op->dtype, op->count, op->tag, peer, op->number);
+  // A receive from any source keeps its own name ("from any rank"): the one its caller knows.
+  const std::string mine = op->work->description();
   const std::string theirs =
       describe_send(static_cast<DType>(m.dtype), m.count, m.tag, options.rank, m.message);
   finish_recv(
@@ -79,35 +80,44 @@ void P2pEngine::State::ask_for_payload(Peer& p, const P2pFrame& m,
   queue_frame(p, f);
 }
 
-void P2pEngine::State::match_posted(Peer& p, const std::shared_ptr<RecvOp>& op) {
-  for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
-    if (it->claimed || it->rejected || it->header.tag != op->tag) continue;
-    const bool eager = it->header.type == FrameType::kEager;
-    const std::size_t bytes = it->payload.size();
-    if (!agrees(it->header, *op)) {
-      reject(p, it->header, op);
-      if (!eager) {
-        p.unexpected.erase(it);
-      } else if (it->complete) {
-        return_credit(p, bytes);
-        p.unexpected.erase(it);
-      } else {
-        it->rejected = true;
-      }
-      return;
-    }
+std::list<Unexpected>::iterator P2pEngine::State::find_unexpected(Peer& p, int tag) {
+  return std::find_if(p.unexpected.begin(), p.unexpected.end(), [&](const Unexpected& u) {
+    return !u.claimed && !u.rejected && u.header.tag == tag;
+  });
+}
+
+void P2pEngine::State::take_unexpected(Peer& p, std::list<Unexpected>::iterator it,
+                                       const std::shared_ptr<RecvOp>& op) {
+  const bool eager = it->header.type == FrameType::kEager;
+  const std::size_t bytes = it->payload.size();
+  if (!agrees(it->header, *op)) {
+    reject(p, it->header, op);
     if (!eager) {
-      ask_for_payload(p, it->header, op);
       p.unexpected.erase(it);
     } else if (it->complete) {
-      if (bytes > 0) std::memcpy(op->data, it->payload.data(), bytes);
       return_credit(p, bytes);
       p.unexpected.erase(it);
-      finish_recv(p, op, nullptr);
     } else {
-      it->claimed = op;
+      it->rejected = true;
     }
     return;
+  }
+  if (!eager) {
+    ask_for_payload(p, it->header, op);
+    p.unexpected.erase(it);
+  } else if (it->complete) {
+    if (bytes > 0) std::memcpy(op->data, it->payload.data(), bytes);
+    return_credit(p, bytes);
+    p.unexpected.erase(it);
+    finish_recv(p, op, nullptr);
+  } else {
+    it->claimed = op;
+  }
+}
+
+void P2pEngine::State::match_posted(Peer& p, const std::shared_ptr<RecvOp>& op) {
+  if (auto it = find_unexpected(p, op->tag); it != p.unexpected.end()) {
+    return take_unexpected(p, it, op);
   }
   if (p.closed) {
     const int peer = peer_index(p);
@@ -121,6 +131,57 @@ void P2pEngine::State::match_posted(Peer& p, const std::shared_ptr<RecvOp>& op) 
     return;
   }
   p.posted.push_back(op);
+}
+
+void P2pEngine::State::bind_any(Peer& p, const std::shared_ptr<RecvOp>& op) {
+  op->peer = peer_index(p);
+  op->number = p.next_recv++;
+  *op->source = op->peer;
+  p.recvs[op->number] = op;
+}
+
+bool P2pEngine::State::any_peer_left() const {
+  for (const Peer& p : peers) {
+    if (peer_index(p) != options.rank && !p.failed && !p.closed) return true;
+  }
+  return false;
+}
+
+void P2pEngine::State::fail_any_if_no_peer_left(const std::exception_ptr& error) {
+  if (any_posted.empty() || any_peer_left()) return;
+  for (auto& op : any_posted)
+    completions.emplace_back(op->work, error);
+  any_posted.clear();
+}
+
+void P2pEngine::State::match_posted_any(const std::shared_ptr<RecvOp>& op) {
+  // The earliest arrival among each peer's earliest matching message (messages from one peer
+  // arrive in order, so each peer's first match is its earliest).
+  Peer* from = nullptr;
+  std::list<Unexpected>::iterator earliest;
+  for (Peer& p : peers) {
+    if (p.failed) continue;
+    auto it = find_unexpected(p, op->tag);
+    if (it != p.unexpected.end() && (from == nullptr || it->arrival < earliest->arrival)) {
+      from = &p;
+      earliest = it;
+    }
+  }
+  if (from != nullptr) {
+    bind_any(*from, op);
+    return take_unexpected(*from, earliest, op);
+  }
+  if (!any_peer_left()) {
+    completions.emplace_back(
+        op->work,
+        comm_error(CommErrorKind::kPeerGone,
+                   fmt::format("rank {}: {} in group '{}' cannot match: every other rank closed "
+                               "its point-to-point connection or failed without sending it",
+                               options.rank, op->work->description(), options.group),
+                   op->work->description(), op->number, -1));
+    return;
+  }
+  any_posted.push_back(op);
 }
 
 void P2pEngine::State::payload_done(Peer& p) {
@@ -185,9 +246,18 @@ void P2pEngine::State::on_frame(Peer& p) {
       }
       auto it = std::find_if(p.posted.begin(), p.posted.end(),
                              [&](const auto& op) { return op->tag == m.tag; });
-      if (it != p.posted.end()) {
-        auto op = *it;
+      auto any = std::find_if(any_posted.begin(), any_posted.end(),
+                              [&](const auto& op) { return op->tag == m.tag; });
+      std::shared_ptr<RecvOp> op;
+      if (any != any_posted.end() && (it == p.posted.end() || (*any)->order < (*it)->order)) {
+        op = *any;
+        any_posted.erase(any);
+        bind_any(p, op);
+      } else if (it != p.posted.end()) {
+        op = *it;
         p.posted.erase(it);
+      }
+      if (op) {
         if (!agrees(m, *op)) {
           reject(p, m, op);
           if (eager) start_payload(p, nullptr, bytes, true);
@@ -199,7 +269,7 @@ void P2pEngine::State::on_frame(Peer& p) {
         }
         return;
       }
-      p.unexpected.push_back(Unexpected{m, {}, !eager, nullptr, false});
+      p.unexpected.push_back(Unexpected{m, {}, !eager, nullptr, false, next_arrival++});
       if (eager) {
         auto last = std::prev(p.unexpected.end());
         last->payload.resize(bytes);

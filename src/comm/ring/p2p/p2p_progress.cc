@@ -41,6 +41,7 @@ void P2pEngine::State::fail_peer(Peer& p, std::exception_ptr error) {
   fail_pending(p, error);
   p.unexpected.clear();
   if (p.fd >= 0) net::shutdown_socket(p.fd, net::ShutdownHow::kBoth);
+  fail_any_if_no_peer_left(error);
 }
 
 std::string P2pEngine::State::first_pending(const Peer& p) const {
@@ -82,6 +83,15 @@ void P2pEngine::State::on_closed(Peer& p, const std::string& detail) {
   for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
     it = it->complete && it->header.type == FrameType::kEager ? std::next(it)
                                                               : p.unexpected.erase(it);
+  }
+  if (!any_posted.empty() && !any_peer_left()) {
+    const std::string waiting = any_posted.front()->work->description();
+    fail_any_if_no_peer_left(comm_error(
+        CommErrorKind::kPeerGone,
+        fmt::format("rank {}: {} in group '{}' cannot match: every other rank closed its "
+                    "point-to-point connection (the last was rank {}{}) without sending it",
+                    options.rank, waiting, options.group, peer_index(p), detail),
+        waiting, 0, -1));
   }
 }
 
@@ -210,6 +220,16 @@ void P2pEngine::State::check_deadlines() {
     }
     if (timed_out) fail_peer(p, timed_out);
   }
+  // A receive from any source that no message bound times out alone: no connection is to blame.
+  for (auto it = any_posted.begin(); it != any_posted.end();) {
+    if ((*it)->deadline <= now) {
+      completions.emplace_back((*it)->work, any_timeout_error(**it));
+      it = any_posted.erase(it);
+    } else {
+      next = std::min(next, (*it)->deadline);
+      ++it;
+    }
+  }
   next_check = next;
 }
 
@@ -259,6 +279,26 @@ std::exception_ptr P2pEngine::State::timeout_error(const Peer& p, const RecvOp& 
                     desc, op.number, peer);
 }
 
+std::exception_ptr P2pEngine::State::any_timeout_error(const RecvOp& op) const {
+  std::string others;
+  for (const Peer& p : peers) {
+    const std::string sent = unmatched(p);
+    if (!sent.empty())
+      others += fmt::format("{}rank {} sent {}", others.empty() ? "" : "; ", peer_index(p), sent);
+  }
+  const std::string desc = op.work->description();
+  return comm_error(
+      CommErrorKind::kTimeout,
+      fmt::format("rank {} timed out after {} ms in {} in group '{}': no rank sent a message with "
+                  "tag {} for it{}",
+                  options.rank, op.timeout.count(), desc, options.group, op.tag,
+                  others.empty() ? std::string()
+                                 : fmt::format(", but {}, which no receive took (a different "
+                                               "tag?)",
+                                               others)),
+      desc, op.number, -1);
+}
+
 void P2pEngine::State::note_deadline(Clock::time_point deadline) {
   if (deadline < next_check) {
     next_check = deadline;
@@ -267,6 +307,7 @@ void P2pEngine::State::note_deadline(Clock::time_point deadline) {
 }
 
 void P2pEngine::State::help(int peer) {
+  if (peer < 0) return;  // a receive from any source: the progress thread watches every peer
   std::unique_lock lock(mutex, std::try_to_lock);
   if (!lock.owns_lock() || stopping) return;
   Peer& p = peers[static_cast<std::size_t>(peer)];
@@ -335,6 +376,9 @@ void P2pEngine::State::run() {
                    "point-to-point", 0, -1);
     for (auto& p : peers)
       fail_pending(p, error);
+    for (auto& op : any_posted)
+      completions.emplace_back(op->work, error);
+    any_posted.clear();
     drain(lock);
   }
 }

@@ -62,8 +62,12 @@ struct RecvOp {
   std::size_t count = 0;
   DType dtype = DType::kFloat32;
   int tag = 0;
-  int peer = 0;
+  int peer = 0;  // a receive from any source: -1 until a message binds it to its sender
   std::uint64_t number = 0;
+  // Posting order across peers: a message that both a receive from its sender and a receive from
+  // any source could take goes to the one posted first (MPI's rule).
+  std::uint64_t order = 0;
+  int* source = nullptr;  // a receive from any source: where the sender's rank goes once bound
   Clock::time_point deadline;
   milliseconds timeout{0};
   std::size_t bytes() const { return count * dtype_size(dtype); }
@@ -86,6 +90,7 @@ struct Unexpected {
   bool complete = false;            // the eager payload is all here (kRequest: always)
   std::shared_ptr<RecvOp> claimed;  // taken before its payload was complete
   bool rejected = false;            // taken by a receive that did not agree: drop when complete
+  std::uint64_t arrival = 0;        // arrival order across peers (a receive from any source)
 };
 
 struct Peer {
@@ -140,6 +145,12 @@ inline std::string describe_recv(DType dtype, std::uint64_t count, int tag, int 
                      number);
 }
 
+inline std::string describe_recv_any(DType dtype, std::uint64_t count, int tag,
+                                     std::uint64_t number) {
+  return fmt::format("recv({} x {}, tag {}) from any rank #{}", to_string(dtype), count, tag,
+                     number);
+}
+
 // What an eager message takes of the sender's credit: its payload and its frame, so that empty
 // messages too are bounded in number while they wait for a receive.
 inline std::size_t eager_cost(std::size_t bytes) {
@@ -161,6 +172,11 @@ struct P2pEngine::State {
   Clock::time_point next_check = Clock::time_point::max();
   std::vector<std::pair<std::shared_ptr<Work>, std::exception_ptr>> completions;
   std::vector<std::byte> discard = std::vector<std::byte>(std::size_t{64} << 10);
+  // Receives from any source that no message has bound to a sender yet, in posting order.
+  std::deque<std::shared_ptr<RecvOp>> any_posted;
+  std::uint64_t next_any = 0;         // numbers receives from any source (for their names)
+  std::uint64_t next_post_order = 0;  // RecvOp::order
+  std::uint64_t next_arrival = 0;     // Unexpected::arrival
 
   ~State() {
     if (wake_fd >= 0) ::close(wake_fd);
@@ -172,7 +188,8 @@ struct P2pEngine::State {
   }
 
   bool all_idle() const {
-    return std::all_of(peers.begin(), peers.end(), [](const Peer& p) { return p.idle(); });
+    return any_posted.empty() &&
+           std::all_of(peers.begin(), peers.end(), [](const Peer& p) { return p.idle(); });
   }
 
   // An operation completes once: a send rejected while its payload is still being written is not
@@ -229,6 +246,20 @@ struct P2pEngine::State {
   void ask_for_payload(Peer& p, const P2pFrame& m, const std::shared_ptr<RecvOp>& op);
   // A receive posted (user thread): takes the earliest unexpected message with its tag, if any.
   void match_posted(Peer& p, const std::shared_ptr<RecvOp>& op);
+  // The earliest message from `p` with `tag` that no receive took, or p.unexpected.end().
+  std::list<Unexpected>::iterator find_unexpected(Peer& p, int tag);
+  // `op` (bound to `p`) takes the unexpected message `it`.
+  void take_unexpected(Peer& p, std::list<Unexpected>::iterator it,
+                       const std::shared_ptr<RecvOp>& op);
+  // A receive from any source posted (user thread): takes the earliest message with its tag that
+  // arrived from any peer and no receive took, else waits in any_posted.
+  void match_posted_any(const std::shared_ptr<RecvOp>& op);
+  // Makes `op`, a receive from any source, a receive from `p` (a message of `p` chose it).
+  void bind_any(Peer& p, const std::shared_ptr<RecvOp>& op);
+  // Whether some peer may still send to this rank (not failed, not closed).
+  bool any_peer_left() const;
+  // Fails the unbound receives from any source with `error` when no peer is left to send.
+  void fail_any_if_no_peer_left(const std::exception_ptr& error);
   // The payload of the frame being read is all here.
   void payload_done(Peer& p);
   void start_payload(Peer& p, std::byte* dst, std::size_t bytes, bool eager);
@@ -245,6 +276,7 @@ struct P2pEngine::State {
   // to rank 0 #3", or "" (for errors of receives that wait for another tag).
   std::string unmatched(const Peer& p) const;
   std::exception_ptr timeout_error(const Peer& p, const RecvOp& op) const;
+  std::exception_ptr any_timeout_error(const RecvOp& op) const;
   void note_deadline(Clock::time_point deadline);
   // One attempt to move `peer`'s bytes on the calling thread (a waiter, see P2pWork); gives way
   // when the progress thread or a poster holds the lock.
