@@ -15,7 +15,9 @@ for PowerSGD: Debian's 1.13 hook crashes on gloo (docs/ddp.md, comm hooks). 2.x'
 the model has more than one bucket (`enforce fail at gloo/transport/tcp/pair.cc:464
 op.preamble.length <= op.nbytes`): the hook's second allreduce is issued from a future's callback
 and races with the next bucket's allreduce, so the ranks pair different collectives. With one
-bucket (--bucket-cap-mb larger than the model's gradients) it runs.
+bucket (--bucket-cap-mb larger than the model's gradients) it runs. --comm-hook noop registers
+PyTorch's noop_hook (debugging_hooks): DDP's whole step with no communication at all, the ceiling
+any backend can reach under PyTorch's DDP (its gradients are not averaged: a bound, not training).
 
 --device cuda puts the model and the batch on cuda:(LOCAL_RANK % device count) and synchronises
 the device before each step's clock is read; --backend gloo (the default; with CUDA tensors too:
@@ -50,6 +52,10 @@ def make_model(name):
 def register_comm_hook(model, args):
     if args.comm_hook == "none":
         return
+    if args.comm_hook == "noop":
+        from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
+        model.register_comm_hook(None, debugging_hooks.noop_hook)
+        return
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     if args.comm_hook == "fp16":
@@ -79,7 +85,7 @@ def main():
                         help="DDP's bucket_cap_mb (default: PyTorch's, 25 with a 1 MiB first "
                              "bucket); a value also sets the first bucket's cap")
     parser.add_argument("--comm-hook", default="none",
-                        choices=["none", "fp16", "powersgd", "batched-powersgd"])
+                        choices=["none", "fp16", "powersgd", "batched-powersgd", "noop"])
     parser.add_argument("--powersgd-rank", type=int, default=1,
                         help="PowerSGDState's matrix_approximation_rank")
     parser.add_argument("--powersgd-start-iter", type=int, default=2,

@@ -8,7 +8,9 @@ round by round so that both see the same machine:
   allreduce  bench/gloo_allreduce.py --backend gloo|ddp: dist.all_reduce of float32, the median
              over iterations of the slower rank's time; 1 KiB latency and 64 MiB bus bandwidth
   ddp        bench/pytorch_ddp_bench.py --backend gloo|ddp: PyTorch's own DistributedDataParallel
-             training steps of the mlp and the cnn, samples/s
+             training steps of the mlp and the cnn, samples/s; and the ceiling of any backend
+             under PyTorch's DDP, measured in the same rounds: the same steps with
+             --comm-hook noop (DDP's whole step, no communication)
 
 Prints one markdown table (medians over rounds, and the ratio ddp/gloo) and, with --json, writes
 every measurement. torch_ddp comes from --torch-ddp (a folder holding the package, default the
@@ -75,9 +77,10 @@ def allreduce(python, backend, sizes, iters, env, world):
     return {row["bytes"]: row for row in rows}
 
 
-def ddp_step(python, backend, model, steps, env, world):
+def ddp_step(python, backend, model, steps, env, world, hook="none"):
     out = run_world([python, os.path.join(HERE, "pytorch_ddp_bench.py"), "--backend", backend,
-                     "--model", model, "--steps", str(steps), "--warmup", "3"], world, env, 900)
+                     "--model", model, "--steps", str(steps), "--warmup", "3",
+                     "--comm-hook", hook], world, env, 900)
     match = re.search(r"step_ms=([\d.]+) samples_per_s=([\d.]+)", out)
     if not match:
         raise SystemExit(f"torch_ddp_compare: no step_ms line from pytorch_ddp_bench:\n{out}")
@@ -113,6 +116,7 @@ def main():
     small, large = (1024, 65536) if args.tiny else (1024, 64 << 20)
     models = ("mlp",) if args.tiny else ("mlp", "cnn")
     results = {b: {"allreduce": [], "mlp": [], "cnn": []} for b in ("gloo", "ddp")}
+    ceiling = {"mlp": [], "cnn": []}  # PyTorch's DDP with the noop hook: no backend does better
     for r in range(rounds):
         for backend in (("gloo", "ddp") if r % 2 == 0 else ("ddp", "gloo")):
             results[backend]["allreduce"].append(
@@ -120,6 +124,8 @@ def main():
             for model in models:
                 results[backend][model].append(ddp_step(python, backend, model, steps, env,
                                                         args.world))
+        for model in models:
+            ceiling[model].append(ddp_step(python, "gloo", model, steps, env, args.world, "noop"))
         print(f"torch_ddp_compare: round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
 
     def med(backend, pick):
@@ -137,22 +143,27 @@ def main():
 
     print(f"\nworld {args.world}, one thread per rank, PyTorch {torch.__version__}, "
           f"medians of {rounds} round(s)\n")
-    print("| measure | gloo | ddp | ddp vs gloo |")
-    print("|---|---|---|---|")
+    print("| measure | gloo | ddp | ddp vs gloo | ceiling (noop hook) | gloo, ddp: share of it |")
+    print("|---|---|---|---|---|---|")
     g, d = med("gloo", lat), med("ddp", lat)
-    print(f"| all_reduce {small} B, us (lower is better) | {g:.1f} | {d:.1f} | {g / d:.1f}x faster |")
+    print(f"| all_reduce {small} B, us (lower is better) | {g:.1f} | {d:.1f} | {g / d:.1f}x faster "
+          f"| | |")
     g, d = med("gloo", bus), med("ddp", bus)
     print(f"| all_reduce {large >> 20 if large >= 1 << 20 else large} "
-          f"{'MiB' if large >= 1 << 20 else 'B'} busbw, GB/s | {g:.2f} | {d:.2f} | {d / g:.2f}x |")
+          f"{'MiB' if large >= 1 << 20 else 'B'} busbw, GB/s | {g:.2f} | {d:.2f} | {d / g:.2f}x "
+          f"| | |")
     for name, m in (("mlp", mlp), ("cnn", cnn)):
         if name not in models:
             continue
         g, d = med("gloo", m), med("ddp", m)
-        print(f"| PyTorch DDP {name}, samples/s | {g:.0f} | {d:.0f} | {d / g:.2f}x |")
+        c = statistics.median(x["samples_per_s"] for x in ceiling[name])
+        print(f"| PyTorch DDP {name}, samples/s | {g:.0f} | {d:.0f} | {d / g:.2f}x | {c:.0f} "
+              f"| {g / c:.0%}, {d / c:.0%} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world": args.world, "rounds": rounds, "torch": torch.__version__,
-                       "results": results}, f, indent=1, default=str)
+                       "results": results, "ceiling_noop_hook": ceiling}, f, indent=1,
+                      default=str)
 
 
 if __name__ == "__main__":
