@@ -8,10 +8,14 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed_data_parallel.h"
@@ -399,6 +403,46 @@ TEST(ZeroRedundancyOptimizer, DifferentModelsOrOptimizersAcrossRanksAreNamedOnEv
         pg);
   });
   expect_error_on_every_rank(results, "LBFGS cannot be sharded");
+}
+
+// A rank that calls step() where the other runs a collective of its own (uneven step counts): the
+// mismatch names the optimizer's phase and the likely causes in one line (issue 24).
+TEST(ZeroRedundancyOptimizer, ACollectiveMismatchInStepNamesTheLikelyCauses) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port, 10s);
+    auto net = make_model();
+    ZeroRedundancyOptimizer zero(net->parameters(), factory(Kind::kAdam), pg);
+    if (rank == 1) {
+      std::vector<double> values(1000, 1.0);
+      try {
+        pg->allreduce(values.data(), values.size(), DType::kFloat64, ReduceOp::kSum)->wait();
+      } catch (const Error&) {
+        // The mismatch as rank 1 sees it, outside the optimizer: no causes to add.
+      }
+      return;
+    }
+    auto [x, y] = make_batch(rank, 2, 0);
+    torch::mse_loss(net->forward(x), y).backward();
+    try {
+      zero.step();
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      for (const std::string part :
+           {"ZeroRedundancyOptimizer, shard broadcast after step(): ", ". Likely causes: ",
+            "called step() a different number of times", "ddp::Join"}) {
+        if (what.find(part) == std::string::npos) {
+          throw std::runtime_error(fmt::format("the error lacks '{}': {}", part, what));
+        }
+      }
+      if (what.find('\n') != std::string::npos) {
+        throw std::runtime_error("the causes are not on one line: " + what);
+      }
+      return;
+    }
+    throw std::runtime_error("step() met no error although rank 1 never stepped");
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 // Adam, 10 steps with ZeRO at `save_world`, consolidated on rank 1 and saved with the model
