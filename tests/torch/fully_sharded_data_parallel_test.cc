@@ -4,6 +4,7 @@
 // batch of 12 samples is split evenly, so runs at different world sizes train the same model.
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -463,7 +464,10 @@ TEST(FullyShardedDataParallel, ARankDyingMidAllGatherIsNamedOnTheOthersWithoutAH
 // all-gather and the likely causes in one line (issue 24).
 TEST(FullyShardedDataParallel, ACollectiveMismatchInForwardNamesTheLikelyCauses) {
   const int port = test::free_port();
+  // The mismatch's flight-recorder dumps go to the test's folder, not the working directory.
+  test::TempDir dumps;
   const auto results = run_ranks(2, [&](int rank) {
+    ::setenv("DDP_DUMP_DIR", dumps.path().c_str(), 1);
     auto pg = join_group(rank, 2, port, 10s);
     FullyShardedDataParallel fsdp(make_model(), pg, three_units(ShardingStrategy::kFullShard));
     if (rank == 1) {

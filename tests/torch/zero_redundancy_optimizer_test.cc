@@ -3,6 +3,7 @@
 // of 12 samples is split evenly, so runs at different world sizes train the same model. Model and
 // data come from formulas that pytorch_zero_reference.py evaluates the same way.
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -409,7 +410,10 @@ TEST(ZeroRedundancyOptimizer, DifferentModelsOrOptimizersAcrossRanksAreNamedOnEv
 // mismatch names the optimizer's phase and the likely causes in one line (issue 24).
 TEST(ZeroRedundancyOptimizer, ACollectiveMismatchInStepNamesTheLikelyCauses) {
   const int port = test::free_port();
+  // The mismatch's flight-recorder dumps go to the test's folder, not the working directory.
+  test::TempDir dumps;
   const auto results = run_ranks(2, [&](int rank) {
+    ::setenv("DDP_DUMP_DIR", dumps.path().c_str(), 1);
     auto pg = join_group(rank, 2, port, 10s);
     auto net = make_model();
     ZeroRedundancyOptimizer zero(net->parameters(), factory(Kind::kAdam), pg);
