@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -50,10 +51,26 @@ void warn_if_unverified(torch::serialize::InputArchive& archive,
              "cannot be detected; it is loaded unverified. Save it again to add them.");
 }
 
+// A checkpoint path that names a folder is a mistake in the program's options (--snapshot D meant
+// as D/snapshot.pt): said as such, before a save writes anything (the rename onto the folder would
+// fail only after the whole file was written) and before a load reports the file as missing.
+void refuse_folder(const std::filesystem::path& path) {
+  std::error_code error;
+  if (!std::filesystem::is_directory(path, error)) return;
+  std::string folder = path.string();
+  while (folder.size() > 1 && folder.back() == '/')
+    folder.pop_back();
+  throw ConfigError(
+      fmt::format("checkpoint: {} is a folder; give the path of a file in it, such as "
+                  "{}/checkpoint.pt",
+                  path.string(), folder));
+}
+
 }  // namespace
 
 void save_archive_atomically(torch::serialize::OutputArchive& archive,
                              const std::filesystem::path& path) {
+  refuse_folder(path);
   internal::add_checksums(archive);
   const std::filesystem::path temporary = path.string() + ".tmp";
   const int raw_fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -134,6 +151,7 @@ void save_archive_atomically(torch::serialize::OutputArchive& archive,
 torch::serialize::InputArchive load_archive(const std::filesystem::path& path,
                                             std::optional<torch::Device> map_location) {
   if (map_location) detail::check_device_usable(*map_location, "load_archive's map_location");
+  refuse_folder(path);
   std::error_code error;
   if (!std::filesystem::is_regular_file(path, error)) {
     throw ConfigError(

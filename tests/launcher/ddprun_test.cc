@@ -718,24 +718,21 @@ std::string listening_address(pid_t pid, int port) {
   return "";
 }
 
-// Node 0 of a two-node job with restarts, waiting for node 1 (never started): where does it
-// serve the restart rounds?
+// The two jobs whose node 0 serves rounds on the agent port: a static two-node job with restarts,
+// and an elastic one (which always has rounds).
+const std::vector<std::string> kStaticJobWithRestarts{"--nnodes", "2", "--max-restarts", "1"};
+const std::vector<std::string> kElasticJob{"--nnodes", "2:3"};
+
+// Node 0 of `job`, waiting for node 1 (never started): where does it serve the rounds?
 std::string agent_address(const std::vector<std::string>& extra,
-                          const std::map<std::string, std::optional<std::string>>& env) {
+                          const std::map<std::string, std::optional<std::string>>& env,
+                          const std::vector<std::string>& job = kStaticJobWithRestarts) {
   const int agent_port = free_port();
-  std::vector<std::string> argv{ddprun(),
-                                "--nnodes",
-                                "2",
-                                "--node-rank",
-                                "0",
-                                "--master-addr",
-                                "127.0.0.1",
-                                "--master-port",
-                                std::to_string(free_port()),
-                                "--agent-port",
-                                std::to_string(agent_port),
-                                "--max-restarts",
-                                "1"};
+  std::vector<std::string> argv{ddprun()};
+  argv.insert(argv.end(), job.begin(), job.end());
+  argv.insert(argv.end(),
+              {"--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+               std::to_string(free_port()), "--agent-port", std::to_string(agent_port)});
   argv.insert(argv.end(), extra.begin(), extra.end());
   argv.insert(argv.end(), {"/bin/true"});
   auto env_with_timeout = env;
@@ -761,6 +758,12 @@ TEST(Ddprun, TheRestartRoundsListenOnTheMasterAddressesInterfaceUnlessWidened) {
       "0.0.0.0");
   // The workers' store's variable widens both.
   EXPECT_EQ(agent_address({}, {{"DDP_STORE_LISTEN_ADDR", "0.0.0.0"}}), "0.0.0.0");
+  // An elastic job's rendezvous is served the same way (issue 24: restart rounds, --max-restarts
+  // and elastic --nnodes all listened on 0.0.0.0).
+  EXPECT_EQ(agent_address({}, {{"DDP_STORE_LISTEN_ADDR", std::nullopt}}, kElasticJob), "127.0.0.1");
+  EXPECT_EQ(agent_address({"--agent-listen-addr", "0.0.0.0"},
+                          {{"DDP_STORE_LISTEN_ADDR", std::nullopt}}, kElasticJob),
+            "0.0.0.0");
   const auto r = run_ddprun({"--agent-listen-addr", "", "/bin/true"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("--agent-listen-addr is empty"));

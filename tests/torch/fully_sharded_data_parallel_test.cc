@@ -4,6 +4,7 @@
 // batch of 12 samples is split evenly, so runs at different world sizes train the same model.
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -15,6 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/fully_sharded_data_parallel.h"
@@ -455,6 +457,48 @@ TEST(FullyShardedDataParallel, ARankDyingMidAllGatherIsNamedOnTheOthersWithoutAH
     EXPECT_ALL_RANKS_OK(results);
     EXPECT_LT(std::chrono::steady_clock::now() - start, 15s);
   }
+}
+
+// A forward on one rank where the other runs a collective of its own (uneven batch counts, or an
+// evaluation on one rank only: FSDP's forward is collective): the mismatch names the unit's
+// all-gather and the likely causes in one line (issue 24).
+TEST(FullyShardedDataParallel, ACollectiveMismatchInForwardNamesTheLikelyCauses) {
+  const int port = test::free_port();
+  // The mismatch's flight-recorder dumps go to the test's folder, not the working directory.
+  test::TempDir dumps;
+  const auto results = run_ranks(2, [&](int rank) {
+    ::setenv("DDP_DUMP_DIR", dumps.path().c_str(), 1);
+    auto pg = join_group(rank, 2, port, 10s);
+    FullyShardedDataParallel fsdp(make_model(), pg, three_units(ShardingStrategy::kFullShard));
+    if (rank == 1) {
+      std::vector<double> values(1000, 1.0);
+      try {
+        pg->allreduce(values.data(), values.size(), DType::kFloat64, ReduceOp::kSum)->wait();
+      } catch (const Error&) {
+        // The mismatch as rank 1 sees it, outside FSDP: no causes to add.
+      }
+      return;
+    }
+    auto [x, y] = make_batch(rank, 2, 0);
+    try {
+      fsdp->forward(x);
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      for (const std::string part :
+           {"FullyShardedDataParallel, parameter all-gather of unit 1 of 3: ", ". Likely causes: ",
+            "different numbers of forwards or backwards", "evaluate on every rank"}) {
+        if (what.find(part) == std::string::npos) {
+          throw std::runtime_error(fmt::format("the error lacks '{}': {}", part, what));
+        }
+      }
+      if (what.find('\n') != std::string::npos) {
+        throw std::runtime_error("the causes are not on one line: " + what);
+      }
+      return;
+    }
+    throw std::runtime_error("forward met no error although rank 1 ran no forward");
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 }  // namespace

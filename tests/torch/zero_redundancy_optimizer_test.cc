@@ -3,15 +3,20 @@
 // of 12 samples is split evenly, so runs at different world sizes train the same model. Model and
 // data come from formulas that pytorch_zero_reference.py evaluates the same way.
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed_data_parallel.h"
@@ -399,6 +404,49 @@ TEST(ZeroRedundancyOptimizer, DifferentModelsOrOptimizersAcrossRanksAreNamedOnEv
         pg);
   });
   expect_error_on_every_rank(results, "LBFGS cannot be sharded");
+}
+
+// A rank that calls step() where the other runs a collective of its own (uneven step counts): the
+// mismatch names the optimizer's phase and the likely causes in one line (issue 24).
+TEST(ZeroRedundancyOptimizer, ACollectiveMismatchInStepNamesTheLikelyCauses) {
+  const int port = test::free_port();
+  // The mismatch's flight-recorder dumps go to the test's folder, not the working directory.
+  test::TempDir dumps;
+  const auto results = run_ranks(2, [&](int rank) {
+    ::setenv("DDP_DUMP_DIR", dumps.path().c_str(), 1);
+    auto pg = join_group(rank, 2, port, 10s);
+    auto net = make_model();
+    ZeroRedundancyOptimizer zero(net->parameters(), factory(Kind::kAdam), pg);
+    if (rank == 1) {
+      std::vector<double> values(1000, 1.0);
+      try {
+        pg->allreduce(values.data(), values.size(), DType::kFloat64, ReduceOp::kSum)->wait();
+      } catch (const Error&) {
+        // The mismatch as rank 1 sees it, outside the optimizer: no causes to add.
+      }
+      return;
+    }
+    auto [x, y] = make_batch(rank, 2, 0);
+    torch::mse_loss(net->forward(x), y).backward();
+    try {
+      zero.step();
+    } catch (const CommError& e) {
+      const std::string what = e.what();
+      for (const std::string part :
+           {"ZeroRedundancyOptimizer, shard broadcast after step(): ", ". Likely causes: ",
+            "called step() a different number of times", "ddp::Join"}) {
+        if (what.find(part) == std::string::npos) {
+          throw std::runtime_error(fmt::format("the error lacks '{}': {}", part, what));
+        }
+      }
+      if (what.find('\n') != std::string::npos) {
+        throw std::runtime_error("the causes are not on one line: " + what);
+      }
+      return;
+    }
+    throw std::runtime_error("step() met no error although rank 1 never stepped");
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 // Adam, 10 steps with ZeRO at `save_world`, consolidated on rank 1 and saved with the model

@@ -1,6 +1,7 @@
 // Checkpoints: a round trip restores model and optimizer exactly; writes are atomic; every bad
 // file is an error naming the path.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -116,6 +117,33 @@ TEST(CheckpointTest, MissingFileIsAConfigErrorNamingThePath) {
     EXPECT_THAT(e.what(), HasSubstr(path.string()));
     EXPECT_THAT(e.what(), HasSubstr("does not exist"));
   }
+}
+
+// A checkpoint path that names a folder (a program's --snapshot D for D/snapshot.pt) is a
+// ConfigError saying so, on load ("does not exist" misled) and on save before anything is written
+// (it was found only at the rename, after the whole file was written next to the folder).
+TEST(CheckpointTest, APathThatIsAFolderIsAConfigErrorSayingSo) {
+  TempDir dir;
+  const auto folder = dir.path() / "snapshots";
+  std::filesystem::create_directory(folder);
+  const std::string expected = fmt::format(
+      "checkpoint: {} is a folder; give the path of a file in it, such as {}/checkpoint.pt",
+      folder.string(), folder.string());
+  Model model;
+  try {
+    load_checkpoint(folder, *model.net, *model.optimizer);
+    FAIL() << "loaded a folder";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(expected));
+  }
+  try {
+    save_checkpoint(folder, *model.net, *model.optimizer, {.epoch = 1});
+    FAIL() << "saved onto a folder";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(expected));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "snapshots.tmp"));
+  EXPECT_TRUE(std::filesystem::is_empty(folder));
 }
 
 TEST(CheckpointTest, CorruptOrTruncatedFileIsAnErrorNamingThePath) {

@@ -35,7 +35,8 @@
 // Threads: each call is independent; callers must not write the same path from two threads or
 // processes at once (in a job, let one rank save). Throws ddp::Error naming the path and the
 // cause: the file is missing or unreadable (ConfigError), not a checkpoint or corrupt, or does
-// not fit the model or optimizer; and for I/O failures while writing.
+// not fit the model or optimizer; and for I/O failures while writing. A path that is a folder is
+// a ConfigError on save (before anything is written) and on load, saying so.
 #pragma once
 
 #include <cstdint>
