@@ -181,48 +181,23 @@ void save_for_python(const fs::path& dir) {
 
 // --- with the Python of this build ---
 
-class StateDictWithPython : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    missing_ = python_missing(DDP_STATE_DICT_PYTHON);
-    if (missing_.empty()) {
-      dir_ = std::make_unique<test::TempDir>("ddp-state-dict-test");
-      save_for_python(dir_->path());
-      failure_ = run_reference(DDP_STATE_DICT_PYTHON, dir_->path());
-    }
-  }
-  static void TearDownTestSuite() { dir_.reset(); }
-  void SetUp() override {
-    if (!missing_.empty()) GTEST_SKIP() << missing_;
-    ASSERT_EQ(failure_, "");
-  }
-  static fs::path dir() { return dir_->path(); }
-  static inline std::string missing_;
-  static inline std::string failure_;
-  static inline std::unique_ptr<test::TempDir> dir_;
-};
+// One test, so one run of the reference (CTest runs each test in a process of its own, and
+// importing PyTorch 2.x takes seconds).
+TEST(StateDictWithPython, BothDirectionsNamesAndFilesThatAreNotStateDicts) {
+  const std::string python = DDP_STATE_DICT_PYTHON;
+  if (const auto missing = python_missing(python); !missing.empty()) GTEST_SKIP() << missing;
+  test::TempDir dir("ddp-state-dict-test");
+  save_for_python(dir.path());
+  ASSERT_EQ(run_reference(python, dir.path()), "");  // it checked what C++ saved
+  load_from_python(dir.path());
 
-TEST_F(StateDictWithPython, LoadsModelAndOptimizerStateFromPythonAndFollowsItsTrajectory) {
-  load_from_python(dir());
-}
+  // Python's names, in Python's order.
+  EXPECT_EQ(state_dict(*make_model()).keys(), read_state_dict(dir.path() / "py_model.pt").keys());
 
-// The reference checked it (in SetUpTestSuite, as its one run also wrote the files above).
-TEST_F(StateDictWithPython, PythonLoadsWhatCppSavedAndFollowsItsTrajectory) {
-  EXPECT_TRUE(fs::exists(dir() / "py_model.pt"));
-}
-
-TEST_F(StateDictWithPython, NamesMatchPythonsInPythonsOrder) {
-  auto model = make_model();
-  const auto ours = state_dict(*model).keys();
-  const auto python = read_state_dict(dir() / "py_model.pt").keys();
-  EXPECT_EQ(ours, python);
-}
-
-TEST_F(StateDictWithPython, FilesThatAreNotStateDictsFailNamedAndChangeNothing) {
   auto model = make_model();
   const auto before = clone_all(state_dict(*model));
   try {
-    load_state_dict(*model, dir() / "full_model.pt");
+    load_state_dict(*model, dir.path() / "full_model.pt");
     ADD_FAILURE() << "a pickled model loaded";
   } catch (const UnsafePickleError& e) {
     EXPECT_NE(std::string(e.what()).find("torch.nn.modules.container.Sequential"),
@@ -231,7 +206,7 @@ TEST_F(StateDictWithPython, FilesThatAreNotStateDictsFailNamedAndChangeNothing) 
     EXPECT_NE(std::string(e.what()).find("whole pickled model"), std::string::npos) << e.what();
   }
   try {
-    load_state_dict(*model, dir() / "os_system.pt");
+    load_state_dict(*model, dir.path() / "os_system.pt");
     ADD_FAILURE() << "a pickle with os.system loaded";
   } catch (const UnsafePickleError& e) {
     EXPECT_TRUE(e.global_name() == "posix.system" || e.global_name() == "os.system")
@@ -240,7 +215,7 @@ TEST_F(StateDictWithPython, FilesThatAreNotStateDictsFailNamedAndChangeNothing) 
   EXPECT_THROW(
       {
         try {
-          load_state_dict(*model, dir() / "scripted.pt");
+          load_state_dict(*model, dir.path() / "scripted.pt");
         } catch (const StateDictFormatError& e) {
           EXPECT_NE(std::string(e.what()).find("TorchScript archive"), std::string::npos);
           throw;
@@ -250,7 +225,7 @@ TEST_F(StateDictWithPython, FilesThatAreNotStateDictsFailNamedAndChangeNothing) 
   EXPECT_THROW(
       {
         try {
-          load_state_dict(*model, dir() / "legacy.pt");
+          load_state_dict(*model, dir.path() / "legacy.pt");
         } catch (const StateDictFormatError& e) {
           EXPECT_NE(std::string(e.what()).find("legacy (non-zip) format"), std::string::npos);
           throw;
@@ -259,10 +234,11 @@ TEST_F(StateDictWithPython, FilesThatAreNotStateDictsFailNamedAndChangeNothing) 
       StateDictFormatError);
   // An optimizer state for another optimizer, another parameter count.
   auto adam = make_optimizer("adam", model->parameters());
-  EXPECT_THROW(load_optimizer_state_dict(*adam, dir() / "py_sgd_optim.pt"), OptimizerMismatchError);
+  EXPECT_THROW(load_optimizer_state_dict(*adam, dir.path() / "py_sgd_optim.pt"),
+               OptimizerMismatchError);
   auto sgd_of_fewer = make_optimizer("sgd", {model->parameters()[0]});
   try {
-    load_optimizer_state_dict(*sgd_of_fewer, dir() / "py_sgd_optim.pt");
+    load_optimizer_state_dict(*sgd_of_fewer, dir.path() / "py_sgd_optim.pt");
     ADD_FAILURE() << "an optimizer state of 6 parameters loaded into one of 1";
   } catch (const OptimizerMismatchError& e) {
     EXPECT_EQ(e.stored(), "1 parameter group(s) of 6 parameter(s)");
