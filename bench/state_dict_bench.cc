@@ -1,0 +1,98 @@
+// Saving and loading a model's state dict in Python's format (ddp::save_state_dict /
+// ddp::load_state_dict, state_dict.h) against libtorch's own torch::save / torch::load of the
+// same tensors: the median of each over --repeats rounds, and their ratio (issue 27 asks for
+// at most 1.5x).
+//
+//   state_dict_bench --params 50000000 --repeats 5 --dir /tmp [--overwrite]
+//
+// The model is a stack of square Linear layers holding about --params parameters. Files go to
+// --dir (the page cache, unless the folder is on another file system), and are removed at the end.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <vector>
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "ddp/torch/state_dict.h"
+
+namespace {
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+template <class F>
+double milliseconds(F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ddp::save_state_dict/load_state_dict against torch::save/torch::load"};
+  std::int64_t params = 50'000'000;
+  int repeats = 5;
+  std::string dir = std::filesystem::temp_directory_path().string();
+  app.add_option("--params", params, "parameters in the model (about)")->check(CLI::PositiveNumber);
+  app.add_option("--repeats", repeats, "rounds; the median is reported")
+      ->check(CLI::PositiveNumber);
+  bool overwrite = false;
+  app.add_option("--dir", dir, "folder for the files");
+  app.add_flag("--overwrite", overwrite, "save over the previous round's files");
+  CLI11_PARSE(app, argc, argv);
+
+  torch::set_num_threads(1);
+  constexpr int kLayers = 5;
+  const auto width = std::max<std::int64_t>(
+      1, static_cast<std::int64_t>(std::sqrt(static_cast<double>(params) / kLayers)));
+  torch::nn::Sequential model;
+  for (int i = 0; i < kLayers; ++i)
+    model->push_back(torch::nn::Linear(width, width));
+  std::vector<torch::Tensor> tensors;
+  std::int64_t count = 0;
+  for (const auto& item : ddp::state_dict(*model)) {
+    tensors.push_back(item.value());
+    count += item.value().numel();
+  }
+
+  const auto ours = std::filesystem::path(dir) / fmt::format("state_dict_bench_{}.pt", getpid());
+  const auto theirs =
+      std::filesystem::path(dir) / fmt::format("state_dict_bench_{}_torch.pt", getpid());
+  std::vector<double> save_ours, load_ours, save_torch, load_torch;
+  for (int r = 0; r < repeats; ++r) {
+    // Each save starts with no dirty pages, so neither pays for writing back the other's file,
+    // and (unless --overwrite) with its file gone: ddp's save writes PATH.tmp and renames it over
+    // PATH, torch::save truncates PATH, which costs differently where PATH exists.
+    if (!overwrite) std::filesystem::remove(theirs);
+    ::sync();
+    save_torch.push_back(milliseconds([&] { torch::save(tensors, theirs.string()); }));
+    load_torch.push_back(milliseconds([&] {
+      std::vector<torch::Tensor> loaded;
+      torch::load(loaded, theirs.string());
+    }));
+    if (!overwrite) std::filesystem::remove(ours);
+    ::sync();
+    save_ours.push_back(milliseconds([&] { ddp::save_state_dict(*model, ours); }));
+    load_ours.push_back(milliseconds([&] { ddp::load_state_dict(*model, ours); }));
+  }
+  const auto file_mb = static_cast<double>(std::filesystem::file_size(ours)) / 1e6;
+  std::filesystem::remove(ours);
+  std::filesystem::remove(theirs);
+
+  fmt::print("params={} file_mb={:.1f} repeats={} overwrite={}\n", count, file_mb, repeats,
+             overwrite);
+  fmt::print("save_state_dict_ms={:.1f} torch_save_ms={:.1f} save_ratio={:.2f}\n",
+             median(save_ours), median(save_torch), median(save_ours) / median(save_torch));
+  fmt::print("load_state_dict_ms={:.1f} torch_load_ms={:.1f} load_ratio={:.2f}\n",
+             median(load_ours), median(load_torch), median(load_ours) / median(load_torch));
+  return 0;
+}

@@ -1,0 +1,45 @@
+// PyTorch's zip archive as torch.save writes it (archive/data.pkl, archive/data/<key>,
+// archive/version, archive/byteorder), holding one pickled value of plain data and tensors.
+// What Python's state_dict() and optimizer.state_dict() are, and what ddp's state_dict.h and
+// optimizer_state_dict.h read and write.
+//
+// Values are c10::IValues of these kinds only: None, Bool, Int, Double, String, Tuple,
+// GenericList, GenericDict (keys: strings or ints) and CPU Tensor. Reading turns a pickled
+// collections.OrderedDict into a GenericDict (insertion order kept) and drops its `_metadata`.
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <string_view>
+
+#include <torch/torch.h>
+
+namespace ddp::detail {
+
+// Reads the archive at `path`. Throws ConfigError (missing, unreadable), StateDictFormatError
+// (not a zip archive, the legacy format, a TorchScript archive, damaged) and UnsafePickleError.
+c10::IValue read_pytorch_archive(const std::filesystem::path& path);
+
+// Writes `value` to `path` through PATH.tmp renamed over it. `ordered_dict_at_top`: the top-level
+// dict is pickled as a collections.OrderedDict (as Python's state_dict() is), others as dicts.
+// Throws ConfigError on I/O failures, ddp::Error for a value of another kind.
+void write_pytorch_archive(const std::filesystem::path& path, const c10::IValue& value,
+                           bool ordered_dict_at_top);
+
+// One storage that a pickle refers to by persistent id ("storage", torch.FloatStorage, key,
+// location, numel).
+struct StorageRequest {
+  at::ScalarType dtype;
+  std::string key;
+  std::int64_t numel;
+};
+using StorageLoader = std::function<at::Storage(const StorageRequest&)>;
+
+// Unpickles `pickle` (see pytorch_archive.h) through the allowlist, loading storages with
+// `load_storage`. `source` names the file in errors. Throws StateDictFormatError and
+// UnsafePickleError.
+c10::IValue unpickle_restricted(std::string_view pickle, const StorageLoader& load_storage,
+                                const std::string& source);
+
+}  // namespace ddp::detail
