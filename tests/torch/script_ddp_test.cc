@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "ddp/error.h"
+#include "ddp/torch/comm_hooks.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
@@ -324,6 +325,35 @@ std::string config_error_of(const std::function<void(std::shared_ptr<ProcessGrou
     }
   });
   return test::describe(results);
+}
+
+// no_sync() and a comm hook act on the TorchScript module's gradients: two micro-steps, the first
+// local (rank r's gradient of sum(x * w) is r + 1), the second averaged with the accumulated
+// first: (2 + 4) / 2 = 3 on both ranks, exactly, also through fp16 compression.
+TEST(ScriptDdp, NoSyncAccumulatesAndCommHooksReduce) {
+  for (const bool fp16 : {false, true}) {
+    const int port = test::free_port();
+    const auto results = run_ranks(2, [&](int rank) {
+      auto pg = join_group(rank, 2, port, 10s);
+      ScriptDistributedDataParallel model(
+          module_with(true, "def forward(self, x):\n  return x * self.w\n"), pg);
+      if (fp16) model->register_comm_hook(fp16_compress_hook(), "fp16_compress_hook");
+      const auto x = torch::full({3}, static_cast<float>(rank + 1));
+      {
+        auto guard = model->no_sync();
+        model->forward(x).sum().backward();
+      }
+      const auto w = model->parameters()[0];
+      if (!torch::equal(w.grad(), x)) throw std::runtime_error("no_sync() synchronised");
+      model->forward(x).sum().backward();
+      if (!torch::equal(w.grad(), torch::full({3}, 3.0f))) {
+        throw std::runtime_error(fmt::format("gradient {} after the synchronised step, not 3",
+                                             w.grad()[0].item<float>()));
+      }
+    });
+    SCOPED_TRACE(fp16 ? "fp16_compress_hook" : "no hook");
+    EXPECT_ALL_RANKS_OK(results);
+  }
 }
 
 TEST(ScriptDdp, AModuleWithoutForwardIsAConfigError) {
