@@ -19,6 +19,10 @@
 // (BackwardTimeline::bytes_sent; 0 with one process). --comm-hook powersgd|batched-powersgd
 // (--powersgd-rank r, compression from iteration --powersgd-start-iter, default 2, so within
 // the warm-up) and int8 compress it.
+// --model-file PATH trains a TorchScript archive instead (torch.jit.script or torch.jit.trace
+// exported; its forward takes one [batch, 1, 28, 28] float tensor and returns [batch, 10] logits)
+// under ddp::ScriptDistributedDataParallel; tests/torch/export_torchscript_model.py --model
+// bench_cnn exports the cnn, for comparing the two wrappers (bench/torchscript_vs_module.py).
 // With one process the model is trained without DistributedDataParallel, as the Python peer does,
 // unless --always-ddp (DDP's own cost at world 1, e.g. over DDP_BACKEND=nccl).
 //
@@ -35,6 +39,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -51,6 +56,7 @@
 #include "ddp/torch/comm_hook_by_name.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/fully_sharded_data_parallel.h"
+#include "ddp/torch/script_distributed_data_parallel.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
@@ -157,8 +163,15 @@ int main(int argc, char** argv) {
   bool sync_bn = false;
   std::string device_name = "cpu";
   bool always_ddp = false;
-  app.add_option("--model", model_name, "cnn, mlp or large (an mlp of 53.6 M parameters)")
-      ->check(CLI::IsMember({"cnn", "mlp", "large"}));
+  auto* model_option =
+      app.add_option("--model", model_name, "cnn, mlp or large (an mlp of 53.6 M parameters)")
+          ->check(CLI::IsMember({"cnn", "mlp", "large"}));
+  std::string model_file;
+  app.add_option("--model-file", model_file,
+                 "a TorchScript archive to train instead (forward: [batch, 1, 28, 28] float -> "
+                 "[batch, 10] logits), under ddp::ScriptDistributedDataParallel")
+      ->check(CLI::ExistingFile)
+      ->excludes(model_option);
   std::string optimizer_name = "sgd";
   app.add_option("--optimizer", optimizer_name, "sgd (momentum 0.9) or adam")
       ->check(CLI::IsMember({"sgd", "adam"}));
@@ -212,6 +225,15 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  const bool fully_sharded = sharding == "zero2" || sharding == "fsdp";
+  if (!model_file.empty() && (sync_bn || fully_sharded)) {
+    fmt::print(stderr,
+               "ddp-train-bench: --model-file trains a TorchScript module under "
+               "ScriptDistributedDataParallel; --sync-bn and --sharding zero2/fsdp need the "
+               "built-in models (libtorch modules)\n");
+    return 2;
+  }
+  if (!model_file.empty()) model_name = "file:" + model_file;
 
   std::string where;  // the device, in error messages of CUDA runs
   try {
@@ -228,12 +250,31 @@ int main(int argc, char** argv) {
     warm_up_libtorch(optimizer_name, batch_size);
     torch::manual_seed(1234);
     const double rss_before_model_mib = status_mib("VmRSS");
-    auto net = make_model(model_name);
-    net->to(device);
-    if (sync_bn) ddp::convert_sync_batchnorm(net.ptr(), group);
-    std::shared_ptr<ddp::DistributedDataParallelImpl<torch::nn::SequentialImpl>> ddp_model;
+    // The model: a built-in nn::Sequential (net) or a TorchScript module (script).
+    torch::nn::Sequential net{nullptr};
+    std::optional<torch::jit::Module> script;
+    std::vector<torch::Tensor> model_params;
+    if (model_file.empty()) {
+      net = make_model(model_name);
+      net->to(device);
+      if (sync_bn) ddp::convert_sync_batchnorm(net.ptr(), group);
+      model_params = net->parameters();
+    } else {
+      script = torch::jit::load(model_file, device);
+      script->train();
+      for (const auto& p : script->parameters())
+        model_params.push_back(p);
+    }
+    // DDP's wrapper of either kind (the type-independent part is all the loop needs), and the
+    // forward of whatever trains.
+    std::shared_ptr<ddp::DistributedDataParallelBase> ddp_model;
+    std::function<torch::Tensor(const torch::Tensor&)> forward;
     std::shared_ptr<ddp::FullyShardedDataParallelImpl> fsdp_model;
-    const bool fully_sharded = sharding == "zero2" || sharding == "fsdp";
+    const ddp::DdpOptions ddp_options{.bucket_cap_mb = bucket_cap_mb,
+                                      .first_bucket_cap_mb = first_bucket_cap_mb,
+                                      .broadcast_buffers = broadcast_buffers,
+                                      .gradient_as_bucket_view = as_view,
+                                      .divergence_check_every = divergence_check_every};
     if (fully_sharded) {
       fsdp_model =
           ddp::FullyShardedDataParallel(
@@ -243,14 +284,21 @@ int main(int argc, char** argv) {
                                                         : ddp::ShardingStrategy::kShardGradOp,
                                .min_num_params = min_num_params})
               .ptr();
+      forward = [&](const torch::Tensor& x) { return fsdp_model->forward(x); };
+    } else if ((world > 1 || always_ddp) && script) {
+      auto wrapped = ddp::ScriptDistributedDataParallel(*script, group, ddp_options).ptr();
+      forward = [wrapped](const torch::Tensor& x) { return wrapped->forward(x); };
+      ddp_model = wrapped;
     } else if (world > 1 || always_ddp) {
-      ddp_model = ddp::DistributedDataParallel(net, group,
-                                               {.bucket_cap_mb = bucket_cap_mb,
-                                                .first_bucket_cap_mb = first_bucket_cap_mb,
-                                                .broadcast_buffers = broadcast_buffers,
-                                                .gradient_as_bucket_view = as_view,
-                                                .divergence_check_every = divergence_check_every})
-                      .ptr();
+      auto wrapped = ddp::DistributedDataParallel(net, group, ddp_options).ptr();
+      forward = [wrapped](const torch::Tensor& x) { return wrapped->forward(x); };
+      ddp_model = wrapped;
+    } else if (script) {
+      forward = [&](const torch::Tensor& x) { return script->forward({x}).toTensor(); };
+    } else {
+      forward = [&](const torch::Tensor& x) { return net->forward(x); };
+    }
+    if (ddp_model) {
       auto chosen = ddp::comm_hook_from_name(
           hook, {.powersgd_rank = powersgd_rank, .powersgd_start_iter = powersgd_start});
       if (chosen.hook) ddp_model->register_comm_hook(*chosen.hook, hook);
@@ -259,12 +307,11 @@ int main(int argc, char** argv) {
     const auto adam = torch::optim::AdamOptions(1e-3);
     std::unique_ptr<torch::optim::Optimizer> optimizer;
     // FullyShardedDataParallel: the optimizer steps on the shards.
-    const auto params = fsdp_model ? fsdp_model->parameters() : net->parameters();
+    const auto params = fsdp_model ? fsdp_model->parameters() : model_params;
     if (sharding == "zero1") {
-      optimizer =
-          optimizer_name == "adam"
-              ? std::make_unique<ddp::ZeroRedundancyOptimizer>(net->parameters(), adam, group)
-              : std::make_unique<ddp::ZeroRedundancyOptimizer>(net->parameters(), sgd, group);
+      optimizer = optimizer_name == "adam"
+                      ? std::make_unique<ddp::ZeroRedundancyOptimizer>(model_params, adam, group)
+                      : std::make_unique<ddp::ZeroRedundancyOptimizer>(model_params, sgd, group);
     } else if (optimizer_name == "adam") {
       optimizer = std::make_unique<torch::optim::Adam>(params, adam);
     } else {
@@ -289,9 +336,7 @@ int main(int argc, char** argv) {
       const auto start = Clock::now();
       opt.zero_grad();
       const auto zeroed = Clock::now();
-      auto logits = ddp_model    ? ddp_model->forward(x)
-                    : fsdp_model ? fsdp_model->forward(x)
-                                 : net->forward(x);
+      auto logits = forward(x);
       const auto forwarded = Clock::now();
       torch::nn::functional::cross_entropy(logits, y).backward();
       const auto backward_returned = Clock::now();
@@ -369,7 +414,7 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       // Ψ, and the largest FSDP unit's parameter count: what the memory formulas need.
       std::int64_t params = 0;
-      for (const auto& p : net->parameters())
+      for (const auto& p : model_params)
         params += p.numel();
       std::int64_t largest_unit = 0;
       for (std::size_t u = 0; fsdp_model && u < fsdp_model->unit_count(); ++u) {

@@ -29,12 +29,12 @@ using detail::in_ddp_phase;
 
 // The parameters that train, each once (a parameter shared by two submodules appears twice), in
 // registration order: what the Reducer works on.
-void collect_trainable(const torch::nn::Module& module, std::vector<torch::Tensor>& params,
+void collect_trainable(const WrappedModuleTensors& module, std::vector<torch::Tensor>& params,
                        std::vector<std::string>& names) {
   params.clear();
   names.clear();
   std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+  for (const auto& item : module.named_parameters()) {
     if (!item.value().requires_grad()) continue;
     if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
     params.push_back(item.value());
@@ -63,6 +63,21 @@ std::int64_t divergence_interval(std::optional<std::int64_t> option) {
         text));
   }
   return value;
+}
+
+// Every parameter (trainable or not) and every buffer: what rank 0 sends at construction and
+// after a Join.
+std::vector<torch::Tensor> parameters_and_buffers(const WrappedModuleTensors& module) {
+  std::vector<torch::Tensor> state = module.named_parameters().values();
+  const auto buffers = module.buffers();
+  state.insert(state.end(), buffers.begin(), buffers.end());
+  return state;
+}
+
+WrappedModuleTensors tensors_of(const std::shared_ptr<torch::nn::Module>& module) {
+  if (!module) throw ConfigError("DistributedDataParallel: the module is null");
+  return {.named_parameters = [module] { return module->named_parameters(/*recurse=*/true); },
+          .buffers = [module] { return module->buffers(/*recurse=*/true); }};
 }
 
 std::vector<const void*> storage_of(const std::vector<torch::Tensor>& params) {
@@ -177,10 +192,15 @@ NoSyncGuard::~NoSyncGuard() {
 DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                                                          std::shared_ptr<ProcessGroup> group,
                                                          DdpOptions options)
-    : wrapped_(module),
+    : DistributedDataParallelBase(module, tensors_of(module), std::move(group), options) {}
+
+DistributedDataParallelBase::DistributedDataParallelBase(
+    std::shared_ptr<torch::nn::Module> registered, WrappedModuleTensors wrapped,
+    std::shared_ptr<ProcessGroup> group, DdpOptions options)
+    : wrapped_(std::move(wrapped)),
       group_(group ? std::move(group) : default_process_group()),
       options_(options) {
-  if (!module) throw ConfigError("DistributedDataParallel: the module is null");
+  if (!registered) throw ConfigError("DistributedDataParallel: the module is null");
   options_.divergence_check_every = divergence_interval(options_.divergence_check_every);
   if (!group_) {
     throw ConfigError(
@@ -195,18 +215,17 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
       .gradient_as_bucket_view = options_.gradient_as_bucket_view,
       .static_graph = options_.static_graph,
       .staging_for_tests = options_.staging_for_tests};
-  register_module("module", module);
+  register_module("module", registered);
 
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
-  collect_trainable(*module, params, names);
-  buffers_ = module->buffers(/*recurse=*/true);
+  collect_trainable(wrapped_, params, names);
+  buffers_ = wrapped_.buffers();
 
   in_ddp_phase([] { return std::string("parameter check at construction"); },
                [&] { verify_same_parameters(*group_, names, params); });
   // Every rank starts from rank 0's state.
-  std::vector<torch::Tensor> state = module->parameters(/*recurse=*/true);
-  state.insert(state.end(), buffers_.begin(), buffers_.end());
+  std::vector<torch::Tensor> state = parameters_and_buffers(wrapped_);
   if (group_->size() > 1) {
     in_ddp_phase([] { return std::string("parameter broadcast at construction"); },
                  [&] { broadcast_coalesced(*group_, state, /*root=*/0); });
@@ -236,7 +255,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
 std::size_t DistributedDataParallelBase::check_parameters() {
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
-  collect_trainable(*wrapped_, params, names);
+  collect_trainable(wrapped_, params, names);
   return reducer_->check_parameters(params, names);
 }
 
@@ -259,7 +278,7 @@ void DistributedDataParallelBase::pre_forward() {
   const bool guarded = torch::GradMode::is_enabled() &&
                        options_.divergence_check_every.value_or(0) > 0 && group_->size() > 1;
   const bool loaded_here = guarded && parameters_loaded_since_last_forward(reattached);
-  buffers_ = wrapped_->buffers(/*recurse=*/true);  // a load may have replaced some
+  buffers_ = wrapped_.buffers();  // a load may have replaced some
   const auto& join = join_state();
   if (join && join->options.enable) {
     const int nonjoined = in_ddp_phase([] { return std::string("Join notification"); },
@@ -294,7 +313,7 @@ void DistributedDataParallelBase::pre_forward() {
 bool DistributedDataParallelBase::parameters_loaded_since_last_forward(std::size_t reattached) {
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
-  collect_trainable(*wrapped_, params, names);
+  collect_trainable(wrapped_, params, names);
   auto storage = storage_of(params);
   const auto loads = detail::parameters_loaded_count();
   const bool loaded = reattached > 0 || storage != parameter_storage_ || loads != loads_seen_;
@@ -351,7 +370,7 @@ DdpLoggingData DistributedDataParallelBase::logging_data() const {
 
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
-  collect_trainable(*wrapped_, params, names);
+  collect_trainable(wrapped_, params, names);
   std::map<std::string, std::int64_t> bytes_by_name;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const auto bytes = static_cast<std::int64_t>(params[i].nbytes());
@@ -398,7 +417,7 @@ void DistributedDataParallelBase::broadcast_buffers_from(int root) {
 }
 
 void DistributedDataParallelBase::sync_buffers() {
-  buffers_ = wrapped_->buffers(/*recurse=*/true);
+  buffers_ = wrapped_.buffers();
   if (buffers_.empty() || group_->size() == 1) return;
   in_ddp_phase([] { return std::string("sync_buffers()"); },
                [&] { broadcast_coalesced(*group_, buffers_, /*root=*/0); });
@@ -407,7 +426,7 @@ void DistributedDataParallelBase::sync_buffers() {
 void DistributedDataParallelBase::check_divergence_because(const std::vector<int>& loaded_ranks) {
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
-  collect_trainable(*wrapped_, params, names);
+  collect_trainable(wrapped_, params, names);
   std::vector<std::int64_t> mine;
   mine.reserve(params.size());
   for (const auto& p : params)
@@ -480,7 +499,7 @@ DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_ste
 }
 
 void DistributedDataParallelBase::join_main_hook() {
-  buffers_ = wrapped_->buffers(/*recurse=*/true);
+  buffers_ = wrapped_.buffers();
   const StepPlan plan = plan_join_step(/*joined=*/true, /*loaded_here=*/false);
   if (plan.rebuild) reducer_->rebuild_buckets();
   if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
@@ -499,9 +518,7 @@ void DistributedDataParallelBase::join_post_hook(bool is_last_joiner) {
   in_ddp_phase([] { return std::string("Join's final model synchronisation"); },
                [&] {
                  group_->allreduce(&root, 1, DType::kInt64, ReduceOp::kMax)->wait();
-                 std::vector<torch::Tensor> state = wrapped_->parameters(/*recurse=*/true);
-                 const auto buffers = wrapped_->buffers(/*recurse=*/true);
-                 state.insert(state.end(), buffers.begin(), buffers.end());
+                 std::vector<torch::Tensor> state = parameters_and_buffers(wrapped_);
                  broadcast_coalesced(*group_, state, static_cast<int>(root));
                });
   reducer_->set_gradient_scale(1.0);
@@ -509,8 +526,7 @@ void DistributedDataParallelBase::join_post_hook(bool is_last_joiner) {
 
 std::string DistributedDataParallelBase::join_description() const {
   return fmt::format("DistributedDataParallel({} parameters, {} buffers)",
-                     wrapped_->parameters(/*recurse=*/true).size(),
-                     wrapped_->buffers(/*recurse=*/true).size());
+                     wrapped_.named_parameters().size(), wrapped_.buffers().size());
 }
 
 }  // namespace ddp

@@ -44,6 +44,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -107,6 +108,18 @@ class [[nodiscard]] NoSyncGuard {
   bool previous_;
 };
 
+// Where DistributedDataParallelBase reads the tensors of the module it wraps: every parameter with
+// its dotted name, recursively, in registration order (a tensor shared by two submodules appears
+// under both names), and every buffer. Read again whenever they are needed (every forward), since
+// a load or a replaced attribute may swap them. The tensors are the module's own, never copies:
+// DDP hooks their gradient accumulators and writes rank 0's values into them. Filled for a
+// torch::nn::Module by DistributedDataParallelImpl, for a torch::jit::Module by
+// ScriptDistributedDataParallelImpl (ddp/torch/script_distributed_data_parallel.h).
+struct WrappedModuleTensors {
+  std::function<torch::OrderedDict<std::string, torch::Tensor>()> named_parameters;
+  std::function<std::vector<torch::Tensor>()> buffers;
+};
+
 // The part of DistributedDataParallel that does not depend on the module's type.
 class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
  public:
@@ -144,6 +157,12 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   // `group` null = default_process_group(). Registers `module` as the submodule "module".
   DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                               std::shared_ptr<ProcessGroup> group, DdpOptions options);
+  // For a module that is not a torch::nn::Module: DDP synchronises the tensors `wrapped` reads,
+  // and registers `registered` (which holds the same parameters and buffers) as the submodule
+  // "module", so that parameters() and buffers() list them for optimizers.
+  DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> registered,
+                              WrappedModuleTensors wrapped, std::shared_ptr<ProcessGroup> group,
+                              DdpOptions options);
   void pre_forward();
   void post_forward(const std::vector<torch::Tensor>& outputs);
 
@@ -160,7 +179,7 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   // `loaded_ranks`: the ranks that loaded since the last forward, named in the error.
   void check_divergence_because(const std::vector<int>& loaded_ranks);
 
-  std::shared_ptr<torch::nn::Module> wrapped_;
+  WrappedModuleTensors wrapped_;
   std::shared_ptr<ProcessGroup> group_;
   DdpOptions options_;
   std::vector<torch::Tensor> buffers_;
