@@ -42,6 +42,8 @@
 #include "ddp/torch/fully_sharded_data_parallel.h"
 #include "ddp/torch/grad_scaler.h"
 #include "ddp/torch/join.h"
+#include "ddp/torch/optimizer_state_dict.h"
+#include "ddp/torch/state_dict.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/train_state.h"
 #include "ddp/torch/version.h"
@@ -86,6 +88,12 @@ struct Options {
   std::string comm_hook = "none";        // ddp::comm_hook_from_name's names
   int powersgd_rank = 4;
   std::int64_t powersgd_start_iter = 10;
+  // State dicts that cross to and from PyTorch (docs/interop.md, train_fashion_mnist.py).
+  std::string init_state_dict;         // the model starts from this Python-layout state dict
+  std::string init_optimizer_state;    // the optimizer from this Python optimizer.state_dict()
+  std::string export_state_dict;       // rank 0 writes the model's state dict here at the end
+  std::string export_optimizer_state;  // and the optimizer's state dict here
+  int start_epoch = 0;                 // > 0: the first epoch this run trains (a handed-over run)
 };
 
 // Batches per epoch of `rank`: its unpadded share with --uneven, less rank * uneven_skew (an
@@ -299,6 +307,66 @@ void check_resumed_dataset(const Options& options, const ddp::TrainProgress& res
   }
 }
 
+// The state dict options, before anything starts: files to read exist, folders to write exist,
+// and the run can take them (the model must be whole on every rank: not zero2/fsdp; the
+// optimizer state is Python's plain SGD or Adam layout: not a ZeRO shard).
+void check_state_dict_options(const Options& options) {
+  const bool any = !options.init_state_dict.empty() || !options.init_optimizer_state.empty() ||
+                   !options.export_state_dict.empty() || !options.export_optimizer_state.empty();
+  if (any && (options.sharding == "zero2" || options.sharding == "fsdp")) {
+    throw ddp::ConfigError(fmt::format(
+        "--init-from-state-dict, --init-optimizer-state, --export-state-dict and "
+        "--export-optimizer-state need the whole model on every rank: --sharding ddp or zero1, "
+        "not {}",
+        options.sharding));
+  }
+  const bool optimizer_state =
+      !options.init_optimizer_state.empty() || !options.export_optimizer_state.empty();
+  if (optimizer_state && options.sharding == "zero1") {
+    throw ddp::ConfigError(
+        "--init-optimizer-state and --export-optimizer-state hold Python's plain optimizer "
+        "layout: use them with --sharding ddp (a ZeroRedundancyOptimizer keeps only its shard)");
+  }
+  for (const auto& [flag, path] :
+       {std::pair{"--init-from-state-dict", &options.init_state_dict},
+        std::pair{"--init-optimizer-state", &options.init_optimizer_state}}) {
+    std::error_code error;
+    if (!path->empty() && !std::filesystem::is_regular_file(*path, error)) {
+      throw ddp::ConfigError(
+          fmt::format("{} {}: no such file (write one with Python's "
+                      "torch.save(...state_dict(), PATH), or with this "
+                      "program's --export-state-dict)",
+                      flag, *path));
+    }
+  }
+  for (const auto& [flag, path] :
+       {std::pair{"--export-state-dict", &options.export_state_dict},
+        std::pair{"--export-optimizer-state", &options.export_optimizer_state}}) {
+    if (path->empty()) continue;
+    std::error_code error;
+    if (std::filesystem::is_directory(*path, error)) {
+      throw ddp::ConfigError(
+          fmt::format("{} {} is a folder; give the path of a file in it", flag, *path));
+    }
+    const auto folder = std::filesystem::absolute(*path).parent_path();
+    if (!std::filesystem::is_directory(folder, error)) {
+      throw ddp::ConfigError(
+          fmt::format("{} {}: the folder {} does not exist", flag, *path, folder.string()));
+    }
+  }
+  if (options.start_epoch != 0) {
+    if (options.start_epoch < 1 || options.start_epoch > options.epochs) {
+      throw ddp::ConfigError(fmt::format("--start-epoch {} is outside 1..--epochs ({})",
+                                         options.start_epoch, options.epochs));
+    }
+    if (options.resume) {
+      throw ddp::ConfigError(
+          "--start-epoch continues a run handed over by state dicts; --resume takes its epoch "
+          "from the checkpoint: use one of the two");
+    }
+  }
+}
+
 // Reports a failure of this rank and ends the process without unwinding (see run()): the
 // error line, then the trace (DDP_TRACE) so far, then exit status 1.
 [[noreturn]] void stop_now(const std::string& what) {
@@ -320,6 +388,7 @@ int run(const Options& options) {
     throw ddp::ConfigError("--resume needs --checkpoint PATH (the file to resume from)");
   }
   if (!options.checkpoint.empty()) check_checkpoint_folder(options.checkpoint);
+  check_state_dict_options(options);
   const bool train_state_file = options.checkpoint_every_steps > 0;
   if (train_state_file && options.checkpoint.empty()) {
     throw ddp::ConfigError("--checkpoint-every-steps needs --checkpoint PATH (where to write)");
@@ -447,7 +516,16 @@ int run(const Options& options) {
       if (zero_optimizer) zero_optimizer->consolidate_state_dict(0);
     };
 
-    int first_epoch = 1;
+    int first_epoch = options.start_epoch > 0 ? options.start_epoch : 1;
+    // Every rank loads the same files, so ranks agree before DDP's broadcast makes sure of it.
+    if (!options.init_state_dict.empty()) {
+      ddp::load_state_dict(*net, options.init_state_dict);
+      if (leader) fmt::print("model state from {}\n", options.init_state_dict);
+    }
+    if (!options.init_optimizer_state.empty()) {
+      ddp::load_optimizer_state_dict(optimizer, options.init_optimizer_state);
+      if (leader) fmt::print("optimizer state from {}\n", options.init_optimizer_state);
+    }
     // With --checkpoint-every-steps the file is a ddp::TrainState (mid-epoch position included).
     ddp::TrainState train_state(*net, optimizer, {.tag = options.model});
     std::optional<ddp::TrainProgress> resumed;
@@ -728,6 +806,14 @@ int run(const Options& options) {
     }
     if (join) join->finish();
     if ((leader || sharded) && !evaluated) accuracy = evaluate_model();  // resumed, nothing to do
+    if (leader && !options.export_state_dict.empty()) {
+      ddp::save_state_dict(*net, options.export_state_dict);
+      fmt::print("model state dict written to {}\n", options.export_state_dict);
+    }
+    if (leader && !options.export_optimizer_state.empty()) {
+      ddp::save_optimizer_state_dict(optimizer, options.export_optimizer_state);
+      fmt::print("optimizer state dict written to {}\n", options.export_optimizer_state);
+    }
 
     // Leave together: rank 0 hosts the rendezvous store, and the others may still be in their
     // last collective when rank 0 finishes evaluating.
@@ -835,6 +921,20 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--checkpoint", options.checkpoint,
                  "rank 0 writes model, optimizer and epoch here after every epoch (atomically)");
+  app.add_option("--init-from-state-dict", options.init_state_dict,
+                 "start the model from this state dict (PyTorch's torch.save(model.state_dict()) "
+                 "of the same architecture, or --export-state-dict's; docs/interop.md)");
+  app.add_option("--init-optimizer-state", options.init_optimizer_state,
+                 "start the optimizer from this PyTorch optimizer.state_dict() (SGD or Adam)");
+  app.add_option("--export-state-dict", options.export_state_dict,
+                 "at the end, rank 0 writes the model's state dict here (Python: "
+                 "model.load_state_dict(torch.load(PATH, weights_only=True)))");
+  app.add_option("--export-optimizer-state", options.export_optimizer_state,
+                 "at the end, rank 0 writes the optimizer's state dict here (Python's layout)");
+  app.add_option("--start-epoch", options.start_epoch,
+                 "the first epoch to train (of --epochs): continues a run handed over with "
+                 "--init-from-state-dict, with the sampler's order and the schedule of that epoch")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--resume", options.resume,
                "continue from --checkpoint (every rank loads it) at the epoch after it");
   app.add_option("--checkpoint-every-steps", options.checkpoint_every_steps,
