@@ -21,6 +21,8 @@
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/join.h"
+#include "ddp/torch/optimizer_state_dict.h"
+#include "ddp/torch/state_dict.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
@@ -188,6 +190,54 @@ TEST(ZeroRedundancyOptimizer, AdamWithDdpEqualsDdpWithTheFullOptimizer) {
 }
 TEST(ZeroRedundancyOptimizer, AdamWWithDdpEqualsDdpWithTheFullOptimizer) {
   check_kind(Kind::kAdamW);
+}
+
+// The consolidated state of a ZeRO-sharded run crosses to Python's layout (state_dict.h,
+// optimizer_state_dict.h): rank 0 writes the model and the consolidated optimizer state, and a
+// plain model and optimizer loaded from the two files take the next step as one loaded from DDP
+// with the full optimizer does.
+TEST(ZeroRedundancyOptimizer, ConsolidatedStateSavedInPythonsLayoutContinuesAsTheFullOptimizer) {
+  constexpr int kWorld = 2;
+  test::TempDir dir;
+  const int port = test::free_port();
+  const auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = join_group(rank, kWorld, port);
+    auto net_full = make_model();
+    DistributedDataParallel ddp_full(net_full, pg);
+    auto full = factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(ddp_full->parameters())});
+    train_steps(ddp_full, *full, rank, kWorld, 0, 4);
+    auto net_zero = make_model();
+    DistributedDataParallel ddp_zero(net_zero, pg);
+    ZeroRedundancyOptimizer zero(ddp_zero->parameters(), factory(Kind::kAdam), pg);
+    train_steps(ddp_zero, zero, rank, kWorld, 0, 4);
+    zero.consolidate_state_dict(0);
+    if (rank != 0) return;
+    save_state_dict(*net_zero, dir.path() / "zero_model.pt");
+    save_optimizer_state_dict(zero.state_dict(), dir.path() / "zero_optim.pt");
+    save_state_dict(*net_full, dir.path() / "full_model.pt");
+    save_optimizer_state_dict(*full, dir.path() / "full_optim.pt");
+    // One process continues from each pair of files (on the whole batch): the two steps agree.
+    const auto resume_and_step = [&](const std::string& prefix) {
+      auto plain = make_model();
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : plain->parameters())
+          p.zero_();
+      }
+      load_state_dict(*plain, dir.path() / (prefix + "_model.pt"));
+      auto opt = factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(plain->parameters())});
+      load_optimizer_state_dict(*opt, dir.path() / (prefix + "_optim.pt"));
+      train_steps(plain, *opt, 0, 1, 4, 5);
+      return plain;
+    };
+    const auto from_zero = resume_and_step("zero");
+    const auto want = resume_and_step("full")->named_parameters();
+    for (const auto& item : from_zero->named_parameters()) {
+      test::expect_close(item.value(), want[item.key()], "after the resumed step: " + item.key(),
+                         1e-6, 1e-7);
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 // Uneven inputs: rank r trains 6 + 3r steps. Under ddp::Join, DDP + ZeRO (a joinable after DDP)
