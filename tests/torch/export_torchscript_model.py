@@ -45,6 +45,7 @@ def main():
     parser.add_argument("--how", choices=["script", "trace"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--state-dict-out", help="also torch.save the model's state_dict() here")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     if args.model == "cnn_bn":
@@ -63,6 +64,8 @@ def main():
         example = torch.randn(2, 1, side, side)
         exported = torch.jit.trace(model, example, check_trace=False)
     exported.save(args.out)
+    if args.state_dict_out:
+        torch.save(model.state_dict(), args.state_dict_out)
     print(torch.__version__)
 
 

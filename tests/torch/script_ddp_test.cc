@@ -21,6 +21,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/comm_hooks.h"
+#include "ddp/torch/state_dict.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
@@ -52,7 +53,7 @@ struct Exported {
 
 // Exports export_torchscript_model.py's `model` with `exporter`'s Python into `dir`.
 Exported export_model(const std::string& exporter, const std::string& how, const std::string& model,
-                      const test::TempDir& dir) {
+                      const test::TempDir& dir, const std::vector<std::string>& extra = {}) {
   const std::string python = python_of(exporter);
   auto probe = test::Subprocess::start({python, "-c", "import torch; print(torch.__version__)"});
   const auto probed = probe.wait(120s);
@@ -63,9 +64,10 @@ Exported export_model(const std::string& exporter, const std::string& how, const
                 probed.output)};
   }
   const std::string path = dir.file(fmt::format("{}-{}-{}.pt", model, exporter, how));
-  auto run = test::Subprocess::start(
-      {python, DDP_TORCHSCRIPT_EXPORT_SCRIPT, "--model", model, "--how", how, "--out", path},
-      {{"OMP_NUM_THREADS", "1"}});
+  std::vector<std::string> command{
+      python, DDP_TORCHSCRIPT_EXPORT_SCRIPT, "--model", model, "--how", how, "--out", path};
+  command.insert(command.end(), extra.begin(), extra.end());
+  auto run = test::Subprocess::start(command, {{"OMP_NUM_THREADS", "1"}});
   const auto done = run.wait(180s);
   if (done.exit_code != 0) {
     throw std::runtime_error(fmt::format("{} failed to export: {}", python, done.output));
@@ -239,6 +241,38 @@ Exported any_export(const test::TempDir& dir) {
   if (other.skip.empty() && !load_failure(other)) return other;
   other.skip = exported.skip + "; " + other.skip;
   return other;
+}
+
+// A TorchScript module exported from Python has Python's state dict: ddp::state_dict of the
+// loaded module lists the eager model's torch.save(model.state_dict()) names in the same order
+// with the same values, that file loads into it strictly, and save_state_dict of it reads back
+// the same (state_dict.h).
+TEST(ScriptDdp, AnExportedModulesStateDictIsPythons) {
+  test::TempDir dir;
+  const std::string python_state = dir.file("python_state.pt");
+  const auto exported = export_model(TORCH_VERSION_MAJOR >= 2 ? "pytorch2" : "debian", "script",
+                                     "cnn_bn", dir, {"--state-dict-out", python_state});
+  if (!exported.skip.empty()) GTEST_SKIP() << exported.skip;
+  auto module = torch::jit::load(exported.path);
+  const auto expect_same = [](const StateDict& got, const StateDict& want,
+                              const std::string& what) {
+    ASSERT_EQ(got.keys(), want.keys()) << what;
+    for (const auto& item : want)
+      EXPECT_TRUE(torch::equal(got[item.key()], item.value())) << what << ": " << item.key();
+  };
+  const auto from_python = read_state_dict(python_state);
+  expect_same(state_dict(module), from_python, "the loaded module against Python's file");
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : module.parameters())
+      p.zero_();
+  }
+  const auto report = load_state_dict(module, python_state);
+  EXPECT_TRUE(report.complete());
+  expect_same(state_dict(module), from_python, "after loading Python's file");
+  const std::string written = dir.file("written.pt");
+  save_state_dict(module, written);
+  expect_same(read_state_dict(written), from_python, "save_state_dict of the module");
 }
 
 TEST(ScriptDdp, ParametersThatDifferAcrossRanksAreNamed) {
