@@ -35,6 +35,24 @@ class P2pWork final : public Work {
   std::function<void()> help_;
 };
 
+// A receive's checks and fields, before it is bound to a peer (recv and recv_any_source).
+std::shared_ptr<RecvOp> make_recv_op(void* buf, std::size_t count, DType dtype, int tag,
+                                     const CallOptions& options, milliseconds group_timeout) {
+  check_enums("recv", dtype, std::nullopt);
+  if (options.timeout.count() < 0) {
+    throw ConfigError(
+        fmt::format("CallOptions::timeout is negative ({} ms)", options.timeout.count()));
+  }
+  auto op = std::make_shared<RecvOp>();
+  op->timeout = options.timeout.count() > 0 ? options.timeout : group_timeout;
+  op->deadline = net::deadline_after(op->timeout);
+  op->data = static_cast<std::byte*>(buf);
+  op->count = count;
+  op->dtype = dtype;
+  op->tag = tag;
+  return op;
+}
+
 }  // namespace
 
 std::shared_ptr<Work> P2pEngine::State::make_work(std::string description, milliseconds timeout,
@@ -153,19 +171,8 @@ std::shared_ptr<Work> P2pEngine::send(const void* buf, std::size_t count, DType 
 
 std::shared_ptr<Work> P2pEngine::recv(void* buf, std::size_t count, DType dtype, int src, int tag,
                                       CallOptions options) {
-  check_enums("recv", dtype, std::nullopt);
-  if (options.timeout.count() < 0) {
-    throw ConfigError(
-        fmt::format("CallOptions::timeout is negative ({} ms)", options.timeout.count()));
-  }
   State& s = *state_;
-  auto op = std::make_shared<RecvOp>();
-  op->timeout = options.timeout.count() > 0 ? options.timeout : s.options.timeout;
-  op->deadline = net::deadline_after(op->timeout);
-  op->data = static_cast<std::byte*>(buf);
-  op->count = count;
-  op->dtype = dtype;
-  op->tag = tag;
+  auto op = make_recv_op(buf, count, dtype, tag, options, s.options.timeout);
   op->peer = src;
   std::unique_lock lock(s.mutex);
   Peer& p = s.peers[static_cast<std::size_t>(src)];
@@ -192,19 +199,8 @@ std::shared_ptr<Work> P2pEngine::recv(void* buf, std::size_t count, DType dtype,
 
 std::shared_ptr<Work> P2pEngine::recv_any_source(void* buf, std::size_t count, DType dtype,
                                                  int* source, int tag, CallOptions options) {
-  check_enums("recv", dtype, std::nullopt);
-  if (options.timeout.count() < 0) {
-    throw ConfigError(
-        fmt::format("CallOptions::timeout is negative ({} ms)", options.timeout.count()));
-  }
   State& s = *state_;
-  auto op = std::make_shared<RecvOp>();
-  op->timeout = options.timeout.count() > 0 ? options.timeout : s.options.timeout;
-  op->deadline = net::deadline_after(op->timeout);
-  op->data = static_cast<std::byte*>(buf);
-  op->count = count;
-  op->dtype = dtype;
-  op->tag = tag;
+  auto op = make_recv_op(buf, count, dtype, tag, options, s.options.timeout);
   op->peer = -1;
   op->source = source;
   std::unique_lock lock(s.mutex);
