@@ -3,6 +3,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 
 #include "ddp/error.h"
 
@@ -146,6 +147,8 @@ torch::jit::IValue ScriptDistributedDataParallelImpl::forward(
     std::vector<torch::jit::IValue> inputs) {
   view_->refresh();
   pre_forward();
+  // Thread-local and restored on exit, so other TorchScript calls of the program keep theirs.
+  const torch::jit::GraphOptimizerEnabledGuard optimisation(jit_graph_optimization_);
   auto output = module_.forward(std::move(inputs));
   std::vector<torch::Tensor> tensors;
   collect_tensors(output, tensors);

@@ -8,6 +8,7 @@
 #include "ddp/torch/script_distributed_data_parallel.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/version.h>
 
 #include <cctype>
@@ -388,6 +389,42 @@ TEST(ScriptDdp, NoSyncAccumulatesAndCommHooksReduce) {
     SCOPED_TRACE(fp16 ? "fp16_compress_hook" : "no hook");
     EXPECT_ALL_RANKS_OK(results);
   }
+}
+
+// The forward runs TorchScript's unoptimised plan, so autograd has one node per operation and
+// DDP's buckets can start during backward; the optimised plan (set_jit_graph_optimization(true))
+// puts the forward in one DifferentiableGraph node, which this test must see, or it proves
+// nothing. The thread's own setting is restored after each forward.
+TEST(ScriptDdp, ForwardRecordsOneAutogradNodePerOperationUnlessAskedOtherwise) {
+  const int port = test::free_port();
+  const auto results = run_ranks(1, [&](int rank) {
+    auto pg = join_group(rank, 1, port, 10s);
+    for (const bool optimised : {false, true}) {
+      ScriptDistributedDataParallel model(
+          module_with(true,
+                      "def forward(self, x):\n"
+                      "  return torch.tanh(torch.tanh(x * self.w) * self.w) * self.w\n"),
+          pg);
+      model->set_jit_graph_optimization(optimised);
+      std::string last_node;
+      // The profiling executor optimises after its profiling runs: a few forwards.
+      for (int step = 0; step < 5; ++step) {
+        const auto x = torch::full({3}, 0.5f).requires_grad_();
+        auto y = model->forward(x);
+        last_node = y.grad_fn()->name();
+        y.sum().backward();
+        if (!torch::jit::getGraphExecutorOptimize()) {
+          throw std::runtime_error("forward left the thread's graph optimisation off");
+        }
+      }
+      const bool fused = last_node.find("DifferentiableGraph") != std::string::npos;
+      if (fused != optimised) {
+        throw std::runtime_error(fmt::format("optimisation {}: the output's autograd node is {}",
+                                             optimised ? "on" : "off", last_node));
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 TEST(ScriptDdp, AModuleWithoutForwardIsAConfigError) {
