@@ -26,6 +26,7 @@ std::string DdpLoggingData::to_json() const {
   out["unused_parameter_names"] = unused_parameter_names;
   out["unused_parameter_size"] = unused_parameter_size;
   out["iteration"] = iteration;
+  out["unused_parameter_searches"] = unused_parameter_searches;
   out["forward_passes"] = forward_passes;
   out["avg_forward_compute_time"] = avg_forward_compute_time;
   out["avg_backward_compute_time"] = avg_backward_compute_time;

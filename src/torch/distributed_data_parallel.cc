@@ -395,6 +395,7 @@ DdpLoggingData DistributedDataParallelBase::logging_data() const {
   }
   const ReducerStats stats = reducer_->stats();
   data.iteration = stats.iterations;
+  data.unused_parameter_searches = stats.unused_parameter_searches;
   data.forward_passes = timed_forwards_;
   if (timed_forwards_ > 0) data.avg_forward_compute_time = forward_time_.count() / timed_forwards_;
   if (stats.iterations > 0) {

@@ -879,6 +879,7 @@ void Reducer::prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
 }
 
 void Reducer::find_unused(const std::vector<torch::Tensor>& outputs) {
+  ++stats_.unused_parameter_searches;
   const auto seen = libtorch_compat::reachable_nodes(outputs);
   unused_.clear();
   for (std::size_t i = 0; i < parameters_.size(); ++i) {

@@ -204,6 +204,66 @@ TEST(DistributedDataParallel, UnusedParametersTrainWithFindUnusedParameters) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// static_graph: the same training as find_unused_parameters on a model with a parameter no
+// forward uses (bit-identical parameters), with one autograd-graph walk in all instead of one per
+// step (PyTorch's static_graph skips the search once the graph is known).
+TEST(DistributedDataParallel, StaticGraphTrainsLikeFindUnusedAndSearchesTheGraphOnce) {
+  const int steps = 4;
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    std::vector<std::vector<torch::Tensor>> trained;
+    for (const bool static_graph : {false, true}) {
+      torch::manual_seed(100);
+      WithUnused net;
+      DistributedDataParallel model(
+          net.ptr(), pg, {.find_unused_parameters = !static_graph, .static_graph = static_graph});
+      auto opt = make_sgd(model->parameters());
+      const auto data = make_batches(steps, 16, {20});
+      for (int step = 0; step < steps; ++step) {
+        opt.zero_grad();
+        auto x = data.inputs[step].narrow(0, rank * 8, 8);
+        auto y = data.targets[step].narrow(0, rank * 8, 8);
+        torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+        opt.step();
+      }
+      expect_identical_across_ranks(*pg, model->parameters(), "parameters");
+      if (net->fc_unused->weight.grad().defined()) {
+        throw std::runtime_error("the unused parameter got a gradient");
+      }
+      const auto data_log = model->logging_data();
+      const std::int64_t want_searches = static_graph ? 1 : steps;
+      if (data_log.iteration != steps || data_log.unused_parameter_searches != want_searches ||
+          data_log.static_graph != static_graph) {
+        throw std::runtime_error(fmt::format(
+            "static_graph={}: {} iterations, {} graph searches (want {} and {})", static_graph,
+            data_log.iteration, data_log.unused_parameter_searches, steps, want_searches));
+      }
+      auto names = data_log.unused_parameter_names;
+      std::sort(names.begin(), names.end());
+      if (names != std::vector<std::string>{"fc_unused.bias", "fc_unused.weight"}) {
+        throw std::runtime_error(
+            fmt::format("static_graph={}: {} unused parameters named, not "
+                        "fc_unused.weight and fc_unused.bias",
+                        static_graph, names.size()));
+      }
+      std::vector<torch::Tensor> params;
+      for (const auto& p : net->parameters())
+        params.push_back(p.detach().clone());
+      trained.push_back(params);
+    }
+    for (std::size_t i = 0; i < trained[0].size(); ++i) {
+      if (!torch::equal(trained[0][i], trained[1][i])) {
+        throw std::runtime_error(
+            fmt::format("parameter {} differs between find_unused_parameters "
+                        "and static_graph",
+                        i));
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(DistributedDataParallel, UnusedParametersWithoutTheOptionNameTheParameterAndNeverHang) {
   const int port = test::free_port();
   const auto results = run_ranks(
@@ -282,6 +342,48 @@ TEST(DistributedDataParallel, BuffersComeFromRankZero) {
     torch::manual_seed(3);
     model->forward(torch::randn({6, 20}));
     expect_identical_across_ranks(*pg, model->buffers(), "buffers after forward");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// broadcast_buffers = false: each rank keeps its own running statistics (its batches differ),
+// while the parameters stay identical; with the default every training forward starts from rank
+// 0's buffers.
+TEST(DistributedDataParallel, BroadcastBuffersFalseKeepsEachRanksBuffers) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    for (const bool broadcast : {true, false}) {
+      torch::manual_seed(7);
+      WithBatchNorm net;
+      DistributedDataParallel model(net.ptr(), pg, {.broadcast_buffers = broadcast});
+      auto opt = make_sgd(model->parameters());
+      const auto data = make_batches(3, 16, {20});
+      for (int step = 0; step < 3; ++step) {
+        opt.zero_grad();
+        auto x = data.inputs[step].narrow(0, rank * 8, 8);
+        model->forward(x).pow(2).mean().backward();
+        opt.step();
+      }
+      expect_identical_across_ranks(*pg, model->parameters(), "parameters");
+      // One more training forward on the same input on both ranks: it starts from rank 0's
+      // buffers when they are broadcast, so the statistics then agree; else from each rank's own.
+      model->forward(data.inputs[0].narrow(0, 0, 8));
+      // Both ranks' running means, side by side (expect_identical_across_ranks would throw).
+      auto gathered = torch::empty({2, net->bn->running_mean.numel()});
+      pg->allgather(net->bn->running_mean.data_ptr(), gathered.data_ptr(),
+                    static_cast<std::size_t>(net->bn->running_mean.numel()), DType::kFloat32)
+          ->wait();
+      const bool same = torch::equal(gathered[0], gathered[1]);
+      if (broadcast && !same)
+        throw std::runtime_error("broadcast_buffers: the ranks' buffers differ");
+      if (!broadcast && same) {
+        throw std::runtime_error("broadcast_buffers = false: the ranks' buffers were made equal");
+      }
+      if (model->logging_data().broadcast_buffers != broadcast) {
+        throw std::runtime_error("logging_data().broadcast_buffers is wrong");
+      }
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }

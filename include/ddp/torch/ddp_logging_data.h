@@ -48,6 +48,8 @@ struct DdpLoggingData {
   std::int64_t avg_backward_comm_time = 0;                  // ns
   std::int64_t avg_backward_compute_comm_overlap_time = 0;  // ns
   std::int64_t last_bytes_sent = 0;  // payload bytes the last backward handed to collectives
+  // Autograd-graph walks for unused parameters so far (ddp's own: static_graph walks once).
+  std::int64_t unused_parameter_searches = 0;
 
   // One JSON object with the members above under the same names.
   std::string to_json() const;

@@ -117,6 +117,9 @@ struct ReducerStats {
   std::chrono::nanoseconds backward_compute{0};
   std::chrono::nanoseconds backward_comm{0};
   std::chrono::nanoseconds backward_compute_comm_overlap{0};
+  // Walks of the autograd graph for unused parameters: one per synchronised pass with
+  // find_unused_parameters, the first only with static_graph.
+  std::int64_t unused_parameter_searches = 0;
 };
 
 class Reducer {
