@@ -179,6 +179,25 @@ struct WithUnusedImpl : torch::nn::Module {
 };
 TORCH_MODULE(WithUnused);
 
+// `steps` SGD steps of `model` (over `net`) on this rank's half of 16-sample batches; then the
+// ranks must hold the same parameters and the unused layer no gradient.
+template <typename Model>
+void train_with_unused(Model& model, WithUnusedImpl& net, ProcessGroup& pg, int rank, int steps) {
+  auto opt = make_sgd(model->parameters());
+  const auto data = make_batches(steps, 16, {20});
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    auto x = data.inputs[step].narrow(0, rank * 8, 8);
+    auto y = data.targets[step].narrow(0, rank * 8, 8);
+    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+    opt.step();
+  }
+  expect_identical_across_ranks(pg, model->parameters(), "parameters");
+  if (net.fc_unused->weight.grad().defined()) {
+    throw std::runtime_error("a parameter unused on every rank must keep no gradient");
+  }
+}
+
 TEST(DistributedDataParallel, UnusedParametersTrainWithFindUnusedParameters) {
   const int port = test::free_port();
   const auto results = run_ranks(2, [&](int rank) {
@@ -186,19 +205,7 @@ TEST(DistributedDataParallel, UnusedParametersTrainWithFindUnusedParameters) {
     torch::manual_seed(100 + rank);
     WithUnused net;
     DistributedDataParallel model(net.ptr(), pg, {.find_unused_parameters = true});
-    auto opt = make_sgd(model->parameters());
-    const auto data = make_batches(3, 16, {20});
-    for (int step = 0; step < 3; ++step) {
-      opt.zero_grad();
-      auto x = data.inputs[step].narrow(0, rank * 8, 8);
-      auto y = data.targets[step].narrow(0, rank * 8, 8);
-      torch::nn::functional::cross_entropy(model->forward(x), y).backward();
-      opt.step();
-    }
-    expect_identical_across_ranks(*pg, model->parameters(), "parameters");
-    if (net->fc_unused->weight.grad().defined()) {
-      throw std::runtime_error("a parameter unused on every rank must keep no gradient");
-    }
+    train_with_unused(model, *net, *pg, rank, 3);
     if (!net->fc->weight.grad().defined()) throw std::runtime_error("used parameter has no grad");
   });
   EXPECT_ALL_RANKS_OK(results);
@@ -218,19 +225,7 @@ TEST(DistributedDataParallel, StaticGraphTrainsLikeFindUnusedAndSearchesTheGraph
       WithUnused net;
       DistributedDataParallel model(
           net.ptr(), pg, {.find_unused_parameters = !static_graph, .static_graph = static_graph});
-      auto opt = make_sgd(model->parameters());
-      const auto data = make_batches(steps, 16, {20});
-      for (int step = 0; step < steps; ++step) {
-        opt.zero_grad();
-        auto x = data.inputs[step].narrow(0, rank * 8, 8);
-        auto y = data.targets[step].narrow(0, rank * 8, 8);
-        torch::nn::functional::cross_entropy(model->forward(x), y).backward();
-        opt.step();
-      }
-      expect_identical_across_ranks(*pg, model->parameters(), "parameters");
-      if (net->fc_unused->weight.grad().defined()) {
-        throw std::runtime_error("the unused parameter got a gradient");
-      }
+      train_with_unused(model, *net, *pg, rank, steps);
       const auto data_log = model->logging_data();
       const std::int64_t want_searches = static_graph ? 1 : steps;
       if (data_log.iteration != steps || data_log.unused_parameter_searches != want_searches ||
