@@ -5,6 +5,8 @@
 #
 #   bash bench/auth_startup.sh [BUILD_DIR] [RUNS]     (defaults: build, 11)
 #
+# WORLD (default 4) ranks; LATENCY_RUNS (default 5) latency runs of LATENCY_ITERS (default 2000)
+# iterations each (tests/bench's tiny form: WORLD=2 RUNS=1 LATENCY_RUNS=1 LATENCY_ITERS=10).
 # Start-up is the wall time of `ddprun --standalone --nproc-per-node 4 ddp-bench --sizes 1K
 # --iters 1 --warmup 0`: process start, rendezvous (store handshake), mesh connection (ring
 # handshake), shared-memory set-up, one allreduce, teardown. Latency is ddp-bench's own median.
@@ -12,6 +14,8 @@ set -euo pipefail
 build=${1:-build}
 runs=${2:-11}
 world=${WORLD:-4}
+latency_runs=${LATENCY_RUNS:-5}
+latency_iters=${LATENCY_ITERS:-2000}
 ddprun="$build/bin/ddprun"
 bench="$build/bin/ddp-bench"
 tmp=$(mktemp -d)
@@ -32,7 +36,7 @@ startup_ms() {  # $@: extra ddprun options
 
 latency_us() {  # $@: extra ddprun options; prints ddp-bench's median time for 1 KiB
   "$ddprun" "$@" --standalone --nproc-per-node "$world" "$bench" --op allreduce --sizes 1K \
-    --iters 2000 --warmup 200 --json --timeout 60 |
+    --iters "$latency_iters" --warmup $((latency_iters / 10)) --json --timeout 60 |
     grep -o '"time_us":[0-9.eE+-]*' | head -1 | cut -d: -f2
 }
 
@@ -41,13 +45,13 @@ for ((i = 0; i < runs; ++i)); do
   startup_ms >>"$tmp/plain"
   startup_ms --secret-file "$tmp/secret" >>"$tmp/secret_runs"
 done
-for ((i = 0; i < 5; ++i)); do
+for ((i = 0; i < latency_runs; ++i)); do
   latency_us >>"$tmp/lat_plain"
   latency_us --secret-file "$tmp/secret" >>"$tmp/lat_secret"
 done
 plain=$(median <"$tmp/plain")
 secret=$(median <"$tmp/secret_runs")
-echo "world $world, $runs start-ups each (median, ms); 5 latency runs each (median of medians, us)"
+echo "world $world, $runs start-ups each (median, ms); $latency_runs latency runs each (median of medians, us)"
 printf '| | no secret | --secret-file | difference |\n| --- | --- | --- | --- |\n'
 awk -v p="$plain" -v s="$secret" 'BEGIN {printf "| job start-up (ms) | %.1f | %.1f | %+.1f |\n", p/1000, s/1000, (s-p)/1000}'
 lp=$(median <"$tmp/lat_plain")

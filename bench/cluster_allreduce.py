@@ -95,7 +95,9 @@ def tcp_ring_worker(port, seconds):
     sender.start()
     buf = memoryview(bytearray(4 << 20))
     total, mark, end = 0, None, None
-    warm, stop = 0.5, seconds - 0.2  # leave out slow start and the ragged end
+    # Leave out slow start and the ragged end (scaled down for short runs, which a fixed 0.5 s
+    # warm-up would leave with no window at all).
+    warm, stop = min(0.5, seconds / 4), seconds - min(0.2, seconds / 10)
     while True:
         n = inp.recv_into(buf)
         if n == 0:
@@ -264,13 +266,15 @@ def main():
     parser.add_argument("--build-dir", default=os.environ.get("DDP_BUILD_DIR", str(REPO / "build")),
                         help="CMake build tree with bin/ddp-bench, bin/ddprun, bin/mpi_allreduce")
     parser.add_argument("--prefix", default="ddpcb",
-                        help="cluster.sh's DDP_CLUSTER_PREFIX for the bench's cluster (ddpcb)")
+                        help="cluster.sh's DDP_CLUSTER_PREFIX for the bench's cluster (ddpcb); "
+                             "'{pid}' in it becomes this process's id (a cluster of its own)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per program run")
     parser.add_argument("--json-out", "--json", dest="json_out",
                         help="also write every measurement to this file (bench/plot_cluster.py)")
     parser.add_argument("--tcp-ring-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=5201, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.prefix = args.prefix.replace("{pid}", str(os.getpid()))
     if args.tcp_ring_worker:
         return tcp_ring_worker(args.port, args.link_seconds)
 

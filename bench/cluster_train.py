@@ -156,10 +156,12 @@ def main():
     parser.add_argument("--build-dir", default=os.environ.get("DDP_BUILD_DIR", str(REPO / "build")),
                         help="CMake build tree with bin/ddp-train-bench and bin/ddprun")
     parser.add_argument("--prefix", default="ddpct",
-                        help="cluster.sh's DDP_CLUSTER_PREFIX for the bench's cluster (ddpct)")
+                        help="cluster.sh's DDP_CLUSTER_PREFIX for the bench's cluster (ddpct); "
+                             "'{pid}' in it becomes this process's id (a cluster of its own)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run (default 600)")
     parser.add_argument("--json", help="also write every measurement to this file")
     args = parser.parse_args()
+    args.prefix = args.prefix.replace("{pid}", str(os.getpid()))
 
     configs = args.configs.split(",")
     if unknown := [c for c in configs if c not in CONFIGS]:

@@ -4,12 +4,15 @@
 # each rank writes its trace at exit), interleaved in rotating order; then the medians of the
 # runs' step_ms and their ratio.
 #   bash bench/trace_cost.sh [BUILD_BIN_DIR]
-# REPS (default 8) rounds, STEPS (default 30) timed steps per run. Results: docs/observability.md,
+# REPS (default 8) rounds, STEPS (default 30) timed steps per run after WARMUP (default 5), of
+# MODEL (default mlp). Results: docs/observability.md,
 # "Cost of the timeline", and docs/benchmarks.md.
 set -euo pipefail
 bin=$(realpath "${1:-build/bin}")
 reps=${REPS:-8}
 steps=${STEPS:-30}
+warmup=${WARMUP:-5}
+model=${MODEL:-mlp}
 out=$(mktemp)
 traces=$(mktemp -d)
 trap 'rm -rf "$out" "$traces"' EXIT
@@ -19,7 +22,7 @@ run() { # label [DDP_TRACE dir]
   local envs=(OMP_NUM_THREADS=1)
   [ -n "$dir" ] && envs+=(DDP_TRACE="$dir")
   env "${envs[@]}" timeout 300 "$bin/ddprun" --standalone --nproc-per-node 2 \
-    "$bin/ddp-train-bench" --model mlp --steps "$steps" --warmup 5 2>/dev/null |
+    "$bin/ddp-train-bench" --model "$model" --steps "$steps" --warmup "$warmup" 2>/dev/null |
     sed -n 's/^\[0\] step_ms=\([0-9.]*\).*/\1/p' | sed "s/^/$label /" >>"$out"
 }
 
