@@ -1,8 +1,11 @@
 #include "comm/ring/mesh.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdio>
+#include <exception>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -81,17 +84,47 @@ void PeerMesh::open(Store& store, const MeshParams& p, const std::vector<int>& e
   if (!p.secret.empty()) handshake_.session = draw_group_session(store, p.prefix + "auth/session");
   acceptor_ = std::make_unique<MeshAcceptor>(handshake_);
 
-  // Lower ranks accept, higher ranks connect: first every eager peer below, then those above.
-  std::vector<int> above;
+  // Lower ranks accept, higher ranks connect. The peers above are accepted on a thread of their
+  // own while this one connects to those below: a rank that accepted only once its own
+  // connections were made would hold up every rank above it, a chain as long as the world (each
+  // link a handshake and a wake-up of an oversubscribed process). The two threads write distinct
+  // slots of sockets_ (the acceptor refuses ranks at or below this one).
+  std::vector<int> below, above;
   for (const int peer : eager) {
-    if (peer < p.rank) {
-      connect_to_lower(peer, deadline);
-    } else if (peer > p.rank) {
-      above.push_back(peer);
-    }
+    if (peer < p.rank) below.push_back(peer);
+    if (peer > p.rank) above.push_back(peer);
   }
-  // Garbage, bad hellos and failed authentications are refused there without ending the wait.
-  acceptor_->accept_until(listener_, sockets_, above, {.deadline = deadline, .timeout = p.timeout});
+  struct Stopped {};
+  std::atomic<bool> stop{false};
+  const std::function<void()> stop_check = [&stop] {
+    if (stop.load()) throw Stopped{};
+  };
+  std::exception_ptr accept_error;
+  std::thread accepting;
+  if (!above.empty()) {
+    accepting = std::thread([&] {
+      try {
+        // Garbage, bad hellos and failed authentications are refused there without ending the
+        // wait.
+        acceptor_->accept_until(listener_, sockets_, above,
+                                {.deadline = deadline, .timeout = p.timeout, .idle = &stop_check});
+      } catch (const Stopped&) {
+        // This thread failed to connect: its error is the one to report.
+      } catch (...) {
+        accept_error = std::current_exception();
+      }
+    });
+  }
+  try {
+    for (const int peer : below)
+      connect_to_lower(peer, deadline);
+  } catch (...) {
+    stop = true;
+    if (accepting.joinable()) accepting.join();
+    throw;
+  }
+  if (accepting.joinable()) accepting.join();
+  if (accept_error) std::rethrow_exception(accept_error);
 }
 
 void PeerMesh::connect_to_lower(int peer, net::Deadline deadline) {

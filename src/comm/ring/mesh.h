@@ -8,19 +8,21 @@
 // the wait goes on.
 //
 // open() connects the peers it is given (a set that must be symmetric: r names p exactly when p
-// names r), each rank connecting to those below it and then accepting those above it, so the
-// waits only ever point downwards and cannot form a cycle. connect_peer() connects any other
-// peer when an operation first needs it: below this rank, it connects (the peer's acceptor, in
-// its own connect_peer() or in a later one, answers); above, it accepts until that peer arrives,
-// keeping any other peer that arrives meanwhile. Both ranks of a pair reach the same matched
-// operation, so the higher one connects while the lower one waits; the argument of open() holds
-// for each operation. A peer that died before connecting is a refused connection (CommError on
-// the connector at once) or a missing one (CommError naming it at the acceptor's deadline).
+// names r), each rank connecting to those below it while a thread of open() accepts those above
+// it, so every rank answers from the start and no rank waits on another's connections.
+// connect_peer() connects any other peer when an operation first needs it: below this rank, it
+// connects (the peer's acceptor, in its own connect_peer() or in a later one, answers); above, it
+// accepts until that peer arrives, keeping any other peer that arrives meanwhile. Both ranks of a
+// pair reach the same matched operation, so the higher one connects while the lower one waits; the
+// argument of open() holds for each operation. A peer that died before connecting is a refused
+// connection (CommError on the connector at once) or a missing one (CommError naming it at the
+// acceptor's deadline).
 //
 // Point-to-point connections (ring/p2p) are a full mesh (connect_full_mesh) under a group name
 // and prefix of their own.
 //
-// Threads: one thread at a time (the creating thread, then the group's executor).
+// Threads: one thread at a time (the creating thread, then the group's executor); open() runs its
+// accepts on a thread of its own, joined before it returns (`log` may be called there).
 #pragma once
 
 #include <chrono>
