@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <thread>
 
 #include "comm/comm_test_util.h"
 #include "comm/ring/mesh.h"
@@ -184,6 +185,51 @@ TEST(LazyMesh, PeerThatDiedBeforeItsFirstConnectionIsANamedError) {
       60s);
   for (int r = 0; r < kWorld; ++r)
     EXPECT_TRUE(results[static_cast<std::size_t>(r)].ok()) << describe(results);
+}
+
+// Rank 3 of 6 is in the middle of its first connection to rank 0 (outside its pattern) for an
+// alltoall when rank 0, which issued an allreduce instead, finds the mismatch and fails: rank 0
+// shuts its listener with its connections, so rank 3's handshake is reset and it fails at once
+// naming rank 0, instead of waiting for an answer until its deadline.
+TEST(LazyMesh, ConnectorToAFailedRankFailsAtOnce) {
+  constexpr int kWorld = 6;
+  constexpr auto kTimeout = 20s;
+  TempDir dir;
+  auto results = run_ranks(
+      kWorld,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, kWorld,
+                             {.timeout = kTimeout, .transport = Transport::kTcp});
+        const auto pattern = comm::pattern_peers(3, kWorld);
+        expect(!std::binary_search(pattern.begin(), pattern.end(), 0), "0 is in 3's pattern");
+        pg->barrier()->wait();
+        const auto start = Clock::now();
+        try {
+          if (rank == 0) {
+            // Let rank 3's connection reach the backlog and its hello arrive first.
+            std::this_thread::sleep_for(1s);
+            float x = 1.0f;
+            pg->allreduce(&x, 1, DType::kFloat32, ReduceOp::kSum)->wait();
+          } else {
+            std::vector<int> send(kWorld, rank), recv(kWorld);
+            pg->alltoall(send.data(), recv.data(), 1, DType::kInt32)->wait();
+          }
+        } catch (const CommError& e) {
+          // Rank 0 stays alive: its process's exit would reset the connection anyway.
+          if (rank == 0) std::this_thread::sleep_for(12s);
+          if (rank != 3) return;
+          const auto took = Clock::now() - start;
+          expect(took < 10s,
+                 fmt::format("rank 3 failed after {} ms: {}",
+                             std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                             e.what()));
+          expect(e.peer() == 0, fmt::format("peer() is {}, not 0: {}", e.peer(), e.what()));
+          return;
+        }
+        throw std::runtime_error("mismatched calls succeeded");
+      },
+      60s);
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 // --- A stranger on the lazy path ------------------------------------------------------------

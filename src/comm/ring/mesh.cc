@@ -12,6 +12,7 @@
 #include "auth/hmac.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
+#include "net/fd_io.h"
 
 namespace ddp::comm {
 
@@ -179,6 +180,11 @@ void PeerMesh::connect_peer(int peer, const AcceptWait& wait) {
     return;
   }
   acceptor_->accept_until(listener_, sockets_, {peer}, wait);
+}
+
+void PeerMesh::shutdown_listener() noexcept {
+  // Only the fd is touched: the socket object is not replaced while the mesh lives.
+  if (listener_.valid()) net::shutdown_socket(listener_.fd(), net::ShutdownHow::kBoth);
 }
 
 int PeerMesh::connected() const {

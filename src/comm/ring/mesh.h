@@ -78,6 +78,9 @@ class PeerMesh {
   std::vector<net::Socket>& sockets() { return sockets_; }
   // How many peers are connected.
   int connected() const;
+  // Stops listening (the group failed): connections not yet accepted are reset and an accept wait
+  // wakes. Any thread; never throws.
+  void shutdown_listener() noexcept;
 
  private:
   void connect_to_lower(int peer, net::Deadline deadline);

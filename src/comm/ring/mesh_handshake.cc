@@ -148,6 +148,8 @@ struct MeshAcceptor::Impl {
     };
     peers_ = &peers;
     std::vector<pollfd> fds;
+    constexpr auto kIdleEvery = std::chrono::milliseconds(10);
+    auto last_idle = net::Clock::now();
     while (missing() > 0) {
       const auto now = net::Clock::now();
       if (now >= wait.deadline) fail_timeout(wanted, wait);
@@ -158,7 +160,12 @@ struct MeshAcceptor::Impl {
       int timeout_ms = net::poll_timeout_ms(wait.deadline);
       if (wait.idle != nullptr && (timeout_ms < 0 || timeout_ms > 10)) timeout_ms = 10;
       const int rc = net::poll_fds(fds, timeout_ms);
-      if (rc == 0 && wait.idle != nullptr) (*wait.idle)();
+      // At least every 10 ms, also while connections keep the poll busy (a shut listener is
+      // readable for ever).
+      if (wait.idle != nullptr && (rc == 0 || net::Clock::now() - last_idle >= kIdleEvery)) {
+        last_idle = net::Clock::now();
+        (*wait.idle)();
+      }
       if (rc < 0) {
         if (errno == EINTR) continue;
         throw CommError(CommErrorKind::kSetup,

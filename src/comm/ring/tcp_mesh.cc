@@ -40,12 +40,25 @@ void TcpMesh::connect_on_first_use(int peer, const Call& call, net::Deadline dea
         group_, call.description(), call.header.sequence, peer);
   }
   // The wait runs unlocked: abort() must not wait for it. The slot is written under the lock.
+  // While it waits it runs the group's cross-transport check and ends once the group is aborted
+  // (abort() also shuts the listener, which wakes it).
   lock.unlock();
+  const std::function<void()>* group_check = context_.idle_check();
+  const std::function<void()> idle = [&] {
+    if (aborted_.load()) {
+      throw CommError(CommErrorKind::kAborted,
+                      fmt::format("rank {}: group '{}' was aborted while {} waited for rank {} "
+                                  "to connect",
+                                  context_.rank(), group_, call.description(), peer),
+                      group_, call.description(), call.header.sequence, peer);
+    }
+    if (group_check != nullptr) (*group_check)();
+  };
   mesh_.connect_peer(peer, AcceptWait{.deadline = deadline,
                                       .timeout = call.timeout,
                                       .op = call.description(),
                                       .sequence = call.header.sequence,
-                                      .idle = context_.idle_check()});
+                                      .idle = &idle});
   lock.lock();
   // Every peer that arrived meanwhile is usable too.
   const auto& all = mesh_.sockets();
@@ -60,6 +73,9 @@ void TcpMesh::connect_on_first_use(int peer, const Call& call, net::Deadline dea
 void TcpMesh::abort(const std::string& /*reason*/) noexcept {
   std::lock_guard lock(mutex_);
   aborted_ = true;
+  // Peers in the middle of a first connection to this rank fail now (their handshake is reset)
+  // and this rank's own wait for one ends (see connect_on_first_use).
+  mesh_.shutdown_listener();
   // The table of descriptors holds exactly the sockets the executor may use (a connection still
   // being made is shut once it is entered, above).
   for (const int fd : context_.peer_fds()) {

@@ -9,6 +9,7 @@
 // role; abort() on any.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <mutex>
@@ -59,9 +60,9 @@ class TcpMesh final : public RingTransport {
   const std::string group_;  // first: context_ refers to it
   PeerMesh mesh_;
   // Guards the sockets' slots between a connection made on first use (the executor) and abort()
-  // (any thread); aborted_: no connection is made after abort().
+  // (any thread); aborted_: no connection is made after abort(), and a wait for one ends.
   mutable std::mutex mutex_;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};
   TcpContext context_;
 };
 
