@@ -1,15 +1,16 @@
 // The `ring` backend: ddp's own collective engine: TCP between hosts, shared memory inside one.
 //
 // Ranks find each other through a Store (each publishes host:port under a key prefixed with the
-// group name), connect as a full mesh with a checked handshake, and then run collectives on one
+// group name), connect with a checked handshake (the peers the algorithms' patterns need at once,
+// O(log N) of them, any other on the first call that needs it), and then run collectives on one
 // worker thread per group: pipelined ring algorithms for large messages, log-step algorithms for
 // small ones (docs/algorithms.md has the algorithms, their costs and the measured switch point).
 //
 //   auto store = std::make_shared<ddp::TcpStore>(host, port, {.is_server = rank == 0});
 //   auto pg = ddp::make_ring_process_group(store, rank, world_size, {.group_name = "default"});
 //
-// make_ring_process_group blocks until every rank has connected, or throws: ConfigError for bad
-// arguments, CommError when a lower rank answers the handshake as a peer of another
+// make_ring_process_group blocks until its pattern peers have connected, or throws: ConfigError for
+// bad arguments, CommError when a lower rank answers the handshake as a peer of another
 // group/rank/protocol/secret, or when the peers do not show up before the timeout. A connection
 // to this rank's port that fails the handshake (garbage, a bad hello, a wrong or missing secret)
 // is refused and logged, and the wait goes on. Call it from one thread per rank.
@@ -95,6 +96,13 @@ std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> sto
 // How a group made by make_ring_process_group moves data, for logs and tests: "tcp", "shm" (one
 // host, shared memory), or "hierarchical(H hosts, ...)"; "" for groups of other backends.
 std::string ring_transport_of(const ProcessGroup& group);
+
+// How many TCP connections a group made by make_ring_process_group holds to its peers for its
+// collectives (its own mesh and its cross-host step's): from creation on the peers its algorithms'
+// usual patterns need (rank +- 2^k, the recursive-doubling partners: O(log size)), any other peer
+// once a call first needs it (alltoall, gather, scatter). Point-to-point connections are not
+// counted. -1 for groups of other backends. Call while none of the group's calls is in flight.
+int ring_collective_connections_of(const ProcessGroup& group);
 
 }  // namespace ddp
 #pragma GCC visibility pop

@@ -1,14 +1,18 @@
 #include "comm/ring/mesh.h"
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cstdio>
+#include <exception>
+#include <thread>
 
 #include <fmt/format.h>
 
 #include "auth/hmac.h"
-#include "comm/ring/mesh_handshake.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
+#include "net/fd_io.h"
 
 namespace ddp::comm {
 
@@ -28,60 +32,175 @@ std::string draw_group_session(Store& store, const std::string& key) {
 
 }  // namespace
 
-std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& p,
-                                           net::Deadline deadline) {
-  std::vector<net::Socket> peers(static_cast<std::size_t>(p.size));
-  net::Socket listener = net::listen_tcp("", 0);
-  listener.set_buffer_sizes(p.socket_buffer_bytes);
-  const std::string address = fmt::format("{}:{}", p.advertise_host, listener.local_port());
+std::vector<int> pattern_peers(int rank, int size) {
+  std::vector<int> peers;
+  if (size <= 1) return peers;
+  // Rings, chains and binomial trees of any root: rank +- 2^k.
+  for (int step = 1; step < size; step *= 2) {
+    peers.push_back((rank + step) % size);
+    peers.push_back((rank - step % size + size) % size);
+  }
+  // Recursive doubling (tcp_algorithms.cc): the extra ranks fold onto their neighbour, then
+  // virtual rank v exchanges with v ^ 2^j.
+  const int p = static_cast<int>(std::bit_floor(static_cast<unsigned>(size)));
+  const int rem = size - p;
+  int v = rank - rem;
+  if (rank < 2 * rem) {
+    peers.push_back(rank % 2 == 0 ? rank + 1 : rank - 1);
+    v = rank % 2 == 0 ? -1 : rank / 2;
+  }
+  if (v >= 0) {
+    for (int bit = 1; bit < p; bit *= 2) {
+      const int partner_v = v ^ bit;
+      peers.push_back(partner_v < rem ? 2 * partner_v + 1 : partner_v + rem);
+    }
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  std::erase(peers, rank);
+  return peers;
+}
+
+PeerMesh::~PeerMesh() = default;
+
+void PeerMesh::open(Store& store, const MeshParams& p, const std::vector<int>& eager,
+                    net::Deadline deadline) {
+  store_ = &store;
+  params_ = p;
+  sockets_ = std::vector<net::Socket>(static_cast<std::size_t>(p.size));
+  listener_ = net::listen_tcp("", 0);
+  listener_.set_buffer_sizes(p.socket_buffer_bytes);
+  const std::string address = fmt::format("{}:{}", p.advertise_host, listener_.local_port());
   store.set(fmt::format("{}addr/{}", p.prefix, p.rank), address);
 
-  HandshakeParams handshake{.group = p.group,
-                            .size = p.size,
-                            .rank = p.rank,
-                            .secret = p.secret,
-                            .session = {},
-                            .log = p.log};
-  if (!handshake.log) {
-    handshake.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  handshake_ = HandshakeParams{.group = p.group,
+                               .size = p.size,
+                               .rank = p.rank,
+                               .secret = p.secret,
+                               .session = {},
+                               .log = p.log};
+  if (!handshake_.log) {
+    handshake_.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   }
-  if (!p.secret.empty()) handshake.session = draw_group_session(store, p.prefix + "auth/session");
+  if (!p.secret.empty()) handshake_.session = draw_group_session(store, p.prefix + "auth/session");
+  acceptor_ = std::make_unique<MeshAcceptor>(handshake_);
 
-  // Lower ranks accept, higher ranks connect: rank r connects to every rank below it.
-  for (int peer = 0; peer < p.rank; ++peer) {
-    const std::string key = fmt::format("{}addr/{}", p.prefix, peer);
-    const auto left = std::chrono::duration_cast<milliseconds>(deadline - net::Clock::now());
-    const std::string peer_address = store.get_string(key, std::max(left, milliseconds(1)));
-    const auto colon = peer_address.rfind(':');
-    if (colon == std::string::npos) {
-      throw CommError(CommErrorKind::kSetup,
-                      fmt::format("rank {} of group '{}': store key '{}' holds '{}', not "
-                                  "host:port",
-                                  p.rank, p.group, key, peer_address),
-                      p.group, "connect", 0, peer);
-    }
-    const std::string host = peer_address.substr(0, colon);
-    const auto port = static_cast<std::uint16_t>(std::stoi(peer_address.substr(colon + 1)));
-    net::Socket socket;
+  // Lower ranks accept, higher ranks connect. The peers above are accepted on a thread of their
+  // own while this one connects to those below: a rank that accepted only once its own
+  // connections were made would hold up every rank above it, a chain as long as the world (each
+  // link a handshake and a wake-up of an oversubscribed process). The two threads write distinct
+  // slots of sockets_ (the acceptor refuses ranks at or below this one).
+  std::vector<int> below, above;
+  for (const int peer : eager) {
+    if (peer < p.rank) below.push_back(peer);
+    if (peer > p.rank) above.push_back(peer);
+  }
+  struct Stopped {};
+  std::atomic<bool> stop{false};
+  const std::function<void()> stop_check = [&stop] {
+    if (stop.load()) throw Stopped{};
+  };
+  std::exception_ptr accept_error;
+  std::thread accepting;
+  if (!above.empty()) {
+    accepting = std::thread([&] {
+      try {
+        // Garbage, bad hellos and failed authentications are refused there without ending the
+        // wait.
+        acceptor_->accept_until(listener_, sockets_, above,
+                                {.deadline = deadline, .timeout = p.timeout, .idle = &stop_check});
+      } catch (const Stopped&) {
+        // This thread failed to connect: its error is the one to report.
+      } catch (...) {
+        accept_error = std::current_exception();
+      }
+    });
+  }
+  try {
+    for (const int peer : below)
+      connect_to_lower(peer, deadline);
+  } catch (...) {
+    stop = true;
+    if (accepting.joinable()) accepting.join();
+    throw;
+  }
+  if (accepting.joinable()) accepting.join();
+  if (accept_error) std::rethrow_exception(accept_error);
+}
+
+void PeerMesh::connect_to_lower(int peer, net::Deadline deadline) {
+  const auto& p = params_;
+  const std::string key = fmt::format("{}addr/{}", p.prefix, peer);
+  const auto left = std::chrono::duration_cast<milliseconds>(deadline - net::Clock::now());
+  const std::string peer_address = store_->get_string(key, std::max(left, milliseconds(1)));
+  const auto colon = peer_address.rfind(':');
+  if (colon == std::string::npos) {
+    throw CommError(CommErrorKind::kSetup,
+                    fmt::format("rank {} of group '{}': store key '{}' holds '{}', not "
+                                "host:port",
+                                p.rank, p.group, key, peer_address),
+                    p.group, "connect", 0, peer);
+  }
+  const std::string host = peer_address.substr(0, colon);
+  const auto port = static_cast<std::uint16_t>(std::stoi(peer_address.substr(colon + 1)));
+  net::Socket socket;
+  try {
+    socket = net::connect_tcp(host, port, deadline);
+  } catch (const Error& e) {
+    throw CommError(CommErrorKind::kSetup,
+                    fmt::format("rank {} of group '{}' cannot connect to rank {} at {}: {}", p.rank,
+                                p.group, peer, peer_address, e.what()),
+                    p.group, "connect", 0, peer);
+  }
+  socket.set_buffer_sizes(p.socket_buffer_bytes);
+  socket.set_no_delay(true);
+  connect_handshake(socket, handshake_, peer, deadline);
+  sockets_[static_cast<std::size_t>(peer)] = std::move(socket);
+}
+
+void PeerMesh::connect_peer(int peer, const AcceptWait& wait) {
+  if (sockets_[static_cast<std::size_t>(peer)].valid()) return;
+  if (peer < params_.rank) {
     try {
-      socket = net::connect_tcp(host, port, deadline);
-    } catch (const Error& e) {
-      throw CommError(CommErrorKind::kSetup,
-                      fmt::format("rank {} of group '{}' cannot connect to rank {} at {}: {}",
-                                  p.rank, p.group, peer, peer_address, e.what()),
-                      p.group, "connect", 0, peer);
+      connect_to_lower(peer, wait.deadline);
+    } catch (const CommError& e) {
+      // Name the operation that needed the connection (a refused connection is a peer that
+      // died, or never had its listener).
+      throw CommError(e.kind() == CommErrorKind::kSetup ? CommErrorKind::kPeerGone : e.kind(),
+                      fmt::format("{} (connecting on first use, for {})", e.what(), wait.op),
+                      params_.group, wait.op, wait.sequence, peer);
+    } catch (const TimeoutError& e) {
+      throw CommError(
+          CommErrorKind::kTimeout,
+          fmt::format("rank {} timed out after {} ms in {} in group '{}' connecting "
+                      "to rank {} on first use: {}",
+                      params_.rank, wait.timeout.count(), wait.op, params_.group, peer, e.what()),
+          params_.group, wait.op, wait.sequence, peer);
     }
-    socket.set_buffer_sizes(p.socket_buffer_bytes);
-    socket.set_no_delay(true);
-    connect_handshake(socket, handshake, peer, deadline);
-    peers[static_cast<std::size_t>(peer)] = std::move(socket);
+    return;
   }
-  // Garbage, bad hellos and failed authentications are refused there without ending the wait.
-  auto accepted = accept_peers(listener, handshake, deadline, p.timeout);
-  for (int peer = p.rank + 1; peer < p.size; ++peer) {
-    peers[static_cast<std::size_t>(peer)] = std::move(accepted[static_cast<std::size_t>(peer)]);
+  acceptor_->accept_until(listener_, sockets_, {peer}, wait);
+}
+
+void PeerMesh::shutdown_listener() noexcept {
+  // Only the fd is touched: the socket object is not replaced while the mesh lives.
+  if (listener_.valid()) net::shutdown_socket(listener_.fd(), net::ShutdownHow::kBoth);
+}
+
+int PeerMesh::connected() const {
+  return static_cast<int>(std::count_if(sockets_.begin(), sockets_.end(),
+                                        [](const net::Socket& s) { return s.valid(); }));
+}
+
+std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& params,
+                                           net::Deadline deadline) {
+  std::vector<int> everyone;
+  for (int r = 0; r < params.size; ++r) {
+    if (r != params.rank) everyone.push_back(r);
   }
-  return peers;
+  PeerMesh mesh;
+  mesh.open(store, params, everyone, deadline);
+  return std::move(mesh.sockets());
 }
 
 }  // namespace ddp::comm

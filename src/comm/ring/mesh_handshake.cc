@@ -1,5 +1,6 @@
 #include "comm/ring/mesh_handshake.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -133,26 +134,38 @@ Step refused(std::string reason) {
   return {Step::Kind::kRefused, std::move(reason), -1};
 }
 
-class Acceptor {
- public:
-  Acceptor(net::Socket& listener, const HandshakeParams& params, net::Deadline deadline,
-           std::chrono::milliseconds timeout)
-      : listener_(listener),
-        params_(params),
-        deadline_(deadline),
-        timeout_(timeout),
-        peers_(static_cast<std::size_t>(params.size)) {}
+}  // namespace
 
-  std::vector<net::Socket> run() {
-    int missing = params_.size - 1 - params_.rank;
+struct MeshAcceptor::Impl {
+  explicit Impl(HandshakeParams params) : params_(std::move(params)) {}
+
+  void accept_until(net::Socket& listener, std::vector<net::Socket>& peers,
+                    const std::vector<int>& wanted, const AcceptWait& wait) {
+    auto missing = [&] {
+      return static_cast<int>(std::count_if(wanted.begin(), wanted.end(), [&](int r) {
+        return !peers[static_cast<std::size_t>(r)].valid();
+      }));
+    };
+    peers_ = &peers;
     std::vector<pollfd> fds;
-    while (missing > 0) {
-      if (net::Clock::now() >= deadline_) fail_timeout();
+    constexpr auto kIdleEvery = std::chrono::milliseconds(10);
+    auto last_idle = net::Clock::now();
+    while (missing() > 0) {
+      const auto now = net::Clock::now();
+      if (now >= wait.deadline) fail_timeout(wanted, wait);
       fds.clear();
-      fds.push_back(pollfd{listener_.fd(), POLLIN, 0});
+      fds.push_back(pollfd{listener.fd(), POLLIN, 0});
       for (const auto& p : pending_)
         fds.push_back(pollfd{p.socket.fd(), POLLIN, 0});
-      const int rc = net::poll_fds(fds, net::poll_timeout_ms(deadline_));
+      int timeout_ms = net::poll_timeout_ms(wait.deadline);
+      if (wait.idle != nullptr && (timeout_ms < 0 || timeout_ms > 10)) timeout_ms = 10;
+      const int rc = net::poll_fds(fds, timeout_ms);
+      // At least every 10 ms, also while connections keep the poll busy (a shut listener is
+      // readable for ever).
+      if (wait.idle != nullptr && (rc == 0 || net::Clock::now() - last_idle >= kIdleEvery)) {
+        last_idle = net::Clock::now();
+        (*wait.idle)();
+      }
       if (rc < 0) {
         if (errno == EINTR) continue;
         throw CommError(CommErrorKind::kSetup,
@@ -171,27 +184,25 @@ class Acceptor {
           net::Socket& socket = pending_[i].socket;
           socket.set_nonblocking(false);
           socket.set_no_delay(true);
-          peers_[static_cast<std::size_t>(step.rank)] = std::move(socket);
-          --missing;
+          (*peers_)[static_cast<std::size_t>(step.rank)] = std::move(socket);
         }
         pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
       }
-      if (fds[0].revents != 0) accept_new();
+      if (fds[0].revents != 0) accept_new(listener);
     }
     if (unlogged_ > 0) {
       params_.log(fmt::format(
           "ddp: rank {} of group '{}' refused a connection {} ({} more refused since the last such "
-          "line; {} in all during set-up)",
+          "line; {} in all so far)",
           params_.rank, params_.group, last_refusal_, unlogged_ - 1, refused_));
+      unlogged_ = 0;
     }
-    return std::move(peers_);
   }
 
- private:
-  void accept_new() {
+  void accept_new(net::Socket& listener) {
     net::Socket socket;
     try {
-      socket = net::accept_tcp(listener_, net::Clock::now());
+      socket = net::accept_tcp(listener, net::Clock::now());
     } catch (const TimeoutError&) {
       return;  // the connection went away before we took it
     } catch (const Error& e) {
@@ -279,7 +290,7 @@ class Acceptor {
           return refused(fmt::format("rank {} cannot connect to rank {} (only ranks {} to {} do)",
                                      from, params_.rank, params_.rank + 1, params_.size - 1));
         }
-        if (peers_[static_cast<std::size_t>(from)].valid()) {
+        if ((*peers_)[static_cast<std::size_t>(from)].valid()) {
           return refused(fmt::format("duplicate connection from rank {}", from));
         }
         std::vector<std::uint8_t> reply = hello_bytes(params_, from);
@@ -318,7 +329,7 @@ class Acceptor {
               "secret (a stranger, a replayed handshake, or a rank with another DDP_SECRET)",
               from));
         }
-        if (peers_[static_cast<std::size_t>(from)].valid()) {
+        if ((*peers_)[static_cast<std::size_t>(from)].valid()) {
           return refused(fmt::format("duplicate connection from rank {}", from));
         }
         return {Step::Kind::kAccepted, {}, from};
@@ -347,37 +358,56 @@ class Acceptor {
     p.socket.close();
   }
 
-  [[noreturn]] void fail_timeout() {
+  [[noreturn]] void fail_timeout(const std::vector<int>& wanted, const AcceptWait& wait) {
     std::string missing;
-    for (int peer = params_.rank + 1; peer < params_.size; ++peer) {
-      if (!peers_[static_cast<std::size_t>(peer)].valid()) {
+    int first = -1;
+    for (const int peer : wanted) {
+      if (!(*peers_)[static_cast<std::size_t>(peer)].valid()) {
         missing += fmt::format("{}{}", missing.empty() ? "" : ", ", peer);
+        if (first < 0) first = peer;
       }
     }
     std::string refusals;
     if (refused_ > 0) {
       refusals = fmt::format(" ({} connection(s) refused, the last {})", refused_, last_refusal_);
     }
-    throw CommError(CommErrorKind::kTimeout,
-                    fmt::format("rank {} of group '{}' timed out after {} ms waiting for ranks {} "
-                                "to connect; did every rank create the group?{}",
-                                params_.rank, params_.group, timeout_.count(), missing, refusals),
-                    params_.group, "connect", 0, -1);
+    if (wait.op.empty()) {
+      throw CommError(
+          CommErrorKind::kTimeout,
+          fmt::format("rank {} of group '{}' timed out after {} ms waiting for ranks {} "
+                      "to connect; did every rank create the group?{}",
+                      params_.rank, params_.group, wait.timeout.count(), missing, refusals),
+          params_.group, "connect", 0, wanted.size() == 1 ? first : -1);
+    }
+    // A connection made on first use: the peer reached this operation's matched call first and
+    // would have connected by now, so it died before connecting, is stuck, or issued another
+    // call.
+    throw CommError(
+        CommErrorKind::kTimeout,
+        fmt::format("rank {} timed out after {} ms in {} in group '{}' waiting for rank(s) {} to "
+                    "open their first connection to it; the peer died before connecting, is "
+                    "stuck, or did not issue this collective{}",
+                    params_.rank, wait.timeout.count(), wait.op, params_.group, missing, refusals),
+        params_.group, wait.op, wait.sequence, first);
   }
 
-  net::Socket& listener_;
-  const HandshakeParams& params_;
-  net::Deadline deadline_;
-  std::chrono::milliseconds timeout_;
-  std::vector<net::Socket> peers_;
-  std::vector<Pending> pending_;
+  const HandshakeParams params_;
+  std::vector<net::Socket>* peers_ = nullptr;  // of the accept_until() in progress
+  std::vector<Pending> pending_;               // kept across calls: a handshake may span two waits
   int refused_ = 0;
   std::string last_refusal_;
   std::chrono::steady_clock::time_point last_log_{};
   int unlogged_ = 0;
 };
 
-}  // namespace
+MeshAcceptor::MeshAcceptor(HandshakeParams params)
+    : impl_(std::make_unique<Impl>(std::move(params))) {}
+MeshAcceptor::~MeshAcceptor() = default;
+
+void MeshAcceptor::accept_until(net::Socket& listener, std::vector<net::Socket>& peers,
+                                const std::vector<int>& wanted, const AcceptWait& wait) {
+  impl_->accept_until(listener, peers, wanted, wait);
+}
 
 std::vector<std::uint8_t> handshake_mac(const HandshakeParams& params, bool acceptor_side,
                                         int connector, int acceptor,
@@ -456,7 +486,13 @@ void connect_handshake(net::Socket& socket, const HandshakeParams& params, int p
 
 std::vector<net::Socket> accept_peers(net::Socket& listener, const HandshakeParams& params,
                                       net::Deadline deadline, std::chrono::milliseconds timeout) {
-  return Acceptor(listener, params, deadline, timeout).run();
+  std::vector<net::Socket> peers(static_cast<std::size_t>(params.size));
+  std::vector<int> wanted;
+  for (int r = params.rank + 1; r < params.size; ++r)
+    wanted.push_back(r);
+  MeshAcceptor(params).accept_until(listener, peers, wanted,
+                                    {.deadline = deadline, .timeout = timeout});
+  return peers;
 }
 
 }  // namespace ddp::comm

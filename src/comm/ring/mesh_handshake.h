@@ -1,4 +1,4 @@
-// The handshake that opens every connection of the ring backend's full mesh (internal).
+// The handshake that opens every connection of the ring backend's meshes (internal; mesh.h).
 //
 // Lower ranks accept, higher ranks connect. Without a secret (the wire format of protocol 1):
 //   connector -> acceptor   Hello{"DDPR", version, size, from, to, name length} + group name
@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,42 @@ struct HandshakeParams {
 // peer and what was wrong; TimeoutError becomes CommError too.
 void connect_handshake(net::Socket& socket, const HandshakeParams& params, int peer,
                        net::Deadline deadline);
+
+// How long, and for what, MeshAcceptor::accept_until waits.
+struct AcceptWait {
+  net::Deadline deadline;
+  std::chrono::milliseconds timeout{0};  // the configured timeout, for the message
+  // "" = the group's set-up; else the operation that needs the connection (a connection made on
+  // first use), named with `sequence` in the timeout's CommError.
+  std::string op;
+  std::uint64_t sequence = 0;
+  // Called at least every 10 ms while nothing arrives (null: never); may throw. The ring group
+  // passes the cross-transport mismatch check here, as to a collective's wait.
+  const std::function<void()>* idle = nullptr;
+};
+
+// The acceptor side of one listener for the life of a mesh: the set-up's accepts and, later,
+// those of connections made on first use (mesh.h). Handshakes still in progress when a wait ends
+// are kept for the next one (a connector may finish its side before this rank looks again).
+class MeshAcceptor {
+ public:
+  explicit MeshAcceptor(HandshakeParams params);
+  ~MeshAcceptor();
+  MeshAcceptor(const MeshAcceptor&) = delete;
+  MeshAcceptor& operator=(const MeshAcceptor&) = delete;
+
+  // Accepts on `listener` until every rank of `wanted` (all above params.rank) holds a socket in
+  // `peers` (one entry per rank), refusing (closing and logging) every connection that fails the
+  // handshake. Any other rank above params.rank that completes its handshake meanwhile is kept in
+  // `peers` too. Sockets are blocking, with TCP_NODELAY. At the deadline throws CommError
+  // (kTimeout) naming the ranks still missing and the last refusal.
+  void accept_until(net::Socket& listener, std::vector<net::Socket>& peers,
+                    const std::vector<int>& wanted, const AcceptWait& wait);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // Acceptor side: accepts on `listener` until every rank above params.rank has completed the
 // handshake, refusing every connection that fails it. Returns the sockets indexed by rank

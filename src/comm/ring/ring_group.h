@@ -35,6 +35,10 @@ class RingProcessGroup final : public GroupFront,
   void start_p2p();
   void start() { start_queue(weak_from_this()); }
   std::string transport_description() const { return transport_text_; }
+  // See ring_collective_connections_of().
+  int collective_connections() const {
+    return mesh_.connected() + (cross_mesh_ ? cross_mesh_->connected() : 0);
+  }
 
   std::string_view backend() const override { return "ring"; }
   // Only the shared-memory domain reads and writes the pieces where they lie; the TCP and

@@ -262,6 +262,11 @@ std::string ring_transport_of(const ProcessGroup& group) {
   return ring != nullptr ? ring->transport_description() : std::string();
 }
 
+int ring_collective_connections_of(const ProcessGroup& group) {
+  const auto* ring = dynamic_cast<const comm::RingProcessGroup*>(&group);
+  return ring != nullptr ? ring->collective_connections() : -1;
+}
+
 std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> store, int rank,
                                                       int size, RingOptions options) {
   if (!store) throw ConfigError("make_ring_process_group: the store is null");

@@ -42,6 +42,12 @@ Algorithm tcp_broadcast_algorithm(std::size_t bytes, std::size_t small_message_b
 }
 
 void run_tcp(TcpContext& tcp, const Call& a, net::Deadline deadline) {
+  // For the connections this call is the first to need (TcpContext::fd).
+  tcp.set_current(&a, deadline);
+  struct ClearCurrent {
+    TcpContext& tcp;
+    ~ClearCurrent() { tcp.set_current(nullptr, {}); }
+  } clear_current{tcp};
   switch (a.kind) {
     case Collective::kAllreduce:
       if (tcp.size() == 1) {

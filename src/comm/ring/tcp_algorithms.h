@@ -33,10 +33,32 @@ class TcpContext {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& group() const { return group_; }
-  // The sockets of the mesh, by rank (-1 for this rank); set once the mesh is connected.
+  // The sockets of the mesh, by rank (-1 for this rank and for peers not connected yet); set once
+  // the mesh is open. set_peer_fd() fills in one entry in place (the exchange of a step in
+  // progress points at the table).
   void set_peer_fds(std::vector<int> fds) { peer_fds_ = std::move(fds); }
+  void set_peer_fd(int peer, int fd) { peer_fds_[static_cast<std::size_t>(peer)] = fd; }
   const std::vector<int>& peer_fds() const { return peer_fds_; }
-  int fd(int peer) const { return peer_fds_[static_cast<std::size_t>(peer)]; }
+  // Connects a peer on first use (null: every peer is connected when the mesh opens). Called by
+  // fd() with the peer and the running call's deadline; must set_peer_fd() or throw CommError.
+  using PeerConnector = std::function<void(int peer, const Call& call, net::Deadline deadline)>;
+  void set_peer_connector(PeerConnector connect) { connect_ = std::move(connect); }
+  // The socket to `peer`, connected first if this is the first call that needs it. Both ranks of
+  // a pair ask for it in the same step of the same call, so the lazy connection meets its peer
+  // (mesh.h). Only between begin() and finish() of a run_tcp() call.
+  int fd(int peer) {
+    const int fd = peer_fds_[static_cast<std::size_t>(peer)];
+    if (fd >= 0 || !connect_ || current_ == nullptr) return fd;
+    connect_(peer, *current_, deadline_);
+    return peer_fds_[static_cast<std::size_t>(peer)];
+  }
+  // The call run_tcp() runs and its deadline, for fd()'s connections on first use.
+  void set_current(const Call* call, net::Deadline deadline) {
+    current_ = call;
+    deadline_ = deadline;
+  }
+  // Called while a connection made on first use waits (see AcceptWait::idle).
+  const std::function<void()>* idle_check() const { return idle_check_ ? &idle_check_ : nullptr; }
   // Called while a collective's step sleeps (see ExchangeContext::idle_check); null: none.
   void set_idle_check(std::function<void()> check) { idle_check_ = std::move(check); }
   // See ExchangeContext::wait_warning.
@@ -69,6 +91,9 @@ class TcpContext {
   const int size_;
   const std::chrono::microseconds spin_;
   std::vector<int> peer_fds_;
+  PeerConnector connect_;
+  const Call* current_ = nullptr;
+  net::Deadline deadline_{};
   std::function<void()> idle_check_;
   std::chrono::milliseconds wait_warning_{0};
   std::function<void(const std::string&)> warn_;

@@ -1,14 +1,18 @@
-// TcpMesh: a ring group's TCP connection to every peer, and the context its TCP algorithms run on
-// (internal). It owns the sockets: connecting them (mesh.h), shutting them when the group fails,
+// TcpMesh: a ring group's TCP connections to its peers, and the context its TCP algorithms run on
+// (internal). It owns the sockets: connecting them (mesh.h: the peers of pattern_peers() when the
+// group opens, any other on the first call that needs it), shutting them when the group fails,
 // and looking, without reading, at what a peer sent (the cross-transport check). A group's own
 // mesh and the cross-host mesh of its hierarchical allreduce are both TcpMeshes.
 //
-// Threads: connect() on the creating thread before any call runs; context() and
-// peer_with_other_call() on the thread holding the group's executor role; abort() on any.
+// Threads: connect() on the creating thread before any call runs; context() (whose fd() connects
+// on first use), peer_with_other_call() and connected() on the thread holding the group's executor
+// role; abort() on any.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -29,9 +33,12 @@ class TcpMesh final : public RingTransport {
   TcpMesh(const TcpMesh&) = delete;  // the context refers to group_
   TcpMesh& operator=(const TcpMesh&) = delete;
 
-  // Connects to every peer (params.group and .rank/.size as given here); throws as
-  // connect_full_mesh.
+  // Opens the mesh (params.group and .rank/.size as given here) and connects the peers of
+  // pattern_peers(); the store must outlive the mesh (later connections read addresses from it).
+  // Throws as PeerMesh::open.
   void connect(Store& store, const MeshParams& params, net::Deadline deadline);
+  // Peers connected so far (introspection for tests and benchmarks).
+  int connected() const { return mesh_.connected(); }
 
   const std::string& group() const { return group_; }
   int size() const { return context_.size(); }
@@ -47,8 +54,15 @@ class TcpMesh final : public RingTransport {
   int peer_with_other_call(const OpHeader& mine, OpHeader& theirs) const override;
 
  private:
+  // A connection made on first use, for `call` (TcpContext::PeerConnector).
+  void connect_on_first_use(int peer, const Call& call, net::Deadline deadline);
+
   const std::string group_;  // first: context_ refers to it
-  std::vector<net::Socket> sockets_;
+  PeerMesh mesh_;
+  // Guards the sockets' slots between a connection made on first use (the executor) and abort()
+  // (any thread); aborted_: no connection is made after abort(), and a wait for one ends.
+  mutable std::mutex mutex_;
+  std::atomic<bool> aborted_{false};
   TcpContext context_;
 };
 

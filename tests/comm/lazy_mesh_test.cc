@@ -1,0 +1,340 @@
+// The ring backend's mesh connects by pattern and on first use (issue 28): a group holds O(log N)
+// connections after creation and its usual collectives add none; alltoall and gather connect the
+// other peers when they first need them; a peer that died before its first connection is a named
+// error within the timeout; a stranger on the lazy path is refused and logged. Real processes on
+// 127.0.0.1 over TCP.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <thread>
+
+#include "comm/comm_test_util.h"
+#include "comm/ring/mesh.h"
+#include "comm/ring/mesh_handshake.h"
+#include "comm/wire.h"
+#include "net/socket.h"
+#include "support/multiprocess.h"
+
+namespace ddp::test {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kSecret = "correct horse battery staple";
+
+TEST(PatternPeers, SymmetricAndLogarithmic) {
+  for (int size = 1; size <= 600; ++size) {
+    std::vector<std::vector<int>> of(static_cast<std::size_t>(size));
+    for (int r = 0; r < size; ++r)
+      of[static_cast<std::size_t>(r)] = comm::pattern_peers(r, size);
+    const int log2 = std::bit_width(static_cast<unsigned>(size));
+    for (int r = 0; r < size; ++r) {
+      const auto& mine = of[static_cast<std::size_t>(r)];
+      ASSERT_LE(static_cast<int>(mine.size()), 3 * log2 + 1) << "rank " << r << " of " << size;
+      for (const int p : mine) {
+        ASSERT_NE(p, r);
+        const auto& theirs = of[static_cast<std::size_t>(p)];
+        // Symmetric: open() connects each pair from both sides or from neither.
+        ASSERT_TRUE(std::binary_search(theirs.begin(), theirs.end(), r))
+            << "rank " << r << " names " << p << " but not the reverse, size " << size;
+      }
+      // The ring's neighbours are there.
+      if (size > 1) {
+        ASSERT_TRUE(std::binary_search(mine.begin(), mine.end(), (r + 1) % size));
+        ASSERT_TRUE(std::binary_search(mine.begin(), mine.end(), (r + size - 1) % size));
+      }
+    }
+  }
+}
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+// World 8 over TCP: O(log N) connections after creation, none added by allreduce (both
+// algorithms), broadcast (tree and chain, any root), reduce, allgather, reduce_scatter and
+// barrier; alltoall connects everyone on first use and computes correctly; point to point to a
+// peer outside the pattern works.
+TEST(LazyMesh, PatternAtCreationOthersOnFirstUse) {
+  constexpr int kWorld = 8;
+  TempDir dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = make_group(dir.path(), rank, kWorld, {.timeout = 30s, .transport = Transport::kTcp});
+    const int pattern = static_cast<int>(comm::pattern_peers(rank, kWorld).size());
+    const int at_creation = ring_collective_connections_of(*pg);
+    expect(at_creation == pattern,
+           fmt::format("rank {}: {} connections after creation, expected {}", rank, at_creation,
+                       pattern));
+    expect(at_creation < kWorld - 1, "the pattern is the full mesh");
+    for (const std::size_t count : {std::size_t{16}, std::size_t{1} << 18}) {
+      std::vector<float> data(count, static_cast<float>(rank + 1));
+      pg->allreduce(data.data(), count, DType::kFloat32, ReduceOp::kSum)->wait();
+      expect(data[count - 1] == 36.0f, "allreduce is wrong");
+      for (int root = 0; root < kWorld; ++root) {
+        std::vector<float> b(count, rank == root ? 7.0f : 0.0f);
+        pg->broadcast(b.data(), count, DType::kFloat32, root)->wait();
+        expect(b[count - 1] == 7.0f, "broadcast is wrong");
+      }
+      std::vector<float> red(count);
+      pg->reduce(data.data(), red.data(), count, DType::kFloat32, ReduceOp::kSum, 3)->wait();
+    }
+    std::vector<float> all(kWorld * 4);
+    std::vector<float> mine(4, static_cast<float>(rank));
+    pg->allgather(mine.data(), all.data(), 4, DType::kFloat32)->wait();
+    std::vector<float> in(kWorld * 4, 1.0f), out(4);
+    pg->reduce_scatter(in.data(), out.data(), 4, DType::kFloat32, ReduceOp::kSum)->wait();
+    pg->barrier()->wait();
+    const int after_pattern_calls = ring_collective_connections_of(*pg);
+    expect(after_pattern_calls == pattern,
+           fmt::format("rank {}: {} connections after the pattern's calls, expected {}", rank,
+                       after_pattern_calls, pattern));
+    // Alltoall needs every peer.
+    std::vector<int> send(kWorld * 3), recv(kWorld * 3, -1);
+    for (int p = 0; p < kWorld; ++p)
+      for (int i = 0; i < 3; ++i)
+        send[static_cast<std::size_t>(p * 3 + i)] = rank * 100 + p * 10 + i;
+    pg->alltoall(send.data(), recv.data(), 3, DType::kInt32)->wait();
+    for (int p = 0; p < kWorld; ++p)
+      for (int i = 0; i < 3; ++i)
+        expect(recv[static_cast<std::size_t>(p * 3 + i)] == p * 100 + rank * 10 + i,
+               fmt::format("rank {}: alltoall block from {} is wrong", rank, p));
+    expect(ring_collective_connections_of(*pg) == kWorld - 1, "alltoall did not connect everyone");
+    pg->alltoall(send.data(), recv.data(), 3, DType::kInt32)->wait();  // on the same connections
+    // Point to point with a peer outside the pattern (rank +- 3).
+    const int to = (rank + 3) % kWorld;
+    const int from = (rank + kWorld - 3) % kWorld;
+    std::vector<int> message(1000, rank), got(1000, -1);
+    auto sent = pg->send(message.data(), message.size(), DType::kInt32, to, 9);
+    pg->recv(got.data(), got.size(), DType::kInt32, from, 9)->wait();
+    sent->wait();
+    expect(got == std::vector<int>(1000, from), "recv from a peer outside the pattern is wrong");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Gather and scatter at a root connect only the root's missing peers; a secret changes nothing.
+TEST(LazyMesh, GatherAndScatterConnectOnFirstUseWithSecret) {
+  constexpr int kWorld = 6;  // rank 0's pattern lacks rank 3
+  TempDir dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    RingOptions options{.timeout = 30s, .transport = Transport::kTcp};
+    options.secret = kSecret;
+    auto pg = make_group(dir.path(), rank, kWorld, options);
+    const auto pattern = comm::pattern_peers(rank, kWorld);
+    std::vector<float> mine(5, static_cast<float>(rank)), all(kWorld * 5, -1.0f);
+    pg->gather(mine.data(), rank == 0 ? all.data() : nullptr, 5, DType::kFloat32, 0)->wait();
+    if (rank == 0) {
+      for (int p = 0; p < kWorld; ++p)
+        expect(all[static_cast<std::size_t>(p * 5)] == static_cast<float>(p), "gather is wrong");
+      expect(ring_collective_connections_of(*pg) == kWorld - 1, "the root is not connected");
+    } else {
+      const bool had_root = std::binary_search(pattern.begin(), pattern.end(), 0);
+      expect(ring_collective_connections_of(*pg) ==
+                 static_cast<int>(pattern.size()) + (had_root ? 0 : 1),
+             "gather connected more than the root");
+    }
+    std::vector<float> part(5, -1.0f);
+    pg->scatter(rank == 0 ? all.data() : nullptr, part.data(), 5, DType::kFloat32, 0)->wait();
+    expect(part[0] == static_cast<float>(rank), "scatter is wrong");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Rank 3 of 8 leaves after a barrier (which never connects it to rank 0, outside its pattern);
+// rank 0's alltoall then waits for rank 3 to connect: a CommError naming rank 3 within the
+// group's timeout, never a hang. The others fail too, each with a named error.
+TEST(LazyMesh, PeerThatDiedBeforeItsFirstConnectionIsANamedError) {
+  constexpr int kWorld = 8;
+  constexpr auto kTimeout = 4s;
+  TempDir dir;
+  auto results = run_ranks(
+      kWorld,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, kWorld,
+                             {.timeout = kTimeout, .transport = Transport::kTcp});
+        const auto pattern = comm::pattern_peers(0, kWorld);
+        expect(!std::binary_search(pattern.begin(), pattern.end(), 3), "3 is in 0's pattern");
+        pg->barrier()->wait();
+        if (rank == 3) ::_exit(0);
+        std::vector<int> send(kWorld, rank), recv(kWorld);
+        const auto start = Clock::now();
+        try {
+          pg->alltoall(send.data(), recv.data(), 1, DType::kInt32)->wait();
+        } catch (const CommError& e) {
+          const auto took = Clock::now() - start;
+          expect(took < kTimeout + 3s,
+                 fmt::format("rank {} failed after {} ms", rank,
+                             std::chrono::duration_cast<std::chrono::milliseconds>(took).count()));
+          if (rank != 0) return;
+          const std::string what = e.what();
+          expect(e.peer() == 3, fmt::format("peer() is {}, not 3: {}", e.peer(), what));
+          expect(what.find("rank(s) 3 to open their first connection") != std::string::npos,
+                 "the error does not say rank 3 never connected: " + what);
+          expect(what.find("alltoall") != std::string::npos, "the error lacks the call: " + what);
+          return;
+        }
+        throw std::runtime_error("alltoall with a dead rank succeeded");
+      },
+      60s);
+  for (int r = 0; r < kWorld; ++r)
+    EXPECT_TRUE(results[static_cast<std::size_t>(r)].ok()) << describe(results);
+}
+
+// Rank 3 of 6 is in the middle of its first connection to rank 0 (outside its pattern) for an
+// alltoall when rank 0, which issued an allreduce instead, finds the mismatch and fails: rank 0
+// shuts its listener with its connections, so rank 3's handshake is reset and it fails at once
+// naming rank 0, instead of waiting for an answer until its deadline.
+TEST(LazyMesh, ConnectorToAFailedRankFailsAtOnce) {
+  constexpr int kWorld = 6;
+  constexpr auto kTimeout = 20s;
+  TempDir dir;
+  auto results = run_ranks(
+      kWorld,
+      [&](int rank) {
+        auto pg = make_group(dir.path(), rank, kWorld,
+                             {.timeout = kTimeout, .transport = Transport::kTcp});
+        const auto pattern = comm::pattern_peers(3, kWorld);
+        expect(!std::binary_search(pattern.begin(), pattern.end(), 0), "0 is in 3's pattern");
+        pg->barrier()->wait();
+        const auto start = Clock::now();
+        try {
+          if (rank == 0) {
+            // Let rank 3's connection reach the backlog and its hello arrive first.
+            std::this_thread::sleep_for(1s);
+            float x = 1.0f;
+            pg->allreduce(&x, 1, DType::kFloat32, ReduceOp::kSum)->wait();
+          } else {
+            std::vector<int> send(kWorld, rank), recv(kWorld);
+            pg->alltoall(send.data(), recv.data(), 1, DType::kInt32)->wait();
+          }
+        } catch (const CommError& e) {
+          // Rank 0 stays alive: its process's exit would reset the connection anyway.
+          if (rank == 0) std::this_thread::sleep_for(12s);
+          if (rank != 3) return;
+          const auto took = Clock::now() - start;
+          expect(took < 10s,
+                 fmt::format("rank 3 failed after {} ms: {}",
+                             std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                             e.what()));
+          expect(e.peer() == 0, fmt::format("peer() is {}, not 0: {}", e.peer(), e.what()));
+          return;
+        }
+        throw std::runtime_error("mismatched calls succeeded");
+      },
+      60s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// --- A stranger on the lazy path ------------------------------------------------------------
+
+bool closed_by_peer(net::Socket& socket, std::chrono::milliseconds timeout) {
+  const auto deadline = net::deadline_after(timeout);
+  char buf[256];
+  for (;;) {
+    pollfd pfd{socket.fd(), POLLIN, 0};
+    if (::poll(&pfd, 1, net::poll_timeout_ms(deadline)) <= 0) return false;
+    const ssize_t n = ::recv(socket.fd(), buf, sizeof buf, 0);
+    if (n <= 0) return true;
+  }
+}
+
+net::Socket connect_to(const std::string& address) {
+  const auto colon = address.rfind(':');
+  return net::connect_tcp(address.substr(0, colon),
+                          static_cast<std::uint16_t>(std::stoi(address.substr(colon + 1))),
+                          net::deadline_after(5s));
+}
+
+std::vector<std::uint8_t> hello(std::uint32_t magic, int size, int from, int to) {
+  const std::string group = "default";
+  comm::Hello h{.magic = magic,
+                .version = comm::kProtocolVersion,
+                .size = size,
+                .from_rank = from,
+                .to_rank = to,
+                .name_length = static_cast<std::uint32_t>(group.size())};
+  std::vector<std::uint8_t> out(sizeof h + group.size());
+  std::memcpy(out.data(), &h, sizeof h);
+  std::memcpy(out.data() + sizeof h, group.data(), group.size());
+  return out;
+}
+
+// Ranks 0..5 form a group with a secret; rank 0 waits in an alltoall for rank 3 (outside its
+// pattern), which holds back until an attacker (process 6) has tried, on rank 0's listener: random
+// bytes, a plain hello claiming rank 3, and an authenticated hello claiming rank 3 followed by a
+// guessed MAC. Each is closed and logged; then rank 3 connects and the alltoall is correct.
+TEST(LazyMesh, AttackerOnTheLazyPathIsRefusedAndLogged) {
+  constexpr int kWorld = 6;
+  TempDir dir;
+  const std::string log_path = (dir.path() / "rank0.log").string();
+  auto results = run_ranks(kWorld + 1, [&](int rank) {
+    FileStore store(dir.path(), 30s);
+    if (rank == kWorld) {
+      store.get("group_ready", 30s);
+      const std::string address = store.get_string("ring/default/0/addr/0", 10s);
+      std::string failures;
+      auto attempt = [&](std::vector<std::uint8_t> bytes, bool read_answer, const char* what) {
+        net::Socket socket = connect_to(address);
+        socket.send_all(bytes.data(), bytes.size(), net::deadline_after(5s));
+        if (read_answer) {
+          std::vector<std::uint8_t> answer(sizeof(comm::Hello) + 7 + 64);
+          socket.recv_all(answer.data(), answer.size(), net::deadline_after(10s));
+          std::vector<std::uint8_t> mac(32, 0x5a);
+          socket.send_all(mac.data(), mac.size(), net::deadline_after(5s));
+        }
+        if (!closed_by_peer(socket, 10s)) failures += std::string(what) + " was kept; ";
+      };
+      std::vector<std::uint8_t> garbage(512);
+      for (std::size_t i = 0; i < garbage.size(); ++i)
+        garbage[i] = static_cast<std::uint8_t>(i * 37 + 11);
+      attempt(garbage, false, "random bytes");
+      attempt(hello(comm::kHandshakeMagic, kWorld, 3, 0), false, "a plain hello");
+      auto authenticated = hello(comm::kAuthHandshakeMagic, kWorld, 3, 0);
+      authenticated.resize(authenticated.size() + 32, 0x42);  // the connector's nonce
+      attempt(authenticated, true, "a guessed MAC");
+      store.set("attacks_done", "1");
+      expect(failures.empty(), failures);
+      return;
+    }
+    RingOptions options{.timeout = 30s, .transport = Transport::kTcp};
+    options.secret = kSecret;
+    if (rank == 0) {
+      options.log = [log_path](const std::string& line) {
+        std::ofstream(log_path, std::ios::app) << line << "\n";
+      };
+    }
+    auto pg = make_group(dir.path(), rank, kWorld, options);
+    pg->barrier()->wait();
+    if (rank == 0) store.set("group_ready", "1");
+    if (rank == 3) store.get("attacks_done", 30s);
+    std::vector<int> send(kWorld), recv(kWorld, -1);
+    for (int p = 0; p < kWorld; ++p)
+      send[static_cast<std::size_t>(p)] = rank * 10 + p;
+    pg->alltoall(send.data(), recv.data(), 1, DType::kInt32)->wait();
+    for (int p = 0; p < kWorld; ++p)
+      expect(recv[static_cast<std::size_t>(p)] == p * 10 + rank, "alltoall is wrong");
+    if (rank == 0) {
+      std::ifstream in(log_path);
+      const std::string lines{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+      int refusals = 0;
+      for (auto at = lines.find("refused a connection from 127.0.0.1:"); at != std::string::npos;
+           at = lines.find("refused a connection from 127.0.0.1:", at + 1))
+        ++refusals;
+      expect(refusals == 3,
+             fmt::format("rank 0 logged {} refusals, expected 3:\n{}", refusals, lines));
+      expect(lines.find("authentication failed") != std::string::npos,
+             "the guessed MAC is not logged:\n" + lines);
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+}  // namespace
+}  // namespace ddp::test
