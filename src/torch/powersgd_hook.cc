@@ -214,9 +214,9 @@ struct CompressionPlan {
   std::vector<std::vector<Compressed>> batches;
   std::vector<torch::Tensor> p_batches, q_batches;
   std::int64_t p_numel = 0, q_numel = 0;
-  // float or double, and the gradients are contiguous views that tile the buffer in order (as
-  // the reducer makes them): the finish step writes the new error while it decompresses, and no
-  // copy of the bucket is kept.
+  // On the CPU, float or double, and the gradients are contiguous views that tile the buffer in
+  // order (as the reducer makes them): the finish step writes the new error while it decompresses,
+  // and no copy of the bucket is kept.
   bool fused = false;
 };
 
@@ -224,7 +224,7 @@ CompressionPlan plan_compression(PowerSGDState& state, const GradBucket& bucket)
   const auto& options = Access::options(state);
   CompressionPlan plan;
   const auto type = bucket.buffer.scalar_type();
-  plan.fused = type == torch::kFloat || type == torch::kDouble;
+  plan.fused = bucket.buffer.device().is_cpu() && (type == torch::kFloat || type == torch::kDouble);
   std::int64_t tiled = 0;
   std::vector<std::vector<std::int64_t>> shapes;
   std::vector<std::vector<Compressed>> by_shape;
@@ -283,7 +283,9 @@ CompressionPlan plan_compression(PowerSGDState& state, const GradBucket& bucket)
 
 bool has_kernels(const torch::Tensor& matrix) {
   const auto type = matrix.scalar_type();
-  return (type == torch::kFloat || type == torch::kDouble) && matrix.is_contiguous();
+  // The loops of powersgd_kernels.h read host memory: CUDA tensors take the ATen path.
+  return matrix.device().is_cpu() && (type == torch::kFloat || type == torch::kDouble) &&
+         matrix.is_contiguous();
 }
 
 // out = matrix x factor (n x r) for one matrix. Rank 1 is a matrix-vector product: BLAS's gemv
