@@ -7,6 +7,9 @@
 //
 //   powersgd_hook_bench --model mlp --rank 1 --rounds 7 [--threads 1] [--quick]
 //
+// Run it with OPENBLAS_NUM_THREADS=1, as ddprun sets for its workers: otherwise OpenBLAS's own
+// threads spin beside --threads (measured: sched_yield in the profile, noisier products).
+//
 // The buckets are those DistributedDataParallel makes for the model (--bucket-cap-mb,
 // --first-bucket-cap-mb); each round refills them with the same random gradients (not timed),
 // then times every bucket through the hook in launch order, as one backward pass would.
