@@ -164,6 +164,46 @@ TEST(PowerSgd, FullRankEqualsPlainAverage) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// The hook writes the new error while it decompresses where the gradients tile the bucket (as
+// the reducer makes them), and otherwise keeps a copy of the corrected bucket and subtracts the
+// result (a bucket with one element more than its gradients): both carry the same error from
+// step to step, with and without batching by shape.
+void check_fused_error_feedback(int r, bool batch) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    const PowerSGDOptions options{.matrix_approximation_rank = r,
+                                  .start_powersgd_iter = 2,
+                                  .batch_tensors_with_same_shape = batch};
+    auto tiled_state = std::make_shared<PowerSGDState>(options);
+    auto padded_state = std::make_shared<PowerSGDState>(options);
+    auto tiled_hook = powersgd_hook(tiled_state);
+    auto padded_hook = powersgd_hook(padded_state);
+    const auto numel = test::total_numel(kShapes);
+    for (int step = 0; step < 6; ++step) {
+      const auto grads = gradients_for(rank, step, numel);
+      const auto tiled = reduce_with(tiled_hook, *pg, grads, kShapes);
+      auto padded = torch::cat({grads, torch::full({1}, 5.0f)});
+      auto bucket = test::make_bucket(padded, kShapes);
+      auto reduction = padded_hook(*pg, bucket);
+      if (reduction.work) reduction.work->wait();
+      if (reduction.finish) reduction.finish();
+      expect_close(tiled, padded.narrow(0, 0, numel),
+                   fmt::format("rank {} step {} rank {} batch {}", rank, step, r, batch), 1e-6,
+                   1e-6);
+      if (padded[numel].item<float>() != 5.0f) throw std::runtime_error("padding changed");
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(PowerSgd, FusedErrorFeedbackEqualsTheCopyingOneRank1) {
+  check_fused_error_feedback(1, false);
+}
+TEST(PowerSgd, FusedErrorFeedbackEqualsTheCopyingOneRank2Batched) {
+  check_fused_error_feedback(2, true);
+}
+
 // Fixed gradients of full rank, compressed at rank 1 for many steps: with error feedback the sum
 // of the hook's averages approaches the sum of the true averages; without, it misses by the part
 // that rank 1 cannot represent.
