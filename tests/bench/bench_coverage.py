@@ -30,6 +30,7 @@ DRIVEN_BY = {
     "gloo_allreduce.py": "compare_allreduce.py",  # peers gloo (1.13) and gloo2 (2.x)
     "mpi_allreduce.c": "compare_allreduce.py",    # peers openmpi-tcp and openmpi
     "pin_to_local_rank.sh": "flight_recorder_cost.sh",  # PIN=1
+    "mesh_scale_probe.cc": "scale.py",  # as mesh-scale-probe, at every world it measures
 }
 
 
