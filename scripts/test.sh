@@ -92,11 +92,13 @@ if want pytorch; then
   echo "test.sh: pytorch stage against $ddp_libtorch_line ($ddp_build_dir/)"
   cmake -S . -B "$ddp_build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "${ddp_cmake_libtorch[@]}" -DDDP_BUILD_PYTHON=ON
-  # Only what this stage's tests run (the folders below and the programs their scripts start):
-  # the torch-free tests, tools and benchmarks ran in the main stage, and linking each against
-  # PyTorch's libtorch costs CI minutes for nothing.
+  # Only what this stage's tests run (the folders below, the programs their scripts start, and
+  # every installed program: tests/package installs the build tree): the torch-free tests and
+  # benchmarks ran in the main stage, and linking each against PyTorch's libtorch costs CI
+  # minutes for nothing.
   pytorch_stage_dirs=(tests/torch tests/torch_data tests/package tests/libtorch_select python)
-  cmake --build "$ddp_build_dir" --target "${pytorch_stage_dirs[@]/%//all}" train-char-gpt
+  cmake --build "$ddp_build_dir" --target "${pytorch_stage_dirs[@]/%//all}" train-char-gpt \
+    ddp-bench ddp-train-bench
   # torch_ddp into the PyTorch environment, as the README says (reusing this build), for the
   # tests below and PyTorch's own suite (python/ and tests/python run it from the build folder).
   TORCH_DDP_BUILD_DIR=$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
