@@ -51,6 +51,7 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
+#include "bench_timing.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/comm_hook_by_name.h"
@@ -134,12 +135,6 @@ torch::Device pick_device(const std::string& name) {
   }
   if (local_rank < 0) throw std::runtime_error(fmt::format("LOCAL_RANK is {}", local_rank));
   return {torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % count)};
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const auto n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
 }  // namespace

@@ -23,25 +23,12 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "bench_timing.h"
 #include "ddp/init.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/powersgd_hook.h"
 
 namespace {
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const auto n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
-
-template <class F>
-double milliseconds(F&& f) {
-  const auto start = std::chrono::steady_clock::now();
-  f();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-      .count();
-}
 
 torch::nn::Sequential make_model(const std::string& name) {
   namespace nn = torch::nn;

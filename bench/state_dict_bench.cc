@@ -26,24 +26,8 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "bench_timing.h"
 #include "ddp/torch/state_dict.h"
-
-namespace {
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
-template <class F>
-double milliseconds(F&& f) {
-  const auto start = std::chrono::steady_clock::now();
-  f();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-      .count();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ddp::save_state_dict/load_state_dict against torch::save/torch::load"};

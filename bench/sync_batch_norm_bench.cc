@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
+#include "bench_timing.h"
 #include "ddp/init.h"
 #include "ddp/tcp_store.h"
 #include "ddp/torch/sync_batch_norm.h"
@@ -24,12 +25,6 @@
 #include "forked_ranks.h"
 
 namespace {
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const auto n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
 
 // Median milliseconds of forward + backward of `layer` on `x` with upstream gradient `dy`.
 template <typename Layer>
