@@ -195,7 +195,9 @@ int main(int argc, char** argv) {
   app.add_flag("--gradient-as-bucket-view", as_view, "gradients are views of the buckets");
   int powersgd_rank = 1;
   std::int64_t powersgd_start = 2;
-  app.add_option("--comm-hook", hook, "none, fp16, bf16, powersgd, batched-powersgd or int8")
+  app.add_option(
+         "--comm-hook", hook,
+         "none, fp16, bf16, powersgd, batched-powersgd, int8 or noop (no communication: the bound)")
       ->check(CLI::IsMember(ddp::comm_hook_names()));
   app.add_option("--powersgd-rank", powersgd_rank, "PowerSGD's matrix_approximation_rank")
       ->check(CLI::PositiveNumber);

@@ -972,7 +972,7 @@ int main(int argc, char** argv) {
                  "accuracy, samples/s, step time, bytes per step; docs/fashion-mnist.md)");
   app.add_option("--comm-hook", options.comm_hook,
                  "gradient reduction: none (DDP's allreduce), fp16, bf16, powersgd, "
-                 "batched-powersgd or int8 (docs/ddp.md, comm hooks)")
+                 "batched-powersgd, int8 or noop (docs/ddp.md, comm hooks)")
       ->check(CLI::IsMember(ddp::comm_hook_names()))
       ->capture_default_str();
   app.add_option("--powersgd-rank", options.powersgd_rank,

@@ -9,7 +9,7 @@ namespace ddp {
 
 const std::vector<std::string>& comm_hook_names() {
   static const std::vector<std::string> names{
-      "none", "fp16", "bf16", "powersgd", "batched-powersgd", "int8"};
+      "none", "fp16", "bf16", "powersgd", "batched-powersgd", "int8", "noop"};
   return names;
 }
 
@@ -28,6 +28,7 @@ NamedCommHook comm_hook_from_name(const std::string& name, const CommHookByNameO
     auto state = std::make_shared<Int8QuantizeState>();
     return {.hook = int8_quantize_hook(state), .int8_state = state};
   }
+  if (name == "noop") return {.hook = noop_hook()};
   throw ConfigError(fmt::format("comm hook '{}' is unknown; use one of {}", name,
                                 fmt::join(comm_hook_names(), ", ")));
 }

@@ -35,4 +35,8 @@ CommHook bf16_compress_hook() {
   return compress_hook(torch::kBFloat16);
 }
 
+CommHook noop_hook() {
+  return [](ProcessGroup&, GradBucket&) -> BucketReduction { return {nullptr, {}, 0}; };
+}
+
 }  // namespace ddp

@@ -69,7 +69,7 @@ std::int64_t divergence_interval(std::optional<std::int64_t> option) {
 // after a Join.
 std::vector<torch::Tensor> parameters_and_buffers(const WrappedModuleTensors& module) {
   std::vector<torch::Tensor> state = module.named_parameters().values();
-  const auto buffers = module.buffers();
+  const auto buffers = module.named_buffers().values();
   state.insert(state.end(), buffers.begin(), buffers.end());
   return state;
 }
@@ -77,7 +77,37 @@ std::vector<torch::Tensor> parameters_and_buffers(const WrappedModuleTensors& mo
 WrappedModuleTensors tensors_of(const std::shared_ptr<torch::nn::Module>& module) {
   if (!module) throw ConfigError("DistributedDataParallel: the module is null");
   return {.named_parameters = [module] { return module->named_parameters(/*recurse=*/true); },
-          .buffers = [module] { return module->buffers(/*recurse=*/true); }};
+          .named_buffers = [module] { return module->named_buffers(/*recurse=*/true); }};
+}
+
+// `module` without the parameters and buffers named in `ignored` (DdpOptions::
+// parameters_to_ignore); ConfigError for a name that is neither.
+WrappedModuleTensors without_ignored(WrappedModuleTensors module,
+                                     const std::vector<std::string>& ignored) {
+  if (ignored.empty()) return module;
+  const auto parameters = module.named_parameters();
+  const auto buffers = module.named_buffers();
+  for (const auto& name : ignored) {
+    if (parameters.contains(name) || buffers.contains(name)) continue;
+    std::vector<std::string> known = parameters.keys();
+    const auto buffer_names = buffers.keys();
+    known.insert(known.end(), buffer_names.begin(), buffer_names.end());
+    throw ConfigError(fmt::format(
+        "DdpOptions::parameters_to_ignore names '{}', which is neither a parameter nor a buffer "
+        "of the module; use the dotted names of named_parameters()/named_buffers(): {}",
+        name, fmt::join(known, ", ")));
+  }
+  auto keep = [ignored](torch::OrderedDict<std::string, torch::Tensor> all) {
+    torch::OrderedDict<std::string, torch::Tensor> kept;
+    for (const auto& item : all) {
+      if (std::find(ignored.begin(), ignored.end(), item.key()) == ignored.end())
+        kept.insert(item.key(), item.value());
+    }
+    return kept;
+  };
+  return {
+      .named_parameters = [all = std::move(module.named_parameters), keep] { return keep(all()); },
+      .named_buffers = [all = std::move(module.named_buffers), keep] { return keep(all()); }};
 }
 
 std::vector<const void*> storage_of(const std::vector<torch::Tensor>& params) {
@@ -197,7 +227,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::
 DistributedDataParallelBase::DistributedDataParallelBase(
     std::shared_ptr<torch::nn::Module> registered, WrappedModuleTensors wrapped,
     std::shared_ptr<ProcessGroup> group, DdpOptions options)
-    : wrapped_(std::move(wrapped)),
+    : wrapped_(without_ignored(std::move(wrapped), options.parameters_to_ignore)),
       group_(group ? std::move(group) : default_process_group()),
       options_(options) {
   if (!registered) throw ConfigError("DistributedDataParallel: the module is null");
@@ -220,7 +250,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
   collect_trainable(wrapped_, params, names);
-  buffers_ = wrapped_.buffers();
+  buffers_ = wrapped_.named_buffers().values();
 
   in_ddp_phase([] { return std::string("parameter check at construction"); },
                [&] { verify_same_parameters(*group_, names, params); });
@@ -278,7 +308,7 @@ void DistributedDataParallelBase::pre_forward() {
   const bool guarded = torch::GradMode::is_enabled() &&
                        options_.divergence_check_every.value_or(0) > 0 && group_->size() > 1;
   const bool loaded_here = guarded && parameters_loaded_since_last_forward(reattached);
-  buffers_ = wrapped_.buffers();  // a load may have replaced some
+  buffers_ = wrapped_.named_buffers().values();  // a load may have replaced some
   const auto& join = join_state();
   if (join && join->options.enable) {
     const int nonjoined = in_ddp_phase([] { return std::string("Join notification"); },
@@ -418,7 +448,7 @@ void DistributedDataParallelBase::broadcast_buffers_from(int root) {
 }
 
 void DistributedDataParallelBase::sync_buffers() {
-  buffers_ = wrapped_.buffers();
+  buffers_ = wrapped_.named_buffers().values();
   if (buffers_.empty() || group_->size() == 1) return;
   in_ddp_phase([] { return std::string("sync_buffers()"); },
                [&] { broadcast_coalesced(*group_, buffers_, /*root=*/0); });
@@ -500,7 +530,7 @@ DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_ste
 }
 
 void DistributedDataParallelBase::join_main_hook() {
-  buffers_ = wrapped_.buffers();
+  buffers_ = wrapped_.named_buffers().values();
   const StepPlan plan = plan_join_step(/*joined=*/true, /*loaded_here=*/false);
   if (plan.rebuild) reducer_->rebuild_buckets();
   if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
@@ -527,7 +557,7 @@ void DistributedDataParallelBase::join_post_hook(bool is_last_joiner) {
 
 std::string DistributedDataParallelBase::join_description() const {
   return fmt::format("DistributedDataParallel({} parameters, {} buffers)",
-                     wrapped_.named_parameters().size(), wrapped_.buffers().size());
+                     wrapped_.named_parameters().size(), wrapped_.named_buffers().values().size());
 }
 
 }  // namespace ddp

@@ -99,12 +99,12 @@ WrappedModuleTensors tensors_of(const torch::jit::Module& module) {
                   named.insert(item.name, item.value);
                 return named;
               },
-          .buffers =
+          .named_buffers =
               [module] {
-                std::vector<torch::Tensor> buffers;
+                torch::OrderedDict<std::string, torch::Tensor> named;
                 for (const auto& item : module.named_buffers(/*recurse=*/true))
-                  buffers.push_back(item.value);
-                return buffers;
+                  named.insert(item.name, item.value);
+                return named;
               }};
 }
 

@@ -16,7 +16,7 @@ using ::testing::HasSubstr;
 
 TEST(CommHookByName, EveryNameGivesItsHookAndState) {
   EXPECT_THAT(comm_hook_names(),
-              ElementsAre("none", "fp16", "bf16", "powersgd", "batched-powersgd", "int8"));
+              ElementsAre("none", "fp16", "bf16", "powersgd", "batched-powersgd", "int8", "noop"));
   for (const auto& name : comm_hook_names()) {
     SCOPED_TRACE(name);
     const auto chosen = comm_hook_from_name(name, {.powersgd_rank = 3, .powersgd_start_iter = 7});
@@ -37,7 +37,7 @@ TEST(CommHookByName, UnknownNameIsAConfigErrorListingTheNames) {
     FAIL() << "no error for an unknown hook name";
   } catch (const ConfigError& e) {
     EXPECT_THAT(e.what(), HasSubstr("'powersgd4' is unknown"));
-    EXPECT_THAT(e.what(), HasSubstr("none, fp16, bf16, powersgd, batched-powersgd, int8"));
+    EXPECT_THAT(e.what(), HasSubstr("none, fp16, bf16, powersgd, batched-powersgd, int8, noop"));
   }
 }
 

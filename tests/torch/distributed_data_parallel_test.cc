@@ -383,6 +383,72 @@ TEST(DistributedDataParallel, BroadcastBuffersFalseKeepsEachRanksBuffers) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// Parameters and buffers to ignore (PyTorch's _set_params_and_buffers_to_ignore_for_model):
+// neither broadcast at construction nor reduced; the rest as usual. Each rank starts from its own
+// seed, so what was not synchronised shows.
+TEST(DistributedDataParallel, IgnoredParametersAndBuffersStayEachRanksOwn) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    torch::manual_seed(100 + rank);
+    WithBatchNorm net;
+    {
+      torch::NoGradGuard no_grad;
+      net->bn->running_mean.fill_(static_cast<double>(rank));
+    }
+    const auto own_bias = net->fc->bias.detach().clone();
+    DistributedDataParallel model(
+        net.ptr(), pg,
+        {.broadcast_buffers = false, .parameters_to_ignore = {"fc.bias", "bn.running_mean"}});
+    const auto gathered_of = [&](const torch::Tensor& t) {
+      auto gathered = torch::empty({2, t.numel()});
+      auto mine = t.detach().reshape({-1}).contiguous();
+      pg->allgather(mine.data_ptr(), gathered.data_ptr(), static_cast<std::size_t>(mine.numel()),
+                    DType::kFloat32)
+          ->wait();
+      return gathered;
+    };
+    if (!torch::equal(net->fc->bias.detach(), own_bias))
+      throw std::runtime_error("an ignored parameter was broadcast at construction");
+    if (net->bn->running_mean[0].item<double>() != rank)
+      throw std::runtime_error("an ignored buffer was broadcast at construction");
+    expect_identical_across_ranks(*pg, {net->fc->weight, net->bn->weight}, "synchronised params");
+    const auto data = make_batches(1, 16, {20});
+    model->forward(data.inputs[0].narrow(0, rank * 8, 8)).pow(2).mean().backward();
+    // The weight's gradient is averaged; the ignored bias's is this rank's own.
+    expect_identical_across_ranks(*pg, {net->fc->weight.grad()}, "fc.weight's gradient");
+    const auto bias_grads = gathered_of(net->fc->bias.grad());
+    if (torch::equal(bias_grads[0], bias_grads[1]))
+      throw std::runtime_error("the ignored fc.bias's gradient was averaged");
+    std::size_t reduced = 0;
+    for (const auto& bucket : model->reducer().bucket_assignment())
+      reduced += bucket.size();
+    if (reduced != 3) {
+      throw std::runtime_error(fmt::format("the reducer holds {} parameters, not 3", reduced));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DistributedDataParallel, IgnoringANameTheModuleDoesNotHaveIsAConfigErrorNamingIt) {
+  const auto results = run_ranks(1, [](int) {
+    const auto pg = join_group(0, 1, test::free_port());
+    WithBatchNorm net;
+    try {
+      DistributedDataParallel model(net.ptr(), pg, {.parameters_to_ignore = {"fc.bais"}});
+    } catch (const ConfigError& e) {
+      const std::string message = e.what();
+      if (message.find("'fc.bais'") == std::string::npos ||
+          message.find("fc.bias") == std::string::npos) {
+        throw std::runtime_error("unhelpful message: " + message);
+      }
+      return;
+    }
+    throw std::runtime_error("no ConfigError for an unknown name to ignore");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // Big enough that backward takes a while, in several buckets.
 struct DeepImpl : torch::nn::Module {
   DeepImpl() {

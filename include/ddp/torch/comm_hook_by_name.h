@@ -12,6 +12,7 @@
 //                     powersgd_rank, .start_powersgd_iter = powersgd_start_iter}
 //   batched-powersgd  batched_powersgd_hook() with the same options
 //   int8              int8_quantize_hook() (error feedback on)
+//   noop              noop_hook(): no communication (the step's bound; replicas drift apart)
 //
 // Each call makes a fresh hook state: register the result with one DDP model only. Thread-safe
 // (no shared state). Throws ConfigError for a name not in comm_hook_names() (the message lists

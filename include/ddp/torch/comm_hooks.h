@@ -12,7 +12,10 @@
 // fp16_compress_hook() and bf16_compress_hook() (halve the bytes on the wire: cast to 16 bits,
 // average, cast back; lossy, as in PyTorch); powersgd_hook() and batched_powersgd_hook()
 // (powersgd_hook.h: low-rank compression with PyTorch's semantics) and int8_quantize_hook()
-// (quantized_hook.h: int8 with a per-bucket scale and error feedback).
+// (quantized_hook.h: int8 with a per-bucket scale and error feedback); post_local_sgd_hook()
+// (local_sgd.h). noop_hook() (PyTorch's debugging noop_hook) communicates nothing and leaves each
+// rank's own gradients in the bucket: the exception to the rule above, for measuring DDP's step
+// without communication (the bound no hook can beat); the ranks' replicas then drift apart.
 //
 // Bytes: a hook sets BucketReduction::bytes_sent to the payload it hands to collectives for the
 // bucket (this rank's input bytes, summed over its collectives); the reducer sums them per
@@ -62,6 +65,7 @@ using CommHook = std::function<BucketReduction(ProcessGroup& group, GradBucket& 
 CommHook allreduce_hook();
 CommHook fp16_compress_hook();
 CommHook bf16_compress_hook();
+CommHook noop_hook();
 
 }  // namespace ddp
 #pragma GCC visibility pop

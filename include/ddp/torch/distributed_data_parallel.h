@@ -88,6 +88,11 @@ struct DdpOptions {
   // wire) while parameters and .grad stay fp32; the same as registering bf16_compress_hook() or
   // fp16_compress_hook(), which a later register_comm_hook replaces. nullopt: the gradients' dtype.
   std::optional<torch::ScalarType> reduce_dtype;
+  // Parameters and buffers DDP leaves alone, by their dotted names in the wrapped module
+  // (PyTorch's _set_params_and_buffers_to_ignore_for_model): not broadcast at construction, not
+  // reduced (their gradients stay this rank's own), not in the divergence guard. A name that is
+  // neither a parameter nor a buffer of the module is a ConfigError.
+  std::vector<std::string> parameters_to_ignore;
   // For tests only (ReducerOptions::staging_for_tests): CPU buckets take the staged path of CUDA
   // buckets on a host group.
   ReducerOptions::StagingForTests staging_for_tests;
@@ -110,14 +115,14 @@ class [[nodiscard]] NoSyncGuard {
 
 // Where DistributedDataParallelBase reads the tensors of the module it wraps: every parameter with
 // its dotted name, recursively, in registration order (a tensor shared by two submodules appears
-// under both names), and every buffer. Read again whenever they are needed (every forward), since
-// a load or a replaced attribute may swap them. The tensors are the module's own, never copies:
-// DDP hooks their gradient accumulators and writes rank 0's values into them. Filled for a
-// torch::nn::Module by DistributedDataParallelImpl, for a torch::jit::Module by
+// under both names), and every buffer with its name. Read again whenever they are needed (every
+// forward), since a load or a replaced attribute may swap them. The tensors are the module's own,
+// never copies: DDP hooks their gradient accumulators and writes rank 0's values into them. Filled
+// for a torch::nn::Module by DistributedDataParallelImpl, for a torch::jit::Module by
 // ScriptDistributedDataParallelImpl (ddp/torch/script_distributed_data_parallel.h).
 struct WrappedModuleTensors {
   std::function<torch::OrderedDict<std::string, torch::Tensor>()> named_parameters;
-  std::function<std::vector<torch::Tensor>()> buffers;
+  std::function<torch::OrderedDict<std::string, torch::Tensor>()> named_buffers;
 };
 
 // The part of DistributedDataParallel that does not depend on the module's type.
