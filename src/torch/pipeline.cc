@@ -439,11 +439,8 @@ double Pipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
     origin = stage;
     failure_text = e.what();
   }
+  // Until the final allreduce below has finished, unless the step failed.
   st.stats.wall = std::chrono::nanoseconds(trace_clock_ns() - run.start_ns);
-  if (st.stats.wall.count() > 0) {
-    st.stats.idle_fraction = 1.0 - static_cast<double>(st.stats.busy.count()) /
-                                       static_cast<double>(st.stats.wall.count());
-  }
   if (failure) {
     if (stage > 0)
       internal::send_pipeline_failure(group, stage - 1, kPipelineGradientTag, origin,
@@ -467,6 +464,13 @@ double Pipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
   const auto* words = summary.data_ptr<double>();
   ++st.steps;
   if (words[0] == 0.0) {
+    // The step ends for every stage when the last one finishes: the idle time at the end of the
+    // pipeline (waiting for the stages that still run backwards) is part of the bubble.
+    st.stats.wall = std::chrono::nanoseconds(trace_clock_ns() - run.start_ns);
+    if (st.stats.wall.count() > 0) {
+      st.stats.idle_fraction = 1.0 - static_cast<double>(st.stats.busy.count()) /
+                                         static_cast<double>(st.stats.wall.count());
+    }
     for (auto& send : run.sends)
       send->wait();
     return words[1];

@@ -4,6 +4,7 @@
 // training the whole model on the whole batch of 8 rows with the same SGD.
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -227,6 +228,56 @@ TEST(Pipeline, TakesEachStagesModuleDirectly) {
     Pipeline pipe(PipelineStageModule{mine}, pg, mse,
                   {.schedule = PipelineSchedule::k1F1B, .micro_batches = 2});
     expect_equals_one_process(pipe, train_pipeline(pipe), "stage modules");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// The bubble: p = 2 stages of four 256x256 layers each, a batch of 1024 rows, m = 4 and 8, both
+// schedules. Prints each stage's idle fraction over three steps (after two warm-up steps) beside
+// the theory, (p - 1) / (m + p - 1), and its busy and wall time per step (docs/pipeline-parallel.md
+// keeps the numbers). The assertions are the timings' consistency: on a loaded machine the
+// fraction itself varies too much to assert.
+TEST(Pipeline, BubbleIdleFraction) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    for (const auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+      for (const int m : {4, 8}) {
+        torch::manual_seed(3);
+        torch::nn::Sequential model;
+        for (int k = 0; k < 8; ++k) {
+          if (k % 2 == 0) model->push_back(torch::nn::Linear(256, 256));
+          if (k % 2 == 1) model->push_back(torch::nn::Tanh());
+        }
+        Pipeline pipe(model, pg, mse, {.schedule = schedule, .micro_batches = m});
+        auto x = torch::randn({1024, 256});
+        auto y = torch::randn({1024, 256});
+        std::chrono::nanoseconds busy{0}, wall{0};
+        for (int step = 0; step < 5; ++step) {
+          pipe.step(x, y);
+          const auto& stats = pipe.last_step_stats();
+          if (static_cast<int>(stats.timings.size()) != 2 * m || stats.busy > stats.wall) {
+            throw std::runtime_error("inconsistent timings");
+          }
+          for (const auto& t : stats.timings) {
+            if (t.end < t.start || t.end > stats.wall)
+              throw std::runtime_error("timing out of step");
+          }
+          if (step >= 2) {
+            busy += stats.busy;
+            wall += stats.wall;
+          }
+        }
+        const double idle =
+            1.0 - static_cast<double>(busy.count()) / static_cast<double>(wall.count());
+        std::printf(
+            "pipeline bubble schedule=%s p=2 m=%d stage=%d idle=%.3f theory=%.3f "
+            "busy_ms=%.1f wall_ms=%.1f\n",
+            to_string(schedule), m, rank, idle, 1.0 / (m + 1), busy.count() / 3e6,
+            wall.count() / 3e6);
+        std::fflush(stdout);
+      }
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }

@@ -127,8 +127,10 @@ struct PipelineStepStats {
     std::chrono::nanoseconds start{0};
     std::chrono::nanoseconds end{0};
   };
-  std::vector<Timing> timings;       // one per action, in the order they ran
-  std::chrono::nanoseconds wall{0};  // from step start to the end of the last action
+  std::vector<Timing> timings;  // one per action, in the order they ran
+  // From the step's start to the end of its final allreduce, i.e. until the last stage is done
+  // (a failed step: to the end of this stage's schedule).
+  std::chrono::nanoseconds wall{0};
   std::chrono::nanoseconds busy{0};  // the sum of the actions' durations
   double idle_fraction = 0.0;        // 1 - busy / wall
   int peak_stored_activations = 0;   // micro-batches whose activations were held at once
