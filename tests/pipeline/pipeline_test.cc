@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -18,7 +20,9 @@
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "ddp/torch/pipeline.h"
+#include "ddp/trace.h"
 #include "support/multiprocess.h"
+#include "support/temp_dir.h"
 #include "torch/ddp_test_util.h"
 
 namespace ddp {
@@ -276,6 +280,33 @@ TEST(Pipeline, BubbleIdleFraction) {
             to_string(schedule), m, rank, idle, 1.0 / (m + 1), busy.count() / 3e6,
             wall.count() / 3e6);
         std::fflush(stdout);
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Under a trace, every forward and backward of a micro-batch is a span of the stage's timeline.
+TEST(Pipeline, TracesEachMicroBatch) {
+  test::TempDir dir("ddp-pipeline-trace");
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    Pipeline pipe(make_model(), pg, mse,
+                  {.schedule = PipelineSchedule::kGPipe, .micro_batches = 4});
+    start_trace({.dir = dir.path().string(), .rank = rank, .world_size = 2});
+    auto [x, y] = make_batch(0);
+    pipe.step(x, y);
+    const auto path = flush_trace();
+    std::ifstream in(path);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    for (const char* name : {"\"pipeline forward\"", "\"pipeline backward\""}) {
+      std::size_t count = 0;
+      for (auto at = text.find(name); at != std::string::npos; at = text.find(name, at + 1))
+        ++count;
+      if (count != 4) {
+        throw std::runtime_error(
+            fmt::format("stage {}: {} spans named {} in {}, not 4", rank, count, name, path));
       }
     }
   });
