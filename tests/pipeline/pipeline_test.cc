@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -459,6 +460,59 @@ TEST(PipelineErrors, AStageThatThrowsMidScheduleStopsEveryStage) {
       },
       60s);
   EXPECT_ALL_RANKS_OK(failing);
+}
+
+// A layer that ends its process at its `exit_at`-th forward, as a crash would.
+struct ExitingLayerImpl : torch::nn::Module {
+  explicit ExitingLayerImpl(int exit_at) : exit_at(exit_at) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (++calls == exit_at) std::_Exit(3);
+    return x;
+  }
+  int exit_at;
+  int calls = 0;
+};
+TORCH_MODULE(ExitingLayer);
+
+// The middle of three stages dies mid-schedule: its neighbours fail with a CommError naming it
+// (peer gone), well before the group's timeout.
+TEST(PipelineErrors, AStageThatDiesMidScheduleFailsItsNeighbours) {
+  const int port = test::free_port();
+  const auto results = run_ranks(
+      3,
+      [&](int rank) {
+        auto pg = join_group(rank, 3, port, 10s);
+        auto whole = make_model();
+        const auto names = whole->named_children().keys();
+        torch::nn::Sequential mine;
+        const int first[] = {0, 3, 5}, count[] = {3, 2, 2};
+        for (int k = first[rank]; k < first[rank] + count[rank]; ++k)
+          mine->push_back(names[static_cast<std::size_t>(k)], *(whole->begin() + k));
+        if (rank == 1) mine->push_back("exiting", ExitingLayer(3));
+        Pipeline pipe(PipelineStageModule{mine}, pg, mse,
+                      {.schedule = PipelineSchedule::k1F1B, .micro_batches = 4});
+        const auto start = std::chrono::steady_clock::now();
+        auto [x, y] = make_batch(0);
+        try {
+          pipe.step(x, y);
+          throw std::logic_error("step() returned");
+        } catch (const CommError& e) {
+          if (std::chrono::steady_clock::now() - start > 8s) {
+            throw std::runtime_error(
+                fmt::format("stage {}: took more than 8 s: {}", rank, e.what()));
+          }
+          if (e.peer() != 1) {
+            throw std::runtime_error(
+                fmt::format("stage {}: does not name rank 1: {}", rank, e.what()));
+          }
+          std::printf("stage %d: %s (kind %s)\n", rank, e.what(), to_string(e.kind()));
+        }
+      },
+      60s);
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_TRUE(results[0].ok()) << test::describe(results);
+  EXPECT_EQ(results[1].exit_code, 3) << test::describe(results);
+  EXPECT_TRUE(results[2].ok()) << test::describe(results);
 }
 
 }  // namespace
