@@ -1,0 +1,51 @@
+// The messages between pipeline stages (internal to pipeline.cc): a tensor as a 12-word header
+// (micro-batch, dtype, shape) followed by its data, and a failure notice (a header alone) that
+// tells a neighbour to stop waiting. Activations travel on kPipelineActivationTag from stage s to
+// s + 1, gradients on kPipelineGradientTag from s to s - 1, so a stage reads each neighbour on one
+// tag and a notice sent there is the next message it reads.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "ddp/process_group.h"
+#include "ddp/work.h"
+
+namespace ddp::internal {
+
+// What the message carries, for error texts: "activation" or "gradient".
+const char* pipeline_message_name(int tag);
+
+// A neighbour sent a failure notice: stage `origin` failed and the step is over.
+class PipelinePeerFailed : public std::runtime_error {
+ public:
+  PipelinePeerFailed(int origin, const std::string& message)
+      : std::runtime_error(message), origin_(origin) {}
+  int origin() const { return origin_; }
+
+ private:
+  int origin_;
+};
+
+// Posts the header and the data of `tensor` (made contiguous here) to `dst`; returns the data's
+// Work. The buffers stay alive until the sends complete, whatever the caller keeps.
+std::shared_ptr<Work> send_pipeline_tensor(ProcessGroup& group, const torch::Tensor& tensor,
+                                           int dst, int tag, int micro_batch,
+                                           std::chrono::milliseconds timeout);
+
+// Receives the next message from `src` on `tag`: the tensor of `micro_batch` (ConfigError when
+// another micro-batch comes: the stages run different schedules), or PipelinePeerFailed for a
+// failure notice. A CommError (timeout, peer gone) is rethrown with the stage's context.
+torch::Tensor recv_pipeline_tensor(ProcessGroup& group, int src, int tag, int micro_batch,
+                                   std::chrono::milliseconds timeout);
+
+// Posts a failure notice naming stage `origin` to `dst` on `tag`; never throws (the connection
+// may be the one that failed).
+void send_pipeline_failure(ProcessGroup& group, int dst, int tag, int origin,
+                           std::chrono::milliseconds timeout) noexcept;
+
+}  // namespace ddp::internal
