@@ -103,11 +103,13 @@ if want pytorch; then
   # tests below and PyTorch's own suite (python/ and tests/python run it from the build folder).
   TORCH_DDP_BUILD_DIR=$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
     --no-build-isolation ./python
-  # The benchmarks' tiny forms (fault_trial.*) ran in the main stage: what they drive does not
-  # depend on the libtorch.
+  # Left to the main stage, where they ran: the benchmarks' tiny forms (fault_trial.*: what they
+  # drive does not depend on the libtorch), the comparisons against a PyTorch reference script
+  # (*PyTorch*: the reference runs the same Python either way, and the ddp side's other tests
+  # run here), and train-fashion-mnist's option checks (refused before libtorch does anything).
   for dir in "${pytorch_stage_dirs[@]}"; do
     run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs" \
-      -E '^fault_trial[.]'
+      -E '^fault_trial[.]|(Equals|SameNumbersAs|SameParametersAs)PyTorch|^TrainFashionMnistOptionsTest[.]'
   done
   # PyTorch's own distributed test suite, a fixed subset, on gloo and on ddp at world 2: every
   # test that passes on gloo must pass on ddp but for the listed ones (docs/pytorch-backend.md;
