@@ -7,6 +7,7 @@ set -euo pipefail
 
 packages=(
   g++ cmake ninja-build ccache pkg-config git clang-format
+  lld  # the linker CMakeLists.txt picks where it is installed (DDP_LINK_WITH_LLD)
   clang libclang-rt-14-dev  # the fuzz stage of scripts/test.sh: clang and libFuzzer
   libtorch-dev libopenblas0-pthread
   libgloo-dev  # gloo's headers: tests/torch builds c10d::ProcessGroupGloo (libtorch links libgloo0)

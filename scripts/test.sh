@@ -59,6 +59,12 @@ run_ctest() {
   return "$rc"
 }
 
+# Every stage builds RelWithDebInfo with line tables only (-g1): backtraces and sanitizer reports
+# keep file:line, and the objects are a quarter of -g's size, so compiles and links are faster
+# (a libtorch test: 17 MB against 4.5 MB). For a debugger session build without test.sh.
+build_type=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG"
+            "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG")
+
 timings=()
 stage_start() { echo "=== test.sh: stage $1 ==="; stage_t0=$SECONDS; }
 stage_end() { timings+=("$1 $((SECONDS - stage_t0)) s"); }
@@ -75,7 +81,7 @@ if want main; then
   echo "test.sh: main stage against $ddp_libtorch_line ($ddp_build_dir/)"
   python_option=()  # torch_ddp builds against PyTorch's own libtorch only
   [[ $ddp_libtorch == pytorch ]] && python_option=(-DDDP_BUILD_PYTHON=ON)
-  cmake -S . -B "$ddp_build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  cmake -S . -B "$ddp_build_dir" -G Ninja "${build_type[@]}" \
     "${ddp_cmake_libtorch[@]}" "${python_option[@]}"
   cmake --build "$ddp_build_dir"
   if [[ $ddp_libtorch == pytorch ]]; then
@@ -90,7 +96,7 @@ if want pytorch; then
   stage_start pytorch
   DDP_LIBTORCH=pytorch source scripts/libtorch-choice.sh
   echo "test.sh: pytorch stage against $ddp_libtorch_line ($ddp_build_dir/)"
-  cmake -S . -B "$ddp_build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  cmake -S . -B "$ddp_build_dir" -G Ninja "${build_type[@]}" \
     "${ddp_cmake_libtorch[@]}" -DDDP_BUILD_PYTHON=ON
   # Only what this stage's tests run (the folders below, the programs their scripts start, and
   # every installed program: tests/package installs the build tree): the torch-free tests and
@@ -124,7 +130,7 @@ fi
 sanitized_build() {  # DIR TARGET [cmake args...]
   local dir=$1 target=$2
   shift 2
-  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDDP_BUILD_TORCH=OFF \
+  cmake -S . -B "$dir" -G Ninja "${build_type[@]}" -DDDP_BUILD_TORCH=OFF \
     -DDDP_BUILD_BENCH=OFF "$@"
   cmake --build "$dir" --target "$target"
 }
