@@ -112,10 +112,17 @@ if want pytorch; then
   # Left to the main stage, where they ran: the benchmarks' tiny forms (fault_trial.*: what they
   # drive does not depend on the libtorch), the comparisons against a PyTorch reference script
   # (*PyTorch*: the reference runs the same Python either way, and the ddp side's other tests
-  # run here), and train-fashion-mnist's option checks (refused before libtorch does anything).
+  # run here), train-fashion-mnist's option checks (refused before libtorch does anything), and
+  # the trainer's longest runs, whose features (ZeRO, FSDP, Join, accumulation, checkpoint
+  # refusals, the state-dict crossover with Python) tests/torch covers here through the library:
+  # its short training, resume, SyncBatchNorm, bf16 and PowerSGD runs stay.
+  main_stage_only='^fault_trial[.]|(Equals|SameNumbersAs|SameParametersAs)PyTorch'
+  main_stage_only+='|^TrainFashionMnistOptionsTest[.]|^train_fashion_mnist[.]state_dict_crossover$'
+  main_stage_only+='|^TrainFashionMnistTest[.](GlobalBatchSize|FsdpAndZero2|ZeroSharded|Resuming'
+  main_stage_only+='WithAnother|UnevenInputsUnderJoin|AFullDisk|AnEpochCheckpointOfSgd)'
   for dir in "${pytorch_stage_dirs[@]}"; do
     run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs" \
-      -E '^fault_trial[.]|(Equals|SameNumbersAs|SameParametersAs)PyTorch|^TrainFashionMnistOptionsTest[.]'
+      -E "$main_stage_only"
   done
   # PyTorch's own distributed test suite, a fixed subset, on gloo and on ddp at world 2: every
   # test that passes on gloo must pass on ddp but for the listed ones (docs/pytorch-backend.md;
@@ -127,12 +134,13 @@ if want pytorch; then
 fi
 
 # Sanitizer builds: ddp's own code instrumented, libtorch left out (it is not sanitizer-built).
-sanitized_build() {  # DIR TARGET [cmake args...]
-  local dir=$1 target=$2
+sanitized_build() {  # DIR "TARGET..." [cmake args...]
+  local dir=$1 targets
+  read -ra targets <<<"$2"
   shift 2
   cmake -S . -B "$dir" -G Ninja "${build_type[@]}" -DDDP_BUILD_TORCH=OFF \
     -DDDP_BUILD_BENCH=OFF "$@"
-  cmake --build "$dir" --target "$target"
+  cmake --build "$dir" --target "${targets[@]}"
 }
 
 # The sanitizer stages leave the tests labelled gpu out (by label: asan runs unit and
@@ -160,12 +168,15 @@ fi
 
 if want tsan; then
   stage_start tsan
-  sanitized_build build-tsan all -DDDP_SANITIZE=thread
-  # The engine and the store (and the layers under them): where threads meet. The tests that run
+  # The engine and the store (and the layers under them): where threads meet. Only their tests
+  # (and what those start) are built. The tests that run
   # OpenMPI are left out: it is not TSan-instrumented, and TSan reports a lock-order inversion
   # inside its TCP transport during MPI_Init (docs/fuzzing.md). tests/nccl's CPU tests dlopen
   # libcudart (no GPU here) and pass under TSan; its GPU test (label gpu) is left out by -L.
-  for dir in net store comm shm init nccl; do
+  tsan_dirs=(net store comm shm init nccl)
+  tsan_targets=("${tsan_dirs[@]/#/tests/}")
+  sanitized_build build-tsan "${tsan_targets[*]/%//all}" -DDDP_SANITIZE=thread
+  for dir in "${tsan_dirs[@]}"; do
     env "${sanitizer_env[@]}" ctest --test-dir "build-tsan/tests/$dir" --output-on-failure \
       --timeout 900 -j "$jobs" -L 'unit|multiprocess' -E "$mpi_tests"
   done

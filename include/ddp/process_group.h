@@ -32,6 +32,9 @@
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
 namespace ddp {
+namespace comm {
+class GroupFront;
+}
 
 struct CallOptions {
   // Deadline of this call, counted from when it starts to run (send/recv: from the call). 0 = the
@@ -64,7 +67,7 @@ struct BufferSegment {
 
 class ProcessGroup {
  public:
-  ProcessGroup(int rank, int size) : rank_(rank), size_(size) {}
+  ProcessGroup(int rank, int size);
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
   // Runs the operations still queued, then closes the connections.
@@ -72,6 +75,10 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // The rank of each of this group's ranks, in order, in the group at the top of the new_group
+  // chain it came from (the one init_process_group or a make_*_process_group made: "the world";
+  // PyTorch's get_process_group_ranks). 0..size()-1 for a group that is not a subgroup.
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
   virtual std::string_view backend() const = 0;
   // Where the buffers of this group's calls live (see MemorySpace). Host by default.
   virtual MemorySpace memory_space() const { return MemorySpace::kHost; }
@@ -205,8 +212,10 @@ class ProcessGroup {
   virtual BlockCopier block_copier(const CallOptions& options);
 
  private:
+  friend class comm::GroupFront;  // sets a subgroup's world_ranks_ in new_group
   int rank_;
   int size_;
+  std::vector<int> world_ranks_;
 };
 
 }  // namespace ddp

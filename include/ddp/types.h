@@ -33,7 +33,22 @@ enum class ReduceOp : std::uint8_t {
   kMin,
   kMax,
   kProduct,
+  // Bitwise, integer dtypes only (a floating-point dtype is a ConfigError on every rank). The
+  // nccl backend has no bitwise reductions (NCCL has none) and refuses them.
+  kBand,
+  kBor,
+  kBxor,
 };
+
+// Whether `op` is one of the bitwise reductions (kBand, kBor, kBxor).
+constexpr bool is_bitwise(ReduceOp op) {
+  return op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor;
+}
+// Whether `dtype` is an integer type (what the bitwise reductions accept).
+constexpr bool is_integer(DType dtype) {
+  return dtype == DType::kInt8 || dtype == DType::kUInt8 || dtype == DType::kInt32 ||
+         dtype == DType::kInt64;
+}
 
 // Throws std::invalid_argument naming a DType value outside the enum.
 [[noreturn]] void throw_unknown_dtype(DType dtype);

@@ -42,6 +42,31 @@ std::vector<std::size_t> counts_of(const std::vector<at::Tensor>& tensors, std::
   return counts;
 }
 
+// The pairs of a coalesced gather or scatter: as many `bigger` as `smaller` (at least one), all
+// dense CPU tensors, bigger[i] of smaller[i]'s dtype and holding `world` x its elements; with
+// `one_dtype`, every pair of smaller[0]'s dtype.
+void check_coalesced_pairs(const std::vector<at::Tensor>& bigger,
+                           const std::vector<at::Tensor>& smaller, int world,
+                           const std::string& call, bool one_dtype) {
+  TORCH_CHECK(!smaller.empty() && bigger.size() == smaller.size(), "ddp backend: ", call, " got ",
+              bigger.size(), " and ", smaller.size(),
+              " tensors; it takes as many outputs as inputs, at least one");
+  for (std::size_t i = 0; i < smaller.size(); ++i) {
+    check_cpu_dense(smaller[i], fmt::format("{}'s tensor {}", call, i));
+    check_cpu_dense(bigger[i], fmt::format("{}'s tensor {}", call, i));
+    TORCH_CHECK(bigger[i].scalar_type() == smaller[i].scalar_type(), "ddp backend: ", call,
+                ": pair ", i, " is ", dtype_name(bigger[i].scalar_type()), " and ",
+                dtype_name(smaller[i].scalar_type()), "; a pair shares one dtype");
+    TORCH_CHECK(!one_dtype || smaller[i].scalar_type() == smaller[0].scalar_type(),
+                "ddp backend: ", call, "'s tensors must share one dtype: pair ", i, " is ",
+                dtype_name(smaller[i].scalar_type()), ", pair 0 is ",
+                dtype_name(smaller[0].scalar_type()));
+    TORCH_CHECK(bigger[i].numel() == smaller[i].numel() * world, "ddp backend: ", call, ": pair ",
+                i, " has ", bigger[i].numel(), " and ", smaller[i].numel(),
+                " elements; the larger must hold the group's ", world, " blocks of the smaller");
+  }
+}
+
 // The elements of `tensors` one after another in one new contiguous tensor.
 at::Tensor packed(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> flat;
@@ -408,13 +433,32 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size(), "ddp backend: allgather_into_tensor_coalesced got ",
               outputs.size(), " outputs for ", inputs.size(), " inputs");
+  const std::string call = "allgather_into_tensor_coalesced";
+  check_coalesced_pairs(outputs, inputs, getSize(), call, /*one_dtype=*/false);
+  // One allgather of the inputs' bytes taken together (their dtypes may differ, as
+  // _coalescing_manager allows): block r of the result holds rank r's part of every output (one
+  // call record and message schedule instead of one per tensor).
+  const int64_t world = getSize();
+  std::vector<at::Tensor> bytes;
+  bytes.reserve(inputs.size());
+  for (const auto& input : inputs)
+    bytes.push_back(input.contiguous().reshape(-1).view(at::kByte));
+  at::Tensor in = at::cat(bytes);
+  at::Tensor out = at::empty({world * in.numel()}, in.options());
+  Step step = allgather_base_step(call, out, in, call_options(opts.timeout, opts.asyncOp));
+  step.finish = [out, outputs, world]() mutable {
+    const at::Tensor blocks = out.view({world, -1});
+    int64_t offset = 0;
+    for (auto& output : outputs) {
+      const int64_t n = output.numel() / std::max<int64_t>(1, world) * output.element_size();
+      output.copy_(
+          blocks.narrow(1, offset, n).contiguous().view(output.scalar_type()).view(output.sizes()));
+      offset += n;
+    }
+  };
   std::vector<Step> steps;
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    steps.push_back(allgather_base_step(fmt::format("allgather_into_tensor_coalesced ({})", i),
-                                        outputs[i], inputs[i],
-                                        call_options(opts.timeout, opts.asyncOp)));
-  }
-  return run(c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", std::move(steps), outputs);
+  steps.push_back(std::move(step));
+  return run(c10d::OpType::COALESCED, call, std::move(steps), outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> DdpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -570,13 +614,43 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   TORCH_CHECK(outputs.size() == inputs.size(), "ddp backend: reduce_scatter_tensor_coalesced got ",
               outputs.size(), " outputs for ", inputs.size(), " inputs");
-  std::vector<Step> steps;
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    steps.push_back(reduce_scatter_base_step(fmt::format("reduce_scatter_tensor_coalesced ({})", i),
-                                             outputs[i], inputs[i], opts.reduceOp,
-                                             call_options(opts.timeout, opts.asyncOp)));
+  const std::string call = "reduce_scatter_tensor_coalesced";
+  check_coalesced_pairs(inputs, outputs, getSize(), call, /*one_dtype=*/false);
+  const bool one_dtype = std::all_of(outputs.begin(), outputs.end(), [&](const at::Tensor& t) {
+    return t.scalar_type() == outputs[0].scalar_type();
+  });
+  if (!one_dtype) {
+    // A reduction needs one dtype: tensors of several (as _coalescing_manager allows) take one
+    // call each.
+    std::vector<Step> steps;
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      steps.push_back(reduce_scatter_base_step(fmt::format("{} ({})", call, i), outputs[i],
+                                               inputs[i], opts.reduceOp,
+                                               call_options(opts.timeout, opts.asyncOp)));
+    }
+    return run(c10d::OpType::COALESCED, call, std::move(steps), outputs);
   }
-  return run(c10d::OpType::COALESCED, "reduce_scatter_tensor_coalesced", std::move(steps), outputs);
+  // One reduce-scatter: block r of the send buffer is block r of every input, one after the
+  // other, so the block this rank receives is its block of every output.
+  const int64_t world = getSize();
+  std::vector<at::Tensor> blocks;
+  blocks.reserve(inputs.size());
+  for (const auto& input : inputs)
+    blocks.push_back(input.reshape({world, -1}));
+  at::Tensor in = at::cat(blocks, 1).reshape(-1);
+  at::Tensor out = at::empty({in.numel() / std::max<int64_t>(1, world)}, in.options());
+  Step step = reduce_scatter_base_step(call, out, in, opts.reduceOp,
+                                       call_options(opts.timeout, opts.asyncOp));
+  step.finish = [out, outputs]() mutable {
+    int64_t offset = 0;
+    for (auto& output : outputs) {
+      output.copy_(out.narrow(0, offset, output.numel()).view_as(output));
+      offset += output.numel();
+    }
+  };
+  std::vector<Step> steps;
+  steps.push_back(std::move(step));
+  return run(c10d::OpType::COALESCED, call, std::move(steps), outputs);
 }
 
 // ---- all-to-all ----

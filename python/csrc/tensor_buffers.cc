@@ -103,8 +103,11 @@ Reduction reduction_buffer(const at::Tensor& contiguous, const c10d::ReduceOp& o
       case c10d::ReduceOp::MIN:
         r.op = ddp::ReduceOp::kMin;
         return r;
+      case c10d::ReduceOp::BXOR:
+        r.op = ddp::ReduceOp::kBxor;  // 0/1 bytes stay 0/1
+        return r;
       default:
-        refuse("bool tensors reduce with SUM, PRODUCT, MIN, MAX, BAND and BOR");
+        refuse("bool tensors reduce with SUM, PRODUCT, MIN, MAX, BAND, BOR and BXOR");
     }
   }
   if (type == at::kComplexFloat || type == at::kComplexDouble) {
@@ -139,7 +142,14 @@ Reduction reduction_buffer(const at::Tensor& contiguous, const c10d::ReduceOp& o
     case c10d::ReduceOp::BAND:
     case c10d::ReduceOp::BOR:
     case c10d::ReduceOp::BXOR:
-      refuse("ddp has no bitwise reductions yet except on bool tensors (BAND, BOR); gloo has them");
+      if (!c10::isIntegralType(type, /*includeBool=*/false)) {
+        refuse(
+            "bitwise reductions take integer and bool tensors (as gloo); reduce floating-point "
+            "tensors with SUM, AVG, MIN, MAX or PRODUCT");
+      }
+      r.op = kind == c10d::ReduceOp::BAND  ? ddp::ReduceOp::kBand
+             : kind == c10d::ReduceOp::BOR ? ddp::ReduceOp::kBor
+                                           : ddp::ReduceOp::kBxor;
       break;
     case c10d::ReduceOp::PREMUL_SUM:
       refuse("PREMUL_SUM is NCCL's; multiply the tensor by the factor and use SUM");

@@ -50,8 +50,14 @@ void check_enums(const char* op_name, DType dtype, std::optional<ReduceOp> op) {
   if (static_cast<std::uint8_t>(dtype) > static_cast<std::uint8_t>(DType::kInt64)) {
     throw ConfigError(fmt::format("{}: invalid DType value {}", op_name, static_cast<int>(dtype)));
   }
-  if (op && static_cast<std::uint8_t>(*op) > static_cast<std::uint8_t>(ReduceOp::kProduct)) {
+  if (op && static_cast<std::uint8_t>(*op) > static_cast<std::uint8_t>(ReduceOp::kBxor)) {
     throw ConfigError(fmt::format("{}: invalid ReduceOp value {}", op_name, static_cast<int>(*op)));
+  }
+  if (op && is_bitwise(*op) && !is_integer(dtype)) {
+    throw ConfigError(fmt::format(
+        "{}: reduce op {} is bitwise and needs an integer dtype (int8, uint8, int32, int64), not "
+        "{}; reduce floating-point values with sum, avg, min, max or product",
+        op_name, to_string(*op), to_string(dtype)));
   }
 }
 

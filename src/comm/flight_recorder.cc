@@ -140,7 +140,7 @@ std::string FlightRecorder::to_json(const FlightIdentity& identity, std::size_t 
                   ? json_string(to_string(static_cast<DType>(e.dtype)))
                   : json_string(fmt::format("dtype {}", e.dtype));
       if (e.reduce_op != kNoReduceOp) {
-        reduce = e.reduce_op <= static_cast<std::uint8_t>(ReduceOp::kProduct)
+        reduce = e.reduce_op <= static_cast<std::uint8_t>(ReduceOp::kBxor)
                      ? json_string(to_string(static_cast<ReduceOp>(e.reduce_op)))
                      : json_string(fmt::format("op {}", e.reduce_op));
       }

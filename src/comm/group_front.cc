@@ -200,7 +200,12 @@ std::shared_ptr<Work> GroupFront::recv_any_source(void* buf, std::size_t count, 
 
 std::shared_ptr<ProcessGroup> GroupFront::new_group(std::vector<int> ranks) {
   check_subgroup_ranks(ranks, size(), name_);
-  return make_subgroup(std::move(ranks));
+  std::vector<int> world(ranks.size());
+  for (std::size_t i = 0; i < ranks.size(); ++i)
+    world[i] = world_ranks()[static_cast<std::size_t>(ranks[i])];
+  auto subgroup = make_subgroup(std::move(ranks));
+  if (subgroup) subgroup->world_ranks_ = std::move(world);
+  return subgroup;
 }
 
 }  // namespace ddp::comm

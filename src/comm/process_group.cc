@@ -9,8 +9,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <fmt/format.h>
-
 #include "comm/argument_checks.h"
 #include "ddp/error.h"
 
@@ -73,6 +71,11 @@ bool all_equal(const std::vector<std::size_t>& counts) {
 }
 
 }  // namespace
+
+ProcessGroup::ProcessGroup(int rank, int size)
+    : rank_(rank), size_(size), world_ranks_(static_cast<std::size_t>(size > 0 ? size : 0)) {
+  std::iota(world_ranks_.begin(), world_ranks_.end(), 0);
+}
 
 int ProcessGroup::local_rank() const {
   throw ConfigError(fmt::format(

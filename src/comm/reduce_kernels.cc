@@ -134,6 +134,25 @@ struct MaxOp {
     return x < y ? y : x;
   }
 };
+// Bitwise: instantiated for the integer types only (run_op).
+struct BandOp {
+  template <class T>
+  static T apply(T x, T y, T) {
+    return static_cast<T>(x & y);
+  }
+};
+struct BorOp {
+  template <class T>
+  static T apply(T x, T y, T) {
+    return static_cast<T>(x | y);
+  }
+};
+struct BxorOp {
+  template <class T>
+  static T apply(T x, T y, T) {
+    return static_cast<T>(x ^ y);
+  }
+};
 struct SumDivideOp {
   template <class T>
   static T apply(T x, T y, T divisor) {
@@ -317,6 +336,10 @@ void run_op_16bit(void* dst, const void* a, const void* b, std::size_t count, Re
       return run_16bit<Traits, MaxOp>(dst, a, b, count, 1);
     case ReduceOp::kProduct:
       return run_16bit<Traits, ProductOp>(dst, a, b, count, 1);
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      return;  // integers only: refused before any kernel runs (argument_checks.cc)
   }
 }
 
@@ -335,6 +358,17 @@ void run_op(void* dst, const void* a, const void* b, std::size_t count, ReduceOp
       return run<Traits, MaxOp>(dst, a, b, count, 1);
     case ReduceOp::kProduct:
       return run<Traits, ProductOp>(dst, a, b, count, 1);
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      // Integers only: a floating-point dtype is refused before any kernel runs
+      // (argument_checks.cc).
+      if constexpr (std::is_integral_v<typename Traits::Storage>) {
+        if (op == ReduceOp::kBand) return run<Traits, BandOp>(dst, a, b, count, 1);
+        if (op == ReduceOp::kBor) return run<Traits, BorOp>(dst, a, b, count, 1);
+        return run<Traits, BxorOp>(dst, a, b, count, 1);
+      }
+      return;
   }
 }
 

@@ -43,6 +43,12 @@ std::string_view to_string(ReduceOp op) {
       return "max";
     case ReduceOp::kProduct:
       return "product";
+    case ReduceOp::kBand:
+      return "band";
+    case ReduceOp::kBor:
+      return "bor";
+    case ReduceOp::kBxor:
+      return "bxor";
   }
   throw std::invalid_argument("unknown ReduceOp " + std::to_string(static_cast<int>(op)));
 }

@@ -37,7 +37,7 @@ std::string describe(const OpHeader& h, int peer, bool as_receiver) {
   const auto dtype = to_string(static_cast<DType>(h.dtype));
   const std::string reduce_op =
       h.reduce_op == kNoReduceOp ? std::string("?")
-                                 : (h.reduce_op <= static_cast<std::uint8_t>(ReduceOp::kProduct)
+                                 : (h.reduce_op <= static_cast<std::uint8_t>(ReduceOp::kBxor)
                                         ? std::string(to_string(static_cast<ReduceOp>(h.reduce_op)))
                                         : fmt::format("op{}", h.reduce_op));
   switch (h.kind) {

@@ -23,6 +23,12 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
       return c10d::ReduceOp::MAX;
     case ReduceOp::kProduct:
       return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kBand:
+      return c10d::ReduceOp::BAND;
+    case ReduceOp::kBor:
+      return c10d::ReduceOp::BOR;
+    case ReduceOp::kBxor:
+      return c10d::ReduceOp::BXOR;
   }
   throw ConfigError(fmt::format("c10d: reduce op {} is unknown", static_cast<int>(op)));
 }

@@ -63,19 +63,8 @@ DeviceMesh::DeviceMesh(std::vector<MeshDimension> shape, GroupRef group) {
   ProcessGroup& parent = group.get();
   // Every rank judges its shape, then all compare: a rank with a bad or different shape makes every
   // rank throw here instead of leaving the others waiting in new_group.
-  const auto agreement = internal::compare_across_ranks(parent, describe_shape(shape),
-                                                        shape_problem(shape, parent.size()));
-  if (agreement.failed_rank >= 0) {
-    throw ConfigError(agreement.failed_rank == parent.rank()
-                          ? agreement.failure
-                          : fmt::format("rank {} refused the mesh: {}", agreement.failed_rank,
-                                        agreement.failure));
-  }
-  if (!agreement.difference.empty()) {
-    throw ConfigError(fmt::format(
-        "DeviceMesh: the ranks pass different shapes: {}; every rank must pass the same shape",
-        agreement.difference));
-  }
+  internal::require_agreement(parent, describe_shape(shape), shape_problem(shape, parent.size()),
+                              "the mesh", "DeviceMesh", "shapes");
 
   for (auto& dim : shape) {
     names_.push_back(std::move(dim.name));

@@ -22,7 +22,7 @@ using detail::element_count;
 namespace {
 
 using Tensors = std::vector<torch::Tensor>;
-using Bytes = std::vector<std::byte>;
+using ByteBuffer = std::vector<std::byte>;
 
 constexpr CallOptions kBlocking{.blocking = true};
 
@@ -41,11 +41,11 @@ std::shared_ptr<Work> with_result(std::shared_ptr<Work> work, Tensors outputs,
 }
 
 // The tensors of `list` one after the other in one buffer.
-std::shared_ptr<Bytes> pack(const Tensors& list) {
+std::shared_ptr<ByteBuffer> pack(const Tensors& list) {
   std::size_t total = 0;
   for (const auto& t : list)
     total += bytes_of(t);
-  auto flat = std::make_shared<Bytes>(total);
+  auto flat = std::make_shared<ByteBuffer>(total);
   std::size_t at = 0;
   for (const auto& t : list) {
     if (bytes_of(t) > 0) std::memcpy(flat->data() + at, t.data_ptr(), bytes_of(t));
@@ -56,7 +56,7 @@ std::shared_ptr<Bytes> pack(const Tensors& list) {
 
 // Copies `flat` into the tensors of `list` once `work` has succeeded (plain memcpy: callbacks run
 // on the group's thread, where no autograd state is wanted).
-void unpack_on_success(Work& work, std::shared_ptr<Bytes> flat, Tensors list) {
+void unpack_on_success(Work& work, std::shared_ptr<ByteBuffer> flat, Tensors list) {
   work.then([flat = std::move(flat), list = std::move(list)](Work& done) {
     if (done.error()) return;
     std::size_t at = 0;
@@ -148,7 +148,7 @@ std::shared_ptr<Work> all_gather_async(const Tensors& tensor_list, const torch::
                 "as many as the input tensor");
   });
   const auto counts = counts_of(tensor_list);
-  auto flat = std::make_shared<Bytes>(
+  auto flat = std::make_shared<ByteBuffer>(
       std::accumulate(counts.begin(), counts.end(), std::size_t{0}) * tensor.element_size());
   auto work = all_same(counts) ? g.allgather(tensor.data_ptr(), flat->data(), element_count(tensor),
                                              dtype_of(tensor))
@@ -223,6 +223,129 @@ void reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& inp
   reduce_scatter_tensor_async(output, input, op, group)->wait();
 }
 
+namespace {
+
+// The coalesced calls' checks: a non-empty list of tensors sharing tensors[0]'s dtype.
+void check_coalesced(const Tensors& tensors, const std::string& what) {
+  if (tensors.empty()) {
+    throw ConfigError(fmt::format("{} is empty; pass at least one tensor", what));
+  }
+  check_tensor(tensors[0], what + "[0]");
+  for (std::size_t i = 1; i < tensors.size(); ++i) {
+    check_tensor_like(tensors[i], fmt::format("{}[{}]", what, i), tensors[0], what + "[0]");
+  }
+}
+
+// outputs[i] / inputs[i] pairs of a coalesced gather or scatter: as many of each (at least one),
+// bigger[i] of smaller[i]'s dtype and holding world x its elements. A reduction also needs one
+// dtype for all (`one_dtype`); a gather moves bytes, so its pairs may differ.
+void check_coalesced_pairs(const Tensors& bigger, const std::string& bigger_what,
+                           const Tensors& smaller, const std::string& smaller_what, int world,
+                           const std::string& call, bool one_dtype) {
+  const std::string smaller_name = fmt::format("{}: {}", call, smaller_what);
+  if (one_dtype) {
+    check_coalesced(smaller, smaller_name);
+  } else if (smaller.empty()) {
+    throw ConfigError(fmt::format("{} is empty; pass at least one tensor", smaller_name));
+  }
+  check_list_length(bigger, smaller.size(), fmt::format("{}: {}", call, bigger_what),
+                    fmt::format("one per tensor of {}", smaller_what));
+  for (std::size_t i = 0; i < bigger.size(); ++i) {
+    const std::string name = fmt::format("{}: {}[{}]", call, bigger_what, i);
+    check_tensor(smaller[i], fmt::format("{}[{}]", smaller_name, i));
+    check_tensor_like(bigger[i], name, smaller[i], fmt::format("{}[{}]", smaller_what, i));
+    check_numel(
+        bigger[i], smaller[i].numel() * world, name,
+        fmt::format("world size {} x {}[{}]'s {}", world, smaller_what, i, smaller[i].numel()));
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Work> all_reduce_coalesced_async(const Tensors& tensors, ReduceOp op,
+                                                 GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] { check_coalesced(tensors, "all_reduce_coalesced: tensors"); });
+  // One allreduce of the tensors taken together, read and written where they lie where the
+  // backend can (ProcessGroup::allreduce_segments).
+  std::vector<BufferSegment> segments;
+  segments.reserve(tensors.size());
+  for (const auto& t : tensors)
+    segments.push_back({t.data_ptr(), element_count(t)});
+  return with_result(g.allreduce_segments(std::move(segments), dtype_of(tensors[0]), op), tensors);
+}
+void all_reduce_coalesced(const Tensors& tensors, ReduceOp op, GroupRef group) {
+  all_reduce_coalesced_async(tensors, op, group)->wait();
+}
+
+std::shared_ptr<Work> all_gather_into_tensor_coalesced_async(const Tensors& outputs,
+                                                             const Tensors& inputs,
+                                                             GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_coalesced_pairs(outputs, "outputs", inputs, "inputs", g.size(),
+                          "all_gather_into_tensor_coalesced", /*one_dtype=*/false);
+  });
+  // Each rank's block is the bytes of its inputs one after the other (dtypes may differ); block
+  // r of the result then holds rank r's part of every output.
+  auto send = pack(inputs);
+  auto recv = std::make_shared<ByteBuffer>(send->size() * world(g));
+  auto work = g.allgather(send->data(), recv->data(), send->size(), DType::kUInt8);
+  work->then([send, recv, outputs, inputs, size = g.size()](Work& done) {
+    if (done.error()) return;
+    const std::size_t block = send->size();
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      const std::size_t part = bytes_of(inputs[i]);
+      auto* out = static_cast<std::byte*>(outputs[i].data_ptr());
+      for (int r = 0; r < size && part > 0; ++r) {
+        std::memcpy(out + static_cast<std::size_t>(r) * part,
+                    recv->data() + static_cast<std::size_t>(r) * block + offset, part);
+      }
+      offset += part;
+    }
+  });
+  return with_result(std::move(work), outputs);
+}
+void all_gather_into_tensor_coalesced(const Tensors& outputs, const Tensors& inputs,
+                                      GroupRef group) {
+  all_gather_into_tensor_coalesced_async(outputs, inputs, group)->wait();
+}
+
+std::shared_ptr<Work> reduce_scatter_tensor_coalesced_async(const Tensors& outputs,
+                                                            const Tensors& inputs, ReduceOp op,
+                                                            GroupRef group) {
+  ProcessGroup& g = group.get();
+  check_collective(g, [&] {
+    check_coalesced_pairs(inputs, "inputs", outputs, "outputs", g.size(),
+                          "reduce_scatter_tensor_coalesced", /*one_dtype=*/true);
+  });
+  // Block r of the send buffer is block r of every input, one after the other: the reduced
+  // block this rank receives is then its block of every output.
+  std::size_t block = 0;
+  for (const auto& t : outputs)
+    block += bytes_of(t);
+  auto send = std::make_shared<ByteBuffer>(block * world(g));
+  std::size_t offset = 0;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const std::size_t part = bytes_of(outputs[i]);
+    const auto* in = static_cast<const std::byte*>(inputs[i].data_ptr());
+    for (std::size_t r = 0; r < world(g) && part > 0; ++r)
+      std::memcpy(send->data() + r * block + offset, in + r * part, part);
+    offset += part;
+  }
+  auto recv = std::make_shared<ByteBuffer>(block);
+  auto work = g.reduce_scatter(send->data(), recv->data(), block / outputs[0].element_size(),
+                               dtype_of(outputs[0]), op);
+  work->then([send](Work&) {});
+  unpack_on_success(*work, recv, outputs);
+  return with_result(std::move(work), outputs);
+}
+void reduce_scatter_tensor_coalesced(const Tensors& outputs, const Tensors& inputs, ReduceOp op,
+                                     GroupRef group) {
+  reduce_scatter_tensor_coalesced_async(outputs, inputs, op, group)->wait();
+}
+
 std::shared_ptr<Work> all_to_all_async(const Tensors& output_list, const Tensors& input_list,
                                        GroupRef group) {
   ProcessGroup& g = group.get();
@@ -236,7 +359,7 @@ std::shared_ptr<Work> all_to_all_async(const Tensors& output_list, const Tensors
   });
   auto send = pack(input_list);
   const auto recv_counts = counts_of(output_list);
-  auto recv = std::make_shared<Bytes>(
+  auto recv = std::make_shared<ByteBuffer>(
       std::accumulate(recv_counts.begin(), recv_counts.end(), std::size_t{0}) *
       input_list[0].element_size());
   auto work = g.alltoall_v(send->data(), counts_of(input_list), recv->data(), recv_counts,
@@ -369,7 +492,7 @@ std::shared_ptr<Work> gather_async(const torch::Tensor& tensor, const Tensors& g
         g.gather(tensor.data_ptr(), nullptr, element_count(tensor), dtype_of(tensor), dst), {},
         {tensor});
   }
-  auto flat = std::make_shared<Bytes>(bytes_of(tensor) * world(g));
+  auto flat = std::make_shared<ByteBuffer>(bytes_of(tensor) * world(g));
   auto work =
       g.gather(tensor.data_ptr(), flat->data(), element_count(tensor), dtype_of(tensor), dst);
   unpack_on_success(*work, flat, gather_list);
@@ -400,7 +523,7 @@ std::shared_ptr<Work> scatter_async(const torch::Tensor& tensor, const Tensors& 
                   "as many as the output tensor");
     }
   });
-  std::shared_ptr<Bytes> flat = g.rank() == src ? pack(scatter_list) : nullptr;
+  std::shared_ptr<ByteBuffer> flat = g.rank() == src ? pack(scatter_list) : nullptr;
   auto work = g.scatter(flat ? flat->data() : nullptr, tensor.data_ptr(), element_count(tensor),
                         dtype_of(tensor), src);
   work->then([flat](Work&) {});

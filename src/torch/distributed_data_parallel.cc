@@ -155,9 +155,7 @@ std::size_t megabytes_to_bytes(double mb, const char* option) {
   return static_cast<std::size_t>(std::max(1.0, mb * 1024.0 * 1024.0));
 }
 
-std::string shape_text(const torch::Tensor& t) {
-  return fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
-}
+using internal::shape_text;
 
 // Every rank describes its parameters (name, shape, dtype; one line each, the count last) and the
 // ranks compare the descriptions (rank_agreement.h: one small allgather when they agree). The first

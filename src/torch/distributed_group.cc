@@ -8,6 +8,7 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/distributed.h"
+#include "rank_agreement.h"
 
 namespace ddp {
 
@@ -95,6 +96,89 @@ Subgroups new_subgroups(int group_size, GroupRef group) {
     result.ranks.push_back(std::move(ranks));
   }
   return result;
+}
+
+namespace {
+
+// What is wrong with `split_ranks` for a group of `size` ranks, or "" when nothing is.
+std::string split_problem(const std::vector<std::vector<int>>& split_ranks, int size) {
+  std::vector<int> owner(static_cast<std::size_t>(size), -1);
+  for (std::size_t k = 0; k < split_ranks.size(); ++k) {
+    if (split_ranks[k].empty()) {
+      return fmt::format("split_group: split {} is empty; every split needs at least one rank", k);
+    }
+    for (int r : split_ranks[k]) {
+      if (r < 0 || r >= size) {
+        return fmt::format(
+            "split_group: split {} names rank {}, which is not a rank of the "
+            "group (ranks 0..{})",
+            k, r, size - 1);
+      }
+      auto& first = owner[static_cast<std::size_t>(r)];
+      if (first >= 0) {
+        return first == static_cast<int>(k)
+                   ? fmt::format("split_group: split {} names rank {} twice", k, r)
+                   : fmt::format(
+                         "split_group: rank {} is in split {} and in split {}; splits "
+                         "must not overlap",
+                         r, first, k);
+      }
+      first = static_cast<int>(k);
+    }
+  }
+  return "";
+}
+
+std::string describe_splits(const std::vector<std::vector<int>>& split_ranks) {
+  std::string text;
+  for (std::size_t k = 0; k < split_ranks.size(); ++k) {
+    text += fmt::format("split {}: [{}]\n", k, fmt::join(split_ranks[k], ", "));
+  }
+  return text.empty() ? "no splits\n" : text;
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& split_ranks,
+                                          GroupRef group) {
+  ProcessGroup& parent = group.get();
+  internal::require_agreement(parent, describe_splits(split_ranks),
+                              split_problem(split_ranks, parent.size()), "the split", "split_group",
+                              "splits");
+  std::shared_ptr<ProcessGroup> mine;
+  for (const auto& split : split_ranks) {
+    std::vector<int> ranks = split;
+    std::sort(ranks.begin(), ranks.end());
+    // Every rank of the parent takes part in making each subgroup (new_group is collective).
+    auto subgroup = parent.new_group(std::move(ranks));
+    if (subgroup) mine = std::move(subgroup);
+  }
+  return mine;
+}
+
+std::vector<int> get_process_group_ranks(GroupRef group) {
+  return group.get().world_ranks();
+}
+
+int get_global_rank(GroupRef group, int group_rank) {
+  const ProcessGroup& g = group.get();
+  if (group_rank < 0 || group_rank >= g.size()) {
+    throw ConfigError(
+        fmt::format("get_global_rank: {} is not a rank of the group, whose ranks are 0..{}",
+                    group_rank, g.size() - 1));
+  }
+  return g.world_ranks()[static_cast<std::size_t>(group_rank)];
+}
+
+int get_group_rank(GroupRef group, int global_rank) {
+  const auto& world = group.get().world_ranks();
+  const auto it = std::find(world.begin(), world.end(), global_rank);
+  if (it == world.end()) {
+    throw ConfigError(fmt::format(
+        "get_group_rank: world rank {} is not in the group, whose ranks are world ranks [{}]",
+        global_rank, fmt::join(world, ", ")));
+  }
+  return static_cast<int>(it - world.begin());
 }
 
 bool is_main_process(GroupRef group) {

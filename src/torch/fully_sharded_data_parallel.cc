@@ -22,9 +22,7 @@ namespace ddp {
 
 namespace {
 
-std::string shape_text(const torch::Tensor& t) {
-  return fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
-}
+using internal::shape_text;
 
 std::int64_t parameter_count(const std::shared_ptr<torch::nn::Module>& module) {
   std::int64_t n = 0;

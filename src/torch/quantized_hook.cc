@@ -25,7 +25,7 @@ struct Int8Access {
 namespace {
 
 constexpr std::int64_t kScaleBytes = sizeof(float);
-constexpr const char* kPrefix = "int8/error/";
+constexpr const char* kErrorStatePrefix = "int8/error/";
 
 BucketReduction quantize_reduce(const std::shared_ptr<Int8QuantizeState>& state_ptr,
                                 ProcessGroup& group, GradBucket& bucket) {
@@ -130,7 +130,7 @@ void Int8QuantizeState::save(torch::serialize::OutputArchive& archive) const {
   std::lock_guard lock(mutex_);
   archive.write("int8/bytes_sent", c10::IValue(static_cast<std::int64_t>(bytes_sent_)));
   for (const auto& [index, error] : error_)
-    archive.write(fmt::format("{}{}", kPrefix, index), error);
+    archive.write(fmt::format("{}{}", kErrorStatePrefix, index), error);
 }
 
 void Int8QuantizeState::load(torch::serialize::InputArchive& archive) {
@@ -141,7 +141,7 @@ void Int8QuantizeState::load(torch::serialize::InputArchive& archive) {
         "save it with Int8QuantizeState::save into the archive you load from");
   }
   std::map<std::size_t, torch::Tensor> errors;
-  const std::string prefix = kPrefix;
+  const std::string prefix = kErrorStatePrefix;
   for (const auto& key : archive.keys()) {
     if (key.rfind(prefix, 0) != 0) continue;
     torch::Tensor tensor;

@@ -6,8 +6,10 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
+#include "ddp/error.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_objects.h"
 
@@ -70,6 +72,28 @@ RankAgreement compare_across_ranks(ProcessGroup& group, const std::string& descr
   }
   agreement.difference = first_difference(texts);
   return agreement;
+}
+
+std::string shape_text(const torch::Tensor& t) {
+  return fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
+}
+
+void require_agreement(ProcessGroup& group, const std::string& description,
+                       const std::string& local_error, const std::string& refused_what,
+                       const std::string& call, const std::string& what_differs) {
+  const auto agreement = compare_across_ranks(group, description, local_error);
+  if (agreement.failed_rank >= 0) {
+    throw ConfigError(agreement.failed_rank == group.rank()
+                          ? agreement.failure
+                          : fmt::format("rank {} refused {}: {}", agreement.failed_rank,
+                                        refused_what, agreement.failure));
+  }
+  if (!agreement.difference.empty()) {
+    throw ConfigError(
+        fmt::format("{}: the ranks pass different {}: {}; every rank must pass the "
+                    "same {}",
+                    call, what_differs, agreement.difference, what_differs));
+  }
 }
 
 }  // namespace ddp::internal

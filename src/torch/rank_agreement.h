@@ -10,9 +10,14 @@
 
 #include <string>
 
+#include <torch/torch.h>
+
 #include "ddp/process_group.h"
 
 namespace ddp::internal {
+
+// "[2, 3] Float": a tensor's shape and dtype, as the descriptions name them.
+std::string shape_text(const torch::Tensor& t);
 
 struct RankAgreement {
   // The lowest rank that reported an error, and its error text; -1 when none did.
@@ -25,5 +30,13 @@ struct RankAgreement {
 // `local_error` non-empty: this rank failed with that text (its description is then ignored).
 RankAgreement compare_across_ranks(ProcessGroup& group, const std::string& description,
                                    const std::string& local_error);
+
+// compare_across_ranks, then a ConfigError on every rank unless all agree: the refusing rank's
+// own text on that rank and "rank R refused <refused_what>: <text>" on the others, or
+// `call`: the ranks pass different <what_differs>: <difference>; every rank must pass the same
+// <what_differs>".
+void require_agreement(ProcessGroup& group, const std::string& description,
+                       const std::string& local_error, const std::string& refused_what,
+                       const std::string& call, const std::string& what_differs);
 
 }  // namespace ddp::internal

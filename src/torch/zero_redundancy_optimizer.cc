@@ -27,9 +27,7 @@ using torch::optim::OptimizerParamGroup;
 // The archive entry that names the optimizer kind (a plain optimizer's load ignores it).
 constexpr const char* kKindEntry = "ddp_zero_optimizer_kind";
 
-std::string shape_text(const torch::Tensor& t) {
-  return fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()));
-}
+using internal::shape_text;
 
 }  // namespace
 

@@ -14,12 +14,9 @@ namespace {
 
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
                              DType::kInt8,    DType::kUInt8,   DType::kInt32,   DType::kInt64};
-constexpr ReduceOp kReduceOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
-                                   ReduceOp::kProduct};
-
-bool is_integer(DType d) {
-  return d == DType::kInt8 || d == DType::kUInt8 || d == DType::kInt32 || d == DType::kInt64;
-}
+constexpr ReduceOp kReduceOps[] = {ReduceOp::kSum, ReduceOp::kAvg,     ReduceOp::kMin,
+                                   ReduceOp::kMax, ReduceOp::kProduct, ReduceOp::kBand,
+                                   ReduceOp::kBor, ReduceOp::kBxor};
 
 using Bytes = std::vector<std::byte>;
 
@@ -52,6 +49,15 @@ double reduce_element(const CheckSpec& spec, const std::vector<Bytes>& inputs, s
         break;
       case ReduceOp::kProduct:
         v = a * b;
+        break;
+      case ReduceOp::kBand:
+        v = static_cast<double>(static_cast<long long>(a) & static_cast<long long>(b));
+        break;
+      case ReduceOp::kBor:
+        v = static_cast<double>(static_cast<long long>(a) | static_cast<long long>(b));
+        break;
+      case ReduceOp::kBxor:
+        v = static_cast<double>(static_cast<long long>(a) ^ static_cast<long long>(b));
         break;
     }
     store_value(spec.dtype, acc.data(), 0, v);
@@ -129,6 +135,7 @@ TEST(BenchReference, AcceptsCorrectResultsAndCountsWrongOnes) {
       for (DType dtype : kDTypes) {
         for (ReduceOp op : kReduceOps) {
           if (!is_reduction(collective) && op != ReduceOp::kSum) continue;
+          if (is_bitwise(op) && !is_integer(dtype)) continue;  // refused by --reduce-op
           const CheckSpec spec{.collective = collective,
                                .dtype = dtype,
                                .reduce_op = op,

@@ -93,8 +93,9 @@ inline void expect_transport(Mode m, const ProcessGroup& pg) {
 inline const DType kAllDTypes[] = {DType::kFloat32,  DType::kFloat64, DType::kFloat16,
                                    DType::kBFloat16, DType::kInt8,    DType::kUInt8,
                                    DType::kInt32,    DType::kInt64};
-inline const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
-                                   ReduceOp::kProduct};
+inline const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg,     ReduceOp::kMin,
+                                   ReduceOp::kMax, ReduceOp::kProduct, ReduceOp::kBand,
+                                   ReduceOp::kBor, ReduceOp::kBxor};
 
 // Throws naming the first differing element.
 inline void expect_bytes(const std::vector<std::byte>& got, const std::vector<std::byte>& want,

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace ddp::comm {
@@ -15,8 +17,8 @@ namespace {
 
 const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
                             DType::kInt8,    DType::kUInt8,   DType::kInt32,   DType::kInt64};
-const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
-                            ReduceOp::kProduct};
+const ReduceOp kAllOps[] = {ReduceOp::kSum,     ReduceOp::kAvg,  ReduceOp::kMin, ReduceOp::kMax,
+                            ReduceOp::kProduct, ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor};
 
 // Reference bfloat16 rounding, written the slow obvious way: keep the upper 16 bits, and round up
 // when the dropped part is more than half, or exactly half and the kept part is odd.
@@ -94,6 +96,15 @@ T combine(T x, T y, ReduceOp op, int divisor) {
       return std::max(x, y);
     case ReduceOp::kProduct:
       return x * y;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      if constexpr (std::is_integral_v<T> || std::is_same_v<T, __int128>) {
+        if (op == ReduceOp::kBand) return x & y;
+        if (op == ReduceOp::kBor) return x | y;
+        return x ^ y;
+      }
+      return x;  // never asked: bitwise ops take integer dtypes only
   }
   return x;
 }
@@ -259,9 +270,18 @@ TEST_P(KernelTest, MatchesScalarReferenceInAndOutOfPlace) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllTypesAndOps, KernelTest,
-                         ::testing::Combine(::testing::ValuesIn(kAllDTypes),
-                                            ::testing::ValuesIn(kAllOps)),
+// Every dtype with every op it can be reduced with (the bitwise ops take integers only).
+std::vector<std::tuple<DType, ReduceOp>> valid_combinations() {
+  std::vector<std::tuple<DType, ReduceOp>> result;
+  for (DType dtype : kAllDTypes) {
+    for (ReduceOp op : kAllOps) {
+      if (!is_bitwise(op) || is_integer(dtype)) result.emplace_back(dtype, op);
+    }
+  }
+  return result;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypesAndOps, KernelTest, ::testing::ValuesIn(valid_combinations()),
                          [](const auto& info) {
                            return std::string(to_string(std::get<0>(info.param))) + "_" +
                                   std::string(to_string(std::get<1>(info.param)));

@@ -19,8 +19,8 @@ using Bytes = std::vector<std::byte>;
 
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
                              DType::kInt8,    DType::kUInt8,   DType::kInt32,   DType::kInt64};
-constexpr ReduceOp kEncodableOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin,
-                                      ReduceOp::kMax};
+constexpr ReduceOp kEncodableOps[] = {ReduceOp::kSum, ReduceOp::kAvg,  ReduceOp::kMin,
+                                      ReduceOp::kMax, ReduceOp::kBand, ReduceOp::kBor};
 constexpr int kGroupSizes[] = {2, 3, 4, 7, 8, 64};
 
 struct Encoded {
@@ -120,6 +120,13 @@ TEST(InBandFingerprint, WhatCannotBeExactIsNotUsable) {
   for (DType dtype : kDTypes) {
     for (int n : kGroupSizes)
       EXPECT_FALSE(InBandFingerprint(dtype, ReduceOp::kProduct, n).usable()) << to_string(dtype);
+  }
+  // A bitwise xor of equal digits is 0 or the digit by the parity of n, and unequal ones can
+  // cancel: xor has no in-band encoding. band and bor have one for the integer dtypes only.
+  for (DType dtype : kDTypes) {
+    EXPECT_FALSE(InBandFingerprint(dtype, ReduceOp::kBxor, 4).usable()) << to_string(dtype);
+    EXPECT_EQ(InBandFingerprint(dtype, ReduceOp::kBand, 4).usable(), is_integer(dtype))
+        << to_string(dtype);
   }
   // bfloat16 holds the integers up to 256 exactly: a sum over 300 ranks has no room for a digit.
   EXPECT_FALSE(InBandFingerprint(DType::kBFloat16, ReduceOp::kSum, 300).usable());

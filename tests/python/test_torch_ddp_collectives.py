@@ -49,6 +49,20 @@ def collectives(rank, world):
                 want = v if want is None else combine(want, v)
             dist.all_reduce(t, op=op)
             check_equal(f"all_reduce {dtype} {op}", t, want)
+    # bitwise: integer and bool tensors, as gloo (the values have every bit pattern of a byte)
+    for dtype in (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool):
+        for op, combine in ((dist.ReduceOp.BAND, torch.bitwise_and),
+                            (dist.ReduceOp.BOR, torch.bitwise_or),
+                            (dist.ReduceOp.BXOR, torch.bitwise_xor)):
+            def mine(r):
+                bits = (torch.arange(16) * 37 + r * 101) % 256
+                return bits.to(torch.uint8).to(dtype) if dtype != torch.bool else bits % 3 == 0
+            t = mine(rank)
+            want = mine(0)
+            for r in range(1, world):
+                want = combine(want, mine(r))
+            dist.all_reduce(t, op=op)
+            check_equal(f"all_reduce {dtype} {op}", t, want)
     t = value(rank, 6).view(2, 3).t()  # non-contiguous
     dist.all_reduce(t)
     check_equal("all_reduce non-contiguous", t, sum(value(r, 6) for r in ranks).view(2, 3).t())
@@ -146,6 +160,17 @@ def collectives(rank, world):
     dist.reduce_scatter_tensor(out, torch.cat([value(rank, 3, offset=j) for j in ranks]),
                                op=dist.ReduceOp.MAX)
     check_equal("reduce_scatter_tensor max", out, value(world - 1, 3, offset=rank))
+    # coalesced: one dtype (one engine call), and two dtypes (one call each)
+    for second in (torch.float32, torch.int64):
+        outs = [torch.zeros(2), torch.zeros(3, dtype=second)]
+        with dist._coalescing_manager(async_ops=False):
+            dist.reduce_scatter_tensor(outs[0], torch.cat([value(rank, 2, offset=j) for j in ranks]))
+            dist.reduce_scatter_tensor(outs[1], torch.cat([value(rank, 3, second, offset=j)
+                                                           for j in ranks]))
+        check_equal(f"coalesced reduce_scatter_tensor 0 ({second})", outs[0],
+                    sum(value(r, 2, offset=rank) for r in ranks))
+        check_equal(f"coalesced reduce_scatter_tensor 1 ({second})", outs[1],
+                    sum(value(r, 3, second, offset=rank) for r in ranks))
 
     # all_to_all_single (even and uneven splits), all_to_all (list)
     inp = torch.cat([value(rank, 2, offset=j) for j in ranks])

@@ -30,7 +30,7 @@ def refused_inputs(rank, world):
     sparse = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))
     expect_error(RuntimeError, "SUM only", lambda: dist.all_reduce(sparse, op=dist.ReduceOp.MAX))
     expect_error(RuntimeError, "torch.int16", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)))
-    expect_error(RuntimeError, "bitwise", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
+    expect_error(RuntimeError, "bitwise", lambda: dist.all_reduce(torch.ones(3),
                                                                 op=dist.ReduceOp.BXOR))
     expect_error(RuntimeError, "(this rank's) has 3 elements", lambda: dist.all_gather(
         [torch.zeros(3) for _ in range(world)], torch.zeros(2)))

@@ -34,8 +34,9 @@ using comm::shm::ShmOptions;
 inline constexpr DType kAllDTypes[] = {DType::kFloat32,  DType::kFloat64, DType::kFloat16,
                                        DType::kBFloat16, DType::kInt8,    DType::kUInt8,
                                        DType::kInt32,    DType::kInt64};
-inline constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin,
-                                       ReduceOp::kMax, ReduceOp::kProduct};
+inline constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg,     ReduceOp::kMin,
+                                       ReduceOp::kMax, ReduceOp::kProduct, ReduceOp::kBand,
+                                       ReduceOp::kBor, ReduceOp::kBxor};
 
 // A fresh directory for a FileStore, removed by the parent at the end of the test.
 using StoreDir = ::ddp::test::TempDir;

@@ -95,8 +95,21 @@ A combine(ReduceOp op, A acc, A v) {
       return std::max(acc, v);
     case ReduceOp::kProduct:
       return acc * v;
+    // Bitwise on the two's complement of the (integral) values, as the integer dtypes hold them.
+    case ReduceOp::kBand:
+      return static_cast<A>(static_cast<long long>(acc) & static_cast<long long>(v));
+    case ReduceOp::kBor:
+      return static_cast<A>(static_cast<long long>(acc) | static_cast<long long>(v));
+    case ReduceOp::kBxor:
+      return static_cast<A>(static_cast<long long>(acc) ^ static_cast<long long>(v));
   }
   return acc;
+}
+
+// Whether a collective reduces `dtype` with `op` (the bitwise ops take integers only; the other
+// combinations are refused, which the bad-input tests check).
+inline bool reduces(DType dtype, ReduceOp op) {
+  return !is_bitwise(op) || is_integer(dtype);
 }
 
 inline std::vector<std::byte> make_input(DType dtype, std::size_t count, int who, int salt) {

@@ -226,6 +226,9 @@ class RingBackedC10d final : public C10dBase {
     if (type == c10d::ReduceOp::MIN) return ReduceOp::kMin;
     if (type == c10d::ReduceOp::MAX) return ReduceOp::kMax;
     if (type == c10d::ReduceOp::PRODUCT) return ReduceOp::kProduct;
+    if (type == c10d::ReduceOp::BAND) return ReduceOp::kBand;
+    if (type == c10d::ReduceOp::BOR) return ReduceOp::kBor;
+    if (type == c10d::ReduceOp::BXOR) return ReduceOp::kBxor;
     throw std::invalid_argument("RingBackedC10d: reduce op not mapped");
   }
   static void unpack(const at::Tensor& all, std::vector<at::Tensor>& outputs) {

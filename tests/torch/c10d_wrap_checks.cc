@@ -45,9 +45,21 @@ void check_allreduce(ProcessGroup& pg, at::ScalarType type, ReduceOp op) {
     double acc = op == ReduceOp::kProduct ? 1
                  : op == ReduceOp::kMin   ? 1e9
                  : op == ReduceOp::kMax   ? -1e9
+                 : op == ReduceOp::kBand  ? v(0, i)
                                           : 0;
     for (int q = 0; q < n; ++q) {
+      const auto bits = [&] { return static_cast<long long>(acc); };
+      const auto value = static_cast<long long>(v(q, i));
       switch (op) {
+        case ReduceOp::kBand:
+          acc = static_cast<double>(bits() & value);
+          break;
+        case ReduceOp::kBor:
+          acc = static_cast<double>(bits() | value);
+          break;
+        case ReduceOp::kBxor:
+          acc = static_cast<double>(bits() ^ value);
+          break;
         case ReduceOp::kSum:
         case ReduceOp::kAvg:
           acc += v(q, i);
@@ -258,8 +270,9 @@ void check_every_operation(ProcessGroup& pg) {
                                        torch::kInt8,    torch::kUInt8,   torch::kInt32,
                                        torch::kInt64};
   for (auto type : types) {
-    for (ReduceOp op :
-         {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProduct}) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
+                        ReduceOp::kProduct, ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor}) {
+      if (is_bitwise(op) && !c10::isIntegralType(type, /*includeBool=*/false)) continue;
       check_allreduce(pg, type, op);
     }
   }

@@ -381,6 +381,140 @@ TEST(DistributedApiGroups, NewGroupAndNewSubgroupsRunCollectivesOfTheirMembers) 
   EXPECT_ALL_RANKS_OK(results);
 }
 
+TEST(DistributedApiGroups, SplitGroupAndTheWorldRanksOfSubgroups) {
+  const int size = 4;
+  const int port = free_port();
+  const auto results = run_ranks(size, [&](int rank) {
+    join_group(rank, size, port);
+    require(get_process_group_ranks() == std::vector<int>{0, 1, 2, 3}, "world ranks of the world");
+    // Rank 1 is in no split; {3, 0} is sorted to {0, 3}.
+    auto mine = split_group({{3, 0}, {2}});
+    require((mine != nullptr) == (rank != 1), "split_group membership");
+    if (rank == 0 || rank == 3) {
+      require(get_process_group_ranks(mine) == std::vector<int>{0, 3}, "ranks of split {0, 3}");
+      require(get_rank(mine) == (rank == 3 ? 1 : 0), "rank in split {0, 3}");
+      require(get_global_rank(mine, 1) == 3 && get_group_rank(mine, 3) == 1, "global <-> group");
+      require_throws<ConfigError>([&] { get_group_rank(mine, 2); }, "world rank 2 is not in",
+                                  "get_group_rank of a rank outside the group");
+      require_throws<ConfigError>([&] { get_global_rank(mine, 2); }, "not a rank of the group",
+                                  "get_global_rank past the group's size");
+      // A subgroup of the subgroup maps through both.
+      auto inner = new_group({1}, mine);
+      if (rank == 3) require(get_process_group_ranks(inner) == std::vector<int>{3}, "nested");
+      auto t = torch::full({3}, static_cast<double>(rank), torch::kFloat64);
+      all_reduce(t, ReduceOp::kSum, mine);
+      require_equal(t, torch::full({3}, 3.0, torch::kFloat64), "all_reduce in split {0, 3}");
+    }
+    if (rank == 2) require(get_process_group_ranks(mine) == std::vector<int>{2}, "split {2}");
+    // Bad splits: the same on every rank, or different across ranks, are a named error on every
+    // rank, and the group still works afterwards.
+    require_throws<ConfigError>(
+        [&] {
+          split_group({{0, 1}, {1, 2}});
+        },
+        "rank 1 is in split 0 and in split 1", "overlapping splits");
+    require_throws<ConfigError>(
+        [&] {
+          split_group({{0, 4}});
+        },
+        "not a rank of the group", "a split naming rank 4 of 4");
+    require_throws<ConfigError>(
+        [&] {
+          split_group({{0, 1}, {rank == 2 ? 3 : 2}});
+        },
+        "different splits", "splits that differ across ranks");
+    require(average_across_ranks(rank) == 1.5, "the group works after the refusals");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// ---- coalesced forms and bitwise reductions
+// ------------------------------------------------------
+
+TEST(DistributedApiCoalesced, EachEqualsOneCallPerTensorInOneEngineCall) {
+  const int size = 3;
+  const int port = free_port();
+  const auto results = run_ranks(size, [&](int rank) {
+    join_group(rank, size, port);
+    const std::vector<std::int64_t> lengths = {5, 1, 0, 7};
+    auto make = [&](int r, std::int64_t n, double salt) { return input_of(r, n, salt); };
+    // all_reduce_coalesced, against one all_reduce per tensor.
+    std::vector<torch::Tensor> tensors, singles;
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      tensors.push_back(make(rank, lengths[i], static_cast<double>(i)));
+      singles.push_back(tensors.back().clone());
+    }
+    all_reduce_coalesced(tensors, ReduceOp::kMax);
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      all_reduce(singles[i], ReduceOp::kMax);
+      require_equal(tensors[i], singles[i], fmt::format("all_reduce_coalesced tensor {}", i));
+    }
+    // all_gather_into_tensor_coalesced.
+    std::vector<torch::Tensor> inputs, outputs;
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      inputs.push_back(make(rank, lengths[i], 10.0 * static_cast<double>(i)));
+      outputs.push_back(torch::full({size * lengths[i]}, -1.0, torch::kFloat64));
+    }
+    all_gather_into_tensor_coalesced(outputs, inputs);
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      std::vector<torch::Tensor> parts;
+      for (int r = 0; r < size; ++r)
+        parts.push_back(make(r, lengths[i], 10.0 * static_cast<double>(i)));
+      require_equal(outputs[i], torch::cat(parts), fmt::format("all_gather coalesced {}", i));
+    }
+    // A gather moves bytes: its pairs may have different dtypes.
+    std::vector<torch::Tensor> mixed = {torch::zeros({size * 2}, torch::kInt32),
+                                        torch::zeros({size}, torch::kFloat16)};
+    all_gather_into_tensor_coalesced(mixed, {torch::full({2}, rank, torch::kInt32),
+                                             torch::full({1}, rank + 0.5, torch::kFloat16)});
+    require_equal(mixed[0], torch::arange(size).repeat_interleave(2).to(torch::kInt32),
+                  "coalesced gather of int32 beside float16");
+    require_equal(mixed[1], (torch::arange(size) + 0.5).to(torch::kFloat16),
+                  "coalesced gather of float16 beside int32");
+    // reduce_scatter_tensor_coalesced: inputs of world x n, each rank gets its block.
+    std::vector<torch::Tensor> big, small;
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      big.push_back(make(rank, size * lengths[i], static_cast<double>(i)));
+      small.push_back(torch::full({lengths[i]}, -1.0, torch::kFloat64));
+    }
+    auto work = reduce_scatter_tensor_coalesced_async(small, big, ReduceOp::kSum);
+    work->wait();
+    require(work->result_as<std::vector<torch::Tensor>>().size() == lengths.size(),
+            "the async form's result holds the outputs");
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      torch::Tensor sum = torch::zeros({size * lengths[i]}, torch::kFloat64);
+      for (int r = 0; r < size; ++r)
+        sum += make(r, size * lengths[i], static_cast<double>(i));
+      require_equal(small[i], sum.narrow(0, rank * lengths[i], lengths[i]),
+                    fmt::format("reduce_scatter coalesced {}", i));
+    }
+    // Bad input: mixed dtypes, an empty list, sizes that do not fit; the group works after.
+    require_throws<ConfigError>(
+        [&] {
+          all_reduce_coalesced({torch::zeros({2}), torch::zeros({2}, torch::kInt32)});
+        },
+        "tensors[1] has dtype Int", "mixed dtypes");
+    require_throws<ConfigError>([&] { all_reduce_coalesced({}); }, "is empty", "no tensors");
+    require_throws<ConfigError>(
+        [&] { all_gather_into_tensor_coalesced({torch::zeros({2})}, {torch::zeros({2})}); },
+        "world size 3", "an output that is not world x its input");
+    // Bitwise reductions of integers, and their refusal on floating point.
+    auto bits = torch::tensor({0b1100 | rank, 0xff ^ (1 << rank), 1 << rank}, torch::kInt32);
+    auto ored = bits.clone(), xored = bits.clone();
+    all_reduce(bits, ReduceOp::kBand);
+    all_reduce(ored, ReduceOp::kBor);
+    all_reduce(xored, ReduceOp::kBxor);
+    require_equal(bits, torch::tensor({0b1100, 0xff ^ 0b111, 0}, torch::kInt32), "band");
+    require_equal(ored, torch::tensor({0b1111, 0xff, 0b111}, torch::kInt32), "bor");
+    require_equal(xored, torch::tensor({0b1100 ^ 0 ^ 1 ^ 2, 0xff ^ 0b111, 0b111}, torch::kInt32),
+                  "bxor");
+    require_throws<ConfigError>([&] { all_reduce(torch::ones({2}), ReduceOp::kBxor); },
+                                "needs an integer dtype", "bxor of float32");
+    require(average_across_ranks(rank) == 1.0, "the group works after the refusals");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // A group that forwards everything to another and pretends that every `per_host` consecutive
 // ranks share a host: what a backend that knows its hosts reports (local_rank/local_size).
 class PretendHosts final : public test::ForwardingGroup {

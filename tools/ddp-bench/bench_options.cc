@@ -29,8 +29,9 @@ constexpr std::array kCollectiveNames{
 
 constexpr std::array kDTypes{DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
                              DType::kInt8,    DType::kUInt8,   DType::kInt32,   DType::kInt64};
-constexpr std::array kReduceOps{ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
-                                ReduceOp::kProduct};
+constexpr std::array kReduceOps{ReduceOp::kSum, ReduceOp::kAvg,     ReduceOp::kMin,
+                                ReduceOp::kMax, ReduceOp::kProduct, ReduceOp::kBand,
+                                ReduceOp::kBor, ReduceOp::kBxor};
 constexpr std::array kBackends{"ring", "mpi"};
 
 std::string lower(std::string_view text) {
@@ -204,7 +205,9 @@ std::optional<BenchOptions> parse_command_line(const std::vector<std::string>& a
       "to the next and receives from the previous), or a comma-separated list");
   app.add_option("--dtype", dtype_text,
                  "float32 (default), float64, float16, bfloat16, int8, uint8, int32, int64");
-  app.add_option("--reduce-op", reduce_op_text, "sum (default), avg, min, max, product");
+  app.add_option("--reduce-op", reduce_op_text,
+                 "sum (default), avg, min, max, product, band, bor, bxor (the last three: integer "
+                 "dtypes)");
   app.add_option("--min-bytes", min_text, "Smallest message, K/M/G suffixes allowed (default 8)");
   app.add_option("--max-bytes", max_text, "Largest message (default 64M)");
   app.add_option("--step-factor", options.step_factor,
@@ -243,6 +246,12 @@ std::optional<BenchOptions> parse_command_line(const std::vector<std::string>& a
   options.collectives = parse_collectives(op_text);
   options.dtype = parse_dtype(dtype_text);
   options.reduce_op = parse_reduce_op(reduce_op_text);
+  if (is_bitwise(options.reduce_op) && !is_integer(options.dtype)) {
+    throw UsageError(
+        fmt::format("--reduce-op {} is bitwise and needs an integer --dtype (int8, "
+                    "uint8, int32, int64), not {}",
+                    to_string(options.reduce_op), to_string(options.dtype)));
+  }
   options.min_bytes = parse_byte_size(min_text, "--min-bytes");
   options.max_bytes = parse_byte_size(max_text, "--max-bytes");
   if (!sizes_text.empty()) options.sizes = parse_size_list(sizes_text);

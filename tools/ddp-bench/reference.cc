@@ -150,6 +150,15 @@ A combine(ReduceOp op, A acc, A v) {
       return std::max(acc, v);
     case ReduceOp::kProduct:
       return acc * v;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      if constexpr (std::is_integral_v<A>) {
+        if (op == ReduceOp::kBand) return acc & v;
+        if (op == ReduceOp::kBor) return acc | v;
+        return acc ^ v;
+      }
+      return acc;  // bitwise ops take integer dtypes only (bench_options.cc)
   }
   return acc;
 }

@@ -125,6 +125,30 @@ std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
                                                   ReduceOp op = ReduceOp::kSum,
                                                   GroupRef group = {});
 
+// The coalesced forms (PyTorch's all_reduce_coalesced, all_gather_into_tensor_coalesced and
+// reduce_scatter_tensor_coalesced): the same results as one call per tensor, in one engine call
+// (one message schedule, one call record) over the tensors taken together. The tensors of a
+// reduction share a dtype (a gather's pairs may differ); tensors[i] of one rank matches
+// tensors[i] of the others.
+void all_reduce_coalesced(const std::vector<torch::Tensor>& tensors, ReduceOp op = ReduceOp::kSum,
+                          GroupRef group = {});
+std::shared_ptr<Work> all_reduce_coalesced_async(const std::vector<torch::Tensor>& tensors,
+                                                 ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+// outputs[i] = the concatenation of every rank's inputs[i] (world_size x inputs[i].numel()).
+void all_gather_into_tensor_coalesced(const std::vector<torch::Tensor>& outputs,
+                                      const std::vector<torch::Tensor>& inputs,
+                                      GroupRef group = {});
+std::shared_ptr<Work> all_gather_into_tensor_coalesced_async(
+    const std::vector<torch::Tensor>& outputs, const std::vector<torch::Tensor>& inputs,
+    GroupRef group = {});
+// outputs[i] on rank r = block r of the reduction of inputs[i] (world_size x outputs[i].numel()).
+void reduce_scatter_tensor_coalesced(const std::vector<torch::Tensor>& outputs,
+                                     const std::vector<torch::Tensor>& inputs,
+                                     ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+std::shared_ptr<Work> reduce_scatter_tensor_coalesced_async(
+    const std::vector<torch::Tensor>& outputs, const std::vector<torch::Tensor>& inputs,
+    ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+
 // output_list[j] on rank r = input_list[r] of rank j; sizes may differ per pair (output_list[j]
 // on rank r must have input_list[r]'s element count on rank j).
 void all_to_all(const std::vector<torch::Tensor>& output_list,
@@ -222,6 +246,26 @@ struct Subgroups {
   std::vector<std::vector<int>> ranks;
 };
 Subgroups new_subgroups(int group_size = 0, GroupRef group = {});
+
+// Splits `group` into the disjoint subgroups `split_ranks` lists (PyTorch's split_group): each
+// list holds ranks of `group` (any order; sorted here), no rank in two lists, and ranks in no
+// list are in no subgroup. Collective over `group`: every rank passes the same lists, which is
+// checked first (one small allgather), so that a rank with other lists, or lists that overlap or
+// name a rank outside the group, is a ConfigError on every rank, before any subgroup is made.
+// Returns this rank's subgroup, nullptr on a rank in no list. (PyTorch names ranks by their
+// global rank; for the default group the two are the same.)
+std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& split_ranks,
+                                          GroupRef group = {});
+
+// The world rank (ProcessGroup::world_ranks: the rank in the group at the top of the new_group
+// chain) of each rank of `group`, in group order (PyTorch's get_process_group_ranks).
+std::vector<int> get_process_group_ranks(GroupRef group = {});
+// The world rank of `group_rank` of `group` (PyTorch's get_global_rank); ConfigError when it is
+// not a rank of the group.
+int get_global_rank(GroupRef group, int group_rank);
+// The rank in `group` of world rank `global_rank` (PyTorch's get_group_rank); ConfigError naming
+// the group's ranks when it is not in the group.
+int get_group_rank(GroupRef group, int global_rank);
 
 // ---- Convenience --------------------------------------------------------------------------
 // Whether this is rank 0 of the group (true when there is no default group: a single process).

@@ -73,7 +73,7 @@ void MpiProcessGroup::run_separately_checked(Call& op, Clock::time_point deadlin
 
 const InBandFingerprint& MpiProcessGroup::in_band_fingerprint(DType dtype, ReduceOp op) const {
   static_assert(static_cast<std::size_t>(DType::kInt64) + 1 == kDTypes);
-  static_assert(static_cast<std::size_t>(ReduceOp::kProduct) + 1 == kReduceOps);
+  static_assert(static_cast<std::size_t>(ReduceOp::kBxor) + 1 == kReduceOps);
   return (*in_band_)[static_cast<std::size_t>(dtype) * kReduceOps + static_cast<std::size_t>(op)];
 }
 

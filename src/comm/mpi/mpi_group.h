@@ -375,7 +375,7 @@ class MpiProcessGroup final : public comm::GroupFront,
   const std::size_t small_allreduce_max_bytes_ = small_allreduce_max_bytes(size());
   // The in-band encoding of each (dtype, reduce op) for this group's size.
   static constexpr std::size_t kDTypes = 8;
-  static constexpr std::size_t kReduceOps = 5;
+  static constexpr std::size_t kReduceOps = 8;
   std::unique_ptr<std::array<InBandFingerprint, kDTypes* kReduceOps>> in_band_ =
       std::make_unique<std::array<InBandFingerprint, kDTypes * kReduceOps>>();
 

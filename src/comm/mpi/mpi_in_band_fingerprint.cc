@@ -81,7 +81,11 @@ InBandFingerprint::InBandFingerprint(DType dtype, ReduceOp op, int group_size)
     : dtype_(dtype),
       is_sum_(op == ReduceOp::kSum || op == ReduceOp::kAvg),
       group_size_(static_cast<std::uint64_t>(group_size > 0 ? group_size : 1)) {
-  if (op == ReduceOp::kProduct) return;
+  if (op == ReduceOp::kProduct || op == ReduceOp::kBxor) return;
+  // A bitwise and or or of the pairs (d, M - d) is (d, M - d) exactly when every rank sent d
+  // (and(d_r) = d puts d's bits in every d_r, and(M - d_r) = M - d keeps every d_r within d's
+  // bits; or is the mirror image): the encoding of max and min.
+  if (is_bitwise(op) && !is_integer(dtype)) return;  // refused before any call is made
   const std::uint64_t limit = exact_integers_up_to(dtype);
   for (int bits = kMaxDigitBits; bits >= 1; --bits) {
     const std::uint64_t largest = (std::uint64_t{1} << bits) - 1;

@@ -12,10 +12,12 @@
 //   sum, avg:  (d, d^2)    reduce to (n d, n d^2); then sum_r (d_r - d)^2 = 0, so every d_r = d
 //   max, min:  (d, M - d)  reduce to (d, M - d) (M = 2^c - 1): the largest and the smallest d_r
 //                          are both d
+//   band, bor: (d, M - d)  as max and min: the and (or) of the d_r and of the M - d_r are d and
+//                          M - d only when every d_r = d
 // The digit width is the widest for which every partial result is an integer the dtype holds
 // exactly (no rounding, no wrap-around) for this group size, whatever order MPI reduces in.
-// A product, or a group too large for a narrow dtype's exact integers, has no such encoding:
-// those calls exchange their fingerprints in a separate allreduce instead.
+// A product, a bitwise xor, or a group too large for a narrow dtype's exact integers, has no such
+// encoding: those calls exchange their fingerprints in a separate allreduce instead.
 #pragma once
 
 #include <cstddef>

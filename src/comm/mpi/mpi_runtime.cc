@@ -37,6 +37,10 @@ int op_index(ReduceOp op) {
       return 2;
     case ReduceOp::kProduct:
       return 3;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      break;  // integers only (argument_checks.cc): never a 16-bit float
   }
   return 0;
 }
@@ -339,6 +343,12 @@ MPI_Op MpiRuntime::reduce_op(DType dtype, ReduceOp op) const {
       return MPI_MAX;
     case ReduceOp::kProduct:
       return MPI_PROD;
+    case ReduceOp::kBand:
+      return MPI_BAND;
+    case ReduceOp::kBor:
+      return MPI_BOR;
+    case ReduceOp::kBxor:
+      return MPI_BXOR;
   }
   return MPI_OP_NULL;
 }

@@ -50,6 +50,13 @@ ncclRedOp_t nccl_op(ReduceOp op) {
       return ncclMax;
     case ReduceOp::kProduct:
       return ncclProd;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      throw ConfigError(fmt::format(
+          "the nccl backend cannot reduce with {}: NCCL has no bitwise reductions; reduce "
+          "integers bitwise on a CPU group (ring, shm or mpi)",
+          to_string(op)));
   }
   throw ConfigError(
       fmt::format("the nccl backend has no NCCL reduction for reduce op {}", static_cast<int>(op)));
