@@ -4,7 +4,8 @@
 
 builds the extension with CMake against the PyTorch of the Python that runs pip (the project's
 own build, configured with DDP_BUILD_PYTHON=ON: ../build-python/, or TORCH_DDP_BUILD_DIR to reuse
-a build folder configured that way, as the test command does) and installs the package with
+a build folder configured that way, as the test command does; a relative path is taken from
+the repository root) and installs the package with
 libddp_comm beside the extension. Needs cmake, ninja and a C++20 compiler
 (scripts/install-deps.sh installs them).
 """
@@ -36,7 +37,9 @@ class CMakeBuild(build_ext):
                 "isolates the build, pass --no-build-isolation"
             ) from e
         build_dir = os.environ.get("TORCH_DDP_BUILD_DIR") or os.path.join(ROOT, "build-python")
-        build_dir = os.path.abspath(build_dir)
+        # pip runs this from a copy or from python/, not from where it was called: a relative
+        # folder is taken from the repository root (scripts/test.sh passes build-pytorch).
+        build_dir = os.path.abspath(os.path.join(ROOT, build_dir))
         configure = [
             "cmake", "-S", ROOT, "-B", build_dir, "-G", "Ninja",
             "-DDDP_LIBTORCH=pytorch", f"-DDDP_PYTORCH_VENV={sys.prefix}",

@@ -85,7 +85,7 @@ if want main; then
     "${ddp_cmake_libtorch[@]}" "${python_option[@]}"
   cmake --build "$ddp_build_dir"
   if [[ $ddp_libtorch == pytorch ]]; then
-    TORCH_DDP_BUILD_DIR=$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
+    TORCH_DDP_BUILD_DIR=$PWD/$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
       --no-build-isolation ./python
   fi
   run_ctest "$ddp_build_dir" --output-on-failure --timeout 600 -j "$jobs" "$@"
@@ -107,7 +107,7 @@ if want pytorch; then
     ddp-bench ddp-train-bench
   # torch_ddp into the PyTorch environment, as the README says (reusing this build), for the
   # tests below and PyTorch's own suite (python/ and tests/python run it from the build folder).
-  TORCH_DDP_BUILD_DIR=$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
+  TORCH_DDP_BUILD_DIR=$PWD/$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
     --no-build-isolation ./python
   # Left to the main stage, where they ran: the benchmarks' tiny forms (fault_trial.*: what they
   # drive does not depend on the libtorch), the comparisons against a PyTorch reference script
