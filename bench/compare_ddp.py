@@ -94,6 +94,15 @@ def run_pytorch(build, model, world, args, python="/usr/bin/python3"):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
+        # PyTorch 2.15's gloo now and then aborts a rank at exit ("terminate called without an
+        # active exception", after destroy_process_group; seen once in CI's tiny form): the peer
+        # gets one more run, said on stderr, before its failure fails the comparison.
+        first = (out.stdout + out.stderr).strip().splitlines()
+        print(f"compare_ddp: pytorch_ddp_bench (torch at {python}) failed once "
+              f"({first[-1] if first else f'exit {out.returncode}'}); running it again",
+              file=sys.stderr)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
         raise SystemExit(f"pytorch_ddp_bench failed:\n{out.stdout}\n{out.stderr}")
     return parse(out.stdout, "pytorch_ddp_bench")
 
