@@ -79,7 +79,7 @@ std::uint64_t get_le(const std::uint8_t* p, int size) {
   return v;
 }
 
-void check_key(std::string_view key) {
+void check_c10d_key(std::string_view key) {
   if (key.size() > kC10dMaxKeyBytes) {
     throw ConfigError(
         fmt::format("store key '{}' is {} bytes, over the c10d TCPStore limit of {} bytes",
@@ -87,7 +87,7 @@ void check_key(std::string_view key) {
   }
 }
 
-void check_value(std::string_view key, std::size_t size) {
+void check_c10d_value(std::string_view key, std::size_t size) {
   if (size > kC10dMaxValueBytes) {
     throw ConfigError(fmt::format(
         "store value for key '{}' is {} bytes, over the c10d TCPStore limit of {} bytes; store "
@@ -96,30 +96,13 @@ void check_value(std::string_view key, std::size_t size) {
   }
 }
 
-void check_keys(std::span<const std::string> keys) {
+void check_c10d_keys(std::span<const std::string> keys) {
   if (keys.size() > kC10dMaxKeysPerRequest) {
     throw ConfigError(fmt::format("{} keys in one store request, over the limit of {}", keys.size(),
                                   kC10dMaxKeysPerRequest));
   }
   for (const auto& key : keys)
-    check_key(key);
-}
-
-std::string quoted_keys(std::span<const std::string> keys) {
-  std::string out;
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (i == 8) {
-      out += fmt::format(", ... ({} keys in all)", keys.size());
-      break;
-    }
-    if (i > 0) out += ", ";
-    out += "'" + store::printable(keys[i]) + "'";
-  }
-  return out;
-}
-
-std::string key_call(const char* op, std::string_view key) {
-  return fmt::format("{}('{}')", op, store::printable(key));
+    check_c10d_key(key);
 }
 
 }  // namespace
@@ -280,31 +263,32 @@ std::uint16_t C10dStoreClient::port() const {
 }
 
 void C10dStoreClient::set(std::string_view key, std::span<const std::uint8_t> value) {
-  check_key(key);
-  check_value(key, value.size());
+  check_c10d_key(key);
+  check_c10d_value(key, value.size());
   Request request(Query::kSet);
   request.key(key).data(value);
-  connection_->call(key_call("set", key), timeout(),
+  connection_->call(store::key_call("set", key), timeout(),
                     [&](net::Deadline deadline) { connection_->send(request, deadline); });
 }
 
 Bytes C10dStoreClient::get(std::string_view key, Milliseconds timeout) {
-  check_key(key);
+  check_c10d_key(key);
   const std::string keys[] = {std::string(key)};
   wait(keys, timeout);
   Request request(Query::kGet);
   request.key(key);
-  return connection_->call(key_call("get", key), this->timeout(), [&](net::Deadline deadline) {
-    connection_->send(request, deadline);
-    return connection_->recv_vector(deadline);
-  });
+  return connection_->call(store::key_call("get", key), this->timeout(),
+                           [&](net::Deadline deadline) {
+                             connection_->send(request, deadline);
+                             return connection_->recv_vector(deadline);
+                           });
 }
 
 std::int64_t C10dStoreClient::add(std::string_view key, std::int64_t delta) {
-  check_key(key);
+  check_c10d_key(key);
   Request request(Query::kAdd);
   request.key(key).i64(delta);
-  return connection_->call(key_call("add", key), timeout(), [&](net::Deadline deadline) {
+  return connection_->call(store::key_call("add", key), timeout(), [&](net::Deadline deadline) {
     connection_->send(request, deadline);
     return connection_->recv_i64(deadline);
   });
@@ -312,16 +296,16 @@ std::int64_t C10dStoreClient::add(std::string_view key, std::int64_t delta) {
 
 Bytes C10dStoreClient::compare_set(std::string_view key, std::span<const std::uint8_t> expected,
                                    std::span<const std::uint8_t> desired) {
-  check_key(key);
-  check_value(key, expected.size());
-  check_value(key, desired.size());
+  check_c10d_key(key);
+  check_c10d_value(key, expected.size());
+  check_c10d_value(key, desired.size());
   Request request(Query::kCompareSet);
   request.key(key).data(expected).data(desired);
-  Bytes result =
-      connection_->call(key_call("compare_set", key), timeout(), [&](net::Deadline deadline) {
-        connection_->send(request, deadline);
-        return connection_->recv_vector(deadline);
-      });
+  Bytes result = connection_->call(store::key_call("compare_set", key), timeout(),
+                                   [&](net::Deadline deadline) {
+                                     connection_->send(request, deadline);
+                                     return connection_->recv_vector(deadline);
+                                   });
   // c10d answers `expected` for a missing key compared with a non-empty `expected`. When the key
   // exists and equals `expected` it becomes `desired` and the answer is `desired`; so `expected`
   // back, differing from `desired`, means the key is missing. When they are equal the request
@@ -336,14 +320,14 @@ Bytes C10dStoreClient::compare_set(std::string_view key, std::span<const std::ui
 }
 
 bool C10dStoreClient::check(std::span<const std::string> keys) {
-  check_keys(keys);
+  check_c10d_keys(keys);
   if (keys.empty()) return true;  // c10d's servers read keys[0] of every check
   Request request(Query::kCheck);
   request.u64(keys.size());
   for (const auto& key : keys)
     request.key(key);
   return connection_->call(
-      fmt::format("check({})", quoted_keys(keys)), timeout(), [&](net::Deadline deadline) {
+      fmt::format("check({})", store::quoted_keys(keys)), timeout(), [&](net::Deadline deadline) {
         connection_->send(request, deadline);
         const std::uint8_t answer = connection_->recv_u8(deadline);
         if (answer != kCheckReady && answer != kCheckNotReady) {
@@ -354,13 +338,13 @@ bool C10dStoreClient::check(std::span<const std::string> keys) {
 }
 
 void C10dStoreClient::wait(std::span<const std::string> keys, Milliseconds timeout) {
-  check_keys(keys);
+  check_c10d_keys(keys);
   if (keys.empty()) return;  // nothing to wait for (and c10d's servers read keys[0])
   Request request(Query::kWait);
   request.u64(keys.size());
   for (const auto& key : keys)
     request.key(key);
-  const std::string what = fmt::format("wait({})", quoted_keys(keys));
+  const std::string what = fmt::format("wait({})", store::quoted_keys(keys));
   const bool arrived = connection_->call(what, timeout, [&](net::Deadline deadline) {
     connection_->send(request, deadline);
     const auto expect_stop = [](std::uint8_t answer) {
@@ -393,17 +377,18 @@ void C10dStoreClient::wait(std::span<const std::string> keys, Milliseconds timeo
   throw TimeoutError(fmt::format(
       "store {} timed out after {} ms; keys still missing: {} (c10d store at {}:{}); the process "
       "that should set them may have failed or be slower than the timeout",
-      what, timeout.count(), quoted_keys(missing), host(), port()));
+      what, timeout.count(), store::quoted_keys(missing), host(), port()));
 }
 
 bool C10dStoreClient::delete_key(std::string_view key) {
-  check_key(key);
+  check_c10d_key(key);
   Request request(Query::kDeleteKey);
   request.key(key);
-  return connection_->call(key_call("delete_key", key), timeout(), [&](net::Deadline deadline) {
-    connection_->send(request, deadline);
-    return connection_->recv_i64(deadline) > 0;
-  });
+  return connection_->call(store::key_call("delete_key", key), timeout(),
+                           [&](net::Deadline deadline) {
+                             connection_->send(request, deadline);
+                             return connection_->recv_i64(deadline) > 0;
+                           });
 }
 
 std::int64_t C10dStoreClient::num_keys() {

@@ -147,4 +147,21 @@ std::string printable(std::string_view text, std::size_t max_chars) {
   return out;
 }
 
+std::string quoted_keys(std::span<const std::string> keys) {
+  std::string out;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (i == 8) {
+      out += fmt::format(", ... ({} keys in all)", keys.size());
+      break;
+    }
+    if (i > 0) out += ", ";
+    out += "'" + printable(keys[i]) + "'";
+  }
+  return out;
+}
+
+std::string key_call(const char* op, std::string_view key) {
+  return fmt::format("{}('{}')", op, printable(key));
+}
+
 }  // namespace ddp::store

@@ -104,5 +104,9 @@ std::uint32_t get_u32(const std::uint8_t* in);
 
 // `text` with non-printable bytes escaped and long text cut, for error and log messages.
 std::string printable(std::string_view text, std::size_t max_chars = 200);
+// The first eight of `keys`, printable and quoted ("'a', 'b', ... (12 keys in all)").
+std::string quoted_keys(std::span<const std::string> keys);
+// "get('key')": a store call and its key, for messages.
+std::string key_call(const char* op, std::string_view key);
 
 }  // namespace ddp::store

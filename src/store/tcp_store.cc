@@ -21,7 +21,9 @@ namespace ddp {
 
 using store::FrameReader;
 using store::FrameWriter;
+using store::key_call;
 using store::Opcode;
+using store::quoted_keys;
 using store::Status;
 
 namespace {
@@ -31,19 +33,6 @@ constexpr Milliseconds kCancelGrace{10'000};
 
 constexpr const char* kWorkersKey = "__ddp_store/workers";
 constexpr const char* kWorkersReadyKey = "__ddp_store/workers_ready";
-
-std::string quoted_keys(std::span<const std::string> keys) {
-  std::string out;
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (i == 8) {
-      out += fmt::format(", ... ({} keys in all)", keys.size());
-      break;
-    }
-    if (i > 0) out += ", ";
-    out += "'" + store::printable(keys[i]) + "'";
-  }
-  return out;
-}
 
 void check_key(std::string_view key) {
   if (key.size() > store::kMaxKeyBytes) {
@@ -321,10 +310,6 @@ class TcpStore::Client {
 };
 
 namespace {
-
-std::string key_call(const char* op, std::string_view key) {
-  return fmt::format("{}('{}')", op, store::printable(key));
-}
 
 std::uint8_t opcode(Opcode op) {
   return static_cast<std::uint8_t>(op);
