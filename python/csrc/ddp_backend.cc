@@ -202,6 +202,9 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::allreduce(std::vector<at::Tensor>& te
   if (tensors[0].defined() && tensors[0].is_sparse()) return sparse_allreduce(tensors[0], opts);
   check_cpu_dense(tensors[0], "allreduce's tensor");
   auto c = contiguous_of(tensors[0]);
+  if (opts.reduceOp == c10d::ReduceOp::PREMUL_SUM) {
+    c = {premultiplied(c.tensor, opts.reduceOp, "allreduce"), true};  // written back on success
+  }
   const Reduction r = reduction_buffer(c.tensor, opts.reduceOp, "allreduce");
   Step step{engine("allreduce",
                    [&] {
@@ -292,7 +295,7 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::allreduce_coalesced(
   }
   // One collective over the tensors packed together, unpacked on success: one message instead of
   // one per tensor.
-  at::Tensor flat = packed(tensors);
+  at::Tensor flat = premultiplied(packed(tensors), opts.reduceOp, "allreduce_coalesced");
   const Reduction r = reduction_buffer(flat, opts.reduceOp, "allreduce_coalesced");
   Step step{engine("allreduce_coalesced",
                    [&] {
@@ -311,6 +314,9 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::reduce(std::vector<at::Tensor>& tenso
   const int root = static_cast<int>(opts.rootRank);
   check_root(root, getSize(), "reduce");
   auto c = contiguous_of(tensors[0]);
+  if (opts.reduceOp == c10d::ReduceOp::PREMUL_SUM) {
+    c = {premultiplied(c.tensor, opts.reduceOp, "reduce"), true};  // written back at the root
+  }
   const Reduction r = reduction_buffer(c.tensor, opts.reduceOp, "reduce");
   // The result lands at the root only; the other ranks' tensors are left as they were (gloo
   // leaves them as scratch; as they were is the stricter promise).
@@ -544,7 +550,7 @@ DdpBackend::Step DdpBackend::reduce_scatter_base_step(const std::string& call, a
               input.numel(), " elements; it must hold ", getSize(), " blocks of the output's ",
               output.numel());
   // The engine reads the input as the ranks' blocks in order and leaves it as it was.
-  at::Tensor in = input.contiguous();
+  at::Tensor in = premultiplied(input.contiguous(), op, call);
   auto out = contiguous_of(output);
   const Reduction r_in = reduction_buffer(in, op, call);
   const Reduction r_out = reduction_buffer(out.tensor, op, call);
@@ -579,7 +585,7 @@ c10::intrusive_ptr<c10d::Work> DdpBackend::reduce_scatter(
               "input ",
               getRank(), " (this rank's block) has ", inputs[0][getRank()].numel(),
               " elements but the output has ", outputs[0].numel());
-  at::Tensor flat = packed(inputs[0]);
+  at::Tensor flat = premultiplied(packed(inputs[0]), opts.reduceOp, "reduce_scatter");
   auto out = contiguous_of(outputs[0]);
   const Reduction r_in = reduction_buffer(flat, opts.reduceOp, "reduce_scatter");
   const std::size_t scale = r_in.buffer.count / std::max<std::size_t>(1, flat.numel());

@@ -152,12 +152,39 @@ Reduction reduction_buffer(const at::Tensor& contiguous, const c10d::ReduceOp& o
                                            : ddp::ReduceOp::kBxor;
       break;
     case c10d::ReduceOp::PREMUL_SUM:
-      refuse("PREMUL_SUM is NCCL's; multiply the tensor by the factor and use SUM");
+      // The caller reduces premultiplied()'s scaled copy.
+      if (!at::isFloatingType(type)) {
+        refuse(
+            "PREMUL_SUM takes floating-point tensors (as NCCL); multiply it yourself and use SUM");
+      }
+      r.op = ddp::ReduceOp::kSum;
       break;
     default:
       refuse("ddp does not know this reduce op");
   }
   return r;
+}
+
+at::Tensor premultiplied(const at::Tensor& input, const c10d::ReduceOp& op,
+                         const std::string& call) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return input;
+  TORCH_CHECK(at::isFloatingType(input.scalar_type()), "ddp backend: ", call,
+              " with ReduceOp.PREMUL_SUM on a ", dtype_name(input.scalar_type()),
+              " tensor: PREMUL_SUM takes floating-point tensors (as NCCL); multiply it yourself "
+              "and use SUM");
+  const auto* factor = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK(factor != nullptr, "ddp backend: ", call,
+              " with ReduceOp.PREMUL_SUM but no factor: make the op with "
+              "torch.distributed._make_nccl_premul_sum(factor)");
+  at::NoGradGuard no_grad;
+  if (factor->tensor_factor.defined()) {
+    TORCH_CHECK(factor->tensor_factor.numel() == 1, "ddp backend: ", call,
+                "'s PREMUL_SUM factor has ", factor->tensor_factor.numel(),
+                " elements; it takes one");
+    return (input * factor->tensor_factor.to(at::kCPU, input.scalar_type()).reshape({}))
+        .contiguous();
+  }
+  return (input * factor->double_factor).contiguous();
 }
 
 void check_cpu_dense(const at::Tensor& tensor, const std::string& what) {

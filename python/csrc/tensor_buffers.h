@@ -5,7 +5,8 @@
 // Data movement (broadcast, gathers, scatter, all-to-all, send/recv) takes any dense CPU dtype:
 // the eight ddp reduces natively move as themselves, the others (bool, int16, complex, ...) as
 // bytes. Reductions take ddp's eight dtypes, bool (SUM and BOR as MAX, PRODUCT and BAND as MIN)
-// and complex (SUM and AVG over the real view, as c10d allows). Non-contiguous tensors work
+// and complex (SUM and AVG over the real view, as c10d allows); PREMUL_SUM as SUM over a scaled
+// copy (premultiplied). Non-contiguous tensors work
 // through a contiguous copy written back on success (tensor_buffers.cc says why).
 #pragma once
 
@@ -41,6 +42,13 @@ struct Reduction {
 };
 Reduction reduction_buffer(const at::Tensor& contiguous, const c10d::ReduceOp& op,
                            const std::string& call);
+
+// PREMUL_SUM (torch.distributed._make_nccl_premul_sum(factor)): a new contiguous tensor holding
+// `input` times the op's factor (a float or a one-element tensor, in input's dtype, as NCCL
+// multiplies), which the engine then sums; reduction_buffer maps PREMUL_SUM to SUM. Any other op:
+// `input` itself. Floating-point tensors only (as NCCL), else a RuntimeError naming `call`.
+at::Tensor premultiplied(const at::Tensor& input, const c10d::ReduceOp& op,
+                         const std::string& call);
 
 // Refuses a tensor ddp cannot take: not on the CPU, sparse or another layout. `what` names it in
 // the message ("allreduce's tensor", "all_gather's output 2").

@@ -1,6 +1,7 @@
 // The tensor collectives of the tensor-level API (distributed.h): argument checks, then one
 // engine call on the tensors' memory; list forms pack into (or unpack from) one flat buffer, the
 // unpacking a completion callback of the Work so that it has run when wait() returns.
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -10,6 +11,33 @@
 #include "torch/distributed_checks.h"
 
 namespace ddp {
+
+double TensorReduceOp::premul_factor() const {
+  if (!premul_factor_) {
+    throw ConfigError(
+        fmt::format("premul_factor() of ReduceOp {}, which is not PREMUL_SUM", to_string(op_)));
+  }
+  return *premul_factor_;
+}
+
+TensorReduceOp make_premul_sum(double factor) {
+  if (!std::isfinite(factor)) {
+    throw ConfigError(fmt::format("make_premul_sum: factor {} is not finite", factor));
+  }
+  TensorReduceOp op(ReduceOp::kSum);
+  op.premul_factor_ = factor;
+  return op;
+}
+
+TensorReduceOp make_premul_sum(const torch::Tensor& factor) {
+  if (!factor.defined() || factor.numel() != 1) {
+    throw ConfigError(fmt::format(
+        "make_premul_sum: the factor tensor has {} elements; pass a tensor of one element (or a "
+        "double)",
+        factor.defined() ? factor.numel() : 0));
+  }
+  return make_premul_sum(factor.item<double>());
+}
 
 using detail::check_collective;
 using detail::check_list_length;
@@ -92,15 +120,65 @@ std::size_t world(ProcessGroup& g) {
   return static_cast<std::size_t>(g.size());
 }
 
+// PREMUL_SUM's own check, inside check_collective's: floating-point tensors only (as NCCL).
+void check_reduce_op(const TensorReduceOp& op, const torch::Tensor& tensor,
+                     const std::string& what) {
+  if (op.is_premul_sum() && !torch::isFloatingType(tensor.scalar_type())) {
+    throw ConfigError(fmt::format(
+        "{} is {}; PREMUL_SUM (make_premul_sum) takes floating-point tensors, as NCCL: multiply "
+        "an integer tensor yourself and reduce it with ReduceOp::kSum",
+        what, c10::toString(tensor.scalar_type())));
+  }
+}
+
+// What the engine reduces: `t` itself, or for PREMUL_SUM a copy of it times the factor (in t's
+// dtype, as NCCL multiplies), so that `t` keeps its value whatever the call does.
+torch::Tensor premultiplied(const torch::Tensor& t, const TensorReduceOp& op) {
+  if (!op.is_premul_sum()) return t;
+  torch::NoGradGuard no_grad;
+  return (t * op.premul_factor()).contiguous();
+}
+Tensors premultiplied(const Tensors& list, const TensorReduceOp& op) {
+  if (!op.is_premul_sum()) return list;
+  Tensors scaled;
+  scaled.reserve(list.size());
+  for (const auto& t : list)
+    scaled.push_back(premultiplied(t, op));
+  return scaled;
+}
+
+// Copies `from[i]` into `to[i]` (same sizes) once `work` has succeeded: at once for a blocking
+// call, which has completed (and thrown its error) when it returns.
+void copy_back_on_success(Work& work, const CallOptions& options, Tensors from, Tensors to) {
+  auto copy = [from = std::move(from), to = std::move(to)](Work& done) {
+    if (done.error()) return;
+    for (std::size_t i = 0; i < to.size(); ++i) {
+      if (bytes_of(to[i]) > 0) std::memcpy(to[i].data_ptr(), from[i].data_ptr(), bytes_of(to[i]));
+    }
+  };
+  if (options.blocking) {
+    copy(work);
+  } else {
+    work.then(std::move(copy));
+  }
+}
+
 }  // namespace
 
 // The engine calls of the single-tensor collectives, checked; the blocking forms pass
 // CallOptions::blocking (no Work of their own, and on an idle group no thread hand-off).
-std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, ReduceOp op, GroupRef group,
-                                      CallOptions options) {
+std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, TensorReduceOp op,
+                                      GroupRef group, CallOptions options) {
   ProcessGroup& g = group.get();
-  check_collective(g, [&] { check_tensor(tensor, "all_reduce: tensor"); });
-  return g.allreduce(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), op, options);
+  check_collective(g, [&] {
+    check_tensor(tensor, "all_reduce: tensor");
+    check_reduce_op(op, tensor, "all_reduce: tensor");
+  });
+  const torch::Tensor reduced = premultiplied(tensor, op);
+  auto work =
+      g.allreduce(reduced.data_ptr(), element_count(reduced), dtype_of(reduced), op.op(), options);
+  if (op.is_premul_sum()) copy_back_on_success(*work, options, {reduced}, {tensor});
+  return work;
 }
 std::shared_ptr<Work> broadcast_call(const torch::Tensor& tensor, int src, GroupRef group,
                                      CallOptions options) {
@@ -109,10 +187,11 @@ std::shared_ptr<Work> broadcast_call(const torch::Tensor& tensor, int src, Group
   return g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, options);
 }
 
-std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
+std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor, TensorReduceOp op,
+                                       GroupRef group) {
   return with_result(all_reduce_call(tensor, op, group, {}), {tensor});
 }
-void all_reduce(const torch::Tensor& tensor, ReduceOp op, GroupRef group) {
+void all_reduce(const torch::Tensor& tensor, TensorReduceOp op, GroupRef group) {
   all_reduce_call(tensor, op, group, kBlocking);
 }
 
@@ -123,16 +202,20 @@ void broadcast(const torch::Tensor& tensor, int src, GroupRef group) {
   broadcast_call(tensor, src, group, kBlocking);
 }
 
-std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, ReduceOp op,
+std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, TensorReduceOp op,
                                    GroupRef group) {
   ProcessGroup& g = group.get();
-  check_collective(g, [&] { check_tensor(tensor, "reduce: tensor"); });
+  check_collective(g, [&] {
+    check_tensor(tensor, "reduce: tensor");
+    check_reduce_op(op, tensor, "reduce: tensor");
+  });
+  const torch::Tensor send = premultiplied(tensor, op);
   void* recv = g.rank() == dst ? tensor.data_ptr() : nullptr;
   return with_result(
-      g.reduce(tensor.data_ptr(), recv, element_count(tensor), dtype_of(tensor), op, dst),
-      {tensor});
+      g.reduce(send.data_ptr(), recv, element_count(tensor), dtype_of(tensor), op.op(), dst),
+      {tensor}, {send});
 }
-void reduce(const torch::Tensor& tensor, int dst, ReduceOp op, GroupRef group) {
+void reduce(const torch::Tensor& tensor, int dst, TensorReduceOp op, GroupRef group) {
   reduce_async(tensor, dst, op, group)->wait();
 }
 
@@ -180,7 +263,7 @@ void all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
 }
 
 std::shared_ptr<Work> reduce_scatter_async(const torch::Tensor& output, const Tensors& input_list,
-                                           ReduceOp op, GroupRef group) {
+                                           TensorReduceOp op, GroupRef group) {
   ProcessGroup& g = group.get();
   check_collective(g, [&] {
     check_tensor(output, "reduce_scatter: output");
@@ -189,23 +272,24 @@ std::shared_ptr<Work> reduce_scatter_async(const torch::Tensor& output, const Te
     check_numel(output, input_list[static_cast<std::size_t>(g.rank())].numel(),
                 "reduce_scatter: output",
                 fmt::format("as many as input_list[{}], this rank's block", g.rank()));
+    check_reduce_op(op, output, "reduce_scatter: output");
   });
   const auto counts = counts_of(input_list);
-  auto flat = pack(input_list);
+  auto flat = pack(premultiplied(input_list, op));
   auto work = all_same(counts) ? g.reduce_scatter(flat->data(), output.data_ptr(),
-                                                  element_count(output), dtype_of(output), op)
+                                                  element_count(output), dtype_of(output), op.op())
                                : g.reduce_scatter_v(flat->data(), output.data_ptr(), counts,
-                                                    dtype_of(output), op);
+                                                    dtype_of(output), op.op());
   work->then([flat](Work&) {});  // keeps the packed input alive until the operation completes
   return with_result(std::move(work), {output});
 }
-void reduce_scatter(const torch::Tensor& output, const Tensors& input_list, ReduceOp op,
+void reduce_scatter(const torch::Tensor& output, const Tensors& input_list, TensorReduceOp op,
                     GroupRef group) {
   reduce_scatter_async(output, input_list, op, group)->wait();
 }
 
 std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
-                                                  const torch::Tensor& input, ReduceOp op,
+                                                  const torch::Tensor& input, TensorReduceOp op,
                                                   GroupRef group) {
   ProcessGroup& g = group.get();
   check_collective(g, [&] {
@@ -213,13 +297,15 @@ std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
     check_tensor_like(input, "reduce_scatter_tensor: input", output, "the output");
     check_numel(input, output.numel() * g.size(), "reduce_scatter_tensor: input",
                 fmt::format("world size {} x the output's {}", g.size(), output.numel()));
+    check_reduce_op(op, output, "reduce_scatter_tensor: output");
   });
-  return with_result(g.reduce_scatter(input.data_ptr(), output.data_ptr(), element_count(output),
-                                      dtype_of(output), op),
-                     {output}, {input});
+  const torch::Tensor send = premultiplied(input, op);
+  return with_result(g.reduce_scatter(send.data_ptr(), output.data_ptr(), element_count(output),
+                                      dtype_of(output), op.op()),
+                     {output}, {send});
 }
-void reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input, ReduceOp op,
-                           GroupRef group) {
+void reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input,
+                           TensorReduceOp op, GroupRef group) {
   reduce_scatter_tensor_async(output, input, op, group)->wait();
 }
 
@@ -262,19 +348,25 @@ void check_coalesced_pairs(const Tensors& bigger, const std::string& bigger_what
 
 }  // namespace
 
-std::shared_ptr<Work> all_reduce_coalesced_async(const Tensors& tensors, ReduceOp op,
+std::shared_ptr<Work> all_reduce_coalesced_async(const Tensors& tensors, TensorReduceOp op,
                                                  GroupRef group) {
   ProcessGroup& g = group.get();
-  check_collective(g, [&] { check_coalesced(tensors, "all_reduce_coalesced: tensors"); });
+  check_collective(g, [&] {
+    check_coalesced(tensors, "all_reduce_coalesced: tensors");
+    check_reduce_op(op, tensors[0], "all_reduce_coalesced: tensors[0]");
+  });
   // One allreduce of the tensors taken together, read and written where they lie where the
   // backend can (ProcessGroup::allreduce_segments).
+  const Tensors reduced = premultiplied(tensors, op);
   std::vector<BufferSegment> segments;
-  segments.reserve(tensors.size());
-  for (const auto& t : tensors)
+  segments.reserve(reduced.size());
+  for (const auto& t : reduced)
     segments.push_back({t.data_ptr(), element_count(t)});
-  return with_result(g.allreduce_segments(std::move(segments), dtype_of(tensors[0]), op), tensors);
+  auto work = g.allreduce_segments(std::move(segments), dtype_of(tensors[0]), op.op());
+  if (op.is_premul_sum()) copy_back_on_success(*work, {}, reduced, tensors);
+  return with_result(std::move(work), tensors);
 }
-void all_reduce_coalesced(const Tensors& tensors, ReduceOp op, GroupRef group) {
+void all_reduce_coalesced(const Tensors& tensors, TensorReduceOp op, GroupRef group) {
   all_reduce_coalesced_async(tensors, op, group)->wait();
 }
 
@@ -313,13 +405,15 @@ void all_gather_into_tensor_coalesced(const Tensors& outputs, const Tensors& inp
 }
 
 std::shared_ptr<Work> reduce_scatter_tensor_coalesced_async(const Tensors& outputs,
-                                                            const Tensors& inputs, ReduceOp op,
-                                                            GroupRef group) {
+                                                            const Tensors& inputs,
+                                                            TensorReduceOp op, GroupRef group) {
   ProcessGroup& g = group.get();
   check_collective(g, [&] {
     check_coalesced_pairs(inputs, "inputs", outputs, "outputs", g.size(),
                           "reduce_scatter_tensor_coalesced", /*one_dtype=*/true);
+    check_reduce_op(op, outputs[0], "reduce_scatter_tensor_coalesced: outputs[0]");
   });
+  const Tensors sent = premultiplied(inputs, op);
   // Block r of the send buffer is block r of every input, one after the other: the reduced
   // block this rank receives is then its block of every output.
   std::size_t block = 0;
@@ -329,20 +423,20 @@ std::shared_ptr<Work> reduce_scatter_tensor_coalesced_async(const Tensors& outpu
   std::size_t offset = 0;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const std::size_t part = bytes_of(outputs[i]);
-    const auto* in = static_cast<const std::byte*>(inputs[i].data_ptr());
+    const auto* in = static_cast<const std::byte*>(sent[i].data_ptr());
     for (std::size_t r = 0; r < world(g) && part > 0; ++r)
       std::memcpy(send->data() + r * block + offset, in + r * part, part);
     offset += part;
   }
   auto recv = std::make_shared<ByteBuffer>(block);
   auto work = g.reduce_scatter(send->data(), recv->data(), block / outputs[0].element_size(),
-                               dtype_of(outputs[0]), op);
+                               dtype_of(outputs[0]), op.op());
   work->then([send](Work&) {});
   unpack_on_success(*work, recv, outputs);
   return with_result(std::move(work), outputs);
 }
-void reduce_scatter_tensor_coalesced(const Tensors& outputs, const Tensors& inputs, ReduceOp op,
-                                     GroupRef group) {
+void reduce_scatter_tensor_coalesced(const Tensors& outputs, const Tensors& inputs,
+                                     TensorReduceOp op, GroupRef group) {
   reduce_scatter_tensor_coalesced_async(outputs, inputs, op, group)->wait();
 }
 

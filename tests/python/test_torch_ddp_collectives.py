@@ -172,6 +172,33 @@ def collectives(rank, world):
         check_equal(f"coalesced reduce_scatter_tensor 1 ({second})", outs[1],
                     sum(value(r, 3, second, offset=rank) for r in ranks))
 
+    # PREMUL_SUM (NCCL's, any backend here): each rank's input times its own factor, summed; the
+    # factor a float or a one-element tensor; inputs of reduce and reduce_scatter left as they were
+    def factor(r):
+        return 0.5 + r
+    op = (dist._make_nccl_premul_sum(factor(rank)) if rank % 2 == 0
+          else dist._make_nccl_premul_sum(torch.tensor([factor(rank)], dtype=torch.float64)))
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        t = value(rank, 5, dtype)
+        dist.all_reduce(t, op=op)
+        check_equal(f"all_reduce PREMUL_SUM {dtype}", t,
+                    sum(value(r, 5, dtype) * factor(r) for r in ranks))
+    t = value(rank, 3, torch.float64)
+    dist.reduce(t, dst=world - 1, op=op)
+    check_equal("reduce PREMUL_SUM", t, sum(value(r, 3, torch.float64) * factor(r) for r in ranks)
+                if rank == world - 1 else value(rank, 3, torch.float64))
+    inp = torch.cat([value(rank, 2, torch.float64, offset=j) for j in ranks])
+    out = torch.zeros(2, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, inp, op=op)
+    check_equal("reduce_scatter_tensor PREMUL_SUM", out,
+                sum(value(r, 2, torch.float64, offset=rank) * factor(r) for r in ranks))
+    check_equal("reduce_scatter_tensor PREMUL_SUM input", inp,
+                torch.cat([value(rank, 2, torch.float64, offset=j) for j in ranks]))
+    out = torch.zeros(2, dtype=torch.float64)
+    dist.reduce_scatter(out, [value(rank, 2, torch.float64, offset=j) for j in ranks], op=op)
+    check_equal("reduce_scatter PREMUL_SUM", out,
+                sum(value(r, 2, torch.float64, offset=rank) * factor(r) for r in ranks))
+
     # all_to_all_single (even and uneven splits), all_to_all (list)
     inp = torch.cat([value(rank, 2, offset=j) for j in ranks])
     out = torch.zeros(world * 2)

@@ -32,6 +32,8 @@ def refused_inputs(rank, world):
     expect_error(RuntimeError, "torch.int16", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)))
     expect_error(RuntimeError, "bitwise", lambda: dist.all_reduce(torch.ones(3),
                                                                 op=dist.ReduceOp.BXOR))
+    expect_error(RuntimeError, "PREMUL_SUM takes floating-point", lambda: dist.all_reduce(
+        torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0)))
     expect_error(RuntimeError, "(this rank's) has 3 elements", lambda: dist.all_gather(
         [torch.zeros(3) for _ in range(world)], torch.zeros(2)))
     expect_error(RuntimeError, "_split_sizes", lambda: dist.all_to_all_single(

@@ -515,6 +515,76 @@ TEST(DistributedApiCoalesced, EachEqualsOneCallPerTensorInOneEngineCall) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// PREMUL_SUM (make_premul_sum): every reducing call sums each rank's input times that rank's
+// factor, and leaves the inputs as they were.
+TEST(DistributedApiPremulSum, EveryReducingCallSumsTheScaledInputs) {
+  const int size = 3;
+  const int port = free_port();
+  const auto results = run_ranks(size, [&](int rank) {
+    join_group(rank, size, port);
+    // Each rank's own factor (a double on even ranks, a one-element tensor on odd ones).
+    auto factor_of = [](int r) { return 0.5 + r; };
+    const TensorReduceOp op = rank % 2 == 0 ? make_premul_sum(factor_of(rank))
+                                            : make_premul_sum(torch::tensor({factor_of(rank)}));
+    require(op.is_premul_sum() && op.op() == ReduceOp::kSum, "PREMUL_SUM runs as a sum");
+    const std::int64_t n = 4;
+    auto scaled_sum = [&](std::int64_t count, double salt) {
+      torch::Tensor sum = torch::zeros({count}, torch::kFloat64);
+      for (int r = 0; r < size; ++r)
+        sum += input_of(r, count, salt) * factor_of(r);
+      return sum;
+    };
+    auto t = input_of(rank, n);
+    all_reduce(t, op);
+    require_equal(t, scaled_sum(n, 0), "all_reduce");
+    auto a = input_of(rank, n, 1.0);
+    all_reduce_async(a, op)->wait();
+    require_equal(a, scaled_sum(n, 1.0), "all_reduce_async");
+    // reduce: the root gets the scaled sum, the others keep their input.
+    auto rt = input_of(rank, n, 2.0);
+    reduce(rt, /*dst=*/1, op);
+    require_equal(rt, rank == 1 ? scaled_sum(n, 2.0) : input_of(rank, n, 2.0), "reduce");
+    // reduce_scatter_tensor and reduce_scatter: the input is left as it was.
+    auto in = input_of(rank, size * n, 3.0);
+    auto out = torch::zeros({n}, torch::kFloat64);
+    reduce_scatter_tensor(out, in, op);
+    require_equal(out, scaled_sum(size * n, 3.0).narrow(0, rank * n, n), "reduce_scatter_tensor");
+    require_equal(in, input_of(rank, size * n, 3.0), "reduce_scatter_tensor's input unchanged");
+    std::vector<torch::Tensor> list;
+    for (int r = 0; r < size; ++r)
+      list.push_back(in.narrow(0, r * n, n).clone());
+    auto out_list = torch::zeros({n}, torch::kFloat64);
+    reduce_scatter(out_list, list, op);
+    require_equal(out_list, out, "reduce_scatter");
+    require_equal(list[0], input_of(rank, size * n, 3.0).narrow(0, 0, n), "list input unchanged");
+    // The coalesced forms.
+    std::vector<torch::Tensor> several = {input_of(rank, 2, 4.0), input_of(rank, 3, 5.0)};
+    all_reduce_coalesced(several, op);
+    require_equal(several[0], scaled_sum(2, 4.0), "all_reduce_coalesced 0");
+    require_equal(several[1], scaled_sum(3, 5.0), "all_reduce_coalesced 1");
+    std::vector<torch::Tensor> outs = {torch::zeros({n}, torch::kFloat64)};
+    reduce_scatter_tensor_coalesced(outs, {in}, op);
+    require_equal(outs[0], out, "reduce_scatter_tensor_coalesced");
+    // float32 is multiplied in float32, as NCCL does.
+    auto f = input_of(rank, n, 0.0, torch::kFloat32);
+    all_reduce(f, op);
+    require(torch::allclose(f, scaled_sum(n, 0).to(torch::kFloat32)), "float32 all_reduce");
+    // Bad input: an integer tensor (every rank refuses it the same way), a factor that is not
+    // finite or not one element, the factor of an op that is not PREMUL_SUM.
+    auto ints = torch::ones({2}, torch::kInt32);
+    require_throws<ConfigError>([&] { all_reduce(ints, op); }, "takes floating-point tensors",
+                                "PREMUL_SUM of int32");
+    require_equal(ints, torch::ones({2}, torch::kInt32), "the refused tensor is unchanged");
+    require_throws<ConfigError>([&] { make_premul_sum(std::nan("")); }, "not finite", "nan");
+    require_throws<ConfigError>([&] { make_premul_sum(torch::ones({2})); }, "has 2 elements",
+                                "a two-element factor");
+    require_throws<ConfigError>([&] { (void)TensorReduceOp(ReduceOp::kMax).premul_factor(); },
+                                "not PREMUL_SUM", "factor of max");
+    require(average_across_ranks(rank) == 1.0, "the group works after the refusals");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // A group that forwards everything to another and pretends that every `per_host` consecutive
 // ranks share a host: what a backend that knows its hosts reports (local_rank/local_size).
 class PretendHosts final : public test::ForwardingGroup {

@@ -70,6 +70,31 @@ class GroupRef {
   bool holder_given_ = false;  // a shared_ptr was passed (null: this rank is not a member)
 };
 
+// The reduction of a tensor call: one of ReduceOp's (it converts implicitly, as c10d::ReduceOp
+// from its RedOpType), or PyTorch's PREMUL_SUM, made by make_premul_sum: every rank's input
+// multiplied by that rank's factor, then summed (NCCL's ncclRedOpCreatePreMulSum, PyTorch's
+// _make_nccl_premul_sum), on every backend. The inputs are left as they were (the scaled copy is
+// what the engine reduces); floating-point tensors only (as NCCL): any other dtype is a
+// ConfigError on every rank.
+class TensorReduceOp {
+ public:
+  TensorReduceOp(ReduceOp op) : op_(op) {}  // NOLINT: implicit, as c10d::ReduceOp
+  // What the engine runs: kSum for PREMUL_SUM.
+  ReduceOp op() const { return op_; }
+  bool is_premul_sum() const { return premul_factor_.has_value(); }
+  // The factor of PREMUL_SUM; ConfigError for any other op.
+  double premul_factor() const;
+
+ private:
+  friend TensorReduceOp make_premul_sum(double factor);
+  ReduceOp op_;
+  std::optional<double> premul_factor_;
+};
+// PREMUL_SUM with `factor` (finite; this rank's, it may differ across ranks).
+TensorReduceOp make_premul_sum(double factor);
+// The same with a one-element tensor's value, read now (PyTorch's tensor form).
+TensorReduceOp make_premul_sum(const torch::Tensor& factor);
+
 // ---- Group information ---------------------------------------------------------------------
 int get_rank(GroupRef group = {});
 int get_world_size(GroupRef group = {});
@@ -81,18 +106,19 @@ int get_local_world_size(GroupRef group = {});
 bool is_initialized();
 
 // ---- Collectives (PyTorch's signatures, group last) ----------------------------------------
-void all_reduce(const torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum, GroupRef group = {});
-std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum,
-                                       GroupRef group = {});
+void all_reduce(const torch::Tensor& tensor, TensorReduceOp op = ReduceOp::kSum,
+                GroupRef group = {});
+std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor,
+                                       TensorReduceOp op = ReduceOp::kSum, GroupRef group = {});
 
 void broadcast(const torch::Tensor& tensor, int src, GroupRef group = {});
 std::shared_ptr<Work> broadcast_async(const torch::Tensor& tensor, int src, GroupRef group = {});
 
 // `tensor` on `dst` becomes the reduction; on the other ranks it is left unchanged.
-void reduce(const torch::Tensor& tensor, int dst, ReduceOp op = ReduceOp::kSum,
+void reduce(const torch::Tensor& tensor, int dst, TensorReduceOp op = ReduceOp::kSum,
             GroupRef group = {});
 std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst,
-                                   ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+                                   TensorReduceOp op = ReduceOp::kSum, GroupRef group = {});
 
 // tensor_list[r] = `tensor` of rank r. tensor_list has one tensor per rank, of `tensor`'s dtype;
 // their sizes may differ (uneven all_gather), tensor_list[rank] has as many elements as `tensor`,
@@ -112,17 +138,17 @@ std::shared_ptr<Work> all_gather_into_tensor_async(const torch::Tensor& output,
 // output on rank r = reduction over ranks of input_list[r]. input_list has one tensor per rank;
 // sizes may differ (the same on every rank); output has input_list[rank]'s element count.
 void reduce_scatter(const torch::Tensor& output, const std::vector<torch::Tensor>& input_list,
-                    ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+                    TensorReduceOp op = ReduceOp::kSum, GroupRef group = {});
 std::shared_ptr<Work> reduce_scatter_async(const torch::Tensor& output,
                                            const std::vector<torch::Tensor>& input_list,
-                                           ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+                                           TensorReduceOp op = ReduceOp::kSum, GroupRef group = {});
 
 // output on rank r = block r of the reduction of `input` (input has world_size x output.numel()).
 void reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input,
-                           ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+                           TensorReduceOp op = ReduceOp::kSum, GroupRef group = {});
 std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
                                                   const torch::Tensor& input,
-                                                  ReduceOp op = ReduceOp::kSum,
+                                                  TensorReduceOp op = ReduceOp::kSum,
                                                   GroupRef group = {});
 
 // The coalesced forms (PyTorch's all_reduce_coalesced, all_gather_into_tensor_coalesced and
@@ -130,10 +156,11 @@ std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
 // (one message schedule, one call record) over the tensors taken together. The tensors of a
 // reduction share a dtype (a gather's pairs may differ); tensors[i] of one rank matches
 // tensors[i] of the others.
-void all_reduce_coalesced(const std::vector<torch::Tensor>& tensors, ReduceOp op = ReduceOp::kSum,
-                          GroupRef group = {});
+void all_reduce_coalesced(const std::vector<torch::Tensor>& tensors,
+                          TensorReduceOp op = ReduceOp::kSum, GroupRef group = {});
 std::shared_ptr<Work> all_reduce_coalesced_async(const std::vector<torch::Tensor>& tensors,
-                                                 ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+                                                 TensorReduceOp op = ReduceOp::kSum,
+                                                 GroupRef group = {});
 // outputs[i] = the concatenation of every rank's inputs[i] (world_size x inputs[i].numel()).
 void all_gather_into_tensor_coalesced(const std::vector<torch::Tensor>& outputs,
                                       const std::vector<torch::Tensor>& inputs,
@@ -144,10 +171,10 @@ std::shared_ptr<Work> all_gather_into_tensor_coalesced_async(
 // outputs[i] on rank r = block r of the reduction of inputs[i] (world_size x outputs[i].numel()).
 void reduce_scatter_tensor_coalesced(const std::vector<torch::Tensor>& outputs,
                                      const std::vector<torch::Tensor>& inputs,
-                                     ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+                                     TensorReduceOp op = ReduceOp::kSum, GroupRef group = {});
 std::shared_ptr<Work> reduce_scatter_tensor_coalesced_async(
     const std::vector<torch::Tensor>& outputs, const std::vector<torch::Tensor>& inputs,
-    ReduceOp op = ReduceOp::kSum, GroupRef group = {});
+    TensorReduceOp op = ReduceOp::kSum, GroupRef group = {});
 
 // output_list[j] on rank r = input_list[r] of rank j; sizes may differ per pair (output_list[j]
 // on rank r must have input_list[r]'s element count on rank j).
