@@ -110,6 +110,25 @@ WrappedModuleTensors without_ignored(WrappedModuleTensors module,
       .named_buffers = [all = std::move(module.named_buffers), keep] { return keep(all()); }};
 }
 
+// Which of `params` get sparse gradients: the weights of the Embedding and EmbeddingBag modules
+// inside `module` with sparse = true (PyTorch's expect_sparse_gradient).
+std::vector<bool> sparse_gradient_parameters(const torch::nn::Module& module,
+                                             const std::vector<torch::Tensor>& params) {
+  std::unordered_set<const void*> sparse;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (const auto* e = m->as<torch::nn::EmbeddingImpl>(); e && e->options.sparse()) {
+      sparse.insert(e->weight.unsafeGetTensorImpl());
+    }
+    if (const auto* e = m->as<torch::nn::EmbeddingBagImpl>(); e && e->options.sparse()) {
+      sparse.insert(e->weight.unsafeGetTensorImpl());
+    }
+  }
+  std::vector<bool> flags(params.size(), false);
+  for (std::size_t i = 0; i < params.size(); ++i)
+    flags[i] = sparse.contains(params[i].unsafeGetTensorImpl());
+  return flags;
+}
+
 std::vector<const void*> storage_of(const std::vector<torch::Tensor>& params) {
   std::vector<const void*> storage;
   storage.reserve(params.size());
@@ -235,7 +254,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(
         "DistributedDataParallel: no process group; call ddp::init_process_group() "
         "first or pass a group");
   }
-  const ReducerOptions reducer_options{
+  ReducerOptions reducer_options{
       .bucket_cap_bytes = megabytes_to_bytes(options_.bucket_cap_mb, "bucket_cap_mb"),
       .first_bucket_cap_bytes =
           megabytes_to_bytes(options_.first_bucket_cap_mb, "first_bucket_cap_mb"),
@@ -249,6 +268,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(
   std::vector<std::string> names;
   collect_trainable(wrapped_, params, names);
   buffers_ = wrapped_.named_buffers().values();
+  reducer_options.sparse_gradients = sparse_gradient_parameters(*registered, params);
 
   in_ddp_phase([] { return std::string("parameter check at construction"); },
                [&] { verify_same_parameters(*group_, names, params); });

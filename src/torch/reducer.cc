@@ -17,6 +17,7 @@
 #include "libtorch_compat.h"
 #include "torch/device_staging.h"
 #include "torch/parameter_devices.h"
+#include "torch/sparse_allreduce.h"
 #include "torch/staging_thread.h"
 
 namespace ddp {
@@ -115,6 +116,21 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
     staging_ = detail::make_cuda_staging(device);
   }
   if (staging_) staging_thread_ = std::make_unique<detail::StagingThread>();
+  sparse_ = options_.sparse_gradients;
+  if (sparse_.empty()) sparse_.assign(parameters_.size(), false);
+  if (sparse_.size() != parameters_.size()) {
+    throw ConfigError(fmt::format("Reducer: sparse_gradients has {} entries for {} parameters",
+                                  sparse_.size(), parameters_.size()));
+  }
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    if (sparse_[i] && (staging_ || !device.is_cpu())) {
+      throw ConfigError(fmt::format(
+          "DistributedDataParallel: parameter '{}' has sparse gradients (an Embedding with "
+          "sparse = true) on {}; ddp reduces sparse gradients of CPU parameters only: use "
+          "sparse = false on a GPU",
+          names_[i], device.str()));
+    }
+  }
   ready_.assign(parameters_.size(), false);
   used_.assign(parameters_.size(), false);
 
@@ -152,7 +168,9 @@ std::size_t Reducer::check_parameters(const std::vector<torch::Tensor>& paramete
   std::size_t reattached = 0;
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     const auto& now = parameters[i];
-    const auto& view = buckets_[slots_[i].bucket].views[slots_[i].index];
+    // What the parameter was: its slot in a bucket, or (no bucket) the tensor itself.
+    const auto& view =
+        sparse_[i] ? parameters_[i] : buckets_[slots_[i].bucket].views[slots_[i].index];
     if (now.sizes() != view.sizes() || now.scalar_type() != view.scalar_type() ||
         now.device() != view.device()) {
       throw Error(fmt::format(
@@ -199,6 +217,7 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
   std::map<c10::ScalarType, Open> open;
   std::vector<std::vector<std::size_t>> closed;
   for (const std::size_t i : order) {
+    if (sparse_[i]) continue;  // reduced as a sparse tensor, without a bucket
     auto& bucket = open[parameters_[i].scalar_type()];
     bucket.params.push_back(i);
     bucket.bytes += static_cast<std::size_t>(parameters_[i].numel()) *
@@ -271,7 +290,7 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
     // Gradients become aliases of their slots; keep any values they already hold.
     for (std::size_t i = 0; i < parameters_.size(); ++i) {
       torch::Tensor& grad = parameters_[i].mutable_grad();
-      if (!grad.defined()) continue;
+      if (!grad.defined() || sparse_[i]) continue;
       torch::Tensor view = slot_view(i);
       view.copy_(grad);
       grad = view;
@@ -286,6 +305,7 @@ torch::Tensor Reducer::slot_view(std::size_t param) const {
 }
 
 bool Reducer::is_bucket_view(std::size_t param, const torch::Tensor& grad) const {
+  if (sparse_[param]) return false;
   const auto& view = buckets_[slots_[param].bucket].views[slots_[param].index];
   return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
          grad.is_contiguous();
@@ -340,12 +360,21 @@ void Reducer::mark_ready(std::size_t param, bool has_grad) {
   }
   ready_[param] = true;
   if (record_ready_order_ && has_grad) ready_order_.push_back(param);
+  if (sparse_[param]) return;  // reduced at the end of backward (reduce_sparse_gradients)
 
   const auto& slot = slots_[param];
   auto& bucket = buckets_[slot.bucket];
   torch::Tensor& view = bucket.views[slot.index];
   torch::Tensor& grad = parameters_[param].mutable_grad();
   if (has_grad && grad.defined()) {
+    if (grad.is_sparse()) {
+      throw Error(fmt::format(
+          "DistributedDataParallel: parameter '{}' received a sparse gradient, but it was wrapped "
+          "as a dense one (DDP finds the weights of torch::nn::Embedding and EmbeddingBag with "
+          "sparse = true; another module's sparse gradients are not supported): use "
+          "sparse = false, or one of those modules",
+          names_[param]));
+    }
     if (!is_bucket_view(param, grad)) {
       if (grad.sizes() != view.sizes() || grad.scalar_type() != view.scalar_type()) {
         throw Error(fmt::format(
@@ -586,7 +615,10 @@ void Reducer::finalize_backward() {
   timeline_.backward_finished = Clock::now();
   try {
     if (staging_thread_) finish_staging();  // first: the staging thread touches the buckets
-    if (next_bucket_ < buckets_.size()) {
+    bool sparse_missing = false;
+    for (std::size_t i = 0; i < parameters_.size(); ++i)
+      sparse_missing = sparse_missing || (sparse_[i] && !ready_[i]);
+    if (next_bucket_ < buckets_.size() || sparse_missing) {
       std::vector<std::size_t> missing;
       for (std::size_t i = 0; i < parameters_.size(); ++i) {
         if (!ready_[i]) missing.push_back(i);
@@ -643,7 +675,7 @@ void Reducer::finalize_backward() {
       detail::in_ddp_phase([] { return std::string("unused-parameter map after backward"); },
                            [&] { used_work->wait(); });
     }
-
+    reduce_sparse_gradients(used_anywhere, /*contribute=*/true);
     deliver_gradients(used_anywhere);
   } catch (...) {
     wait_for_launched_buckets();
@@ -651,7 +683,7 @@ void Reducer::finalize_backward() {
     throw;
   }
   timeline_.synchronised = Clock::now();
-  timeline_.bytes_sent = 0;
+  timeline_.bytes_sent = timeline_.sparse_bytes_sent;
   for (const auto bytes : timeline_.bucket_bytes_sent)
     timeline_.bytes_sent += bytes;
   last_timeline_ = timeline_;
@@ -661,10 +693,46 @@ void Reducer::finalize_backward() {
   reset_iteration();
 }
 
+void Reducer::reduce_sparse_gradients(const std::vector<std::int32_t>& used_anywhere,
+                                      bool contribute) {
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    if (!sparse_[i]) continue;
+    const torch::Tensor& param = parameters_[i];
+    torch::Tensor& grad = param.mutable_grad();
+    // An Embedding's gradient: rows (sparse dim 0) of the table's other dims. A rank that did not
+    // use the table (or shadows the others) adds no rows.
+    torch::Tensor local;
+    if (contribute && used_[i] && grad.defined()) {
+      local = grad.is_sparse() ? grad : grad.to_sparse(1);
+      if (local.sparse_dim() != 1 || local.dense_dim() != param.dim() - 1) {
+        throw Error(fmt::format(
+            "DistributedDataParallel: the sparse gradient of '{}' has {} sparse and {} dense "
+            "dimensions; ddp reduces sparse gradients of rows (1 sparse dimension, as "
+            "Embedding's)",
+            names_[i], local.sparse_dim(), local.dense_dim()));
+      }
+    } else {
+      std::vector<std::int64_t> value_shape = param.sizes().vec();
+      value_shape[0] = 0;
+      local = torch::sparse_coo_tensor(torch::empty({1, 0}, torch::kLong),
+                                       torch::empty(value_shape, param.options()), param.sizes());
+    }
+    torch::Tensor sum;
+    detail::in_ddp_phase(
+        [&] { return fmt::format("sparse gradient of '{}'", names_[i]); },
+        [&] { sum = detail::sparse_all_reduce_sum(local, *group_, timeline_.sparse_bytes_sent); });
+    if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
+    sum.div_(group_->size());  // as the dense buckets' kAvg: the sum, divided once
+    grad = sum;
+  }
+}
+
 void Reducer::deliver_gradients(const std::vector<std::int32_t>& used_anywhere) {
   torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < parameters_.size(); ++i) {
     if (!used_anywhere.empty() && used_anywhere[i] == 0) continue;
+    if (sparse_[i]) continue;  // reduce_sparse_gradients
     torch::Tensor& grad = parameters_[i].mutable_grad();
     if (buckets_[slots_[i].bucket].reduced_in_place) continue;  // averaged where it lies
     if (is_bucket_view(i, grad)) continue;  // gradient_as_bucket_view: already in place
@@ -789,6 +857,7 @@ void Reducer::shadow_backward() {
       detail::in_ddp_phase([] { return std::string("joined rank shadowing the unused map"); },
                            [&] { used_work->wait(); });
     }
+    reduce_sparse_gradients(unused_map, /*contribute=*/false);
     deliver_gradients(unused_map);
   } catch (...) {
     for (auto& reduction : reductions) {
@@ -900,6 +969,14 @@ bool Reducer::require_sync() const {
 void Reducer::register_comm_hook(CommHook hook, std::string name) {
   if (!hook) throw ConfigError("register_comm_hook: the hook is empty");
   std::lock_guard lock(mutex_);
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    if (!sparse_[i]) continue;
+    throw ConfigError(fmt::format(
+        "register_comm_hook ({}): parameter '{}' has sparse gradients (an Embedding with "
+        "sparse = true), and comm hooks take dense buckets; use sparse = false to compress it, or "
+        "no hook",
+        name, names_[i]));
+  }
   comm_hook_ = std::move(hook);
   comm_hook_name_ = std::move(name);
   custom_hook_ = true;

@@ -85,6 +85,13 @@ struct ReducerOptions {
     std::function<void(std::string_view step, std::size_t bucket, const void* twin)> observer;
   };
   StagingForTests staging_for_tests;
+  // Per parameter (empty: none): its gradient is sparse (an Embedding or EmbeddingBag with
+  // sparse = true; DistributedDataParallel finds them), as PyTorch's expect_sparse_gradient. Such
+  // a parameter has no bucket: at the end of backward, after the buckets, its gradient is summed
+  // over the ranks as a sparse tensor (every rank's rows and values gathered, as gloo does) and
+  // averaged, so the bytes sent grow with the rows touched, not with the table. Comm hooks take
+  // dense buckets: register_comm_hook with such a parameter is a ConfigError, as is a CUDA one.
+  std::vector<bool> sparse_gradients;
 };
 
 // What happened in the last synchronised backward pass (for tests and profiling).
@@ -103,6 +110,9 @@ struct BackwardTimeline {
   // Per bucket: the payload bytes its reduction handed to collectives (BucketReduction::
   // bytes_sent, or the bucket's size); and their sum over the pass.
   std::vector<std::size_t> bucket_bytes_sent;
+  // The bytes the sparse gradients' reductions contributed (entry counts, indices and values).
+  std::size_t sparse_bytes_sent = 0;
+  // Every bucket's bytes_sent and sparse_bytes_sent.
   std::size_t bytes_sent = 0;
   TimePoint backward_finished{};  // when autograd finished computing (final callback)
   TimePoint synchronised{};       // when every average was in place
@@ -207,6 +217,10 @@ class Reducer {
   // The reduced buckets into the parameters' gradients (skipping parameters no rank used when
   // `used_anywhere` is not empty), then the gradient scale.
   void deliver_gradients(const std::vector<std::int32_t>& used_anywhere);
+  // The sparse gradients summed over the ranks and averaged, into .grad (skipping parameters no
+  // rank used when `used_anywhere` is not empty). `contribute` false: this rank adds nothing (a
+  // joined rank's shadow pass). Collective, in parameter order.
+  void reduce_sparse_gradients(const std::vector<std::int32_t>& used_anywhere, bool contribute);
   void wait_for_launched_buckets() noexcept;
   void reset_iteration();
   void attach_hook(std::size_t param);
@@ -236,7 +250,8 @@ class Reducer {
   bool staging_failed_ = false;  // staging thread only (read after StagingThread::drain)
 
   std::vector<Bucket> buckets_;
-  std::vector<Slot> slots_;  // per parameter
+  std::vector<Slot> slots_;   // per parameter (none for a sparse one)
+  std::vector<bool> sparse_;  // per parameter: ReducerOptions::sparse_gradients
 
   mutable std::mutex mutex_;
   bool require_sync_ = true;
