@@ -269,6 +269,23 @@ DistributedDataParallelBase::DistributedDataParallelBase(
   collect_trainable(wrapped_, params, names);
   buffers_ = wrapped_.named_buffers().values();
   reducer_options.sparse_gradients = sparse_gradient_parameters(*registered, params);
+  if (options_.param_dtype) {
+    if (!c10::isFloatingType(*options_.param_dtype)) {
+      throw ConfigError(fmt::format(
+          "DdpOptions::param_dtype is {}; forward and backward run in a floating-point dtype "
+          "(torch::kBFloat16 or torch::kHalf; leave it unset for the parameters' own)",
+          c10::toString(*options_.param_dtype)));
+    }
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (reducer_options.sparse_gradients[i]) {
+        throw ConfigError(fmt::format(
+            "DdpOptions::param_dtype with parameter '{}', which has sparse gradients (an "
+            "Embedding with sparse = true): use sparse = false, or no param_dtype",
+            names[i]));
+      }
+    }
+    reducer_options.gradient_dtype = *options_.param_dtype;
+  }
 
   in_ddp_phase([] { return std::string("parameter check at construction"); },
                [&] { verify_same_parameters(*group_, names, params); });
@@ -298,6 +315,44 @@ DistributedDataParallelBase::DistributedDataParallelBase(
             c10::toString(*options_.reduce_dtype)));
     }
   }
+  if (options_.param_dtype) {
+    reducer_->set_end_of_backward([this] { restore_full_precision_parameters(); });
+  }
+}
+
+torch::Tensor DistributedDataParallelBase::mixed_precision_input(const torch::Tensor& input) const {
+  if (!options_.param_dtype || !input.defined() || !input.is_floating_point()) return input;
+  return input.to(*options_.param_dtype);
+}
+
+void DistributedDataParallelBase::cast_parameters_for_forward() {
+  torch::NoGradGuard no_grad;
+  // Every floating-point parameter, trainable or not (a frozen one takes part in the same ops).
+  for (auto& param : wrapped_.named_parameters().values()) {
+    if (!param.is_floating_point() || param.scalar_type() == *options_.param_dtype) continue;
+    torch::Tensor data = param.variable_data();  // shares the master's storage
+    param.set_data(data.to(*options_.param_dtype));
+    cast_parameters_.push_back(param);
+    full_precision_data_.push_back(std::move(data));
+  }
+  reducer_->follow_gradient_accumulators();
+}
+
+void DistributedDataParallelBase::restore_full_precision_parameters() {
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < cast_parameters_.size(); ++i) {
+    torch::Tensor& param = cast_parameters_[i];
+    const auto dtype = full_precision_data_[i].scalar_type();
+    param.set_data(full_precision_data_[i]);
+    // A gradient that backward left in the low dtype (no_sync, or unused by DDP): upcast, as the
+    // optimizer steps the full-precision parameter.
+    torch::Tensor& grad = param.mutable_grad();
+    if (grad.defined() && grad.scalar_type() != dtype) grad = grad.to(dtype);
+  }
+  const bool restored = !cast_parameters_.empty();
+  cast_parameters_.clear();
+  full_precision_data_.clear();
+  if (restored) reducer_->follow_gradient_accumulators();
 }
 
 std::size_t DistributedDataParallelBase::check_parameters() {
@@ -317,6 +372,18 @@ double DistributedDataParallelBase::join_gradient_scale(const JoinState& join,
 }
 
 void DistributedDataParallelBase::pre_forward() {
+  if (!options_.param_dtype) {
+    pre_forward_in_full_precision();
+    return;
+  }
+  // A forward whose backward never ran (or failed) left the parameters cast: the checks below
+  // compare the full-precision ones.
+  restore_full_precision_parameters();
+  pre_forward_in_full_precision();
+  cast_parameters_for_forward();
+}
+
+void DistributedDataParallelBase::pre_forward_in_full_precision() {
   forward_started_ = std::chrono::steady_clock::now();
   const std::size_t reattached = check_parameters();
   // Only in training mode: evaluation (often on rank 0 alone) must not wait for other ranks.
@@ -389,7 +456,11 @@ void DistributedDataParallelBase::guard_divergence(bool loaded_here) {
 void DistributedDataParallelBase::post_forward(const std::vector<torch::Tensor>& outputs) {
   // As PyTorch: a forward with gradients enabled prepares the synchronised backward, whatever
   // the mode (a backward after an eval-mode forward is averaged too).
-  if (torch::GradMode::is_enabled()) reducer_->prepare_for_backward(outputs);
+  if (torch::GradMode::is_enabled()) {
+    reducer_->prepare_for_backward(outputs);
+  } else if (options_.param_dtype) {
+    restore_full_precision_parameters();  // no backward follows
+  }
   if (std::exchange(guard_after_forward_, false)) guard_divergence(loaded_before_forward_);
   const auto finished = std::chrono::steady_clock::now();
   if (is_training()) {

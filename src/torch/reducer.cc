@@ -199,6 +199,13 @@ std::size_t Reducer::check_parameters(const std::vector<torch::Tensor>& paramete
   return reattached;
 }
 
+void Reducer::follow_gradient_accumulators() {
+  std::lock_guard lock(mutex_);
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    if (!grad_hooks_[i]->attached_to(parameters_[i])) attach_hook(i);
+  }
+}
+
 Reducer::~Reducer() {
   grad_hooks_.clear();      // first: no hook may run into a Reducer being destroyed
   staging_thread_.reset();  // lets a launch in progress finish; nothing launches after it
@@ -313,7 +320,10 @@ bool Reducer::is_bucket_view(std::size_t param, const torch::Tensor& grad) const
 
 void Reducer::autograd_hook(std::size_t param) {
   std::lock_guard lock(mutex_);
-  if (!require_sync_) return;  // no_sync: gradients just accumulate
+  if (!require_sync_) {  // no_sync: gradients just accumulate
+    queue_end_of_backward();
+    return;
+  }
   if (!expect_hooks_) {
     throw Error(fmt::format(
         "DistributedDataParallel (rank {}): backward reached parameter '{}', but the forward pass "
@@ -336,6 +346,7 @@ void Reducer::autograd_hook(std::size_t param) {
     timeline_.bucket_in_place.resize(buckets_.size());
     timeline_.bucket_bytes_sent.resize(buckets_.size());
     libtorch_compat::at_end_of_backward([this] { finalize_backward(); });
+    queue_end_of_backward();  // after finalize_backward: the gradients are delivered then
   }
   if (!unused_marked_) {
     // Parameters this pass does not use still have to fill their buckets (with zeros).
@@ -376,14 +387,16 @@ void Reducer::mark_ready(std::size_t param, bool has_grad) {
           names_[param]));
     }
     if (!is_bucket_view(param, grad)) {
-      if (grad.sizes() != view.sizes() || grad.scalar_type() != view.scalar_type()) {
+      const bool dtype_fits =
+          grad.scalar_type() == view.scalar_type() || grad.scalar_type() == options_.gradient_dtype;
+      if (grad.sizes() != view.sizes() || !dtype_fits) {
         throw Error(fmt::format(
             "DistributedDataParallel: the gradient of '{}' has shape {} and "
             "dtype {}, but the parameter has {} and {}",
             names_[param], fmt::join(grad.sizes(), "x"), c10::toString(grad.scalar_type()),
             fmt::join(view.sizes(), "x"), c10::toString(view.scalar_type())));
       }
-      if (can_reduce_in_place(grad)) {
+      if (grad.scalar_type() == view.scalar_type() && can_reduce_in_place(grad)) {
         // Copied (or not at all) only when the bucket is launched: if every gradient of the
         // bucket qualifies, the engine reduces them where they are, without the round trip
         // through the bucket (for a large model the copies cost as much as the reduction).
@@ -739,7 +752,7 @@ void Reducer::deliver_gradients(const std::vector<std::int32_t>& used_anywhere) 
     const auto& view = buckets_[slots_[i].bucket].views[slots_[i].index];
     if (options_.gradient_as_bucket_view) {
       grad = slot_view(i);
-    } else if (grad.defined()) {
+    } else if (grad.defined() && grad.scalar_type() == view.scalar_type()) {
       grad.copy_(view);
     } else {
       grad = view.clone();
@@ -938,6 +951,8 @@ void Reducer::rebuild_buckets() {
 
 void Reducer::prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
   std::lock_guard lock(mutex_);
+  // A new pass: a failed one may have dropped its queued callbacks.
+  end_of_backward_queued_ = false;
   if (!require_sync_) return;
   throw_if_hook_failed();
   expect_hooks_ = true;
@@ -954,6 +969,25 @@ void Reducer::find_unused(const std::vector<torch::Tensor>& outputs) {
   for (std::size_t i = 0; i < parameters_.size(); ++i) {
     if (seen.count(grad_hooks_[i]->node()) == 0) unused_.push_back(i);
   }
+}
+
+void Reducer::set_end_of_backward(std::function<void()> callback) {
+  std::lock_guard lock(mutex_);
+  end_of_backward_ = std::move(callback);
+}
+
+void Reducer::queue_end_of_backward() {
+  if (!end_of_backward_ || end_of_backward_queued_) return;
+  end_of_backward_queued_ = true;
+  libtorch_compat::at_end_of_backward([this] {
+    std::function<void()> callback;
+    {
+      std::lock_guard lock(mutex_);
+      end_of_backward_queued_ = false;
+      callback = end_of_backward_;
+    }
+    callback();
+  });
 }
 
 void Reducer::set_require_sync(bool require_sync) {

@@ -147,6 +147,9 @@ torch::jit::IValue ScriptDistributedDataParallelImpl::forward(
     std::vector<torch::jit::IValue> inputs) {
   view_->refresh();
   pre_forward();
+  for (auto& input : inputs) {  // DdpOptions::param_dtype: tensor arguments as the parameters
+    if (input.isTensor()) input = mixed_precision_input(input.toTensor());
+  }
   // Thread-local and restored on exit, so other TorchScript calls of the program keep theirs.
   const torch::jit::GraphOptimizerEnabledGuard optimisation(jit_graph_optimization_);
   auto output = module_.forward(std::move(inputs));

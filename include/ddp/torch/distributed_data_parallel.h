@@ -88,6 +88,15 @@ struct DdpOptions {
   // wire) while parameters and .grad stay fp32; the same as registering bf16_compress_hook() or
   // fp16_compress_hook(), which a later register_comm_hook replaces. nullopt: the gradients' dtype.
   std::optional<torch::ScalarType> reduce_dtype;
+  // Mixed precision for compute (PyTorch's mixed_precision.param_dtype, _MixedPrecision):
+  // torch::kBFloat16 or torch::kHalf runs forward and backward with every floating-point parameter
+  // in that dtype, from full-precision master weights. Each forward casts the parameters (and the
+  // floating-point tensors passed to forward) to it; backward's gradients are upcast into the
+  // buckets and averaged in the parameters' own dtype (or in reduce_dtype); when backward ends
+  // (also under no_sync), or at once after a forward with gradients disabled, the parameters are
+  // their full-precision selves again, with full-precision gradients, for the optimizer and
+  // checkpoints. Buffers keep their dtype (PyTorch's buffer_dtype: not built). nullopt: off.
+  std::optional<torch::ScalarType> param_dtype;
   // Parameters and buffers DDP leaves alone, by their dotted names in the wrapped module
   // (PyTorch's _set_params_and_buffers_to_ignore_for_model): not broadcast at construction, not
   // reduced (their gradients stay this rank's own), not in the divergence guard. A name that is
@@ -170,6 +179,9 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
                               DdpOptions options);
   void pre_forward();
   void post_forward(const std::vector<torch::Tensor>& outputs);
+  // `input` cast to DdpOptions::param_dtype when that is set and `input` is floating-point, else
+  // `input` itself.
+  torch::Tensor mixed_precision_input(const torch::Tensor& input) const;
 
  private:
   struct StepPlan;
@@ -183,6 +195,11 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   bool parameters_loaded_since_last_forward(std::size_t reattached);
   // `loaded_ranks`: the ranks that loaded since the last forward, named in the error.
   void check_divergence_because(const std::vector<int>& loaded_ranks);
+  // DdpOptions::param_dtype: the parameters' data swapped for a low-precision copy (forward and
+  // backward), and back to their full-precision masters with their gradients upcast.
+  void cast_parameters_for_forward();
+  void restore_full_precision_parameters();
+  void pre_forward_in_full_precision();
 
   WrappedModuleTensors wrapped_;
   std::shared_ptr<ProcessGroup> group_;
@@ -204,6 +221,9 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   std::chrono::steady_clock::time_point forward_started_{};
   std::int64_t timed_forwards_ = 0;
   std::chrono::nanoseconds forward_time_{0};
+  // While the parameters are cast (param_dtype): each one and its full-precision data.
+  std::vector<torch::Tensor> cast_parameters_;
+  std::vector<torch::Tensor> full_precision_data_;
 };
 
 namespace detail {
@@ -242,7 +262,7 @@ class DistributedDataParallelImpl : public DistributedDataParallelBase {
   template <typename... Args>
   auto forward(Args&&... args) {
     pre_forward();
-    auto output = module_->forward(std::forward<Args>(args)...);
+    auto output = module_->forward(forward_argument(std::forward<Args>(args))...);
     std::vector<torch::Tensor> tensors;
     detail::collect_tensors(output, tensors);
     post_forward(tensors);
@@ -253,6 +273,17 @@ class DistributedDataParallelImpl : public DistributedDataParallelBase {
   const std::shared_ptr<ModuleType>& module() const { return module_; }
 
  private:
+  // A tensor argument of forward, cast to DdpOptions::param_dtype when it is floating-point;
+  // anything else as it came.
+  template <typename T>
+  decltype(auto) forward_argument(T&& arg) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<T>, torch::Tensor>) {
+      return mixed_precision_input(arg);
+    } else {
+      return std::forward<T>(arg);
+    }
+  }
+
   std::shared_ptr<ModuleType> module_;
 };
 

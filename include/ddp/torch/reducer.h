@@ -47,6 +47,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -92,6 +93,10 @@ struct ReducerOptions {
   // averaged, so the bytes sent grow with the rows touched, not with the table. Comm hooks take
   // dense buckets: register_comm_hook with such a parameter is a ConfigError, as is a CUDA one.
   std::vector<bool> sparse_gradients;
+  // Gradients may arrive in this dtype instead of the parameters' (DDP's param_dtype: backward
+  // runs on low-precision copies); they are upcast into the buckets and delivered in the
+  // parameters' dtype.
+  std::optional<c10::ScalarType> gradient_dtype;
 };
 
 // What happened in the last synchronised backward pass (for tests and profiling).
@@ -148,6 +153,11 @@ class Reducer {
   std::size_t check_parameters(const std::vector<torch::Tensor>& parameters,
                                const std::vector<std::string>& names);
 
+  // Moves the hooks to the parameters' current gradient accumulators where those changed while
+  // the tensors stayed (libtorch gives a parameter a new accumulator when set_data changes its
+  // dtype: DDP's param_dtype does, before and after each pass). Local.
+  void follow_gradient_accumulators();
+
   // True once the first synchronised backward has recorded the order in which gradients became
   // ready: the next training forward must call rebuild_buckets() on every rank.
   bool rebuild_due() const;
@@ -169,6 +179,11 @@ class Reducer {
   // averaged gradients in the parameters' .grad as a training rank's backward would (scaled by
   // set_gradient_scale), so that a sharded optimizer can step this rank's shard with them.
   void shadow_backward();
+
+  // Runs at the end of every backward pass that reaches a parameter's hook, synchronised or not
+  // (no_sync), after the gradients are delivered: on the autograd thread, outside the Reducer's
+  // lock. Empty: nothing. Set it before the first backward.
+  void set_end_of_backward(std::function<void()> callback);
 
   // false = gradients accumulate locally (no_sync); true = the next backward synchronises.
   void set_require_sync(bool require_sync);
@@ -224,6 +239,7 @@ class Reducer {
   void wait_for_launched_buckets() noexcept;
   void reset_iteration();
   void attach_hook(std::size_t param);
+  void queue_end_of_backward();  // at most once per pass
   std::string bucket_phase(std::size_t bucket) const;
   void after_synchronised_pass();
   void record_pass_stats();
@@ -255,6 +271,8 @@ class Reducer {
 
   mutable std::mutex mutex_;
   bool require_sync_ = true;
+  std::function<void()> end_of_backward_;
+  bool end_of_backward_queued_ = false;
   // Per backward pass.
   std::vector<bool> ready_;
   std::vector<bool> used_;  // got a gradient in this pass (find_unused bookkeeping)

@@ -1,0 +1,159 @@
+// DistributedDataParallel with DdpOptions::param_dtype (PyTorch's DDP mixed_precision
+// .param_dtype), in real processes: forward and backward run on bfloat16 copies of the
+// parameters, and the averaged float32 gradients, and the float32 weights an optimizer steps with
+// them, equal what each rank computes on its own bfloat16 copy, upcast and averaged; also under
+// no_sync; a forward without gradients leaves the parameters in float32; bad dtypes are refused.
+#include <gtest/gtest.h>
+
+#include "ddp/error.h"
+#include "ddp/torch/distributed_data_parallel.h"
+#include "support/multiprocess.h"
+#include "torch/ddp_test_util.h"
+
+namespace ddp {
+namespace {
+
+using test::join_group;
+using test::run_ranks;
+
+torch::nn::Sequential make_net() {
+  torch::manual_seed(3);
+  return torch::nn::Sequential(torch::nn::Linear(6, 5), torch::nn::ReLU(), torch::nn::Linear(5, 2));
+}
+
+torch::Tensor batch_of(int rank, int step) {
+  torch::manual_seed(100 + 10 * rank + step);
+  return torch::randn({4, 6});
+}
+
+// This rank's gradients of `net` (float32) computed the way param_dtype computes them: on a
+// bfloat16 copy, upcast to float32, accumulated over `inputs`.
+std::vector<torch::Tensor> local_bf16_gradients(const torch::nn::Sequential& net,
+                                                const std::vector<torch::Tensor>& inputs) {
+  auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+  copy->to(torch::kBFloat16);
+  std::vector<torch::Tensor> sums;
+  for (const auto& p : net->parameters())
+    sums.push_back(torch::zeros_like(p));
+  for (const auto& x : inputs) {
+    copy->zero_grad();
+    copy->forward(x.to(torch::kBFloat16)).pow(2).sum().backward();
+    const auto params = copy->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i)
+      sums[i] += params[i].grad().to(torch::kFloat32);
+  }
+  return sums;
+}
+
+// The average over the ranks of each tensor (float32 sum, then divided once, as DDP's buckets).
+std::vector<torch::Tensor> averaged(ProcessGroup& group, std::vector<torch::Tensor> tensors) {
+  for (auto& t : tensors) {
+    allreduce_tensor(group, t, ReduceOp::kSum)->wait();
+    t.div_(group.size());
+  }
+  return tensors;
+}
+
+void expect_float32(const torch::nn::Sequential& net, const std::string& when) {
+  for (const auto& p : net->parameters()) {
+    if (p.scalar_type() != torch::kFloat32 ||
+        (p.grad().defined() && p.grad().scalar_type() != torch::kFloat32)) {
+      throw std::runtime_error("a parameter or gradient is not float32 " + when);
+    }
+  }
+}
+
+TEST(DdpMixedPrecision, AveragesTheBf16GradientsIntoFloat32MasterWeights) {
+  const int size = 2;
+  const int port = test::free_port();
+  const auto results = run_ranks(size, [&](int rank) {
+    auto pg = join_group(rank, size, port);
+    auto net = make_net();
+    auto reference = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+    DistributedDataParallel model(net.ptr(), pg, DdpOptions{.param_dtype = torch::kBFloat16});
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      const auto x = batch_of(rank, step);
+      const auto want = averaged(*pg, local_bf16_gradients(torch::nn::Sequential(reference), {x}));
+      opt.zero_grad();
+      const auto out = model->forward(x);
+      if (out.scalar_type() != torch::kBFloat16) {
+        throw std::runtime_error("forward did not run in bfloat16");
+      }
+      out.pow(2).sum().backward();
+      expect_float32(net, "after backward");
+      const auto params = net->parameters();
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        test::expect_close(params[i].grad(), want[i], fmt::format("gradient {} step {}", i, step),
+                           1e-6, 1e-7);
+      }
+      opt.step();
+      {
+        torch::NoGradGuard no_grad;
+        const auto ref_params = reference->parameters();
+        for (std::size_t i = 0; i < ref_params.size(); ++i)
+          ref_params[i].sub_(0.1 * want[i]);
+      }
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        test::expect_close(params[i], reference->parameters()[i],
+                           fmt::format("float32 weight {} after step {}", i, step), 1e-6, 1e-7);
+      }
+    }
+    // A forward without gradients (evaluation) leaves the parameters in float32 at once.
+    {
+      torch::NoGradGuard no_grad;
+      model->forward(batch_of(rank, 9));
+    }
+    expect_float32(net, "after a forward without gradients");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpMixedPrecision, AccumulatesUnderNoSyncInFloat32) {
+  const int size = 2;
+  const int port = test::free_port();
+  const auto results = run_ranks(size, [&](int rank) {
+    auto pg = join_group(rank, size, port);
+    auto net = make_net();
+    auto reference =
+        torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone()));
+    DistributedDataParallel model(net.ptr(), pg, DdpOptions{.param_dtype = torch::kBFloat16});
+    const std::vector<torch::Tensor> inputs = {batch_of(rank, 0), batch_of(rank, 1),
+                                               batch_of(rank, 2)};
+    model->zero_grad();
+    {
+      auto guard = model->no_sync();
+      for (int i = 0; i < 2; ++i) {
+        model->forward(inputs[i]).pow(2).sum().backward();
+        expect_float32(net, "after a backward under no_sync");
+      }
+    }
+    model->forward(inputs[2]).pow(2).sum().backward();
+    const auto want = averaged(*pg, local_bf16_gradients(reference, inputs));
+    const auto params = net->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      test::expect_close(params[i].grad(), want[i], fmt::format("accumulated gradient {}", i), 1e-5,
+                         1e-6);
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpMixedPrecision, AnIntegerParamDtypeIsRefused) {
+  const int port = test::free_port();
+  const auto results = run_ranks(1, [&](int rank) {
+    auto pg = join_group(rank, 1, port);
+    try {
+      DistributedDataParallel model(make_net().ptr(), pg, DdpOptions{.param_dtype = torch::kInt32});
+      throw std::runtime_error("param_dtype int32 was accepted");
+    } catch (const ConfigError& e) {
+      if (std::string(e.what()).find("param_dtype is Int") == std::string::npos) {
+        throw std::runtime_error(std::string("unexpected message: ") + e.what());
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+}  // namespace
+}  // namespace ddp
