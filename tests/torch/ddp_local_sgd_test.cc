@@ -1,6 +1,6 @@
-// Post-local SGD and the noop hook (local_sgd.h, comm_hooks.h), in real processes: which
-// iterations average the gradients over which ranks, and what the periodic model averager
-// averages, against values each rank computes on its own.
+// Post-local SGD, the noop hook and the compress wrappers (local_sgd.h, comm_hooks.h), in real
+// processes: which iterations average the gradients over which ranks, and what the periodic model
+// averager averages, against values each rank computes on its own.
 #include "ddp/torch/local_sgd.h"
 
 #include <gtest/gtest.h>
@@ -68,6 +68,46 @@ TEST(NoopHook, LeavesEachRanksOwnGradientsAndSendsNothing) {
     for (const auto& outcome : run_steps(*pg, pg, noop_hook(), 2)) {
       if (outcome.equal_across_ranks || !outcome.equals_local)
         throw std::runtime_error("noop_hook averaged the gradients");
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// fp16/bf16_compress_wrapper: allreduce on the 16-bit copy is the compress hook itself, bit for
+// bit; the noop hook on it leaves this rank's gradient rounded to 16 bits.
+TEST(CompressWrapper, OfAllreduceIsTheCompressHookAndOfNoopRoundsTheLocalGradient) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    auto gradient_under = [&](const CommHook& hook) {
+      torch::manual_seed(1);
+      torch::nn::Linear net(6, 3);
+      DistributedDataParallel model(net.ptr(), pg);
+      model->register_comm_hook(hook, "under test");
+      model->forward(torch::full({4, 6}, 0.3 + rank)).pow(2).sum().backward();
+      return net->weight.grad().clone();
+    };
+    for (const auto wire : {torch::kHalf, torch::kBFloat16}) {
+      const bool half = wire == torch::kHalf;
+      const auto wrapped = gradient_under(half ? fp16_compress_wrapper(allreduce_hook())
+                                               : bf16_compress_wrapper(allreduce_hook()));
+      const auto direct = gradient_under(half ? fp16_compress_hook() : bf16_compress_hook());
+      if (!torch::equal(wrapped, direct)) {
+        throw std::runtime_error("the wrapper of allreduce differs from the compress hook");
+      }
+      const auto local = gradient_under(noop_hook());
+      const auto rounded = gradient_under(half ? fp16_compress_wrapper(noop_hook())
+                                               : bf16_compress_wrapper(noop_hook()));
+      if (!torch::equal(rounded, local.to(wire).to(torch::kFloat32)) ||
+          torch::equal(rounded, local)) {
+        throw std::runtime_error("the wrapper of noop did not leave the local gradient in 16 bits");
+      }
+    }
+    try {
+      fp16_compress_wrapper(CommHook{});
+      throw std::runtime_error("an empty hook was wrapped");
+    } catch (const ConfigError& e) {
+      if (std::string(e.what()).find("the hook to wrap is empty") == std::string::npos) throw;
     }
   });
   EXPECT_ALL_RANKS_OK(results);

@@ -13,7 +13,8 @@
 // average, cast back; lossy, as in PyTorch); powersgd_hook() and batched_powersgd_hook()
 // (powersgd_hook.h: low-rank compression with PyTorch's semantics) and int8_quantize_hook()
 // (quantized_hook.h: int8 with a per-bucket scale and error feedback); post_local_sgd_hook()
-// (local_sgd.h). noop_hook() (PyTorch's debugging noop_hook) communicates nothing and leaves each
+// (local_sgd.h); fp16_compress_wrapper() and bf16_compress_wrapper() run any hook on a 16-bit
+// copy. noop_hook() (PyTorch's debugging noop_hook) communicates nothing and leaves each
 // rank's own gradients in the bucket: the exception to the rule above, for measuring DDP's step
 // without communication (the bound no hook can beat); the ranks' replicas then drift apart.
 //
@@ -66,6 +67,14 @@ CommHook allreduce_hook();
 CommHook fp16_compress_hook();
 CommHook bf16_compress_hook();
 CommHook noop_hook();
+
+// PyTorch's fp16_compress_wrapper(hook) and bf16_compress_wrapper(hook): `hook` runs on a 16-bit
+// copy of the bucket (its buffer and gradient views in that dtype), and the bucket gets the
+// result, cast back, when the reduction finishes: e.g. fp16_compress_wrapper(powersgd_hook(...))
+// compresses what PowerSGD starts from. A bucket already in that dtype goes to `hook` as it is.
+// An empty `hook` is a ConfigError.
+CommHook fp16_compress_wrapper(CommHook hook);
+CommHook bf16_compress_wrapper(CommHook hook);
 
 }  // namespace ddp
 #pragma GCC visibility pop
