@@ -177,6 +177,46 @@ TEST(PeriodicModelAverager, AveragesEveryPeriodAfterTheWarmUp) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+TEST(HierarchicalModelAverager, AveragesOverTheSubgroupOfTheLargestPeriodDividingTheStep) {
+  const int size = 4;
+  const int port = test::free_port();
+  const auto results = run_ranks(size, [&](int rank) {
+    auto pg = join_group(rank, size, port);
+    // Pairs of ranks every 2 steps, all 4 every 4 steps, from step 1 on.
+    HierarchicalModelAverager averager(
+        {.period_group_sizes = {{2, 2}, {4, 4}}, .warmup_steps = 1, .group = pg});
+    auto weight = torch::full({3}, 1.0 + rank, torch::kFloat64);
+    const std::vector<int> expected{0, 0, 2, 0, 4, 0, 2};
+    for (std::size_t step = 0; step < expected.size(); ++step) {
+      weight.add_(static_cast<double>(rank * rank + 1));  // diverge between averagings
+      const auto before = gathered(*pg, weight);
+      const int averaged = averager.average_parameters({weight});
+      if (averaged != expected[step])
+        throw std::runtime_error(fmt::format("step {}: averaged over {}", step, averaged));
+      const int first = averaged == 0 ? rank : rank / averaged * averaged;
+      const auto want = before.narrow(0, first, std::max(averaged, 1)).mean(0);
+      test::expect_close(weight, want, fmt::format("weight after step {}", step), 1e-12, 1e-12);
+    }
+    using Pairs = std::vector<std::pair<std::int64_t, int>>;
+    auto refused = [&](Pairs pairs, std::int64_t warmup, const std::string& words) {
+      try {
+        HierarchicalModelAverager bad(
+            {.period_group_sizes = std::move(pairs), .warmup_steps = warmup, .group = pg});
+      } catch (const ConfigError& e) {
+        if (std::string(e.what()).find(words) != std::string::npos) return;
+        throw std::runtime_error(fmt::format("message without '{}': {}", words, e.what()));
+      }
+      throw std::runtime_error("accepted options that should be refused: " + words);
+    };
+    refused({}, 0, "is empty");
+    refused({{4, 2}, {2, 4}}, 0, "larger than the one before");
+    refused({{2, 3}, {4, 4}}, 0, "group size 3 (pair 0) does not divide");
+    refused({{2, 2}}, 0, "must be the whole group's (4)");
+    refused({{2, 4}}, -1, "negative");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(PostLocalSgd, BadOptionsAreConfigErrors) {
   EXPECT_THROW(PostLocalSgdState({.start_local_sgd_iter = -1}), ConfigError);
   EXPECT_THROW(post_local_sgd_hook(nullptr), ConfigError);

@@ -2,7 +2,8 @@
 // torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager): DDP averages
 // gradients over the whole group for the first `start_local_sgd_iter` iterations, then only inside
 // a subgroup (by default the ranks of this host), and every `period` steps a
-// PeriodicModelAverager averages the parameters over the whole group.
+// PeriodicModelAverager averages the parameters over the whole group (HierarchicalModelAverager:
+// over nested subgroups at several periods).
 //
 //   auto state = std::make_shared<ddp::PostLocalSgdState>(ddp::PostLocalSgdOptions{
 //       .start_local_sgd_iter = 100});
@@ -20,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -81,6 +83,37 @@ class PeriodicModelAverager {
 
  private:
   PeriodicModelAveragerOptions options_;
+  std::int64_t step_ = 0;
+};
+
+struct HierarchicalModelAveragerOptions {
+  // (period, group size) pairs, periods strictly ascending (PyTorch's period_group_size_dict): at
+  // each call from warmup_steps on, the parameters are averaged over this rank's subgroup of the
+  // largest period that divides the call's step (none: not averaged). Each size divides the
+  // group's size (the subgroups are new_subgroups(size) of the group); the largest period's size
+  // is the group's size. E.g. {{2, 2}, {8, 4}} at world 4: pairs every 2 steps, all every 8.
+  std::vector<std::pair<std::int64_t, int>> period_group_sizes;
+  std::int64_t warmup_steps = 0;  // >= 0
+  // null: the default process group, looked up at construction.
+  std::shared_ptr<ProcessGroup> group;
+};
+
+// PyTorch's HierarchicalModelAverager: averaging at several periods over nested subgroups (e.g.
+// often inside a host, rarely across hosts).
+class HierarchicalModelAverager {
+ public:
+  // Collective over the group: makes the subgroups. ConfigError for an empty list, periods that
+  // are not >= 1 and strictly ascending, a size that does not divide the group's, a largest
+  // period's size other than the group's, or warmup_steps < 0.
+  explicit HierarchicalModelAverager(HierarchicalModelAveragerOptions options);
+  // Averages `parameters` (as PeriodicModelAverager) when this call is an averaging step; returns
+  // the size of the subgroup averaged over (0: not averaged). Collective over that subgroup.
+  int average_parameters(const std::vector<torch::Tensor>& parameters);
+  std::int64_t step() const { return step_; }
+
+ private:
+  HierarchicalModelAveragerOptions options_;
+  std::vector<std::shared_ptr<ProcessGroup>> subgroups_;  // per period: this rank's subgroup
   std::int64_t step_ = 0;
 };
 
