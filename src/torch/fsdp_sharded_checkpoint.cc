@@ -115,6 +115,11 @@ std::int64_t read_int(torch::serialize::InputArchive& archive, const std::string
 
 void FullyShardedDataParallelImpl::save_sharded_checkpoint(
     const std::filesystem::path& dir, const torch::optim::Optimizer& optimizer) const {
+  if (options_.sharding_strategy == ShardingStrategy::kHybridShard) {
+    throw ConfigError(
+        "FullyShardedDataParallel: sharded checkpoints of kHybridShard are not built (each shard "
+        "has replicas); save full_state_dict() instead");
+  }
   // Every rank checks the optimizer before anything collective: the same on every rank.
   const std::string kind = optimizer_kind(optimizer);
   torch::NoGradGuard no_grad;
@@ -157,6 +162,11 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
 
 void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem::path& dir,
                                                            torch::optim::Optimizer& optimizer) {
+  if (options_.sharding_strategy == ShardingStrategy::kHybridShard) {
+    throw ConfigError(
+        "FullyShardedDataParallel: sharded checkpoints of kHybridShard are not built (each shard "
+        "has replicas); save full_state_dict() instead");
+  }
   const std::string kind = optimizer_kind(optimizer);
   const auto manifest_path = dir / "manifest.pt";
   if (!std::filesystem::exists(manifest_path)) {

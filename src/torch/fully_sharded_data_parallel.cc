@@ -120,6 +120,8 @@ const char* to_string(ShardingStrategy strategy) {
       return "SHARD_GRAD_OP";
     case ShardingStrategy::kNoShard:
       return "NO_SHARD";
+    case ShardingStrategy::kHybridShard:
+      return "HYBRID_SHARD";
   }
   return "?";
 }
@@ -128,6 +130,7 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::Sequential
                                                            GroupRef group, FsdpOptions options)
     : module_(std::move(module)), group_ref_(std::move(group)), options_(std::move(options)) {
   group_ = &group_ref_.get();
+  make_hybrid_groups();
   build();
 }
 
@@ -138,13 +141,59 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
   if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module)) {
     module_ = torch::nn::Sequential(sequential);
   }
+  make_hybrid_groups();
   build();
 }
 
 FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() = default;
 
+bool FullyShardedDataParallelImpl::frees_full_parameters() const {
+  return options_.sharding_strategy == ShardingStrategy::kFullShard ||
+         options_.sharding_strategy == ShardingStrategy::kHybridShard;
+}
+
+void FullyShardedDataParallelImpl::make_hybrid_groups() {
+  shard_group_ = group_;
+  const bool given = options_.shard_group || options_.replicate_group;
+  if (options_.sharding_strategy != ShardingStrategy::kHybridShard) {
+    if (given) {
+      throw ConfigError(fmt::format(
+          "FsdpOptions::shard_group and replicate_group are for kHybridShard; the strategy is {}",
+          to_string(options_.sharding_strategy)));
+    }
+    return;
+  }
+  if (given) {
+    if (!options_.shard_group || !options_.replicate_group) {
+      throw ConfigError(
+          "FsdpOptions: kHybridShard takes both shard_group and replicate_group, or neither (then "
+          "this host's ranks shard and the hosts replicate)");
+    }
+    if (options_.shard_group->size() * options_.replicate_group->size() != group_->size()) {
+      throw ConfigError(fmt::format(
+          "FsdpOptions: shard_group ({} ranks) x replicate_group ({} ranks) is not the group's {} "
+          "ranks",
+          options_.shard_group->size(), options_.replicate_group->size(), group_->size()));
+    }
+    shard_group_ = options_.shard_group.get();
+    replicate_group_ = options_.replicate_group;
+    return;
+  }
+  // This host's ranks shard; rank j of every host's subgroup replicates the same shards.
+  const Subgroups hosts = new_subgroups(0, *group_);
+  std::vector<std::vector<int>> replicas(hosts.ranks.front().size());
+  for (const auto& host : hosts.ranks) {
+    for (std::size_t j = 0; j < host.size() && j < replicas.size(); ++j)
+      replicas[j].push_back(host[j]);
+  }
+  options_.shard_group = hosts.mine;
+  options_.replicate_group = split_group(replicas, *group_);
+  shard_group_ = options_.shard_group.get();
+  replicate_group_ = options_.replicate_group;
+}
+
 void FullyShardedDataParallelImpl::build() {
-  const int world = group_->size();
+  const int world = shard_group_->size();
   std::string local_error;
   std::ostringstream description;
   // A local problem must not leave the other ranks waiting: it travels in the agreement check and
@@ -289,7 +338,7 @@ void FullyShardedDataParallelImpl::build() {
   }
 
   torch::NoGradGuard no_grad;
-  const int rank = group_->rank();
+  const int rank = shard_group_->rank();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
     unit.full = mapped_zeros(unit.padded);
@@ -318,7 +367,7 @@ void FullyShardedDataParallelImpl::build() {
           std::make_unique<libtorch_compat::GradReadyHook>(p, [this, u] { on_grad_ready(u); }));
     }
     register_parameter(fmt::format("unit_{}", u), unit.shard);
-    if (options_.sharding_strategy == ShardingStrategy::kFullShard) free_full(u);
+    if (frees_full_parameters()) free_full(u);
   }
   auto buffers = module_->buffers();
   if (!buffers.empty()) broadcast_coalesced(*group_, buffers, 0);
@@ -352,7 +401,7 @@ void FullyShardedDataParallelImpl::start_gather(std::size_t unit) {
   auto& u = *units_[unit];
   if (u.state != Unit::State::kFree) return;
   if (!storage_allocated(u.full)) allocate_storage(u.full);
-  u.gather = all_gather_into_tensor_async(u.full, u.shard.detach(), *group_);
+  u.gather = all_gather_into_tensor_async(u.full, u.shard.detach(), *shard_group_);
   u.state = Unit::State::kGathering;
   ++all_gather_count_;
 }
@@ -401,7 +450,7 @@ torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
       if (build_graph && x.requires_grad()) {
         x.register_hook([this, u](const torch::Tensor&) { before_unit_backward(u); });
       }
-      if (options_.sharding_strategy == ShardingStrategy::kFullShard) free_full(u);
+      if (frees_full_parameters()) free_full(u);
       current = -1;
     }
   }
@@ -430,7 +479,7 @@ void FullyShardedDataParallelImpl::before_unit_backward(std::size_t unit) {
       p.mutable_grad() = view;
     }
   }
-  if (options_.sharding_strategy != ShardingStrategy::kFullShard) return;
+  if (!frees_full_parameters()) return;
   start_gather(unit);
   wait_gather(unit);
   if (unit > 0) start_gather(unit - 1);  // overlaps this unit's backward
@@ -463,10 +512,10 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
     u.reduction = all_reduce_async(u.reduction_input, ReduceOp::kSum, *group_);
   } else {
     u.reduction_output = torch::empty({u.shard_numel}, torch::kFloat);
-    u.reduction =
-        reduce_scatter_tensor_async(u.reduction_output, u.reduction_input, ReduceOp::kSum, *group_);
+    u.reduction = reduce_scatter_tensor_async(u.reduction_output, u.reduction_input, ReduceOp::kSum,
+                                              *shard_group_);
   }
-  if (options_.sharding_strategy == ShardingStrategy::kFullShard) free_full(unit);
+  if (frees_full_parameters()) free_full(unit);
   // Bound the memory of gradients in flight: every reduction that has completed hands its result
   // to its shard now (freeing its full flat gradient), and only the newest kReductionsInFlight
   // stay outstanding, so backward holds one unit's full gradient in flight while the next unit
@@ -491,7 +540,11 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
       [&] {
         return fmt::format("gradient reduce-scatter of unit {} of {}", unit + 1, units_.size());
       },
-      [&] { u.reduction->wait(); });
+      [&] {
+        u.reduction->wait();
+        // kHybridShard: the shard group's sum, summed over the replicas of this shard.
+        if (replicate_group_) all_reduce(u.reduction_output, ReduceOp::kSum, *replicate_group_);
+      });
   u.reduction_output.div_(static_cast<double>(group_->size()));
   auto& grad = u.shard.mutable_grad();
   if (grad.defined()) {
@@ -518,7 +571,7 @@ void FullyShardedDataParallelImpl::finish_backward() {
     unit->ready = 0;
     unit->reduced = false;
   }
-  if (options_.sharding_strategy == ShardingStrategy::kFullShard) {
+  if (frees_full_parameters()) {
     for (std::size_t u = 0; u < units_.size(); ++u)
       free_full(u);
   }
@@ -539,7 +592,7 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::ful
       flats.push_back(unit->shard.detach());
     } else {
       auto flat = torch::empty({unit->padded}, torch::kFloat);
-      all_gather_into_tensor(flat, unit->shard.detach(), *group_);
+      all_gather_into_tensor(flat, unit->shard.detach(), *shard_group_);
       flats.push_back(flat);
     }
   }

@@ -172,6 +172,73 @@ void expect_every_strategy_equals_ddp(Kind kind, int world) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// HYBRID_SHARD: sharded inside pairs of ranks {0,1}, {2,3}, replicated over {0,2}, {1,3} (as two
+// hosts of two); and with the default groups (one host here: shard over all, replicas of one).
+// Both train as DDP over every rank does, to 1e-5.
+TEST(FullyShardedDataParallel, HybridShardEqualsDdpWithGivenAndDefaultGroups) {
+  for (const int world : {4, 2}) {
+    const int port = test::free_port();
+    const auto results = run_ranks(world, [&](int rank) {
+      auto pg = join_group(rank, world, port);
+      auto net_ddp = make_model();
+      DistributedDataParallel ddp(net_ddp, pg);
+      auto full = make_optimizer(Kind::kSgd, ddp->parameters());
+      train_steps(ddp, *full, rank, world, 0, kSteps);
+      FsdpOptions options = three_units(ShardingStrategy::kHybridShard);
+      int shard_size = world;
+      if (world == 4) {
+        options.shard_group = split_group({{0, 1}, {2, 3}}, pg);
+        options.replicate_group = split_group({{0, 2}, {1, 3}}, pg);
+        shard_size = 2;
+      }
+      FullyShardedDataParallel fsdp(make_model(), pg, options);
+      for (std::size_t u = 0; u < fsdp->unit_count(); ++u) {
+        const auto info = fsdp->unit_info(u);
+        if (info.shard_numel != (info.numel + shard_size - 1) / shard_size) {
+          throw std::runtime_error(
+              fmt::format("unit {}: shard of {} elements of {}", u, info.shard_numel, info.numel));
+        }
+      }
+      auto opt = make_optimizer(Kind::kSgd, fsdp->parameters());
+      train_steps(fsdp, *opt, rank, world, 0, kSteps);
+      if (fsdp->all_gather_count() != 6 * kSteps || fsdp->gathered_parameter_bytes() != 0) {
+        throw std::runtime_error("HYBRID_SHARD does not gather and free as FULL_SHARD");
+      }
+      const auto state = fsdp->full_state_dict(0);
+      if (rank == 0) {
+        for (const auto& item : net_ddp->named_parameters()) {
+          test::expect_close(state[item.key()], item.value().detach(),
+                             fmt::format("world {} {}", world, item.key()), 1e-5, 1e-6);
+        }
+      }
+      // Sharded checkpoints are not built for it; groups without the strategy, or one group alone,
+      // are refused.
+      try {
+        fsdp->save_sharded_checkpoint("/nonexistent", *opt);
+        throw std::runtime_error("a sharded checkpoint of HYBRID_SHARD was accepted");
+      } catch (const ConfigError&) {
+      }
+      auto refused = [&](FsdpOptions bad, const std::string& words) {
+        try {
+          FullyShardedDataParallel wrong(make_model(), pg, std::move(bad));
+        } catch (const ConfigError& e) {
+          if (std::string(e.what()).find(words) != std::string::npos) return;
+          throw std::runtime_error(fmt::format("message without '{}': {}", words, e.what()));
+        }
+        throw std::runtime_error("accepted: " + words);
+      };
+      FsdpOptions one_group = three_units(ShardingStrategy::kHybridShard);
+      one_group.shard_group = pg;
+      refused(one_group, "both shard_group and replicate_group, or neither");
+      FsdpOptions not_hybrid = three_units(ShardingStrategy::kFullShard);
+      not_hybrid.shard_group = pg;
+      not_hybrid.replicate_group = pg;
+      refused(not_hybrid, "are for kHybridShard");
+    });
+    EXPECT_ALL_RANKS_OK(results);
+  }
+}
+
 // The full state of a sharded model crosses to Python's layout: full_state_dict gathered on rank
 // 0, written by save_state_dict, read back into an unwrapped model with strict checks, equal to
 // the gathered values bit for bit.

@@ -76,9 +76,13 @@ enum class ShardingStrategy {
   kFullShard,    // parameters, gradients and optimizer state sharded (ZeRO stage 3)
   kShardGradOp,  // gradients and optimizer state sharded, full parameters kept (ZeRO stage 2)
   kNoShard,      // nothing sharded: all-reduce, as DistributedDataParallel
+  // kFullShard inside a shard group (by default the ranks of this host), each shard replicated
+  // over a replicate group (by default the ranks at the same place in the other hosts' groups):
+  // gradients are reduce-scattered inside the shard group, then all-reduced over the replicas.
+  kHybridShard,
 };
 
-// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD" (PyTorch's names).
+// "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD" (PyTorch's names).
 const char* to_string(ShardingStrategy strategy);
 
 struct FsdpOptions {
@@ -88,6 +92,12 @@ struct FsdpOptions {
   std::int64_t min_num_params = 100'000'000;
   // Explicit units: [begin, end) ranges of child indices, sorted, not overlapping, not empty.
   std::vector<std::pair<std::size_t, std::size_t>> units;
+  // kHybridShard's groups (PyTorch's process_group=(intra-node, inter-node)): the group a unit is
+  // sharded over and the group its shards are replicated over, whose sizes multiply to the
+  // group's. Give both or neither; neither: this host's ranks (new_subgroups) and the ranks at the
+  // same place in the other hosts' subgroups (split_group), made collectively at construction.
+  std::shared_ptr<ProcessGroup> shard_group;
+  std::shared_ptr<ProcessGroup> replicate_group;
 };
 
 class FullyShardedDataParallelImpl : public torch::nn::Module {
@@ -164,6 +174,13 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   GroupRef group_ref_;
   ProcessGroup* group_ = nullptr;
   FsdpOptions options_;
+  // The group the units are sharded over: group_, or kHybridShard's shard group; and the group
+  // the shards are replicated over (kHybridShard only, else null).
+  ProcessGroup* shard_group_ = nullptr;
+  std::shared_ptr<ProcessGroup> replicate_group_;
+  void make_hybrid_groups();
+  // kFullShard and kHybridShard free the full parameters outside a unit's forward and backward.
+  bool frees_full_parameters() const;
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<std::ptrdiff_t> unit_starting_at_;  // child index -> unit beginning there, or -1
   static constexpr std::size_t kReductionsInFlight = 1;
