@@ -178,24 +178,16 @@ TEST(DdpSparseGradients, ACommHookIsRefusedByName) {
     auto pg = join_group(rank, 1, port);
     auto net = make_net(true);
     DistributedDataParallel model(net.ptr(), pg);
-    try {
-      model->register_comm_hook(fp16_compress_hook(), "fp16");
-      throw std::runtime_error("a comm hook was accepted over sparse gradients");
-    } catch (const ConfigError& e) {
-      if (std::string(e.what()).find("'table.weight' has sparse gradients") == std::string::npos) {
-        throw std::runtime_error(std::string("unexpected message: ") + e.what());
-      }
-    }
+    test::expect_throws<ConfigError>(
+        [&] { model->register_comm_hook(fp16_compress_hook(), "fp16"); },
+        "'table.weight' has sparse gradients", "a comm hook over sparse gradients");
     // reduce_dtype is a compression hook too.
-    try {
-      DistributedDataParallel compressed(make_net(true).ptr(), pg,
-                                         DdpOptions{.reduce_dtype = torch::kBFloat16});
-      throw std::runtime_error("reduce_dtype was accepted over sparse gradients");
-    } catch (const ConfigError& e) {
-      if (std::string(e.what()).find("has sparse gradients") == std::string::npos) {
-        throw std::runtime_error(std::string("unexpected message: ") + e.what());
-      }
-    }
+    test::expect_throws<ConfigError>(
+        [&] {
+          DistributedDataParallel compressed(make_net(true).ptr(), pg,
+                                             DdpOptions{.reduce_dtype = torch::kBFloat16});
+        },
+        "has sparse gradients", "reduce_dtype over sparse gradients");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

@@ -40,6 +40,22 @@ inline void expect_close(const torch::Tensor& actual, const torch::Tensor& expec
   }
 }
 
+// Runs `call`, which must throw an E whose message contains `needle`; otherwise throws
+// std::runtime_error saying what happened (`what` names the case).
+template <class E, class F>
+void expect_throws(F&& call, const std::string& needle, const std::string& what) {
+  try {
+    call();
+  } catch (const E& e) {
+    if (std::string(e.what()).find(needle) != std::string::npos) return;
+    throw std::runtime_error(
+        fmt::format("{}: the error '{}' does not mention '{}'", what, e.what(), needle));
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("{}: threw the wrong kind of error: {}", what, e.what()));
+  }
+  throw std::runtime_error(what + ": did not throw");
+}
+
 // Throws unless every rank holds bit-identical values of every tensor.
 inline void expect_identical_across_ranks(ProcessGroup& group,
                                           const std::vector<torch::Tensor>& tensors,
