@@ -181,6 +181,19 @@ TEST(DdpSparseGradients, ACommHookIsRefusedByName) {
     test::expect_throws<ConfigError>(
         [&] { model->register_comm_hook(fp16_compress_hook(), "fp16"); },
         "'table.weight' has sparse gradients", "a comm hook over sparse gradients");
+    // A sparse gradient from a module DDP does not know as sparse (not an Embedding) fails
+    // backward with an Error naming the parameter.
+    struct RawLookupImpl : torch::nn::Module {
+      RawLookupImpl() : weight(register_parameter("weight", torch::randn({kRows, kWidth}))) {}
+      torch::Tensor forward(const torch::Tensor& rows) {
+        return torch::embedding(weight, rows, -1, false, /*sparse=*/true).sum();
+      }
+      torch::Tensor weight;
+    };
+    auto raw = std::make_shared<RawLookupImpl>();
+    DistributedDataParallel raw_model(raw, pg);
+    test::expect_throws<Error>([&] { raw_model->forward(rows_of(rank, 4, 0)).backward(); },
+                               "'weight' received a sparse gradient", "an unexpected sparse one");
     // reduce_dtype is a compression hook too.
     test::expect_throws<ConfigError>(
         [&] {

@@ -227,6 +227,10 @@ TEST(FullyShardedDataParallel, HybridShardEqualsDdpWithGivenAndDefaultGroups) {
       not_hybrid.shard_group = pg;
       not_hybrid.replicate_group = pg;
       refused(not_hybrid, "are for kHybridShard");
+      FsdpOptions too_many = three_units(ShardingStrategy::kHybridShard);
+      too_many.shard_group = pg;
+      too_many.replicate_group = pg;
+      refused(too_many, fmt::format("is not the group's {} ranks", world));
     });
     EXPECT_ALL_RANKS_OK(results);
   }
