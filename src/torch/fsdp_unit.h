@@ -21,10 +21,11 @@ struct FullyShardedDataParallelImpl::Unit {
   std::vector<torch::Tensor> params;  // the wrapped module's parameters, in flat order
   std::vector<std::int64_t> offsets;  // of each parameter in the flat buffer
   std::int64_t numel = 0, padded = 0, shard_numel = 0;
-  torch::Tensor full;   // the padded flat buffer the parameters are views of
-  torch::Tensor shard;  // this rank's leaf (kNoShard: `full` itself)
+  torch::Tensor full;   // the padded flat buffer the parameters are views of (in param_dtype)
+  torch::Tensor shard;  // this rank's fp32 leaf (fp32 kNoShard: `full` itself)
   State state = State::kGathered;
   std::shared_ptr<Work> gather;
+  torch::Tensor gather_source;  // what the all-gather in flight sends (the shard, or its cast)
   std::vector<std::unique_ptr<libtorch_compat::GradReadyHook>> hooks;
   std::size_t ready = 0;  // parameters whose gradient arrived in this backward pass
   bool reduced = false;

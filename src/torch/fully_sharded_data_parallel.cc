@@ -81,12 +81,31 @@ c10::DataPtr map_bytes(std::size_t bytes) {
   return c10::DataPtr(address, block, &unmap_block, c10::Device(c10::kCPU));
 }
 
-// A float tensor of `numel` elements in mapped memory (zero-filled, as fresh mappings are).
-torch::Tensor mapped_zeros(std::int64_t numel) {
-  const auto bytes = static_cast<std::size_t>(numel) * sizeof(float);
+// A tensor of `numel` elements of `dtype` in mapped memory (zero-filled, as fresh mappings are).
+torch::Tensor mapped_zeros(std::int64_t numel, torch::ScalarType dtype) {
+  const auto bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
   c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes),
                        /*allocator=*/nullptr, /*resizable=*/false);
-  return torch::empty({0}, torch::kFloat).set_(storage, 0, {numel}, {1});
+  return torch::empty({0}, dtype).set_(storage, 0, {numel}, {1});
+}
+
+// PyTorch FSDP's gradient_predivide_factor (DefaultState._get_gradient_predivide_factor): doubled
+// while it divides the world and is below world/factor. A low-precision sum is divided by it
+// before it is reduced (exact: a power of two) and by world/factor after, in fp32, so that the
+// sum does not leave fp16's range.
+std::int64_t gradient_predivide_factor(std::int64_t world) {
+  std::int64_t factor = 1;
+  while (world % factor == 0 && world / factor > factor)
+    factor *= 2;
+  return factor;
+}
+
+bool is_16_bit(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 || dtype == torch::kHalf;
+}
+
+std::string dtype_text(const std::optional<torch::ScalarType>& dtype) {
+  return dtype ? std::string(c10::toString(*dtype)) : std::string("unset");
 }
 
 // Freeing and refilling a full parameter buffer in place, as PyTorch's FSDP resizes the flat
@@ -147,6 +166,33 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
 
 FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() = default;
 
+torch::ScalarType FullyShardedDataParallelImpl::compute_dtype() const {
+  return options_.mixed_precision.param_dtype.value_or(torch::kFloat);
+}
+
+torch::ScalarType FullyShardedDataParallelImpl::reduce_dtype() const {
+  return options_.mixed_precision.reduce_dtype.value_or(compute_dtype());
+}
+
+void FullyShardedDataParallelImpl::check_mixed_precision() const {
+  const auto& mp = options_.mixed_precision;
+  const auto check = [](const char* field, const std::optional<torch::ScalarType>& dtype) {
+    if (!dtype || is_16_bit(*dtype) || *dtype == torch::kFloat) return;
+    throw ConfigError(
+        fmt::format("FsdpMixedPrecision::{} is {}; FSDP computes and reduces in torch::kBFloat16, "
+                    "torch::kHalf or torch::kFloat (the shards stay fp32); leave it unset for fp32",
+                    field, c10::toString(*dtype)));
+  };
+  check("param_dtype", mp.param_dtype);
+  check("reduce_dtype", mp.reduce_dtype);
+  if (mp.buffer_dtype && !c10::isFloatingType(*mp.buffer_dtype)) {
+    throw ConfigError(fmt::format(
+        "FsdpMixedPrecision::buffer_dtype is {}; buffers are cast to a floating-point dtype "
+        "(e.g. torch::kBFloat16), or leave it unset to keep theirs",
+        c10::toString(*mp.buffer_dtype)));
+  }
+}
+
 bool FullyShardedDataParallelImpl::frees_full_parameters() const {
   return options_.sharding_strategy == ShardingStrategy::kFullShard ||
          options_.sharding_strategy == ShardingStrategy::kHybridShard;
@@ -199,6 +245,7 @@ void FullyShardedDataParallelImpl::build() {
   // A local problem must not leave the other ranks waiting: it travels in the agreement check and
   // every rank throws it.
   try {
+    check_mixed_precision();
     if (module_.is_empty()) {
       throw ConfigError(
           "FullyShardedDataParallel wraps a torch::nn::Sequential only (libtorch has no forward "
@@ -268,7 +315,10 @@ void FullyShardedDataParallelImpl::build() {
       }
     }
 
+    const auto& mp = options_.mixed_precision;
     description << "strategy " << to_string(options_.sharding_strategy) << "\n"
+                << "mixed precision: param " << dtype_text(mp.param_dtype) << ", reduce "
+                << dtype_text(mp.reduce_dtype) << ", buffer " << dtype_text(mp.buffer_dtype) << "\n"
                 << "children " << children << "\n";
     std::unordered_map<const void*, std::size_t> unit_of;
     unit_starting_at_.assign(children, -1);
@@ -339,23 +389,31 @@ void FullyShardedDataParallelImpl::build() {
 
   torch::NoGradGuard no_grad;
   const int rank = shard_group_->rank();
+  const bool separate_copy = low_precision_parameters();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
-    unit.full = mapped_zeros(unit.padded);
+    // The fp32 values: the gathered parameters themselves, or (param_dtype) their master copy.
+    torch::Tensor master = mapped_zeros(unit.padded, torch::kFloat);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
-      unit.full.narrow(0, unit.offsets[i], unit.params[i].numel())
+      master.narrow(0, unit.offsets[i], unit.params[i].numel())
           .copy_(unit.params[i].detach().reshape(-1));
     }
-    broadcast(unit.full, 0, *group_);  // every rank starts from rank 0's values, as DDP
+    broadcast(master, 0, *group_);  // every rank starts from rank 0's values, as DDP
+    if (separate_copy) {
+      unit.full = mapped_zeros(unit.padded, compute_dtype());
+      unit.full.copy_(master);
+    } else {
+      unit.full = master;
+    }
     if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
-      unit.shard = unit.full;
-    } else if (options_.sharding_strategy == ShardingStrategy::kShardGradOp) {
+      unit.shard = master;
+    } else if (options_.sharding_strategy == ShardingStrategy::kShardGradOp && !separate_copy) {
       // The full buffer stays allocated, so the shard is the rank's own range of it (the
       // all-gather then runs in place): 4 bytes per parameter / W less than a separate copy,
       // which is what ZeRO stage 2's 4Ψ + 12Ψ/W counts.
       unit.shard = unit.full.detach().narrow(0, rank * unit.shard_numel, unit.shard_numel);
     } else {
-      unit.shard = unit.full.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
+      unit.shard = master.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
     }
     unit.shard.set_requires_grad(true);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
@@ -371,6 +429,13 @@ void FullyShardedDataParallelImpl::build() {
   }
   auto buffers = module_->buffers();
   if (!buffers.empty()) broadcast_coalesced(*group_, buffers, 0);
+  if (const auto dtype = options_.mixed_precision.buffer_dtype) {
+    for (auto& buffer : buffers) {
+      if (!buffer.is_floating_point() || buffer.scalar_type() == *dtype) continue;
+      cast_buffers_.emplace_back(buffer, buffer.scalar_type());
+      buffer.set_data(buffer.detach().to(*dtype));
+    }
+  }
 }
 
 FullyShardedDataParallelImpl::UnitInfo FullyShardedDataParallelImpl::unit_info(
@@ -384,7 +449,9 @@ FullyShardedDataParallelImpl::UnitInfo FullyShardedDataParallelImpl::unit_info(
 }
 
 std::int64_t FullyShardedDataParallelImpl::gathered_parameter_bytes() const {
-  if (options_.sharding_strategy == ShardingStrategy::kNoShard) return 0;
+  if (options_.sharding_strategy == ShardingStrategy::kNoShard && !low_precision_parameters()) {
+    return 0;  // the gathered parameters are the shards
+  }
   std::int64_t bytes = 0;
   for (const auto& u : units_)
     bytes += static_cast<std::int64_t>(u->full.storage().nbytes());
@@ -401,7 +468,10 @@ void FullyShardedDataParallelImpl::start_gather(std::size_t unit) {
   auto& u = *units_[unit];
   if (u.state != Unit::State::kFree) return;
   if (!storage_allocated(u.full)) allocate_storage(u.full);
-  u.gather = all_gather_into_tensor_async(u.full, u.shard.detach(), *shard_group_);
+  // param_dtype: the shard is cast before it travels (half the bytes), and kept until gathered.
+  u.gather_source = u.shard.detach();
+  if (low_precision_parameters()) u.gather_source = u.gather_source.to(compute_dtype());
+  u.gather = all_gather_into_tensor_async(u.full, u.gather_source, *shard_group_);
   u.state = Unit::State::kGathering;
   ++all_gather_count_;
 }
@@ -414,6 +484,7 @@ void FullyShardedDataParallelImpl::wait_gather(std::size_t unit) {
       [&] { return fmt::format("parameter all-gather of unit {} of {}", unit + 1, units_.size()); },
       [&] { u.gather->wait(); });
   u.gather.reset();
+  u.gather_source = torch::Tensor();
   u.state = Unit::State::kGathered;
 }
 
@@ -432,6 +503,13 @@ torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
       wait_gather(u);
       units_[u]->state = Unit::State::kFree;
     }
+  } else if (low_precision_parameters()) {
+    torch::NoGradGuard no_grad;
+    for (auto& unit : units_)
+      unit->full.copy_(unit->shard.detach());  // kNoShard's "gather": the cast master
+  }
+  if (low_precision_parameters() && input.defined() && input.is_floating_point()) {
+    input = input.to(compute_dtype());
   }
   const bool build_graph = torch::GradMode::is_enabled();
   torch::Tensor x = std::move(input);
@@ -471,7 +549,7 @@ void FullyShardedDataParallelImpl::before_unit_backward(std::size_t unit) {
     // a defined .grad), which is then reduced as it is: no copy, and no full-size gradient
     // allocated per parameter.
     torch::NoGradGuard no_grad;
-    u.reduction_input = mapped_zeros(u.padded);
+    u.reduction_input = mapped_zeros(u.padded, compute_dtype());
     for (std::size_t i = 0; i < u.params.size(); ++i) {
       auto& p = u.params[i];
       auto view = u.reduction_input.narrow(0, u.offsets[i], p.numel()).view(p.sizes());
@@ -497,7 +575,8 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
   if (u.reduced) return;
   u.reduced = true;
   const bool in_place = u.reduction_input.defined();
-  if (!in_place) u.reduction_input = mapped_zeros(u.padded);  // no hook ran before the unit
+  // No hook ran before the unit.
+  if (!in_place) u.reduction_input = mapped_zeros(u.padded, compute_dtype());
   for (std::size_t i = 0; i < u.params.size(); ++i) {
     auto& p = u.params[i];
     const auto& grad = p.grad();
@@ -507,11 +586,19 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
     if (!in_place || grad.data_ptr() != slot.data_ptr()) slot.copy_(grad.reshape(-1));
     p.mutable_grad().reset();  // the full gradient is not kept
   }
+  if (reduce_dtype() != compute_dtype()) {
+    auto converted = mapped_zeros(u.padded, reduce_dtype());
+    converted.copy_(u.reduction_input);
+    u.reduction_input = converted;
+  }
+  if (is_16_bit(reduce_dtype())) {
+    u.reduction_input.div_(static_cast<double>(gradient_predivide_factor(group_->size())));
+  }
   if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
     u.reduction_output = u.reduction_input;
     u.reduction = all_reduce_async(u.reduction_input, ReduceOp::kSum, *group_);
   } else {
-    u.reduction_output = torch::empty({u.shard_numel}, torch::kFloat);
+    u.reduction_output = torch::empty({u.shard_numel}, reduce_dtype());
     u.reduction = reduce_scatter_tensor_async(u.reduction_output, u.reduction_input, ReduceOp::kSum,
                                               *shard_group_);
   }
@@ -545,12 +632,20 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
         // kHybridShard: the shard group's sum, summed over the replicas of this shard.
         if (replicate_group_) all_reduce(u.reduction_output, ReduceOp::kSum, *replicate_group_);
       });
-  u.reduction_output.div_(static_cast<double>(group_->size()));
+  // The shard's gradient is fp32 whatever the reduction's dtype: the upcast, then the rest of
+  // the average (a 16-bit sum was pre-divided).
+  torch::Tensor average = u.reduction_output;
+  auto divisor = static_cast<double>(group_->size());
+  if (is_16_bit(average.scalar_type())) {
+    divisor /= static_cast<double>(gradient_predivide_factor(group_->size()));
+    average = average.to(torch::kFloat);
+  }
+  if (divisor != 1.0) average.div_(divisor);
   auto& grad = u.shard.mutable_grad();
   if (grad.defined()) {
-    grad.add_(u.reduction_output);
+    grad.add_(average);
   } else {
-    grad = u.reduction_output;
+    grad = average;
   }
   u.reduction.reset();
   u.reduction_input = torch::Tensor();
@@ -608,8 +703,14 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::ful
     out.insert(item.key(),
                flats[u].narrow(0, units_[u]->offsets[i], p.numel()).view(p.sizes()).clone());
   }
-  for (const auto& item : module_->named_buffers())
-    out.insert(item.key(), item.value().detach().clone());
+  std::unordered_map<const void*, torch::ScalarType> original_dtype;
+  for (const auto& [buffer, dtype] : cast_buffers_)
+    original_dtype.emplace(buffer.unsafeGetTensorImpl(), dtype);
+  for (const auto& item : module_->named_buffers()) {
+    const auto it = original_dtype.find(item.value().unsafeGetTensorImpl());
+    out.insert(item.key(), it == original_dtype.end() ? item.value().detach().clone()
+                                                      : item.value().detach().to(it->second));
+  }
   return out;
 }
 

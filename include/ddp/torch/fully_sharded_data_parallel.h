@@ -48,7 +48,8 @@
 // Construction is collective: every rank passes the same model (children, unit boundaries,
 // parameter shapes and dtypes) and options; one small allgather checks it, and otherwise every
 // rank throws Error naming the first difference. Bad arguments (not a Sequential, bad unit
-// ranges, a non-fp32 parameter, a parameter shared by two units) throw ConfigError on every rank.
+// ranges, a non-fp32 parameter, a parameter shared by two units, a mixed-precision dtype that is
+// not one of those listed at FsdpMixedPrecision) throw ConfigError on every rank.
 //
 // Threads: use it from one training thread. Lifetime: keeps the group alive when given as a
 // shared_ptr. Errors: ConfigError, Error as above; CommError/TimeoutError from the group, thrown
@@ -59,6 +60,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,6 +87,23 @@ enum class ShardingStrategy {
 // "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD" (PyTorch's names).
 const char* to_string(ShardingStrategy strategy);
 
+// PyTorch's FSDP MixedPrecision. Each rank keeps its shards (what the optimizer steps on) and
+// their gradients in fp32; the gathered parameters that forward and backward compute with are in
+// param_dtype, gathered from the shard cast to it (half the bytes on the wire), and the gradients
+// are reduce-scattered in reduce_dtype, then upcast into the shard's fp32 .grad(). A root wrapper
+// casts a floating-point input to param_dtype, so its output is in param_dtype too.
+struct FsdpMixedPrecision {
+  // torch::kBFloat16 or torch::kHalf (or torch::kFloat: as unset). nullopt: fp32.
+  std::optional<torch::ScalarType> param_dtype;
+  // torch::kBFloat16, torch::kHalf or torch::kFloat. nullopt: param_dtype's (fp32 if unset).
+  // Low-precision sums are pre-divided by a power of two (PyTorch's gradient_predivide_factor)
+  // so that they do not overflow; the rest of the average is divided in fp32.
+  std::optional<torch::ScalarType> reduce_dtype;
+  // The dtype of the wrapped module's floating-point buffers (BatchNorm statistics) from
+  // construction on; full_state_dict() returns them in their original dtype. nullopt: unchanged.
+  std::optional<torch::ScalarType> buffer_dtype;
+};
+
 struct FsdpOptions {
   ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
   // Auto-wrap policy: a unit closes once it holds at least this many parameters (PyTorch's
@@ -98,6 +117,7 @@ struct FsdpOptions {
   // same place in the other hosts' subgroups (split_group), made collectively at construction.
   std::shared_ptr<ProcessGroup> shard_group;
   std::shared_ptr<ProcessGroup> replicate_group;
+  FsdpMixedPrecision mixed_precision;
 };
 
 class FullyShardedDataParallelImpl : public torch::nn::Module {
@@ -109,7 +129,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
                                FsdpOptions options = {});
   ~FullyShardedDataParallelImpl() override;
 
-  // Runs the children unit by unit (gathering and freeing as the strategy says).
+  // Runs the children unit by unit (gathering and freeing as the strategy says). With
+  // mixed_precision.param_dtype, a floating-point input is cast to it first.
   torch::Tensor forward(torch::Tensor input);
 
   // parameters() returns the shards, one per unit (what the optimizer steps on).
@@ -146,7 +167,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   };
   std::size_t unit_count() const { return units_.size(); }
   UnitInfo unit_info(std::size_t unit) const;
-  // Bytes of full (gathered) parameter buffers allocated now, over every unit.
+  // Bytes of full (gathered) parameter buffers allocated now, over every unit (2 bytes per
+  // element with a 16-bit param_dtype).
   std::int64_t gathered_parameter_bytes() const;
   // How many all-gathers of a unit have been started since construction (for tests).
   std::int64_t all_gather_count() const { return all_gather_count_; }
@@ -181,6 +203,15 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   void make_hybrid_groups();
   // kFullShard and kHybridShard free the full parameters outside a unit's forward and backward.
   bool frees_full_parameters() const;
+  // mixed_precision: the dtype of the gathered parameters and their gradients, the dtype the
+  // gradients are reduced in, and whether the shards are a separate fp32 copy of the gathered
+  // parameters (they are views of them in fp32 kNoShard and kShardGradOp).
+  torch::ScalarType compute_dtype() const;
+  torch::ScalarType reduce_dtype() const;
+  bool low_precision_parameters() const { return compute_dtype() != torch::kFloat; }
+  void check_mixed_precision() const;
+  // The original dtypes of the buffers buffer_dtype cast (full_state_dict returns those).
+  std::vector<std::pair<torch::Tensor, torch::ScalarType>> cast_buffers_;
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<std::ptrdiff_t> unit_starting_at_;  // child index -> unit beginning there, or -1
   static constexpr std::size_t kReductionsInFlight = 1;
