@@ -286,6 +286,12 @@ DistributedDataParallelBase::DistributedDataParallelBase(
     }
     reducer_options.gradient_dtype = *options_.param_dtype;
   }
+  if (options_.buffer_dtype && !c10::isFloatingType(*options_.buffer_dtype)) {
+    throw ConfigError(fmt::format(
+        "DdpOptions::buffer_dtype is {}; buffers are cast to a floating-point dtype (e.g. "
+        "torch::kBFloat16), or leave it unset to keep theirs",
+        c10::toString(*options_.buffer_dtype)));
+  }
 
   in_ddp_phase([] { return std::string("parameter check at construction"); },
                [&] { verify_same_parameters(*group_, names, params); });
@@ -296,6 +302,12 @@ DistributedDataParallelBase::DistributedDataParallelBase(
                  [&] { broadcast_coalesced(*group_, state, /*root=*/0); });
   }
 
+  if (options_.buffer_dtype) {
+    torch::NoGradGuard no_grad;
+    for (auto& buffer : buffers_) {
+      if (buffer.is_floating_point()) buffer.set_data(buffer.detach().to(*options_.buffer_dtype));
+    }
+  }
   parameter_storage_ = storage_of(params);
   loads_seen_ = detail::parameters_loaded_count();
   reducer_ =

@@ -139,7 +139,38 @@ TEST(DdpMixedPrecision, AccumulatesUnderNoSyncInFloat32) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-TEST(DdpMixedPrecision, AnIntegerParamDtypeIsRefused) {
+TEST(DdpMixedPrecision, BufferDtypeCastsTheBuffersForGoodAndBatchNormTrainsInBf16) {
+  const int size = 2;
+  const int port = test::free_port();
+  const auto results = run_ranks(size, [&](int rank) {
+    auto pg = join_group(rank, size, port);
+    torch::manual_seed(4);
+    torch::nn::Sequential net(torch::nn::Linear(6, 4), torch::nn::BatchNorm1d(4),
+                              torch::nn::Linear(4, 2));
+    DistributedDataParallel model(
+        net.ptr(), pg,
+        DdpOptions{.param_dtype = torch::kBFloat16, .buffer_dtype = torch::kBFloat16});
+    for (const auto& b : net->named_buffers()) {
+      const auto want = b.value().is_floating_point() ? torch::kBFloat16 : torch::kLong;
+      if (b.value().scalar_type() != want) throw std::runtime_error(b.key() + " was not cast");
+    }
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    const auto first_weight = net[0]->as<torch::nn::Linear>()->weight.detach().clone();
+    const auto first_bias = net[0]->as<torch::nn::Linear>()->bias.detach().clone();
+    const auto x = batch_of(rank, 0);
+    model->forward(x).pow(2).sum().backward();
+    opt.step();
+    expect_float32(net, "after the step");
+    // This rank's statistics moved with its own batch (0.1 of the first layer's batch mean).
+    const auto mean = net[1]->as<torch::nn::BatchNorm1d>()->running_mean;
+    if (mean.scalar_type() != torch::kBFloat16) throw std::runtime_error("running_mean dtype");
+    const auto want = 0.1 * torch::addmm(first_bias, x, first_weight.t()).mean(0);
+    test::expect_close(mean.to(torch::kFloat), want, "running_mean", 2e-2, 2e-3);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DdpMixedPrecision, AnIntegerParamOrBufferDtypeIsRefused) {
   const int port = test::free_port();
   const auto results = run_ranks(1, [&](int rank) {
     auto pg = join_group(rank, 1, port);
@@ -149,6 +180,12 @@ TEST(DdpMixedPrecision, AnIntegerParamDtypeIsRefused) {
                                         DdpOptions{.param_dtype = torch::kInt32});
         },
         "param_dtype is Int", "param_dtype int32");
+    test::expect_throws<ConfigError>(
+        [&] {
+          DistributedDataParallel model(make_net().ptr(), pg,
+                                        DdpOptions{.buffer_dtype = torch::kInt64});
+        },
+        "buffer_dtype is Long", "buffer_dtype int64");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

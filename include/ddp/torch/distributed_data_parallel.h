@@ -95,8 +95,14 @@ struct DdpOptions {
   // buckets and averaged in the parameters' own dtype (or in reduce_dtype); when backward ends
   // (also under no_sync), or at once after a forward with gradients disabled, the parameters are
   // their full-precision selves again, with full-precision gradients, for the optimizer and
-  // checkpoints. Buffers keep their dtype (PyTorch's buffer_dtype: not built). nullopt: off.
+  // checkpoints. Buffers keep their dtype unless buffer_dtype says otherwise. nullopt: off.
   std::optional<torch::ScalarType> param_dtype;
+  // PyTorch's mixed_precision.buffer_dtype: the module's floating-point buffers (BatchNorm
+  // statistics) are cast to it for good at construction, after rank 0's are broadcast, and stay in
+  // it (also in the module's state dict), as PyTorch's DDP casts them. A floating-point dtype;
+  // nullopt: unchanged. (libtorch 1.13's CPU BatchNorm needs its buffers in the parameters'
+  // dtype, so a BatchNorm model under param_dtype needs buffer_dtype = param_dtype there.)
+  std::optional<torch::ScalarType> buffer_dtype;
   // Parameters and buffers DDP leaves alone, by their dotted names in the wrapped module
   // (PyTorch's _set_params_and_buffers_to_ignore_for_model): not broadcast at construction, not
   // reduced (their gradients stay this rank's own), not in the divergence guard. A name that is
