@@ -429,8 +429,6 @@ int run(const Options& options) {
         "docs/sharding.md) that it does not use yet");
     refuse(options.comm_hook != "none", "--comm-hook " + options.comm_hook,
            "comm hooks are DDP's; FullyShardedDataParallel reduce-scatters the gradients itself");
-    refuse(options.mixed_precision != "none", "--mixed-precision " + options.mixed_precision,
-           "FullyShardedDataParallel keeps and reduces fp32 only");
     refuse(options.sync_bn, "--sync-bn", "SyncBatchNorm has not been tried under it");
   }
   if (options.comm_hook != "none" && options.mixed_precision != "none") {
@@ -505,7 +503,12 @@ int run(const Options& options) {
           ddp::FsdpOptions{.sharding_strategy = options.sharding == "zero2"
                                                     ? ddp::ShardingStrategy::kShardGradOp
                                                     : ddp::ShardingStrategy::kFullShard,
-                           .min_num_params = options.fsdp_min_params});
+                           .min_num_params = options.fsdp_min_params,
+                           // --mixed-precision bf16: as DDP's, the forward under autocast and
+                           // the gradients reduce-scattered in bf16 (FsdpMixedPrecision).
+                           .mixed_precision = {.reduce_dtype = options.mixed_precision == "bf16"
+                                                                   ? std::optional(torch::kBFloat16)
+                                                                   : std::nullopt}});
     }
     const auto optimizer_owner =
         make_optimizer(options, sharded ? (*sharded)->parameters() : net->parameters(), group);

@@ -339,7 +339,8 @@ TEST_F(TrainFashionMnistTest, ZeroShardedAdamMatchesDdpAndItsCheckpointResumes) 
 
 // ZeRO stages 2 and 3 (FullyShardedDataParallel over the cnn's layers, 2 units) train with Adam
 // to DDP's accuracy: the same arithmetic, reduced in another order (reduce-scatter instead of
-// allreduce), so equal to rounding.
+// allreduce), so equal to rounding. zero2 runs with --mixed-precision bf16 (autocast forward,
+// gradients reduce-scattered in bf16), so to bf16's precision.
 TEST_F(TrainFashionMnistTest, FsdpAndZero2TrainWithAdamToDdpsAccuracy) {
   const std::vector<std::string> common{"--optimizer",   "adam", "--epochs",    "1",
                                         "--limit-train", "1024", "--log-every", "0"};
@@ -347,8 +348,12 @@ TEST_F(TrainFashionMnistTest, FsdpAndZero2TrainWithAdamToDdpsAccuracy) {
   for (const std::string sharding : {"ddp", "zero2", "fsdp"}) {
     auto args = common;
     args.insert(args.end(), {"--sharding", sharding});
+    if (sharding == "zero2") args.insert(args.end(), {"--mixed-precision", "bf16"});
     const auto result = train(args);
     ASSERT_EQ(result.exit_code, 0) << result.output;
+    if (sharding == "zero2") {
+      EXPECT_THAT(result.output, HasSubstr("bf16 gradient reduction")) << result.output;
+    }
     if (sharding != "ddp") {
       EXPECT_THAT(result.output,
                   HasSubstr(sharding == "fsdp" ? "FULL_SHARD (ZeRO stage 3), 2 units"
@@ -357,7 +362,7 @@ TEST_F(TrainFashionMnistTest, FsdpAndZero2TrainWithAdamToDdpsAccuracy) {
     accuracy[sharding] = final_accuracy(result.output);
   }
   EXPECT_GT(accuracy["ddp"], 0.5);  // chance is 0.1
-  EXPECT_NEAR(accuracy["zero2"], accuracy["ddp"], 0.02);
+  EXPECT_NEAR(accuracy["zero2"], accuracy["ddp"], 0.05);
   EXPECT_NEAR(accuracy["fsdp"], accuracy["ddp"], 0.02);
 }
 
@@ -373,7 +378,6 @@ TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
                                                {"--sharding", "zero9"},
                                                {"--sharding", "zero1", "--uneven"},
                                                {"--sharding", "fsdp", "--comm-hook", "int8"},
-                                               {"--sharding", "zero2", "--mixed-precision", "bf16"},
                                                {"--sharding", "fsdp", "--checkpoint", "/tmp/f.pt"},
                                                {"--fsdp-min-params", "0"},
                                                {"--global-batch-size", "128", "--uneven"},
