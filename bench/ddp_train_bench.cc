@@ -179,6 +179,15 @@ int main(int argc, char** argv) {
   app.add_option("--min-num-params", min_num_params,
                  "zero2/fsdp: a unit closes once it holds this many parameters")
       ->check(CLI::PositiveNumber);
+  std::string param_dtype_name = "float32";
+  app.add_option("--param-dtype", param_dtype_name,
+                 "float32, or bfloat16: forward and backward in bf16 from fp32 master weights "
+                 "(DDP's param_dtype; zero2/fsdp: FsdpMixedPrecision::param_dtype, reduced in "
+                 "bf16); buffers in bf16 too (buffer_dtype); the logits are upcast for the loss")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
+  bool keep_free_heap = false;
+  app.add_flag("--keep-free-heap", keep_free_heap,
+               "zero2/fsdp: FsdpOptions::release_free_heap = false (malloc keeps freed memory)");
   app.add_option("--device", device_name,
                  "cpu, or cuda: cuda:(LOCAL_RANK % device count); two ranks may share a GPU")
       ->check(CLI::IsMember({"cpu", "cuda"}));
@@ -231,6 +240,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!model_file.empty()) model_name = "file:" + model_file;
+  std::optional<torch::ScalarType> param_dtype;
+  if (param_dtype_name == "bfloat16") param_dtype = torch::kBFloat16;
 
   std::string where;  // the device, in error messages of CUDA runs
   try {
@@ -271,15 +282,19 @@ int main(int argc, char** argv) {
                                       .first_bucket_cap_mb = first_bucket_cap_mb,
                                       .broadcast_buffers = broadcast_buffers,
                                       .gradient_as_bucket_view = as_view,
-                                      .divergence_check_every = divergence_check_every};
+                                      .divergence_check_every = divergence_check_every,
+                                      .param_dtype = param_dtype,
+                                      .buffer_dtype = param_dtype};
     if (fully_sharded) {
       fsdp_model =
           ddp::FullyShardedDataParallel(
               net, group,
-              ddp::FsdpOptions{.sharding_strategy = sharding == "fsdp"
-                                                        ? ddp::ShardingStrategy::kFullShard
-                                                        : ddp::ShardingStrategy::kShardGradOp,
-                               .min_num_params = min_num_params})
+              ddp::FsdpOptions{
+                  .sharding_strategy = sharding == "fsdp" ? ddp::ShardingStrategy::kFullShard
+                                                          : ddp::ShardingStrategy::kShardGradOp,
+                  .min_num_params = min_num_params,
+                  .mixed_precision = {.param_dtype = param_dtype, .buffer_dtype = param_dtype},
+                  .release_free_heap = !keep_free_heap})
               .ptr();
       forward = [&](const torch::Tensor& x) { return fsdp_model->forward(x); };
     } else if ((world > 1 || always_ddp) && script) {
@@ -335,7 +350,7 @@ int main(int argc, char** argv) {
       const auto zeroed = Clock::now();
       auto logits = forward(x);
       const auto forwarded = Clock::now();
-      torch::nn::functional::cross_entropy(logits, y).backward();
+      torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y).backward();
       const auto backward_returned = Clock::now();
       opt.step();
       sync_device();
@@ -419,9 +434,10 @@ int main(int argc, char** argv) {
       }
       fmt::print(
           "model={} world_size={} batch_size={} threads={} steps={} backend={} optimizer={} "
-          "sharding={} params={} largest_unit_params={} device={} ddp={}\n",
+          "sharding={} params={} largest_unit_params={} param_dtype={} device={} ddp={}\n",
           model_name, world, batch_size, threads, steps, group->backend(), optimizer_name, sharding,
-          params, largest_unit, device_name, (ddp_model || fsdp_model) ? "on" : "off");
+          params, largest_unit, param_dtype_name, device_name,
+          (ddp_model || fsdp_model) ? "on" : "off");
       fmt::print(
           "step_ms={:.3f} samples_per_s={:.1f} peak_mem_mb={:.1f} state_mem_mb={:.1f} "
           "bytes_per_step={:.0f}\n",

@@ -3,7 +3,8 @@
 
     bench/sharding_memory.py [--worlds 2,4] [--variants ddp,ddp-view,zero1,zero1-view,zero2,fsdp]
                              [--optimizer adam] [--model large] [--build-dir build]
-                             [--batch-size 8] [--steps 3] [--warmup 1] [--extra ARG ...]
+                             [--batch-size 8] [--steps 3] [--warmup 1] [--no-env-tuning]
+                             [-- ddp-train-bench ARG ...]
 
 Runs `ddprun --standalone --nproc-per-node W ddp-train-bench --model M --optimizer O --sharding S`
 for every world size and variant, one after another ("-view" adds --gradient-as-bucket-view: DDP's
@@ -17,6 +18,11 @@ largest rank's two measures beside the formula of each:
                 16Ψ/W; SGD with momentum: 12Ψ, 8Ψ + 4Ψ/W, 4Ψ + 8Ψ/W, 12Ψ/W; bytes)
   peak_mem_mb   peak resident memory (VmHWM) minus the same baseline; formula: the same plus, for
                 stage 3, the largest unit's parameters (4 bytes each), as the issue states it
+
+and the peak against DDP's (the first variant's at the same W, when that is ddp): what decides an
+out-of-memory. --no-env-tuning is ddprun's (malloc returns freed memory at once; by default
+ddprun tells glibc to keep it, for speed); the arguments after -- go to ddp-train-bench (e.g.
+--param-dtype bfloat16, --keep-free-heap).
 
 Ψ and the largest unit come from the bench's own first line. Exit status 0 when every run
 succeeded (whatever the ratios: this is a measurement, not a test), 1 otherwise. Standard library
@@ -47,13 +53,16 @@ def state_formula(sharding, optimizer, params, world):
 
 def run(args, world, variant):
     sharding, _, view = variant.partition("-")
-    argv = [os.path.join(args.build_dir, "bin", "ddprun"), "--standalone", "--nproc-per-node",
+    argv = [os.path.join(args.build_dir, "bin", "ddprun")]
+    if args.no_env_tuning:
+        argv.append("--no-env-tuning")
+    argv += ["--standalone", "--nproc-per-node",
             str(world), os.path.join(args.build_dir, "bin", "ddp-train-bench"), "--model",
             args.model, "--optimizer", args.optimizer, "--sharding", sharding, "--batch-size",
             str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if view == "view":
         argv.append("--gradient-as-bucket-view")
-    argv += args.extra
+    argv += args.bench_args
     proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=args.timeout)
     first = FIRST.search(proc.stdout)
@@ -77,7 +86,9 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--extra", nargs="*", default=[], help="more ddp-train-bench arguments")
+    parser.add_argument("--no-env-tuning", action="store_true", help="ddprun --no-env-tuning")
+    parser.add_argument("bench_args", nargs="*", metavar="-- ARG",
+                        help="after --: more ddp-train-bench arguments")
     args = parser.parse_args()
     variants = args.variants.split(",")
     for v in variants:
@@ -86,14 +97,15 @@ def main():
             parser.error(f"unknown variant {v!r}: ddp, zero1, zero2, fsdp, each optionally -view")
 
     print(f"| W | variant | state_mem_mb | state formula (MiB) | state ÷ formula | peak_mem_mb | "
-          f"peak formula (MiB) | peak ÷ formula |")
-    print("|---|---|---:|---|---:|---:|---|---:|")
+          f"peak formula (MiB) | peak ÷ formula | peak ÷ DDP's |")
+    print("|---|---|---:|---|---:|---:|---|---:|---:|")
     ok = True
     for world in [int(w) for w in args.worlds.split(",")]:
+        ddp_peak = None
         for variant in variants:
             r = run(args, world, variant)
             if r is None:
-                print(f"| {world} | {variant} | failed | | | | | |", flush=True)
+                print(f"| {world} | {variant} | failed | | | | | | |", flush=True)
                 ok = False
                 continue
             state_bytes, text = state_formula(r["sharding"], args.optimizer, r["params"], world)
@@ -102,9 +114,12 @@ def main():
                 peak_bytes += 4 * r["unit"]
                 peak_text += " + 4Ψunit"
             state_mib, peak_mib = state_bytes / MIB, peak_bytes / MIB
+            if variant == "ddp":
+                ddp_peak = r["peak"]
+            versus_ddp = f"{r['peak'] / ddp_peak:.2f}" if ddp_peak else ""
             print(f"| {world} | {variant} | {r['state']:.1f} | {text} = {state_mib:.0f} | "
                   f"{r['state'] / state_mib:.2f} | {r['peak']:.1f} | {peak_text} = "
-                  f"{peak_mib:.0f} | {r['peak'] / peak_mib:.2f} |", flush=True)
+                  f"{peak_mib:.0f} | {r['peak'] / peak_mib:.2f} | {versus_ddp} |", flush=True)
     return 0 if ok else 1
 
 

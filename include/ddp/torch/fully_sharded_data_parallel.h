@@ -118,6 +118,10 @@ struct FsdpOptions {
   std::shared_ptr<ProcessGroup> shard_group;
   std::shared_ptr<ProcessGroup> replicate_group;
   FsdpMixedPrecision mixed_precision;
+  // Hand the heap's free memory back to the system (malloc_trim) at construction, at each forward
+  // and at the end of each backward, so that the memory FSDP saves is not kept by malloc (ddprun
+  // tells glibc to keep freed memory, for speed). Process-wide; kNoShard never does.
+  bool release_free_heap = true;
 };
 
 class FullyShardedDataParallelImpl : public torch::nn::Module {
@@ -191,6 +195,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // Waits for the unit's reduction and adds its average to the shard's .grad().
   void harvest_reduction(std::size_t unit);
   void queue_finish_backward();
+  void release_free_heap() const;
 
   torch::nn::Sequential module_;
   GroupRef group_ref_;
