@@ -230,9 +230,19 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 // The folder of --checkpoint must exist and be writable before training starts, not only when
 // the first epoch ends and rank 0 saves.
-void check_checkpoint_folder(const std::string& checkpoint) {
+// `sharded`: --sharding zero2|fsdp, whose checkpoint is a folder (ddp::ShardedTrainState).
+void check_checkpoint_folder(const std::string& checkpoint, bool sharded) {
   std::error_code is_folder_error;
-  if (std::filesystem::is_directory(checkpoint, is_folder_error)) {
+  if (sharded) {
+    std::error_code exists_error;
+    if (std::filesystem::exists(checkpoint, exists_error) &&
+        !std::filesystem::is_directory(checkpoint, is_folder_error)) {
+      throw ddp::ConfigError(fmt::format(
+          "--checkpoint {} is a file; with --sharding zero2 or fsdp the checkpoint is a folder "
+          "of sharded checkpoints (ddp::ShardedTrainState): give a folder path",
+          checkpoint));
+    }
+  } else if (std::filesystem::is_directory(checkpoint, is_folder_error)) {
     std::string stem = checkpoint;
     while (stem.size() > 1 && stem.back() == '/')
       stem.pop_back();
@@ -387,7 +397,8 @@ int run(const Options& options) {
   if (options.resume && options.checkpoint.empty()) {
     throw ddp::ConfigError("--resume needs --checkpoint PATH (the file to resume from)");
   }
-  if (!options.checkpoint.empty()) check_checkpoint_folder(options.checkpoint);
+  const bool fsdp = options.sharding == "zero2" || options.sharding == "fsdp";
+  if (!options.checkpoint.empty()) check_checkpoint_folder(options.checkpoint, fsdp);
   check_state_dict_options(options);
   const bool train_state_file = options.checkpoint_every_steps > 0;
   if (train_state_file && options.checkpoint.empty()) {
@@ -410,7 +421,6 @@ int run(const Options& options) {
         "ZeroRedundancyOptimizer or FullyShardedDataParallel yet; use --sharding ddp with --uneven",
         options.sharding));
   }
-  const bool fsdp = options.sharding == "zero2" || options.sharding == "fsdp";
   if (fsdp) {
     // FullyShardedDataParallel replaces DDP: what only DDP's reducer or a full local model offers
     // is named rather than silently dropped.
@@ -422,11 +432,6 @@ int run(const Options& options) {
                         options.sharding, option, why));
       }
     };
-    refuse(
-        !options.checkpoint.empty(), "--checkpoint",
-        "this program's checkpoints hold the whole model on rank 0, and FullyShardedDataParallel "
-        "writes sharded ones (FullyShardedDataParallel::save_sharded_checkpoint, "
-        "docs/sharding.md) that it does not use yet");
     refuse(options.comm_hook != "none", "--comm-hook " + options.comm_hook,
            "comm hooks are DDP's; FullyShardedDataParallel reduce-scatters the gradients itself");
     refuse(options.sync_bn, "--sync-bn", "SyncBatchNorm has not been tried under it");
@@ -531,13 +536,28 @@ int run(const Options& options) {
     }
     // With --checkpoint-every-steps the file is a ddp::TrainState (mid-epoch position included).
     ddp::TrainState train_state(*net, optimizer, {.tag = options.model});
+    // zero2/fsdp: no rank holds the whole model, so the checkpoint is a folder of sharded ones
+    // that every rank writes its part of (at every epoch's end, and with --checkpoint-every-steps
+    // mid-epoch too), resumable at any world size.
+    std::optional<ddp::ShardedTrainState> sharded_state;
+    if (sharded)
+      sharded_state.emplace(**sharded, optimizer, ddp::TrainStateOptions{.tag = options.model});
+    const auto load_train_state = [&] {
+      return sharded_state ? sharded_state->load(options.checkpoint)
+                           : train_state.load(options.checkpoint);
+    };
     std::optional<ddp::TrainProgress> resumed;
-    if (options.resume && train_state_file) {
+    if (options.resume && (train_state_file || sharded_state)) {
       // Under `ddprun --max-restarts`, every attempt runs the same command line: the first one
-      // finds no file yet and starts from scratch.
-      if (std::filesystem::exists(options.checkpoint)) {
-        resumed = resume_or_explain(options, "the training state in",
-                                    [&] { return train_state.load(options.checkpoint); });
+      // finds no file yet and starts from scratch. (A sharded state without latest.pt names the
+      // folder as holding no checkpoint, unless the run saves every N steps.)
+      const bool found =
+          sharded_state
+              ? !train_state_file ||
+                    std::filesystem::exists(std::filesystem::path(options.checkpoint) / "latest.pt")
+              : std::filesystem::exists(options.checkpoint);
+      if (found) {
+        resumed = resume_or_explain(options, "the training state in", load_train_state);
         check_resumed_dataset(options, *resumed, static_cast<std::uint64_t>(train.size()));
         first_epoch = static_cast<int>(resumed->epoch) + 1;
         if (leader) {
@@ -713,20 +733,25 @@ int run(const Options& options) {
                                     global_step % options.checkpoint_every_steps == 0 &&
                                     b + 1 < epoch_batches;
         if (checkpoint_now) gather_optimizer_state();
-        if (leader && checkpoint_now) {
+        if ((leader || sharded_state) && checkpoint_now) {
           auto span = ddp::trace_span("checkpoint", "train", {{"step", step}});
           const auto consumed = sampler.consumed_after(
               static_cast<std::uint64_t>(std::min<std::int64_t>((b + 1) * batch, epoch_per_rank)));
-          train_state.save(options.checkpoint,
-                           {.epoch = static_cast<std::uint64_t>(epoch - 1),
-                            .epoch_offset = consumed,
-                            .global_step = global_step,
-                            .scheduler_step = step,
-                            .dataset_size = samples},
-                           world_size);
-          fmt::print("checkpoint global_step {} epoch {} offset {}\n", global_step, epoch,
-                     consumed);
-          std::fflush(stdout);
+          const ddp::TrainProgress progress{.epoch = static_cast<std::uint64_t>(epoch - 1),
+                                            .epoch_offset = consumed,
+                                            .global_step = global_step,
+                                            .scheduler_step = step,
+                                            .dataset_size = samples};
+          if (sharded_state) {
+            sharded_state->save(options.checkpoint, progress, world_size);  // every rank
+          } else {
+            train_state.save(options.checkpoint, progress, world_size);
+          }
+          if (leader) {
+            fmt::print("checkpoint global_step {} epoch {} offset {}\n", global_step, epoch,
+                       consumed);
+            std::fflush(stdout);
+          }
         }
 
         const double value = loss.item<double>();
@@ -770,15 +795,23 @@ int run(const Options& options) {
         accuracy = evaluate_model();
         evaluated = true;
       }
+      // The progress after a whole epoch: the next one, from its start.
+      const ddp::TrainProgress epoch_done{.epoch = static_cast<std::uint64_t>(epoch),
+                                          .epoch_offset = 0,
+                                          .global_step = global_step,
+                                          .scheduler_step = step,
+                                          .dataset_size = samples};
+      if (sharded_state && !options.checkpoint.empty()) {
+        sharded_state->save(options.checkpoint, epoch_done, world_size);  // every rank
+        if (leader) {
+          fmt::print("checkpoint global_step {} epoch {} offset 0\n", global_step, epoch + 1);
+        }
+      }
       if (leader) {
-        if (train_state_file) {
-          train_state.save(options.checkpoint,
-                           {.epoch = static_cast<std::uint64_t>(epoch),
-                            .epoch_offset = 0,
-                            .global_step = global_step,
-                            .scheduler_step = step,
-                            .dataset_size = samples},
-                           world_size);
+        if (sharded_state) {
+          // Written above, by every rank.
+        } else if (train_state_file) {
+          train_state.save(options.checkpoint, epoch_done, world_size);
           fmt::print("checkpoint global_step {} epoch {} offset 0\n", global_step, epoch + 1);
         } else if (!options.checkpoint.empty()) {
           ddp::save_checkpoint(options.checkpoint, *net, optimizer,

@@ -27,6 +27,7 @@
 #include "ddp/torch/fully_sharded_data_parallel.h"
 #include "fsdp_unit.h"
 #include "libtorch_compat.h"
+#include "rank_agreement.h"
 
 namespace ddp {
 
@@ -122,11 +123,56 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
   }
   // Every rank checks the optimizer before anything collective: the same on every rank.
   const std::string kind = optimizer_kind(optimizer);
+  const int rank = group_->rank();
+  const int world = group_->size();
+  // A manifest names a complete checkpoint: rank 0 removes an old one before any shard file of
+  // this save replaces an old shard file, so that a save into the same folder that fails part-way
+  // leaves no manifest (load refuses it) rather than an old manifest over a mix of shards.
+  std::string failure;
+  if (rank == 0) {
+    try {
+      std::filesystem::create_directories(dir);
+      std::filesystem::remove(dir / "manifest.pt");
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  internal::raise_if_any_rank_failed(*group_, failure,
+                                     "FullyShardedDataParallel: preparing " + dir.string());
+  try {
+    write_shard_file(dir, optimizer);
+  } catch (const std::exception& e) {  // ddp::Error, std::filesystem_error, c10::Error
+    failure = e.what();
+  }
+  // Every shard file is complete before the manifest names them; a rank that could not write
+  // its own makes every rank throw.
+  internal::raise_if_any_rank_failed(
+      *group_, failure, "FullyShardedDataParallel: writing the shard files of " + dir.string());
+  if (rank == 0) {
+    try {
+      std::vector<std::int64_t> numels;
+      for (const auto& unit : units_)
+        numels.push_back(unit->numel);
+      torch::serialize::OutputArchive manifest;
+      manifest.write("world_size", torch::tensor({static_cast<std::int64_t>(world)}));
+      manifest.write("unit_numels", torch::tensor(numels, torch::kInt64));
+      manifest.write("optimizer", c10::IValue(kind));
+      save_archive_atomically(manifest, dir / "manifest.pt");
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  // The checkpoint is complete when save returns on any rank.
+  internal::raise_if_any_rank_failed(
+      *group_, failure, "FullyShardedDataParallel: writing " + (dir / "manifest.pt").string());
+}
+
+void FullyShardedDataParallelImpl::write_shard_file(
+    const std::filesystem::path& dir, const torch::optim::Optimizer& optimizer) const {
   torch::NoGradGuard no_grad;
   const int rank = group_->rank();
   const int world = group_->size();
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::kNoShard;
-  std::filesystem::create_directories(dir);
   torch::serialize::OutputArchive archive;
   for (std::size_t u = 0; u < units_.size(); ++u) {
     const auto& unit = *units_[u];
@@ -146,18 +192,6 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
     }
   }
   save_archive_atomically(archive, shard_file(dir, rank, world));
-  barrier(*group_);  // every shard file is complete before the manifest names them
-  if (rank == 0) {
-    std::vector<std::int64_t> numels;
-    for (const auto& unit : units_)
-      numels.push_back(unit->numel);
-    torch::serialize::OutputArchive manifest;
-    manifest.write("world_size", torch::tensor({static_cast<std::int64_t>(world)}));
-    manifest.write("unit_numels", torch::tensor(numels, torch::kInt64));
-    manifest.write("optimizer", c10::IValue(kind));
-    save_archive_atomically(manifest, dir / "manifest.pt");
-  }
-  barrier(*group_);  // the checkpoint is complete when save returns on any rank
 }
 
 void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem::path& dir,

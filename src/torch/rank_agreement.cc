@@ -96,4 +96,12 @@ void require_agreement(ProcessGroup& group, const std::string& description,
   }
 }
 
+void raise_if_any_rank_failed(ProcessGroup& group, const std::string& local_error,
+                              const std::string& what) {
+  const auto agreement = compare_across_ranks(group, std::string(), local_error);
+  if (agreement.failed_rank < 0) return;
+  throw Error(
+      fmt::format("{} failed on rank {}: {}", what, agreement.failed_rank, agreement.failure));
+}
+
 }  // namespace ddp::internal

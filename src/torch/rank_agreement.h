@@ -39,4 +39,10 @@ void require_agreement(ProcessGroup& group, const std::string& description,
                        const std::string& local_error, const std::string& refused_what,
                        const std::string& call, const std::string& what_differs);
 
+// A step every rank must have done (e.g. writing its file): an Error on every rank, "<what>
+// failed on rank R: <text>" (the lowest failed rank's text), when `local_error` is not empty on
+// some rank; returns on every rank otherwise.
+void raise_if_any_rank_failed(ProcessGroup& group, const std::string& local_error,
+                              const std::string& what);
+
 }  // namespace ddp::internal

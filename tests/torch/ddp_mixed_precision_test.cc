@@ -45,15 +45,6 @@ std::vector<torch::Tensor> local_bf16_gradients(const torch::nn::Sequential& net
   return sums;
 }
 
-// The average over the ranks of each tensor (float32 sum, then divided once, as DDP's buckets).
-std::vector<torch::Tensor> averaged(ProcessGroup& group, std::vector<torch::Tensor> tensors) {
-  for (auto& t : tensors) {
-    allreduce_tensor(group, t, ReduceOp::kSum)->wait();
-    t.div_(group.size());
-  }
-  return tensors;
-}
-
 void expect_float32(const torch::nn::Sequential& net, const std::string& when) {
   for (const auto& p : net->parameters()) {
     if (p.scalar_type() != torch::kFloat32 ||
@@ -74,7 +65,8 @@ TEST(DdpMixedPrecision, AveragesTheBf16GradientsIntoFloat32MasterWeights) {
     torch::optim::SGD opt(model->parameters(), 0.1);
     for (int step = 0; step < 3; ++step) {
       const auto x = batch_of(rank, step);
-      const auto want = averaged(*pg, local_bf16_gradients(torch::nn::Sequential(reference), {x}));
+      const auto want = test::averaged_over_ranks(
+          *pg, local_bf16_gradients(torch::nn::Sequential(reference), {x}));
       opt.zero_grad();
       const auto out = model->forward(x);
       if (out.scalar_type() != torch::kBFloat16) {
@@ -129,7 +121,7 @@ TEST(DdpMixedPrecision, AccumulatesUnderNoSyncInFloat32) {
       }
     }
     model->forward(inputs[2]).pow(2).sum().backward();
-    const auto want = averaged(*pg, local_bf16_gradients(reference, inputs));
+    const auto want = test::averaged_over_ranks(*pg, local_bf16_gradients(reference, inputs));
     const auto params = net->parameters();
     for (std::size_t i = 0; i < params.size(); ++i) {
       test::expect_close(params[i].grad(), want[i], fmt::format("accumulated gradient {}", i), 1e-5,

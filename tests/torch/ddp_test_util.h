@@ -8,6 +8,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -38,6 +39,17 @@ inline void expect_close(const torch::Tensor& actual, const torch::Tensor& expec
     throw std::runtime_error(
         fmt::format("{}: max abs difference {:g} exceeds rtol {:g}", what, diff, rel));
   }
+}
+
+// The average over the group's ranks of each tensor (an fp32/fp64 sum, then divided once): the
+// reference for gradients a wrapper averages.
+inline std::vector<torch::Tensor> averaged_over_ranks(ProcessGroup& group,
+                                                      std::vector<torch::Tensor> tensors) {
+  for (auto& t : tensors) {
+    allreduce_tensor(group, t, ReduceOp::kSum)->wait();
+    t.div_(group.size());
+  }
+  return tensors;
 }
 
 // Runs `call`, which must throw an E whose message contains `needle`; otherwise throws

@@ -50,15 +50,6 @@ std::vector<torch::Tensor> local_low_precision_gradients(const torch::nn::Sequen
   return grads;
 }
 
-// The average over the ranks of each tensor (fp32 sum, then divided once).
-std::vector<torch::Tensor> averaged(ProcessGroup& group, std::vector<torch::Tensor> tensors) {
-  for (auto& t : tensors) {
-    allreduce_tensor(group, t, ReduceOp::kSum)->wait();
-    t.div_(group.size());
-  }
-  return tensors;
-}
-
 // This rank's part of `per_parameter` laid out as FSDP's units are: unit u's parameters
 // flattened, padded to padded_numel, and the rank's shard_numel elements of it.
 std::vector<torch::Tensor> shards_of(const FullyShardedDataParallel& fsdp,
@@ -81,16 +72,14 @@ std::vector<torch::Tensor> shards_of(const FullyShardedDataParallel& fsdp,
   return out;
 }
 
-void expect_close(const torch::Tensor& got, const torch::Tensor& want, double rtol, double atol,
-                  const std::string& what) {
+// Throws unless `got` is fp32 and within rtol/atol of `want`.
+void expect_fp32_close(const torch::Tensor& got, const torch::Tensor& want, double rtol,
+                       double atol, const std::string& what) {
   if (got.scalar_type() != torch::kFloat) {
     throw std::runtime_error(what + " is " + std::string(c10::toString(got.scalar_type())) +
                              ", not fp32");
   }
-  if (!torch::allclose(got, want, rtol, atol)) {
-    throw std::runtime_error(
-        fmt::format("{} differs by {}", what, (got - want).abs().max().item<double>()));
-  }
+  test::expect_close(got, want, what, rtol, atol);
 }
 
 // For each strategy at world `size`: three SGD steps of an FSDP model with `mp` against a
@@ -112,7 +101,8 @@ void expect_mixed_precision_equals_reference(int size, FsdpMixedPrecision mp,
       torch::optim::SGD reference_opt(reference->parameters(), 0.1);
       for (int step = 0; step < 3; ++step) {
         const auto x = batch_of(rank, step);
-        const auto want = averaged(*pg, local_low_precision_gradients(reference, x, compute));
+        const auto want =
+            test::averaged_over_ranks(*pg, local_low_precision_gradients(reference, x, compute));
         opt.zero_grad();
         const auto out = fsdp->forward(x);
         if (out.scalar_type() != compute) {
@@ -124,8 +114,8 @@ void expect_mixed_precision_equals_reference(int size, FsdpMixedPrecision mp,
         for (std::size_t u = 0; u < want_shards.size(); ++u) {
           const auto shard = fsdp->parameters()[u];
           if (shard.scalar_type() != torch::kFloat) throw std::runtime_error(name + ": shard");
-          expect_close(shard.grad(), want_shards[u], rtol, atol,
-                       fmt::format("{} step {} unit {} gradient", name, step, u));
+          expect_fp32_close(shard.grad(), want_shards[u], rtol, atol,
+                            fmt::format("{} step {} unit {} gradient", name, step, u));
           // At world 2 a 16-bit reduction is pre-divided by 2 and not divided after: the fp32
           // gradient is the 16-bit sum itself, so it survives a round trip through that dtype.
           if (size == 2 && mp.reduce_dtype && *mp.reduce_dtype != torch::kFloat &&
@@ -155,8 +145,8 @@ void expect_mixed_precision_equals_reference(int size, FsdpMixedPrecision mp,
       if (rank != 0) continue;
       const auto want_state = reference->named_parameters();
       for (const auto& item : want_state) {
-        expect_close(state[item.key()], item.value().detach(), rtol, atol,
-                     name + " parameter " + item.key() + " after 3 steps");
+        expect_fp32_close(state[item.key()], item.value().detach(), rtol, atol,
+                          name + " parameter " + item.key() + " after 3 steps");
       }
     }
   });
@@ -210,7 +200,7 @@ TEST(FsdpMixedPrecision, BufferDtypeCastsTheBuffersAndTheFullStateDictReturnsThe
     // 0.1 of the batch mean of the first layer's output (bf16 compute: to bf16's precision).
     const auto first = state["0.weight"];
     const auto want = 0.1 * torch::addmm(state["0.bias"], x, first.t()).mean(0);
-    expect_close(mean, want, 2e-2, 2e-3, "running_mean");
+    expect_fp32_close(mean, want, 2e-2, 2e-3, "running_mean");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

@@ -340,15 +340,22 @@ TEST_F(TrainFashionMnistTest, ZeroShardedAdamMatchesDdpAndItsCheckpointResumes) 
 // ZeRO stages 2 and 3 (FullyShardedDataParallel over the cnn's layers, 2 units) train with Adam
 // to DDP's accuracy: the same arithmetic, reduced in another order (reduce-scatter instead of
 // allreduce), so equal to rounding. zero2 runs with --mixed-precision bf16 (autocast forward,
-// gradients reduce-scattered in bf16), so to bf16's precision.
-TEST_F(TrainFashionMnistTest, FsdpAndZero2TrainWithAdamToDdpsAccuracy) {
+// gradients reduce-scattered in bf16), so to bf16's precision. The fsdp run writes a sharded
+// training state (a folder: ddp::ShardedTrainState) every 3 steps and after the epoch, and a second
+// run resumes from it at epoch 2.
+TEST_F(TrainFashionMnistTest, FsdpAndZero2TrainWithAdamToDdpsAccuracyAndFsdpResumes) {
   const std::vector<std::string> common{"--optimizer",   "adam", "--epochs",    "1",
                                         "--limit-train", "1024", "--log-every", "0"};
+  TempDir dir;
+  const auto checkpoint = (dir.path() / "fsdp").string();
   std::map<std::string, double> accuracy;
   for (const std::string sharding : {"ddp", "zero2", "fsdp"}) {
     auto args = common;
     args.insert(args.end(), {"--sharding", sharding});
     if (sharding == "zero2") args.insert(args.end(), {"--mixed-precision", "bf16"});
+    if (sharding == "fsdp") {
+      args.insert(args.end(), {"--checkpoint", checkpoint, "--checkpoint-every-steps", "3"});
+    }
     const auto result = train(args);
     ASSERT_EQ(result.exit_code, 0) << result.output;
     if (sharding == "zero2") {
@@ -364,25 +371,39 @@ TEST_F(TrainFashionMnistTest, FsdpAndZero2TrainWithAdamToDdpsAccuracy) {
   EXPECT_GT(accuracy["ddp"], 0.5);  // chance is 0.1
   EXPECT_NEAR(accuracy["zero2"], accuracy["ddp"], 0.05);
   EXPECT_NEAR(accuracy["fsdp"], accuracy["ddp"], 0.02);
+
+  // Saves at steps 3 and 6 and after the epoch (step 8): the last one is the one kept.
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(checkpoint) / "latest.pt"));
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(checkpoint) / "ckpt-3"));
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(checkpoint) / "ckpt-2"));
+  auto args = common;
+  args[3] = "2";  // --epochs 2
+  args.insert(args.end(), {"--sharding", "fsdp", "--checkpoint", checkpoint, "--resume"});
+  const auto resumed = train(args);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("resumed from " + checkpoint + " at epoch 2"));
+  EXPECT_THAT(resumed.output, Not(HasSubstr("[0] epoch 1 loss ")));
+  EXPECT_GT(final_accuracy(resumed.output), accuracy["fsdp"] - 0.02) << resumed.output;
 }
 
 TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
-  for (const std::vector<std::string>& args : {std::vector<std::string>{"--model", "resnet"},
-                                               {"--mixed-precision", "fp8"},
-                                               {"--comm-hook", "powersgd4"},
-                                               {"--comm-hook", "int8", "--mixed-precision", "bf16"},
-                                               {"--powersgd-rank", "0"},
-                                               {"--epochs", "0"},
-                                               {"--lr", "-1"},
-                                               {"--optimizer", "lbfgs"},
-                                               {"--sharding", "zero9"},
-                                               {"--sharding", "zero1", "--uneven"},
-                                               {"--sharding", "fsdp", "--comm-hook", "int8"},
-                                               {"--sharding", "fsdp", "--checkpoint", "/tmp/f.pt"},
-                                               {"--fsdp-min-params", "0"},
-                                               {"--global-batch-size", "128", "--uneven"},
-                                               {"--global-batch-size", "0"},
-                                               {"--resume"}}) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--model", "resnet"},
+        {"--mixed-precision", "fp8"},
+        {"--comm-hook", "powersgd4"},
+        {"--comm-hook", "int8", "--mixed-precision", "bf16"},
+        {"--powersgd-rank", "0"},
+        {"--epochs", "0"},
+        {"--lr", "-1"},
+        {"--optimizer", "lbfgs"},
+        {"--sharding", "zero9"},
+        {"--sharding", "zero1", "--uneven"},
+        {"--sharding", "fsdp", "--comm-hook", "int8"},
+        {"--sharding", "fsdp", "--checkpoint", "/etc/passwd"},
+        {"--fsdp-min-params", "0"},
+        {"--global-batch-size", "128", "--uneven"},
+        {"--global-batch-size", "0"},
+        {"--resume"}}) {
     std::vector<std::string> argv{built_program("train-fashion-mnist")};
     argv.insert(argv.end(), args.begin(), args.end());
     auto process = Subprocess::start(argv);

@@ -151,8 +151,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // elements (padding left out) and their optimizer state to DIR/shard-<rank>-of-<W>.pt
   // atomically (checksummed, as save_archive_atomically), then, once every rank has written,
   // rank 0 writes DIR/manifest.pt (world size, each unit's parameter count, the optimizer kind),
-  // so a manifest means a complete checkpoint. `optimizer` is a torch::optim SGD, Adam or AdamW
-  // built over parameters() (ConfigError otherwise).
+  // so a manifest means a complete checkpoint (an old manifest in DIR is removed first). A rank
+  // that cannot write its file makes every rank throw Error naming it. `optimizer` is a
+  // torch::optim SGD, Adam or AdamW built over parameters() (ConfigError otherwise).
   void save_sharded_checkpoint(const std::filesystem::path& dir,
                                const torch::optim::Optimizer& optimizer) const;
   // Loads a sharded checkpoint saved at any world size: each rank reads the manifest and the
@@ -195,6 +196,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // Waits for the unit's reduction and adds its average to the shard's .grad().
   void harvest_reduction(std::size_t unit);
   void queue_finish_backward();
+  // This rank's DIR/shard-<rank>-of-<W>.pt (fsdp_sharded_checkpoint.cc).
+  void write_shard_file(const std::filesystem::path& dir,
+                        const torch::optim::Optimizer& optimizer) const;
   void release_free_heap() const;
 
   torch::nn::Sequential module_;
