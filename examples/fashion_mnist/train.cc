@@ -416,9 +416,11 @@ int run(const Options& options) {
   }
   if (options.sharding != "ddp" && options.uneven) {
     throw ddp::ConfigError(fmt::format(
-        "--sharding {} cannot be combined with --uneven: ranks that have run out of data would "
-        "have to keep taking part in the sharded collectives, which ddp::Join does not do for "
-        "ZeroRedundancyOptimizer or FullyShardedDataParallel yet; use --sharding ddp with --uneven",
+        "--sharding {} cannot be combined with --uneven in this program: it joins once over the "
+        "whole run, and its sharded evaluation (zero2/fsdp) and checkpoints are collective, so a "
+        "rank that finished early would evaluate while the others train (the library's Join "
+        "takes ZeroRedundancyOptimizer and FullyShardedDataParallel: docs/sharding.md); use "
+        "--sharding ddp with --uneven",
         options.sharding));
   }
   if (fsdp) {

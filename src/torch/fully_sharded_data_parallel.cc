@@ -498,6 +498,14 @@ void FullyShardedDataParallelImpl::free_full(std::size_t unit) {
 }
 
 torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
+  if (!shadowing_ && join_state()) {
+    check_join_setup();
+    Join::notify_join_context(*this);  // this rank trains in this step (a no-op unless first)
+  }
+  if (input.defined()) {
+    last_input_sizes_ = input.sizes().vec();
+    last_input_dtype_ = input.scalar_type();
+  }
   release_free_heap();  // the optimizer step's temporaries, before the units are gathered
   const bool sharded = options_.sharding_strategy != ShardingStrategy::kNoShard;
   // The optimizer may have changed the shards since the last gather: gather at every forward.
@@ -729,6 +737,56 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::ful
                                                       : item.value().detach().to(it->second));
   }
   return out;
+}
+
+void FullyShardedDataParallelImpl::check_join_setup() const {
+  if (join_optimizer_ == nullptr) {
+    throw ConfigError(
+        "FullyShardedDataParallel under ddp::Join needs the optimizer over its shards: call "
+        "model->set_join_optimizer(optimizer) before the Join (a rank that runs out of data keeps "
+        "stepping the shards it owns, which the other ranks gather)");
+  }
+  if (!join_state()->options.divide_by_initial_world_size) {
+    throw ConfigError(
+        "FullyShardedDataParallel under ddp::Join averages the gradients over every rank (the "
+        "joined ones contribute zeros): JoinOptions::divide_by_initial_world_size must be true");
+  }
+}
+
+// One step of the ranks still training, with no data: the same collectives (the all-gathers of
+// forward and backward, the reduce-scatters of backward) over an empty batch, whose gradients are
+// zeros; then the shard's step, with the gradients averaged over the ranks.
+void FullyShardedDataParallelImpl::join_main_hook() {
+  check_join_setup();
+  if (last_input_sizes_.empty()) {
+    throw ConfigError(
+        "FullyShardedDataParallel under ddp::Join: this rank joined before its first forward, so "
+        "it does not know the input's shape for the shadow steps; give every rank at least one "
+        "batch");
+  }
+  auto sizes = last_input_sizes_;
+  sizes[0] = 0;
+  const auto empty = torch::zeros(sizes, torch::TensorOptions().dtype(last_input_dtype_));
+  join_optimizer_->zero_grad();
+  shadowing_ = true;
+  try {
+    const torch::Tensor out = forward(empty);
+    shadowing_ = false;
+    // Any scalar of an empty output has zero gradients; sum() reaches every unit.
+    if (out.requires_grad()) out.sum().backward();
+  } catch (...) {
+    shadowing_ = false;
+    throw;
+  }
+  join_optimizer_->step();
+}
+
+// Every rank stepped its shards in every step (the joined ones while shadowing): nothing to copy.
+void FullyShardedDataParallelImpl::join_post_hook(bool /*is_last_joiner*/) {}
+
+std::string FullyShardedDataParallelImpl::join_description() const {
+  return fmt::format("FullyShardedDataParallel({}, {} units)",
+                     to_string(options_.sharding_strategy), units_.size());
 }
 
 }  // namespace ddp

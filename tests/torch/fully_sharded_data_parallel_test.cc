@@ -20,6 +20,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/fully_sharded_data_parallel.h"
+#include "ddp/torch/join.h"
 #include "ddp/torch/state_dict.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
@@ -285,6 +286,51 @@ TEST(FullyShardedDataParallel, EveryStrategyWithAdamEqualsDdpWithTheFullOptimize
 
 // Gradients accumulate into the shards over backward passes (no_sync-style accumulation), and a
 // forward without gradients (evaluation) gathers and frees without touching them.
+// Uneven inputs under ddp::Join at world 3: rank 2 has 2 batches, the others 5. Every strategy
+// ends with DDP-under-Join's parameters (gradients averaged over 3 ranks, the joined one adding
+// zeros; DDP copies the last joiner's model at the end, FSDP's joined rank steps its shards while
+// it shadows), to 1e-5. Without set_join_optimizer the first forward is a ConfigError.
+TEST(FullyShardedDataParallel, UnevenInputsUnderJoinEqualDdpUnderJoin) {
+  const int world = 3;
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(world, [&](int rank) {
+    auto pg = join_group(rank, world, port);
+    const int steps = rank == 2 ? 2 : 5;
+    auto net_ddp = make_model();
+    DistributedDataParallel ddp(net_ddp, pg);
+    auto full = make_optimizer(Kind::kSgd, ddp->parameters());
+    {
+      Join join({*ddp});
+      train_steps(ddp, *full, rank, world, 0, steps);
+      join.finish();
+    }
+    for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                ShardingStrategy::kNoShard}) {
+      const std::string name = to_string(strategy);
+      FullyShardedDataParallel fsdp(make_model(), pg, three_units(strategy));
+      auto opt = make_optimizer(Kind::kSgd, fsdp->parameters());
+      fsdp->set_join_optimizer(*opt);
+      {
+        Join join({*fsdp});
+        train_steps(fsdp, *opt, rank, world, 0, steps);
+        join.finish();
+      }
+      const auto state = fsdp->full_state_dict(0);
+      if (rank != 0) continue;
+      for (const auto& item : net_ddp->named_parameters()) {
+        test::expect_close(state[item.key()], item.value().detach(),
+                           name + " under Join: " + item.key(), 1e-5, 1e-6);
+      }
+    }
+    FullyShardedDataParallel no_optimizer(make_model(), pg,
+                                          three_units(ShardingStrategy::kFullShard));
+    Join join({*no_optimizer});
+    test::expect_throws<ConfigError>(
+        [&] { no_optimizer->forward(make_batch(rank, world, 0).first); }, "set_join_optimizer",
+        "Join without the optimizer");
+  }));
+}
+
 TEST(FullyShardedDataParallel, GradientsAccumulateAndEvaluationLeavesNothingGathered) {
   const int port = test::free_port();
   const auto results = run_ranks(2, [&](int rank) {

@@ -69,6 +69,7 @@
 
 #include "ddp/process_group.h"
 #include "ddp/torch/distributed.h"
+#include "ddp/torch/join.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
@@ -124,7 +125,7 @@ struct FsdpOptions {
   bool release_free_heap = true;
 };
 
-class FullyShardedDataParallelImpl : public torch::nn::Module {
+class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
  public:
   FullyShardedDataParallelImpl(torch::nn::Sequential module, GroupRef group = {},
                                FsdpOptions options = {});
@@ -184,6 +185,22 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
 
   void train(bool on = true) override;
 
+  // Uneven inputs (ddp::Join, join.h): `ddp::Join join({*model});` around the training loop, and
+  // the optimizer over parameters() given here first. A rank that has run out of data shadows each
+  // step the others still make: a forward and backward of an empty batch (the shape of its last
+  // input with 0 rows), so it makes the same all-gathers and reduce-scatters with zero gradients,
+  // then `optimizer.step()` on its shards with the averaged gradients, so the shards it owns (which
+  // the others gather) stay those of a rank that trains; gradients are averaged over every rank
+  // (JoinOptions::divide_by_initial_world_size = true; false is a ConfigError). The joined rank
+  // steps with its optimizer's current options (a per-step schedule is not advanced while it
+  // shadows). Without an optimizer here, or with a model that cannot run an empty batch, the first
+  // forward inside the Join throws ConfigError / the shadow step throws on the joined rank.
+  void set_join_optimizer(torch::optim::Optimizer& optimizer) { join_optimizer_ = &optimizer; }
+  void join_main_hook() override;
+  void join_post_hook(bool is_last_joiner) override;
+  ProcessGroup& join_process_group() override { return *group_; }
+  std::string join_description() const override;
+
  private:
   struct Unit;
   void build();
@@ -227,6 +244,13 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   std::vector<std::size_t> outstanding_;  // units whose gradient reduction is in flight
   bool finish_queued_ = false;
   std::int64_t all_gather_count_ = 0;
+  // Join: the optimizer a joined rank steps, the last input's shape and dtype (the shadow's empty
+  // batch), and whether the forward running is a shadow (which must not announce a step).
+  torch::optim::Optimizer* join_optimizer_ = nullptr;
+  std::vector<std::int64_t> last_input_sizes_;
+  torch::ScalarType last_input_dtype_ = torch::kFloat;
+  bool shadowing_ = false;
+  void check_join_setup() const;
 };
 
 TORCH_MODULE(FullyShardedDataParallel);
