@@ -121,6 +121,12 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
         "FullyShardedDataParallel: sharded checkpoints of kHybridShard are not built (each shard "
         "has replicas); save full_state_dict() instead");
   }
+  if (!nested_.empty()) {
+    throw ConfigError(fmt::format(
+        "FullyShardedDataParallel: sharded checkpoints of nested wrappers are not built (this one "
+        "holds {} at '{}'); save full_state_dict() instead",
+        nested_.size(), nested_.front().first));
+  }
   // Every rank checks the optimizer before anything collective: the same on every rank.
   const std::string kind = optimizer_kind(optimizer);
   const int rank = group_->rank();
@@ -200,6 +206,12 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
     throw ConfigError(
         "FullyShardedDataParallel: sharded checkpoints of kHybridShard are not built (each shard "
         "has replicas); save full_state_dict() instead");
+  }
+  if (!nested_.empty()) {
+    throw ConfigError(fmt::format(
+        "FullyShardedDataParallel: sharded checkpoints of nested wrappers are not built (this one "
+        "holds {} at '{}'); save full_state_dict() instead",
+        nested_.size(), nested_.front().first));
   }
   const std::string kind = optimizer_kind(optimizer);
   const auto manifest_path = dir / "manifest.pt";

@@ -25,13 +25,6 @@ namespace {
 
 using internal::shape_text;
 
-std::int64_t parameter_count(const std::shared_ptr<torch::nn::Module>& module) {
-  std::int64_t n = 0;
-  for (const auto& p : module->parameters())
-    n += p.numel();
-  return n;
-}
-
 // Memory for the buffers FSDP frees during a step (full parameters, full flat gradients) comes
 // straight from mmap and goes back with munmap: through malloc it would stay in the process when
 // malloc is told to keep freed memory (ddprun's GLIBC_TUNABLES, for speed), and the buffers of
@@ -148,18 +141,32 @@ const char* to_string(ShardingStrategy strategy) {
 
 FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::Sequential module,
                                                            GroupRef group, FsdpOptions options)
-    : module_(std::move(module)), group_ref_(std::move(group)), options_(std::move(options)) {
-  group_ = &group_ref_.get();
-  make_hybrid_groups();
-  build();
-}
+    : FullyShardedDataParallelImpl(module.ptr(), {}, std::move(group), std::move(options)) {}
+
+FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule module,
+                                                           GroupRef group, FsdpOptions options)
+    : FullyShardedDataParallelImpl(
+          module.is_empty() ? nullptr : module.ptr(),
+          module.is_empty() ? std::function<torch::Tensor(torch::Tensor)>()
+                            : [any = module](torch::Tensor x) mutable { return any.forward(x); },
+          std::move(group), std::move(options)) {}
 
 FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
     std::shared_ptr<torch::nn::Module> module, GroupRef group, FsdpOptions options)
-    : module_(nullptr), group_ref_(std::move(group)), options_(std::move(options)) {
+    : FullyShardedDataParallelImpl(std::move(module), {}, std::move(group), std::move(options)) {}
+
+FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
+    std::shared_ptr<torch::nn::Module> module,
+    std::function<torch::Tensor(torch::Tensor)> tensor_forward, GroupRef group, FsdpOptions options)
+    : module_(nullptr),
+      wrapped_(std::move(module)),
+      tensor_forward_(std::move(tensor_forward)),
+      group_ref_(std::move(group)),
+      options_(std::move(options)) {
   group_ = &group_ref_.get();
-  if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module)) {
+  if (auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(wrapped_)) {
     module_ = torch::nn::Sequential(sequential);
+    tensor_forward_ = nullptr;
   }
   make_hybrid_groups();
   build();
@@ -239,6 +246,40 @@ void FullyShardedDataParallelImpl::make_hybrid_groups() {
   replicate_group_ = options_.replicate_group;
 }
 
+void FullyShardedDataParallelImpl::find_nested_wrappers() {
+  for (const auto& item : wrapped_->named_modules("", /*include_self=*/false)) {
+    auto wrapper = std::dynamic_pointer_cast<FullyShardedDataParallelImpl>(item.value());
+    if (!wrapper) continue;
+    const bool inside_another = std::any_of(nested_.begin(), nested_.end(), [&](const auto& n) {
+      return item.key().rfind(n.first + ".", 0) == 0;
+    });
+    if (inside_another) continue;  // its outermost wrapper takes care of it
+    nested_.emplace_back(item.key(), wrapper);
+    for (const auto& shard : wrapper->parameters())
+      nested_shards_.push_back(shard);
+  }
+}
+
+bool FullyShardedDataParallelImpl::shards_parameter(const torch::Tensor& p) const {
+  for (const auto& unit : units_)
+    for (const auto& mine : unit->params)
+      if (mine.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return true;
+  return std::any_of(nested_.begin(), nested_.end(),
+                     [&](const auto& n) { return n.second->shards_parameter(p); });
+}
+
+std::vector<torch::Tensor> FullyShardedDataParallelImpl::own_parameters(
+    const torch::nn::Module& module) const {
+  std::vector<torch::Tensor> own;
+  for (const auto& p : module.parameters()) {
+    const bool nested = std::any_of(
+        nested_shards_.begin(), nested_shards_.end(),
+        [&](const auto& s) { return s.unsafeGetTensorImpl() == p.unsafeGetTensorImpl(); });
+    if (!nested) own.push_back(p);
+  }
+  return own;
+}
+
 void FullyShardedDataParallelImpl::build() {
   const int world = shard_group_->size();
   std::string local_error;
@@ -247,19 +288,63 @@ void FullyShardedDataParallelImpl::build() {
   // every rank throws it.
   try {
     check_mixed_precision();
-    if (module_.is_empty()) {
+    if (!wrapped_) throw ConfigError("FullyShardedDataParallel: the module to wrap is null");
+    if (dynamic_cast<FullyShardedDataParallelImpl*>(wrapped_.get()) != nullptr) {
       throw ConfigError(
-          "FullyShardedDataParallel wraps a torch::nn::Sequential only (libtorch has no forward "
-          "hooks, so it runs the children itself unit by unit); got another module or null. "
-          "Write the model, or its trunk, as a Sequential");
+          "FullyShardedDataParallel: the module is already a FullyShardedDataParallel; wrap the "
+          "module inside it once");
     }
-    const std::size_t children = module_->size();
+    find_nested_wrappers();
+    for (const auto& [path, wrapper] : nested_) {
+      description << "nested " << path << ": " << to_string(wrapper->options().sharding_strategy)
+                  << ", " << wrapper->unit_count() << " units\n";
+    }
+    const bool sequential = !module_.is_empty();
+    if (!sequential && !options_.units.empty()) {
+      throw ConfigError(fmt::format(
+          "FullyShardedDataParallel: FsdpOptions::units are child ranges of a Sequential; the "
+          "module is a {}, which is one unit (wrap its submodules to shard them separately)",
+          wrapped_->name()));
+    }
+    const std::size_t children = sequential ? module_->size() : 1;
+    std::vector<std::vector<torch::Tensor>> child_params(children);
     std::vector<std::int64_t> child_numel(children);
-    for (std::size_t c = 0; c < children; ++c)
-      child_numel[c] = parameter_count(module_->ptr(c));
+    for (std::size_t c = 0; c < children; ++c) {
+      child_params[c] = own_parameters(sequential ? *module_->ptr(c) : *wrapped_);
+      for (const auto& p : child_params[c])
+        child_numel[c] += p.numel();
+    }
+    for (const auto& params : child_params) {
+      for (const auto& p : params) {
+        // Sharded already: a parameter shared with a nested wrapper's module (tied weights), or
+        // one another wrapper holds (its storage is FSDP's, or gone while freed).
+        const auto& storage = p.storage();
+        const bool sharded_elsewhere = storage.data_ptr().get_deleter() == &unmap_block ||
+                                       (p.numel() > 0 && storage.nbytes() == 0);
+        const auto owner = std::find_if(nested_.begin(), nested_.end(), [&](const auto& n) {
+          return n.second->shards_parameter(p);
+        });
+        if (owner != nested_.end()) {
+          throw ConfigError(fmt::format(
+              "FullyShardedDataParallel: parameter {} is shared with the nested wrapper at '{}', "
+              "which shards it; a parameter can be sharded by one wrapper only (wrap the modules "
+              "that share it together)",
+              shape_text(p), owner->first));
+        }
+        if (sharded_elsewhere) {
+          throw ConfigError(fmt::format(
+              "FullyShardedDataParallel: parameter {} is already sharded by another "
+              "FullyShardedDataParallel (shared between two wrapped modules?); wrap the modules "
+              "that share it together",
+              shape_text(p)));
+        }
+      }
+    }
 
     std::vector<std::pair<std::size_t, std::size_t>> ranges = options_.units;
-    if (ranges.empty()) {
+    if (!sequential) {
+      if (child_numel[0] > 0) ranges.emplace_back(0, 1);
+    } else if (ranges.empty()) {
       if (options_.min_num_params <= 0) {
         throw ConfigError(
             fmt::format("FullyShardedDataParallel: min_num_params must be positive, got {}",
@@ -330,7 +415,7 @@ void FullyShardedDataParallelImpl::build() {
       unit_starting_at_[unit->begin] = static_cast<std::ptrdiff_t>(u);
       description << "unit " << u << ": children [" << unit->begin << ", " << unit->end << ")\n";
       for (std::size_t c = unit->begin; c < unit->end; ++c) {
-        for (const auto& p : module_->ptr(c)->parameters()) {
+        for (const auto& p : child_params[c]) {
           const auto [it, fresh] = unit_of.emplace(p.unsafeGetTensorImpl(), u);
           if (!fresh) {
             if (it->second == u) continue;  // shared within the unit: flattened once
@@ -367,10 +452,10 @@ void FullyShardedDataParallelImpl::build() {
       }
       units_.push_back(std::move(unit));
     }
-    if (units_.empty()) {
+    if (units_.empty() && nested_.empty()) {
       throw ConfigError("FullyShardedDataParallel: the module has no parameters to shard");
     }
-    for (const auto& b : module_->buffers())
+    for (const auto& b : wrapped_->buffers())
       description << "buffer " << shape_text(b) << "\n";
   } catch (const std::exception& e) {
     local_error = e.what();
@@ -428,7 +513,13 @@ void FullyShardedDataParallelImpl::build() {
     register_parameter(fmt::format("unit_{}", u), unit.shard);
     if (frees_full_parameters()) free_full(u);
   }
-  auto buffers = module_->buffers();
+  // parameters() then returns the whole tree's shards.
+  for (const auto& [path, wrapper] : nested_) {
+    std::string name = path;
+    std::replace(name.begin(), name.end(), '.', '_');
+    register_module(name, wrapper);
+  }
+  auto buffers = wrapped_->buffers();
   if (!buffers.empty()) broadcast_coalesced(*group_, buffers, 0);
   release_free_heap();  // the unwrapped parameters' memory (4 bytes per parameter)
   if (const auto dtype = options_.mixed_precision.buffer_dtype) {
@@ -462,7 +553,7 @@ std::int64_t FullyShardedDataParallelImpl::gathered_parameter_bytes() const {
 
 void FullyShardedDataParallelImpl::train(bool on) {
   torch::nn::Module::train(on);
-  module_->train(on);
+  wrapped_->train(on);
 }
 
 void FullyShardedDataParallelImpl::start_gather(std::size_t unit) {
@@ -497,14 +588,28 @@ void FullyShardedDataParallelImpl::free_full(std::size_t unit) {
   u.state = Unit::State::kFree;
 }
 
-torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
+torch::Tensor FullyShardedDataParallelImpl::cast_tensor_input(const torch::Tensor& input) const {
+  if (low_precision_parameters() && input.defined() && input.is_floating_point()) {
+    return input.to(compute_dtype());
+  }
+  return input;
+}
+
+void FullyShardedDataParallelImpl::throw_not_a(const char* type_name) const {
+  throw ConfigError(fmt::format(
+      "FullyShardedDataParallel::forward_as<{}>: the wrapped module is a {}; name its own type",
+      c10::demangle(type_name), wrapped_->name()));
+}
+
+void FullyShardedDataParallelImpl::begin_forward(bool tensor_forward) {
   if (!shadowing_ && join_state()) {
+    if (!tensor_forward) {
+      throw ConfigError(
+          "FullyShardedDataParallel under ddp::Join runs forward(Tensor) only (a joined rank "
+          "replays it with an empty batch); forward_as cannot be replayed");
+    }
     check_join_setup();
     Join::notify_join_context(*this);  // this rank trains in this step (a no-op unless first)
-  }
-  if (input.defined()) {
-    last_input_sizes_ = input.sizes().vec();
-    last_input_dtype_ = input.scalar_type();
   }
   release_free_heap();  // the optimizer step's temporaries, before the units are gathered
   const bool sharded = options_.sharding_strategy != ShardingStrategy::kNoShard;
@@ -519,8 +624,43 @@ torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
     for (auto& unit : units_)
       unit->full.copy_(unit->shard.detach());  // kNoShard's "gather": the cast master
   }
-  if (low_precision_parameters() && input.defined() && input.is_floating_point()) {
-    input = input.to(compute_dtype());
+  if (module_.is_empty() && !units_.empty()) {
+    start_gather(0);
+    wait_gather(0);
+  }
+}
+
+void FullyShardedDataParallelImpl::end_forward(const std::vector<torch::Tensor>& outputs) {
+  if (units_.empty()) return;
+  if (torch::GradMode::is_enabled()) {
+    for (const auto& output : outputs) {
+      if (output.defined() && output.requires_grad()) {
+        auto hooked = output;  // register_hook is not const in libtorch 1.13
+        hooked.register_hook([this](const torch::Tensor&) { before_unit_backward(0); });
+      }
+    }
+  }
+  if (frees_full_parameters()) free_full(0);
+}
+
+torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
+  if (input.defined()) {
+    last_input_sizes_ = input.sizes().vec();
+    last_input_dtype_ = input.scalar_type();
+  }
+  if (module_.is_empty() && !tensor_forward_) {
+    throw ConfigError(
+        fmt::format("FullyShardedDataParallel::forward(Tensor): the wrapped {} was given as a "
+                    "std::shared_ptr<torch::nn::Module>, so its forward is unknown; call "
+                    "forward_as<ItsImplType>(args...), or wrap the module's holder",
+                    wrapped_->name()));
+  }
+  begin_forward(/*tensor_forward=*/true);
+  input = cast_tensor_input(input);
+  if (module_.is_empty()) {
+    auto output = tensor_forward_(input);
+    end_forward({output});
+    return output;
   }
   const bool build_graph = torch::GradMode::is_enabled();
   torch::Tensor x = std::move(input);
@@ -716,14 +856,30 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::ful
       flats.push_back(flat);
     }
   }
+  // Then each nested wrapper's, in the same order on every rank (collective).
+  std::vector<torch::OrderedDict<std::string, torch::Tensor>> nested_states;
+  for (const auto& [path, wrapper] : nested_)
+    nested_states.push_back(wrapper->full_state_dict(to));
   torch::OrderedDict<std::string, torch::Tensor> out;
   if (group_->rank() != to) return out;
   std::unordered_map<const void*, std::pair<std::size_t, std::size_t>> where;
   for (std::size_t u = 0; u < units_.size(); ++u)
     for (std::size_t i = 0; i < units_[u]->params.size(); ++i)
       where.emplace(units_[u]->params[i].unsafeGetTensorImpl(), std::make_pair(u, i));
-  for (const auto& item : module_->named_parameters()) {
-    const auto [u, i] = where.at(item.value().unsafeGetTensorImpl());
+  std::vector<bool> nested_done(nested_.size(), false);
+  for (const auto& item : wrapped_->named_parameters()) {
+    const auto it = where.find(item.value().unsafeGetTensorImpl());
+    if (it == where.end()) {
+      // A nested wrapper's shard: its whole state goes here, under its path, once.
+      for (std::size_t n = 0; n < nested_.size(); ++n) {
+        if (nested_done[n] || item.key().rfind(nested_[n].first + ".", 0) != 0) continue;
+        nested_done[n] = true;
+        for (const auto& entry : nested_states[n])
+          out.insert(nested_[n].first + "." + entry.key(), entry.value());
+      }
+      continue;
+    }
+    const auto [u, i] = it->second;
     const auto& p = units_[u]->params[i];
     out.insert(item.key(),
                flats[u].narrow(0, units_[u]->offsets[i], p.numel()).view(p.sizes()).clone());
@@ -731,7 +887,12 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::ful
   std::unordered_map<const void*, torch::ScalarType> original_dtype;
   for (const auto& [buffer, dtype] : cast_buffers_)
     original_dtype.emplace(buffer.unsafeGetTensorImpl(), dtype);
-  for (const auto& item : module_->named_buffers()) {
+  for (std::size_t n = 0; n < nested_.size(); ++n) {
+    if (nested_done[n]) continue;  // a nested wrapper of buffers only
+    for (const auto& entry : nested_states[n])
+      out.insert(nested_[n].first + "." + entry.key(), entry.value());
+  }
+  for (const auto& item : wrapped_->named_buffers()) {
     const auto it = original_dtype.find(item.value().unsafeGetTensorImpl());
     out.insert(item.key(), it == original_dtype.end() ? item.value().detach().clone()
                                                       : item.value().detach().to(it->second));

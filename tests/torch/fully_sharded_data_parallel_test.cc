@@ -382,12 +382,13 @@ void expect_build_fails(const std::string& expected,
   expect_error_on_every_rank(results, expected);
 }
 
-TEST(FullyShardedDataParallel, AModuleThatIsNotASequentialIsNamedOnEveryRank) {
-  expect_build_fails<ConfigError>("wraps a torch::nn::Sequential only", [](int, auto pg) {
-    FullyShardedDataParallel(std::shared_ptr<torch::nn::Module>(torch::nn::Linear(3, 2).ptr()), pg);
+TEST(FullyShardedDataParallel, ANullModuleAndRanksWrappingDifferentModulesAreNamedOnEveryRank) {
+  expect_build_fails<ConfigError>("the module to wrap is null", [](int, auto pg) {
+    FullyShardedDataParallel(std::shared_ptr<torch::nn::Module>(), pg);
   });
-  // One rank alone passes another module: the others learn it too, and nobody waits.
-  expect_build_fails<ConfigError>("could not be built on rank 1", [](int rank, auto pg) {
+  // One rank alone wraps another module (one unit, where the others have three): every rank
+  // learns it, and nobody waits.
+  expect_build_fails<Error>("the ranks differ", [](int rank, auto pg) {
     std::shared_ptr<torch::nn::Module> module = make_model().ptr();
     if (rank == 1) module = torch::nn::Linear(3, 2).ptr();
     FullyShardedDataParallel(module, pg, three_units(ShardingStrategy::kFullShard));

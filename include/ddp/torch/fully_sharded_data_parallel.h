@@ -10,11 +10,22 @@
 //   torch::optim::Adam opt(model->parameters(), 1e-3);   // the shards
 //   for (...) { opt.zero_grad(); loss(model->forward(x)).backward(); opt.step(); }
 //
-// Why only torch::nn::Sequential: libtorch modules have no forward hooks, so a wrapper can see
-// where a unit's forward begins and ends only if it runs the forward itself. This wrapper runs a
-// Sequential's children in order; anything else is a ConfigError. (Wrap the model's sequential
-// trunk, or write the model as a Sequential of blocks.)
-//
+// Any module, and nesting (PyTorch's FSDP1): libtorch modules have no forward hooks, so the
+// wrapper is the hook: it runs the forward itself, gathering before and freeing after.
+// - A torch::nn::Sequential is run child by child, its children grouped into units (below).
+// - Any other module is one unit: FullyShardedDataParallel(Block(...), pg) runs Block's
+//   forward(Tensor) through forward(), and any other signature through
+//   forward_as<BlockImpl>(args...) (the arguments and return type of BlockImpl::forward; the
+//   return value must be a Tensor, or a std::vector, std::tuple or std::pair of Tensors, so the
+//   wrapper sees what backward starts from).
+// - Nesting: a module may hold FSDP wrappers of its submodules (fc1 = register_module("fc1",
+//   ddp::FullyShardedDataParallel(torch::nn::Linear(...), pg))). A wrapper around it shards only
+//   the parameters outside those nested wrappers (each nested one shards its own), and
+//   parameters() returns every shard of the tree (the nested wrappers are registered as its
+//   children, named by their path with '.' as '_'), so one optimizer over the outermost
+//   wrapper's parameters() trains the whole model; full_state_dict() gathers the whole tree
+//   under the unwrapped model's names. fsdp_call<M>(module, args...) calls a module that may or
+//   may not be wrapped (a ModuleList element); fsdp_auto_wrap wraps by parameter count.
 // Units: consecutive children whose parameters are flattened into one fp32 buffer, padded to a
 // multiple of W; rank r owns elements [r·S, (r+1)·S) of it (S = padded/W) as a leaf tensor, its
 // "shard", which is what parameters() returns. Units come from `units` (explicit [begin, end)
@@ -56,17 +67,22 @@
 // from forward or from backward.
 #pragma once
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
 
+#include "ddp/error.h"
 #include "ddp/process_group.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/join.h"
@@ -125,18 +141,82 @@ struct FsdpOptions {
   bool release_free_heap = true;
 };
 
+namespace fsdp_detail {
+// The tensors of a forward's result (what backward starts from).
+inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
+  out.push_back(t);
+}
+inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename T>
+requires std::is_arithmetic_v<T>
+void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out);
+template <typename... T>
+void collect_tensors(const std::tuple<T...>& t, std::vector<torch::Tensor>& out) {
+  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
+}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+}  // namespace fsdp_detail
+
 class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
  public:
   FullyShardedDataParallelImpl(torch::nn::Sequential module, GroupRef group = {},
                                FsdpOptions options = {});
-  // ConfigError unless `module` is a torch::nn::SequentialImpl (see above).
+  // Any module as one unit (a SequentialImpl: as above). forward() runs its forward(Tensor)
+  // where it has one; forward_as<ModuleType>() runs any forward.
+  template <typename ModuleType>
+  FullyShardedDataParallelImpl(torch::nn::ModuleHolder<ModuleType> module, GroupRef group = {},
+                               FsdpOptions options = {})
+      : FullyShardedDataParallelImpl(module.ptr(), tensor_forward_of(module.ptr()),
+                                     std::move(group), std::move(options)) {}
+  template <typename ModuleType>
+  requires std::derived_from<ModuleType, torch::nn::Module> FullyShardedDataParallelImpl(
+      std::shared_ptr<ModuleType> module, GroupRef group = {}, FsdpOptions options = {})
+      : FullyShardedDataParallelImpl(module, tensor_forward_of(module), std::move(group),
+                                     std::move(options)) {}
+  // A Sequential element as it is stored (forward(Tensor) through the AnyModule).
+  FullyShardedDataParallelImpl(torch::nn::AnyModule module, GroupRef group = {},
+                               FsdpOptions options = {});
+  // Of unknown type: forward_as<ModuleType>() only (forward() throws ConfigError).
   FullyShardedDataParallelImpl(std::shared_ptr<torch::nn::Module> module, GroupRef group = {},
                                FsdpOptions options = {});
   ~FullyShardedDataParallelImpl() override;
 
-  // Runs the children unit by unit (gathering and freeing as the strategy says). With
-  // mixed_precision.param_dtype, a floating-point input is cast to it first.
+  // Runs the children unit by unit (gathering and freeing as the strategy says), or the wrapped
+  // module's forward(Tensor). With mixed_precision.param_dtype, a floating-point input is cast
+  // to it first.
   torch::Tensor forward(torch::Tensor input);
+
+  // The wrapped module's own forward, with any arguments and result: gathers this wrapper's
+  // parameters, calls ModuleType::forward(args...) (floating-point Tensor arguments cast to
+  // param_dtype), arranges the gather before its backward, frees (kFullShard), and returns the
+  // result. ConfigError when the wrapped module is not a ModuleType.
+  template <typename ModuleType, typename... Args>
+  auto forward_as(Args&&... args) {
+    auto* wrapped = dynamic_cast<ModuleType*>(wrapped_.get());
+    if (wrapped == nullptr) throw_not_a(typeid(ModuleType).name());
+    begin_forward(/*tensor_forward=*/false);
+    auto output = wrapped->forward(cast_input(std::forward<Args>(args))...);
+    std::vector<torch::Tensor> outputs;
+    fsdp_detail::collect_tensors(output, outputs);
+    end_forward(outputs);
+    return output;
+  }
+
+  // The module this wrapper runs (the Sequential, or any module).
+  const std::shared_ptr<torch::nn::Module>& wrapped_module() const { return wrapped_; }
+  // Wrappers nested inside the wrapped module, outermost ones only, with their paths in it.
+  std::vector<std::pair<std::string, std::shared_ptr<FullyShardedDataParallelImpl>>>
+  nested_wrappers() const {
+    return nested_;
+  }
 
   // parameters() returns the shards, one per unit (what the optimizer steps on).
   // Waits for the collectives of the current backward pass; called by autograd at its end, so
@@ -179,6 +259,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // How many all-gathers of a unit have been started since construction (for tests).
   std::int64_t all_gather_count() const { return all_gather_count_; }
 
+  // The wrapped Sequential (empty when the wrapped module is not one).
   const torch::nn::Sequential& module() const { return module_; }
   ProcessGroup& process_group() const { return *group_; }
   const FsdpOptions& options() const { return options_; }
@@ -203,6 +284,40 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
 
  private:
   struct Unit;
+  FullyShardedDataParallelImpl(std::shared_ptr<torch::nn::Module> module,
+                               std::function<torch::Tensor(torch::Tensor)> tensor_forward,
+                               GroupRef group, FsdpOptions options);
+  template <typename ModuleType>
+  static std::function<torch::Tensor(torch::Tensor)> tensor_forward_of(
+      const std::shared_ptr<ModuleType>& module) {
+    if constexpr (requires(ModuleType & m, torch::Tensor x) {
+                    { m.forward(x) } -> std::convertible_to<torch::Tensor>;
+                  }) {
+      // The wrapper owns the module (wrapped_), so the raw pointer outlives the function.
+      return [m = module.get()](torch::Tensor x) -> torch::Tensor { return m->forward(x); };
+    } else {
+      return {};
+    }
+  }
+  template <typename T>
+  decltype(auto) cast_input(T&& arg) const {
+    if constexpr (std::is_same_v<std::decay_t<T>, torch::Tensor>) {
+      return cast_tensor_input(arg);
+    } else {
+      return std::forward<T>(arg);
+    }
+  }
+  torch::Tensor cast_tensor_input(const torch::Tensor& input) const;
+  [[noreturn]] void throw_not_a(const char* type_name) const;
+  // One forward of the one-unit (any module) form: gathers before, and after it hooks the
+  // outputs (for the gather before backward) and frees.
+  void begin_forward(bool tensor_forward);
+  void end_forward(const std::vector<torch::Tensor>& outputs);
+  void find_nested_wrappers();
+  // Whether `p` is one of the wrapped module's parameters this wrapper shards.
+  bool shards_parameter(const torch::Tensor& p) const;
+  // The wrapped module's parameters outside every nested wrapper.
+  std::vector<torch::Tensor> own_parameters(const torch::nn::Module& module) const;
   void build();
   void start_gather(std::size_t unit);
   void wait_gather(std::size_t unit);
@@ -218,7 +333,11 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
                         const torch::optim::Optimizer& optimizer) const;
   void release_free_heap() const;
 
-  torch::nn::Sequential module_;
+  torch::nn::Sequential module_;                                // the Sequential form, else empty
+  std::shared_ptr<torch::nn::Module> wrapped_;                  // what is wrapped, in every form
+  std::function<torch::Tensor(torch::Tensor)> tensor_forward_;  // the one-unit form's forward
+  std::vector<std::pair<std::string, std::shared_ptr<FullyShardedDataParallelImpl>>> nested_;
+  std::vector<torch::Tensor> nested_shards_;  // every parameter() of the nested wrappers
   GroupRef group_ref_;
   ProcessGroup* group_ = nullptr;
   FsdpOptions options_;
@@ -254,6 +373,35 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
 };
 
 TORCH_MODULE(FullyShardedDataParallel);
+
+// Calls `module` (a ModuleList element, say) whether or not it was wrapped: through the
+// wrapper's forward_as<ModuleType> if it is a FullyShardedDataParallel, else its own forward.
+// ConfigError when it is neither a wrapper nor a ModuleType.
+template <typename ModuleType, typename... Args>
+auto fsdp_call(const std::shared_ptr<torch::nn::Module>& module, Args&&... args) {
+  if (auto* wrapper = dynamic_cast<FullyShardedDataParallelImpl*>(module.get())) {
+    return wrapper->forward_as<ModuleType>(std::forward<Args>(args)...);
+  }
+  auto* plain = dynamic_cast<ModuleType*>(module.get());
+  if (plain == nullptr) {
+    throw ConfigError(std::string("ddp::fsdp_call: the module is a ") + module->name() +
+                      ", neither the type asked for nor a FullyShardedDataParallel wrapper");
+  }
+  return plain->forward(std::forward<Args>(args)...);
+}
+
+// PyTorch's size_based_auto_wrap_policy over Sequential and ModuleList trees. Bottom-up, every
+// element of a ModuleList (descended into when it is a ModuleList or Sequential) and every child
+// of a Sequential that holds at least options.min_num_params parameters not yet wrapped is
+// replaced by a FullyShardedDataParallel of it, with `options`. libtorch's containers cannot
+// replace an element in place, so new containers are returned; the elements are the same
+// modules. A Sequential comes back as the root wrapper over its new copy (its small children in
+// the root's units); a ModuleList as the new list (call its elements with fsdp_call, and wrap the
+// module that holds it). Collective, like the constructor.
+FullyShardedDataParallel fsdp_auto_wrap(torch::nn::Sequential module, GroupRef group,
+                                        FsdpOptions options);
+torch::nn::ModuleList fsdp_auto_wrap(torch::nn::ModuleList module, GroupRef group,
+                                     FsdpOptions options);
 
 }  // namespace ddp
 #pragma GCC visibility pop
