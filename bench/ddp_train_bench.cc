@@ -173,8 +173,9 @@ int main(int argc, char** argv) {
   std::string sharding = "ddp";
   app.add_option("--sharding", sharding,
                  "ddp (every rank holds the optimizer state), zero1 (ZeroRedundancyOptimizer), "
-                 "zero2 (FullyShardedDataParallel SHARD_GRAD_OP) or fsdp (FULL_SHARD)")
-      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "fsdp"}));
+                 "zero1-overlap (its step in DDP's comm hook: overlap_with_ddp), zero2 "
+                 "(FullyShardedDataParallel SHARD_GRAD_OP) or fsdp (FULL_SHARD)")
+      ->check(CLI::IsMember({"ddp", "zero1", "zero1-overlap", "zero2", "fsdp"}));
   std::int64_t min_num_params = 1'000'000;
   app.add_option("--min-num-params", min_num_params,
                  "zero2/fsdp: a unit closes once it holds this many parameters")
@@ -310,9 +311,11 @@ int main(int argc, char** argv) {
     } else {
       forward = [&](const torch::Tensor& x) { return net->forward(x); };
     }
+    std::optional<ddp::CommHook> chosen_hook;
     if (ddp_model) {
       auto chosen = ddp::comm_hook_from_name(
           hook, {.powersgd_rank = powersgd_rank, .powersgd_start_iter = powersgd_start});
+      chosen_hook = chosen.hook;
       if (chosen.hook) ddp_model->register_comm_hook(*chosen.hook, hook);
     }
     const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
@@ -320,10 +323,23 @@ int main(int argc, char** argv) {
     std::unique_ptr<torch::optim::Optimizer> optimizer;
     // FullyShardedDataParallel: the optimizer steps on the shards.
     const auto params = fsdp_model ? fsdp_model->parameters() : model_params;
-    if (sharding == "zero1") {
-      optimizer = optimizer_name == "adam"
-                      ? std::make_unique<ddp::ZeroRedundancyOptimizer>(model_params, adam, group)
-                      : std::make_unique<ddp::ZeroRedundancyOptimizer>(model_params, sgd, group);
+    if (sharding == "zero1" || sharding == "zero1-overlap") {
+      const ddp::ZeroOptions zero_options{.overlap_with_ddp = sharding == "zero1-overlap"};
+      auto zero = optimizer_name == "adam" ? std::make_unique<ddp::ZeroRedundancyOptimizer>(
+                                                 model_params, adam, group, zero_options)
+                                           : std::make_unique<ddp::ZeroRedundancyOptimizer>(
+                                                 model_params, sgd, group, zero_options);
+      if (zero_options.overlap_with_ddp) {
+        if (!ddp_model) {
+          throw ddp::ConfigError(
+              "--sharding zero1-overlap steps in DDP's comm hook: run at world >= 2 (or with "
+              "--always-ddp)");
+        }
+        ddp_model->register_comm_hook(
+            ddp::hook_with_zero_step(chosen_hook.value_or(ddp::allreduce_hook()), *zero),
+            "zero:" + hook);
+      }
+      optimizer = std::move(zero);
     } else if (optimizer_name == "adam") {
       optimizer = std::make_unique<torch::optim::Adam>(params, adam);
     } else {

@@ -586,8 +586,10 @@ GradBucket Reducer::hook_bucket(std::size_t b) const {
                          .buffer = staged ? bucket.twin : bucket.contents,
                          .gradients = staged ? bucket.twin_views : bucket.views,
                          .is_last = b + 1 == buckets_.size()};
-  for (const auto i : bucket.params)
+  for (const auto i : bucket.params) {
     grad_bucket.parameter_names.push_back(names_[i]);
+    grad_bucket.parameters.push_back(parameters_[i]);
+  }
   return grad_bucket;
 }
 

@@ -283,6 +283,29 @@ void ZeroRedundancyOptimizer::build_buckets() {
 }
 
 torch::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
+  if (options_.overlap_with_ddp) {
+    if (closure) {
+      throw ConfigError(
+          "ZeroRedundancyOptimizer with overlap_with_ddp: step() takes no closure (the step ran "
+          "in DDP's comm hook during backward)");
+    }
+    if (join_state()) {
+      throw ConfigError(
+          "ZeroRedundancyOptimizer with overlap_with_ddp cannot run under ddp::Join (a joined "
+          "rank has no backward to step in); construct it without overlap_with_ddp");
+    }
+    if (!overlap_stepped_) {
+      throw ConfigError(
+          "ZeroRedundancyOptimizer with overlap_with_ddp: no backward ran hook_with_zero_step "
+          "since the last step(); register it on the DDP model (model->register_comm_hook("
+          "ddp::hook_with_zero_step(ddp::allreduce_hook(), optimizer))) and run backward first");
+    }
+    detail::in_phase(
+        detail::kZeroCauses, [] { return std::string("shard broadcast of the overlapped step"); },
+        [&] { finish_overlap_broadcasts(/*all=*/true); });
+    overlap_stepped_ = false;
+    return {};
+  }
   // A no-op unless this optimizer is the first joinable of a Join (with DDP, DDP's forward
   // announced this rank's step already).
   Join::notify_join_context(*this);

@@ -768,5 +768,106 @@ TEST(ZeroRedundancyOptimizer, AdamStateBytesPerRankAreEightBytesPerParameterOver
   }
 }
 
+namespace overlap {
+
+// Small buckets (about 30 parameters each), so that the 113 parameters make several buckets and
+// a bucket holds parameters of several owners.
+DdpOptions small_buckets() {
+  return {.bucket_cap_mb = 120.0 / (1 << 20), .first_bucket_cap_mb = 120.0 / (1 << 20)};
+}
+
+}  // namespace overlap
+
+// PyTorch's overlap_with_ddp: each bucket's shard is stepped in DDP's comm hook as soon as its
+// average is there, and step() only collects the broadcasts. Against DDP (with the same comm hook)
+// and a plain ZeroRedundancyOptimizer stepping after backward: the same bits, for the plain
+// all-reduce and for fp16 compression, with SGD momentum and AdamW, at world 3.
+TEST(ZeroRedundancyOptimizer, OverlapWithDdpStepsEachBucketInTheHookAndEqualsTheStepAfterIt) {
+  const int world = 3;
+  const int port = test::free_port();
+  const auto results = run_ranks(world, [&](int rank) {
+    auto pg = join_group(rank, world, port);
+    for (const Kind kind : {Kind::kSgd, Kind::kAdamW}) {
+      for (const bool fp16 : {false, true}) {
+        const auto what = fmt::format("{}{}", kind == Kind::kSgd ? "SGD" : "AdamW",
+                                      fp16 ? " with fp16 compression" : "");
+        const auto hook = [fp16] { return fp16 ? fp16_compress_hook() : allreduce_hook(); };
+        auto net_plain = make_model();
+        DistributedDataParallel ddp_plain(net_plain, pg, overlap::small_buckets());
+        ddp_plain->register_comm_hook(hook());
+        ZeroRedundancyOptimizer plain(ddp_plain->parameters(), factory(kind), pg);
+
+        auto net_overlap = make_model();
+        DistributedDataParallel ddp_overlap(net_overlap, pg, overlap::small_buckets());
+        ZeroRedundancyOptimizer overlapped(ddp_overlap->parameters(), factory(kind), pg,
+                                           ZeroOptions{.overlap_with_ddp = true});
+        ddp_overlap->register_comm_hook(hook_with_zero_step(hook(), overlapped), "zero");
+
+        for (int step = 0; step < kSteps; ++step) {
+          train_steps(ddp_plain, plain, rank, world, step, step + 1);
+          const auto before = snapshot(net_overlap);
+          auto [x, y] = make_batch(rank, world, step);
+          overlapped.zero_grad();
+          torch::mse_loss(ddp_overlap->forward(x), y).backward();
+          // The hook stepped this rank's parameters already; the others arrive in step().
+          const auto mine = overlapped.shard_parameters(rank);
+          for (std::size_t i = 0; i < before.size(); ++i) {
+            const auto& p = net_overlap->parameters()[i];
+            const bool owned = std::any_of(mine.begin(), mine.end(), [&](const auto& m) {
+              return m.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+            });
+            if (owned && torch::equal(p, before[i])) {
+              throw std::runtime_error(fmt::format(
+                  "{} step {}: owned parameter {} unchanged after backward", what, step, i));
+            }
+          }
+          overlapped.step();
+          const auto want = snapshot(net_plain);
+          const auto got = snapshot(net_overlap);
+          for (std::size_t i = 0; i < want.size(); ++i) {
+            if (!torch::equal(got[i], want[i])) {
+              throw std::runtime_error(fmt::format("{} step {}: parameter {} differs by {:g}", what,
+                                                   step, i,
+                                                   (got[i] - want[i]).abs().max().item<double>()));
+            }
+          }
+        }
+        test::expect_throws<ConfigError>([&] { overlapped.step(); }, "no backward ran",
+                                         "a second step() without backward");
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(ZeroRedundancyOptimizer, OverlapWithDdpMisuseIsNamed) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port, 10s);
+    auto net = make_model();
+    DistributedDataParallel ddp(net, pg);
+    ZeroRedundancyOptimizer plain(ddp->parameters(), factory(Kind::kSgd), pg);
+    test::expect_throws<ConfigError>([&] { hook_with_zero_step(allreduce_hook(), plain); },
+                                     "without overlap_with_ddp", "a ZeRO without overlap");
+    ZeroRedundancyOptimizer overlapped(ddp->parameters(), factory(Kind::kSgd), pg,
+                                       ZeroOptions{.overlap_with_ddp = true});
+    test::expect_throws<ConfigError>([&] { hook_with_zero_step(CommHook(), overlapped); },
+                                     "the comm hook to wrap is empty", "an empty hook");
+    test::expect_throws<ConfigError>([&] { overlapped.step(); }, "no backward ran",
+                                     "step() before any backward");
+    test::expect_throws<ConfigError>([&] { overlapped.step([] { return torch::zeros({}); }); },
+                                     "takes no closure", "a closure");
+    // A ZeRO over another model's parameters: the hook names it in backward, on every rank.
+    auto other = make_model();
+    ZeroRedundancyOptimizer stranger(other->parameters(), factory(Kind::kSgd), pg,
+                                     ZeroOptions{.overlap_with_ddp = true});
+    ddp->register_comm_hook(hook_with_zero_step(allreduce_hook(), stranger));
+    auto [x, y] = make_batch(rank, 2, 0);
+    test::expect_throws<Error>([&] { torch::mse_loss(ddp->forward(x), y).backward(); },
+                               "does not optimize", "a stranger's optimizer");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 }  // namespace
 }  // namespace ddp

@@ -47,6 +47,8 @@ struct GradBucket {
   std::vector<torch::Tensor> gradients;  // views of buffer, one per parameter, in bucket order
   std::vector<std::string> parameter_names;
   bool is_last = false;  // the last bucket of this backward pass
+  // The parameters whose gradients these are (PyTorch's GradBucket.parameters()), in bucket order.
+  std::vector<torch::Tensor> parameters;
 };
 
 struct BucketReduction {

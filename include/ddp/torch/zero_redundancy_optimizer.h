@@ -58,6 +58,7 @@
 #include <torch/torch.h>
 
 #include "ddp/process_group.h"
+#include "ddp/torch/comm_hooks.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/join.h"
 
@@ -84,7 +85,28 @@ struct ZeroOptions {
   bool parameters_as_bucket_view = false;
   // Largest broadcast after step(), in MiB.
   double bucket_cap_mb = 16.0;
+  // PyTorch's overlap_with_ddp: the step runs inside DistributedDataParallel's comm hook, bucket
+  // by bucket, as each bucket's average arrives; register hook_with_zero_step(hook, *this) on the
+  // DDP model. See hook_with_zero_step for what step() does then.
+  bool overlap_with_ddp = false;
 };
+
+class ZeroRedundancyOptimizer;
+
+// PyTorch's hook_with_zero_step: a comm hook for the DistributedDataParallel whose parameters
+// `zero` (constructed with ZeroOptions::overlap_with_ddp = true) optimizes. Each bucket is reduced
+// by `hook` (e.g. allreduce_hook(), fp16_compress_hook(), powersgd_hook(...)); once its average is
+// there, each rank steps the parameters of the bucket it owns with it and starts the broadcast of
+// each owner's updated parameters, so the step of bucket k overlaps the reductions of the
+// buckets after it, and the broadcasts overlap the later steps. zero.step() then only waits for
+// the broadcasts (and returns an undefined tensor): every rank holds the updated parameters
+// after it, equal to DDP + a plain ZeroRedundancyOptimizer.
+//   model->register_comm_hook(ddp::hook_with_zero_step(ddp::allreduce_hook(), opt), "zero");
+// The step uses the bucket's averaged gradients (a parameter no rank used in this pass, with
+// find_unused_parameters, is stepped with zeros, as in PyTorch). ConfigError: `zero` without
+// overlap_with_ddp, an empty hook, a DDP group that is not the optimizer's; Error when a bucket
+// holds a parameter the optimizer does not have.
+CommHook hook_with_zero_step(CommHook hook, ZeroRedundancyOptimizer& zero);
 
 class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable {
  public:
@@ -102,7 +124,9 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
   ~ZeroRedundancyOptimizer() override;
 
   // Steps this rank's shard, then broadcasts every shard from its owner (collective). Returns the
-  // closure's loss (undefined without a closure).
+  // closure's loss (undefined without a closure). With overlap_with_ddp the backward's comm hook
+  // stepped already: this waits for its broadcasts; ConfigError with a closure, under ddp::Join,
+  // or when no backward ran hook_with_zero_step since the last step().
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   // Gathers every rank's optimizer state on rank `to` (collective; the others send theirs and
@@ -142,7 +166,22 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
   bool join_needs_gradients() const override { return true; }
 
  private:
+  friend CommHook hook_with_zero_step(CommHook hook, ZeroRedundancyOptimizer& zero);
   struct Bucket;
+  // overlap_with_ddp (zero_overlap_hook.cc): steps the bucket's parameters this rank owns with
+  // their averaged gradients and starts each owner's broadcast of its updated parameters.
+  void step_bucket(const std::vector<torch::Tensor>& params,
+                   const std::vector<torch::Tensor>& gradients);
+  // Copies what the overlapped broadcasts brought into the parameters: of every one (waiting for
+  // each), or (all = false) of those completed in order so far.
+  void finish_overlap_broadcasts(bool all);
+  struct OverlapBroadcast {
+    std::shared_ptr<Work> work;
+    torch::Tensor buffer;
+    std::vector<torch::Tensor> params;  // another owner's: unpacked from buffer when done
+  };
+  std::vector<OverlapBroadcast> overlap_pending_;
+  bool overlap_stepped_ = false;  // a bucket was stepped since the last step()
   void build(std::vector<torch::optim::OptimizerParamGroup> param_groups);
   void check_across_ranks(const std::string& description, const std::string& local_error);
   void build_buckets();
