@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <new>
 #include <sstream>
@@ -725,6 +726,21 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
   auto& u = *units_[unit];
   if (u.reduced) return;
   u.reduced = true;
+  if (!sync_gradients_) {
+    // no_sync: the gradients stay in the unit's flat buffer, whose views are the parameters'
+    // .grad(), so the next passes accumulate into it and the first synced one reduces the sum.
+    if (!u.reduction_input.defined()) {
+      u.reduction_input = mapped_zeros(u.padded, compute_dtype());
+      for (std::size_t i = 0; i < u.params.size(); ++i) {
+        auto& p = u.params[i];
+        auto view = u.reduction_input.narrow(0, u.offsets[i], p.numel()).view(p.sizes());
+        if (p.grad().defined()) view.copy_(p.grad());
+        p.mutable_grad() = view;
+      }
+    }
+    if (frees_full_parameters()) free_full(unit);
+    return;
+  }
   const bool in_place = u.reduction_input.defined();
   // No hook ran before the unit.
   if (!in_place) u.reduction_input = mapped_zeros(u.padded, compute_dtype());
@@ -824,6 +840,125 @@ void FullyShardedDataParallelImpl::finish_backward() {
   }
   finish_queued_ = false;
   release_free_heap();
+}
+
+std::vector<FullyShardedDataParallelImpl*> FullyShardedDataParallelImpl::tree() {
+  std::vector<FullyShardedDataParallelImpl*> all{this};
+  for (const auto& [path, wrapper] : nested_) {
+    const auto below = wrapper->tree();
+    all.insert(all.end(), below.begin(), below.end());
+  }
+  return all;
+}
+
+FsdpNoSyncGuard FullyShardedDataParallelImpl::no_sync() {
+  std::vector<std::pair<FullyShardedDataParallelImpl*, bool>> previous;
+  for (auto* wrapper : tree()) {
+    previous.emplace_back(wrapper, wrapper->sync_gradients_);
+    wrapper->sync_gradients_ = false;
+  }
+  return FsdpNoSyncGuard([previous = std::move(previous)] {
+    for (const auto& [wrapper, sync] : previous)
+      wrapper->sync_gradients_ = sync;
+  });
+}
+
+void FullyShardedDataParallelImpl::summon_full_params(const std::function<void()>& body,
+                                                      bool writeback) {
+  const auto wrappers = tree();
+  for (auto* wrapper : wrappers) {
+    if (writeback && wrapper->low_precision_parameters()) {
+      throw ConfigError(
+          "FullyShardedDataParallel::summon_full_params: writeback with a 16-bit param_dtype would "
+          "round the fp32 shards; summon without writeback, or change the shards (parameters())");
+    }
+    if (wrapper->finish_queued_) {
+      throw ConfigError(
+          "FullyShardedDataParallel::summon_full_params inside a backward pass; call it between "
+          "steps");
+    }
+  }
+  // Everything gathered, as forward's first gather would (the shards may have changed).
+  for (auto* wrapper : wrappers) {
+    for (std::size_t u = 0; u < wrapper->units_.size(); ++u) {
+      if (wrapper->options_.sharding_strategy == ShardingStrategy::kNoShard) {
+        if (wrapper->low_precision_parameters()) {
+          torch::NoGradGuard no_grad;
+          wrapper->units_[u]->full.copy_(wrapper->units_[u]->shard.detach());
+        }
+        continue;
+      }
+      wrapper->wait_gather(u);
+      wrapper->units_[u]->state = Unit::State::kFree;
+      wrapper->start_gather(u);
+      wrapper->wait_gather(u);
+    }
+  }
+  const auto release = [&] {
+    for (auto* wrapper : wrappers) {
+      if (!wrapper->frees_full_parameters()) continue;
+      for (std::size_t u = 0; u < wrapper->units_.size(); ++u)
+        wrapper->free_full(u);
+    }
+  };
+  try {
+    body();
+  } catch (...) {
+    release();
+    throw;
+  }
+  if (writeback) {
+    torch::NoGradGuard no_grad;
+    for (auto* wrapper : wrappers) {
+      if (wrapper->options_.sharding_strategy == ShardingStrategy::kNoShard) continue;
+      const int rank = wrapper->shard_group_->rank();
+      for (auto& unit : wrapper->units_) {
+        // kShardGradOp's fp32 shard is a view of `full`: written already.
+        auto mine = unit->full.narrow(0, rank * unit->shard_numel, unit->shard_numel);
+        if (mine.data_ptr() != unit->shard.data_ptr()) unit->shard.detach().copy_(mine);
+      }
+    }
+  }
+  release();
+}
+
+torch::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double norm_type) {
+  if (!(max_norm > 0) || !(norm_type > 0)) {
+    throw ConfigError(fmt::format(
+        "FullyShardedDataParallel::clip_grad_norm_: max_norm ({}) and norm_type ({}) must be "
+        "positive (norm_type may be INFINITY)",
+        max_norm, norm_type));
+  }
+  torch::NoGradGuard no_grad;
+  const bool infinity = std::isinf(norm_type);
+  // Per wrapper: the shards' contribution (sum of |g|^p, or the max), combined over the ranks
+  // that hold different shards (its shard group; NO_SHARD's and HYBRID's replicas hold the same
+  // elements and are not counted twice). Float64, so the sum over ranks does not round.
+  double total = 0.0;
+  std::vector<torch::Tensor> gradients;
+  for (auto* wrapper : tree()) {
+    double local = 0.0;
+    for (const auto& unit : wrapper->units_) {
+      const auto& grad = unit->shard.grad();
+      if (!grad.defined()) continue;
+      gradients.push_back(grad);
+      const auto g = grad.detach().to(torch::kFloat64);
+      local = infinity ? std::max(local, g.abs().max().item<double>())
+                       : local + g.abs().pow(norm_type).sum().item<double>();
+    }
+    auto combined = torch::tensor({local}, torch::kFloat64);
+    if (wrapper->options_.sharding_strategy != ShardingStrategy::kNoShard) {
+      all_reduce(combined, infinity ? ReduceOp::kMax : ReduceOp::kSum, *wrapper->shard_group_);
+    }
+    total = infinity ? std::max(total, combined.item<double>()) : total + combined.item<double>();
+  }
+  const double norm = infinity ? total : std::pow(total, 1.0 / norm_type);
+  const double coefficient = max_norm / (norm + 1e-6);
+  if (coefficient < 1.0) {
+    for (auto& grad : gradients)
+      grad.mul_(coefficient);
+  }
+  return torch::tensor(norm, torch::kFloat);
 }
 
 void FullyShardedDataParallelImpl::release_free_heap() const {

@@ -165,6 +165,24 @@ void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) 
 }
 }  // namespace fsdp_detail
 
+// FullyShardedDataParallelImpl::no_sync()'s guard: gradients accumulate unreduced until it is
+// destroyed (movable, not copyable).
+class [[nodiscard]] FsdpNoSyncGuard {
+ public:
+  FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept : restore_(std::exchange(other.restore_, {})) {}
+  FsdpNoSyncGuard(const FsdpNoSyncGuard&) = delete;
+  FsdpNoSyncGuard& operator=(const FsdpNoSyncGuard&) = delete;
+  FsdpNoSyncGuard& operator=(FsdpNoSyncGuard&&) = delete;
+  ~FsdpNoSyncGuard() {
+    if (restore_) restore_();
+  }
+
+ private:
+  friend class FullyShardedDataParallelImpl;
+  explicit FsdpNoSyncGuard(std::function<void()> restore) : restore_(std::move(restore)) {}
+  std::function<void()> restore_;
+};
+
 class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
  public:
   FullyShardedDataParallelImpl(torch::nn::Sequential module, GroupRef group = {},
@@ -209,6 +227,30 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
     end_forward(outputs);
     return output;
   }
+
+  // PyTorch's FSDP.no_sync(): while the guard lives, backward passes reduce nothing; each unit's
+  // full (unsharded) gradient accumulates on this rank, in this wrapper and every nested one,
+  // and the first backward after it reduce-scatters the sum of all of them into the shards'
+  // .grad(). Costs a full flat gradient per unit (in param_dtype) while accumulating, as
+  // PyTorch's. Use the same passes on every rank.
+  FsdpNoSyncGuard no_sync();
+
+  // PyTorch's FSDP.clip_grad_norm_(max_norm, norm_type): the norm of the whole model's gradient
+  // (every shard's .grad() in this wrapper and the nested ones, combined over the ranks that
+  // shard them: collective), and every shard gradient scaled by max_norm / (norm + 1e-6) when
+  // that is below 1. Returns the norm (before clipping), the same on every rank. norm_type: any
+  // positive p or INFINITY. Use it instead of torch::nn::utils::clip_grad_norm_, which would see
+  // only this rank's shards. ConfigError for a max_norm or norm_type that is not positive.
+  torch::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  // PyTorch's FSDP.summon_full_params(): gathers every unit of this wrapper and the nested ones
+  // (collective), runs `body` with the wrapped module's parameters holding their full values
+  // (read them, or evaluate the module directly), then frees them again (kFullShard). With
+  // writeback, what `body` wrote into the parameters is kept (each rank takes its shard's part);
+  // without, changes are lost at the next gather. Not inside forward/backward. ConfigError:
+  // writeback with a 16-bit param_dtype (the gathered copy is rounded; change the model through
+  // the shards).
+  void summon_full_params(const std::function<void()>& body, bool writeback = false);
 
   // The module this wrapper runs (the Sequential, or any module).
   const std::shared_ptr<torch::nn::Module>& wrapped_module() const { return wrapped_; }
@@ -314,6 +356,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   void begin_forward(bool tensor_forward);
   void end_forward(const std::vector<torch::Tensor>& outputs);
   void find_nested_wrappers();
+  // This wrapper and every nested one, outermost first.
+  std::vector<FullyShardedDataParallelImpl*> tree();
+  bool sync_gradients_ = true;  // false inside no_sync()
   // Whether `p` is one of the wrapped module's parameters this wrapper shards.
   bool shards_parameter(const torch::Tensor& p) const;
   // The wrapped module's parameters outside every nested wrapper.
