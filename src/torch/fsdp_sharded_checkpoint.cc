@@ -114,6 +114,27 @@ std::int64_t read_int(torch::serialize::InputArchive& archive, const std::string
 
 }  // namespace
 
+std::vector<FullyShardedDataParallelImpl::Unit*> FullyShardedDataParallelImpl::checkpoint_units()
+    const {
+  std::vector<Unit*> units;
+  for (const auto& unit : units_)
+    units.push_back(unit.get());
+  for (const auto& [path, wrapper] : nested_) {
+    if (wrapper->options_.sharding_strategy != options_.sharding_strategy ||
+        wrapper->group_->size() != group_->size() || wrapper->group_->rank() != group_->rank()) {
+      throw ConfigError(fmt::format(
+          "FullyShardedDataParallel: a sharded checkpoint takes one strategy and group for the "
+          "whole tree; the nested wrapper at '{}' is {} over {} ranks, this one {} over {}; save "
+          "full_state_dict() instead",
+          path, to_string(wrapper->options_.sharding_strategy), wrapper->group_->size(),
+          to_string(options_.sharding_strategy), group_->size()));
+    }
+    const auto below = wrapper->checkpoint_units();  // in the tree's order, as parameters()
+    units.insert(units.end(), below.begin(), below.end());
+  }
+  return units;
+}
+
 void FullyShardedDataParallelImpl::save_sharded_checkpoint(
     const std::filesystem::path& dir, const torch::optim::Optimizer& optimizer) const {
   if (options_.sharding_strategy == ShardingStrategy::kHybridShard) {
@@ -121,12 +142,7 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
         "FullyShardedDataParallel: sharded checkpoints of kHybridShard are not built (each shard "
         "has replicas); save full_state_dict() instead");
   }
-  if (!nested_.empty()) {
-    throw ConfigError(fmt::format(
-        "FullyShardedDataParallel: sharded checkpoints of nested wrappers are not built (this one "
-        "holds {} at '{}'); save full_state_dict() instead",
-        nested_.size(), nested_.front().first));
-  }
+  const auto units = checkpoint_units();
   // Every rank checks the optimizer before anything collective: the same on every rank.
   const std::string kind = optimizer_kind(optimizer);
   const int rank = group_->rank();
@@ -157,7 +173,7 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
   if (rank == 0) {
     try {
       std::vector<std::int64_t> numels;
-      for (const auto& unit : units_)
+      for (const auto* unit : units)
         numels.push_back(unit->numel);
       torch::serialize::OutputArchive manifest;
       manifest.write("world_size", torch::tensor({static_cast<std::int64_t>(world)}));
@@ -180,8 +196,9 @@ void FullyShardedDataParallelImpl::write_shard_file(
   const int world = group_->size();
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::kNoShard;
   torch::serialize::OutputArchive archive;
-  for (std::size_t u = 0; u < units_.size(); ++u) {
-    const auto& unit = *units_[u];
+  const auto units = checkpoint_units();
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    const auto& unit = *units[u];
     // The flat elements this rank owns; under kNoShard rank 0 writes everything.
     std::int64_t begin = no_shard ? (rank == 0 ? 0 : unit.numel) : rank * unit.shard_numel;
     std::int64_t end = no_shard ? unit.numel : (rank + 1) * unit.shard_numel;
@@ -207,12 +224,7 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
         "FullyShardedDataParallel: sharded checkpoints of kHybridShard are not built (each shard "
         "has replicas); save full_state_dict() instead");
   }
-  if (!nested_.empty()) {
-    throw ConfigError(fmt::format(
-        "FullyShardedDataParallel: sharded checkpoints of nested wrappers are not built (this one "
-        "holds {} at '{}'); save full_state_dict() instead",
-        nested_.size(), nested_.front().first));
-  }
+  const auto units = checkpoint_units();
   const std::string kind = optimizer_kind(optimizer);
   const auto manifest_path = dir / "manifest.pt";
   if (!std::filesystem::exists(manifest_path)) {
@@ -229,7 +241,7 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
       std::vector<std::int64_t>(numels_tensor.data_ptr<std::int64_t>(),
                                 numels_tensor.data_ptr<std::int64_t>() + numels_tensor.numel());
   std::vector<std::int64_t> numels;
-  for (const auto& unit : units_)
+  for (const auto* unit : units)
     numels.push_back(unit->numel);
   if (saved_numels != numels) {
     throw Error(fmt::format(
@@ -251,16 +263,16 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
   const int rank = group_->rank();
   const bool no_shard = options_.sharding_strategy == ShardingStrategy::kNoShard;
   std::vector<torch::Tensor> params;
-  std::vector<std::optional<ShardState>> states(units_.size());
+  std::vector<std::optional<ShardState>> states(units.size());
   std::vector<std::pair<std::int64_t, std::int64_t>> held;  // this rank's flat range per unit
-  for (const auto& unit : units_) {
+  for (const auto* unit : units) {
     params.push_back(torch::zeros({unit->shard_numel}, torch::kFloat));
     const std::int64_t begin = no_shard ? 0 : rank * unit->shard_numel;
     held.emplace_back(begin, begin + unit->shard_numel);
   }
   for (int r = 0; r < saved_world; ++r) {
     auto archive = load_archive(shard_file(dir, r, static_cast<int>(saved_world)));
-    for (std::size_t u = 0; u < units_.size(); ++u) {
+    for (std::size_t u = 0; u < units.size(); ++u) {
       const std::string prefix = fmt::format("unit_{}_", u);
       torch::Tensor range;
       archive.read(prefix + "range", range);
@@ -282,13 +294,13 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
         torch::Tensor saved;
         if (!archive.try_read(prefix + name, saved)) continue;
         auto& mine = states[u]->tensors[name];
-        if (!mine.defined()) mine = torch::zeros({units_[u]->shard_numel}, torch::kFloat);
+        if (!mine.defined()) mine = torch::zeros({units[u]->shard_numel}, torch::kFloat);
         copy(saved, mine);
       }
     }
   }
-  for (std::size_t u = 0; u < units_.size(); ++u) {
-    auto& unit = *units_[u];
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    auto& unit = *units[u];
     unit.shard.detach().copy_(params[u]);
     auto& all = optimizer.state();
     const auto key = optimizer_state_key(unit.shard);

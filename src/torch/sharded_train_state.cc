@@ -63,6 +63,23 @@ std::string read_latest(const std::filesystem::path& dir) {
   return name.toStringRef();
 }
 
+// The buffers of the model in every wrapper of the tree, under the unwrapped model's names (a
+// nested wrapper's module is not a child of its parent, so its buffers are collected here).
+void collect_buffers(const FullyShardedDataParallelImpl& wrapper, const std::string& prefix,
+                     std::vector<std::pair<std::string, torch::Tensor>>& out) {
+  for (const auto& item : wrapper.wrapped_module()->named_buffers())
+    out.emplace_back(prefix + item.key(), item.value());
+  for (const auto& [path, nested] : wrapper.nested_wrappers())
+    collect_buffers(*nested, prefix + path + ".", out);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> model_buffers(
+    const FullyShardedDataParallelImpl& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  collect_buffers(model, "", out);
+  return out;
+}
+
 }  // namespace
 
 ShardedTrainState::ShardedTrainState(FullyShardedDataParallelImpl& model,
@@ -102,8 +119,8 @@ void ShardedTrainState::save(const std::filesystem::path& dir, const TrainProgre
       torch::serialize::OutputArchive archive;
       internal::write_train_progress(archive, kShardedFormatEntry, kShardedFormat, options_,
                                      progress, world_size);
-      for (const auto& item : model_.module()->named_buffers())
-        archive.write(kBufferPrefix + item.key(), item.value().detach());
+      for (const auto& [name, buffer] : model_buffers(model_))
+        archive.write(kBufferPrefix + name, buffer.detach());
       save_archive_atomically(archive, folder / kStateFile);
       torch::serialize::OutputArchive latest;
       latest.write("checkpoint", c10::IValue(name));
@@ -142,16 +159,16 @@ TrainProgress ShardedTrainState::load(const std::filesystem::path& dir) {
       internal::read_train_progress(archive, kShardedFormatEntry, kShardedFormat, options_, fail);
   // Every buffer of the model, by name and shape, before anything changes.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> buffers;  // the model's, the saved
-  for (const auto& item : model_.module()->named_buffers()) {
+  for (const auto& [name, buffer] : model_buffers(model_)) {
     torch::Tensor saved;
-    if (!archive.try_read(kBufferPrefix + item.key(), saved) || !saved.defined()) {
-      throw fail(fmt::format("it holds no buffer '{}' (saved for another model?)", item.key()));
+    if (!archive.try_read(kBufferPrefix + name, saved) || !saved.defined()) {
+      throw fail(fmt::format("it holds no buffer '{}' (saved for another model?)", name));
     }
-    if (saved.sizes() != item.value().sizes()) {
-      throw fail(fmt::format("buffer '{}' has shape {} there but {} in this model", item.key(),
-                             fmt::join(saved.sizes(), "x"), fmt::join(item.value().sizes(), "x")));
+    if (saved.sizes() != buffer.sizes()) {
+      throw fail(fmt::format("buffer '{}' has shape {} there but {} in this model", name,
+                             fmt::join(saved.sizes(), "x"), fmt::join(buffer.sizes(), "x")));
     }
-    buffers.emplace_back(item.value(), saved);
+    buffers.emplace_back(buffer, saved);
   }
   // Checks the units and the optimizer kind before it changes the shards (nothing changed on
   // error); then the rest, which can no longer fail.

@@ -16,6 +16,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/fully_sharded_data_parallel.h"
+#include "ddp/torch/train_state.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "torch/ddp_test_util.h"
@@ -260,6 +261,75 @@ TEST(FsdpNested, AutoWrapOfASequentialGivesEachLargeChildItsOwnWrapper) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// The sharded TrainState of a tree (the root's and both nested wrappers' shards, Adam's state,
+// the root's BatchNorm statistics): saved at world 2 after 3 steps, it loads at world 3 with the
+// same full model, and resumed at world 2 it ends 2 steps later bit for bit where the
+// uninterrupted run ended.
+TEST(FsdpNested, ATreeResumesFromItsShardedTrainState) {
+  test::TempDir dir;
+  const auto ckpt = dir.path() / "state";
+  const auto expected = dir.path() / "expected.pt";
+  const FsdpOptions options{.sharding_strategy = ShardingStrategy::kFullShard};
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    torch::manual_seed(7);
+    FullyShardedDataParallel root(Net(true, pg, options), pg, options);
+    torch::optim::Adam opt(root->parameters(), 0.01);
+    ShardedTrainState state(*root, opt, {.tag = "tree"});
+    for (int step = 0; step < 3; ++step)
+      train_step(root, opt, rank, 2, step);
+    state.save(ckpt, {.global_step = 3}, 2);
+    auto saved = root->full_state_dict(0);
+    for (int step = 3; step < 5; ++step)
+      train_step(root, opt, rank, 2, step);
+    const auto final_state = root->full_state_dict(0);
+    if (rank != 0) return;
+    torch::serialize::OutputArchive archive;
+    for (const auto& item : saved)
+      archive.write("saved/" + item.key(), item.value());
+    for (const auto& item : final_state)
+      archive.write("final/" + item.key(), item.value());
+    archive.save_to(expected.string());
+  }));
+  for (const int world : {3, 2}) {
+    const int port_resumed = test::free_port();
+    EXPECT_ALL_RANKS_OK(run_ranks(world, [&](int rank) {
+      auto pg = join_group(rank, world, port_resumed);
+      torch::manual_seed(1234);  // another start: everything must come from the checkpoint
+      FullyShardedDataParallel root(Net(true, pg, options), pg, options);
+      torch::optim::Adam opt(root->parameters(), 0.01);
+      ShardedTrainState state(*root, opt, {.tag = "tree"});
+      if (state.load(ckpt).global_step != 3) throw std::runtime_error("progress not restored");
+      torch::serialize::InputArchive want;
+      want.load_from(expected.string());
+      const auto loaded = root->full_state_dict(0);
+      if (rank == 0) {
+        for (const auto& item : loaded) {
+          torch::Tensor saved;
+          want.read("saved/" + item.key(), saved);
+          if (!torch::equal(item.value(), saved)) {
+            throw std::runtime_error(fmt::format("world {}: {} not restored", world, item.key()));
+          }
+        }
+      }
+      if (world != 2) return;
+      for (int step = 3; step < 5; ++step)
+        train_step(root, opt, rank, 2, step);
+      const auto final_state = root->full_state_dict(0);
+      if (rank != 0) return;
+      for (const auto& item : final_state) {
+        torch::Tensor end;
+        want.read("final/" + item.key(), end);
+        if (!torch::equal(item.value(), end)) {
+          throw std::runtime_error("resumed run differs from the uninterrupted one at " +
+                                   item.key());
+        }
+      }
+    }));
+  }
+}
+
 // Every misuse is named, on every rank, before any collective can hang.
 TEST(FsdpNested, MisuseIsNamed) {
   const int port = test::free_port();
@@ -333,10 +403,18 @@ TEST(FsdpNested, MisuseIsNamed) {
     holder->register_module("inner", FullyShardedDataParallel(torch::nn::Linear(3, 3), pg));
     FullyShardedDataParallel root(holder, pg);
     torch::optim::SGD opt(root->parameters(), 0.1);
+    auto mixed = std::make_shared<torch::nn::Module>();
+    mixed->register_module(
+        "inner",
+        FullyShardedDataParallel(torch::nn::Linear(3, 3), pg,
+                                 FsdpOptions{.sharding_strategy = ShardingStrategy::kNoShard}));
+    mixed->register_module("own", torch::nn::Linear(3, 3));
+    FullyShardedDataParallel mixed_root(mixed, pg);
+    torch::optim::SGD mixed_opt(mixed_root->parameters(), 0.1);
     test::TempDir dir;
-    expect_throws<ConfigError>([&] { root->save_sharded_checkpoint(dir.path(), opt); },
-                               "sharded checkpoints of nested wrappers are not built",
-                               "nested sharded checkpoint");
+    expect_throws<ConfigError>([&] { mixed_root->save_sharded_checkpoint(dir.path(), mixed_opt); },
+                               "the nested wrapper at 'inner' is NO_SHARD",
+                               "a sharded checkpoint of a tree with two strategies");
     (void)rank;
   });
   EXPECT_ALL_RANKS_OK(results);

@@ -270,7 +270,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // named_buffers() of the unwrapped Sequential (loadable into one). Empty on other ranks.
   torch::OrderedDict<std::string, torch::Tensor> full_state_dict(int to = 0);
 
-  // Sharded checkpoint (fsdp_sharded_checkpoint.cc). Collective: each rank writes its shards'
+  // Sharded checkpoint (fsdp_sharded_checkpoint.cc), of this wrapper and the nested ones (which
+  // must have its strategy and group). Collective: each rank writes its shards'
   // elements (padding left out) and their optimizer state to DIR/shard-<rank>-of-<W>.pt
   // atomically (checksummed, as save_archive_atomically), then, once every rank has written,
   // rank 0 writes DIR/manifest.pt (world size, each unit's parameter count, the optimizer kind),
@@ -373,6 +374,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // Waits for the unit's reduction and adds its average to the shard's .grad().
   void harvest_reduction(std::size_t unit);
   void queue_finish_backward();
+  // The units of this wrapper, then of each nested one (recursively): what a sharded checkpoint
+  // holds. ConfigError when a nested wrapper has another strategy or group.
+  std::vector<Unit*> checkpoint_units() const;
   // This rank's DIR/shard-<rank>-of-<W>.pt (fsdp_sharded_checkpoint.cc).
   void write_shard_file(const std::filesystem::path& dir,
                         const torch::optim::Optimizer& optimizer) const;
