@@ -39,6 +39,11 @@ inline constexpr WrapperCauses kFsdpCauses{
     "the ranks ran different numbers of forwards or backwards (FSDP's forward is collective: "
     "evaluate on every rank, and give every rank the same number of batches)"};
 
+inline constexpr WrapperCauses kPipelineCauses{
+    "Pipeline",
+    "the data-parallel replicas ran different numbers of steps, or a replica's pipeline failed "
+    "(its own error names the stage)"};
+
 // `phase` is called only when there is an error (building the text may cost).
 template <typename Body, typename Phase>
 decltype(auto) in_phase(const WrapperCauses& where, Phase&& phase, Body&& body) {

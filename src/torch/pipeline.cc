@@ -28,6 +28,7 @@
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_objects.h"
 #include "ddp/trace.h"
+#include "ddp_phase.h"
 #include "torch/pipeline_messages.h"
 #include "torch/rank_agreement.h"
 
@@ -148,6 +149,8 @@ struct Pipeline::State {
   };
 
   void agree(const std::string& description, const std::string& local_error);
+  // PipelineOptions::dp_group: the gradients and `loss` averaged over the replicas.
+  void average_over_replicas(double& loss);
   void run_schedule(Run& run, const torch::Tensor& input, const torch::Tensor& target);
   void forward(Run& run, int micro_batch);
   void backward(Run& run, int micro_batch);
@@ -169,6 +172,42 @@ void Pipeline::State::agree(const std::string& description, const std::string& l
         agreement.difference));
   }
   actions = pipeline_actions(options.schedule, stage(), stages(), options.micro_batches);
+  if (options.dp_group) {
+    // The replicas of this stage average their gradients: they must hold the same layers.
+    std::string replica = fmt::format("stage {} of {}\nlayers [{}, +{})\n", stage(), stages(),
+                                      layer_range.first, layer_range.second);
+    for (const auto& item : module->named_parameters())
+      replica += item.key() + " " + internal::shape_text(item.value()) + "\n";
+    const auto agreement = internal::compare_across_ranks(*options.dp_group, replica, "");
+    if (!agreement.difference.empty()) {
+      throw ConfigError(fmt::format(
+          "Pipeline: the data-parallel replicas of this stage differ: {}. Every rank of "
+          "PipelineOptions::dp_group must hold the same stage of the same model",
+          agreement.difference));
+    }
+  }
+}
+
+void Pipeline::State::average_over_replicas(double& loss) {
+  ProcessGroup& dp = *options.dp_group;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (auto& p : module->parameters()) {
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    grads.push_back(p.grad());
+  }
+  // One allreduce per dtype (the coalesced form takes one dtype).
+  std::map<torch::ScalarType, std::vector<torch::Tensor>> by_dtype;
+  for (const auto& g : grads)
+    by_dtype[g.scalar_type()].push_back(g);
+  for (auto& [dtype, tensors] : by_dtype) {
+    all_reduce_coalesced(tensors, ReduceOp::kSum, dp);
+    for (auto& t : tensors)
+      t.div_(dp.size());
+  }
+  auto mean = torch::tensor({loss}, torch::kFloat64);
+  all_reduce(mean, ReduceOp::kSum, dp);
+  loss = mean.item<double>() / dp.size();
 }
 
 namespace {
@@ -473,7 +512,14 @@ double Pipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
     }
     for (auto& send : run.sends)
       send->wait();
-    return words[1];
+    double loss = words[1];
+    if (options().dp_group) {
+      detail::in_phase(
+          detail::kPipelineCauses,
+          [] { return std::string("gradient average over the data-parallel replicas"); },
+          [&] { st.average_over_replicas(loss); });
+    }
+    return loss;
   }
 
   // Some stage failed: find the first stage where a failure started, and throw its error.

@@ -20,6 +20,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/device_mesh.h"
 #include "ddp/torch/distributed.h"
+#include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/gpt_block.h"
 #include "ddp/torch/tensor_parallel.h"
 #include "support/multiprocess.h"
@@ -345,8 +346,10 @@ struct ParallelGpt : torch::nn::Module {
                                                                             .dtype = kF64},
                                                 tp));
   }
+  // The vocabulary-split logits (this rank's columns).
+  torch::Tensor forward(const torch::Tensor& ids) { return head(block(wte(ids))); }
   torch::Tensor loss(const torch::Tensor& ids, const torch::Tensor& targets) {
-    return vocab_parallel_cross_entropy(head(block(wte(ids))), targets, tp).mean();
+    return vocab_parallel_cross_entropy(forward(ids), targets, tp).mean();
   }
   std::vector<std::pair<std::string, torch::Tensor>> full_parameters() {
     std::vector<std::pair<std::string, torch::Tensor>> out = {{"wte", wte->gather_full()}};
@@ -452,6 +455,52 @@ TEST(TensorParallel, SmallGptWithDpTwoByTpTwoTrainsLikeOneProcess) {
     auto world = join_group(rank, 4, port);
     DeviceMesh mesh({{"dp", 2}, {"tp", 2}}, world);
     train_and_compare(mesh.group("tp"), mesh.group("dp"));
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Composition: DistributedDataParallel over the mesh's dp group, around a model whose layers are
+// split over its tp group. DDP averages the gradients over dp only (its reducer's buckets, during
+// backward) while the tensor-parallel layers' own collectives run on tp; 5 SGD steps equal one
+// process on the whole batch.
+TEST(TensorParallel, DdpOverTheDpDimensionOfADpByTpMeshTrainsLikeOneProcess) {
+  const int port = test::free_port();
+  const auto results = run_ranks(4, [&](int rank) {
+    auto world = join_group(rank, 4, port);
+    DeviceMesh mesh({{"dp", 2}, {"tp", 2}}, world);
+    const auto dp = mesh.group("dp");
+    ReferenceGpt reference;
+    auto parallel = std::make_shared<ParallelGpt>(mesh.group("tp"));
+    DistributedDataParallel ddp(parallel, dp);
+    torch::optim::SGD reference_sgd(reference.parameters(), torch::optim::SGDOptions(0.5));
+    torch::optim::SGD ddp_sgd(ddp->parameters(), torch::optim::SGDOptions(0.5));
+    const auto rows = kBatch / dp->size();
+    for (int step = 0; step < kSteps; ++step) {
+      const auto [ids, targets] = batch_of(step);
+      reference_sgd.zero_grad();
+      const auto want = reference.loss(ids, targets);
+      want.backward();
+      reference_sgd.step();
+
+      ddp_sgd.zero_grad();
+      const auto logits = ddp->forward(ids.narrow(0, rows * dp->rank(), rows));
+      const auto loss = vocab_parallel_cross_entropy(
+                            logits, targets.narrow(0, rows * dp->rank(), rows), mesh.group("tp"))
+                            .mean();
+      loss.backward();
+      ddp_sgd.step();
+      auto mean_loss = loss.detach().clone();
+      all_reduce(mean_loss, ReduceOp::kSum, *dp);
+      expect_close(mean_loss / dp->size(), want.detach(), fmt::format("loss of step {}", step),
+                   1e-5, 1e-12);
+    }
+    const auto want = reference.full_parameters();
+    const auto got = parallel->full_parameters();
+    check(want.size() == got.size(), "the models have different parameter lists");
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      expect_close(got[i].second, want[i].second, "parameter " + want[i].first + " after 5 steps",
+                   1e-5, 1e-12);
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }

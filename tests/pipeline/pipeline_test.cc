@@ -20,7 +20,9 @@
 
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
+#include "ddp/torch/device_mesh.h"
 #include "ddp/torch/pipeline.h"
+#include "ddp/torch/tensor_parallel.h"
 #include "ddp/trace.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
@@ -233,6 +235,134 @@ TEST(Pipeline, TakesEachStagesModuleDirectly) {
     Pipeline pipe(PipelineStageModule{mine}, pg, mse,
                   {.schedule = PipelineSchedule::k1F1B, .micro_batches = 2});
     expect_equals_one_process(pipe, train_pipeline(pipe), "stage modules");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// ---- Composition: data-parallel replicas of a pipeline, tensor-parallel stages --------------
+
+// Trains this rank's stage for kSteps on its dp replica's rows of each batch; returns step()'s
+// losses (averaged over the replicas).
+std::vector<double> train_replica(Pipeline& pipe, int dp_rank, int dp_size) {
+  torch::optim::SGD opt(pipe.parameters(), kLearningRate);
+  std::vector<double> losses;
+  const int rows = kBatch / dp_size;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = make_batch(step);
+    opt.zero_grad();
+    losses.push_back(
+        pipe.step(x.narrow(0, rows * dp_rank, rows), y.narrow(0, rows * dp_rank, rows)));
+    opt.step();
+  }
+  return losses;
+}
+
+// DP x PP = 2 x 2: each replica of the two-stage pipeline trains on half of each batch, and the
+// stage's gradients are averaged over its dp group once per step: equal to one process on the
+// whole batch, for both schedules.
+TEST(Pipeline, DataParallelReplicasOfAPipelineEqualOneProcess) {
+  const int port = test::free_port();
+  const auto results = run_ranks(4, [&](int rank) {
+    auto world = join_group(rank, 4, port);
+    DeviceMesh mesh({{"dp", 2}, {"pp", 2}}, world);
+    for (const auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+      Pipeline pipe(make_model(), mesh.group("pp"), mse,
+                    {.schedule = schedule, .micro_batches = 2, .dp_group = mesh.group("dp")});
+      const auto losses = train_replica(pipe, mesh.coordinate("dp"), 2);
+      expect_equals_one_process(pipe, losses, fmt::format("dp 2 x pp 2, {}", to_string(schedule)));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A stage of make_model() with its Linear layers split over `tp` (Megatron's pairing: a
+// column-parallel layer whose split output feeds a row-parallel one), from the same initial
+// weights: stage 0 = children 0-3, stage 1 = children 4-6.
+torch::nn::Sequential tensor_parallel_stage(int stage, const std::shared_ptr<ProcessGroup>& tp) {
+  auto whole = make_model();
+  const auto full = [&](int child) {
+    auto* linear = (whole->begin() + child)->ptr()->as<torch::nn::LinearImpl>();
+    return LinearParameters{linear->weight.detach().clone(), linear->bias.detach().clone()};
+  };
+  const auto column = [&](int child) {
+    const auto p = full(child);
+    return ColumnParallelLinear(ColumnParallelLinearOptions{.in_features = p.weight.size(1),
+                                                            .out_features = p.weight.size(0)},
+                                tp, p);
+  };
+  const auto row = [&](int child) {
+    const auto p = full(child);
+    return RowParallelLinear(
+        RowParallelLinearOptions{.in_features = p.weight.size(1), .out_features = p.weight.size(0)},
+        tp, p);
+  };
+  torch::nn::Sequential stage_module;
+  if (stage == 0) {
+    stage_module->push_back("0", column(0));
+    stage_module->push_back("1", torch::nn::Tanh());
+    stage_module->push_back("2", row(2));
+    stage_module->push_back("3", torch::nn::Tanh());
+  } else {
+    stage_module->push_back("4", column(4));
+    stage_module->push_back("5", torch::nn::Tanh());
+    stage_module->push_back("6", row(6));
+  }
+  return stage_module;
+}
+
+// DP x TP x PP = 2 x 2 x 2 (8 processes): tensor-parallel stages, pipelined, replicated over dp.
+// The loss and every parameter (gathered over tp) after 5 steps equal one process.
+TEST(Pipeline, DataTensorAndPipelineParallelTwoByTwoByTwoEqualsOneProcess) {
+  const int port = test::free_port();
+  const auto results = run_ranks(8, [&](int rank) {
+    auto world = join_group(rank, 8, port, 60s);
+    DeviceMesh mesh({{"pp", 2}, {"dp", 2}, {"tp", 2}}, world);
+    const auto tp = mesh.group("tp");
+    const int stage = mesh.coordinate("pp");
+    for (const auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+      const auto what = fmt::format("2 x 2 x 2, {}", to_string(schedule));
+      Pipeline pipe(PipelineStageModule{tensor_parallel_stage(stage, tp)}, mesh.group("pp"), mse,
+                    {.schedule = schedule, .micro_batches = 2, .dp_group = mesh.group("dp")});
+      const auto losses = train_replica(pipe, mesh.coordinate("dp"), 2);
+      const auto reference = train_one_process();
+      for (int step = 0; step < kSteps; ++step) {
+        const double want = reference.losses[static_cast<std::size_t>(step)];
+        const double got = losses[static_cast<std::size_t>(step)];
+        if (std::abs(got - want) > 1e-5 * std::abs(want)) {
+          throw std::runtime_error(
+              fmt::format("{}: step {} loss {} but one process has {}", what, step, got, want));
+        }
+      }
+      for (const auto& child : pipe.stage_module()->named_children()) {
+        LinearParameters gathered;
+        if (auto* c = child.value()->as<ColumnParallelLinearImpl>()) gathered = c->gather_full();
+        if (auto* r = child.value()->as<RowParallelLinearImpl>()) gathered = r->gather_full();
+        if (!gathered.weight.defined()) continue;
+        test::expect_close(gathered.weight, reference.parameters.at(child.key() + ".weight"),
+                           what + ": " + child.key() + ".weight");
+        test::expect_close(gathered.bias, reference.parameters.at(child.key() + ".bias"),
+                           what + ": " + child.key() + ".bias");
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Replicas that hold different stages cannot average their gradients: named on every rank.
+TEST(PipelineErrors, DataParallelReplicasWithDifferentSplits) {
+  const int port = test::free_port();
+  const auto results = run_ranks(4, [&](int rank) {
+    auto world = join_group(rank, 4, port, 10s);
+    DeviceMesh mesh({{"dp", 2}, {"pp", 2}}, world);
+    // Replica 1 splits the seven children 3 + 4 instead of 4 + 3.
+    const std::vector<int> balance =
+        mesh.coordinate("dp") == 0 ? std::vector<int>{4, 3} : std::vector<int>{3, 4};
+    test::expect_throws<ConfigError>(
+        [&] {
+          Pipeline pipe(make_model(), mesh.group("pp"), mse,
+                        {.micro_batches = 2, .balance = balance, .dp_group = mesh.group("dp")});
+        },
+        "the data-parallel replicas of this stage differ", "replicas with different splits");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

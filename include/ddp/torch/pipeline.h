@@ -96,6 +96,13 @@ struct PipelineOptions {
   bool recompute = false;  // keep only stage inputs; run the forward again in backward
   // Deadline of each receive; 0 = the group's timeout.
   std::chrono::milliseconds timeout{0};
+  // Data parallelism over replicas of this pipeline (a mesh's "dp" group: the ranks that run the
+  // same stage on other data). After each step's schedule, the stage's parameter gradients are
+  // averaged over it in one coalesced allreduce (once per step, not per micro-batch), and step()
+  // returns the loss averaged over it: with each replica given its rows of the batch, the same
+  // gradients and loss as one pipeline on the whole batch. Construction checks, over this group,
+  // that every replica holds the same stage (ConfigError naming the difference). Null: none.
+  std::shared_ptr<ProcessGroup> dp_group;
 };
 
 // A stage's own layers, for the constructor that does not split a whole model.
