@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""train-gpt (examples/gpt) under ddprun in several layouts of data, tensor and pipeline
+parallelism, float64: every layout's last line ("final loss=... param_sum=...") must equal the
+one-process run's to 1e-9 (relative), the loss must fall, and a mesh that does not fit the job
+must be named. Usage: train_gpt_check.py BUILD_BIN_DIR"""
+import os
+import re
+import subprocess
+import sys
+
+LAYOUTS = [  # dp, tp, pp, schedule, micro-batches
+    (1, 1, 1, "1f1b", 1),
+    (1, 2, 1, "1f1b", 1),
+    (1, 1, 2, "gpipe", 2),
+    (2, 1, 2, "1f1b", 2),
+    (2, 2, 1, "gpipe", 2),
+    (2, 2, 2, "1f1b", 2),
+]
+
+
+def run(bin_dir, ranks, *args):
+    command = [os.path.join(bin_dir, "ddprun"), "--standalone", "--nproc-per-node", str(ranks),
+               os.path.join(bin_dir, "train-gpt"), "--steps", "10", "--dtype", "float64", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240)
+
+
+def main():
+    bin_dir = sys.argv[1]
+    finals = {}
+    for dp, tp, pp, schedule, micro in LAYOUTS:
+        done = run(bin_dir, dp * tp * pp, "--dp", str(dp), "--tp", str(tp), "--pp", str(pp),
+                   "--schedule", schedule, "--microbatches", str(micro))
+        name = f"dp{dp} tp{tp} pp{pp} {schedule} m{micro}"
+        if done.returncode != 0:
+            sys.exit(f"{name} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+        match = re.search(r"final loss=(\S+) param_sum=(\S+)", done.stdout)
+        if not match:
+            sys.exit(f"{name}: no final line:\n{done.stdout}")
+        finals[name] = (float(match.group(1)), float(match.group(2)))
+        if (dp, tp, pp) == (1, 1, 1):
+            losses = [float(x) for x in re.findall(r"step \d+ loss (\S+)", done.stdout)]
+            if len(losses) != 2 or not losses[1] < losses[0]:
+                sys.exit(f"the loss did not fall: {losses}")
+    reference_name = next(iter(finals))
+    reference = finals[reference_name]
+    for name, values in finals.items():
+        for want, got, what in zip(reference, values, ("loss", "param_sum")):
+            if abs(got - want) > 1e-9 * abs(want):
+                sys.exit(f"{name}: {what} {got!r} but {reference_name} has {want!r}")
+    done = run(bin_dir, 2, "--dp", "3")
+    if done.returncode == 0 or "--dp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2" not in done.stderr:
+        sys.exit(f"a mesh that does not fit was not named:\n{done.stdout}\n{done.stderr}")
+    print("ok:", {name: values for name, values in finals.items()})
+
+
+if __name__ == "__main__":
+    main()
