@@ -38,6 +38,7 @@
 #include "ddp/torch/device_mesh.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/gpt_block.h"
+#include "ddp/torch/mesh_train_state.h"
 #include "ddp/torch/pipeline.h"
 #include "ddp/torch/tensor_parallel.h"
 
@@ -55,6 +56,9 @@ struct Options {
   int layers = 4;
   std::int64_t hidden = 32, heads = 4, block_size = 16, batch_size = 8;
   double lr = 3e-3;
+  std::string checkpoint;  // a folder: MeshTrainState, saved every checkpoint_every steps and last
+  int checkpoint_every = 0;
+  bool resume = false;
 };
 
 // The text to learn: the file, or (when it is missing) a generated one, the same on every rank.
@@ -201,10 +205,20 @@ int run(const Options& o) {
                       .dp_group = mesh.group("dp")});
   torch::optim::AdamW optimizer(pipe.parameters(), torch::optim::AdamWOptions(o.lr));
 
+  // Each rank's part of the model and of AdamW's state (the dp replicas share theirs).
+  ddp::MeshTrainState state(mesh, *pipe.stage_module(), optimizer, {.tag = "train-gpt"});
+  ddp::TrainProgress progress;
+  if (o.resume) {
+    if (o.checkpoint.empty()) throw ddp::ConfigError("--resume needs --checkpoint DIR");
+    progress = state.load(o.checkpoint);
+    ddp::print_main_line(
+        fmt::format("resuming from {} at step {}", o.checkpoint, progress.global_step));
+  }
+
   const std::int64_t rows = o.batch_size / o.dp;
   const std::int64_t first_row = rows * mesh.coordinate("dp");
   double loss = 0.0;
-  for (int step = 0; step < o.steps; ++step) {
+  for (int step = static_cast<int>(progress.global_step); step < o.steps; ++step) {
     // The step's batch, the same on every rank: random windows of the text.
     auto generator =
         at::detail::createCPUGenerator(o.seed * 1'000'003 + static_cast<std::uint64_t>(step));
@@ -217,6 +231,12 @@ int run(const Options& o) {
     loss = pipe.step(mine.narrow(1, 0, o.block_size).contiguous(),
                      mine.narrow(1, 1, o.block_size).contiguous());
     optimizer.step();
+    progress.global_step = step + 1;
+    const bool last = step + 1 == o.steps;
+    if (!o.checkpoint.empty() &&
+        (last || (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0))) {
+      state.save(o.checkpoint, progress);
+    }
     if ((step + 1) % o.log_every == 0)
       ddp::print_main_line(fmt::format("step {} loss {:.6f}", step + 1, loss));
   }
@@ -249,6 +269,11 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", o.batch_size, "sequences per step (all replicas together)")
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "AdamW's learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--checkpoint", o.checkpoint,
+                 "a folder for each rank's part of the model and optimizer (saved at the end)");
+  app.add_option("--checkpoint-every", o.checkpoint_every, "also save every N steps")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", o.resume, "continue from --checkpoint (the same tp x pp split)");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(o);

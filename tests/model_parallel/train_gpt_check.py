@@ -2,11 +2,14 @@
 """train-gpt (examples/gpt) under ddprun in several layouts of data, tensor and pipeline
 parallelism, float64: every layout's last line ("final loss=... param_sum=...") must equal the
 one-process run's to 1e-9 (relative), the loss must fall, and a mesh that does not fit the job
-must be named. Usage: train_gpt_check.py BUILD_BIN_DIR"""
+must be named. Checkpoints (MeshTrainState): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at
+DP 1 x TP 2 x PP 2 for 5 more, end where the uninterrupted runs end; a resume on another split is
+named. Usage: train_gpt_check.py BUILD_BIN_DIR"""
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 LAYOUTS = [  # dp, tp, pp, schedule, micro-batches
     (1, 1, 1, "1f1b", 1),
@@ -18,9 +21,10 @@ LAYOUTS = [  # dp, tp, pp, schedule, micro-batches
 ]
 
 
-def run(bin_dir, ranks, *args):
+def run(bin_dir, ranks, *args, steps=10):
     command = [os.path.join(bin_dir, "ddprun"), "--standalone", "--nproc-per-node", str(ranks),
-               os.path.join(bin_dir, "train-gpt"), "--steps", "10", "--dtype", "float64", *args]
+               os.path.join(bin_dir, "train-gpt"), "--steps", str(steps), "--dtype", "float64",
+               *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=240)
 
 
@@ -50,6 +54,23 @@ def main():
     done = run(bin_dir, 2, "--dp", "3")
     if done.returncode == 0 or "--dp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2" not in done.stderr:
         sys.exit(f"a mesh that does not fit was not named:\n{done.stdout}\n{done.stderr}")
+    with tempfile.TemporaryDirectory() as folder:
+        first = run(bin_dir, 8, "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2",
+                    "--checkpoint", folder, steps=5)
+        if first.returncode != 0 or not os.path.exists(os.path.join(folder, "mesh.pt")):
+            sys.exit(f"the checkpointed run failed:\n{first.stdout}\n{first.stderr}")
+        resumed = run(bin_dir, 4, "--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "2",
+                      "--checkpoint", folder, "--resume")
+        match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
+        if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
+            sys.exit(f"the resumed run failed:\n{resumed.stdout}\n{resumed.stderr}")
+        for want, got, what in zip(reference, map(float, match.groups()), ("loss", "param_sum")):
+            if abs(got - want) > 1e-9 * abs(want):
+                sys.exit(f"resumed at dp 1: {what} {got!r} but the uninterrupted run has {want!r}")
+        other = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--checkpoint", folder,
+                    "--resume")
+        if other.returncode == 0 or "saved with the model split pp=2, tp=2" not in other.stderr:
+            sys.exit(f"a resume on another split was not named:\n{other.stdout}\n{other.stderr}")
     print("ok:", {name: values for name, values in finals.items()})
 
 
