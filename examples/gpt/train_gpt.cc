@@ -18,6 +18,8 @@
 // Rank 0 prints "step <k> loss <loss>" every --log-every steps, and last
 // "final loss=<loss> param_sum=<sum of every element of every parameter of the whole model>",
 // the same on every layout (the split parameters gathered, each stage counted once).
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -56,9 +58,12 @@ struct Options {
   int layers = 4;
   std::int64_t hidden = 32, heads = 4, block_size = 16, batch_size = 8;
   double lr = 3e-3;
+  int threads = 1;
   std::string checkpoint;  // a folder: MeshTrainState, saved every checkpoint_every steps and last
   int checkpoint_every = 0;
   bool resume = false;
+  int time_after = -1;              // >= 0: time the steps after this many (the median is printed)
+  std::int64_t vocab_at_least = 0;  // pads the vocabulary further (benchmarks: a larger head)
 };
 
 // The text to learn: the file, or (when it is missing) a generated one, the same on every rank.
@@ -147,6 +152,7 @@ double full_parameter_sum(torch::nn::Sequential& stage) {
 }
 
 int run(const Options& o) {
+  torch::set_num_threads(o.threads);
   auto world = ddp::init_process_group();
   if (o.dp * o.tp * o.pp != world->size()) {
     throw ddp::ConfigError(fmt::format(
@@ -172,7 +178,9 @@ int run(const Options& o) {
   for (const char c : chars)
     id_of.emplace(c, static_cast<std::int64_t>(id_of.size()));
   // Padded to a multiple of 8, the same on every layout (tp divides it up to 8).
-  const std::int64_t vocab = (static_cast<std::int64_t>(chars.size()) + 7) / 8 * 8;
+  const std::int64_t vocab =
+      (std::max<std::int64_t>(static_cast<std::int64_t>(chars.size()), o.vocab_at_least) + 7) / 8 *
+      8;
   std::vector<std::int64_t> ids;
   ids.reserve(text.size());
   for (const char c : text)
@@ -218,7 +226,11 @@ int run(const Options& o) {
   const std::int64_t rows = o.batch_size / o.dp;
   const std::int64_t first_row = rows * mesh.coordinate("dp");
   double loss = 0.0;
+  std::vector<double> step_ms;
   for (int step = static_cast<int>(progress.global_step); step < o.steps; ++step) {
+    const bool timed = o.time_after >= 0 && step >= o.time_after;
+    if (timed) ddp::barrier(world);
+    const auto started = std::chrono::steady_clock::now();
     // The step's batch, the same on every rank: random windows of the text.
     auto generator =
         at::detail::createCPUGenerator(o.seed * 1'000'003 + static_cast<std::uint64_t>(step));
@@ -231,6 +243,12 @@ int run(const Options& o) {
     loss = pipe.step(mine.narrow(1, 0, o.block_size).contiguous(),
                      mine.narrow(1, 1, o.block_size).contiguous());
     optimizer.step();
+    if (timed) {
+      ddp::barrier(world);  // the step ends when every rank is done
+      step_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
+              .count());
+    }
     progress.global_step = step + 1;
     const bool last = step + 1 == o.steps;
     if (!o.checkpoint.empty() &&
@@ -239,6 +257,12 @@ int run(const Options& o) {
     }
     if ((step + 1) % o.log_every == 0)
       ddp::print_main_line(fmt::format("step {} loss {:.6f}", step + 1, loss));
+  }
+  if (!step_ms.empty()) {
+    std::sort(step_ms.begin(), step_ms.end());
+    const double median = step_ms[step_ms.size() / 2];
+    ddp::print_main_line(fmt::format("median_step_ms={:.3f} samples_per_s={:.1f}", median,
+                                     static_cast<double>(o.batch_size) * 1000.0 / median));
   }
   auto sum = torch::tensor({full_parameter_sum(pipe.stage_module())}, torch::kFloat64);
   ddp::all_reduce(sum, ddp::ReduceOp::kSum, *mesh.group("pp"));  // one sum per stage
@@ -269,6 +293,17 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", o.batch_size, "sequences per step (all replicas together)")
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "AdamW's learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--time-after", o.time_after,
+                 "time the steps after this many and print median_step_ms (benchmarks)");
+  app.add_option("--vocab-at-least", o.vocab_at_least,
+                 "pad the vocabulary to at least this many entries (benchmarks)");
+  app.add_option("--hidden", o.hidden, "model width (divisible by --heads)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--heads", o.heads, "attention heads (divisible by --tp)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--block-size", o.block_size, "characters per sequence")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--threads", o.threads, "torch threads per rank")->check(CLI::PositiveNumber);
   app.add_option("--checkpoint", o.checkpoint,
                  "a folder for each rank's part of the model and optimizer (saved at the end)");
   app.add_option("--checkpoint-every", o.checkpoint_every, "also save every N steps")
