@@ -693,6 +693,17 @@ void FullyShardedDataParallelImpl::queue_finish_backward() {
   libtorch_compat::at_end_of_backward([this] { finish_backward(); });
 }
 
+void FullyShardedDataParallelImpl::attach_flat_gradient(Unit& u) const {
+  torch::NoGradGuard no_grad;
+  u.reduction_input = mapped_zeros(u.padded, compute_dtype());
+  for (std::size_t i = 0; i < u.params.size(); ++i) {
+    auto& p = u.params[i];
+    auto view = u.reduction_input.narrow(0, u.offsets[i], p.numel()).view(p.sizes());
+    if (p.grad().defined()) view.copy_(p.grad());
+    p.mutable_grad() = view;
+  }
+}
+
 void FullyShardedDataParallelImpl::before_unit_backward(std::size_t unit) {
   queue_finish_backward();
   auto& u = *units_[unit];
@@ -700,14 +711,7 @@ void FullyShardedDataParallelImpl::before_unit_backward(std::size_t unit) {
     // The unit's gradients accumulate in place into views of one flat buffer (autograd adds into
     // a defined .grad), which is then reduced as it is: no copy, and no full-size gradient
     // allocated per parameter.
-    torch::NoGradGuard no_grad;
-    u.reduction_input = mapped_zeros(u.padded, compute_dtype());
-    for (std::size_t i = 0; i < u.params.size(); ++i) {
-      auto& p = u.params[i];
-      auto view = u.reduction_input.narrow(0, u.offsets[i], p.numel()).view(p.sizes());
-      if (p.grad().defined()) view.copy_(p.grad());
-      p.mutable_grad() = view;
-    }
+    attach_flat_gradient(u);
   }
   if (!frees_full_parameters()) return;
   start_gather(unit);
@@ -729,15 +733,7 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
   if (!sync_gradients_) {
     // no_sync: the gradients stay in the unit's flat buffer, whose views are the parameters'
     // .grad(), so the next passes accumulate into it and the first synced one reduces the sum.
-    if (!u.reduction_input.defined()) {
-      u.reduction_input = mapped_zeros(u.padded, compute_dtype());
-      for (std::size_t i = 0; i < u.params.size(); ++i) {
-        auto& p = u.params[i];
-        auto view = u.reduction_input.narrow(0, u.offsets[i], p.numel()).view(p.sizes());
-        if (p.grad().defined()) view.copy_(p.grad());
-        p.mutable_grad() = view;
-      }
-    }
+    if (!u.reduction_input.defined()) attach_flat_gradient(u);
     if (frees_full_parameters()) free_full(unit);
     return;
   }

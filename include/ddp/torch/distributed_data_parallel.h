@@ -59,6 +59,7 @@
 #include "ddp/torch/comm_hooks.h"
 #include "ddp/torch/ddp_logging_data.h"
 #include "ddp/torch/join.h"
+#include "ddp/torch/output_tensors.h"
 #include "ddp/torch/reducer.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
@@ -232,30 +233,6 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   std::vector<torch::Tensor> full_precision_data_;
 };
 
-namespace detail {
-
-inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
-  out.push_back(t);
-}
-inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
-}
-template <typename... Ts>
-void collect_tensors(const std::tuple<Ts...>& tuple, std::vector<torch::Tensor>& out) {
-  std::apply([&](const auto&... items) { (collect_tensors(items, out), ...); }, tuple);
-}
-template <typename A, typename B>
-void collect_tensors(const std::pair<A, B>& pair, std::vector<torch::Tensor>& out) {
-  collect_tensors(pair.first, out);
-  collect_tensors(pair.second, out);
-}
-// Other output types carry no tensors ddp can see; find_unused_parameters then reports every
-// parameter as unused, so return tensors from forward when using it.
-template <typename T>
-void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
-
-}  // namespace detail
-
 template <typename ModuleType>
 class DistributedDataParallelImpl : public DistributedDataParallelBase {
  public:
@@ -270,7 +247,7 @@ class DistributedDataParallelImpl : public DistributedDataParallelBase {
     pre_forward();
     auto output = module_->forward(forward_argument(std::forward<Args>(args))...);
     std::vector<torch::Tensor> tensors;
-    detail::collect_tensors(output, tensors);
+    detail::OutputTensors</*kStrict=*/false>::collect(output, tensors);
     post_forward(tensors);
     return output;
   }

@@ -86,6 +86,7 @@
 #include "ddp/process_group.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/join.h"
+#include "ddp/torch/output_tensors.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
@@ -140,30 +141,6 @@ struct FsdpOptions {
   // tells glibc to keep freed memory, for speed). Process-wide; kNoShard never does.
   bool release_free_heap = true;
 };
-
-namespace fsdp_detail {
-// The tensors of a forward's result (what backward starts from).
-inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
-  out.push_back(t);
-}
-inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
-}
-template <typename T>
-requires std::is_arithmetic_v<T>
-void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
-template <typename A, typename B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out);
-template <typename... T>
-void collect_tensors(const std::tuple<T...>& t, std::vector<torch::Tensor>& out) {
-  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
-}
-template <typename A, typename B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
-  collect_tensors(p.first, out);
-  collect_tensors(p.second, out);
-}
-}  // namespace fsdp_detail
 
 // FullyShardedDataParallelImpl::no_sync()'s guard: gradients accumulate unreduced until it is
 // destroyed (movable, not copyable).
@@ -223,7 +200,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
     begin_forward(/*tensor_forward=*/false);
     auto output = wrapped->forward(cast_input(std::forward<Args>(args))...);
     std::vector<torch::Tensor> outputs;
-    fsdp_detail::collect_tensors(output, outputs);
+    detail::OutputTensors</*kStrict=*/true>::collect(output, outputs);
     end_forward(outputs);
     return output;
   }
@@ -368,6 +345,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   void start_gather(std::size_t unit);
   void wait_gather(std::size_t unit);
   void free_full(std::size_t unit);
+  // The unit's flat gradient buffer (in param_dtype), with the parameters' .grad() as views of
+  // it (what they held copied in), so that autograd accumulates into it in place.
+  void attach_flat_gradient(Unit& u) const;
   void before_unit_backward(std::size_t unit);
   void on_grad_ready(std::size_t unit);
   void reduce_gradients(std::size_t unit);
