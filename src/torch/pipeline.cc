@@ -192,9 +192,11 @@ void Pipeline::State::average_over_replicas(double& loss) {
   ProcessGroup& dp = *options.dp_group;
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> grads;
+  // A parameter without a gradient keeps none, as in one process (the optimizer skips it); the
+  // replicas run the same stage, so they agree on which ones (if they did not, the coalesced
+  // call's sizes would differ, which the group's mismatch check names).
   for (auto& p : module->parameters()) {
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    grads.push_back(p.grad());
+    if (p.grad().defined()) grads.push_back(p.grad());
   }
   // One allreduce per dtype (the coalesced form takes one dtype).
   std::map<torch::ScalarType, std::vector<torch::Tensor>> by_dtype;
