@@ -58,9 +58,11 @@
 //
 // Construction is collective: every rank passes the same model (children, unit boundaries,
 // parameter shapes and dtypes) and options; one small allgather checks it, and otherwise every
-// rank throws Error naming the first difference. Bad arguments (not a Sequential, bad unit
-// ranges, a non-fp32 parameter, a parameter shared by two units, a mixed-precision dtype that is
-// not one of those listed at FsdpMixedPrecision) throw ConfigError on every rank.
+// rank throws Error naming the first difference. Bad arguments (a null module, bad unit ranges or
+// units for a module that is not a Sequential, a non-fp32 parameter, a parameter shared by two
+// units or with a nested wrapper or already sharded by another wrapper, a wrapper of a wrapper, a
+// mixed-precision dtype that is not one of those listed at FsdpMixedPrecision) throw ConfigError
+// on every rank.
 //
 // Threads: use it from one training thread. Lifetime: keeps the group alive when given as a
 // shared_ptr. Errors: ConfigError, Error as above; CommError/TimeoutError from the group, thrown
