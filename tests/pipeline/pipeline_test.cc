@@ -23,6 +23,7 @@
 #include "ddp/torch/device_mesh.h"
 #include "ddp/torch/pipeline.h"
 #include "ddp/torch/tensor_parallel.h"
+#include "ddp/torch/zero_redundancy_optimizer.h"
 #include "ddp/trace.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
@@ -243,8 +244,10 @@ TEST(Pipeline, TakesEachStagesModuleDirectly) {
 
 // Trains this rank's stage for kSteps on its dp replica's rows of each batch; returns step()'s
 // losses (averaged over the replicas).
-std::vector<double> train_replica(Pipeline& pipe, int dp_rank, int dp_size) {
-  torch::optim::SGD opt(pipe.parameters(), kLearningRate);
+std::vector<double> train_replica(Pipeline& pipe, int dp_rank, int dp_size,
+                                  torch::optim::Optimizer* optimizer = nullptr) {
+  torch::optim::SGD sgd(pipe.parameters(), kLearningRate);
+  auto& opt = optimizer != nullptr ? *optimizer : sgd;
   std::vector<double> losses;
   const int rows = kBatch / dp_size;
   for (int step = 0; step < kSteps; ++step) {
@@ -259,7 +262,7 @@ std::vector<double> train_replica(Pipeline& pipe, int dp_rank, int dp_size) {
 
 // DP x PP = 2 x 2: each replica of the two-stage pipeline trains on half of each batch, and the
 // stage's gradients are averaged over its dp group once per step: equal to one process on the
-// whole batch, for both schedules.
+// whole batch, for both schedules, and with ZeRO-1 over dp.
 TEST(Pipeline, DataParallelReplicasOfAPipelineEqualOneProcess) {
   const int port = test::free_port();
   const auto results = run_ranks(4, [&](int rank) {
@@ -271,6 +274,15 @@ TEST(Pipeline, DataParallelReplicasOfAPipelineEqualOneProcess) {
       const auto losses = train_replica(pipe, mesh.coordinate("dp"), 2);
       expect_equals_one_process(pipe, losses, fmt::format("dp 2 x pp 2, {}", to_string(schedule)));
     }
+    // ZeRO-1 over dp: each replica keeps the optimizer state of half of its stage's parameters,
+    // steps those and broadcasts them over dp.
+    Pipeline pipe(
+        make_model(), mesh.group("pp"), mse,
+        {.schedule = PipelineSchedule::k1F1B, .micro_batches = 2, .dp_group = mesh.group("dp")});
+    ZeroRedundancyOptimizer zero(pipe.parameters(), torch::optim::SGDOptions(kLearningRate),
+                                 mesh.group("dp"));
+    const auto losses = train_replica(pipe, mesh.coordinate("dp"), 2, &zero);
+    expect_equals_one_process(pipe, losses, "dp 2 x pp 2 with ZeRO-1 over dp");
   });
   EXPECT_ALL_RANKS_OK(results);
 }
