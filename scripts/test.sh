@@ -104,7 +104,7 @@ if want pytorch; then
   # minutes for nothing.
   pytorch_stage_dirs=(tests/torch tests/torch_data tests/package tests/libtorch_select python)
   cmake --build "$ddp_build_dir" --target "${pytorch_stage_dirs[@]/%//all}" train-char-gpt \
-    ddp-bench ddp-train-bench
+    train-gpt ddp-bench ddp-train-bench
   # torch_ddp into the PyTorch environment, as the README says (reusing this build), for the
   # tests below and PyTorch's own suite (python/ and tests/python run it from the build folder).
   TORCH_DDP_BUILD_DIR=$PWD/$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
