@@ -142,6 +142,10 @@ struct Pipeline::State {
   // One step's working state.
   struct Run {
     std::vector<torch::Tensor> inputs, targets;
+    // Stage 0, when its input requires grad: the input's micro-batches as views in its graph;
+    // `inputs` then holds leaves cut from them, and one backward after the schedule carries their
+    // gradients into the input (backward_into_input).
+    std::vector<torch::Tensor> input_views;
     std::map<int, StoredMicroBatch> stored;
     std::vector<std::shared_ptr<Work>> sends;
     double loss = 0.0;
@@ -154,6 +158,7 @@ struct Pipeline::State {
   void run_schedule(Run& run, const torch::Tensor& input, const torch::Tensor& target);
   void forward(Run& run, int micro_batch);
   void backward(Run& run, int micro_batch);
+  void backward_into_input(Run& run);
   torch::Tensor stage_forward(const torch::Tensor& x) { return module->forward(x); }
   torch::Tensor scaled_loss(const torch::Tensor& output, const torch::Tensor& target);
   void record(Run& run, PipelineAction action, std::int64_t begin_ns, std::int64_t end_ns);
@@ -374,9 +379,10 @@ void Pipeline::State::backward(Run& run, int micro_batch) {
                                                  micro_batch, options.timeout);
   }
   const auto begin_ns = trace_clock_ns();
+  if (options.recompute && stage() > 0) {
+    kept.input = kept.input.detach().requires_grad_(true);
+  }
   if (options.recompute) {
-    kept.input = kept.input.detach();
-    if (stage() > 0) kept.input.requires_grad_(true);
     const auto current_rng = cpu_rng_state();
     set_cpu_rng_state(kept.rng_state);
     auto output = stage_forward(kept.input);
@@ -434,7 +440,18 @@ std::vector<torch::Tensor> micro_batches_of(const torch::Tensor& batch, int part
 void Pipeline::State::run_schedule(Run& run, const torch::Tensor& input,
                                    const torch::Tensor& target) {
   const int m = options.micro_batches;
-  if (stage() == 0) run.inputs = micro_batches_of(input, m, stage(), "input");
+  if (stage() == 0) {
+    run.inputs = micro_batches_of(input, m, stage(), "input");
+    if (input.requires_grad() && torch::GradMode::is_enabled()) {
+      // Backpropagating each micro-batch through its view of the input would materialise an
+      // input-sized gradient per micro-batch (the split's backward fills the other parts with
+      // zeros) and run the graph before the input m times (which frees it after the first):
+      // the stage works on leaves instead, and the input gets one backward at the end.
+      run.input_views = std::move(run.inputs);
+      for (const auto& view : run.input_views)
+        run.inputs.push_back(view.detach().requires_grad_(true));
+    }
+  }
   if (last()) run.targets = micro_batches_of(target, m, stage(), "target");
   for (const auto& action : actions) {
     if (action.kind == Kind::kForward) {
@@ -443,6 +460,18 @@ void Pipeline::State::run_schedule(Run& run, const torch::Tensor& input,
       backward(run, action.micro_batch);
     }
   }
+  if (!run.input_views.empty()) backward_into_input(run);
+}
+
+void Pipeline::State::backward_into_input(Run& run) {
+  const auto begin_ns = trace_clock_ns();
+  std::vector<torch::Tensor> grads;
+  grads.reserve(run.inputs.size());
+  for (const auto& leaf : run.inputs)
+    grads.push_back(leaf.grad().defined() ? leaf.grad() : torch::zeros_like(leaf));
+  torch::autograd::backward(run.input_views, grads);
+  // Stage work, but of no micro-batch: busy time without an entry in `timings`.
+  stats.busy += std::chrono::nanoseconds(trace_clock_ns() - begin_ns);
 }
 
 double Pipeline::step(const torch::Tensor& input, const torch::Tensor& target) {

@@ -240,6 +240,45 @@ TEST(Pipeline, TakesEachStagesModuleDirectly) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// Stage 0's input may come out of layers before the pipeline (an embedding, say): the gradient
+// reaches them, and a leaf input's .grad, as in one process, for both schedules, with and
+// without recomputation (the graph before the pipeline is run backwards once per step).
+TEST(Pipeline, TheGradientReachesWhatComesBeforeTheFirstStage) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    const auto [x, y] = make_batch(0);
+    auto make_front = [] {
+      torch::manual_seed(77);
+      torch::nn::Linear front(kIn, kIn);
+      front->to(torch::kFloat64);
+      return front;
+    };
+    // One process.
+    auto front = make_front();
+    auto model = make_model();
+    const auto leaf = x.clone().requires_grad_(true);
+    mse(model->forward(front->forward(leaf)), y).backward();
+    for (const auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+      for (const bool recompute : {false, true}) {
+        const std::string what = fmt::format("{} recompute={}", to_string(schedule), recompute);
+        Pipeline pipe(make_model(), pg, mse,
+                      {.schedule = schedule, .micro_batches = 4, .recompute = recompute});
+        auto pipe_front = make_front();
+        const auto pipe_leaf = x.clone().requires_grad_(true);
+        pipe.step(pipe_front->forward(pipe_leaf), y);
+        if (rank != 0) continue;
+        if (!pipe_leaf.grad().defined() || !pipe_front->weight.grad().defined())
+          throw std::runtime_error(what + ": no gradient before the first stage");
+        test::expect_close(pipe_leaf.grad(), leaf.grad(), what + ": the input's gradient");
+        test::expect_close(pipe_front->weight.grad(), front->weight.grad(),
+                           what + ": the front layer's gradient");
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // ---- Composition: data-parallel replicas of a pipeline, tensor-parallel stages --------------
 
 // Trains this rank's stage for kSteps on its dp replica's rows of each batch; returns step()'s

@@ -28,7 +28,9 @@
 // added to the stage's parameters' .grad (zero them, and run the optimizer over parameters(),
 // yourself). step returns the whole batch's loss (the mean of the micro-batch losses) on every
 // stage: every step ends with one small allreduce over the group that carries it from the last
-// stage, and that tells every stage whether some stage failed.
+// stage, and that tells every stage whether some stage failed. When stage 0's input requires
+// grad (a leaf, or the output of layers before the pipeline), it gets its gradient as in one
+// process: one backward into it after the schedule, with or without recomputation.
 //
 // Schedules (a stage's order of actions: pipeline_actions()). kGPipe: every forward, then every
 // backward; a stage stores up to m micro-batches' activations. k1F1B: stage s runs
