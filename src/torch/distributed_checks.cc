@@ -6,21 +6,39 @@
 
 namespace ddp::detail {
 
-void check_tensor(const torch::Tensor& tensor, const std::string& what) {
-  check_collective_tensor(tensor, what);
-  if (tensor.is_cuda()) {
-    // These calls hand the engine the tensor's memory itself; staging them is issue 25's next step.
-    throw ConfigError(fmt::format(
-        "{} is on {}; this call does not take CUDA tensors yet (issue 25: only allreduce_tensor, "
-        "broadcast_coalesced and DistributedDataParallel do). Pass tensor.cpu() and copy the "
-        "result back",
-        what, tensor.device().str()));
-  }
+namespace {
+
+void check_contiguous(const torch::Tensor& tensor, const std::string& what) {
   if (!tensor.is_contiguous()) {
     throw ConfigError(fmt::format(
         "{} is not contiguous (strides {}); pass tensor.contiguous() and copy the result back",
         what, fmt::join(tensor.strides(), ", ")));
   }
+}
+
+}  // namespace
+
+void check_tensor(const torch::Tensor& tensor, const std::string& what) {
+  check_collective_tensor(tensor, what);
+  if (tensor.is_cuda()) {
+    // Host groups stage CUDA tensors before these checks; a CUDA group (nccl) would need the
+    // list forms' packing on the device, not built yet.
+    throw ConfigError(fmt::format(
+        "{} is on {}; on a CUDA group (nccl) this call does not take CUDA tensors yet (issue 25: "
+        "allreduce_tensor and broadcast_coalesced do, and every call of the tensor API does on a "
+        "host group, ring or mpi, which stages them). Pass tensor.cpu() to a host group",
+        what, tensor.device().str()));
+  }
+  check_contiguous(tensor, what);
+}
+
+void check_tensor_on(ProcessGroup& group, const torch::Tensor& tensor, const std::string& what) {
+  if (!(tensor.defined() && tensor.is_cuda() && group.memory_space() == MemorySpace::kHost)) {
+    check_tensor(tensor, what);
+    return;
+  }
+  check_collective_tensor(tensor, what);
+  check_contiguous(tensor, what);
 }
 
 void check_tensor_like(const torch::Tensor& tensor, const std::string& what,

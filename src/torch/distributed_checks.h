@@ -14,9 +14,14 @@
 
 namespace ddp::detail {
 
-// `tensor` can be handed to the engine as it is: defined, dense, on the CPU (CUDA: not yet), of a
-// communicable dtype and contiguous. `what` names it, e.g. "all_gather: tensor_list[2]".
+// `tensor` can be handed to the engine as it is: defined, dense, on the CPU, of a communicable
+// dtype and contiguous. `what` names it, e.g. "all_gather: tensor_list[2]". CUDA tensors reach
+// these checks only on a CUDA group (host groups stage them first: host_staging.h), which the
+// tensor API does not take yet.
 void check_tensor(const torch::Tensor& tensor, const std::string& what);
+// check_tensor for a call on `group` that stages CUDA tensors on a host group (their host copies
+// are checked as CPU tensors later): the same checks but the device's, there.
+void check_tensor_on(ProcessGroup& group, const torch::Tensor& tensor, const std::string& what);
 // check_tensor, and of dtype `want` (the dtype of `reference`, named in the message).
 void check_tensor_like(const torch::Tensor& tensor, const std::string& what,
                        const torch::Tensor& reference, const std::string& reference_what);

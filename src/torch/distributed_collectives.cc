@@ -9,6 +9,7 @@
 
 #include "ddp/torch/distributed.h"
 #include "torch/distributed_checks.h"
+#include "torch/host_staging.h"
 
 namespace ddp {
 
@@ -46,11 +47,18 @@ using detail::check_tensor;
 using detail::check_tensor_like;
 using detail::dtype_of;
 using detail::element_count;
+using detail::must_stage;
+using detail::run_on_host;
 
 namespace {
 
 using Tensors = std::vector<torch::Tensor>;
 using ByteBuffer = std::vector<std::byte>;
+
+Tensors joined(Tensors a, const Tensors& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
 
 constexpr CallOptions kBlocking{.blocking = true};
 
@@ -170,6 +178,12 @@ void copy_back_on_success(Work& work, const CallOptions& options, Tensors from, 
 std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, TensorReduceOp op,
                                       GroupRef group, CallOptions options) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {tensor})) {
+    return run_on_host(
+        {}, {tensor},
+        [&](const Tensors&, const Tensors& w) { return all_reduce_call(w[0], op, group, {}); },
+        options.blocking);
+  }
   check_collective(g, [&] {
     check_tensor(tensor, "all_reduce: tensor");
     check_reduce_op(op, tensor, "all_reduce: tensor");
@@ -183,6 +197,12 @@ std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, TensorReduceO
 std::shared_ptr<Work> broadcast_call(const torch::Tensor& tensor, int src, GroupRef group,
                                      CallOptions options) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {tensor})) {
+    return run_on_host(
+        {}, {tensor},
+        [&](const Tensors&, const Tensors& w) { return broadcast_call(w[0], src, group, {}); },
+        options.blocking);
+  }
   check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor"); });
   return g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, options);
 }
@@ -205,6 +225,11 @@ void broadcast(const torch::Tensor& tensor, int src, GroupRef group) {
 std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, TensorReduceOp op,
                                    GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {tensor})) {
+    return run_on_host({}, {tensor}, [&](const Tensors&, const Tensors& w) {
+      return reduce_async(w[0], dst, op, group);
+    });
+  }
   check_collective(g, [&] {
     check_tensor(tensor, "reduce: tensor");
     check_reduce_op(op, tensor, "reduce: tensor");
@@ -222,6 +247,11 @@ void reduce(const torch::Tensor& tensor, int dst, TensorReduceOp op, GroupRef gr
 std::shared_ptr<Work> all_gather_async(const Tensors& tensor_list, const torch::Tensor& tensor,
                                        GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, joined(tensor_list, {tensor}))) {
+    return run_on_host({tensor}, tensor_list, [&](const Tensors& r, const Tensors& w) {
+      return all_gather_async(w, r[0], group);
+    });
+  }
   check_collective(g, [&] {
     check_tensor(tensor, "all_gather: tensor");
     check_list(tensor_list, world(g), "all_gather: tensor_list", tensor, "the input tensor",
@@ -247,6 +277,11 @@ void all_gather(const Tensors& tensor_list, const torch::Tensor& tensor, GroupRe
 std::shared_ptr<Work> all_gather_into_tensor_async(const torch::Tensor& output,
                                                    const torch::Tensor& input, GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {output, input})) {
+    return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
+      return all_gather_into_tensor_async(w[0], r[0], group);
+    });
+  }
   check_collective(g, [&] {
     check_tensor(input, "all_gather_into_tensor: input");
     check_tensor_like(output, "all_gather_into_tensor: output", input, "the input");
@@ -265,6 +300,11 @@ void all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
 std::shared_ptr<Work> reduce_scatter_async(const torch::Tensor& output, const Tensors& input_list,
                                            TensorReduceOp op, GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, joined(input_list, {output}))) {
+    return run_on_host(input_list, {output}, [&](const Tensors& r, const Tensors& w) {
+      return reduce_scatter_async(w[0], r, op, group);
+    });
+  }
   check_collective(g, [&] {
     check_tensor(output, "reduce_scatter: output");
     check_list(input_list, world(g), "reduce_scatter: input_list", output, "the output",
@@ -292,6 +332,11 @@ std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
                                                   const torch::Tensor& input, TensorReduceOp op,
                                                   GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {output, input})) {
+    return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
+      return reduce_scatter_tensor_async(w[0], r[0], op, group);
+    });
+  }
   check_collective(g, [&] {
     check_tensor(output, "reduce_scatter_tensor: output");
     check_tensor_like(input, "reduce_scatter_tensor: input", output, "the output");
@@ -351,6 +396,11 @@ void check_coalesced_pairs(const Tensors& bigger, const std::string& bigger_what
 std::shared_ptr<Work> all_reduce_coalesced_async(const Tensors& tensors, TensorReduceOp op,
                                                  GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, tensors)) {
+    return run_on_host({}, tensors, [&](const Tensors&, const Tensors& w) {
+      return all_reduce_coalesced_async(w, op, group);
+    });
+  }
   check_collective(g, [&] {
     check_coalesced(tensors, "all_reduce_coalesced: tensors");
     check_reduce_op(op, tensors[0], "all_reduce_coalesced: tensors[0]");
@@ -374,6 +424,11 @@ std::shared_ptr<Work> all_gather_into_tensor_coalesced_async(const Tensors& outp
                                                              const Tensors& inputs,
                                                              GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, joined(outputs, inputs))) {
+    return run_on_host(inputs, outputs, [&](const Tensors& r, const Tensors& w) {
+      return all_gather_into_tensor_coalesced_async(w, r, group);
+    });
+  }
   check_collective(g, [&] {
     check_coalesced_pairs(outputs, "outputs", inputs, "inputs", g.size(),
                           "all_gather_into_tensor_coalesced", /*one_dtype=*/false);
@@ -408,6 +463,11 @@ std::shared_ptr<Work> reduce_scatter_tensor_coalesced_async(const Tensors& outpu
                                                             const Tensors& inputs,
                                                             TensorReduceOp op, GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, joined(outputs, inputs))) {
+    return run_on_host(inputs, outputs, [&](const Tensors& r, const Tensors& w) {
+      return reduce_scatter_tensor_coalesced_async(w, r, op, group);
+    });
+  }
   check_collective(g, [&] {
     check_coalesced_pairs(inputs, "inputs", outputs, "outputs", g.size(),
                           "reduce_scatter_tensor_coalesced", /*one_dtype=*/true);
@@ -443,6 +503,11 @@ void reduce_scatter_tensor_coalesced(const Tensors& outputs, const Tensors& inpu
 std::shared_ptr<Work> all_to_all_async(const Tensors& output_list, const Tensors& input_list,
                                        GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, joined(output_list, input_list))) {
+    return run_on_host(input_list, output_list, [&](const Tensors& r, const Tensors& w) {
+      return all_to_all_async(w, r, group);
+    });
+  }
   check_collective(g, [&] {
     check_list_length(input_list, world(g), "all_to_all: input_list", "one per rank of the group");
     check_tensor(input_list[0], "all_to_all: input_list[0]");
@@ -527,6 +592,11 @@ std::shared_ptr<Work> all_to_all_single_async(const torch::Tensor& output,
                                               std::vector<std::int64_t> input_split_sizes,
                                               GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {output, input})) {
+    return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
+      return all_to_all_single_async(w[0], r[0], output_split_sizes, input_split_sizes, group);
+    });
+  }
   std::vector<std::size_t> send_counts;
   std::vector<std::size_t> recv_counts;
   check_collective(g, [&] {
@@ -563,6 +633,11 @@ void all_to_all_single(const torch::Tensor& output, const torch::Tensor& input,
 std::shared_ptr<Work> gather_async(const torch::Tensor& tensor, const Tensors& gather_list, int dst,
                                    GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, joined(gather_list, {tensor}))) {
+    return run_on_host({tensor}, gather_list, [&](const Tensors& r, const Tensors& w) {
+      return gather_async(r[0], w, dst, group);
+    });
+  }
   check_collective(g, [&] {
     check_tensor(tensor, "gather: tensor");
     if (dst < 0 || dst >= g.size()) {
@@ -599,6 +674,11 @@ void gather(const torch::Tensor& tensor, const Tensors& gather_list, int dst, Gr
 std::shared_ptr<Work> scatter_async(const torch::Tensor& tensor, const Tensors& scatter_list,
                                     int src, GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, joined(scatter_list, {tensor}))) {
+    return run_on_host(scatter_list, {tensor}, [&](const Tensors& r, const Tensors& w) {
+      return scatter_async(w[0], r, src, group);
+    });
+  }
   check_collective(g, [&] {
     check_tensor(tensor, "scatter: tensor");
     if (src < 0 || src >= g.size()) {

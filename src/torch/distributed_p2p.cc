@@ -7,12 +7,16 @@
 
 #include "ddp/torch/distributed.h"
 #include "torch/distributed_checks.h"
+#include "torch/host_staging.h"
 
 namespace ddp {
 
 using detail::check_tensor;
 using detail::dtype_of;
 using detail::element_count;
+using detail::must_stage;
+using detail::run_on_host;
+using Tensors = std::vector<torch::Tensor>;
 
 namespace {
 
@@ -28,6 +32,11 @@ std::shared_ptr<Work> with_result(std::shared_ptr<Work> work, const torch::Tenso
 
 std::shared_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag, GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {tensor})) {
+    return run_on_host({tensor}, {}, [&](const Tensors& r, const Tensors&) {
+      return isend(r[0], dst, tag, group);
+    });
+  }
   check_tensor(tensor, "isend: tensor");
   return with_result(g.send(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), dst, tag),
                      tensor);
@@ -35,6 +44,11 @@ std::shared_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag, Group
 
 std::shared_ptr<Work> irecv(const torch::Tensor& tensor, int src, int tag, GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {tensor})) {
+    return run_on_host({}, {tensor}, [&](const Tensors&, const Tensors& w) {
+      return irecv(w[0], src, tag, group);
+    });
+  }
   check_tensor(tensor, "irecv: tensor");
   return with_result(g.recv(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, tag),
                      tensor);
@@ -51,6 +65,20 @@ int recv(const torch::Tensor& tensor, int src, int tag, GroupRef group) {
 
 int recv_any_source(const torch::Tensor& tensor, int tag, GroupRef group) {
   ProcessGroup& g = group.get();
+  if (must_stage(g, {tensor})) {
+    int source = -1;
+    run_on_host(
+        {}, {tensor},
+        [&](const Tensors&, const Tensors& w) {
+          source = recv_any_source(w[0], tag, group);
+          auto received =
+              std::make_shared<Work>("recv_any_source (staged)", std::chrono::milliseconds(0));
+          received->complete();
+          return received;
+        },
+        /*blocking=*/true);
+    return source;
+  }
   check_tensor(tensor, "recv_any_source: tensor");
   int source = -1;
   // Blocking: `source` outlives the operation (a failed one is finished with by the engine).
@@ -72,7 +100,7 @@ std::vector<std::shared_ptr<Work>> batch_isend_irecv(const std::vector<P2POp>& o
           i));
     }
     common = &g;
-    check_tensor(op.tensor, fmt::format("batch_isend_irecv: ops[{}].tensor", i));
+    detail::check_tensor_on(g, op.tensor, fmt::format("batch_isend_irecv: ops[{}].tensor", i));
     if (op.peer < 0 || op.peer >= g.size() || op.peer == g.rank()) {
       throw ConfigError(fmt::format(
           "batch_isend_irecv: ops[{}].peer is {}; it must be another rank of the group (0..{}, "

@@ -1,9 +1,8 @@
 // What ddp does with a CUDA tensor, checked with either libtorch and without a GPU: the tensor
 // wraps a host address that it declares to be on cuda:0 (at::for_blob with an explicit target
 // device asks no CUDA driver), so only its device says CUDA, which is all the checks may read.
-// The helpers that stage CUDA tensors (allreduce_tensor, broadcast_coalesced) accept it; the
-// calls that hand the engine the tensor's own memory refuse it by name; tests/torch/gpu_test.cc
-// moves real CUDA tensors where there is a GPU.
+// The helpers accept it; on a CUDA group the tensor API's calls that do not take it yet refuse
+// it by name; tests/torch/gpu_test.cc moves real CUDA tensors where there is a GPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +14,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 
@@ -48,17 +48,35 @@ TEST(CudaTensor, IsAcceptedByTheHelpersThatStageIt) {
   EXPECT_NO_THROW(check_collective_tensor(tensor, "the gradient of 'fc.weight'"));
 }
 
-TEST(CudaTensor, TheCallsThatDoNotStageItYetRefuseItByName) {
+// A group that says its buffers are CUDA memory, as the nccl backend does (its calls go to a
+// ring group: nothing here reaches them).
+class PretendCudaGroup final : public test::ForwardingGroup {
+ public:
+  using ForwardingGroup::ForwardingGroup;
+  MemorySpace memory_space() const override { return MemorySpace::kCuda; }
+};
+
+// On a host group every call stages a CUDA tensor (tests/torch/distributed_api_test.cc checks
+// the staging on the CPU, gpu_test.cc on a GPU); on a CUDA group the calls that would hand the
+// engine packed host buffers refuse it by name.
+TEST(CudaTensor, TheCallsThatDoNotTakeItOnACudaGroupRefuseItByName) {
   std::array<float, 4> memory{};
   DECLARE_CUDA_TENSOR(tensor, memory);
-  auto group = test::join_group(0, 1, test::free_port());
+  PretendCudaGroup group(test::join_group(0, 1, test::free_port()));
   try {
-    all_reduce(tensor, ReduceOp::kSum, *group);
-    FAIL() << "a CUDA tensor went to the engine as it is";
+    std::vector<torch::Tensor> list{tensor};
+    all_gather(list, tensor, group);
+    FAIL() << "a CUDA tensor went to a CUDA group's all_gather";
   } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("all_reduce: tensor is on cuda:0; this call does not take "
-                                    "CUDA tensors yet (issue 25"));
+    EXPECT_THAT(e.what(), HasSubstr("all_gather: tensor is on cuda:0; on a CUDA group (nccl) "
+                                    "this call does not take CUDA tensors yet (issue 25"));
     EXPECT_THAT(e.what(), HasSubstr("tensor.cpu()"));
+  }
+  try {
+    batch_isend_irecv({{P2POp::Kind::kIsend, tensor, 1, group, 0}});
+    FAIL() << "a CUDA tensor went to a CUDA group's batch_isend_irecv";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("ops[0].tensor is on cuda:0; on a CUDA group"));
   }
 }
 

@@ -18,6 +18,7 @@
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
+#include "torch/host_staging.h"
 
 namespace ddp {
 namespace {
@@ -54,10 +55,28 @@ void require_throws(F&& call, const std::string& needle, const std::string& what
   throw std::runtime_error(what + ": did not throw");
 }
 
+// With `staged`, every tensor of this thread's calls is staged through host copies, as a CUDA
+// tensor on a host group is (host_staging.h); require_staged then checks that copies were made
+// both ways. The values must be the same as without.
+std::unique_ptr<detail::ScopedStagingOfCpuTensorsForTests> stage_if(bool staged) {
+  return staged ? std::make_unique<detail::ScopedStagingOfCpuTensorsForTests>() : nullptr;
+}
+void require_staged(const std::unique_ptr<detail::ScopedStagingOfCpuTensorsForTests>& staging) {
+  if (!staging) return;
+  require(staging->copies_to_host() > 0 && staging->copies_back() > 0,
+          fmt::format("the staged run made {} copies to the host and {} back; both must be some",
+                      staging->copies_to_host(), staging->copies_back()));
+}
+
 // Rank r's input for a collective: (r + 1) * (1, 2, ..., n) + offset, in float64 (exact).
 torch::Tensor input_of(int r, std::int64_t n, double offset = 0,
                        torch::Dtype dtype = torch::kFloat64) {
   return ((torch::arange(1, n + 1, torch::kFloat64) * (r + 1)) + offset).to(dtype);
+}
+
+// Test names of the suites run with their tensors as they are and staged (stage_if).
+std::string staged_name(const ::testing::TestParamInfo<bool>& info) {
+  return info.param ? "StagedThroughHostCopies" : "Direct";
 }
 
 // ---- every collective, world 1..4 --------------------------------------------------------------
@@ -222,12 +241,31 @@ TEST_P(DistributedApi, EveryCollectiveGivesTheValuesComputedFromEachRanksInput) 
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, DistributedApi, ::testing::Values(1, 2, 3, 4));
 
+// Every collective again with its tensors staged through host copies (what a CUDA tensor on a
+// host group gets): the same values.
+TEST(DistributedApiStaged, EveryCollectiveThroughHostCopiesGivesTheSameValues) {
+  for (const int size : {1, 3}) {
+    const int port = free_port();
+    const auto results = run_ranks(size, [&](int rank) {
+      join_group(rank, size, port);
+      const auto staging = stage_if(true);
+      run_every_collective(rank, size);
+      require_staged(staging);
+      destroy_process_group();
+    });
+    EXPECT_ALL_RANKS_OK(results);
+  }
+}
+
 // ---- async forms, results and chains -----------------------------------------------------------
 
-TEST(DistributedApiAsync, AsyncFormsCompleteLaterAndCarryTheirOutputs) {
+class DistributedApiAsync : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DistributedApiAsync, AsyncFormsCompleteLaterAndCarryTheirOutputs) {
   const int size = 3;
   const int port = free_port();
   const auto results = run_ranks(size, [&](int rank) {
+    const auto staging = stage_if(GetParam());
     auto pg = join_group(rank, size, port);
     auto t = input_of(rank, 8);
     auto work = all_reduce_async(t, ReduceOp::kSum, *pg);
@@ -264,16 +302,22 @@ TEST(DistributedApiAsync, AsyncFormsCompleteLaterAndCarryTheirOutputs) {
             "the chain carries its last result");
     require_throws<ConfigError>([&] { chain->result_as<int>(); }, "not the type",
                                 "result_as with the wrong type");
+    require_staged(staging);
   });
   EXPECT_ALL_RANKS_OK(results);
 }
 
+INSTANTIATE_TEST_SUITE_P(DirectAndStaged, DistributedApiAsync, ::testing::Bool(), staged_name);
+
 // ---- point to point ----------------------------------------------------------------------------
 
-TEST(DistributedApiP2P, SendRecvWithTagsAndABatchedRingExchange) {
+class DistributedApiP2P : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DistributedApiP2P, SendRecvWithTagsAndABatchedRingExchange) {
   const int size = 3;
   const int port = free_port();
   const auto results = run_ranks(size, [&](int rank) {
+    const auto staging = stage_if(GetParam());
     auto pg = join_group(rank, size, port);
     const int next = (rank + 1) % size;
     const int prev = (rank + size - 1) % size;
@@ -322,9 +366,12 @@ TEST(DistributedApiP2P, SendRecvWithTagsAndABatchedRingExchange) {
       send(torch::full({4}, rank, torch::kInt32), 0, 5);
     }
     barrier();
+    require_staged(staging);
   });
   EXPECT_ALL_RANKS_OK(results);
 }
+
+INSTANTIATE_TEST_SUITE_P(DirectAndStaged, DistributedApiP2P, ::testing::Bool(), staged_name);
 
 // ---- monitored_barrier -------------------------------------------------------------------------
 
@@ -431,10 +478,13 @@ TEST(DistributedApiGroups, SplitGroupAndTheWorldRanksOfSubgroups) {
 // ---- coalesced forms and bitwise reductions
 // ------------------------------------------------------
 
-TEST(DistributedApiCoalesced, EachEqualsOneCallPerTensorInOneEngineCall) {
+class DistributedApiCoalesced : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DistributedApiCoalesced, EachEqualsOneCallPerTensorInOneEngineCall) {
   const int size = 3;
   const int port = free_port();
   const auto results = run_ranks(size, [&](int rank) {
+    const auto staging = stage_if(GetParam());
     join_group(rank, size, port);
     const std::vector<std::int64_t> lengths = {5, 1, 0, 7};
     auto make = [&](int r, std::int64_t n, double salt) { return input_of(r, n, salt); };
@@ -511,16 +561,22 @@ TEST(DistributedApiCoalesced, EachEqualsOneCallPerTensorInOneEngineCall) {
     require_throws<ConfigError>([&] { all_reduce(torch::ones({2}), ReduceOp::kBxor); },
                                 "needs an integer dtype", "bxor of float32");
     require(average_across_ranks(rank) == 1.0, "the group works after the refusals");
+    require_staged(staging);
   });
   EXPECT_ALL_RANKS_OK(results);
 }
 
+INSTANTIATE_TEST_SUITE_P(DirectAndStaged, DistributedApiCoalesced, ::testing::Bool(), staged_name);
+
 // PREMUL_SUM (make_premul_sum): every reducing call sums each rank's input times that rank's
 // factor, and leaves the inputs as they were.
-TEST(DistributedApiPremulSum, EveryReducingCallSumsTheScaledInputs) {
+class DistributedApiPremulSum : public ::testing::TestWithParam<bool> {};
+
+TEST_P(DistributedApiPremulSum, EveryReducingCallSumsTheScaledInputs) {
   const int size = 3;
   const int port = free_port();
   const auto results = run_ranks(size, [&](int rank) {
+    const auto staging = stage_if(GetParam());
     join_group(rank, size, port);
     // Each rank's own factor (a double on even ranks, a one-element tensor on odd ones).
     auto factor_of = [](int r) { return 0.5 + r; };
@@ -581,9 +637,12 @@ TEST(DistributedApiPremulSum, EveryReducingCallSumsTheScaledInputs) {
     require_throws<ConfigError>([&] { (void)TensorReduceOp(ReduceOp::kMax).premul_factor(); },
                                 "not PREMUL_SUM", "factor of max");
     require(average_across_ranks(rank) == 1.0, "the group works after the refusals");
+    require_staged(staging);
   });
   EXPECT_ALL_RANKS_OK(results);
 }
+
+INSTANTIATE_TEST_SUITE_P(DirectAndStaged, DistributedApiPremulSum, ::testing::Bool(), staged_name);
 
 // A group that forwards everything to another and pretends that every `per_host` consecutive
 // ranks share a host: what a backend that knows its hosts reports (local_rank/local_size).
@@ -714,6 +773,32 @@ TEST(DistributedApiBadInput, AMistakeOnOneRankFailsEveryRankPromptly) {
       require(rank != 1, fmt::format("rank 1 got a CommError: {}", e.what()));
     }
     require(std::chrono::steady_clock::now() - start < 20s, "the failure took too long");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A staged call that fails copies nothing back: the tensors keep the values they had (rank 1's
+// list is refused; the others' all_gather fails on the mismatch it leaves).
+TEST(DistributedApiStaged, AFailedCallLeavesTheTensorsAsTheyWere) {
+  const int size = 3;
+  const int port = free_port();
+  const auto results = run_ranks(size, [&](int rank) {
+    join_group(rank, size, port, 60s);
+    const auto staging = stage_if(true);
+    std::vector<torch::Tensor> list(rank == 1 ? size + 1 : size, torch::Tensor());
+    for (auto& t : list)
+      t = torch::full({4}, -1.0);
+    try {
+      all_gather(list, torch::full({4}, static_cast<double>(rank)));
+      throw std::runtime_error("all_gather with a bad list on rank 1 did not fail here");
+    } catch (const ConfigError& e) {
+      require(rank == 1, fmt::format("rank {} got the ConfigError: {}", rank, e.what()));
+    } catch (const CommError& e) {
+      require(rank != 1, fmt::format("rank 1 got a CommError: {}", e.what()));
+    }
+    for (const auto& t : list)
+      require_equal(t, torch::full({4}, -1.0), "an output of the failed all_gather");
+    require(staging->copies_back() == 0, "the failed call copied results back");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

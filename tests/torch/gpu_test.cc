@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "ddp/torch/checkpoint.h"
+#include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/powersgd_hook.h"
 #include "ddp/torch/tensor_collectives.h"
@@ -170,6 +171,67 @@ TEST(Gpu, TensorHelpersStageCudaTensorsOnAHostGroupInPlace) {
     require(torch::equal(tensors[0].cpu(), torch::full({3}, 10.0f)), "broadcast (float) is wrong");
     require(torch::equal(tensors[1].cpu(), torch::full({2}, 1, torch::kLong)),
             "broadcast (int64) is wrong");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Every kind of call of the tensor API (distributed.h) with CUDA tensors on a host group (the
+// ring, both ranks on cuda:0): staged through host copies, the results in place on the device.
+TEST(Gpu, TensorApiStagesCudaTensorsOnAHostGroup) {
+  SKIP_WITHOUT_CUDA();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    const auto on_gpu = torch::TensorOptions(kCuda0).dtype(torch::kFloat64);
+    auto values = [&](int r, std::int64_t n) {
+      return torch::arange(1, n + 1, on_gpu) * (r + 1);  // rank r's input, on the device
+    };
+    auto expect = [&](const torch::Tensor& got, const torch::Tensor& want, const char* what) {
+      require(got.is_cuda(), std::string(what) + ": the result left the device");
+      require(torch::equal(got.cpu(), want.cpu()), std::string(what) + ": wrong values");
+    };
+    auto t = values(rank, 5);
+    const auto before = t.data_ptr();
+    all_reduce(t, ReduceOp::kSum, *pg);
+    require(t.data_ptr() == before, "all_reduce is not in place");
+    expect(t, values(0, 5) * 3, "all_reduce");
+    auto b = values(rank, 3);
+    broadcast(b, 1, *pg);
+    expect(b, values(1, 3), "broadcast");
+    auto r = values(rank, 4);
+    reduce(r, 0, ReduceOp::kMax, *pg);
+    expect(r, rank == 0 ? values(1, 4) : values(rank, 4), "reduce");
+    std::vector<torch::Tensor> list{torch::zeros({3}, on_gpu), torch::zeros({3}, on_gpu)};
+    all_gather(list, values(rank, 3), *pg);
+    expect(list[0], values(0, 3), "all_gather [0]");
+    expect(list[1], values(1, 3), "all_gather [1]");
+    auto gathered = torch::zeros({6}, on_gpu);
+    all_gather_into_tensor(gathered, values(rank, 3), *pg);
+    expect(gathered, torch::cat({values(0, 3), values(1, 3)}), "all_gather_into_tensor");
+    auto block = torch::zeros({3}, on_gpu);
+    reduce_scatter_tensor(block, values(rank, 6), ReduceOp::kSum, *pg);
+    expect(block, (values(0, 6) * 3).narrow(0, rank * 3, 3), "reduce_scatter_tensor");
+    auto swapped = torch::zeros({4}, on_gpu);
+    all_to_all_single(swapped, values(rank, 4), {}, {}, *pg);
+    expect(swapped,
+           torch::cat({values(0, 4).narrow(0, rank * 2, 2), values(1, 4).narrow(0, rank * 2, 2)}),
+           "all_to_all_single");
+    std::vector<torch::Tensor> several{values(rank, 2), values(rank, 3)};
+    all_reduce_coalesced(several, ReduceOp::kSum, *pg);
+    expect(several[1], values(0, 3) * 3, "all_reduce_coalesced");
+    auto received = torch::zeros({5}, on_gpu);
+    if (rank == 0) {
+      send(values(0, 5), 1, 4, *pg);
+    } else {
+      recv(received, 0, 4, *pg);
+      expect(received, values(0, 5), "recv");
+    }
+    auto later = values(rank, 5);
+    auto work = all_reduce_async(later, ReduceOp::kSum, *pg);
+    work->wait();
+    expect(later, values(0, 5) * 3, "all_reduce_async");
+    require(work->result_as<std::vector<torch::Tensor>>()[0].is_cuda(),
+            "the async result is not the device tensor");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

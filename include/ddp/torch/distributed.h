@@ -23,10 +23,14 @@
 // form (ProcessGroup::allgather_v); the data then moves asynchronously. Until it completes, the
 // Work keeps references to the tensors (a temporary input is fine); do not modify them meanwhile.
 //
-// Tensors are dense, contiguous CPU tensors of float32/64, float16, bfloat16, (u)int8, int32 or
-// int64; outputs are written in place (a `const torch::Tensor&` output is still written: a tensor
-// is a handle). Bad arguments throw ConfigError naming the call, the argument and the fix: wrong
-// dtype, device (CUDA), layout, non-contiguous, a list of the wrong length, shapes that don't
+// Tensors are dense, contiguous CPU or CUDA tensors of float32/64, float16, bfloat16, (u)int8,
+// int32 or int64; outputs are written in place (a `const torch::Tensor&` output is still written:
+// a tensor is a handle). CUDA tensors on a group of host memory (ring, mpi) are staged as gloo
+// does: the call runs on host copies made after the current stream's work, and its outputs are
+// copied back to the device before wait() returns (nothing is copied back when it fails); on a
+// CUDA group (nccl) these calls do not take them yet (ConfigError; allreduce_tensor does). Bad
+// arguments throw ConfigError naming the call, the argument and the fix: wrong dtype, device
+// (meta, or CUDA on a CUDA group), layout, non-contiguous, a list of the wrong length, shapes that don't
 // fit, split sizes that don't add up. So that no other rank waits for a call that this rank
 // refused, the refusing rank first issues a barrier in its place: ranks that did make the call
 // then fail at once with a CommError naming the mismatch (ring backend, which checks every call's
