@@ -112,7 +112,7 @@ void ZeroRedundancyOptimizer::step_bucket(const std::vector<torch::Tensor>& para
         flat.push_back(params[k].detach().reshape(-1).to(dtype));
       broadcast.buffer = torch::cat(flat);
     } else {
-      broadcast.buffer = torch::empty({numel}, torch::TensorOptions().dtype(dtype));
+      broadcast.buffer = torch::empty({numel}, first.options().dtype(dtype));
       for (const auto k : owned)
         broadcast.params.push_back(params[k]);
     }

@@ -100,13 +100,26 @@ void ZeroRedundancyOptimizer::build(std::vector<OptimizerParamGroup> param_group
     for (std::size_t g = 0; g < param_groups.size(); ++g) {
       for (const auto& p : param_groups[g].params()) {
         const std::size_t index = params_.size();
-        if (!p.defined() || !p.is_leaf() || p.is_sparse() || !p.device().is_cpu()) {
+        if (!p.defined() || !p.is_leaf() || p.is_sparse() ||
+            !(p.device().is_cpu() || p.is_cuda())) {
           throw ConfigError(fmt::format(
-              "ZeroRedundancyOptimizer: parameter {} (group {}) must be a dense CPU leaf tensor{}",
-              index, g,
-              p.defined() && p.is_cuda()
-                  ? fmt::format(" (it is on {}: not yet on CUDA, issue 25)", p.device().str())
-                  : ""));
+              "ZeroRedundancyOptimizer: parameter {} (group {}) must be a dense CPU or CUDA leaf "
+              "tensor{}",
+              index, g, p.defined() ? fmt::format(" (it is on {})", p.device().str()) : ""));
+        }
+        if (params_.empty()) device_ = p.device();
+        if (p.device() != device_) {
+          throw ConfigError(fmt::format(
+              "ZeroRedundancyOptimizer: parameter {} (group {}) is on {} but parameter 0 is on "
+              "{}; the parameters must be on one device (move the model with .to(device))",
+              index, g, p.device().str(), device_.str()));
+        }
+        if (p.is_cuda() && group_->memory_space() != MemorySpace::kHost) {
+          throw ConfigError(fmt::format(
+              "ZeroRedundancyOptimizer: CUDA parameters on a {} group are not supported yet "
+              "(issue 25); use a host group (DDP_BACKEND=ring or mpi), which stages the shard "
+              "broadcasts through host memory",
+              group_->backend()));
         }
         if (!seen.insert(p.unsafeGetTensorImpl()).second) {
           throw ConfigError(fmt::format(
@@ -235,7 +248,7 @@ void ZeroRedundancyOptimizer::build_buckets() {
         std::int64_t total = 0;
         for (const auto& p : mine)
           total += p.numel();
-        flat = torch::empty({total}, torch::TensorOptions().dtype(dtype));
+        flat = torch::empty({total}, torch::TensorOptions().dtype(dtype).device(device_));
         std::int64_t offset = 0;
         for (auto& p : mine) {
           auto view = flat.narrow(0, offset, p.numel()).view(p.sizes());
@@ -277,7 +290,8 @@ void ZeroRedundancyOptimizer::build_buckets() {
   }
   for (const auto& [dtype, numel] : staging_sizes) {
     for (int copy = 0; copy < 2; ++copy) {
-      staging_.push_back(torch::empty({numel}, torch::TensorOptions().dtype(dtype)));
+      staging_.push_back(
+          torch::empty({numel}, torch::TensorOptions().dtype(dtype).device(device_)));
     }
   }
 }

@@ -14,6 +14,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
@@ -77,6 +78,29 @@ TEST(CudaTensor, TheCallsThatDoNotTakeItOnACudaGroupRefuseItByName) {
     FAIL() << "a CUDA tensor went to a CUDA group's batch_isend_irecv";
   } catch (const ConfigError& e) {
     EXPECT_THAT(e.what(), HasSubstr("ops[0].tensor is on cuda:0; on a CUDA group"));
+  }
+}
+
+// ZeroRedundancyOptimizer takes parameters on one device, CPU or CUDA, and CUDA ones on a host
+// group only (which stages its shard broadcasts): the others are named at construction.
+TEST(CudaTensor, ZeroRefusesParametersOnTwoDevicesAndCudaOnACudaGroupByName) {
+  std::array<float, 4> memory{};
+  DECLARE_CUDA_TENSOR(on_cuda, memory);
+  auto ring = test::join_group(0, 1, test::free_port());
+  const auto adam = torch::optim::AdamOptions(0.1);
+  try {
+    ZeroRedundancyOptimizer zero({torch::zeros({4}), on_cuda}, adam, ring);
+    FAIL() << "parameters on two devices were accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("parameter 1 (group 0) is on cuda:0 but parameter 0 is on "
+                                    "cpu; the parameters must be on one device"));
+  }
+  std::shared_ptr<ProcessGroup> cuda_group = std::make_shared<PretendCudaGroup>(ring);
+  try {
+    ZeroRedundancyOptimizer zero({on_cuda}, adam, cuda_group);
+    FAIL() << "CUDA parameters on a CUDA group were accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("CUDA parameters on a ring group are not supported yet"));
   }
 }
 

@@ -1,6 +1,6 @@
-// ddp on CUDA tensors (issue 25): DistributedDataParallel with both ranks on cuda:0 through the
-// ring (a host group: buckets staged through pinned host twins), the tensor helpers on CUDA
-// tensors, checkpoints moved between CUDA and the CPU with map_location. Needs a CUDA device;
+// ddp on CUDA tensors (issue 25): DistributedDataParallel (and ZeRO) with both ranks on cuda:0
+// through the ring (a host group: buckets staged through pinned host twins), the tensor API on
+// CUDA tensors, checkpoints moved between CUDA and the CPU with map_location. Needs a CUDA device;
 // every test skips with "no CUDA device" where there is none.
 //
 // CUDA is only ever initialised in the rank processes (run_ranks forks them, and a child cannot
@@ -16,6 +16,7 @@
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/powersgd_hook.h"
 #include "ddp/torch/tensor_collectives.h"
+#include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "torch/ddp_test_models.h"
@@ -54,13 +55,21 @@ const torch::Device kCuda0(torch::kCUDA, 0);
 void train_on_cuda(int rank, const std::shared_ptr<ProcessGroup>& pg, const test::Batches& data,
                    const torch::Device& device,
                    const std::function<void(DistributedDataParallelBase&)>& setup,
-                   std::vector<torch::Tensor>& out) {
+                   std::vector<torch::Tensor>& out, bool zero = false) {
   torch::manual_seed(100 + rank);  // different on every rank: construction must broadcast
   test::Mlp net;
   net->to(device);
   DistributedDataParallel model(net.ptr(), pg);
   if (setup) setup(*model);
-  auto opt = test::make_sgd(model->parameters());
+  // make_sgd's options, whole or sharded by ZeRO (its shard broadcasts staged on the ring).
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (zero) {
+    optimizer = std::make_unique<ZeroRedundancyOptimizer>(
+        model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9), pg);
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(test::make_sgd(model->parameters()));
+  }
+  auto& opt = *optimizer;
   for (int step = 0; step < data.inputs.size(0); ++step) {
     opt.zero_grad();
     const auto x = data.inputs[step].narrow(0, rank * 8, 8).to(device);
@@ -113,6 +122,19 @@ TEST(Gpu, DdpOnCudaThroughTheStagedRingEqualsOneProcess) {
     const auto data = test::make_batches(5, 16, {20});
     std::vector<torch::Tensor> got;
     train_on_cuda(rank, pg, data, kCuda0, nullptr, got);
+    if (rank == 0) expect_all_close(got, one_process(data, kCuda0), 1e-5);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Gpu, ZeroOnCudaThroughTheStagedRingEqualsOneProcess) {
+  SKIP_WITHOUT_CUDA();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    const auto data = test::make_batches(5, 16, {20});
+    std::vector<torch::Tensor> got;
+    train_on_cuda(rank, pg, data, kCuda0, nullptr, got, /*zero=*/true);
     if (rank == 0) expect_all_close(got, one_process(data, kCuda0), 1e-5);
   });
   EXPECT_ALL_RANKS_OK(results);

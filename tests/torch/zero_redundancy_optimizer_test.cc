@@ -28,6 +28,7 @@
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
 #include "torch/ddp_test_util.h"
+#include "torch/host_staging.h"
 #include "torch/libtorch_compat.h"
 
 namespace ddp {
@@ -301,6 +302,38 @@ TEST(ZeroRedundancyOptimizer, BucketViewAndSmallBucketsChangeNothing) {
     expect_zero_equals_full(Kind::kAdam, 3, options, identical);
     EXPECT_TRUE(identical);
   }
+}
+
+// The shard broadcasts staged through host copies, as for CUDA parameters on a host group
+// (distributed.h; the test switch stages CPU tensors the same way): bit for bit the same
+// training, with packed and direct buckets, in place and as bucket views.
+TEST(ZeroRedundancyOptimizer, ShardBroadcastsStagedThroughHostCopiesChangeNothing) {
+  const int world = 3;
+  const int port = test::free_port();
+  const auto results = run_ranks(world, [&](int rank) {
+    auto pg = join_group(rank, world, port);
+    for (const ZeroOptions options :
+         {ZeroOptions{.bucket_cap_mb = 100.0 / (1 << 20)},
+          ZeroOptions{.parameters_as_bucket_view = true, .bucket_cap_mb = 100.0 / (1 << 20)}}) {
+      std::vector<std::vector<torch::Tensor>> trained;
+      for (const bool staged : {false, true}) {
+        auto net = make_model();
+        DistributedDataParallel ddp(net, pg);
+        ZeroRedundancyOptimizer zero(ddp->parameters(), factory(Kind::kAdam), pg, options);
+        std::unique_ptr<detail::ScopedStagingOfCpuTensorsForTests> staging;
+        if (staged) staging = std::make_unique<detail::ScopedStagingOfCpuTensorsForTests>();
+        train_steps(ddp, zero, rank, world, 0, kSteps);
+        if (staged && (staging->copies_to_host() == 0 || staging->copies_back() == 0))
+          throw std::runtime_error("the staged run staged nothing");
+        trained.push_back(snapshot(net));
+      }
+      for (std::size_t i = 0; i < trained[0].size(); ++i) {
+        if (!torch::equal(trained[1][i], trained[0][i]))
+          throw std::runtime_error(fmt::format("staged parameter {} differs", i));
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 // step(closure) runs the closure once per rank (its backward averages through DDP), and options

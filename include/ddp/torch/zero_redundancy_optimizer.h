@@ -22,6 +22,10 @@
 // param_groups() holds every parameter; change their options (lr, ...) there: step() copies them
 // to the local optimizer. zero_grad() clears every parameter's gradient.
 //
+// Devices: the parameters are on one device, the CPU or a CUDA device (the buckets' buffers live
+// there); CUDA parameters need a host group (ring, mpi), whose broadcasts stage them through host
+// memory (distributed.h). Parameters on two devices, or CUDA ones on a CUDA group: ConfigError.
+//
 // Checkpoints: consolidate_state_dict(to) (collective) gathers every rank's state on rank `to`;
 // there, save() writes the archive a plain optimizer of the same kind over every parameter would
 // write (it loads into one with load(), and ddp::save_checkpoint takes this optimizer). load()
@@ -205,6 +209,7 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
   std::vector<Bucket> buckets_;
   std::vector<torch::Tensor> flat_;     // parameters_as_bucket_view: the flat buffers
   std::vector<torch::Tensor> staging_;  // two per dtype, for buckets of several parameters
+  torch::Device device_{torch::kCPU};   // every parameter's; the buffers above live there
 };
 
 }  // namespace ddp
