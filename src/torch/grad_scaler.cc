@@ -1,5 +1,6 @@
 #include "ddp/torch/grad_scaler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -53,7 +54,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   }
   // The reciprocal in fp32, as PyTorch (scale.double().reciprocal().float()).
   const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
-  bool found_inf = false;
+  // One flag per device, set where the gradients are, and read once per device: a CUDA
+  // gradient's check queues on its stream instead of waiting for it parameter by parameter.
+  std::vector<torch::Tensor> non_finite;  // a bool scalar per device
   for (auto& group : optimizer.param_groups()) {
     for (auto& param : group.params()) {
       auto& grad = param.mutable_grad();
@@ -62,9 +65,18 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
         throw Error("GradScaler::unscale_: sparse gradients are not supported; use dense ones");
       }
       grad.mul_(inv_scale);
-      if (!found_inf && !torch::isfinite(grad).all().item<bool>()) found_inf = true;
+      auto flag = std::find_if(non_finite.begin(), non_finite.end(),
+                               [&](const torch::Tensor& f) { return f.device() == grad.device(); });
+      if (flag == non_finite.end()) {
+        non_finite.push_back(torch::zeros({}, grad.options().dtype(torch::kBool)));
+        flag = non_finite.end() - 1;
+      }
+      flag->logical_or_(torch::isfinite(grad).logical_not().any());
     }
   }
+  bool found_inf = false;
+  for (const auto& flag : non_finite)
+    found_inf = found_inf || flag.item<bool>();
   if (group_ && group_->size() > 1) {
     // Every rank must make the same decision: one overflow anywhere skips the step everywhere.
     std::int32_t flag = found_inf ? 1 : 0;

@@ -14,7 +14,9 @@
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/grad_scaler.h"
 #include "ddp/torch/powersgd_hook.h"
+#include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
@@ -254,6 +256,45 @@ TEST(Gpu, TensorApiStagesCudaTensorsOnAHostGroup) {
     expect(later, values(0, 5) * 3, "all_reduce_async");
     require(work->result_as<std::vector<torch::Tensor>>()[0].is_cuda(),
             "the async result is not the device tensor");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// SyncBatchNorm on cuda:0 at world 2 (statistics through float64 host tensors on the ring)
+// equals the same layer on the CPU; GradScaler's inf check runs on the device and one rank's
+// overflow skips the step on both.
+TEST(Gpu, SyncBatchNormAndGradScalerOnCudaEqualTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    torch::manual_seed(7 + rank);
+    const auto x = torch::randn({6, 3, 4}, torch::kFloat64);
+    std::vector<torch::Tensor> out, grad;
+    for (const auto& device : {torch::Device(torch::kCPU), kCuda0}) {
+      SyncBatchNorm bn(SyncBatchNormOptions(3).process_group(pg));
+      bn->to(device, torch::kFloat64);
+      const auto input = x.to(device).requires_grad_(true);
+      const auto y = bn->forward(input);
+      (y * y).sum().backward();
+      out.push_back(y.detach().cpu());
+      grad.push_back(input.grad().cpu());
+      require(bn->running_mean.device() == device, "running statistics left the device");
+    }
+    test::expect_close(out[1], out[0], "SyncBatchNorm output on CUDA", 1e-10, 1e-10);
+    test::expect_close(grad[1], grad[0], "SyncBatchNorm input gradient on CUDA", 1e-10, 1e-10);
+
+    auto param = torch::ones({4}, torch::TensorOptions(kCuda0)).requires_grad_(true);
+    torch::optim::SGD sgd({param}, 0.1);
+    GradScaler scaler({.init_scale = 8.0}, pg);
+    param.mutable_grad() = torch::full({4}, rank == 1 ? INFINITY : 8.0f, param.options());
+    require(!scaler.step(sgd), "an inf on rank 1 did not skip the step");
+    require(torch::equal(param.detach().cpu(), torch::ones({4})), "a skipped step moved");
+    scaler.update();
+    require(scaler.get_scale() == 4.0, "the scale did not back off after the overflow");
+    param.mutable_grad() = torch::full({4}, 4.0f, param.options());
+    require(scaler.step(sgd), "a finite step was skipped");
+    require(torch::allclose(param.detach().cpu(), torch::full({4}, 0.9f)), "the step is wrong");
   });
   EXPECT_ALL_RANKS_OK(results);
 }
