@@ -198,10 +198,16 @@ std::shared_ptr<Work> broadcast_call(const torch::Tensor& tensor, int src, Group
                                      CallOptions options) {
   ProcessGroup& g = group.get();
   if (must_stage(g, {tensor})) {
+    // The source only reads its tensor: nothing to copy back there (the Work's result is the
+    // tensor everywhere).
+    const bool source = g.rank() == src;
+    const Tensors outputs{tensor};
     return run_on_host(
-        {}, {tensor},
-        [&](const Tensors&, const Tensors& w) { return broadcast_call(w[0], src, group, {}); },
-        options.blocking);
+        source ? Tensors{tensor} : Tensors{}, source ? Tensors{} : Tensors{tensor},
+        [&](const Tensors& r, const Tensors& w) {
+          return broadcast_call(source ? r[0] : w[0], src, group, {});
+        },
+        options.blocking, &outputs);
   }
   check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor"); });
   return g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, options);
@@ -226,9 +232,15 @@ std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, TensorR
                                    GroupRef group) {
   ProcessGroup& g = group.get();
   if (must_stage(g, {tensor})) {
-    return run_on_host({}, {tensor}, [&](const Tensors&, const Tensors& w) {
-      return reduce_async(w[0], dst, op, group);
-    });
+    // Only the destination's tensor is written (the Work's result is the tensor everywhere).
+    const bool destination = g.rank() == dst;
+    const Tensors outputs{tensor};
+    return run_on_host(
+        destination ? Tensors{} : Tensors{tensor}, destination ? Tensors{tensor} : Tensors{},
+        [&](const Tensors& r, const Tensors& w) {
+          return reduce_async(destination ? w[0] : r[0], dst, op, group);
+        },
+        /*blocking=*/false, &outputs);
   }
   check_collective(g, [&] {
     check_tensor(tensor, "reduce: tensor");

@@ -35,7 +35,7 @@ bool must_stage(ProcessGroup& group, const std::vector<torch::Tensor>& tensors) 
 
 std::shared_ptr<Work> run_on_host(const std::vector<torch::Tensor>& read,
                                   const std::vector<torch::Tensor>& written, const StagedCall& call,
-                                  bool blocking) {
+                                  bool blocking, const std::vector<torch::Tensor>* result) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> host_read, host_written;
   host_read.reserve(read.size());
@@ -54,16 +54,18 @@ std::shared_ptr<Work> run_on_host(const std::vector<torch::Tensor>& read,
   }
   staging_inner_call_running = false;
   // The inner Work's own callbacks (unpacking a list) run before this step: it was chained last.
-  auto chain = work->and_then([host_read, host_written, written](Work& done) mutable {
-    torch::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < written.size(); ++i) {
-      if (host_written[i].unsafeGetTensorImpl() == written[i].unsafeGetTensorImpl()) continue;
-      written[i].copy_(host_written[i]);
-      ++copies_back_count;
-    }
-    done.set_result(written);
-    return std::shared_ptr<Work>();
-  });
+  auto chain =
+      work->and_then([host_read, host_written, written,
+                      outputs = result != nullptr ? *result : written](Work& done) mutable {
+        torch::NoGradGuard no_grad;
+        for (std::size_t i = 0; i < written.size(); ++i) {
+          if (host_written[i].unsafeGetTensorImpl() == written[i].unsafeGetTensorImpl()) continue;
+          written[i].copy_(host_written[i]);
+          ++copies_back_count;
+        }
+        done.set_result(outputs);
+        return std::shared_ptr<Work>();
+      });
   if (!blocking) return chain;
   chain->wait();
   return Work::completed_blocking_call();

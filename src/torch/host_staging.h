@@ -28,10 +28,12 @@ bool must_stage(ProcessGroup& group, const std::vector<torch::Tensor>& tensors);
 // Runs `call` with host copies of `read` (tensors the call only reads) and `written` (tensors it
 // writes, in place or as outputs; their copies start with their values, for the parts a call
 // leaves alone), and returns its Work chained with the copy back of `written`, whose result is
-// `written`. With `blocking`, waits and returns Work::completed_blocking_call().
+// `result` (the call's outputs as the caller passed them; `written` when null). With `blocking`,
+// waits and returns Work::completed_blocking_call().
 std::shared_ptr<Work> run_on_host(const std::vector<torch::Tensor>& read,
                                   const std::vector<torch::Tensor>& written, const StagedCall& call,
-                                  bool blocking = false);
+                                  bool blocking = false,
+                                  const std::vector<torch::Tensor>* result = nullptr);
 
 // Tests without a GPU: while one lives, must_stage is also true for CPU tensors on this thread,
 // which are then staged through host clones the same way; copies() counts the tensors copied

@@ -290,6 +290,19 @@ TEST_P(DistributedApiAsync, AsyncFormsCompleteLaterAndCarryTheirOutputs) {
     for (int r = 0; r < size; ++r)
       require_equal(lists[r], input_of(r, 2), "async all_gather");
     require_equal(scattered_out, torch::arange(1, 3, torch::kFloat64) * 6, "async reduce_scatter");
+    // Rooted calls carry their tensor on every rank, the root's too.
+    auto root_tensor = input_of(rank, 3);
+    auto rooted = broadcast_async(root_tensor, 0, *pg);
+    rooted->wait();
+    require_equal(root_tensor, input_of(0, 3), "async broadcast");
+    auto rooted_result = rooted->result_as<std::vector<torch::Tensor>>();
+    require(rooted_result.size() == 1 && rooted_result[0].data_ptr() == root_tensor.data_ptr(),
+            "the broadcast's result is its tensor");
+    rooted = reduce_async(root_tensor, 1, ReduceOp::kSum, *pg);
+    rooted->wait();
+    rooted_result = rooted->result_as<std::vector<torch::Tensor>>();
+    require(rooted_result.size() == 1 && rooted_result[0].data_ptr() == root_tensor.data_ptr(),
+            "the reduce's result is its tensor");
     // A chain of two collectives without blocking in between (what a comm hook does).
     auto x = torch::ones({4}, torch::kFloat64) * (rank + 1);
     auto chain = all_reduce_async(x, ReduceOp::kSum, *pg)->and_then([&](Work&) {
