@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "ddp/torch/tensor_collectives.h"
+#include "torch/device_staging.h"
 
 namespace ddp::detail {
 
@@ -18,15 +19,18 @@ void check_contiguous(const torch::Tensor& tensor, const std::string& what) {
 
 }  // namespace
 
-void check_tensor(const torch::Tensor& tensor, const std::string& what) {
+void check_tensor(const torch::Tensor& tensor, const std::string& what,
+                  ProcessGroup* device_group) {
   check_collective_tensor(tensor, what);
-  if (tensor.is_cuda()) {
-    // Host groups stage CUDA tensors before these checks; a CUDA group (nccl) would need the
-    // list forms' packing on the device, not built yet.
+  const bool direct = device_group != nullptr && device_group->memory_space() == MemorySpace::kCuda;
+  if (tensor.is_cuda() && !direct) {
+    // Host groups stage CUDA tensors before these checks; on a CUDA group (nccl) the list
+    // forms would need their packing on the device, not built yet.
     throw ConfigError(fmt::format(
         "{} is on {}; on a CUDA group (nccl) this call does not take CUDA tensors yet (issue 25: "
-        "allreduce_tensor and broadcast_coalesced do, and every call of the tensor API does on a "
-        "host group, ring or mpi, which stages them). Pass tensor.cpu() to a host group",
+        "the single-tensor calls, allreduce_tensor and broadcast_coalesced do, and every call of "
+        "the tensor API does on a host group, ring or mpi, which stages them). Pass tensor.cpu() "
+        "to a host group",
         what, tensor.device().str()));
   }
   check_contiguous(tensor, what);
@@ -34,7 +38,7 @@ void check_tensor(const torch::Tensor& tensor, const std::string& what) {
 
 void check_tensor_on(ProcessGroup& group, const torch::Tensor& tensor, const std::string& what) {
   if (!(tensor.defined() && tensor.is_cuda() && group.memory_space() == MemorySpace::kHost)) {
-    check_tensor(tensor, what);
+    check_tensor(tensor, what, &group);
     return;
   }
   check_collective_tensor(tensor, what);
@@ -42,8 +46,13 @@ void check_tensor_on(ProcessGroup& group, const torch::Tensor& tensor, const std
 }
 
 void check_tensor_like(const torch::Tensor& tensor, const std::string& what,
-                       const torch::Tensor& reference, const std::string& reference_what) {
-  check_tensor(tensor, what);
+                       const torch::Tensor& reference, const std::string& reference_what,
+                       ProcessGroup* device_group) {
+  check_tensor(tensor, what, device_group);
+  if (device_group != nullptr && tensor.device() != reference.device()) {
+    throw ConfigError(fmt::format("{} is on {} but {} is on {}; they must be on one device", what,
+                                  tensor.device().str(), reference_what, reference.device().str()));
+  }
   if (tensor.scalar_type() != reference.scalar_type()) {
     throw ConfigError(fmt::format("{} has dtype {} but {} has dtype {}; they must match", what,
                                   c10::toString(tensor.scalar_type()), reference_what,
@@ -73,6 +82,13 @@ std::size_t element_count(const torch::Tensor& tensor) {
 
 DType dtype_of(const torch::Tensor& tensor) {
   return to_dtype(tensor.scalar_type());
+}
+
+CallOptions device_call_options(ProcessGroup& group, const torch::Tensor& tensor,
+                                CallOptions options) {
+  if (group.memory_space() == MemorySpace::kCuda && tensor.is_cuda())
+    options.cuda_stream = current_cuda_stream(tensor.device());
+  return options;
 }
 
 }  // namespace ddp::detail

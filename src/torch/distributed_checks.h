@@ -15,16 +15,24 @@
 namespace ddp::detail {
 
 // `tensor` can be handed to the engine as it is: defined, dense, on the CPU, of a communicable
-// dtype and contiguous. `what` names it, e.g. "all_gather: tensor_list[2]". CUDA tensors reach
-// these checks only on a CUDA group (host groups stage them first: host_staging.h), which the
-// tensor API does not take yet.
-void check_tensor(const torch::Tensor& tensor, const std::string& what);
+// dtype and contiguous. `what` names it, e.g. "all_gather: tensor_list[2]". A CUDA tensor is
+// refused (host groups stage CUDA tensors before these checks: host_staging.h) unless
+// `device_group` is a CUDA group (nccl) that the call hands device memory directly (the
+// single-tensor calls do; the list forms pack on the host and pass null).
+void check_tensor(const torch::Tensor& tensor, const std::string& what,
+                  ProcessGroup* device_group = nullptr);
 // check_tensor for a call on `group` that stages CUDA tensors on a host group (their host copies
-// are checked as CPU tensors later): the same checks but the device's, there.
+// are checked as CPU tensors later) and passes them directly to a CUDA group.
 void check_tensor_on(ProcessGroup& group, const torch::Tensor& tensor, const std::string& what);
-// check_tensor, and of dtype `want` (the dtype of `reference`, named in the message).
+// check_tensor, and of dtype `want` (the dtype of `reference`, named in the message); with a
+// `device_group`, also on `reference`'s device.
 void check_tensor_like(const torch::Tensor& tensor, const std::string& what,
-                       const torch::Tensor& reference, const std::string& reference_what);
+                       const torch::Tensor& reference, const std::string& reference_what,
+                       ProcessGroup* device_group = nullptr);
+// The options of a call that hands `tensor`'s memory to `group`: for a CUDA group, ordered after
+// the current stream of the tensor's device (CallOptions::cuda_stream).
+CallOptions device_call_options(ProcessGroup& group, const torch::Tensor& tensor,
+                                CallOptions options = {});
 // `list` has exactly `want` tensors.
 void check_list_length(const std::vector<torch::Tensor>& list, std::size_t want,
                        const std::string& what, const std::string& why);

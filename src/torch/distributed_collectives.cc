@@ -161,7 +161,14 @@ void copy_back_on_success(Work& work, const CallOptions& options, Tensors from, 
   auto copy = [from = std::move(from), to = std::move(to)](Work& done) {
     if (done.error()) return;
     for (std::size_t i = 0; i < to.size(); ++i) {
-      if (bytes_of(to[i]) > 0) std::memcpy(to[i].data_ptr(), from[i].data_ptr(), bytes_of(to[i]));
+      if (bytes_of(to[i]) == 0) continue;
+      if (to[i].is_cuda()) {  // a CUDA group's device tensors: a device copy
+        torch::NoGradGuard no_grad;
+        torch::Tensor target = to[i];
+        target.copy_(from[i]);
+      } else {
+        std::memcpy(to[i].data_ptr(), from[i].data_ptr(), bytes_of(to[i]));
+      }
     }
   };
   if (options.blocking) {
@@ -185,12 +192,12 @@ std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, TensorReduceO
         options.blocking);
   }
   check_collective(g, [&] {
-    check_tensor(tensor, "all_reduce: tensor");
+    check_tensor(tensor, "all_reduce: tensor", &g);
     check_reduce_op(op, tensor, "all_reduce: tensor");
   });
   const torch::Tensor reduced = premultiplied(tensor, op);
-  auto work =
-      g.allreduce(reduced.data_ptr(), element_count(reduced), dtype_of(reduced), op.op(), options);
+  auto work = g.allreduce(reduced.data_ptr(), element_count(reduced), dtype_of(reduced), op.op(),
+                          detail::device_call_options(g, tensor, options));
   if (op.is_premul_sum()) copy_back_on_success(*work, options, {reduced}, {tensor});
   return work;
 }
@@ -209,8 +216,9 @@ std::shared_ptr<Work> broadcast_call(const torch::Tensor& tensor, int src, Group
         },
         options.blocking, &outputs);
   }
-  check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor"); });
-  return g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, options);
+  check_collective(g, [&] { check_tensor(tensor, "broadcast: tensor", &g); });
+  return g.broadcast(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src,
+                     detail::device_call_options(g, tensor, options));
 }
 
 std::shared_ptr<Work> all_reduce_async(const torch::Tensor& tensor, TensorReduceOp op,
@@ -243,14 +251,14 @@ std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, TensorR
         /*blocking=*/false, &outputs);
   }
   check_collective(g, [&] {
-    check_tensor(tensor, "reduce: tensor");
+    check_tensor(tensor, "reduce: tensor", &g);
     check_reduce_op(op, tensor, "reduce: tensor");
   });
   const torch::Tensor send = premultiplied(tensor, op);
   void* recv = g.rank() == dst ? tensor.data_ptr() : nullptr;
-  return with_result(
-      g.reduce(send.data_ptr(), recv, element_count(tensor), dtype_of(tensor), op.op(), dst),
-      {tensor}, {send});
+  return with_result(g.reduce(send.data_ptr(), recv, element_count(tensor), dtype_of(tensor),
+                              op.op(), dst, detail::device_call_options(g, tensor)),
+                     {tensor}, {send});
 }
 void reduce(const torch::Tensor& tensor, int dst, TensorReduceOp op, GroupRef group) {
   reduce_async(tensor, dst, op, group)->wait();
@@ -295,14 +303,14 @@ std::shared_ptr<Work> all_gather_into_tensor_async(const torch::Tensor& output,
     });
   }
   check_collective(g, [&] {
-    check_tensor(input, "all_gather_into_tensor: input");
-    check_tensor_like(output, "all_gather_into_tensor: output", input, "the input");
+    check_tensor(input, "all_gather_into_tensor: input", &g);
+    check_tensor_like(output, "all_gather_into_tensor: output", input, "the input", &g);
     check_numel(output, input.numel() * g.size(), "all_gather_into_tensor: output",
                 fmt::format("world size {} x the input's {}", g.size(), input.numel()));
   });
-  return with_result(
-      g.allgather(input.data_ptr(), output.data_ptr(), element_count(input), dtype_of(input)),
-      {output}, {input});
+  return with_result(g.allgather(input.data_ptr(), output.data_ptr(), element_count(input),
+                                 dtype_of(input), detail::device_call_options(g, input)),
+                     {output}, {input});
 }
 void all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& input,
                             GroupRef group) {
@@ -350,16 +358,17 @@ std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
     });
   }
   check_collective(g, [&] {
-    check_tensor(output, "reduce_scatter_tensor: output");
-    check_tensor_like(input, "reduce_scatter_tensor: input", output, "the output");
+    check_tensor(output, "reduce_scatter_tensor: output", &g);
+    check_tensor_like(input, "reduce_scatter_tensor: input", output, "the output", &g);
     check_numel(input, output.numel() * g.size(), "reduce_scatter_tensor: input",
                 fmt::format("world size {} x the output's {}", g.size(), output.numel()));
     check_reduce_op(op, output, "reduce_scatter_tensor: output");
   });
   const torch::Tensor send = premultiplied(input, op);
-  return with_result(g.reduce_scatter(send.data_ptr(), output.data_ptr(), element_count(output),
-                                      dtype_of(output), op.op()),
-                     {output}, {send});
+  return with_result(
+      g.reduce_scatter(send.data_ptr(), output.data_ptr(), element_count(output), dtype_of(output),
+                       op.op(), detail::device_call_options(g, output)),
+      {output}, {send});
 }
 void reduce_scatter_tensor(const torch::Tensor& output, const torch::Tensor& input,
                            TensorReduceOp op, GroupRef group) {
@@ -612,8 +621,8 @@ std::shared_ptr<Work> all_to_all_single_async(const torch::Tensor& output,
   std::vector<std::size_t> send_counts;
   std::vector<std::size_t> recv_counts;
   check_collective(g, [&] {
-    check_tensor(input, "all_to_all_single: input");
-    check_tensor_like(output, "all_to_all_single: output", input, "the input");
+    check_tensor(input, "all_to_all_single: input", &g);
+    check_tensor_like(output, "all_to_all_single: output", input, "the input", &g);
     send_counts =
         block_counts(input, input_split_sizes, world(g), "the input", "input_split_sizes");
     recv_counts =
@@ -626,13 +635,14 @@ std::shared_ptr<Work> all_to_all_single_async(const torch::Tensor& output,
     }
   });
   if (input_split_sizes.empty() && output_split_sizes.empty()) {
-    return with_result(
-        g.alltoall(input.data_ptr(), output.data_ptr(), send_counts[0], dtype_of(input)), {output},
-        {input});
+    return with_result(g.alltoall(input.data_ptr(), output.data_ptr(), send_counts[0],
+                                  dtype_of(input), detail::device_call_options(g, input)),
+                       {output}, {input});
   }
-  return with_result(g.alltoall_v(input.data_ptr(), std::move(send_counts), output.data_ptr(),
-                                  std::move(recv_counts), dtype_of(input)),
-                     {output}, {input});
+  return with_result(
+      g.alltoall_v(input.data_ptr(), std::move(send_counts), output.data_ptr(),
+                   std::move(recv_counts), dtype_of(input), detail::device_call_options(g, input)),
+      {output}, {input});
 }
 void all_to_all_single(const torch::Tensor& output, const torch::Tensor& input,
                        std::vector<std::int64_t> output_split_sizes,

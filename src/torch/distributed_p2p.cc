@@ -37,8 +37,9 @@ std::shared_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag, Group
       return isend(r[0], dst, tag, group);
     });
   }
-  check_tensor(tensor, "isend: tensor");
-  return with_result(g.send(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), dst, tag),
+  check_tensor(tensor, "isend: tensor", &g);
+  return with_result(g.send(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), dst, tag,
+                            detail::device_call_options(g, tensor)),
                      tensor);
 }
 
@@ -49,8 +50,9 @@ std::shared_ptr<Work> irecv(const torch::Tensor& tensor, int src, int tag, Group
       return irecv(w[0], src, tag, group);
     });
   }
-  check_tensor(tensor, "irecv: tensor");
-  return with_result(g.recv(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, tag),
+  check_tensor(tensor, "irecv: tensor", &g);
+  return with_result(g.recv(tensor.data_ptr(), element_count(tensor), dtype_of(tensor), src, tag,
+                            detail::device_call_options(g, tensor)),
                      tensor);
 }
 

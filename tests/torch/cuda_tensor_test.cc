@@ -58,8 +58,9 @@ class PretendCudaGroup final : public test::ForwardingGroup {
 };
 
 // On a host group every call stages a CUDA tensor (tests/torch/distributed_api_test.cc checks
-// the staging on the CPU, gpu_test.cc on a GPU); on a CUDA group the calls that would hand the
-// engine packed host buffers refuse it by name.
+// the staging on the CPU, gpu_test.cc on a GPU); on a CUDA group the single-tensor calls hand
+// the engine its device memory (gpu_test.cc, with nccl) and the list forms, which would pack it
+// on the host, refuse it by name.
 TEST(CudaTensor, TheCallsThatDoNotTakeItOnACudaGroupRefuseItByName) {
   std::array<float, 4> memory{};
   DECLARE_CUDA_TENSOR(tensor, memory);
@@ -74,10 +75,11 @@ TEST(CudaTensor, TheCallsThatDoNotTakeItOnACudaGroupRefuseItByName) {
     EXPECT_THAT(e.what(), HasSubstr("tensor.cpu()"));
   }
   try {
-    batch_isend_irecv({{P2POp::Kind::kIsend, tensor, 1, group, 0}});
-    FAIL() << "a CUDA tensor went to a CUDA group's batch_isend_irecv";
+    std::vector<torch::Tensor> inputs{tensor};
+    reduce_scatter(tensor, inputs, ReduceOp::kSum, group);
+    FAIL() << "a CUDA tensor went to a CUDA group's reduce_scatter";
   } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("ops[0].tensor is on cuda:0; on a CUDA group"));
+    EXPECT_THAT(e.what(), HasSubstr("reduce_scatter: output is on cuda:0; on a CUDA group"));
   }
 }
 

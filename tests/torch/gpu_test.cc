@@ -11,6 +11,8 @@
 
 #include <stdexcept>
 
+#include "comm/file_store.h"
+#include "ddp/nccl_process_group.h"
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
@@ -256,6 +258,60 @@ TEST(Gpu, TensorApiStagesCudaTensorsOnAHostGroup) {
     expect(later, values(0, 5) * 3, "all_reduce_async");
     require(work->result_as<std::vector<torch::Tensor>>()[0].is_cuda(),
             "the async result is not the device tensor");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// On a nccl group (world 1: one GPU) the single-tensor calls hand the tensor's device memory to
+// NCCL, ordered after the current stream; the list forms refuse CUDA tensors by name.
+TEST(Gpu, TensorApiHandsCudaTensorsToANcclGroupDirectly) {
+  SKIP_WITHOUT_CUDA();
+  if (!nccl_backend_available()) {
+    GTEST_SKIP() << "the nccl backend is not built: " << nccl_backend_unavailable_reason();
+  }
+  const auto results = test::run_ranks(1, [&](int) {
+    test::TempDir dir("ddp-gpu-nccl-api");
+    std::shared_ptr<ProcessGroup> pg =
+        make_nccl_process_group(std::make_shared<test::FileStore>(dir.path()), 0, 1, {.device = 0});
+    const auto on_gpu = torch::TensorOptions(kCuda0).dtype(torch::kFloat32);
+    const auto values = torch::arange(1, 7, on_gpu);
+    auto expect = [&](const torch::Tensor& got, const torch::Tensor& want, const char* what) {
+      require(got.is_cuda(), std::string(what) + ": the result left the device");
+      require(torch::equal(got.cpu(), want.cpu()), std::string(what) + ": wrong values");
+    };
+    auto t = values.clone();
+    const auto before = t.data_ptr();
+    all_reduce(t, ReduceOp::kSum, pg);
+    require(t.data_ptr() == before, "all_reduce is not in place");
+    expect(t, values, "all_reduce");
+    all_reduce(t, make_premul_sum(2.0), pg);
+    expect(t, values * 2, "all_reduce PREMUL_SUM");
+    t.copy_(values);
+    broadcast(t, 0, pg);
+    expect(t, values, "broadcast");
+    reduce(t, 0, ReduceOp::kMax, pg);
+    expect(t, values, "reduce");
+    auto out = torch::zeros({6}, on_gpu);
+    all_gather_into_tensor(out, values, pg);
+    expect(out, values, "all_gather_into_tensor");
+    out.zero_();
+    reduce_scatter_tensor(out, values, ReduceOp::kSum, pg);
+    expect(out, values, "reduce_scatter_tensor");
+    out.zero_();
+    all_to_all_single(out, values, {}, {}, pg);
+    expect(out, values, "all_to_all_single");
+    auto later = values.clone();
+    auto work = all_reduce_async(later, ReduceOp::kSum, pg);
+    work->wait();
+    expect(later, values, "all_reduce_async");
+    try {
+      std::vector<torch::Tensor> list{torch::zeros({6}, on_gpu)};
+      all_gather(list, values, pg);
+      throw std::runtime_error("a CUDA tensor list went to the nccl group's all_gather");
+    } catch (const ConfigError& e) {
+      require(std::string(e.what()).find("on a CUDA group (nccl)") != std::string::npos,
+              std::string("all_gather's refusal does not say why: ") + e.what());
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }

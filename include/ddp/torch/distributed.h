@@ -27,17 +27,18 @@
 // int32 or int64; outputs are written in place (a `const torch::Tensor&` output is still written:
 // a tensor is a handle). CUDA tensors on a group of host memory (ring, mpi) are staged as gloo
 // does: the call runs on host copies made after the current stream's work, and its outputs are
-// copied back to the device before wait() returns (nothing is copied back when it fails); on a
-// CUDA group (nccl) these calls do not take them yet (ConfigError; allreduce_tensor does). Bad
+// copied back to the device before wait() returns (nothing is copied back when it fails). On a
+// CUDA group (nccl) the single-tensor calls hand the engine the tensor's device memory, ordered
+// after the current stream; the list forms do not take CUDA tensors there yet (ConfigError). Bad
 // arguments throw ConfigError naming the call, the argument and the fix: wrong dtype, device
-// (meta, or CUDA on a CUDA group), layout, non-contiguous, a list of the wrong length, shapes that don't
-// fit, split sizes that don't add up. So that no other rank waits for a call that this rank
-// refused, the refusing rank first issues a barrier in its place: ranks that did make the call
-// then fail at once with a CommError naming the mismatch (ring backend, which checks every call's
-// fingerprint; the group is poisoned; the mpi backend needs the same check), and
-// ranks that all refused the same way all throw the ConfigError with the group intact. Sizes that
-// differ across ranks are a ConfigError on every rank (uneven calls exchange their sizes first) or
-// the engine's mismatch CommError (equal-size calls). Thread-safety as for ProcessGroup.
+// (meta, or CUDA in a list form on a CUDA group), layout, non-contiguous, a list of the wrong
+// length, shapes that don't fit, split sizes that don't add up. So that no other rank waits for a
+// call that this rank refused, the refusing rank first issues a barrier in its place: ranks that
+// did make the call then fail at once with a CommError naming the mismatch (ring backend, which
+// checks every call's fingerprint; the group is poisoned; the mpi backend needs the same check),
+// and ranks that all refused the same way all throw the ConfigError with the group intact. Sizes
+// that differ across ranks are a ConfigError on every rank (uneven calls exchange their sizes
+// first) or the engine's mismatch CommError (equal-size calls). Thread-safety as for ProcessGroup.
 #pragma once
 
 #include <chrono>
