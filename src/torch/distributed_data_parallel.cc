@@ -20,6 +20,7 @@
 #include "ddp_phase.h"
 #include "parameter_loads.h"
 #include "rank_agreement.h"
+#include "torch/host_values.h"
 #include "torch/parameter_devices.h"
 
 namespace ddp {
@@ -185,15 +186,6 @@ using internal::shape_text;
 // two devices reports that instead, and every rank fails with its error.
 void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
                             const std::vector<torch::Tensor>& params) {
-  // Every rank's group is the same backend, so every rank refuses here before any collective.
-  if (group.memory_space() == MemorySpace::kCuda) {
-    throw ConfigError(fmt::format(
-        "DistributedDataParallel over a {} group is not supported yet (issue 25): DDP's own "
-        "checks (this agreement, the divergence guard, Join's plan) exchange host buffers, which "
-        "that backend cannot read. Use a host group (DDP_BACKEND=ring or mpi): DDP stages CUDA "
-        "parameters' buckets through pinned host memory there (docs/gpu.md)",
-        group.backend()));
-  }
   std::string description;
   for (std::size_t i = 0; i < params.size(); ++i) {
     description += fmt::format("parameter '{}' {} on {}\n", names[i], shape_text(params[i]),
@@ -454,8 +446,11 @@ void DistributedDataParallelBase::guard_divergence(bool loaded_here) {
   // Every rank says whether it loaded: 4 bytes, and the ranks that did are named in the error.
   std::vector<std::int32_t> loaded(static_cast<std::size_t>(group_->size()));
   const std::int32_t mine = loaded_here ? 1 : 0;
-  in_ddp_phase([] { return std::string("divergence guard (did any rank load parameters?)"); },
-               [&] { group_->allgather(&mine, loaded.data(), 1, DType::kInt32)->wait(); });
+  in_ddp_phase(
+      [] { return std::string("divergence guard (did any rank load parameters?)"); },
+      [&] {
+        internal::HostValues(*group_)->allgather(&mine, loaded.data(), 1, DType::kInt32)->wait();
+      });
   std::vector<int> loaded_ranks;
   for (int r = 0; r < group_->size(); ++r) {
     if (loaded[static_cast<std::size_t>(r)] != 0) loaded_ranks.push_back(r);
@@ -565,9 +560,12 @@ void DistributedDataParallelBase::check_divergence_because(const std::vector<int
     mine.push_back(checksum(p));
   const auto world = static_cast<std::size_t>(group_->size());
   std::vector<std::int64_t> all(mine.size() * world);
-  in_ddp_phase(
-      [] { return std::string("divergence check"); },
-      [&] { group_->allgather(mine.data(), all.data(), mine.size(), DType::kInt64)->wait(); });
+  in_ddp_phase([] { return std::string("divergence check"); },
+               [&] {
+                 internal::HostValues(*group_)
+                     ->allgather(mine.data(), all.data(), mine.size(), DType::kInt64)
+                     ->wait();
+               });
   std::size_t differing_params = 0;
   std::size_t first = mine.size();
   std::vector<int> ranks;
@@ -613,11 +611,12 @@ DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_ste
              group_->rank() + 1,
              loaded_here ? 1 : 0};
   }
-  in_ddp_phase(
-      [] { return std::string("Join step agreement"); },
-      [&] {
-        group_->allreduce(flags.data(), flags.size(), DType::kInt32, ReduceOp::kMax)->wait();
-      });
+  in_ddp_phase([] { return std::string("Join step agreement"); },
+               [&] {
+                 internal::HostValues(*group_)
+                     ->allreduce(flags.data(), flags.size(), DType::kInt32, ReduceOp::kMax)
+                     ->wait();
+               });
   if (flags[0] != 0 && flags[1] != 0) {
     throw Error(
         "DistributedDataParallel under Join: in this step some ranks run inside no_sync() and "
@@ -647,12 +646,13 @@ void DistributedDataParallelBase::join_post_hook(bool is_last_joiner) {
   // Ranks that joined early did not step their optimizers while shadowing: every rank takes the
   // model of the (highest) rank that trained longest.
   std::int64_t root = is_last_joiner ? group_->rank() : -1;
-  in_ddp_phase([] { return std::string("Join's final model synchronisation"); },
-               [&] {
-                 group_->allreduce(&root, 1, DType::kInt64, ReduceOp::kMax)->wait();
-                 std::vector<torch::Tensor> state = parameters_and_buffers(wrapped_);
-                 broadcast_coalesced(*group_, state, static_cast<int>(root));
-               });
+  in_ddp_phase(
+      [] { return std::string("Join's final model synchronisation"); },
+      [&] {
+        internal::HostValues(*group_)->allreduce(&root, 1, DType::kInt64, ReduceOp::kMax)->wait();
+        std::vector<torch::Tensor> state = parameters_and_buffers(wrapped_);
+        broadcast_coalesced(*group_, state, static_cast<int>(root));
+      });
   reducer_->set_gradient_scale(1.0);
 }
 

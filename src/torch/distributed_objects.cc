@@ -10,6 +10,7 @@
 #include <torch/serialize.h>
 
 #include "ddp/torch/distributed_objects.h"
+#include "torch/host_values.h"
 
 namespace ddp {
 
@@ -114,7 +115,10 @@ std::string failures_of(const std::vector<Encoded>& objects) {
 
 }  // namespace
 
-std::vector<std::string> all_gather_bytes(ProcessGroup& g, const Encoded& mine) {
+std::vector<std::string> all_gather_bytes(ProcessGroup& group, const Encoded& mine) {
+  // A CUDA group reads device memory only: the bytes travel through device copies there.
+  internal::HostValues values(group);
+  ProcessGroup& g = *values;
   const auto words =
       all_gather_words(g, {mine.failed ? 1 : 0, static_cast<std::int64_t>(mine.bytes.size())});
   throw_if_any_failed(g, words, mine, "all_gather_object");
@@ -126,7 +130,10 @@ std::vector<std::string> all_gather_bytes(ProcessGroup& g, const Encoded& mine) 
   return split(all, sizes);
 }
 
-std::vector<std::string> gather_bytes(ProcessGroup& g, const Encoded& mine, int dst) {
+std::vector<std::string> gather_bytes(ProcessGroup& group, const Encoded& mine, int dst) {
+  // A CUDA group reads device memory only: the bytes travel through device copies there.
+  internal::HostValues values(group);
+  ProcessGroup& g = *values;
   if (dst < 0 || dst >= g.size()) {
     // The same verdict on every rank: nothing is sent.
     throw ConfigError(
@@ -153,8 +160,11 @@ std::vector<std::string> gather_bytes(ProcessGroup& g, const Encoded& mine, int 
   return pieces;
 }
 
-std::vector<std::string> broadcast_bytes(ProcessGroup& g, const std::vector<Encoded>& objects,
+std::vector<std::string> broadcast_bytes(ProcessGroup& group, const std::vector<Encoded>& objects,
                                          int src) {
+  // A CUDA group reads device memory only: the bytes travel through device copies there.
+  internal::HostValues values(group);
+  ProcessGroup& g = *values;
   if (src < 0 || src >= g.size()) {
     throw ConfigError(fmt::format(
         "broadcast_object_list: src {} is not a rank of the group (0..{})", src, g.size() - 1));
@@ -182,7 +192,10 @@ std::vector<std::string> broadcast_bytes(ProcessGroup& g, const std::vector<Enco
   return split(flat, lengths);
 }
 
-std::string scatter_bytes(ProcessGroup& g, const std::vector<Encoded>& objects, int src) {
+std::string scatter_bytes(ProcessGroup& group, const std::vector<Encoded>& objects, int src) {
+  // A CUDA group reads device memory only: the bytes travel through device copies there.
+  internal::HostValues values(group);
+  ProcessGroup& g = *values;
   if (src < 0 || src >= g.size()) {
     throw ConfigError(fmt::format("scatter_object_list: src {} is not a rank of the group (0..{})",
                                   src, g.size() - 1));

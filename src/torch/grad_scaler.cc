@@ -10,6 +10,7 @@
 
 #include "ddp/error.h"
 #include "libtorch_compat.h"
+#include "torch/host_values.h"
 
 namespace ddp {
 namespace {
@@ -80,7 +81,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (group_ && group_->size() > 1) {
     // Every rank must make the same decision: one overflow anywhere skips the step everywhere.
     std::int32_t flag = found_inf ? 1 : 0;
-    group_->allreduce(&flag, 1, DType::kInt32, ReduceOp::kMax)->wait();
+    internal::HostValues(*group_)->allreduce(&flag, 1, DType::kInt32, ReduceOp::kMax)->wait();
     found_inf = flag != 0;
   }
   state.unscaled = true;

@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "torch/host_values.h"
 
 namespace ddp {
 namespace {
@@ -18,7 +19,7 @@ constexpr const char* kEarlyTermination =
     "throw_on_early_termination off to let the ranks that finished early shadow the others";
 
 std::int32_t allreduce_sum(ProcessGroup& group, std::int32_t value) {
-  group.allreduce(&value, 1, DType::kInt32, ReduceOp::kSum)->wait();
+  internal::HostValues(group)->allreduce(&value, 1, DType::kInt32, ReduceOp::kSum)->wait();
   return value;
 }
 
@@ -75,7 +76,7 @@ Join::Join(std::vector<std::reference_wrapper<Joinable>> joinables, JoinOptions 
   // Every rank must shadow the same collectives: check that the joinables agree.
   std::int64_t mine = fingerprint(description);
   std::vector<std::int64_t> all(static_cast<std::size_t>(group_->size()));
-  group_->allgather(&mine, all.data(), 1, DType::kInt64)->wait();
+  internal::HostValues(*group_)->allgather(&mine, all.data(), 1, DType::kInt64)->wait();
   std::vector<int> differing;
   for (int r = 0; r < group_->size(); ++r) {
     if (all[static_cast<std::size_t>(r)] != all[0]) differing.push_back(r);

@@ -38,6 +38,14 @@ BucketReduction quantize_reduce(const std::shared_ptr<Int8QuantizeState>& state_
     Int8Access::bytes(state) += bytes;
     return {allreduce_tensor(group, input, ReduceOp::kAvg), {}, bytes};
   }
+  if (!input.device().is_cpu()) {
+    // Every rank's buckets are on the same kind of device, so every rank refuses here.
+    throw ConfigError(fmt::format(
+        "int8_quantize_hook: gradient bucket {} is on {}; this hook quantizes host memory (a "
+        "host group such as ring stages CUDA buckets through host twins for it). On a CUDA group "
+        "(nccl) use fp16_compress_hook, bf16_compress_hook or powersgd_hook",
+        bucket.index, input.device().str()));
+  }
   const std::size_t index = bucket.index;
   const std::int64_t n = input.numel();
   // Plain loops over float32 (a handful of passes over the bucket, vectorised) instead of tensor

@@ -12,6 +12,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_objects.h"
+#include "torch/host_values.h"
 
 namespace ddp::internal {
 
@@ -56,11 +57,13 @@ std::string first_difference(const std::vector<std::string>& texts) {
 RankAgreement compare_across_ranks(ProcessGroup& group, const std::string& description,
                                    const std::string& local_error) {
   const std::string mine = local_error.empty() ? description : kErrorPrefix + local_error;
-  auto hash = torch::tensor({fingerprint(mine)}, torch::kInt64);
-  auto hashes = torch::empty({group.size()}, torch::kInt64);
-  all_gather_into_tensor(hashes, hash, group);
+  const std::int64_t hash = fingerprint(mine);
+  std::vector<std::int64_t> hashes(static_cast<std::size_t>(group.size()));
+  HostValues(group)->allgather(&hash, hashes.data(), 1, DType::kInt64)->wait();
   RankAgreement agreement;
-  if ((hashes == hashes[0]).all().item<bool>() && local_error.empty()) return agreement;
+  const bool same =
+      std::all_of(hashes.begin(), hashes.end(), [&](std::int64_t h) { return h == hashes[0]; });
+  if (same && local_error.empty()) return agreement;
   std::vector<std::string> texts;
   all_gather_object(texts, mine, group);
   for (std::size_t r = 0; r < texts.size(); ++r) {

@@ -16,6 +16,7 @@
 #include "ddp_phase.h"
 #include "libtorch_compat.h"
 #include "torch/device_staging.h"
+#include "torch/host_values.h"
 #include "torch/parameter_devices.h"
 #include "torch/sparse_allreduce.h"
 #include "torch/staging_thread.h"
@@ -103,7 +104,7 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
   if (const auto mixed = detail::mixed_devices(parameters_, names_)) throw ConfigError(*mixed);
   const c10::Device device =
       parameters_.empty() ? c10::Device(c10::kCPU) : parameters_.front().device();
-  if (group_->memory_space() == MemorySpace::kCuda && !device.is_cuda()) {
+  if (group_->memory_space() == MemorySpace::kCuda && !internal::takes_as_is(*group_, device)) {
     throw ConfigError(fmt::format(
         "DistributedDataParallel: the parameters are on {}, but the process group ({}) takes "
         "CUDA memory only; move the module to its GPU (module->to(torch::Device(\"cuda:<local "
@@ -123,7 +124,8 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
                                   sparse_.size(), parameters_.size()));
   }
   for (std::size_t i = 0; i < parameters_.size(); ++i) {
-    if (sparse_[i] && (staging_ || !device.is_cpu())) {
+    if (sparse_[i] &&
+        (staging_ || !device.is_cpu() || group_->memory_space() != MemorySpace::kHost)) {
       throw ConfigError(fmt::format(
           "DistributedDataParallel: parameter '{}' has sparse gradients (an Embedding with "
           "sparse = true) on {}; ddp reduces sparse gradients of CPU parameters only: use "
@@ -449,7 +451,8 @@ bool Reducer::can_reduce_in_place(const torch::Tensor& grad) const {
   // Only where the group reduces the pieces where they lie: elsewhere allreduce_segments would pack
   // them into a temporary per call, and the bucket's own flat buffer is the better target.
   return !staging_ && !custom_hook_ && !options_.gradient_as_bucket_view && grad.is_contiguous() &&
-         grad.device().is_cpu() && !grad.is_sparse() && group_->allreduce_segments_in_place();
+         grad.device().is_cpu() && !grad.is_sparse() &&
+         group_->memory_space() == MemorySpace::kHost && group_->allreduce_segments_in_place();
 }
 
 void Reducer::reduce_in_place(Bucket& bucket) {
@@ -656,8 +659,8 @@ void Reducer::finalize_backward() {
     }
     std::shared_ptr<Work> used_work;
     if (!used_anywhere.empty()) {
-      used_work = group_->allreduce(used_anywhere.data(), used_anywhere.size(), DType::kInt32,
-                                    ReduceOp::kMax);
+      used_work = internal::HostValues(*group_)->allreduce(
+          used_anywhere.data(), used_anywhere.size(), DType::kInt32, ReduceOp::kMax);
     }
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       auto& bucket = buckets_[b];
@@ -855,8 +858,8 @@ void Reducer::shadow_backward() {
   std::shared_ptr<Work> used_work;
   if (options_.find_unused_parameters || options_.static_graph) {
     unused_map.assign(parameters_.size(), 0);
-    used_work =
-        group_->allreduce(unused_map.data(), unused_map.size(), DType::kInt32, ReduceOp::kMax);
+    used_work = internal::HostValues(*group_)->allreduce(unused_map.data(), unused_map.size(),
+                                                         DType::kInt32, ReduceOp::kMax);
   }
   try {
     for (std::size_t b = 0; b < reductions.size(); ++b) {
@@ -918,9 +921,12 @@ void Reducer::rebuild_buckets() {
   }
   ready_order_.clear();
   record_ready_order_ = false;
-  detail::in_ddp_phase(
-      [] { return std::string("bucket rebuild before forward"); },
-      [&] { group_->broadcast(order.data(), order.size(), DType::kInt64, /*root=*/0)->wait(); });
+  detail::in_ddp_phase([] { return std::string("bucket rebuild before forward"); },
+                       [&] {
+                         internal::HostValues(*group_)
+                             ->broadcast(order.data(), order.size(), DType::kInt64, /*root=*/0)
+                             ->wait();
+                       });
   std::vector<std::size_t> new_order;
   std::vector<bool> seen(n, false);
   for (const auto i : order) {

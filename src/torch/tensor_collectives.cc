@@ -8,6 +8,7 @@
 
 #include "ddp/error.h"
 #include "torch/device_staging.h"
+#include "torch/host_values.h"
 
 namespace ddp {
 
@@ -63,13 +64,17 @@ struct EngineBuffer {
 EngineBuffer engine_buffer(ProcessGroup& group, const torch::Tensor& tensor,
                            const std::string& what) {
   const bool cuda_group = group.memory_space() == MemorySpace::kCuda;
-  if (cuda_group && !tensor.is_cuda()) {
+  if (cuda_group && !internal::takes_as_is(group, tensor.device())) {
     throw ConfigError(fmt::format(
         "{} is on {}, but the process group ({}) takes CUDA memory only; move it to this "
         "process's GPU (tensor.to(torch::kCUDA)) or use a host group (ring, mpi)",
         what, tensor.device().str(), group.backend()));
   }
-  if (cuda_group) return {tensor, {.cuda_stream = detail::current_cuda_stream(tensor.device())}};
+  if (cuda_group) {
+    return {tensor, tensor.is_cuda()
+                        ? CallOptions{.cuda_stream = detail::current_cuda_stream(tensor.device())}
+                        : CallOptions{}};
+  }
   if (!tensor.is_cuda()) return {tensor, {}};
   // A host group: through host memory. The copy waits for the work queued on the current stream
   // (a synchronous device-to-host copy), so the values are the ones the caller sees.

@@ -18,6 +18,7 @@
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
+#include "torch/host_values.h"
 
 namespace ddp {
 namespace {
@@ -98,6 +99,9 @@ TEST(CudaTensor, ZeroRefusesParametersOnTwoDevicesAndCudaOnACudaGroupByName) {
                                     "cpu; the parameters must be on one device"));
   }
   std::shared_ptr<ProcessGroup> cuda_group = std::make_shared<PretendCudaGroup>(ring);
+  // The refusal travels through the rank agreement, whose host values go through the group's
+  // memory: host clones here, for want of a GPU.
+  internal::ScopedCpuAsCudaGroupMemoryForTests no_gpu;
   try {
     ZeroRedundancyOptimizer zero({on_cuda}, adam, cuda_group);
     FAIL() << "CUDA parameters on a CUDA group were accepted";

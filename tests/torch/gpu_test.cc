@@ -16,7 +16,9 @@
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/distributed_objects.h"
 #include "ddp/torch/grad_scaler.h"
+#include "ddp/torch/join.h"
 #include "ddp/torch/powersgd_hook.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
@@ -312,6 +314,49 @@ TEST(Gpu, TensorApiHandsCudaTensorsToANcclGroupDirectly) {
       require(std::string(e.what()).find("on a CUDA group (nccl)") != std::string::npos,
               std::string("all_gather's refusal does not say why: ") + e.what());
     }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// DistributedDataParallel over nccl at world 1 (a second rank would need a second GPU): the
+// buckets stay on the device, DDP's own checks (parameter agreement, unused-parameter map,
+// divergence check) and Join's plans travel through device copies (host_values.h), and the
+// training equals one process on the same data; the object collectives work over nccl too.
+TEST(Gpu, DdpOverNcclEqualsOneProcess) {
+  SKIP_WITHOUT_CUDA();
+  if (!nccl_backend_available()) {
+    GTEST_SKIP() << "the nccl backend is not built: " << nccl_backend_unavailable_reason();
+  }
+  const auto results = test::run_ranks(1, [&](int) {
+    test::TempDir dir("ddp-gpu-nccl-ddp");
+    std::shared_ptr<ProcessGroup> pg =
+        make_nccl_process_group(std::make_shared<test::FileStore>(dir.path()), 0, 1, {.device = 0});
+    const auto data = test::make_batches(5, 16, {20});
+    torch::manual_seed(100);
+    test::Mlp net;
+    net->to(kCuda0);
+    DistributedDataParallel model(net.ptr(), pg,
+                                  {.find_unused_parameters = true, .divergence_check_every = 1});
+    auto opt = test::make_sgd(model->parameters());
+    {
+      Join join({*model});
+      for (int step = 0; step < data.inputs.size(0); ++step) {
+        opt.zero_grad();
+        torch::nn::functional::cross_entropy(model->forward(data.inputs[step].to(kCuda0)),
+                                             data.targets[step].to(kCuda0))
+            .backward();
+        for (const auto& p : model->parameters())
+          require(p.grad().device() == kCuda0, "a gradient left its device");
+        opt.step();
+      }
+    }
+    std::vector<torch::Tensor> got;
+    for (const auto& p : model->parameters())
+      got.push_back(p.detach().cpu());
+    expect_all_close(got, one_process(data, kCuda0), 1e-5);
+    std::vector<std::string> names;
+    all_gather_object(names, std::string("rank 0"), pg);
+    require(names == std::vector<std::string>{"rank 0"}, "all_gather_object over nccl");
   });
   EXPECT_ALL_RANKS_OK(results);
 }
