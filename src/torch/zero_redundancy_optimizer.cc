@@ -16,6 +16,7 @@
 #include "libtorch_compat.h"
 #include "optimizer_state_tensors.h"
 #include "rank_agreement.h"
+#include "torch/host_values.h"
 
 namespace ddp {
 
@@ -114,12 +115,15 @@ void ZeroRedundancyOptimizer::build(std::vector<OptimizerParamGroup> param_group
               "{}; the parameters must be on one device (move the model with .to(device))",
               index, g, p.device().str(), device_.str()));
         }
-        if (p.is_cuda() && group_->memory_space() != MemorySpace::kHost) {
+        // A host group stages CUDA parameters' broadcasts through host copies (the tensor API);
+        // a CUDA group takes device memory only.
+        if (group_->memory_space() == MemorySpace::kCuda &&
+            !internal::takes_as_is(*group_, p.device())) {
           throw ConfigError(fmt::format(
-              "ZeroRedundancyOptimizer: CUDA parameters on a {} group are not supported yet "
-              "(issue 25); use a host group (DDP_BACKEND=ring or mpi), which stages the shard "
-              "broadcasts through host memory",
-              group_->backend()));
+              "ZeroRedundancyOptimizer: parameter {} (group {}) is on {}, but the process group "
+              "({}) takes CUDA memory only; move the model to this process's GPU or use a host "
+              "group (ring, mpi)",
+              index, g, p.device().str(), group_->backend()));
         }
         if (!seen.insert(p.unsafeGetTensorImpl()).second) {
           throw ConfigError(fmt::format(

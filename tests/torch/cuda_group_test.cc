@@ -1,10 +1,10 @@
-// DistributedDataParallel, Join and the object collectives over a group whose buffers are device
-// memory (the nccl backend), checked without a GPU: DeviceMemoryGroup declares CUDA memory and
-// forwards to a ring group, and ScopedCpuAsCudaGroupMemoryForTests lets the torch layer take CPU
-// tensors as that memory. The torch layer's own host values (flags, hashes, plans, objects) must
-// then reach the group only through copies in its memory (src/torch/host_values.h); the
-// training itself must equal the same training over the ring bit for bit. gpu_test.cc runs
-// DistributedDataParallel over real nccl where there is a GPU.
+// DistributedDataParallel, ZeroRedundancyOptimizer, Join and the object collectives over a group
+// whose buffers are device memory (the nccl backend), checked without a GPU: DeviceMemoryGroup
+// declares CUDA memory and forwards to a ring group, and ScopedCpuAsCudaGroupMemoryForTests lets
+// the torch layer take CPU tensors as that memory. The torch layer's own host values (flags,
+// hashes, plans, objects) must then reach the group only through copies in its memory
+// (src/torch/host_values.h); the training itself must equal the same training over the ring bit for
+// bit. gpu_test.cc runs DistributedDataParallel over real nccl where there is a GPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +20,7 @@
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_objects.h"
 #include "ddp/torch/join.h"
+#include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_models.h"
@@ -210,7 +211,9 @@ TEST(CudaGroup, HostValuesReachADeviceMemoryGroupOnlyThroughCopiesForEveryCall) 
 // backward. The options make DDP exchange every kind of host value it has: the parameter
 // agreement, the unused-parameter map, the divergence guard and check, and (static_graph) the
 // bucket order.
-void check_ddp_over_device_memory_equals_the_ring(DdpOptions options) {
+// With `zero`, each model's optimizer is a ZeroRedundancyOptimizer over its group (its shard
+// broadcasts and the state consolidation's objects go through that group).
+void check_ddp_over_device_memory_equals_the_ring(DdpOptions options, bool zero = false) {
   const int port = test::free_port();
   const auto results = run_ranks(2, [&](int rank) {
     auto ring = join_group(rank, 2, port);
@@ -223,8 +226,17 @@ void check_ddp_over_device_memory_equals_the_ring(DdpOptions options) {
     DistributedDataParallel on_ring(ring_net.ptr(), ring, options);
     DistributedDataParallel on_device(device_net.ptr(), device_group, options);
     require(pretend.relayed_calls() > 0, "constructing DDP relayed no host values");
-    auto ring_opt = test::make_sgd(on_ring->parameters());
-    auto device_opt = test::make_sgd(on_device->parameters());
+    const auto make_optimizer =
+        [&](std::vector<torch::Tensor> params,
+            std::shared_ptr<ProcessGroup> group) -> std::unique_ptr<torch::optim::Optimizer> {
+      if (!zero) return std::make_unique<torch::optim::SGD>(test::make_sgd(std::move(params)));
+      return std::make_unique<ZeroRedundancyOptimizer>(
+          std::move(params), torch::optim::SGDOptions(0.1).momentum(0.9), std::move(group));
+    };
+    auto ring_optimizer = make_optimizer(on_ring->parameters(), ring);
+    auto device_optimizer = make_optimizer(on_device->parameters(), device_group);
+    auto& ring_opt = *ring_optimizer;
+    auto& device_opt = *device_optimizer;
     const int steps = 4;
     const auto data = test::make_batches(steps, 16, {20});
     for (int step = 0; step < steps; ++step) {
@@ -252,6 +264,12 @@ void check_ddp_over_device_memory_equals_the_ring(DdpOptions options) {
       device_opt.step();
     }
     test::expect_identical_across_ranks(*ring, on_device->parameters(), "parameters");
+    if (zero) {
+      const auto relayed_before = pretend.relayed_calls();
+      dynamic_cast<ZeroRedundancyOptimizer&>(device_opt).consolidate_state_dict(0);
+      require(pretend.relayed_calls() > relayed_before,
+              "consolidate_state_dict's objects were not relayed");
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }
@@ -263,6 +281,10 @@ TEST(CudaGroup, DdpWithUnusedParametersAndTheDivergenceCheckEqualsTheRingBitForB
 
 TEST(CudaGroup, DdpWithAStaticGraphEqualsTheRingBitForBit) {
   check_ddp_over_device_memory_equals_the_ring({.static_graph = true});
+}
+
+TEST(CudaGroup, DdpWithZeroRedundancyOptimizerEqualsTheRingBitForBit) {
+  check_ddp_over_device_memory_equals_the_ring({}, /*zero=*/true);
 }
 
 // Uneven inputs under Join (rank r trains 2 + r steps): Join's counts and DDP's step plans and

@@ -318,10 +318,11 @@ TEST(Gpu, TensorApiHandsCudaTensorsToANcclGroupDirectly) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-// DistributedDataParallel over nccl at world 1 (a second rank would need a second GPU): the
-// buckets stay on the device, DDP's own checks (parameter agreement, unused-parameter map,
-// divergence check) and Join's plans travel through device copies (host_values.h), and the
-// training equals one process on the same data; the object collectives work over nccl too.
+// DistributedDataParallel (with SGD, then with ZeroRedundancyOptimizer) over nccl at world 1 (a
+// second rank would need a second GPU): the buckets stay on the device, DDP's own checks (parameter
+// agreement, unused-parameter map, divergence check) and Join's plans travel through device copies
+// (host_values.h), and the training equals one process on the same data; the object collectives
+// work over nccl too.
 TEST(Gpu, DdpOverNcclEqualsOneProcess) {
   SKIP_WITHOUT_CUDA();
   if (!nccl_backend_available()) {
@@ -332,28 +333,46 @@ TEST(Gpu, DdpOverNcclEqualsOneProcess) {
     std::shared_ptr<ProcessGroup> pg =
         make_nccl_process_group(std::make_shared<test::FileStore>(dir.path()), 0, 1, {.device = 0});
     const auto data = test::make_batches(5, 16, {20});
-    torch::manual_seed(100);
-    test::Mlp net;
-    net->to(kCuda0);
-    DistributedDataParallel model(net.ptr(), pg,
-                                  {.find_unused_parameters = true, .divergence_check_every = 1});
-    auto opt = test::make_sgd(model->parameters());
-    {
-      Join join({*model});
-      for (int step = 0; step < data.inputs.size(0); ++step) {
-        opt.zero_grad();
-        torch::nn::functional::cross_entropy(model->forward(data.inputs[step].to(kCuda0)),
-                                             data.targets[step].to(kCuda0))
-            .backward();
-        for (const auto& p : model->parameters())
-          require(p.grad().device() == kCuda0, "a gradient left its device");
-        opt.step();
+    const auto want = one_process(data, kCuda0);
+    for (const bool zero : {false, true}) {
+      torch::manual_seed(100);
+      test::Mlp net;
+      net->to(kCuda0);
+      DistributedDataParallel model(net.ptr(), pg,
+                                    {.find_unused_parameters = true, .divergence_check_every = 1});
+      std::unique_ptr<torch::optim::Optimizer> optimizer;
+      if (zero) {
+        optimizer = std::make_unique<ZeroRedundancyOptimizer>(
+            model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9), pg);
+      } else {
+        optimizer = std::make_unique<torch::optim::SGD>(test::make_sgd(model->parameters()));
       }
+      {
+        Join join({*model});
+        for (int step = 0; step < data.inputs.size(0); ++step) {
+          optimizer->zero_grad();
+          torch::nn::functional::cross_entropy(model->forward(data.inputs[step].to(kCuda0)),
+                                               data.targets[step].to(kCuda0))
+              .backward();
+          for (const auto& p : model->parameters())
+            require(p.grad().device() == kCuda0, "a gradient left its device");
+          optimizer->step();
+        }
+      }
+      std::vector<torch::Tensor> got;
+      for (const auto& p : model->parameters())
+        got.push_back(p.detach().cpu());
+      expect_all_close(got, want, 1e-5);
     }
-    std::vector<torch::Tensor> got;
-    for (const auto& p : model->parameters())
-      got.push_back(p.detach().cpu());
-    expect_all_close(got, one_process(data, kCuda0), 1e-5);
+    try {
+      ZeroRedundancyOptimizer cpu_on_nccl({torch::zeros({4}, torch::requires_grad())},
+                                          torch::optim::SGDOptions(0.1), pg);
+      throw std::runtime_error("ZeroRedundancyOptimizer took CPU parameters on nccl");
+    } catch (const Error& e) {
+      require(std::string(e.what()).find("is on cpu, but the process group (nccl) takes CUDA "
+                                         "memory only") != std::string::npos,
+              std::string("the refusal of CPU parameters on nccl does not say why: ") + e.what());
+    }
     std::vector<std::string> names;
     all_gather_object(names, std::string("rank 0"), pg);
     require(names == std::vector<std::string>{"rank 0"}, "all_gather_object over nccl");

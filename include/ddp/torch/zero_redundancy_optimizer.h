@@ -23,8 +23,9 @@
 // to the local optimizer. zero_grad() clears every parameter's gradient.
 //
 // Devices: the parameters are on one device, the CPU or a CUDA device (the buckets' buffers live
-// there); CUDA parameters need a host group (ring, mpi), whose broadcasts stage them through host
-// memory (distributed.h). Parameters on two devices, or CUDA ones on a CUDA group: ConfigError.
+// there). On a host group (ring, mpi) the broadcasts of CUDA parameters stage them through host
+// memory (distributed.h); a CUDA group (nccl) broadcasts device memory. Parameters on two
+// devices, or CPU ones on a CUDA group: ConfigError.
 //
 // Checkpoints: consolidate_state_dict(to) (collective) gathers every rank's state on rank `to`;
 // there, save() writes the archive a plain optimizer of the same kind over every parameter would
