@@ -845,7 +845,7 @@ TEST(ZeroRedundancyOptimizer, OverlapWithDdpStepsEachBucketInTheHookAndEqualsThe
           // The hook stepped this rank's parameters already; the others arrive in step().
           const auto mine = overlapped.shard_parameters(rank);
           for (std::size_t i = 0; i < before.size(); ++i) {
-            const auto& p = net_overlap->parameters()[i];
+            const auto p = net_overlap->parameters()[i];  // a copy: parameters() is a temporary
             const bool owned = std::any_of(mine.begin(), mine.end(), [&](const auto& m) {
               return m.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
             });
