@@ -28,6 +28,46 @@ namespace {
 
 std::mutex default_group_mutex;
 std::shared_ptr<ProcessGroup> default_group;
+std::shared_ptr<ProcessGroup> default_cuda_group;  // DDP_BACKEND=auto, where every rank has a GPU
+std::string cuda_group_absent_reason;              // DDP_BACKEND=auto, where some rank had none
+
+// Under "auto": why this rank cannot drive a GPU of its own with nccl; "" when it can (its device
+// is then current).
+std::string why_this_rank_has_no_nccl_device(int local_rank) {
+  if (!nccl_backend_available()) {
+    return fmt::format("this ddp has no nccl backend ({})", nccl_backend_unavailable_reason());
+  }
+  try {
+    prepare_nccl_device({.device = local_rank});
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Every rank's `why` through `group` (blocking): "" when every rank's is empty, else how many
+// ranks had one and the first, named by its rank.
+std::string first_reason_across_ranks(ProcessGroup& group, const std::string& why) {
+  const auto world = static_cast<std::size_t>(group.size());
+  const std::int64_t mine = static_cast<std::int64_t>(why.size());
+  std::vector<std::int64_t> lengths(world);
+  group.allgather(&mine, lengths.data(), 1, DType::kInt64, {.blocking = true});
+  std::vector<std::size_t> counts(lengths.begin(), lengths.end());
+  std::size_t total = 0;
+  for (const auto c : counts)
+    total += c;
+  if (total == 0) return "";
+  std::string all(total, '\0');
+  group.allgather_v(why.data(), why.size(), all.data(), counts, DType::kUInt8)->wait();
+  std::size_t at = 0, failing = 0;
+  std::string first;
+  for (std::size_t r = 0; r < world; ++r) {
+    if (counts[r] > 0 && failing++ == 0)
+      first = fmt::format("rank {}: {}", r, all.substr(at, counts[r]));
+    at += counts[r];
+  }
+  return fmt::format("{} of {} ranks cannot use nccl; the first, {}", failing, world, first);
+}
 
 // DDP_TRACE=DIR: starts this rank's timeline and aligns its clock with rank 0's through the new
 // group. The folder was made and probed before the rendezvous (prepare_output_folder); one that
@@ -151,6 +191,7 @@ std::vector<std::string> available_backends() {
   std::vector<std::string> names{"ring"};
   if (mpi_backend_available()) names.push_back("mpi");
   if (nccl_backend_available()) names.push_back("nccl");
+  names.push_back("auto");
   return names;
 }
 
@@ -189,11 +230,40 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   prepare_output_folder("DDP_DUMP_DIR", settings::dump_dir());
   prepare_output_folder("DDP_TRACE", settings::trace_dir());
   std::shared_ptr<ProcessGroup> group;
-  if (backend == "ring") {
+  std::shared_ptr<ProcessGroup> cuda_group;
+  std::string cuda_absent;
+  if (backend == "ring" || backend == "auto") {
+    // Under auto, each rank looks for its GPU before the rendezvous (loading the CUDA runtime
+    // can take seconds), and the ranks agree on the answer once the ring group exists.
+    const std::string why_not_here =
+        backend == "auto" ? why_this_rank_has_no_nccl_device(
+                                resolve_launch_environment(options.launch).local_rank)
+                          : std::string();
     World world = rendezvous(options);
+    auto store = std::make_shared<PrefixStore>("ddp/pg", world.store);
     group = make_ring_process_group(
-        std::make_shared<PrefixStore>("ddp/pg", world.store), world.rank(), world.size(),
+        store, world.rank(), world.size(),
         {.timeout = world.timeout, .group_name = "default", .secret = world.environment.secret});
+    if (backend == "auto") {
+      cuda_absent = first_reason_across_ranks(*group, why_not_here);
+      if (cuda_absent.empty()) {
+        cuda_group = make_nccl_process_group(
+            store, world.rank(), world.size(),
+            {.timeout = world.timeout, .group_name = "cuda", .device = world.local_rank()});
+      }
+      const auto quiet = process_environment("DDP_QUIET");
+      if (world.rank() == 0 && !(quiet && !quiet->empty() && *quiet != "0")) {
+        if (cuda_group) {
+          std::fprintf(stderr,
+                       "ddp: DDP_BACKEND=auto: CPU tensors on ring, CUDA tensors on nccl\n");
+        } else {
+          std::fprintf(stderr,
+                       "ddp: DDP_BACKEND=auto: CPU tensors on ring; CUDA tensors staged through "
+                       "host memory on ring (%s)\n",
+                       cuda_absent.c_str());
+        }
+      }
+    }
   } else if (backend == "nccl") {  // resolve_backend accepts it only when it was built
     // Each rank drives the GPU of its local rank (LOCAL_RANK); one without a GPU or libnccl
     // fails here, before it waits for its peers in the rendezvous (as the ring backend's).
@@ -220,7 +290,19 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   start_trace_from_environment(*group);
   std::lock_guard lock(default_group_mutex);
   default_group = group;
+  default_cuda_group = cuda_group;
+  cuda_group_absent_reason = cuda_absent;
   return group;
+}
+
+std::shared_ptr<ProcessGroup> default_cuda_process_group() {
+  std::lock_guard lock(default_group_mutex);
+  return default_cuda_group;
+}
+
+std::string cuda_process_group_absent_reason() {
+  std::lock_guard lock(default_group_mutex);
+  return cuda_group_absent_reason;
 }
 
 std::shared_ptr<ProcessGroup> default_process_group() {
@@ -231,6 +313,8 @@ std::shared_ptr<ProcessGroup> default_process_group() {
 void destroy_process_group() {
   std::lock_guard lock(default_group_mutex);
   default_group.reset();
+  default_cuda_group.reset();
+  cuda_group_absent_reason.clear();
 }
 
 }  // namespace ddp

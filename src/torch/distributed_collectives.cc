@@ -184,7 +184,7 @@ void copy_back_on_success(Work& work, const CallOptions& options, Tensors from, 
 // CallOptions::blocking (no Work of their own, and on an idle group no thread hand-off).
 std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, TensorReduceOp op,
                                       GroupRef group, CallOptions options) {
-  ProcessGroup& g = group.get();
+  ProcessGroup& g = group.get_for(tensor);
   if (must_stage(g, {tensor})) {
     return run_on_host(
         {}, {tensor},
@@ -203,7 +203,7 @@ std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, TensorReduceO
 }
 std::shared_ptr<Work> broadcast_call(const torch::Tensor& tensor, int src, GroupRef group,
                                      CallOptions options) {
-  ProcessGroup& g = group.get();
+  ProcessGroup& g = group.get_for(tensor);
   if (must_stage(g, {tensor})) {
     // The source only reads its tensor: nothing to copy back there (the Work's result is the
     // tensor everywhere).
@@ -238,7 +238,7 @@ void broadcast(const torch::Tensor& tensor, int src, GroupRef group) {
 
 std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, TensorReduceOp op,
                                    GroupRef group) {
-  ProcessGroup& g = group.get();
+  ProcessGroup& g = group.get_for(tensor);
   if (must_stage(g, {tensor})) {
     // Only the destination's tensor is written (the Work's result is the tensor everywhere).
     const bool destination = g.rank() == dst;
@@ -296,7 +296,7 @@ void all_gather(const Tensors& tensor_list, const torch::Tensor& tensor, GroupRe
 
 std::shared_ptr<Work> all_gather_into_tensor_async(const torch::Tensor& output,
                                                    const torch::Tensor& input, GroupRef group) {
-  ProcessGroup& g = group.get();
+  ProcessGroup& g = group.get_for(output);
   if (must_stage(g, {output, input})) {
     return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
       return all_gather_into_tensor_async(w[0], r[0], group);
@@ -351,7 +351,7 @@ void reduce_scatter(const torch::Tensor& output, const Tensors& input_list, Tens
 std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
                                                   const torch::Tensor& input, TensorReduceOp op,
                                                   GroupRef group) {
-  ProcessGroup& g = group.get();
+  ProcessGroup& g = group.get_for(output);
   if (must_stage(g, {output, input})) {
     return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
       return reduce_scatter_tensor_async(w[0], r[0], op, group);
@@ -612,7 +612,7 @@ std::shared_ptr<Work> all_to_all_single_async(const torch::Tensor& output,
                                               std::vector<std::int64_t> output_split_sizes,
                                               std::vector<std::int64_t> input_split_sizes,
                                               GroupRef group) {
-  ProcessGroup& g = group.get();
+  ProcessGroup& g = group.get_for(output);
   if (must_stage(g, {output, input})) {
     return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
       return all_to_all_single_async(w[0], r[0], output_split_sizes, input_split_sizes, group);

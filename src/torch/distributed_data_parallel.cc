@@ -15,6 +15,7 @@
 
 #include "ddp/error.h"
 #include "ddp/init.h"
+#include "ddp/torch/distributed.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/trace.h"
 #include "ddp_phase.h"
@@ -167,6 +168,15 @@ std::int64_t checksum(const torch::Tensor& tensor) {
   return static_cast<std::int64_t>(hash);
 }
 
+// The default group for the module's parameters (default_process_group_for their device): under
+// DDP_BACKEND=auto, the nccl group for CUDA parameters where every rank has a GPU of its own.
+std::shared_ptr<ProcessGroup> default_group_for(const WrappedModuleTensors& wrapped) {
+  for (const auto& item : wrapped.named_parameters()) {
+    if (item.value().requires_grad()) return default_process_group_for(item.value().device());
+  }
+  return default_process_group();
+}
+
 std::size_t megabytes_to_bytes(double mb, const char* option) {
   if (!std::isfinite(mb) || mb <= 0) {
     throw ConfigError(
@@ -237,7 +247,7 @@ DistributedDataParallelBase::DistributedDataParallelBase(
     std::shared_ptr<torch::nn::Module> registered, WrappedModuleTensors wrapped,
     std::shared_ptr<ProcessGroup> group, DdpOptions options)
     : wrapped_(without_ignored(std::move(wrapped), options.parameters_to_ignore)),
-      group_(group ? std::move(group) : default_process_group()),
+      group_(group ? std::move(group) : default_group_for(wrapped_)),
       options_(options) {
   if (!registered) throw ConfigError("DistributedDataParallel: the module is null");
   options_.divergence_check_every = divergence_interval(options_.divergence_check_every);

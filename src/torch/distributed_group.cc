@@ -27,6 +27,19 @@ ProcessGroup& GroupRef::get() const {
   return *holder_;
 }
 
+std::shared_ptr<ProcessGroup> default_process_group_for(const c10::Device& device) {
+  if (device.is_cuda()) {
+    if (auto cuda = default_cuda_process_group()) return cuda;
+  }
+  return default_process_group();
+}
+
+ProcessGroup& GroupRef::get_for(const torch::Tensor& tensor) const {
+  if (group_ != nullptr || holder_given_ || !tensor.defined() || !tensor.is_cuda()) return get();
+  if (!holder_) holder_ = default_process_group_for(tensor.device());
+  return get();
+}
+
 int get_rank(GroupRef group) {
   return group.get().rank();
 }

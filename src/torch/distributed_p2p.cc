@@ -31,7 +31,7 @@ std::shared_ptr<Work> with_result(std::shared_ptr<Work> work, const torch::Tenso
 }  // namespace
 
 std::shared_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag, GroupRef group) {
-  ProcessGroup& g = group.get();
+  ProcessGroup& g = group.get_for(tensor);
   if (must_stage(g, {tensor})) {
     return run_on_host({tensor}, {}, [&](const Tensors& r, const Tensors&) {
       return isend(r[0], dst, tag, group);
@@ -44,7 +44,7 @@ std::shared_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag, Group
 }
 
 std::shared_ptr<Work> irecv(const torch::Tensor& tensor, int src, int tag, GroupRef group) {
-  ProcessGroup& g = group.get();
+  ProcessGroup& g = group.get_for(tensor);
   if (must_stage(g, {tensor})) {
     return run_on_host({}, {tensor}, [&](const Tensors&, const Tensors& w) {
       return irecv(w[0], src, tag, group);
@@ -66,7 +66,15 @@ int recv(const torch::Tensor& tensor, int src, int tag, GroupRef group) {
 }
 
 int recv_any_source(const torch::Tensor& tensor, int tag, GroupRef group) {
+  ProcessGroup& routed = GroupRef(group).get_for(tensor);
   ProcessGroup& g = group.get();
+  if (&g != &routed) {
+    throw ConfigError(
+        "recv_any_source: the tensor is on a CUDA device and no group was passed; under "
+        "DDP_BACKEND=auto CUDA tensors go to the nccl group, which has no receive from any "
+        "source. Receive into a CPU tensor (and send CPU tensors), or pass the default group "
+        "(ddp::default_process_group()) to receive through host memory");
+  }
   if (must_stage(g, {tensor})) {
     int source = -1;
     run_on_host(
@@ -94,7 +102,7 @@ std::vector<std::shared_ptr<Work>> batch_isend_irecv(const std::vector<P2POp>& o
   ProcessGroup* common = nullptr;
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const auto& op = ops[i];
-    ProcessGroup& g = op.group.get();
+    ProcessGroup& g = op.group.get_for(op.tensor);
     if (common != nullptr && common != &g) {
       throw ConfigError(fmt::format(
           "batch_isend_irecv: ops[{}] names another group than ops[0]; all operations of a batch "

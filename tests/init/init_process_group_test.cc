@@ -35,6 +35,48 @@ TEST(InitProcessGroup, RingGroupFromTheLaunchersVariablesAllreduces) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// DDP_BACKEND=auto: the default group is a ring group; a nccl group for CUDA tensors exists only
+// where every rank can drive a GPU of its own, and otherwise the reason names the first rank that
+// could not. Rank 1 is given a libnccl that does not exist, so that some rank always cannot.
+TEST(InitProcessGroup, AutoMakesARingGroupAndNamesTheRankThatCannotUseNccl) {
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    ::setenv("RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    ::setenv("DDP_TIMEOUT", "30", 1);
+    ::setenv("DDP_BACKEND", "auto", 1);
+    ::setenv("DDP_QUIET", "1", 1);
+    if (rank == 1) ::setenv("DDP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2", 1);
+    auto group = init_process_group();
+    const auto require = [](bool ok, const std::string& what) {
+      if (!ok) throw std::runtime_error(what);
+    };
+    require(group->backend() == "ring", "the default group under auto is not a ring group");
+    require(default_process_group() == group, "not the default group");
+    require(default_cuda_process_group() == nullptr,
+            "a nccl group was made although rank 1 has no libnccl");
+    const std::string reason = cuda_process_group_absent_reason();
+    // Rank 0 may lack a GPU too: then it is the first named, and both are counted.
+    require(reason.find(" of 2 ranks cannot use nccl; the first, rank ") != std::string::npos,
+            "the reason does not count and name the ranks: " + reason);
+    if (reason.rfind("1 of 2", 0) == 0) {
+      require(reason.find("rank 1: ") != std::string::npos &&
+                  reason.find("/nonexistent/libnccl.so.2") != std::string::npos,
+              "rank 1's reason does not name its libnccl: " + reason);
+    }
+    std::int64_t value = rank + 1;
+    group->allreduce(&value, 1, DType::kInt64, ReduceOp::kSum)->wait();
+    require(value == 3, "allreduce gave " + std::to_string(value));
+    destroy_process_group();
+    require(cuda_process_group_absent_reason().empty(), "the reason outlived the groups");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(InitProcessGroup, UnknownBackendListsTheAvailableOnes) {
   try {
     init_process_group({.backend = "gloo"});

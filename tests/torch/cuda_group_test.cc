@@ -17,6 +17,8 @@
 
 #include <fmt/format.h>
 
+#include "ddp/init.h"
+#include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_objects.h"
 #include "ddp/torch/join.h"
@@ -328,6 +330,35 @@ TEST(CudaGroup, JoinWithUnevenInputsOverADeviceMemoryGroupEqualsTheRingBitForBit
                           i));
     }
     test::expect_identical_across_ranks(*ring, trained[1], "parameters after Join");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// DDP_BACKEND=auto where some rank cannot use nccl (here: none can, for want of a GPU): CUDA
+// tensors' default group is the ring (staged), and DDP of a CPU model takes the ring.
+TEST(CudaGroup, AutoWithoutNcclEverywhereLeavesCudaTensorsOnTheRing) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    torch::set_num_threads(1);
+    ::setenv("DDP_QUIET", "1", 1);
+    InitOptions options;
+    options.launch.rank = rank;
+    options.launch.world_size = 2;
+    options.launch.master_addr = "127.0.0.1";
+    options.launch.master_port = port;
+    options.backend = "auto";
+    options.timeout = std::chrono::seconds(30);
+    auto ring = init_process_group(options);
+    require(ring->backend() == "ring", "auto's default group is not a ring group");
+    if (default_cuda_process_group() != nullptr) return;  // a machine where every rank has a GPU
+    require(!cuda_process_group_absent_reason().empty(), "no reason for the missing nccl group");
+    require(default_process_group_for(torch::Device(torch::kCUDA, 0)) == ring,
+            "CUDA tensors' default group is not the ring");
+    require(default_process_group_for(torch::Device(torch::kCPU)) == ring,
+            "CPU tensors' default group is not the ring");
+    test::Mlp net;
+    DistributedDataParallel model(net.ptr());
+    require(&model->process_group() == ring.get(), "DDP did not take the default group");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

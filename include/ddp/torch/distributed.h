@@ -58,8 +58,18 @@
 #pragma GCC visibility push(default)
 namespace ddp {
 
+// The default group for tensors on `device`: default_cuda_process_group() for a CUDA device where
+// init_process_group made one (DDP_BACKEND=auto), else default_process_group() (null before
+// init_process_group).
+std::shared_ptr<ProcessGroup> default_process_group_for(const c10::Device& device);
+
 // The group a call runs on: a given one, or (default-constructed) the default group, looked up
-// when the call runs.
+// when the call runs. Under DDP_BACKEND=auto (ddp/init.h) the calls that take one tensor
+// (all_reduce, broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor,
+// all_to_all_single, isend/irecv/send/recv, batch_isend_irecv) send CUDA tensors to the nccl
+// group where there is one; the list forms, the coalesced forms and the object collectives run on
+// the default (ring) group, which stages CUDA tensors through host copies; recv_any_source with a
+// CUDA tensor is a ConfigError there (nccl has no receive from any source).
 class GroupRef {
  public:
   GroupRef() = default;
@@ -68,6 +78,9 @@ class GroupRef {
       : group_(group.get()), holder_(group), holder_given_(true) {}
   // The group; ConfigError when none was given and there is no default group, or a null pointer.
   ProcessGroup& get() const;
+  // As get(), but the default group is the one for `tensor`'s device
+  // (default_process_group_for): under DDP_BACKEND=auto, the nccl group for a CUDA tensor.
+  ProcessGroup& get_for(const torch::Tensor& tensor) const;
 
  private:
   ProcessGroup* group_ = nullptr;

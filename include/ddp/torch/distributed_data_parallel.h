@@ -175,7 +175,9 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   bool join_leaves_gradients() const override { return true; }
 
  protected:
-  // `group` null = default_process_group(). Registers `module` as the submodule "module".
+  // `group` null = default_process_group_for(the parameters' device) (distributed.h): the default
+  // group, or under DDP_BACKEND=auto the nccl group for CUDA parameters where there is one.
+  // Registers `module` as the submodule "module".
   DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
                               std::shared_ptr<ProcessGroup> group, DdpOptions options);
   // For a module that is not a torch::nn::Module: DDP synchronises the tensors `wrapped` reads,
