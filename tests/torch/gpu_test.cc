@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "comm/file_store.h"
+#include "ddp/init.h"
 #include "ddp/nccl_process_group.h"
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/distributed.h"
@@ -376,6 +377,43 @@ TEST(Gpu, DdpOverNcclEqualsOneProcess) {
     std::vector<std::string> names;
     all_gather_object(names, std::string("rank 0"), pg);
     require(names == std::vector<std::string>{"rank 0"}, "all_gather_object over nccl");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// DDP_BACKEND=auto at world 1 on a GPU: the nccl group exists, and CUDA tensors go to it when no
+// group is passed (DDP and a single-tensor call), CPU tensors to the ring.
+TEST(Gpu, AutoSendsCudaTensorsToNcclAndCpuTensorsToTheRing) {
+  SKIP_WITHOUT_CUDA();
+  if (!nccl_backend_available()) {
+    GTEST_SKIP() << "the nccl backend is not built: " << nccl_backend_unavailable_reason();
+  }
+  const int port = test::free_port();
+  const auto results = test::run_ranks(1, [&](int) {
+    InitOptions options;
+    options.launch.rank = 0;
+    options.launch.world_size = 1;
+    options.launch.master_addr = "127.0.0.1";
+    options.launch.master_port = port;
+    options.backend = "auto";
+    auto ring = init_process_group(options);
+    require(ring->backend() == "ring", "auto's default group is not a ring group");
+    auto cuda_group = default_cuda_process_group();
+    require(cuda_group != nullptr && cuda_group->backend() == "nccl",
+            "no nccl group under auto on a GPU: " + cuda_process_group_absent_reason());
+    torch::manual_seed(100);
+    test::Mlp on_gpu;
+    on_gpu->to(kCuda0);
+    DistributedDataParallel gpu_model(on_gpu.ptr());
+    require(&gpu_model->process_group() == cuda_group.get(),
+            "DDP of CUDA parameters is not on nccl");
+    test::Mlp on_cpu;
+    DistributedDataParallel cpu_model(on_cpu.ptr());
+    require(&cpu_model->process_group() == ring.get(), "DDP of CPU parameters is not on the ring");
+    auto t = torch::ones({4}, torch::TensorOptions(kCuda0));
+    all_reduce(t, ReduceOp::kSum);
+    require(torch::equal(t.cpu(), torch::ones({4})), "all_reduce of a CUDA tensor under auto");
+    destroy_process_group();
   });
   EXPECT_ALL_RANKS_OK(results);
 }
