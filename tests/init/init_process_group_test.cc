@@ -41,13 +41,7 @@ TEST(InitProcessGroup, RingGroupFromTheLaunchersVariablesAllreduces) {
 TEST(InitProcessGroup, AutoMakesARingGroupAndNamesTheRankThatCannotUseNccl) {
   const int port = test::free_port();
   const auto results = test::run_ranks(2, [&](int rank) {
-    ::setenv("RANK", std::to_string(rank).c_str(), 1);
-    ::setenv("WORLD_SIZE", "2", 1);
-    ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
-    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-    ::setenv("DDP_TIMEOUT", "30", 1);
+    test::set_launcher_environment(rank, 2, port, /*timeout_seconds=*/30);
     ::setenv("DDP_BACKEND", "auto", 1);
     ::setenv("DDP_QUIET", "1", 1);
     if (rank == 1) ::setenv("DDP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2", 1);

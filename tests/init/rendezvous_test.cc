@@ -55,13 +55,7 @@ TEST(Rendezvous, RanksMeetAndShareOneStore) {
 TEST(Rendezvous, ReadsTheLaunchersVariables) {
   const int port = test::free_port();
   const auto results = run_ranks(2, [&](int rank) {
-    ::setenv("RANK", std::to_string(rank).c_str(), 1);
-    ::setenv("WORLD_SIZE", "2", 1);
-    ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
-    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-    ::setenv("DDP_TIMEOUT", "20", 1);
+    test::set_launcher_environment(rank, 2, port, /*timeout_seconds=*/20);
     World world = rendezvous();
     if (world.rank() != rank || world.size() != 2 || world.local_size() != 2) {
       throw std::runtime_error("environment not read");

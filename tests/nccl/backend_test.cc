@@ -38,13 +38,7 @@ void expect_every_rank_refuses(const char* extra_name, const char* extra_value,
   const auto results = test::run_ranks(
       2,
       [&](int rank) {
-        ::setenv("RANK", std::to_string(rank).c_str(), 1);
-        ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-        ::setenv("WORLD_SIZE", "2", 1);
-        ::setenv("LOCAL_WORLD_SIZE", "2", 1);
-        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-        ::setenv("DDP_TIMEOUT", "20", 1);
+        test::set_launcher_environment(rank, 2, port, /*timeout_seconds=*/20);
         ::setenv("DDP_BACKEND", "nccl", 1);
         if (extra_name != nullptr) ::setenv(extra_name, extra_value, 1);
         const auto start = std::chrono::steady_clock::now();

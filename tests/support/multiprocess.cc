@@ -6,9 +6,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <sstream>
+#include <string>
 #include <thread>
 
 #include "net/socket.h"
@@ -127,6 +129,16 @@ std::string describe(const std::vector<RankResult>& results) {
 
 int free_port() {
   return ddp::net::pick_free_port();
+}
+
+void set_launcher_environment(int rank, int world, int port, int timeout_seconds) {
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("DDP_TIMEOUT", std::to_string(timeout_seconds).c_str(), 1);
 }
 
 }  // namespace ddp::test

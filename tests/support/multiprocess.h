@@ -36,6 +36,11 @@ std::string describe(const std::vector<RankResult>& results);
 // A TCP port that is free right now (for a store or a master).
 int free_port();
 
+// Sets the variables a launcher gives rank `rank` of a one-host job of `world` ranks (RANK,
+// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT) and DDP_TIMEOUT
+// (seconds), in this process: for a rank of run_ranks that calls rendezvous or init_process_group.
+void set_launcher_environment(int rank, int world, int port, int timeout_seconds);
+
 }  // namespace ddp::test
 
 #define EXPECT_ALL_RANKS_OK(results)                                                      \
