@@ -24,13 +24,11 @@ void check_tensor(const torch::Tensor& tensor, const std::string& what,
   check_collective_tensor(tensor, what);
   const bool direct = device_group != nullptr && device_group->memory_space() == MemorySpace::kCuda;
   if (tensor.is_cuda() && !direct) {
-    // Host groups stage CUDA tensors before these checks; on a CUDA group (nccl) the list
-    // forms would need their packing on the device, not built yet.
+    // Every call stages CUDA tensors before these checks where it cannot take them (host
+    // groups; the list forms on a CUDA group): reaching here is a call made without staging.
     throw ConfigError(fmt::format(
-        "{} is on {}; on a CUDA group (nccl) this call does not take CUDA tensors yet (issue 25: "
-        "the single-tensor calls, allreduce_tensor and broadcast_coalesced do, and every call of "
-        "the tensor API does on a host group, ring or mpi, which stages them). Pass tensor.cpu() "
-        "to a host group",
+        "{} is on {}, which this call cannot take without staging; pass tensor.cpu(), or call "
+        "it through the tensor API (ddp/torch/distributed.h), which stages CUDA tensors",
         what, tensor.device().str()));
   }
   check_contiguous(tensor, what);

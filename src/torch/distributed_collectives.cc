@@ -187,8 +187,10 @@ std::shared_ptr<Work> all_reduce_call(const torch::Tensor& tensor, TensorReduceO
   ProcessGroup& g = group.get_for(tensor);
   if (must_stage(g, {tensor})) {
     return run_on_host(
-        {}, {tensor},
-        [&](const Tensors&, const Tensors& w) { return all_reduce_call(w[0], op, group, {}); },
+        g, {}, {tensor},
+        [&](const Tensors&, const Tensors& w, ProcessGroup& on) {
+          return all_reduce_call(w[0], op, on, {});
+        },
         options.blocking);
   }
   check_collective(g, [&] {
@@ -210,9 +212,9 @@ std::shared_ptr<Work> broadcast_call(const torch::Tensor& tensor, int src, Group
     const bool source = g.rank() == src;
     const Tensors outputs{tensor};
     return run_on_host(
-        source ? Tensors{tensor} : Tensors{}, source ? Tensors{} : Tensors{tensor},
-        [&](const Tensors& r, const Tensors& w) {
-          return broadcast_call(source ? r[0] : w[0], src, group, {});
+        g, source ? Tensors{tensor} : Tensors{}, source ? Tensors{} : Tensors{tensor},
+        [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+          return broadcast_call(source ? r[0] : w[0], src, on, {});
         },
         options.blocking, &outputs);
   }
@@ -244,9 +246,9 @@ std::shared_ptr<Work> reduce_async(const torch::Tensor& tensor, int dst, TensorR
     const bool destination = g.rank() == dst;
     const Tensors outputs{tensor};
     return run_on_host(
-        destination ? Tensors{} : Tensors{tensor}, destination ? Tensors{tensor} : Tensors{},
-        [&](const Tensors& r, const Tensors& w) {
-          return reduce_async(destination ? w[0] : r[0], dst, op, group);
+        g, destination ? Tensors{} : Tensors{tensor}, destination ? Tensors{tensor} : Tensors{},
+        [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+          return reduce_async(destination ? w[0] : r[0], dst, op, on);
         },
         /*blocking=*/false, &outputs);
   }
@@ -267,10 +269,11 @@ void reduce(const torch::Tensor& tensor, int dst, TensorReduceOp op, GroupRef gr
 std::shared_ptr<Work> all_gather_async(const Tensors& tensor_list, const torch::Tensor& tensor,
                                        GroupRef group) {
   ProcessGroup& g = group.get();
-  if (must_stage(g, joined(tensor_list, {tensor}))) {
-    return run_on_host({tensor}, tensor_list, [&](const Tensors& r, const Tensors& w) {
-      return all_gather_async(w, r[0], group);
-    });
+  if (must_stage(g, joined(tensor_list, {tensor}), /*packs_on_host=*/true)) {
+    return run_on_host(g, {tensor}, tensor_list,
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return all_gather_async(w, r[0], on);
+                       });
   }
   check_collective(g, [&] {
     check_tensor(tensor, "all_gather: tensor");
@@ -298,9 +301,10 @@ std::shared_ptr<Work> all_gather_into_tensor_async(const torch::Tensor& output,
                                                    const torch::Tensor& input, GroupRef group) {
   ProcessGroup& g = group.get_for(output);
   if (must_stage(g, {output, input})) {
-    return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
-      return all_gather_into_tensor_async(w[0], r[0], group);
-    });
+    return run_on_host(g, {input}, {output},
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return all_gather_into_tensor_async(w[0], r[0], on);
+                       });
   }
   check_collective(g, [&] {
     check_tensor(input, "all_gather_into_tensor: input", &g);
@@ -320,10 +324,11 @@ void all_gather_into_tensor(const torch::Tensor& output, const torch::Tensor& in
 std::shared_ptr<Work> reduce_scatter_async(const torch::Tensor& output, const Tensors& input_list,
                                            TensorReduceOp op, GroupRef group) {
   ProcessGroup& g = group.get();
-  if (must_stage(g, joined(input_list, {output}))) {
-    return run_on_host(input_list, {output}, [&](const Tensors& r, const Tensors& w) {
-      return reduce_scatter_async(w[0], r, op, group);
-    });
+  if (must_stage(g, joined(input_list, {output}), /*packs_on_host=*/true)) {
+    return run_on_host(g, input_list, {output},
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return reduce_scatter_async(w[0], r, op, on);
+                       });
   }
   check_collective(g, [&] {
     check_tensor(output, "reduce_scatter: output");
@@ -353,9 +358,10 @@ std::shared_ptr<Work> reduce_scatter_tensor_async(const torch::Tensor& output,
                                                   GroupRef group) {
   ProcessGroup& g = group.get_for(output);
   if (must_stage(g, {output, input})) {
-    return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
-      return reduce_scatter_tensor_async(w[0], r[0], op, group);
-    });
+    return run_on_host(g, {input}, {output},
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return reduce_scatter_tensor_async(w[0], r[0], op, on);
+                       });
   }
   check_collective(g, [&] {
     check_tensor(output, "reduce_scatter_tensor: output", &g);
@@ -417,9 +423,9 @@ void check_coalesced_pairs(const Tensors& bigger, const std::string& bigger_what
 std::shared_ptr<Work> all_reduce_coalesced_async(const Tensors& tensors, TensorReduceOp op,
                                                  GroupRef group) {
   ProcessGroup& g = group.get();
-  if (must_stage(g, tensors)) {
-    return run_on_host({}, tensors, [&](const Tensors&, const Tensors& w) {
-      return all_reduce_coalesced_async(w, op, group);
+  if (must_stage(g, tensors, /*packs_on_host=*/true)) {
+    return run_on_host(g, {}, tensors, [&](const Tensors&, const Tensors& w, ProcessGroup& on) {
+      return all_reduce_coalesced_async(w, op, on);
     });
   }
   check_collective(g, [&] {
@@ -445,10 +451,11 @@ std::shared_ptr<Work> all_gather_into_tensor_coalesced_async(const Tensors& outp
                                                              const Tensors& inputs,
                                                              GroupRef group) {
   ProcessGroup& g = group.get();
-  if (must_stage(g, joined(outputs, inputs))) {
-    return run_on_host(inputs, outputs, [&](const Tensors& r, const Tensors& w) {
-      return all_gather_into_tensor_coalesced_async(w, r, group);
-    });
+  if (must_stage(g, joined(outputs, inputs), /*packs_on_host=*/true)) {
+    return run_on_host(g, inputs, outputs,
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return all_gather_into_tensor_coalesced_async(w, r, on);
+                       });
   }
   check_collective(g, [&] {
     check_coalesced_pairs(outputs, "outputs", inputs, "inputs", g.size(),
@@ -484,10 +491,11 @@ std::shared_ptr<Work> reduce_scatter_tensor_coalesced_async(const Tensors& outpu
                                                             const Tensors& inputs,
                                                             TensorReduceOp op, GroupRef group) {
   ProcessGroup& g = group.get();
-  if (must_stage(g, joined(outputs, inputs))) {
-    return run_on_host(inputs, outputs, [&](const Tensors& r, const Tensors& w) {
-      return reduce_scatter_tensor_coalesced_async(w, r, op, group);
-    });
+  if (must_stage(g, joined(outputs, inputs), /*packs_on_host=*/true)) {
+    return run_on_host(g, inputs, outputs,
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return reduce_scatter_tensor_coalesced_async(w, r, op, on);
+                       });
   }
   check_collective(g, [&] {
     check_coalesced_pairs(inputs, "inputs", outputs, "outputs", g.size(),
@@ -524,10 +532,11 @@ void reduce_scatter_tensor_coalesced(const Tensors& outputs, const Tensors& inpu
 std::shared_ptr<Work> all_to_all_async(const Tensors& output_list, const Tensors& input_list,
                                        GroupRef group) {
   ProcessGroup& g = group.get();
-  if (must_stage(g, joined(output_list, input_list))) {
-    return run_on_host(input_list, output_list, [&](const Tensors& r, const Tensors& w) {
-      return all_to_all_async(w, r, group);
-    });
+  if (must_stage(g, joined(output_list, input_list), /*packs_on_host=*/true)) {
+    return run_on_host(g, input_list, output_list,
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return all_to_all_async(w, r, on);
+                       });
   }
   check_collective(g, [&] {
     check_list_length(input_list, world(g), "all_to_all: input_list", "one per rank of the group");
@@ -614,9 +623,10 @@ std::shared_ptr<Work> all_to_all_single_async(const torch::Tensor& output,
                                               GroupRef group) {
   ProcessGroup& g = group.get_for(output);
   if (must_stage(g, {output, input})) {
-    return run_on_host({input}, {output}, [&](const Tensors& r, const Tensors& w) {
-      return all_to_all_single_async(w[0], r[0], output_split_sizes, input_split_sizes, group);
-    });
+    return run_on_host(
+        g, {input}, {output}, [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+          return all_to_all_single_async(w[0], r[0], output_split_sizes, input_split_sizes, on);
+        });
   }
   std::vector<std::size_t> send_counts;
   std::vector<std::size_t> recv_counts;
@@ -655,10 +665,11 @@ void all_to_all_single(const torch::Tensor& output, const torch::Tensor& input,
 std::shared_ptr<Work> gather_async(const torch::Tensor& tensor, const Tensors& gather_list, int dst,
                                    GroupRef group) {
   ProcessGroup& g = group.get();
-  if (must_stage(g, joined(gather_list, {tensor}))) {
-    return run_on_host({tensor}, gather_list, [&](const Tensors& r, const Tensors& w) {
-      return gather_async(r[0], w, dst, group);
-    });
+  if (must_stage(g, joined(gather_list, {tensor}), /*packs_on_host=*/true)) {
+    return run_on_host(g, {tensor}, gather_list,
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return gather_async(r[0], w, dst, on);
+                       });
   }
   check_collective(g, [&] {
     check_tensor(tensor, "gather: tensor");
@@ -696,10 +707,11 @@ void gather(const torch::Tensor& tensor, const Tensors& gather_list, int dst, Gr
 std::shared_ptr<Work> scatter_async(const torch::Tensor& tensor, const Tensors& scatter_list,
                                     int src, GroupRef group) {
   ProcessGroup& g = group.get();
-  if (must_stage(g, joined(scatter_list, {tensor}))) {
-    return run_on_host(scatter_list, {tensor}, [&](const Tensors& r, const Tensors& w) {
-      return scatter_async(w[0], r, src, group);
-    });
+  if (must_stage(g, joined(scatter_list, {tensor}), /*packs_on_host=*/true)) {
+    return run_on_host(g, scatter_list, {tensor},
+                       [&](const Tensors& r, const Tensors& w, ProcessGroup& on) {
+                         return scatter_async(w[0], r, src, on);
+                       });
   }
   check_collective(g, [&] {
     check_tensor(tensor, "scatter: tensor");

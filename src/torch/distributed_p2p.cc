@@ -33,8 +33,8 @@ std::shared_ptr<Work> with_result(std::shared_ptr<Work> work, const torch::Tenso
 std::shared_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag, GroupRef group) {
   ProcessGroup& g = group.get_for(tensor);
   if (must_stage(g, {tensor})) {
-    return run_on_host({tensor}, {}, [&](const Tensors& r, const Tensors&) {
-      return isend(r[0], dst, tag, group);
+    return run_on_host(g, {tensor}, {}, [&](const Tensors& r, const Tensors&, ProcessGroup& on) {
+      return isend(r[0], dst, tag, on);
     });
   }
   check_tensor(tensor, "isend: tensor", &g);
@@ -46,8 +46,8 @@ std::shared_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag, Group
 std::shared_ptr<Work> irecv(const torch::Tensor& tensor, int src, int tag, GroupRef group) {
   ProcessGroup& g = group.get_for(tensor);
   if (must_stage(g, {tensor})) {
-    return run_on_host({}, {tensor}, [&](const Tensors&, const Tensors& w) {
-      return irecv(w[0], src, tag, group);
+    return run_on_host(g, {}, {tensor}, [&](const Tensors&, const Tensors& w, ProcessGroup& on) {
+      return irecv(w[0], src, tag, on);
     });
   }
   check_tensor(tensor, "irecv: tensor", &g);
@@ -78,9 +78,9 @@ int recv_any_source(const torch::Tensor& tensor, int tag, GroupRef group) {
   if (must_stage(g, {tensor})) {
     int source = -1;
     run_on_host(
-        {}, {tensor},
-        [&](const Tensors&, const Tensors& w) {
-          source = recv_any_source(w[0], tag, group);
+        g, {}, {tensor},
+        [&](const Tensors&, const Tensors& w, ProcessGroup& on) {
+          source = recv_any_source(w[0], tag, on);
           auto received =
               std::make_shared<Work>("recv_any_source (staged)", std::chrono::milliseconds(0));
           received->complete();

@@ -1,5 +1,7 @@
 #include "torch/host_staging.h"
 
+#include "torch/host_values.h"
+
 #include <atomic>
 
 namespace ddp::detail {
@@ -25,15 +27,17 @@ torch::Tensor staged_host_copy(const torch::Tensor& t) {
 
 }  // namespace
 
-bool must_stage(ProcessGroup& group, const std::vector<torch::Tensor>& tensors) {
-  if (staging_inner_call_running || group.memory_space() != MemorySpace::kHost) return false;
+bool must_stage(ProcessGroup& group, const std::vector<torch::Tensor>& tensors,
+                bool packs_on_host) {
+  if (staging_inner_call_running) return false;
+  if (group.memory_space() != MemorySpace::kHost && !packs_on_host) return false;
   for (const auto& t : tensors) {
     if (is_staged_tensor(t)) return true;
   }
   return false;
 }
 
-std::shared_ptr<Work> run_on_host(const std::vector<torch::Tensor>& read,
+std::shared_ptr<Work> run_on_host(ProcessGroup& group, const std::vector<torch::Tensor>& read,
                                   const std::vector<torch::Tensor>& written, const StagedCall& call,
                                   bool blocking, const std::vector<torch::Tensor>* result) {
   torch::NoGradGuard no_grad;
@@ -44,10 +48,12 @@ std::shared_ptr<Work> run_on_host(const std::vector<torch::Tensor>& read,
     host_read.push_back(staged_host_copy(t));
   for (const auto& t : written)
     host_written.push_back(staged_host_copy(t));
+  // A CUDA group's relay lives until the call's Work completes (the chain below holds it).
+  auto on = std::make_shared<internal::HostValues>(group);
   std::shared_ptr<Work> work;
   staging_inner_call_running = true;
   try {
-    work = call(host_read, host_written);
+    work = call(host_read, host_written, **on);
   } catch (...) {
     staging_inner_call_running = false;
     throw;
@@ -55,7 +61,7 @@ std::shared_ptr<Work> run_on_host(const std::vector<torch::Tensor>& read,
   staging_inner_call_running = false;
   // The inner Work's own callbacks (unpacking a list) run before this step: it was chained last.
   auto chain =
-      work->and_then([host_read, host_written, written,
+      work->and_then([on, host_read, host_written, written,
                       outputs = result != nullptr ? *result : written](Work& done) mutable {
         torch::NoGradGuard no_grad;
         for (std::size_t i = 0; i < written.size(); ++i) {

@@ -4,7 +4,13 @@
 // writes get their results back before its wait() returns: the Work becomes a chain whose last
 // step copies host to device (synchronously, so the caller's stream sees the values), and its
 // result is the caller's tensors. A failed call copies nothing back: the tensors keep their
-// values. CPU tensors pass through untouched. Internal.
+// values. CPU tensors pass through untouched.
+//
+// On a CUDA group (nccl) the calls that pack their tensors on the host (the list and coalesced
+// forms: `packs_on_host`) are staged the same way, and their inner call runs on the group's
+// HostValues relay (host_values.h), which takes the packed host buffers to the device for NCCL
+// and back: four copies in all, correct but slow (the single-tensor forms hand NCCL device memory
+// directly). Internal.
 #pragma once
 
 #include <cstddef>
@@ -18,19 +24,24 @@
 
 namespace ddp::detail {
 
+// The inner call: `read` and `written` are the host copies, `group` the group to call (the
+// caller's host group, or a CUDA group's relay).
 using StagedCall = std::function<std::shared_ptr<Work>(const std::vector<torch::Tensor>& read,
-                                                       const std::vector<torch::Tensor>& written)>;
+                                                       const std::vector<torch::Tensor>& written,
+                                                       ProcessGroup& group)>;
 
 // Whether a call on `group` with `tensors` runs through run_on_host: some tensor is a CUDA
-// tensor, the group reads host memory, and the call is not already a staged one's inner call.
-bool must_stage(ProcessGroup& group, const std::vector<torch::Tensor>& tensors);
+// tensor, the group reads host memory (or it is a CUDA group and the call `packs_on_host`), and
+// the call is not already a staged one's inner call.
+bool must_stage(ProcessGroup& group, const std::vector<torch::Tensor>& tensors,
+                bool packs_on_host = false);
 
-// Runs `call` with host copies of `read` (tensors the call only reads) and `written` (tensors it
-// writes, in place or as outputs; their copies start with their values, for the parts a call
-// leaves alone), and returns its Work chained with the copy back of `written`, whose result is
-// `result` (the call's outputs as the caller passed them; `written` when null). With `blocking`,
-// waits and returns Work::completed_blocking_call().
-std::shared_ptr<Work> run_on_host(const std::vector<torch::Tensor>& read,
+// Runs `call` on `group` (its relay for a CUDA group) with host copies of `read` (tensors the call
+// only reads) and `written` (tensors it writes, in place or as outputs; their copies start with
+// their values, for the parts a call leaves alone), and returns its Work chained with the copy back
+// of `written`, whose result is `result` (the call's outputs as the caller passed them; `written`
+// when null). With `blocking`, waits and returns Work::completed_blocking_call().
+std::shared_ptr<Work> run_on_host(ProcessGroup& group, const std::vector<torch::Tensor>& read,
                                   const std::vector<torch::Tensor>& written, const StagedCall& call,
                                   bool blocking = false,
                                   const std::vector<torch::Tensor>* result = nullptr);

@@ -1,4 +1,5 @@
-// DistributedDataParallel, ZeroRedundancyOptimizer, Join and the object collectives over a group
+// DistributedDataParallel, ZeroRedundancyOptimizer, Join, the tensor API's list forms and the
+// object collectives over a group
 // whose buffers are device memory (the nccl backend), checked without a GPU: DeviceMemoryGroup
 // declares CUDA memory and forwards to a ring group, and ScopedCpuAsCudaGroupMemoryForTests lets
 // the torch layer take CPU tensors as that memory. The torch layer's own host values (flags,
@@ -27,6 +28,7 @@
 #include "support/multiprocess.h"
 #include "torch/ddp_test_models.h"
 #include "torch/ddp_test_util.h"
+#include "torch/host_staging.h"
 #include "torch/host_values.h"
 
 namespace ddp {
@@ -204,6 +206,75 @@ TEST(CudaGroup, HostValuesReachADeviceMemoryGroupOnlyThroughCopiesForEveryCall) 
             "all_gather_object over the device-memory group");
     require(pretend.relayed_calls() >= 12,
             fmt::format("{} calls were relayed", pretend.relayed_calls()));
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// The list and coalesced forms of the tensor API pack on the host: on a CUDA group they are staged
+// (host copies of the tensors) and their packed buffers reach the group through its relay. Here
+// the tensors are CPU tensors that the staging switch treats as device tensors; every form gives
+// the values computed from each rank's input, staged and relayed.
+TEST(CudaGroup, ListAndCoalescedFormsReachADeviceMemoryGroupStagedAndRelayed) {
+  const int world = 3;
+  const int port = test::free_port();
+  const auto results = run_ranks(world, [&](int rank) {
+    auto ring = join_group(rank, world, port);
+    internal::ScopedCpuAsCudaGroupMemoryForTests pretend;
+    detail::ScopedStagingOfCpuTensorsForTests staging;
+    std::shared_ptr<ProcessGroup> group = std::make_shared<DeviceMemoryGroup>(ring);
+    const auto r = static_cast<float>(rank);
+    const auto values = [](std::initializer_list<float> v) {
+      return torch::tensor(std::vector<float>(v));
+    };
+    std::size_t relayed = 0, staged = 0;
+    const auto check = [&](bool ok, const std::string& call) {
+      require(ok, call + ": wrong values");
+      require(pretend.relayed_calls() > relayed, call + ": nothing went through the relay");
+      require(staging.copies_to_host() > staged, call + ": nothing was staged");
+      relayed = pretend.relayed_calls();
+      staged = staging.copies_to_host();
+    };
+
+    std::vector<torch::Tensor> gathered{torch::zeros({1}), torch::zeros({1}), torch::zeros({1})};
+    all_gather(gathered, values({r}), group);
+    check(torch::equal(torch::cat(gathered), values({0, 1, 2})), "all_gather");
+
+    auto part = torch::zeros({1});
+    reduce_scatter(part, {values({1}), values({2}), values({3})}, ReduceOp::kSum, group);
+    check(torch::equal(part, values({3.0f * static_cast<float>(rank + 1)})), "reduce_scatter");
+
+    std::vector<torch::Tensor> at_root;
+    if (rank == 0) at_root = {torch::zeros({1}), torch::zeros({1}), torch::zeros({1})};
+    gather(values({10 + r}), at_root, /*dst=*/0, group);
+    check(rank != 0 || torch::equal(torch::cat(at_root), values({10, 11, 12})), "gather");
+
+    auto mine = torch::zeros({1});
+    std::vector<torch::Tensor> blocks;
+    if (rank == 1) blocks = {values({20}), values({21}), values({22})};
+    scatter(mine, blocks, /*src=*/1, group);
+    check(torch::equal(mine, values({20 + r})), "scatter");
+
+    std::vector<torch::Tensor> incoming{torch::zeros({1}), torch::zeros({1}), torch::zeros({1})};
+    all_to_all(incoming, {values({10 * r}), values({10 * r + 1}), values({10 * r + 2})}, group);
+    check(torch::equal(torch::cat(incoming), values({r, 10 + r, 20 + r})), "all_to_all");
+
+    std::vector<torch::Tensor> both{values({r}), values({1, r})};
+    all_reduce_coalesced(both, ReduceOp::kSum, group);
+    check(torch::equal(both[0], values({3})) && torch::equal(both[1], values({3, 3})),
+          "all_reduce_coalesced");
+
+    std::vector<torch::Tensor> outputs{torch::zeros({3}), torch::zeros({6})};
+    all_gather_into_tensor_coalesced(outputs, {values({r}), values({r, -r})}, group);
+    check(torch::equal(outputs[0], values({0, 1, 2})) &&
+              torch::equal(outputs[1], values({0, 0, 1, -1, 2, -2})),
+          "all_gather_into_tensor_coalesced");
+
+    std::vector<torch::Tensor> shards{torch::zeros({1}), torch::zeros({2})};
+    reduce_scatter_tensor_coalesced(shards, {values({1, 2, 3}), values({1, 1, 2, 2, 3, 3})},
+                                    ReduceOp::kSum, group);
+    const float k = 3.0f * static_cast<float>(rank + 1);
+    check(torch::equal(shards[0], values({k})) && torch::equal(shards[1], values({k, k})),
+          "reduce_scatter_tensor_coalesced");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

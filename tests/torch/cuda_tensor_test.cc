@@ -1,8 +1,9 @@
 // What ddp does with a CUDA tensor, checked with either libtorch and without a GPU: the tensor
 // wraps a host address that it declares to be on cuda:0 (at::for_blob with an explicit target
 // device asks no CUDA driver), so only its device says CUDA, which is all the checks may read.
-// The helpers accept it; on a CUDA group the tensor API's calls that do not take it yet refuse
-// it by name; tests/torch/gpu_test.cc moves real CUDA tensors where there is a GPU.
+// The helpers accept it and ZeroRedundancyOptimizer names parameters on two devices;
+// tests/torch/cuda_group_test.cc runs the CUDA-group paths on the CPU, and
+// tests/torch/gpu_test.cc moves real CUDA tensors where there is a GPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,7 +16,6 @@
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
-#include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 
@@ -47,40 +47,6 @@ TEST(CudaTensor, IsAcceptedByTheHelpersThatStageIt) {
   std::array<float, 4> memory{};
   DECLARE_CUDA_TENSOR(tensor, memory);
   EXPECT_NO_THROW(check_collective_tensor(tensor, "the gradient of 'fc.weight'"));
-}
-
-// A group that says its buffers are CUDA memory, as the nccl backend does (its calls go to a
-// ring group: nothing here reaches them).
-class PretendCudaGroup final : public test::ForwardingGroup {
- public:
-  using ForwardingGroup::ForwardingGroup;
-  MemorySpace memory_space() const override { return MemorySpace::kCuda; }
-};
-
-// On a host group every call stages a CUDA tensor (tests/torch/distributed_api_test.cc checks
-// the staging on the CPU, gpu_test.cc on a GPU); on a CUDA group the single-tensor calls hand
-// the engine its device memory (gpu_test.cc, with nccl) and the list forms, which would pack it
-// on the host, refuse it by name.
-TEST(CudaTensor, TheCallsThatDoNotTakeItOnACudaGroupRefuseItByName) {
-  std::array<float, 4> memory{};
-  DECLARE_CUDA_TENSOR(tensor, memory);
-  PretendCudaGroup group(test::join_group(0, 1, test::free_port()));
-  try {
-    std::vector<torch::Tensor> list{tensor};
-    all_gather(list, tensor, group);
-    FAIL() << "a CUDA tensor went to a CUDA group's all_gather";
-  } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("all_gather: tensor is on cuda:0; on a CUDA group (nccl) "
-                                    "this call does not take CUDA tensors yet (issue 25"));
-    EXPECT_THAT(e.what(), HasSubstr("tensor.cpu()"));
-  }
-  try {
-    std::vector<torch::Tensor> inputs{tensor};
-    reduce_scatter(tensor, inputs, ReduceOp::kSum, group);
-    FAIL() << "a CUDA tensor went to a CUDA group's reduce_scatter";
-  } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("reduce_scatter: output is on cuda:0; on a CUDA group"));
-  }
 }
 
 // ZeroRedundancyOptimizer takes parameters on one device, CPU or CUDA (CUDA ones on a host group

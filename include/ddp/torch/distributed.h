@@ -29,9 +29,10 @@
 // does: the call runs on host copies made after the current stream's work, and its outputs are
 // copied back to the device before wait() returns (nothing is copied back when it fails). On a
 // CUDA group (nccl) the single-tensor calls hand the engine the tensor's device memory, ordered
-// after the current stream; the list forms do not take CUDA tensors there yet (ConfigError). Bad
+// after the current stream; the list and coalesced forms, which pack on the host, are staged
+// there too and their packed buffers reach NCCL through device copies (correct, not fast). Bad
 // arguments throw ConfigError naming the call, the argument and the fix: wrong dtype, device
-// (meta, or CUDA in a list form on a CUDA group), layout, non-contiguous, a list of the wrong
+// (meta), layout, non-contiguous, a list of the wrong
 // length, shapes that don't fit, split sizes that don't add up. So that no other rank waits for a
 // call that this rank refused, the refusing rank first issues a barrier in its place: ranks that
 // did make the call then fail at once with a CommError naming the mismatch (ring backend, which
