@@ -82,6 +82,9 @@ class ProcessGroup {
   virtual std::string_view backend() const = 0;
   // Where the buffers of this group's calls live (see MemorySpace). Host by default.
   virtual MemorySpace memory_space() const { return MemorySpace::kHost; }
+  // For a CUDA group: the index of the CUDA device whose memory its calls take; -1 when the group
+  // does not say (the caller's current device) and for host groups.
+  virtual int cuda_device() const { return -1; }
   // This rank's index among the ranks of this group on the caller's host (0..local_size()-1, in
   // rank order), and how many ranks of this group that host has. Backends that know their
   // topology override these; the default throws ConfigError.

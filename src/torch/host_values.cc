@@ -24,20 +24,12 @@ bool pretend_cpu_is_cuda() {
   return cpu_as_cuda_group_memory.load() > 0;
 }
 
-// `bytes` of the CUDA group's memory (the current CUDA device; the CPU in tests).
-torch::Tensor group_memory(std::size_t bytes) {
-  const auto options = torch::TensorOptions().dtype(torch::kUInt8);
-  return torch::empty({static_cast<std::int64_t>(bytes)},
-                      pretend_cpu_is_cuda() ? options : options.device(torch::kCUDA));
-}
-
-// A copy of host `values` in the group's memory, queued on the device's current stream (which
-// the call then follows); undefined for a null pointer (a rooted call's unused buffer).
-torch::Tensor copy_to_group(const void* values, std::size_t bytes) {
-  if (values == nullptr) return {};
-  auto copy = group_memory(bytes);
-  copy.copy_(host_bytes(values, bytes));
-  return copy;
+// Where a CUDA group's memory is: its device, else the current CUDA device; the CPU in tests.
+torch::Device device_of(const ProcessGroup& group) {
+  if (pretend_cpu_is_cuda()) return torch::kCPU;
+  const int index = group.cuda_device();
+  return index >= 0 ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index))
+                    : torch::Device(torch::kCUDA);
 }
 
 void* data_of(const torch::Tensor& t) {
@@ -55,7 +47,7 @@ struct Output {
 class HostValueRelay final : public ProcessGroup {
  public:
   explicit HostValueRelay(ProcessGroup& group)
-      : ProcessGroup(group.rank(), group.size()), group_(group) {}
+      : ProcessGroup(group.rank(), group.size()), group_(group), device_(device_of(group)) {}
 
   std::string_view backend() const override { return group_.backend(); }
   int local_rank() const override { return group_.local_rank(); }
@@ -171,6 +163,21 @@ class HostValueRelay final : public ProcessGroup {
  private:
   std::size_t world() const { return static_cast<std::size_t>(size()); }
 
+  // `bytes` of the group's memory.
+  torch::Tensor group_memory(std::size_t bytes) const {
+    return torch::empty({static_cast<std::int64_t>(bytes)},
+                        torch::TensorOptions().dtype(torch::kUInt8).device(device_));
+  }
+
+  // A copy of host `values` in the group's memory, queued on the device's current stream (which
+  // the call then follows); undefined for a null pointer (a rooted call's unused buffer).
+  torch::Tensor copy_to_group(const void* values, std::size_t bytes) const {
+    if (values == nullptr) return {};
+    auto copy = group_memory(bytes);
+    copy.copy_(host_bytes(values, bytes));
+    return copy;
+  }
+
   // Runs `call` ordered after the current stream (where the copies were queued), then copies the
   // outputs back to the host as the Work's last step; `inputs` live until then.
   template <typename Call>
@@ -201,6 +208,7 @@ class HostValueRelay final : public ProcessGroup {
   }
 
   ProcessGroup& group_;
+  const torch::Device device_;
 };
 
 }  // namespace

@@ -1,10 +1,11 @@
 // The torch layer's own exchanges of host values (flags, counts, hashes, orders, encoded objects):
 // the checks and plans of DistributedDataParallel, Join and GradScaler, the rank agreement and
 // the object collectives. A host group (ring, mpi) reads them where they lie. A CUDA group (nccl)
-// reads device memory only, so there HostValues relays them through device copies on the current
-// CUDA device: each call's inputs are copied there on the current stream, the call follows that
-// stream, and its outputs are copied back (synchronously) as the Work's last step, so that they
-// are in place when wait() returns; a failed call copies nothing back.
+// reads device memory only, so there HostValues relays them through device copies on the group's
+// CUDA device (ProcessGroup::cuda_device(); the current one when it does not say): each call's
+// inputs are copied there on the current stream, the call follows that stream, and its outputs are
+// copied back (synchronously) as the Work's last step, so that they are in place when wait()
+// returns; a failed call copies nothing back.
 //
 //   internal::HostValues values(group);
 //   values->allreduce(flags.data(), flags.size(), DType::kInt32, ReduceOp::kMax)->wait();
