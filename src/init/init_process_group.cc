@@ -31,15 +31,21 @@ std::shared_ptr<ProcessGroup> default_group;
 std::shared_ptr<ProcessGroup> default_cuda_group;  // DDP_BACKEND=auto, where every rank has a GPU
 std::string cuda_group_absent_reason;              // DDP_BACKEND=auto, where some rank had none
 
+// DDP_QUIET set and not "0": the notices below stay off stderr.
+bool quiet() {
+  const auto value = process_environment("DDP_QUIET");
+  return value && !value->empty() && *value != "0";
+}
+
 // Under "auto": why this rank cannot drive a GPU of its own with nccl; "" when it can (its device
-// is then current).
+// is then current). Never throws: every rank must reach the agreement that follows.
 std::string why_this_rank_has_no_nccl_device(int local_rank) {
   if (!nccl_backend_available()) {
     return fmt::format("this ddp has no nccl backend ({})", nccl_backend_unavailable_reason());
   }
   try {
     prepare_nccl_device({.device = local_rank});
-  } catch (const ConfigError& e) {
+  } catch (const std::exception& e) {
     return e.what();
   }
   return "";
@@ -174,8 +180,7 @@ void notice_single_process(const InitOptions& options) {
                            "SLURM_PROCID", "SLURM_NTASKS", "PMI_SIZE", "PMIX_RANK"}) {
     if (process_environment(name)) return;
   }
-  const auto quiet = process_environment("DDP_QUIET");
-  if (quiet && !quiet->empty() && *quiet != "0") return;
+  if (quiet()) return;
   static std::once_flag once;
   std::call_once(once, [] {
     std::fprintf(stderr,
@@ -251,8 +256,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
             store, world.rank(), world.size(),
             {.timeout = world.timeout, .group_name = "cuda", .device = world.local_rank()});
       }
-      const auto quiet = process_environment("DDP_QUIET");
-      if (world.rank() == 0 && !(quiet && !quiet->empty() && *quiet != "0")) {
+      if (world.rank() == 0 && !quiet()) {
         if (cuda_group) {
           std::fprintf(stderr,
                        "ddp: DDP_BACKEND=auto: CPU tensors on ring, CUDA tensors on nccl\n");
