@@ -104,5 +104,11 @@ std::string ring_transport_of(const ProcessGroup& group);
 // counted. -1 for groups of other backends. Call while none of the group's calls is in flight.
 int ring_collective_connections_of(const ProcessGroup& group);
 
+// How many TCP connections a group made by make_ring_process_group holds for its sends and
+// receives: none at creation, then one per peer it has exchanged a message with (the higher rank
+// of a pair connects when it first posts an operation naming the lower, or a receive from any
+// source: then to every rank below). -1 for groups of other backends. Any thread, any time.
+int ring_point_to_point_connections_of(const ProcessGroup& group);
+
 }  // namespace ddp
 #pragma GCC visibility pop

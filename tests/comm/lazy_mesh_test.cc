@@ -1,7 +1,8 @@
 // The ring backend's mesh connects by pattern and on first use (issue 28): a group holds O(log N)
 // connections after creation and its usual collectives add none; alltoall and gather connect the
 // other peers when they first need them; a peer that died before its first connection is a named
-// error within the timeout; a stranger on the lazy path is refused and logged. Real processes on
+// error within the timeout; a stranger on the lazy path is refused and logged. Point to point
+// holds no connection at creation and one per peer it exchanges messages with. Real processes on
 // 127.0.0.1 over TCP.
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -334,6 +335,114 @@ TEST(LazyMesh, AttackerOnTheLazyPathIsRefusedAndLogged) {
     }
   });
   EXPECT_ALL_RANKS_OK(results);
+}
+
+// Waits until ready() or `limit`; returns ready().
+template <typename F>
+bool wait_until(F&& ready, std::chrono::milliseconds limit) {
+  const auto until = Clock::now() + limit;
+  while (!ready() && Clock::now() < until)
+    std::this_thread::sleep_for(5ms);
+  return ready();
+}
+
+// Point to point connects on first use (p2p_connector.h): no connection at creation; a pair that
+// exchanges a message holds one, whichever rank needs it first (the lower rank's small send
+// completes while the higher is still in a barrier: it knocked, and the higher connected); a
+// receive from any source connects its rank with every other. World 4 over TCP.
+TEST(LazyPointToPoint, NoConnectionAtCreationThenOnePerPeerUsed) {
+  constexpr int kWorld = 4;
+  TempDir dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = make_group(dir.path(), rank, kWorld, {.timeout = 30s, .transport = Transport::kTcp});
+    auto connections = [&] { return ring_point_to_point_connections_of(*pg); };
+    expect(connections() == 0, fmt::format("rank {}: {} point-to-point connections after creation",
+                                           rank, connections()));
+    pg->barrier()->wait();
+    std::int32_t value = 0;
+    if (rank == 0) {  // the lower rank first, waiting for its send alone
+      const std::int32_t x = 70;
+      pg->send(&x, 1, DType::kInt32, 2, 0)->wait();
+    }
+    pg->barrier()->wait();
+    if (rank == 2) {
+      pg->recv(&value, 1, DType::kInt32, 0, 0)->wait();
+      expect(value == 70, fmt::format("rank 2 received {} from rank 0", value));
+    }
+    if (rank == 3) {  // the higher rank first
+      const std::int32_t x = 31;
+      pg->send(&x, 1, DType::kInt32, 1, 1)->wait();
+    }
+    if (rank == 1) {
+      pg->recv(&value, 1, DType::kInt32, 3, 1)->wait();
+      expect(value == 31, fmt::format("rank 1 received {} from rank 3", value));
+    }
+    pg->barrier()->wait();
+    expect(connections() == 1, fmt::format("rank {}: {} connections after one exchange, expected 1",
+                                           rank, connections()));
+    pg->barrier()->wait();  // every rank counted before the next step connects more
+    if (rank == 0) {
+      const std::int32_t x = 1;
+      pg->send(&x, 1, DType::kInt32, 1, 2)->wait();
+    }
+    if (rank == 1) {
+      int source = -1;
+      pg->recv_any_source(&value, 1, DType::kInt32, &source, 2)->wait();
+      expect(source == 0 && value == 1,
+             fmt::format("rank 1 received {} from rank {} from any source", value, source));
+    }
+    // 0-2 and 1-3, then rank 1 with everyone: 0-1 and 1-2.
+    const int expected[kWorld] = {2, 3, 2, 1};
+    const bool reached = wait_until([&] { return connections() == expected[rank]; }, 10s);
+    expect(reached, fmt::format("rank {}: {} connections after the receive from any source, "
+                                "expected {}",
+                                rank, connections(), expected[rank]));
+    pg->barrier()->wait();
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A rank that has gone before its first point-to-point connection: the rank below that knocks
+// and the rank above that connects both fail within seconds (not at their 60 s deadline), with a
+// CommError naming it. World 4 over TCP; rank 2 exits after a barrier.
+TEST(LazyPointToPoint, PeerGoneBeforeItsFirstConnectionFailsWithinSeconds) {
+  constexpr int kWorld = 4;
+  TempDir dir;
+  auto results = run_ranks(
+      kWorld,
+      [&](int rank) {
+        auto pg =
+            make_group(dir.path(), rank, kWorld, {.timeout = 60s, .transport = Transport::kTcp});
+        pg->barrier()->wait();
+        if (rank == 2) ::_exit(0);
+        if (rank == 0) return;
+        const auto start = Clock::now();
+        std::int32_t x = 5;
+        try {
+          if (rank == 1) {
+            pg->send(&x, 1, DType::kInt32, 2, 0)->wait();  // knocks
+          } else {
+            pg->recv(&x, 1, DType::kInt32, 2, 0)->wait();  // connects
+          }
+        } catch (const CommError& e) {
+          const auto took = Clock::now() - start;
+          const std::string what = e.what();
+          expect(took < 15s,
+                 fmt::format("rank {} failed after {} ms: {}", rank,
+                             std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                             what));
+          expect(e.peer() == 2, fmt::format("peer() is {}, not 2: {}", e.peer(), what));
+          expect(e.kind() == CommErrorKind::kPeerGone,
+                 fmt::format("kind {}: {}", to_string(e.kind()), what));
+          expect(what.find("rank 2") != std::string::npos,
+                 "the error does not name rank 2: " + what);
+          return;
+        }
+        throw std::runtime_error("a point-to-point operation with a dead rank succeeded");
+      },
+      90s);
+  for (int r = 0; r < kWorld; ++r)
+    EXPECT_TRUE(results[static_cast<std::size_t>(r)].ok()) << describe(results);
 }
 
 }  // namespace

@@ -68,6 +68,7 @@ void PeerMesh::open(Store& store, const MeshParams& p, const std::vector<int>& e
   store_ = &store;
   params_ = p;
   sockets_ = std::vector<net::Socket>(static_cast<std::size_t>(p.size));
+  taken_.assign(static_cast<std::size_t>(p.size), 0);
   listener_ = net::listen_tcp("", 0);
   listener_.set_buffer_sizes(p.socket_buffer_bytes);
   const std::string address = fmt::format("{}:{}", p.advertise_host, listener_.local_port());
@@ -78,7 +79,8 @@ void PeerMesh::open(Store& store, const MeshParams& p, const std::vector<int>& e
                                .rank = p.rank,
                                .secret = p.secret,
                                .session = {},
-                               .log = p.log};
+                               .log = p.log,
+                               .on_knock = p.on_knock};
   if (!handshake_.log) {
     handshake_.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   }
@@ -129,6 +131,33 @@ void PeerMesh::open(Store& store, const MeshParams& p, const std::vector<int>& e
 }
 
 void PeerMesh::connect_to_lower(int peer, net::Deadline deadline) {
+  net::Socket socket = dial(peer, deadline);
+  socket.set_buffer_sizes(params_.socket_buffer_bytes);
+  socket.set_no_delay(true);
+  connect_handshake(socket, handshake_, peer, deadline);
+  sockets_[static_cast<std::size_t>(peer)] = std::move(socket);
+}
+
+net::Socket PeerMesh::knock(int peer, net::Deadline deadline) {
+  net::Socket socket;
+  try {
+    socket = dial(peer, deadline);
+    send_knock(socket, handshake_, peer, deadline);
+    socket.set_nonblocking(true);
+  } catch (const CommError& e) {
+    throw CommError(CommErrorKind::kPeerGone,
+                    fmt::format("{} (asking it to open the point-to-point connection)", e.what()),
+                    params_.group, "connect", 0, peer);
+  } catch (const Error& e) {
+    throw CommError(CommErrorKind::kPeerGone,
+                    fmt::format("rank {} of group '{}' cannot ask rank {} to connect: {}",
+                                params_.rank, params_.group, peer, e.what()),
+                    params_.group, "connect", 0, peer);
+  }
+  return socket;
+}
+
+net::Socket PeerMesh::dial(int peer, net::Deadline deadline) {
   const auto& p = params_;
   const std::string key = fmt::format("{}addr/{}", p.prefix, peer);
   const auto left = std::chrono::duration_cast<milliseconds>(deadline - net::Clock::now());
@@ -143,6 +172,7 @@ void PeerMesh::connect_to_lower(int peer, net::Deadline deadline) {
   }
   const std::string host = peer_address.substr(0, colon);
   const auto port = static_cast<std::uint16_t>(std::stoi(peer_address.substr(colon + 1)));
+  if (p.refused_for.count() > 0) deadline = std::min(deadline, net::deadline_after(p.refused_for));
   net::Socket socket;
   try {
     socket = net::connect_tcp(host, port, deadline);
@@ -152,14 +182,12 @@ void PeerMesh::connect_to_lower(int peer, net::Deadline deadline) {
                                 p.group, peer, peer_address, e.what()),
                     p.group, "connect", 0, peer);
   }
-  socket.set_buffer_sizes(p.socket_buffer_bytes);
-  socket.set_no_delay(true);
-  connect_handshake(socket, handshake_, peer, deadline);
-  sockets_[static_cast<std::size_t>(peer)] = std::move(socket);
+  return socket;
 }
 
 void PeerMesh::connect_peer(int peer, const AcceptWait& wait) {
-  if (sockets_[static_cast<std::size_t>(peer)].valid()) return;
+  const auto slot = static_cast<std::size_t>(peer);
+  if (sockets_[slot].valid() || taken_[slot] != 0) return;
   if (peer < params_.rank) {
     try {
       connect_to_lower(peer, wait.deadline);
@@ -182,6 +210,27 @@ void PeerMesh::connect_peer(int peer, const AcceptWait& wait) {
   acceptor_->accept_until(listener_, sockets_, {peer}, wait);
 }
 
+void PeerMesh::accept_from_above(AcceptWait wait) {
+  std::vector<int> wanted;
+  for (int r = params_.rank + 1; r < params_.size; ++r) {
+    const auto slot = static_cast<std::size_t>(r);
+    if (!sockets_[slot].valid() && taken_[slot] == 0) wanted.push_back(r);
+  }
+  wait.taken = &taken_;
+  wait.until_woken = true;
+  try {
+    acceptor_->accept_until(listener_, sockets_, wanted, wait);
+  } catch (const CommError& e) {
+    if (e.kind() != CommErrorKind::kTimeout) throw;  // the deadline only ends this wait
+  }
+}
+
+net::Socket PeerMesh::take(int peer) {
+  const auto slot = static_cast<std::size_t>(peer);
+  taken_[slot] = 1;
+  return std::move(sockets_[slot]);
+}
+
 void PeerMesh::shutdown_listener() noexcept {
   // Only the fd is touched: the socket object is not replaced while the mesh lives.
   if (listener_.valid()) net::shutdown_socket(listener_.fd(), net::ShutdownHow::kBoth);
@@ -190,17 +239,6 @@ void PeerMesh::shutdown_listener() noexcept {
 int PeerMesh::connected() const {
   return static_cast<int>(std::count_if(sockets_.begin(), sockets_.end(),
                                         [](const net::Socket& s) { return s.valid(); }));
-}
-
-std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& params,
-                                           net::Deadline deadline) {
-  std::vector<int> everyone;
-  for (int r = 0; r < params.size; ++r) {
-    if (r != params.rank) everyone.push_back(r);
-  }
-  PeerMesh mesh;
-  mesh.open(store, params, everyone, deadline);
-  return std::move(mesh.sockets());
 }
 
 }  // namespace ddp::comm

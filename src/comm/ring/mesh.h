@@ -18,8 +18,10 @@
 // connection (CommError on the connector at once) or a missing one (CommError naming it at the
 // acceptor's deadline).
 //
-// Point-to-point connections (ring/p2p) are a full mesh (connect_full_mesh) under a group name
-// and prefix of their own.
+// Point-to-point connections (ring/p2p) use a mesh of their own (group name and prefix), opened
+// with no eager peer and connected on first use by p2p_connector.h, which hands each connection to
+// the point-to-point engine (take()) and accepts those from above as they come
+// (accept_from_above()).
 //
 // Threads: one thread at a time (the creating thread, then the group's executor); open() runs its
 // accepts on a thread of its own, joined before it returns (`log` may be called there).
@@ -47,6 +49,12 @@ struct MeshParams {
   std::string secret;                                // "" = no authentication
   std::function<void(const std::string& line)> log;  // refused connections; null = stderr
   std::chrono::milliseconds timeout{0};              // for the accept loop's messages
+  // Point to point: HandshakeParams::on_knock (a rank below asks this one to connect to it).
+  std::function<void(int from)> on_knock;
+  // Once a peer's address is in the store, how long connecting to it may be refused before the
+  // peer counts as gone (its listener is up before its address is published); 0: until the
+  // deadline.
+  std::chrono::milliseconds refused_for{0};
 };
 
 // The peers `rank` of `size` connects when a group opens: everything the group's TCP algorithms
@@ -74,9 +82,22 @@ class PeerMesh {
   // passed to open() must still be alive. Throws CommError naming the peer.
   void connect_peer(int peer, const AcceptWait& wait);
 
-  // The connection to each rank, by rank (invalid for this rank and for peers not connected yet).
+  // Accepts every rank above this one that connects, and the knocks of those below, until `wait`
+  // ends (its deadline, which is no error here, its wake_fd, or return_on_first); `taken` and
+  // `until_woken` are filled in. Throws CommError when polling fails.
+  void accept_from_above(AcceptWait wait);
+  // Hands `peer`'s connection over; another connection from that rank is then a duplicate.
+  net::Socket take(int peer);
+  // Asks `peer`, a rank above this one whose mesh has on_knock, to connect to this rank
+  // (send_knock), without waiting for it; returns the knock's connection, non-blocking, which the
+  // peer closes once it has taken the knock. Throws CommError naming the peer when it cannot be
+  // reached (kPeerGone: nothing listens at its address).
+  net::Socket knock(int peer, net::Deadline deadline);
+
+  // The connection to each rank, by rank (invalid for this rank, for peers not connected yet and
+  // for those taken).
   std::vector<net::Socket>& sockets() { return sockets_; }
-  // How many peers are connected.
+  // How many peers are connected (not counting those taken).
   int connected() const;
   // Stops listening (the group failed): connections not yet accepted are reset and an accept wait
   // wakes. Any thread; never throws.
@@ -84,6 +105,8 @@ class PeerMesh {
 
  private:
   void connect_to_lower(int peer, net::Deadline deadline);
+  // A TCP connection to `peer`'s listener (its address from the store), before any handshake.
+  net::Socket dial(int peer, net::Deadline deadline);
 
   Store* store_ = nullptr;
   MeshParams params_;
@@ -91,11 +114,7 @@ class PeerMesh {
   net::Socket listener_;
   std::unique_ptr<MeshAcceptor> acceptor_;
   std::vector<net::Socket> sockets_;
+  std::vector<char> taken_;  // by rank: handed over by take()
 };
-
-// Returns one connected socket per rank (an invalid one for this rank), by rank: every pair
-// connected at once. Throws as PeerMesh::open.
-std::vector<net::Socket> connect_full_mesh(Store& store, const MeshParams& params,
-                                           net::Deadline deadline);
 
 }  // namespace ddp::comm

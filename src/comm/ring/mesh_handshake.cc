@@ -125,9 +125,9 @@ struct Pending {
 
 // Outcome of feeding a pending handshake what its socket has.
 struct Step {
-  enum class Kind { kWaiting, kRefused, kAccepted } kind = Kind::kWaiting;
+  enum class Kind { kWaiting, kRefused, kAccepted, kKnocked } kind = Kind::kWaiting;
   std::string reason;  // kRefused
-  int rank = -1;       // kAccepted
+  int rank = -1;       // kAccepted, kKnocked
 };
 
 Step refused(std::string reason) {
@@ -147,16 +147,19 @@ struct MeshAcceptor::Impl {
       }));
     };
     peers_ = &peers;
+    taken_ = wait.taken;
     std::vector<pollfd> fds;
     constexpr auto kIdleEvery = std::chrono::milliseconds(10);
     auto last_idle = net::Clock::now();
-    while (missing() > 0) {
+    bool accepted_any = false;
+    while ((missing() > 0 || wait.until_woken) && !(wait.return_on_first && accepted_any)) {
       const auto now = net::Clock::now();
       if (now >= wait.deadline) fail_timeout(wanted, wait);
       fds.clear();
       fds.push_back(pollfd{listener.fd(), POLLIN, 0});
       for (const auto& p : pending_)
         fds.push_back(pollfd{p.socket.fd(), POLLIN, 0});
+      if (wait.wake_fd >= 0) fds.push_back(pollfd{wait.wake_fd, POLLIN, 0});
       int timeout_ms = net::poll_timeout_ms(wait.deadline);
       if (wait.idle != nullptr && (timeout_ms < 0 || timeout_ms > 10)) timeout_ms = 10;
       const int rc = net::poll_fds(fds, timeout_ms);
@@ -180,15 +183,20 @@ struct MeshAcceptor::Impl {
         if (step.kind == Step::Kind::kWaiting) continue;
         if (step.kind == Step::Kind::kRefused) {
           refuse(pending_[i], step.reason);
+        } else if (step.kind == Step::Kind::kKnocked) {
+          pending_[i].socket.close();
+          params_.on_knock(step.rank);
         } else {
           net::Socket& socket = pending_[i].socket;
           socket.set_nonblocking(false);
           socket.set_no_delay(true);
           (*peers_)[static_cast<std::size_t>(step.rank)] = std::move(socket);
+          accepted_any = true;
         }
         pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
       }
       if (fds[0].revents != 0) accept_new(listener);
+      if (wait.wake_fd >= 0 && fds.back().revents != 0) break;
     }
     if (unlogged_ > 0) {
       params_.log(fmt::format(
@@ -286,13 +294,14 @@ struct MeshAcceptor::Impl {
           return refused(problem);
         }
         const int from = p.hello.from_rank;
+        if (params_.on_knock && from >= 0 && from < params_.rank) {
+          return {Step::Kind::kKnocked, {}, from};
+        }
         if (from <= params_.rank || from >= params_.size) {
           return refused(fmt::format("rank {} cannot connect to rank {} (only ranks {} to {} do)",
                                      from, params_.rank, params_.rank + 1, params_.size - 1));
         }
-        if ((*peers_)[static_cast<std::size_t>(from)].valid()) {
-          return refused(fmt::format("duplicate connection from rank {}", from));
-        }
+        if (connected(from)) return refused(fmt::format("duplicate connection from rank {}", from));
         std::vector<std::uint8_t> reply = hello_bytes(params_, from);
         if (auth) {
           std::memcpy(p.connector_nonce.data(), p.buf.data() + p.hello.name_length, kNonceBytes);
@@ -329,13 +338,16 @@ struct MeshAcceptor::Impl {
               "secret (a stranger, a replayed handshake, or a rank with another DDP_SECRET)",
               from));
         }
-        if ((*peers_)[static_cast<std::size_t>(from)].valid()) {
-          return refused(fmt::format("duplicate connection from rank {}", from));
-        }
+        if (connected(from)) return refused(fmt::format("duplicate connection from rank {}", from));
         return {Step::Kind::kAccepted, {}, from};
       }
     }
     return refused("internal error: unknown handshake stage");
+  }
+
+  bool connected(int rank) const {
+    const auto r = static_cast<std::size_t>(rank);
+    return (*peers_)[r].valid() || (taken_ != nullptr && (*taken_)[r] != 0);
   }
 
   void refuse(Pending& p, const std::string& reason) {
@@ -393,6 +405,7 @@ struct MeshAcceptor::Impl {
 
   const HandshakeParams params_;
   std::vector<net::Socket>* peers_ = nullptr;  // of the accept_until() in progress
+  const std::vector<char>* taken_ = nullptr;   // of the accept_until() in progress
   std::vector<Pending> pending_;               // kept across calls: a handshake may span two waits
   int refused_ = 0;
   std::string last_refusal_;
@@ -426,6 +439,16 @@ std::vector<std::uint8_t> handshake_mac(const HandshakeParams& params, bool acce
   const auto mac =
       auth::auth_mac(params.secret, acceptor_side ? kAcceptorRole : kConnectorRole, transcript);
   return {mac.begin(), mac.end()};
+}
+
+void send_knock(net::Socket& socket, const HandshakeParams& params, int peer,
+                net::Deadline deadline) {
+  std::vector<std::uint8_t> hello = hello_bytes(params, peer);
+  if (!params.secret.empty()) {  // the acceptor reads a connector's nonce with the name
+    const auto nonce = auth::random_nonce();
+    append(hello, nonce.data(), nonce.size());
+  }
+  socket.send_all(hello.data(), hello.size(), deadline);
 }
 
 void connect_handshake(net::Socket& socket, const HandshakeParams& params, int peer,

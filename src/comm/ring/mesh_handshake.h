@@ -56,6 +56,12 @@ struct HandshakeParams {
   std::string session;  // with a secret: the group instance's id, equal on every rank
   // One line per refused connection (never null).
   std::function<void(const std::string&)> log;
+  // Set: a hello from a rank below this one (for this group, size and rank) is a knock, that
+  // rank asking this one to connect to it (send_knock; point to point, p2p_connector.h): the
+  // acceptor calls on_knock(from) and closes the connection. It is not authenticated, and needs
+  // not be: all it can make this rank do is connect, with the checked handshake, to the address
+  // the store holds for that rank. Null: such a hello is refused.
+  std::function<void(int from)> on_knock;
 };
 
 // Connector side, on a socket connected to `peer`: sends the hello, checks the answer (and with a
@@ -63,6 +69,13 @@ struct HandshakeParams {
 // peer and what was wrong; TimeoutError becomes CommError too.
 void connect_handshake(net::Socket& socket, const HandshakeParams& params, int peer,
                        net::Deadline deadline);
+
+// On a socket connected to `peer`'s listener (a rank above this one): asks it to connect to this
+// rank (HandshakeParams::on_knock). The peer closes the connection once it has taken the knock
+// (end of stream); a process that exits with it still unread resets it. Throws Error when the
+// bytes cannot be written by `deadline`.
+void send_knock(net::Socket& socket, const HandshakeParams& params, int peer,
+                net::Deadline deadline);
 
 // How long, and for what, MeshAcceptor::accept_until waits.
 struct AcceptWait {
@@ -75,6 +88,17 @@ struct AcceptWait {
   // Called at least every 10 ms while nothing arrives (null: never); may throw. The ring group
   // passes the cross-transport mismatch check here, as to a collective's wait.
   const std::function<void()>* idle = nullptr;
+  // Ends the wait early, without an error (the caller checks `peers`):
+  //   wake_fd          once this descriptor is readable (it is not read), -1 = never;
+  //   return_on_first  once a connection has passed its handshake.
+  int wake_fd = -1;
+  bool return_on_first = false;
+  // Keep accepting (knocks, other ranks) once every wanted rank is connected, until wake_fd or
+  // the deadline (which throws as ever).
+  bool until_woken = false;
+  // Ranks whose connection this listener accepted before and that were handed elsewhere (one
+  // entry per rank, may be null): another connection from them is refused as a duplicate.
+  const std::vector<char>* taken = nullptr;
 };
 
 // The acceptor side of one listener for the life of a mesh: the set-up's accepts and, later,
@@ -90,7 +114,8 @@ class MeshAcceptor {
   // Accepts on `listener` until every rank of `wanted` (all above params.rank) holds a socket in
   // `peers` (one entry per rank), refusing (closing and logging) every connection that fails the
   // handshake. Any other rank above params.rank that completes its handshake meanwhile is kept in
-  // `peers` too. Sockets are blocking, with TCP_NODELAY. At the deadline throws CommError
+  // `peers` too. It returns earlier, without an error, when `wait` says so (wake_fd,
+  // return_on_first). Sockets are blocking, with TCP_NODELAY. At the deadline throws CommError
   // (kTimeout) naming the ranks still missing and the last refusal.
   void accept_until(net::Socket& listener, std::vector<net::Socket>& peers,
                     const std::vector<int>& wanted, const AcceptWait& wait);

@@ -39,6 +39,8 @@ class RingProcessGroup final : public GroupFront,
   int collective_connections() const {
     return mesh_.connected() + (cross_mesh_ ? cross_mesh_->connected() : 0);
   }
+  // See ring_point_to_point_connections_of().
+  int point_to_point_connections() const { return p2p_ ? p2p_->connections() : 0; }
 
   std::string_view backend() const override { return "ring"; }
   // Only the shared-memory domain reads and writes the pieces where they lie; the TCP and

@@ -7,6 +7,7 @@
 
 #include "auth/hmac.h"
 #include "comm/ring/mesh.h"
+#include "comm/ring/p2p/p2p_connector.h"
 #include "comm/ring/ring_group.h"
 #include "ddp/error.h"
 #include "settings/settings.h"
@@ -225,18 +226,15 @@ void RingProcessGroup::connect_cross_host_mesh(net::Deadline deadline) {
 // of the collectives, so a cycle of sends posted before receives cannot deadlock.
 void RingProcessGroup::start_p2p() {
   if (size() == 1) return;
-  // Set up as the mesh, under a group name of its own (a p2p connection cannot pass for a mesh
-  // connection, or the reverse) and store keys of its own.
-  auto sockets = connect_full_mesh(
+  // Connected on first use (p2p_connector.h), with the mesh's handshake under a group name of its
+  // own (a p2p connection cannot pass for a mesh connection, or the reverse) and store keys of
+  // its own. Here it only listens and publishes its address.
+  auto connector = std::make_unique<p2p::P2pConnector>(
       *store_,
       mesh_params(options_, name() + "#p2p", prefix_ + "p2p/", rank(), size(), group_timeout()),
       net::deadline_after(group_timeout()));
-  // The progress thread polls them.
-  for (auto& socket : sockets) {
-    if (socket.valid()) socket.set_nonblocking(true);
-  }
   p2p_ = std::make_unique<p2p::P2pEngine>(
-      std::move(sockets),
+      size(), std::move(connector),
       p2p::EngineOptions{.group = name(),
                          .rank = rank(),
                          .timeout = group_timeout(),
@@ -265,6 +263,11 @@ std::string ring_transport_of(const ProcessGroup& group) {
 int ring_collective_connections_of(const ProcessGroup& group) {
   const auto* ring = dynamic_cast<const comm::RingProcessGroup*>(&group);
   return ring != nullptr ? ring->collective_connections() : -1;
+}
+
+int ring_point_to_point_connections_of(const ProcessGroup& group) {
+  const auto* ring = dynamic_cast<const comm::RingProcessGroup*>(&group);
+  return ring != nullptr ? ring->point_to_point_connections() : -1;
 }
 
 std::shared_ptr<ProcessGroup> make_ring_process_group(std::shared_ptr<Store> store, int rank,

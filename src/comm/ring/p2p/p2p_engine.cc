@@ -2,10 +2,12 @@
 
 #include <sys/eventfd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <thread>
 
 #include "comm/argument_checks.h"
+#include "comm/ring/p2p/p2p_connector.h"
 #include "comm/ring/p2p/p2p_state.h"
 #include "ddp/error.h"
 #include "net/fd_io.h"
@@ -63,20 +65,47 @@ std::shared_ptr<Work> P2pEngine::State::make_work(std::string description, milli
   });
 }
 
-P2pEngine::P2pEngine(std::vector<net::Socket> peers, EngineOptions options)
-    : state_(std::make_shared<State>()) {
+P2pEngine::P2pEngine(int size, std::unique_ptr<P2pConnector> connector, EngineOptions options)
+    : state_(std::make_shared<State>()), connector_(std::move(connector)) {
   state_->options = std::move(options);
-  state_->peers.resize(peers.size());
-  for (std::size_t i = 0; i < peers.size(); ++i) {
-    state_->peers[i].fd = peers[i].valid() ? peers[i].fd() : -1;
-    state_->peers[i].socket = std::move(peers[i]);
-  }
+  state_->peers.resize(static_cast<std::size_t>(size));
+  state_->connector = connector_.get();
   state_->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (state_->wake_fd < 0) {
     throw Error(fmt::format("eventfd failed for the point-to-point engine of group '{}': {}",
                             state_->options.group, error_text(errno)));
   }
   thread_ = std::thread([s = state_] { s->run(); });
+  if (connector_) connector_->start(*this);
+}
+
+int P2pEngine::connections() const {
+  std::lock_guard lock(state_->mutex);
+  return static_cast<int>(std::count_if(state_->peers.begin(), state_->peers.end(),
+                                        [](const Peer& p) { return p.fd >= 0; }));
+}
+
+void P2pEngine::adopt(int peer, net::Socket socket) {
+  State& s = *state_;
+  std::unique_lock lock(s.mutex);
+  Peer& p = s.peers[static_cast<std::size_t>(peer)];
+  // A peer that failed meanwhile (its operations timed out, or the group was aborted) gets its
+  // connection closed: it sees the close and fails too. A second connection is a protocol
+  // violation of the peer: dropped the same way.
+  if (s.stopping || p.fd >= 0 || p.failed) return;
+  socket.set_nonblocking(true);
+  p.fd = socket.fd();
+  p.socket = std::move(socket);
+  if (!p.out.empty()) s.write_to(p);
+  s.wake();
+  s.drain(lock);
+}
+
+void P2pEngine::fail_connection(int peer, std::exception_ptr error) {
+  State& s = *state_;
+  std::unique_lock lock(s.mutex);
+  s.fail_peer(s.peers[static_cast<std::size_t>(peer)], std::move(error));
+  s.drain(lock);
 }
 
 P2pEngine::~P2pEngine() {
@@ -84,16 +113,24 @@ P2pEngine::~P2pEngine() {
   if (thread_.get_id() == std::this_thread::get_id()) {
     // Dropped from a Work callback on the progress thread: it cannot wait for itself. It stops
     // after the callback returns, and the state (and the connections) go with its reference.
+    if (connector_) connector_->stop();
     std::lock_guard lock(s.mutex);
     s.stopping = true;
+    s.connector = nullptr;
     thread_.detach();
     return;
   }
   {
-    // Every operation has a deadline, so this wait is bounded.
+    // Every operation has a deadline, so this wait is bounded. The connector still runs: an
+    // operation may be waiting for its connection.
     std::unique_lock lock(s.mutex);
     s.idle_cv.wait(lock, [&] { return s.all_idle(); });
+  }
+  if (connector_) connector_->stop();
+  {
+    std::lock_guard lock(s.mutex);
     s.stopping = true;
+    s.connector = nullptr;
     s.wake();
   }
   thread_.join();
@@ -153,6 +190,7 @@ std::shared_ptr<Work> P2pEngine::send(const void* buf, std::size_t count, DType 
     return work;
   }
   p.sends[op->header.message] = op;
+  s.need_connection(p);
   if (op->bytes <= kEagerMaxBytes && eager_cost(op->bytes) <= p.credit) {
     p.credit -= eager_cost(op->bytes);
     op->header.type = FrameType::kEager;
@@ -187,6 +225,7 @@ std::shared_ptr<Work> P2pEngine::recv(void* buf, std::size_t count, DType dtype,
     return work;
   }
   p.recvs[op->number] = op;
+  s.need_connection(p);
   s.match_posted(p, op);
   if (!p.out.empty()) {
     if (p.out.size() == 1) s.write_to(p);
@@ -213,6 +252,7 @@ std::shared_ptr<Work> P2pEngine::recv_any_source(void* buf, std::size_t count, D
     work->complete(s.poison);
     return work;
   }
+  s.need_every_connection();
   s.match_posted_any(op);
   // Bound to a peer, it may have queued a clear-to-send or a rejection for it.
   if (op->peer >= 0) {

@@ -1,10 +1,11 @@
 // P2pEngine: the ring backend's point-to-point sends and receives (internal).
 //
 // Sends and receives progress independently of each other, of other peers and of the group's
-// collective queue: a progress thread polls one TCP connection per peer (set up as the mesh,
-// comm/ring/mesh.h), writes posted sends as the socket takes them and reads into posted receives as
-// bytes arrive. So a cycle in which every rank sends before it receives completes whatever the
-// message size.
+// collective queue: a progress thread polls one TCP connection per peer, writes posted sends as
+// the socket takes them and reads into posted receives as bytes arrive. So a cycle in which every
+// rank sends before it receives completes whatever the message size. The connections are made on
+// first use (p2p_connector.h: the higher rank of a pair connects when it first posts an operation
+// naming the lower); operations posted before theirs is made wait for it, within their deadline.
 //
 // Matching (as MPI): a receive from `src` with `tag` takes the earliest message from `src` with
 // that tag that no earlier receive took; messages from one sender with one tag match in posting
@@ -12,7 +13,8 @@
 // calls fail with a CommError naming both (the receive buffer is left untouched).
 //
 // Protocol (frames: p2p_frame.h): a message of up to kEagerMaxBytes goes eagerly while the sender
-// holds credit for it, so a small send completes without waiting for the receiver; the receiver
+// holds credit for it, so a small send completes without waiting for the receiver (once the pair
+// is connected); the receiver
 // buffers such a message when no receive is posted yet. Each sender starts with kEagerWindowBytes
 // of credit per peer and gets it back as its eager messages are delivered (each costs its payload
 // plus its 32-byte frame): a receiver never buffers more than that per peer. Larger messages, and
@@ -66,13 +68,15 @@ struct EngineOptions {
   std::function<std::string(int peer)> reason_of;
 };
 
+class P2pConnector;
+
 class P2pEngine {
  public:
-  // `peers`: a connected, non-blocking socket per rank (invalid for this rank). Starts the
-  // progress thread.
-  P2pEngine(std::vector<net::Socket> peers, EngineOptions options);
-  // Waits for the pending operations (each bounded by its deadline), then stops the thread and
-  // closes the connections.
+  // Among `size` ranks, with no connection yet: `connector` makes them (it is started here and
+  // stopped by the destructor). Starts the progress thread.
+  P2pEngine(int size, std::unique_ptr<P2pConnector> connector, EngineOptions options);
+  // Waits for the pending operations (each bounded by its deadline), then stops the connector and
+  // the thread and closes the connections.
   ~P2pEngine();
   P2pEngine(const P2pEngine&) = delete;
   P2pEngine& operator=(const P2pEngine&) = delete;
@@ -92,9 +96,19 @@ class P2pEngine {
   // Fails every pending and later operation with `error` and shuts the connections.
   void abort(std::exception_ptr error);
 
+  // How many peers are connected now.
+  int connections() const;
+
+  // The connector's side (its thread). `peer`'s connection, made: the operations waiting for it
+  // go on (a second connection, or one to a peer that failed meanwhile, is closed).
+  void adopt(int peer, net::Socket socket);
+  // `peer` cannot be reached: its operations, pending and later, fail with `error`.
+  void fail_connection(int peer, std::exception_ptr error);
+
  private:
   struct State;
   std::shared_ptr<State> state_;  // shared with the progress thread (see the destructor)
+  std::unique_ptr<P2pConnector> connector_;
   std::thread thread_;
 };
 

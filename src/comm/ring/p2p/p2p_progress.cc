@@ -155,11 +155,37 @@ void P2pEngine::State::read_from(Peer& p) {
   }
 }
 
+void P2pEngine::State::need_connection(Peer& p) {
+  if (p.fd >= 0 || p.connect_requested || connector == nullptr) return;
+  p.connect_requested = true;
+  connector->request(peer_index(p));
+}
+
+void P2pEngine::State::need_every_connection() {
+  if (connected_to_all) return;
+  connected_to_all = true;
+  for (auto& p : peers) {
+    if (peer_index(p) != options.rank) need_connection(p);
+  }
+}
+
+std::string P2pEngine::State::unconnected_reason(const Peer& p) const {
+  const int peer = peer_index(p);
+  if (peer < options.rank) {
+    return fmt::format("connecting to rank {} did not complete (is it stuck?)", peer);
+  }
+  return fmt::format(
+      "rank {} never opened the point-to-point connection, which it does when asked (the higher "
+      "rank of a pair connects): it is stuck, or died without closing its listener",
+      peer);
+}
+
 void P2pEngine::State::write_to(Peer& p) {
   if (p.closed || p.write_broken) {
     p.out.clear();  // only control frames can be left for a peer that has gone
     return;
   }
+  if (p.fd < 0) return;  // not connected yet: written once it is (P2pEngine::adopt)
   while (!p.out.empty() && !p.failed) {
     iovec iov[kMaxIov];
     int n_iov = 0;
@@ -235,7 +261,8 @@ void P2pEngine::State::check_deadlines() {
 
 std::exception_ptr P2pEngine::State::timeout_error(const Peer& p, const SendOp& op) const {
   const int peer = peer_index(p);
-  const std::string what = op.header.type == FrameType::kRequest && !op.cleared
+  const std::string what = p.fd < 0 ? unconnected_reason(p)
+                           : op.header.type == FrameType::kRequest && !op.cleared
                                ? fmt::format(
                                      "rank {} posted no matching receive (same tag, in "
                                      "posting order)",
@@ -268,11 +295,12 @@ std::exception_ptr P2pEngine::State::timeout_error(const Peer& p, const RecvOp& 
   const std::string others = unmatched(p);
   const std::string desc = op.work->description();
   const std::string what =
-      others.empty() ? fmt::format("rank {} sent no message with tag {} for it", peer, op.tag)
-                     : fmt::format(
-                           "rank {} sent no message with tag {} for it, but sent {}, which no "
-                           "receive took (a different tag?)",
-                           peer, op.tag, others);
+      p.fd < 0         ? unconnected_reason(p)
+      : others.empty() ? fmt::format("rank {} sent no message with tag {} for it", peer, op.tag)
+                       : fmt::format(
+                             "rank {} sent no message with tag {} for it, but sent {}, which no "
+                             "receive took (a different tag?)",
+                             peer, op.tag, others);
   return comm_error(CommErrorKind::kTimeout,
                     fmt::format("rank {} timed out after {} ms in {} in group '{}': {}",
                                 options.rank, op.timeout.count(), desc, options.group, what),

@@ -94,7 +94,8 @@ struct Unexpected {
 };
 
 struct Peer {
-  int fd = -1;
+  int fd = -1;                     // -1 until the connection is made (p2p_connector.h)
+  bool connect_requested = false;  // this rank asked its connector for it
   net::Socket socket;
   std::exception_ptr failed;  // set once: every operation with this peer fails with it
   bool closed = false;        // the peer closed cleanly (its messages already here still match)
@@ -164,6 +165,8 @@ inline bool valid_dtype(std::uint8_t d) {
 struct P2pEngine::State {
   EngineOptions options;
   std::vector<Peer> peers;
+  P2pConnector* connector = nullptr;  // the engine's (it outlives every call into State)
+  bool connected_to_all = false;      // a receive from any source asked for every connection
   std::mutex mutex;
   std::condition_variable idle_cv;
   int wake_fd = -1;
@@ -232,6 +235,14 @@ struct P2pEngine::State {
   void on_write_broken(Peer& p, const std::string& detail);
   void fail_protocol(Peer& p, const std::string& what);
   void queue_frame(Peer& p, const P2pFrame& frame) { p.out.push_back(OutItem{frame}); }
+  // An operation with `p` was posted: asks the connector for the connection (once).
+  void need_connection(Peer& p);
+  // A receive from any source was posted: asks for every connection (once). It may match a
+  // message from any peer, and only a connection shows that a peer has left (which fails it
+  // before its deadline when every peer has).
+  void need_every_connection();
+  // Why an operation with `p`, which is not connected, is still waiting (for a timeout's message).
+  std::string unconnected_reason(const Peer& p) const;
 
   // An eager message of `message_bytes` was delivered (or dropped): its cost is free again.
   void return_credit(Peer& p, std::size_t message_bytes);
