@@ -97,15 +97,17 @@ void P2pEngine::adopt(int peer, net::Socket socket) {
   p.fd = socket.fd();
   p.socket = std::move(socket);
   if (!p.out.empty()) s.write_to(p);
+  // The Works this completed complete on the progress thread (its next turn drains them): their
+  // callbacks must not run on the connector's thread, which a callback that drops the group
+  // would have to join.
   s.wake();
-  s.drain(lock);
 }
 
 void P2pEngine::fail_connection(int peer, std::exception_ptr error) {
   State& s = *state_;
   std::unique_lock lock(s.mutex);
   s.fail_peer(s.peers[static_cast<std::size_t>(peer)], std::move(error));
-  s.drain(lock);
+  s.wake();  // as in adopt()
 }
 
 P2pEngine::~P2pEngine() {
