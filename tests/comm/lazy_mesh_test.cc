@@ -11,8 +11,10 @@
 
 #include <bit>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <string>
 #include <thread>
 
 #include "comm/comm_test_util.h"
@@ -402,20 +404,39 @@ TEST(LazyPointToPoint, NoConnectionAtCreationThenOnePerPeerUsed) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// Whether process `pid` has exited (gone, or a zombie: its descriptors are closed either way).
+bool exited(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto paren = text.rfind(')');
+  return !stat.good() || paren == std::string::npos || paren + 2 >= text.size() ||
+         text[paren + 2] == 'Z';
+}
+
 // A rank that has gone before its first point-to-point connection: the rank below that knocks
 // and the rank above that connects both fail within seconds (not at their 60 s deadline), with a
-// CommError naming it. World 4 over TCP; rank 2 exits after a barrier.
+// CommError naming it. World 4 over TCP; rank 2 exits after a barrier, and the others start once
+// it has (a rank still exiting could answer the knock first, and take a small send).
 TEST(LazyPointToPoint, PeerGoneBeforeItsFirstConnectionFailsWithinSeconds) {
   constexpr int kWorld = 4;
   TempDir dir;
+  const auto pid_file = dir.path() / "rank2.pid";
   auto results = run_ranks(
       kWorld,
       [&](int rank) {
         auto pg =
             make_group(dir.path(), rank, kWorld, {.timeout = 60s, .transport = Transport::kTcp});
+        if (rank == 2) {
+          std::ofstream(pid_file.string() + ".tmp") << ::getpid();
+          std::filesystem::rename(pid_file.string() + ".tmp", pid_file);
+        }
         pg->barrier()->wait();
         if (rank == 2) ::_exit(0);
         if (rank == 0) return;
+        pid_t gone = 0;
+        std::ifstream(pid_file) >> gone;
+        expect(gone > 0 && wait_until([&] { return exited(gone); }, 20s),
+               "rank 2 did not exit within 20 s");
         const auto start = Clock::now();
         std::int32_t x = 5;
         try {
