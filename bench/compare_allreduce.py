@@ -7,6 +7,9 @@
 Measures, for the same sizes and world size (default 2, all ranks on this host):
   ddp-ring         ddp-bench --backend ring under ddprun, loopback TCP (DDP_TRANSPORT=tcp)
   ddp-shm          the same with DDP_TRANSPORT=auto: the ranks share memory (src/comm/ring/shm)
+  ddp-shm-shared   ddp-shm in place in a shared buffer (ddp-bench --shared-buffer: the zero-copy
+                   allreduce that DDP's gradient_as_bucket_view buckets take; measured only when
+                   --peers names it)
   ddp-mpi          ddp-bench --backend mpi under mpirun (when this build has the mpi backend)
   gloo             torch.distributed's gloo (bench/gloo_allreduce.py, Debian's python3-torch,
                    run by /usr/bin/python3; the processes are started here, not by torchrun)
@@ -52,7 +55,7 @@ from bench_common import (PYTORCH2_PYTHON, REPO, SYSTEM_PYTHON, cpu_model, human
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 PEERS = ["ddp-ring", "ddp-shm", "ddp-mpi", "gloo", "gloo2", "openmpi-tcp", "openmpi"]
-EXTRA_PEERS = ["tcp-bound"]  # measured only when --peers names them
+EXTRA_PEERS = ["tcp-bound", "ddp-shm-shared"]  # measured only when --peers names them
 GLOOS = ("gloo", "gloo2", "openmpi-tcp")  # the peers that ddp-ring's ratios are taken against
 
 
@@ -75,14 +78,14 @@ class Runner:
         self.common = ["--sizes", self.sizes, "--iters", str(args.iters),
                        "--warmup", str(args.warmup)]
 
-    def ddp_bench(self, backend, check=False, transport="tcp"):
+    def ddp_bench(self, backend, check=False, transport="tcp", extra=()):
         bench = str(self.bin / "ddp-bench")
         # Timed runs do nothing between iterations but the barrier, like the peers; correctness
         # is checked in a separate short run (check=True), where every iteration is verified.
         common = ["--sizes", self.sizes, "--iters", "2", "--warmup", "0", "--check"] if check \
             else self.common
         args = ["--backend", backend, "--op", "allreduce", "--dtype", "float32", "--reduce-op",
-                "sum", "--json", *common, *(["--async"] if self.args.ddp_async else [])]
+                "sum", "--json", *common, *(["--async"] if self.args.ddp_async else []), *extra]
         if backend == "ring":
             argv = [str(self.bin / "ddprun"), "--standalone", "--nproc-per-node",
                     str(self.args.world_size), bench, *args]
@@ -149,6 +152,8 @@ class Runner:
             return self.ddp_bench("ring", check)
         if peer == "ddp-shm":
             return self.ddp_bench("ring", check, transport="auto")
+        if peer == "ddp-shm-shared":
+            return self.ddp_bench("ring", check, transport="auto", extra=["--shared-buffer"])
         if peer == "ddp-mpi":
             return self.ddp_bench("mpi", check)
         if peer == "gloo":

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -110,6 +111,19 @@ class ProcessGroup {
   // it does not, it packs them into a temporary buffer per call: a caller that owns a flat buffer
   // (DistributedDataParallel's bucket) copies into that and calls allreduce instead.
   virtual bool allreduce_segments_in_place() const { return false; }
+
+  // Host memory that this group's allreduce need not copy (zeroed; freed when the last owner lets
+  // go). Where every rank of the group is on one host (the ring backend over shared memory) the
+  // ranks map each other's buffers, and an in-place allreduce of a range of it, called by every
+  // rank at the same offset, reduces straight from the peers' copies and writes the result into
+  // all of them. Collective: every rank calls it with the same `bytes`, in the same order as its
+  // collectives, and it waits for them. Null on every rank where the group cannot: `*why_not`
+  // (when given) is then empty if the group has no such memory (another backend, TCP, several
+  // hosts), else names the rank that could not and why (memory, access to a peer's /proc,
+  // DDP_SHM_SHARED_BUFFERS=0), for a log line. Ranks asking for different sizes: ConfigError on
+  // every rank.
+  virtual std::shared_ptr<void> allocate_shared_buffer(std::size_t bytes,
+                                                       std::string* why_not = nullptr);
 
   // buf on every rank = buf on `root`.
   virtual std::shared_ptr<Work> broadcast(void* buf, std::size_t count, DType dtype, int root,

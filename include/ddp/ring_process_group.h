@@ -110,5 +110,10 @@ int ring_collective_connections_of(const ProcessGroup& group);
 // source: then to every rank below). -1 for groups of other backends. Any thread, any time.
 int ring_point_to_point_connections_of(const ProcessGroup& group);
 
+// How many allreduces of a group made by make_ring_process_group reduced straight from the ranks'
+// shared buffers (ProcessGroup::allocate_shared_buffer) instead of copying through the host's
+// segment; -1 for groups of other backends. Any thread, any time.
+long long ring_shared_buffer_allreduces_of(const ProcessGroup& group);
+
 }  // namespace ddp
 #pragma GCC visibility pop

@@ -60,6 +60,16 @@ std::string transport(const Lookup& lookup) {
   return value_or_empty(lookup, "DDP_TRANSPORT");
 }
 
+bool shm_shared_buffers(const Lookup& lookup) {
+  const std::string value = value_or_empty(lookup, "DDP_SHM_SHARED_BUFFERS");
+  if (value.empty() || value == "1") return true;
+  if (value == "0") return false;
+  throw ConfigError(fmt::format(
+      "DDP_SHM_SHARED_BUFFERS='{}' is not 0 or 1; use DDP_SHM_SHARED_BUFFERS=0 to make every "
+      "allreduce copy through the shared segment, 1 (the default) to let shared buffers skip it",
+      value));
+}
+
 std::string host_id(const Lookup& lookup) {
   return value_or_empty(lookup, "DDP_HOST_ID");
 }

@@ -35,6 +35,9 @@ Milliseconds wait_warning(const Lookup& lookup = environment);
 // The ring backend's variables ("" when unset or empty):
 // DDP_TRANSPORT: "auto" or "tcp" (checked by the backend, which names the valid values).
 std::string transport(const Lookup& lookup = environment);
+// DDP_SHM_SHARED_BUFFERS: "0" makes ProcessGroup::allocate_shared_buffer refuse on this rank
+// (every allreduce then copies through the host's segment); "1" or unset: allowed.
+bool shm_shared_buffers(const Lookup& lookup = environment);
 // DDP_HOST_ID: replaces the detected host identity (which ranks share a host).
 std::string host_id(const Lookup& lookup = environment);
 // DDP_ADVERTISE_ADDR: the address peers use to reach this rank.

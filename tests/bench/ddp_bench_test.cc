@@ -138,6 +138,35 @@ TEST(DdpBench, SendRecvIsCorrectUnderDdprun) {
 }
 
 // --op sendrecv needs a peer: on one rank it is a usage error, not a hang or a crash.
+// --in-place and --shared-buffer (the zero-copy allreduce) on three ranks, checked at sizes on
+// both sides of the small-message path; over TCP there is no shared buffer: a clear failure.
+TEST(DdpBench, InPlaceAndSharedBufferAllreducesAreCorrectUnderDdprun) {
+  for (const char* flag : {"--in-place", "--shared-buffer"}) {
+    SCOPED_TRACE(flag);
+    const std::vector<std::string> argv{
+        built_program("ddprun"), "--standalone", "--nproc-per-node", "3",
+        built_program("ddp-bench"), "--op", "allreduce", "--sizes", "8,64K,4M", "--iters", "3",
+        "--warmup", "1", "--check", "--json", flag};
+    Env env = clean_launch_env();
+    env["DDP_TRANSPORT"] = "auto";
+    const ExitStatus result = Subprocess::start(argv, env).wait(180s);
+    ASSERT_FALSE(result.timed_out) << result.output;
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    const auto rows = json_rows(result.output);
+    ASSERT_EQ(rows.size(), 3u) << result.output;
+    for (const auto& row : rows) EXPECT_EQ(row["wrong"].get<long long>(), 0) << row.dump();
+  }
+  const std::vector<std::string> argv{built_program("ddprun"), "--standalone", "--nproc-per-node",
+                                      "2", built_program("ddp-bench"), "--sizes", "64K",
+                                      "--shared-buffer"};
+  Env env = clean_launch_env();
+  env["DDP_TRANSPORT"] = "tcp";
+  const ExitStatus result = Subprocess::start(argv, env).wait(180s);
+  ASSERT_FALSE(result.timed_out) << result.output;
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_THAT(result.output, HasSubstr("no shared buffer")) << result.output;
+}
+
 TEST(DdpBench, SendRecvOnOneRankIsAUsageError) {
   const std::vector<std::string> argv{built_program("ddp-bench"), "--op", "sendrecv", "--sizes",
                                       "1K"};

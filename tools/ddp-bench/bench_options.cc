@@ -227,6 +227,12 @@ std::optional<BenchOptions> parse_command_line(const std::vector<std::string>& a
                "Time collective(...)->wait(), the call queued and then waited for, instead of a "
                "blocking call (CallOptions::blocking: as MPI_Allreduce and torch.distributed's "
                "default async_op=False)");
+  app.add_flag("--in-place", options.in_place,
+               "allreduce in place (send = recv; the input is rewritten before each iteration, "
+               "outside the timed region)");
+  app.add_flag("--shared-buffer", options.shared_buffer,
+               "allreduce in place in a buffer from ProcessGroup::allocate_shared_buffer (the ring "
+               "backend's zero-copy path on one host); implies --in-place");
   app.add_flag("--json", options.json, "Print one JSON object per row instead of the table");
   app.add_option("--timeout", timeout_seconds,
                  "Seconds the rendezvous and each collective may take (default DDP_TIMEOUT, else "

@@ -55,6 +55,11 @@ struct BenchOptions {
   bool check = false;
   // Time collective(...)->wait() (queued, then waited for) instead of a blocking call.
   bool async = false;
+  // allreduce in place on the receive buffer (its input rewritten before each iteration, untimed).
+  bool in_place = false;
+  // The receive buffer from ProcessGroup::allocate_shared_buffer (implies in_place): the ring
+  // backend's zero-copy allreduce on one host. Refused where the group has no shared buffers.
+  bool shared_buffer = false;
   bool json = false;
   // Deadline of the rendezvous and of every collective; unset = DDP_TIMEOUT, else 300 s.
   std::optional<std::chrono::milliseconds> timeout;

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstring>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace ddp::bench {
@@ -43,6 +45,17 @@ BenchRunner::BenchRunner(ProcessGroup& group, const BenchOptions& options)
   }
   send_ = allocate(capacity_bytes_);
   recv_ = allocate(capacity_bytes_);
+  if (options.shared_buffer) {
+    std::string why;
+    shared_recv_ = group.allocate_shared_buffer(std::max<std::size_t>(capacity_bytes_, 64), &why);
+    if (!shared_recv_) {
+      throw std::invalid_argument(
+          "ddp-bench: --shared-buffer: the group made no shared buffer (" +
+          (why.empty() ? std::string(group.backend()) + " backend, or not every rank on one host"
+                       : why) +
+          "); drop --shared-buffer");
+    }
+  }
 }
 
 BenchRunner::~BenchRunner() = default;
@@ -56,14 +69,21 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
                        .world_size = group_.size(),
                        .root = options_.root};
   std::byte* send = send_.get();
-  std::byte* recv = recv_.get();
+  std::byte* recv = shared_recv_ ? static_cast<std::byte*>(shared_recv_.get()) : recv_.get();
 
   // Broadcast works in place on `recv`: the root's holds its input for the whole run, the others'
-  // are poisoned before each checked iteration (like every other receive buffer).
+  // are poisoned before each checked iteration (like every other receive buffer). An in-place
+  // allreduce gets its input (kept in `send`) back in `recv` before every iteration.
   const bool in_place = collective == Collective::kBroadcast;
+  const bool allreduce_in_place =
+      collective == Collective::kAllreduce && (options_.in_place || options_.shared_buffer);
   fill_input(spec, rank, in_place ? recv : send, in_place ? layout.total_count : layout.send_count);
   const auto prepare = [&] {
-    if (!(in_place && rank == options_.root)) poison(spec.dtype, recv, layout.recv_count);
+    if (allreduce_in_place) {
+      std::memcpy(recv, send, layout.send_count * dtype_size(spec.dtype));
+    } else if (options_.check && !(in_place && rank == options_.root)) {
+      poison(spec.dtype, recv, layout.recv_count);
+    }
   };
 
   const auto issue = [&]() -> std::shared_ptr<Work> {
@@ -73,7 +93,8 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
     const CallOptions call{.blocking = !options_.async};
     switch (collective) {
       case Collective::kAllreduce:
-        return group_.allreduce(send, recv, layout.total_count, dtype, op, call);
+        return group_.allreduce(allreduce_in_place ? recv : send, recv, layout.total_count, dtype,
+                                op, call);
       case Collective::kBroadcast:
         return group_.broadcast(recv, layout.total_count, dtype, root, call);
       case Collective::kReduce:
@@ -106,7 +127,7 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
   std::vector<double> times_us(static_cast<std::size_t>(options_.iters));
   std::uint64_t wrong = 0;
   for (int it = 0; it < options_.warmup + options_.iters; ++it) {
-    if (options_.check) prepare();
+    prepare();
     group_.barrier({.blocking = true});
     const auto start = std::chrono::steady_clock::now();
     issue()->wait();

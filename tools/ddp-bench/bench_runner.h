@@ -74,6 +74,7 @@ class BenchRunner {
   std::size_t capacity_bytes_ = 0;
   Buffer send_;
   Buffer recv_;
+  std::shared_ptr<void> shared_recv_;  // --shared-buffer: replaces recv_
 };
 
 }  // namespace ddp::bench

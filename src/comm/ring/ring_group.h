@@ -5,6 +5,7 @@
 // allreduce (hierarchical.h) over the domain and a cross-host TCP mesh.
 //   ring_group_setup.cc   options, connecting the mesh, locality (shm / TCP / hierarchical), p2p
 //   ring_group.cc         running a call, the cross-transport mismatch check, failure handling
+//   ring_shared_buffers.cc  allocate_shared_buffer (the zero-copy allreduce's memory)
 #pragma once
 
 #include <atomic>
@@ -42,7 +43,12 @@ class RingProcessGroup final : public GroupFront,
   // See ring_point_to_point_connections_of().
   int point_to_point_connections() const { return p2p_ ? p2p_->connections() : 0; }
 
+  // See ring_shared_buffer_allreduces_of().
+  long long shared_buffer_allreduces() const;
+
   std::string_view backend() const override { return "ring"; }
+  // ring_shared_buffers.cc: over the host's shared-memory domain (kShm), else none.
+  std::shared_ptr<void> allocate_shared_buffer(std::size_t bytes, std::string* why_not) override;
   // Only the shared-memory domain reads and writes the pieces where they lie; the TCP and
   // hierarchical algorithms work on one buffer, packed by the front.
   bool allreduce_segments_in_place() const override { return mode_ == Mode::kShm; }

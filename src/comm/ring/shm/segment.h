@@ -10,7 +10,8 @@
 namespace ddp::comm::shm {
 
 inline constexpr std::uint64_t kSegmentMagic = 0x4d48535044445044ULL;  // "DPDDPSHM" in memory
-inline constexpr std::uint32_t kSegmentVersion = 2;  // 2: anonymous memory shared through /proc
+// 2: anonymous memory shared through /proc; 3: the shared buffer of each call (zero copy)
+inline constexpr std::uint32_t kSegmentVersion = 3;
 inline constexpr std::size_t kCacheLine = 64;
 inline constexpr std::size_t kAbortReasonBytes = 512;
 
@@ -46,6 +47,11 @@ struct alignas(kCacheLine) RankControl {
   // The headers of this rank's calls, by call parity (a fast peer may start call c+1 while a slow
   // one still reads the header of call c).
   alignas(kCacheLine) OpHeader headers[2];
+  // By call parity too: the shared buffer (SharedBufferMapping::id; 0: none) that this rank's
+  // large allreduce reduces in place, and the byte offset of its data in that buffer. The call
+  // takes the zero-copy path when every rank names the same buffer and offset.
+  std::uint64_t shared_buffer[2];
+  std::uint64_t shared_offset[2];
   char abort_reason[kAbortReasonBytes];
 };
 

@@ -62,6 +62,15 @@ void ShmDomain::guarded(const OpHeader& header, Deadline deadline, Fn&& body) {
 template <typename CopyIn, typename Compute, typename CopyOut>
 void ShmDomain::run_chunked(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in,
                             Compute&& compute, CopyOut&& copy_out) {
+  run_chunked_or(count, chunk_elems, std::forward<CopyIn>(copy_in), std::forward<Compute>(compute),
+                 std::forward<CopyOut>(copy_out), [] { return false; });
+}
+
+// `instead` runs after chunk 0's arrival (A_0), when every rank's header and control are
+// visible; if it did the call, B_0 ends it (the same two events as a call of one chunk).
+template <typename CopyIn, typename Compute, typename CopyOut, typename Instead>
+void ShmDomain::run_chunked_or(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in,
+                               Compute&& compute, CopyOut&& copy_out, Instead&& instead) {
   const std::size_t chunks = (count + chunk_elems - 1) / chunk_elems;
   auto len_of = [&](std::size_t i) { return std::min(chunk_elems, count - i * chunk_elems); };
   const int parity = static_cast<int>(calls_ & 1);
@@ -81,6 +90,11 @@ void ShmDomain::run_chunked(std::size_t count, std::size_t chunk_elems, CopyIn&&
     const auto a_i = static_cast<std::uint32_t>(base + 2 * i + 1);
     if (i == 0) {
       announce_and_check();
+      if (instead()) {
+        publish();
+        wait_all(a_i + 1);
+        return;
+      }
     } else {
       wait_all(a_i);
     }
@@ -225,8 +239,13 @@ void ShmDomain::allreduce(const void* send, void* recv, std::size_t count, DType
   check_buffer(send, count, "send");
   check_buffer(recv, count, "recv");
   const std::size_t esize = dtype_size(dtype);
+  std::size_t offset = 0;
+  std::shared_ptr<const SharedBufferMapping> shared;
+  if (send == recv && count * esize > options_.small_bytes) {
+    shared = shared_buffers_->find(recv, count * esize, rank_, offset);
+  }
   run_allreduce(Pieces(send, count, esize), Pieces(recv, count, esize), count, dtype, op, header,
-                deadline);
+                deadline, shared.get(), offset);
 }
 
 void ShmDomain::allreduce_segments(std::span<const BufferSegment> segments, DType dtype,
@@ -241,14 +260,55 @@ void ShmDomain::allreduce_segments(std::span<const BufferSegment> segments, DTyp
   run_allreduce(buffer, buffer, count, dtype, op, header, deadline);
 }
 
+// Every rank's copy of the buffer is mapped here, so rank r reduces slice r of the whole call
+// from all of them (in rank order: the copying path's bits) into a cache-sized scratch and writes
+// it into every copy. Each element is read once and written once per rank, against the copying
+// path's copy in, reduce, and copy out through the segment. Only rank r touches slice r of any
+// copy until B_0, and no rank reads its own buffer before it has seen every B_0.
+bool ShmDomain::try_zero_copy_allreduce(const SharedBufferMapping& shared, std::size_t offset,
+                                        std::size_t count, DType dtype, ReduceOp op) {
+  const int parity = static_cast<int>(calls_ & 1);
+  for (int r = 0; r < size_; ++r) {
+    const RankControl& control = controls(segment_)[r];
+    if (control.shared_buffer[parity] != shared.id || control.shared_offset[parity] != offset) {
+      return false;
+    }
+  }
+  const std::size_t esize = dtype_size(dtype);
+  const auto [begin, n] = slice_of(count, rank_, size_, esize);
+  constexpr std::size_t kPieceBytes = 64 * 1024;
+  const std::size_t piece = std::max<std::size_t>(1, kPieceBytes / esize);
+  if (zero_copy_scratch_.size() < piece * esize) zero_copy_scratch_.resize(piece * esize);
+  std::byte* scratch = zero_copy_scratch_.data();
+  for (std::size_t at = 0; at < n; at += piece) {
+    const std::size_t m = std::min(piece, n - at);
+    const std::size_t byte_offset = offset + (begin + at) * esize;
+    reduce_in_rank_order(
+        scratch, [&](int r) { return shared.bases[static_cast<std::size_t>(r)] + byte_offset; }, m,
+        dtype, op, size_);
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(shared.bases[static_cast<std::size_t>(r)] + byte_offset, scratch, m * esize);
+    }
+  }
+  shared_buffer_allreduces_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 void ShmDomain::run_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
-                              ReduceOp op, const OpHeader& header, Deadline deadline) {
+                              ReduceOp op, const OpHeader& header, Deadline deadline,
+                              const SharedBufferMapping* shared, std::size_t shared_offset) {
   const std::size_t esize = dtype_size(dtype);
   guarded(header, deadline, [&] {
     if (count * esize <= options_.small_bytes && count > 0) {
       run_small_allreduce(in, out, count, dtype, op);
       return;
     }
+    // Published with the header (before A_0): a rank whose buffer is not shared names none, and
+    // every rank then copies (chunk 0's copy-in is done either way, so both paths can follow).
+    const int parity = static_cast<int>(calls_ & 1);
+    RankControl& mine = controls(segment_)[rank_];
+    mine.shared_buffer[parity] = shared != nullptr ? shared->id : 0;
+    mine.shared_offset[parity] = shared_offset;
     // Nobody else reads this rank's slice of its input, so it stays where it is (saves 1/N of
     // the copy-in) and the reduction reads it from there.
     auto copy_in_but_own_slice = [&](std::size_t first, std::size_t len, int p) {
@@ -275,7 +335,7 @@ void ShmDomain::run_allreduce(const Pieces& in, const Pieces& out, std::size_t c
             size_);
       });
     };
-    run_chunked(
+    run_chunked_or(
         count, options_.slot_bytes / esize,
         [&](std::size_t first, std::size_t len, int p) { copy_in_but_own_slice(first, len, p); },
         [&](std::size_t first, std::size_t len, int p) { reduce_own_slice(first, len, p); },
@@ -284,6 +344,10 @@ void ShmDomain::run_allreduce(const Pieces& in, const Pieces& out, std::size_t c
           out.for_each(first, len, [&](std::byte* piece, std::size_t at, std::size_t m) {
             std::memcpy(piece, result + at * esize, m * esize);
           });
+        },
+        [&] {
+          return shared != nullptr &&
+                 try_zero_copy_allreduce(*shared, shared_offset, count, dtype, op);
         });
   });
 }

@@ -29,6 +29,7 @@
 // shm_collectives.cc (the collectives over that protocol).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -39,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/ring/shm/shared_buffers.h"
 #include "comm/ring/transport.h"
 #include "comm/wire.h"
 #include "ddp/comm_error.h"
@@ -121,6 +123,12 @@ class ShmDomain final : public RingTransport {
   // count, root, sequence) and must match the arguments; send may equal recv (in place) for
   // allreduce and reduce. Results are bit-identical on every rank: each element is reduced once,
   // in rank order, or by every rank in the same order.
+  //
+  // An in-place allreduce larger than small_bytes whose buffer lies in a shared buffer (see
+  // shared_buffers()) at the same offset on every rank takes the zero-copy path: each rank reduces
+  // its slice straight from every rank's copy and writes the result into all of them (two
+  // synchronisations, no staging through the segment; the same bits as the copying path). Any
+  // other call, and any call where one rank's buffer is not shared, copies through the segment.
   void allreduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
                  const OpHeader& header, Deadline deadline);
   // In place over the concatenation of `segments` (ProcessGroup::allreduce_segments): the same
@@ -140,6 +148,17 @@ class ShmDomain final : public RingTransport {
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DType dtype,
                       ReduceOp op, const OpHeader& header, Deadline deadline);
   void barrier(const OpHeader& header, Deadline deadline);
+
+  // The buffers this domain's ranks have mapped into each other (made by the ring group,
+  // collectively); thread-safe.
+  SharedBufferRegistry& shared_buffers() { return *shared_buffers_; }
+  const std::shared_ptr<SharedBufferRegistry>& shared_buffer_registry() const {
+    return shared_buffers_;
+  }
+  // How many allreduces took the zero-copy path so far (any thread).
+  std::uint64_t shared_buffer_allreduces() const {
+    return shared_buffer_allreduces_.load(std::memory_order_relaxed);
+  }
 
   // RingTransport: a local peer whose current call has mine.sequence but another header (by its
   // rank in the group, ShmOptions::ranks), or -1. Reads each header twice, so a header being
@@ -166,9 +185,19 @@ class ShmDomain final : public RingTransport {
   template <typename CopyIn, typename Compute, typename CopyOut>
   void run_chunked(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in, Compute&& compute,
                    CopyOut&& copy_out);
+  // The same, where `instead` may run the whole call once every rank has arrived: when it returns
+  // true, the rank publishes one event, waits for every rank's, and the call is done.
+  template <typename CopyIn, typename Compute, typename CopyOut, typename Instead>
+  void run_chunked_or(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in,
+                      Compute&& compute, CopyOut&& copy_out, Instead&& instead);
   class Pieces;  // a contiguous buffer or several segments (shm_collectives.cc)
+  // `shared`: the shared buffer an in-place allreduce's data lies in (at `shared_offset`), or null.
   void run_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
-                     ReduceOp op, const OpHeader& header, Deadline deadline);
+                     ReduceOp op, const OpHeader& header, Deadline deadline,
+                     const SharedBufferMapping* shared = nullptr, std::size_t shared_offset = 0);
+  // The zero-copy path, when every rank names `shared` at `offset` (after all arrived).
+  bool try_zero_copy_allreduce(const SharedBufferMapping& shared, std::size_t offset,
+                               std::size_t count, DType dtype, ReduceOp op);
   void run_small_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
                            ReduceOp op);
 
@@ -218,6 +247,10 @@ class ShmDomain final : public RingTransport {
   bool wait_warned_ = false;             // this call logged its wait_warning
   std::uint32_t events_ = 0;  // events this rank has published (mirrors its shared counter)
   std::uint64_t calls_ = 0;   // calls made (their parity picks the header and small buffers)
+
+  std::shared_ptr<SharedBufferRegistry> shared_buffers_ = std::make_shared<SharedBufferRegistry>();
+  std::atomic<std::uint64_t> shared_buffer_allreduces_{0};
+  std::vector<std::byte> zero_copy_scratch_;
 
   std::optional<CommError> error_;
   bool error_is_peer_ = false;

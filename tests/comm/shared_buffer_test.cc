@@ -1,0 +1,264 @@
+// Shared buffers (ProcessGroup::allocate_shared_buffer, issue 28): on one host the ranks map each
+// other's buffers and an in-place allreduce of one reduces straight from the peers' copies. Real
+// rank processes over the ring backend's shared-memory transport: every dtype and op against the
+// reference and bit for bit against the copying path; the ranks fall back together (and say why)
+// when one cannot make or map its copy; a peer killed in a zero-copy allreduce is named within
+// seconds.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "comm/comm_test_util.h"
+#include "ddp/error.h"
+#include "support/multiprocess.h"
+
+namespace ddp::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+std::shared_ptr<ProcessGroup> shm_group(const TempDir& dir, int rank, int size,
+                                        Milliseconds timeout = 30s) {
+  // 4 KiB chunks (and small messages up to 4 KiB): the copying path streams in many chunks.
+  RingOptions options{.timeout = timeout, .transport = Transport::kAuto, .shm_slot_bytes = 4096};
+  auto pg = make_group(dir.path(), rank, size, options);
+  expect(ring_transport_of(*pg) == "shm", "the group does not run over shared memory");
+  return pg;
+}
+
+// The lowest descriptor number free now (the next open() gets it).
+int lowest_free_fd() {
+  const int fd = ::dup(0);
+  ::close(fd);
+  return fd;
+}
+
+// World 4 (the rank order of a reduction matters from 3 ranks on): every dtype and op, at counts
+// around the slices' cache-line rounding, at offset 0 and inside the buffer, equal to the
+// reference; random floats bit for bit equal to the copying path; each of these calls counted as
+// zero-copy, and none of the calls that cannot be.
+TEST(SharedBuffers, InPlaceAllreduceReadsThePeersCopiesAndEqualsTheCopyingPath) {
+  constexpr int kWorld = 4;
+  TempDir dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = shm_group(dir, rank, kWorld);
+    constexpr std::size_t kBytes = 3 << 20;
+    std::string why = "unset";
+    auto buffer = pg->allocate_shared_buffer(kBytes, &why);
+    expect(buffer != nullptr, "no shared buffer: " + why);
+    expect(why.empty(), "why_not is set on success: " + why);
+    auto* base = static_cast<std::byte*>(buffer.get());
+    for (std::size_t i = 0; i < kBytes; ++i)
+      expect(base[i] == std::byte{0}, "a new shared buffer is not zeroed");
+    long long zero_copy = 0;
+    auto check_counted = [&](long long expected, const std::string& what) {
+      const long long now = ring_shared_buffer_allreduces_of(*pg);
+      expect(now == expected, fmt::format("rank {}: {}: {} zero-copy allreduces, expected {}", rank,
+                                          what, now, expected));
+    };
+    int salt = 0;
+    for (const DType dtype : kAllDTypes) {
+      for (const ReduceOp op : kAllOps) {
+        if (!reduces(dtype, op)) continue;
+        for (const std::size_t count : {std::size_t{1000}, std::size_t{4099}, std::size_t{65537}}) {
+          for (const std::size_t offset : {std::size_t{0}, std::size_t{4096 + 64}}) {
+            ++salt;
+            const std::size_t bytes = count * dtype_size(dtype);
+            const auto input = make_input(dtype, count, rank, salt);
+            std::memcpy(base + offset, input.data(), bytes);
+            pg->allreduce(base + offset, count, dtype, op)->wait();
+            const std::string what = fmt::format("{} {} x {} at offset {}", to_string(op),
+                                                 to_string(dtype), count, offset);
+            expect_bytes(std::vector<std::byte>(base + offset, base + offset + bytes),
+                         expected_reduction(dtype, op, count, kWorld, salt), dtype, what);
+            // Messages of at most 4 KiB (the slot size here) take the small path.
+            if (bytes > 4096) ++zero_copy;
+            check_counted(zero_copy, what);
+          }
+        }
+      }
+    }
+    // Rounding order: random floats, the same bits as the copying path on a private buffer.
+    std::mt19937 random(1234 + rank);
+    std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+    constexpr std::size_t kCount = 500'001;
+    std::vector<float> values(kCount);
+    for (auto& v : values)
+      v = uniform(random);
+    std::vector<float> copied = values;
+    auto* shared = reinterpret_cast<float*>(base + 128);
+    std::memcpy(shared, values.data(), kCount * sizeof(float));
+    for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      std::memcpy(shared, values.data(), kCount * sizeof(float));
+      copied = values;
+      pg->allreduce(shared, kCount, DType::kFloat32, op)->wait();
+      pg->allreduce(copied.data(), kCount, DType::kFloat32, op)->wait();
+      expect(std::memcmp(shared, copied.data(), kCount * sizeof(float)) == 0,
+             fmt::format("rank {}: {} of random floats differs from the copying path", rank,
+                         to_string(op)));
+      check_counted(++zero_copy, "random floats");
+    }
+    // Not zero-copy: ranks at different offsets (each reduces its own range, correctly), one rank
+    // with a private buffer, and out of place.
+    std::vector<float> ones(20'000, 1.0f);
+    auto* at = reinterpret_cast<float*>(base + 64 * static_cast<std::size_t>(rank));
+    std::memcpy(at, ones.data(), ones.size() * sizeof(float));
+    pg->allreduce(at, ones.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+    expect(at[0] == kWorld && at[ones.size() - 1] == kWorld, "different offsets: wrong sum");
+    std::vector<float> mine = ones;
+    float* data = rank == 2 ? mine.data() : reinterpret_cast<float*>(base);
+    std::memcpy(data, ones.data(), ones.size() * sizeof(float));
+    pg->allreduce(data, ones.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+    expect(data[0] == kWorld && data[ones.size() - 1] == kWorld, "one private buffer: wrong sum");
+    std::vector<float> out(ones.size());
+    std::memcpy(base, ones.data(), ones.size() * sizeof(float));
+    pg->allreduce(base, out.data(), ones.size(), DType::kFloat32, ReduceOp::kSum)->wait();
+    expect(out[0] == kWorld, "out of place: wrong sum");
+    check_counted(zero_copy, "calls that cannot be zero-copy");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Buffers are freed and made again (DDP rebuilds its buckets): the new ones work, the old ones
+// are gone from the registry; a range that runs past the end of a buffer is not zero-copy.
+TEST(SharedBuffers, FreedBuffersLeaveAndNewOnesWork) {
+  constexpr int kWorld = 2;
+  TempDir dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = shm_group(dir, rank, kWorld);
+    for (int round = 0; round < 5; ++round) {
+      const std::size_t count = 100'000 + 1000 * static_cast<std::size_t>(round);
+      auto first = pg->allocate_shared_buffer(count * sizeof(float));
+      auto second = pg->allocate_shared_buffer(count * sizeof(float));
+      expect(first && second, "no shared buffer");
+      for (auto* buffer : {&first, &second}) {
+        auto* data = static_cast<float*>(buffer->get());
+        for (std::size_t i = 0; i < count; ++i)
+          data[i] = static_cast<float>(rank + 1) * static_cast<float>(i % 7);
+        pg->allreduce(data, count, DType::kFloat32, ReduceOp::kSum)->wait();
+        for (std::size_t i = 0; i < count; i += 997)
+          expect(data[i] == 3.0f * static_cast<float>(i % 7),
+                 fmt::format("round {}: element {} is {}", round, i, data[i]));
+      }
+      first.reset();
+    }
+    expect(ring_shared_buffer_allreduces_of(*pg) == 10, "not every allreduce was zero-copy");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// One rank cannot (DDP_SHM_SHARED_BUFFERS=0; no descriptor left to make its copy; no descriptor
+// left to open a peer's): null on every rank, that rank names why, the others name that rank.
+// Ranks asking for different sizes: a ConfigError on every rank. Over TCP: null, no reason.
+TEST(SharedBuffers, RanksThatCannotMakeOrMapACopyFallBackTogetherAndSayWhy) {
+  constexpr int kWorld = 3;
+  TempDir dir, tcp_dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = shm_group(dir, rank, kWorld);
+    auto expect_refused = [&](const std::string& case_name, const std::string& reason,
+                              const std::string& others_say) {
+      std::string why;
+      auto buffer = pg->allocate_shared_buffer(1 << 20, &why);
+      expect(buffer == nullptr, case_name + ": a buffer was made");
+      const std::string want = rank == 1 ? reason : others_say;
+      expect(why.find(want) != std::string::npos,
+             fmt::format("rank {}: {}: '{}' does not say '{}'", rank, case_name, why, want));
+    };
+    if (rank == 1) ::setenv("DDP_SHM_SHARED_BUFFERS", "0", 1);
+    expect_refused("DDP_SHM_SHARED_BUFFERS=0", "DDP_SHM_SHARED_BUFFERS=0",
+                   "rank 1 has DDP_SHM_SHARED_BUFFERS=0");
+    ::unsetenv("DDP_SHM_SHARED_BUFFERS");
+
+    rlimit saved{};
+    ::getrlimit(RLIMIT_NOFILE, &saved);
+    auto limit_descriptors = [&](int extra) {
+      rlimit low = saved;
+      low.rlim_cur = static_cast<rlim_t>(lowest_free_fd() + extra);
+      ::setrlimit(RLIMIT_NOFILE, &low);
+    };
+    if (rank == 1) limit_descriptors(0);  // not even its own copy
+    expect_refused("no descriptor for its copy", "Too many open files",
+                   "rank 1 could not make its copy (its log says why)");
+    if (rank == 1) ::setrlimit(RLIMIT_NOFILE, &saved);
+    if (rank == 1) limit_descriptors(1);  // its copy, but no peer's
+    std::string why;
+    auto buffer = pg->allocate_shared_buffer(1 << 20, &why);
+    if (rank == 1) ::setrlimit(RLIMIT_NOFILE, &saved);
+    expect(buffer == nullptr, "no descriptor for a peer's copy: a buffer was made");
+    expect(why.find(rank == 1 ? "could not map rank 0's copy" : "rank 1 could not map") !=
+               std::string::npos,
+           fmt::format("rank {}: no descriptor for a peer's copy: '{}'", rank, why));
+    if (rank == 1) expect(why.find("Too many open files") != std::string::npos, why);
+
+    // Still usable, and the next buffer works.
+    auto good = pg->allocate_shared_buffer(1 << 20, &why);
+    expect(good != nullptr, "no buffer after the failures: " + why);
+    auto* data = static_cast<float*>(good.get());
+    for (int i = 0; i < 1 << 18; ++i)
+      data[i] = 1.0f;
+    pg->allreduce(data, 1 << 18, DType::kFloat32, ReduceOp::kSum)->wait();
+    expect(data[12345] == kWorld, "wrong sum after the failures");
+    expect(ring_shared_buffer_allreduces_of(*pg) == 1, "the allreduce was not zero-copy");
+
+    try {
+      pg->allocate_shared_buffer(rank == 2 ? 8192 : 4096);
+      throw std::runtime_error("different sizes were accepted");
+    } catch (const ConfigError& e) {
+      expect(std::string(e.what()).find("same size") != std::string::npos, e.what());
+    }
+
+    auto tcp = make_group(tcp_dir.path(), rank, kWorld,
+                          {.timeout = 30s, .group_name = "tcp", .transport = Transport::kTcp});
+    why = "unset";
+    expect(tcp->allocate_shared_buffer(4096, &why) == nullptr && why.empty(),
+           "over TCP: a buffer, or a reason: " + why);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A peer killed before a zero-copy allreduce: the others fail within seconds with an error naming
+// it (the domain's failure rules hold on this path too).
+TEST(SharedBuffers, PeerKilledBeforeAZeroCopyAllreduceIsNamedWithinSeconds) {
+  constexpr int kWorld = 3;
+  TempDir dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = shm_group(dir, rank, kWorld, 60s);
+    constexpr std::size_t kCount = 1 << 20;
+    auto buffer = pg->allocate_shared_buffer(kCount * sizeof(float));
+    expect(buffer != nullptr, "no shared buffer");
+    auto* data = static_cast<float*>(buffer.get());
+    pg->allreduce(data, kCount, DType::kFloat32, ReduceOp::kSum)->wait();
+    pg->barrier()->wait();
+    if (rank == 2) ::kill(::getpid(), SIGKILL);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      pg->allreduce(data, kCount, DType::kFloat32, ReduceOp::kSum)->wait();
+      throw std::runtime_error("the allreduce succeeded without rank 2");
+    } catch (const CommError& e) {
+      const auto took = std::chrono::steady_clock::now() - start;
+      expect(took < 10s, fmt::format("the error took {} ms",
+                                     std::chrono::duration_cast<Milliseconds>(took).count()));
+      // Rank 0 or 1 may learn it from the other, which aborts the group naming rank 2.
+      const std::string what = e.what();
+      expect(what.find("rank 2 (pid") != std::string::npos &&
+                 what.find("exited or was killed") != std::string::npos,
+             "the error does not name rank 2: " + what);
+    }
+  });
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_TRUE(results[0].ok()) << describe(results);
+  EXPECT_TRUE(results[1].ok()) << describe(results);
+  EXPECT_EQ(results[2].signal, SIGKILL) << describe(results);
+}
+
+}  // namespace
+}  // namespace ddp::test
