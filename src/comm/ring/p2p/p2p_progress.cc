@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <limits>
 
+#include "comm/ring/p2p/p2p_connector.h"
 #include "net/fd_io.h"
 
 namespace ddp::comm::p2p {
