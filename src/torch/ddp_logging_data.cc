@@ -23,6 +23,8 @@ std::string DdpLoggingData::to_json() const {
   out["bucket_sizes"] = bucket_sizes;
   out["bucket_parameter_counts"] = bucket_parameter_counts;
   out["has_rebuilt_buckets"] = has_rebuilt_buckets;
+  out["shared_buckets"] = shared_buckets;
+  out["shared_buckets_why_not"] = shared_buckets_why_not;
   out["unused_parameter_names"] = unused_parameter_names;
   out["unused_parameter_size"] = unused_parameter_size;
   out["iteration"] = iteration;

@@ -523,6 +523,8 @@ DdpLoggingData DistributedDataParallelBase::logging_data() const {
   for (const auto& bucket : reducer_->bucket_assignment())
     data.bucket_parameter_counts.push_back(static_cast<std::int64_t>(bucket.size()));
   data.has_rebuilt_buckets = reducer_->buckets_rebuilt();
+  data.shared_buckets = reducer_->buckets_shared();
+  data.shared_buckets_why_not = reducer_->shared_buckets_why_not();
   data.unused_parameter_names = reducer_->unused_parameter_names();
   for (const auto& name : data.unused_parameter_names) {
     if (const auto it = bytes_by_name.find(name); it != bytes_by_name.end()) {

@@ -250,6 +250,19 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
 
   std::vector<Bucket> buckets(closed.size());
   slots_.assign(parameters_.size(), Slot{});
+  // Where each bucket would lie in one shared buffer (cache-line aligned, so that no two ranks'
+  // slices of two buckets share a line).
+  std::vector<std::size_t> shared_offsets;
+  std::size_t shared_bytes = 0;
+  for (const auto& params : closed) {
+    shared_offsets.push_back(shared_bytes);
+    for (const auto i : params) {
+      shared_bytes += static_cast<std::size_t>(parameters_[i].numel()) *
+                      static_cast<std::size_t>(parameters_[i].element_size());
+    }
+    shared_bytes = (shared_bytes + 63) / 64 * 64;
+  }
+  const auto shared = allocate_shared_buckets(shared_offsets, shared_bytes);
   for (std::size_t b = 0; b < closed.size(); ++b) {
     auto& bucket = buckets[b];
     bucket.params = std::move(closed[b]);
@@ -260,7 +273,14 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
     }
     const auto options = parameters_[bucket.params.front()].options().requires_grad(false);
     try {
-      bucket.contents = torch::zeros({total}, options);
+      if (shared) {
+        // Zeroed already; the buffer lives as long as any bucket tensor (or view) of it.
+        bucket.contents = torch::from_blob(
+            static_cast<std::byte*>(shared.get()) + shared_offsets[b], {total}, [shared](void*) {},
+            options);
+      } else {
+        bucket.contents = torch::zeros({total}, options);
+      }
     } catch (const c10::Error& e) {
       // A device out of memory: a named error rather than libtorch's allocator trace.
       throw Error(fmt::format(
@@ -305,6 +325,44 @@ void Reducer::assign_buckets(const std::vector<std::size_t>& order) {
       grad = view;
     }
   }
+}
+
+std::shared_ptr<void> Reducer::allocate_shared_buckets(const std::vector<std::size_t>& offsets,
+                                                       std::size_t total_bytes) {
+  // Only where the bucket is what the allreduce reduces in place and the gradients live in it:
+  // copying gradients into a shared bucket and back costs what sharing saves (the default path
+  // reduces the gradients where they lie instead).
+  buckets_shared_ = false;
+  shared_buckets_why_not_.clear();
+  if (!options_.gradient_as_bucket_view || staging_ || offsets.empty() ||
+      group_->memory_space() != MemorySpace::kHost) {
+    return nullptr;
+  }
+  for (const auto& parameter : parameters_) {
+    if (!parameter.device().is_cpu()) return nullptr;
+  }
+  auto buffer = group_->allocate_shared_buffer(total_bytes, &shared_buckets_why_not_);
+  buckets_shared_ = buffer != nullptr;
+  const std::string own = fmt::format("rank {} ", group_->rank());
+  if (!buffer && shared_buckets_why_not_.rfind(own, 0) == 0 &&
+      shared_buckets_why_not_.find("DDP_SHM_SHARED_BUFFERS=0") == std::string::npos) {
+    // The logs name the fallback where it comes from (once per bucket layout).
+    fmt::print(stderr,
+               "ddp: DistributedDataParallel: the gradient buckets are not shared between the "
+               "ranks of this host ({}); their allreduces copy through the shared segment\n",
+               shared_buckets_why_not_);
+  }
+  return buffer;
+}
+
+bool Reducer::buckets_shared() const {
+  std::lock_guard lock(mutex_);
+  return buckets_shared_;
+}
+
+std::string Reducer::shared_buckets_why_not() const {
+  std::lock_guard lock(mutex_);
+  return shared_buckets_why_not_;
 }
 
 torch::Tensor Reducer::slot_view(std::size_t param) const {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
+#include "ddp/ring_process_group.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_models.h"
@@ -89,6 +90,70 @@ TEST(DistributedDataParallel, ManySmallBucketsAndRebuildKeepEquivalence) {
 
 TEST(DistributedDataParallel, GradientAsBucketViewEqualsOneProcess) {
   check_equivalence<Mlp>(2, 8, {20}, {.gradient_as_bucket_view = true});
+}
+
+// gradient_as_bucket_view on one host (ring over shared memory): the buckets, and so the
+// gradients, live in a buffer the ranks map into each other, and each large bucket's allreduce
+// reads the peers' buckets where they lie (issue 28). World 3, through the bucket rebuild: the
+// same bits as the copying path (DDP_SHM_SHARED_BUFFERS=0) on the same data, and every rank
+// identical; logging_data says which path each model took and why.
+TEST(DistributedDataParallel, SharedBucketsOnOneHostGiveTheCopyingPathsBits) {
+  const int port = test::free_port();
+  constexpr int kWorld = 3, kBatch = 4, kSteps = 4;
+  const auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = join_group(rank, kWorld, port);
+    auto make_model = [] {
+      torch::manual_seed(5);
+      return torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::ReLU(),
+                                   torch::nn::Linear(256, 256), torch::nn::ReLU(),
+                                   torch::nn::Linear(256, 4));
+    };
+    const auto data = make_batches(kSteps, kWorld * kBatch, {32});
+    auto train = [&](bool shared) {
+      if (!shared) ::setenv("DDP_SHM_SHARED_BUFFERS", "0", 1);
+      auto net = make_model();
+      DistributedDataParallel model(net.ptr(), pg,
+                                    {.bucket_cap_mb = 0.1, .gradient_as_bucket_view = true});
+      auto opt = make_sgd(model->parameters());
+      const long long before = ring_shared_buffer_allreduces_of(*pg);
+      for (int step = 0; step < kSteps; ++step) {
+        opt.zero_grad();
+        auto x = data.inputs[step].narrow(0, rank * kBatch, kBatch);
+        auto y = data.targets[step].narrow(0, rank * kBatch, kBatch);
+        torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+        opt.step();
+      }
+      const auto logged = model->logging_data();
+      const long long zero_copy = ring_shared_buffer_allreduces_of(*pg) - before;
+      if (shared) {
+        if (!logged.shared_buckets || !logged.shared_buckets_why_not.empty())
+          throw std::runtime_error("buckets not shared: " + logged.shared_buckets_why_not);
+        if (!logged.has_rebuilt_buckets) throw std::runtime_error("buckets not rebuilt");
+        // At least the 256 x 256 weight's bucket (256 KiB) on every step.
+        if (zero_copy < kSteps) {
+          throw std::runtime_error(
+              fmt::format("{} zero-copy allreduces in {} steps", zero_copy, kSteps));
+        }
+      } else {
+        if (logged.shared_buckets || zero_copy != 0) {
+          throw std::runtime_error("DDP_SHM_SHARED_BUFFERS=0 still shared the buckets");
+        }
+        if (logged.shared_buckets_why_not.find("DDP_SHM_SHARED_BUFFERS=0") == std::string::npos)
+          throw std::runtime_error("why not: " + logged.shared_buckets_why_not);
+      }
+      ::unsetenv("DDP_SHM_SHARED_BUFFERS");  // read at each allocation: here and the rebuild
+      expect_identical_across_ranks(*pg, model->parameters(), "parameters");
+      return model->parameters();
+    };
+    const auto shared = train(true);
+    const auto copied = train(false);
+    for (std::size_t i = 0; i < shared.size(); ++i) {
+      if (!torch::equal(shared[i], copied[i])) {
+        throw std::runtime_error(fmt::format("parameter {} differs from the copying path's", i));
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 TEST(DistributedDataParallel, Fp16CompressionIsCloseToOneProcess) {

@@ -39,6 +39,11 @@ struct DdpLoggingData {
   std::vector<std::int64_t> bucket_sizes;             // bytes
   std::vector<std::int64_t> bucket_parameter_counts;  // parameters
   bool has_rebuilt_buckets = false;
+  // ddp's own: the buckets live in memory the ranks of this host share, so that their allreduces
+  // read the peers' buckets where they lie (gradient_as_bucket_view on the ring backend over
+  // shared memory); else why not ("" where the backend or transport has no such memory).
+  bool shared_buckets = false;
+  std::string shared_buckets_why_not;
   std::vector<std::string> unused_parameter_names;          // found by the last search, if any
   std::int64_t unused_parameter_size = 0;                   // their bytes
   std::int64_t iteration = 0;                               // synchronised backward passes

@@ -198,6 +198,12 @@ class Reducer {
   std::vector<std::vector<std::size_t>> bucket_assignment() const;
   BackwardTimeline last_timeline() const;
   bool buckets_rebuilt() const;
+  // gradient_as_bucket_view on a group whose ranks share one host (ProcessGroup::
+  // allocate_shared_buffer): whether the buckets, and so the gradients, live in memory the ranks
+  // map into each other, so that each bucket's allreduce reads the peers' buckets where they lie;
+  // else why not ("" where the group has no such memory).
+  bool buckets_shared() const;
+  std::string shared_buckets_why_not() const;
   ReducerStats stats() const;
   // Per bucket, in launch order: its size in bytes.
   std::vector<std::size_t> bucket_sizes_bytes() const;
@@ -214,6 +220,10 @@ class Reducer {
   };
 
   void assign_buckets(const std::vector<std::size_t>& order);
+  // The buckets' memory, shared with the host's peers where the group can (see buckets_shared):
+  // one buffer for every bucket, each at a cache-line-aligned offset; null otherwise. Collective.
+  std::shared_ptr<void> allocate_shared_buckets(const std::vector<std::size_t>& offsets,
+                                                std::size_t total_bytes);
   torch::Tensor slot_view(std::size_t param) const;
   bool is_bucket_view(std::size_t param, const torch::Tensor& grad) const;
   void autograd_hook(std::size_t param);
@@ -262,6 +272,8 @@ class Reducer {
   // Buckets on a device the group cannot read (CUDA on a host group; or staging_for_tests) are
   // reduced through host twins; null otherwise. The staging thread launches them in bucket order.
   std::unique_ptr<detail::DeviceStaging> staging_;
+  bool buckets_shared_ = false;
+  std::string shared_buckets_why_not_;
   std::unique_ptr<detail::StagingThread> staging_thread_;
   bool staging_failed_ = false;  // staging thread only (read after StagingThread::drain)
 
