@@ -6,6 +6,7 @@
 // 127.0.0.1 over TCP.
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -464,6 +465,58 @@ TEST(LazyPointToPoint, PeerGoneBeforeItsFirstConnectionFailsWithinSeconds) {
       90s);
   for (int r = 0; r < kWorld; ++r)
     EXPECT_TRUE(results[static_cast<std::size_t>(r)].ok()) << describe(results);
+}
+
+// A peer alive but stuck (SIGSTOP) before its first connection: the lower rank's knock is never
+// answered, so its send fails at the operation's deadline with a timeout that says the peer never
+// opened the connection (not a hang, not "posted no receive").
+TEST(LazyPointToPoint, StuckPeerThatNeverAnswersTheKnockTimesOutNamingIt) {
+  constexpr int kWorld = 2;
+  TempDir dir;
+  const auto pid_file = dir.path() / "rank1.pid";
+  auto results = run_ranks(
+      kWorld,
+      [&](int rank) {
+        auto pg =
+            make_group(dir.path(), rank, kWorld, {.timeout = 60s, .transport = Transport::kTcp});
+        if (rank == 1) {
+          std::ofstream(pid_file.string() + ".tmp") << ::getpid();
+          std::filesystem::rename(pid_file.string() + ".tmp", pid_file);
+        }
+        pg->barrier()->wait();
+        if (rank == 1) {
+          ::raise(SIGSTOP);  // killed by rank 0 below
+          ::_exit(3);
+        }
+        pid_t stuck = 0;
+        std::ifstream(pid_file) >> stuck;
+        expect(stuck > 0, "no pid from rank 1");
+        const auto start = Clock::now();
+        std::int32_t x = 5;
+        try {
+          pg->send(&x, 1, DType::kInt32, 1, 0, {.timeout = 2s})->wait();
+          ::kill(stuck, SIGKILL);
+          throw std::runtime_error("a send to a stopped rank succeeded");
+        } catch (const CommError& e) {
+          ::kill(stuck, SIGKILL);
+          const auto took = Clock::now() - start;
+          const std::string what = e.what();
+          expect(took >= 1900ms && took < 15s,
+                 fmt::format("failed after {} ms: {}",
+                             std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                             what));
+          expect(e.kind() == CommErrorKind::kTimeout,
+                 fmt::format("kind {}: {}", to_string(e.kind()), what));
+          expect(e.peer() == 1, fmt::format("peer() is {}, not 1: {}", e.peer(), what));
+          expect(
+              what.find("rank 1 never opened the point-to-point connection") != std::string::npos,
+              "the error does not say that rank 1 never connected: " + what);
+        }
+      },
+      90s);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_TRUE(results[0].ok()) << describe(results);
+  EXPECT_EQ(results[1].signal, SIGKILL) << describe(results);
 }
 
 }  // namespace
