@@ -31,6 +31,7 @@ DRIVEN_BY = {
     "mpi_allreduce.c": "compare_allreduce.py",    # peers openmpi-tcp and openmpi
     "pin_to_local_rank.sh": "flight_recorder_cost.sh",  # PIN=1
     "mesh_scale_probe.cc": "scale.py",  # as mesh-scale-probe, at every world it measures
+    "gloo_scale_probe.py": "scale.py",  # peer gloo2, which scale.py --quick runs where PyTorch 2.x is
     "pytorch_model_parallel_bench.py": "compare_model_parallel.py",  # beside train-gpt
 }
 
