@@ -519,5 +519,71 @@ TEST(LazyPointToPoint, StuckPeerThatNeverAnswersTheKnockTimesOutNamingIt) {
   EXPECT_EQ(results[1].signal, SIGKILL) << describe(results);
 }
 
+// Sockets this process has open (/proc/self/fd).
+int open_sockets() {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    const auto target = std::filesystem::read_symlink(entry.path(), error);
+    if (!error && target.string().rfind("socket:", 0) == 0) ++n;
+  }
+  return n;
+}
+
+// The same stuck peer killed while the knock waits in its listener's queue, unread: the kernel
+// resets the knock, and the send fails at once with kPeerGone saying so (not at its deadline).
+TEST(LazyPointToPoint, PeerKilledWithTheKnockUnreadIsNamedAtOnce) {
+  constexpr int kWorld = 2;
+  TempDir dir;
+  const auto pid_file = dir.path() / "rank1.pid";
+  auto results = run_ranks(
+      kWorld,
+      [&](int rank) {
+        auto pg =
+            make_group(dir.path(), rank, kWorld, {.timeout = 60s, .transport = Transport::kTcp});
+        if (rank == 1) {
+          std::ofstream(pid_file.string() + ".tmp") << ::getpid();
+          std::filesystem::rename(pid_file.string() + ".tmp", pid_file);
+        }
+        pg->barrier()->wait();
+        if (rank == 1) {
+          ::raise(SIGSTOP);  // killed by rank 0 below
+          ::_exit(3);
+        }
+        pid_t stuck = 0;
+        std::ifstream(pid_file) >> stuck;
+        expect(stuck > 0, "no pid from rank 1");
+        std::int32_t x = 5;
+        const int before = open_sockets();
+        auto sent = pg->send(&x, 1, DType::kInt32, 1, 0);
+        // The knock's connection is made by the kernel even though rank 1 is stopped; its hello
+        // follows at once on the same thread.
+        expect(wait_until([&] { return open_sockets() > before; }, 20s), "no knock within 20 s");
+        std::this_thread::sleep_for(300ms);
+        ::kill(stuck, SIGKILL);
+        const auto killed = Clock::now();
+        try {
+          sent->wait();
+          throw std::runtime_error("a send to a killed rank succeeded");
+        } catch (const CommError& e) {
+          const auto took = Clock::now() - killed;
+          const std::string what = e.what();
+          expect(took < 10s,
+                 fmt::format("failed {} ms after the kill: {}",
+                             std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
+                             what));
+          expect(e.kind() == CommErrorKind::kPeerGone,
+                 fmt::format("kind {}: {}", to_string(e.kind()), what));
+          expect(e.peer() == 1, fmt::format("peer() is {}, not 1: {}", e.peer(), what));
+          expect(what.find("reset the request unread") != std::string::npos,
+                 "the error does not say that rank 1 reset the knock: " + what);
+        }
+      },
+      90s);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_TRUE(results[0].ok()) << describe(results);
+  EXPECT_EQ(results[1].signal, SIGKILL) << describe(results);
+}
+
 }  // namespace
 }  // namespace ddp::test
