@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
 #include <thread>
@@ -467,10 +468,10 @@ TEST(LazyPointToPoint, PeerGoneBeforeItsFirstConnectionFailsWithinSeconds) {
     EXPECT_TRUE(results[static_cast<std::size_t>(r)].ok()) << describe(results);
 }
 
-// A peer alive but stuck (SIGSTOP) before its first connection: the lower rank's knock is never
-// answered, so its send fails at the operation's deadline with a timeout that says the peer never
-// opened the connection (not a hang, not "posted no receive").
-TEST(LazyPointToPoint, StuckPeerThatNeverAnswersTheKnockTimesOutNamingIt) {
+// World 2 over TCP where rank 1 stops itself (SIGSTOP) after a barrier, before any point-to-point
+// connection: `on_rank_0(group, rank 1's pid)` runs on rank 0 and must kill rank 1 (SIGKILL).
+// Expects rank 0 to succeed and rank 1 to die of that SIGKILL.
+void with_rank_1_stopped(const std::function<void(ProcessGroup&, pid_t)>& on_rank_0) {
   constexpr int kWorld = 2;
   TempDir dir;
   const auto pid_file = dir.path() / "rank1.pid";
@@ -485,38 +486,55 @@ TEST(LazyPointToPoint, StuckPeerThatNeverAnswersTheKnockTimesOutNamingIt) {
         }
         pg->barrier()->wait();
         if (rank == 1) {
-          ::raise(SIGSTOP);  // killed by rank 0 below
+          ::raise(SIGSTOP);  // killed by rank 0
           ::_exit(3);
         }
         pid_t stuck = 0;
         std::ifstream(pid_file) >> stuck;
         expect(stuck > 0, "no pid from rank 1");
-        const auto start = Clock::now();
-        std::int32_t x = 5;
         try {
-          pg->send(&x, 1, DType::kInt32, 1, 0, {.timeout = 2s})->wait();
+          on_rank_0(*pg, stuck);
+        } catch (...) {
           ::kill(stuck, SIGKILL);
-          throw std::runtime_error("a send to a stopped rank succeeded");
-        } catch (const CommError& e) {
-          ::kill(stuck, SIGKILL);
-          const auto took = Clock::now() - start;
-          const std::string what = e.what();
-          expect(took >= 1900ms && took < 15s,
-                 fmt::format("failed after {} ms: {}",
-                             std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
-                             what));
-          expect(e.kind() == CommErrorKind::kTimeout,
-                 fmt::format("kind {}: {}", to_string(e.kind()), what));
-          expect(e.peer() == 1, fmt::format("peer() is {}, not 1: {}", e.peer(), what));
-          expect(
-              what.find("rank 1 never opened the point-to-point connection") != std::string::npos,
-              "the error does not say that rank 1 never connected: " + what);
+          throw;
         }
       },
       90s);
   ASSERT_EQ(results.size(), 2u);
   EXPECT_TRUE(results[0].ok()) << describe(results);
   EXPECT_EQ(results[1].signal, SIGKILL) << describe(results);
+}
+
+// Throws unless `e` is a CommError of `kind` naming rank 1, with `text` in its message.
+void expect_error_naming_rank_1(const CommError& e, CommErrorKind kind, const std::string& text) {
+  const std::string what = e.what();
+  expect(e.kind() == kind, fmt::format("kind {}: {}", to_string(e.kind()), what));
+  expect(e.peer() == 1, fmt::format("peer() is {}, not 1: {}", e.peer(), what));
+  expect(what.find(text) != std::string::npos, fmt::format("'{}' is not in: {}", text, what));
+}
+
+long long ms_since(Clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+}
+
+// A peer alive but stuck before its first connection: the lower rank's knock is never answered,
+// so its send fails at the operation's deadline with a timeout that says the peer never opened
+// the connection (not a hang, not "posted no receive").
+TEST(LazyPointToPoint, StuckPeerThatNeverAnswersTheKnockTimesOutNamingIt) {
+  with_rank_1_stopped([](ProcessGroup& pg, pid_t stuck) {
+    const auto start = Clock::now();
+    std::int32_t x = 5;
+    try {
+      pg.send(&x, 1, DType::kInt32, 1, 0, {.timeout = 2s})->wait();
+      throw std::runtime_error("a send to a stopped rank succeeded");
+    } catch (const CommError& e) {
+      ::kill(stuck, SIGKILL);
+      const long long took = ms_since(start);
+      expect(took >= 1900 && took < 15000, fmt::format("failed after {} ms: {}", took, e.what()));
+      expect_error_naming_rank_1(e, CommErrorKind::kTimeout,
+                                 "rank 1 never opened the point-to-point connection");
+    }
+  });
 }
 
 // Sockets this process has open (/proc/self/fd).
@@ -533,56 +551,25 @@ int open_sockets() {
 // The same stuck peer killed while the knock waits in its listener's queue, unread: the kernel
 // resets the knock, and the send fails at once with kPeerGone saying so (not at its deadline).
 TEST(LazyPointToPoint, PeerKilledWithTheKnockUnreadIsNamedAtOnce) {
-  constexpr int kWorld = 2;
-  TempDir dir;
-  const auto pid_file = dir.path() / "rank1.pid";
-  auto results = run_ranks(
-      kWorld,
-      [&](int rank) {
-        auto pg =
-            make_group(dir.path(), rank, kWorld, {.timeout = 60s, .transport = Transport::kTcp});
-        if (rank == 1) {
-          std::ofstream(pid_file.string() + ".tmp") << ::getpid();
-          std::filesystem::rename(pid_file.string() + ".tmp", pid_file);
-        }
-        pg->barrier()->wait();
-        if (rank == 1) {
-          ::raise(SIGSTOP);  // killed by rank 0 below
-          ::_exit(3);
-        }
-        pid_t stuck = 0;
-        std::ifstream(pid_file) >> stuck;
-        expect(stuck > 0, "no pid from rank 1");
-        std::int32_t x = 5;
-        const int before = open_sockets();
-        auto sent = pg->send(&x, 1, DType::kInt32, 1, 0);
-        // The knock's connection is made by the kernel even though rank 1 is stopped; its hello
-        // follows at once on the same thread.
-        expect(wait_until([&] { return open_sockets() > before; }, 20s), "no knock within 20 s");
-        std::this_thread::sleep_for(300ms);
-        ::kill(stuck, SIGKILL);
-        const auto killed = Clock::now();
-        try {
-          sent->wait();
-          throw std::runtime_error("a send to a killed rank succeeded");
-        } catch (const CommError& e) {
-          const auto took = Clock::now() - killed;
-          const std::string what = e.what();
-          expect(took < 10s,
-                 fmt::format("failed {} ms after the kill: {}",
-                             std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),
-                             what));
-          expect(e.kind() == CommErrorKind::kPeerGone,
-                 fmt::format("kind {}: {}", to_string(e.kind()), what));
-          expect(e.peer() == 1, fmt::format("peer() is {}, not 1: {}", e.peer(), what));
-          expect(what.find("reset the request unread") != std::string::npos,
-                 "the error does not say that rank 1 reset the knock: " + what);
-        }
-      },
-      90s);
-  ASSERT_EQ(results.size(), 2u);
-  EXPECT_TRUE(results[0].ok()) << describe(results);
-  EXPECT_EQ(results[1].signal, SIGKILL) << describe(results);
+  with_rank_1_stopped([](ProcessGroup& pg, pid_t stuck) {
+    std::int32_t x = 5;
+    const int before = open_sockets();
+    auto sent = pg.send(&x, 1, DType::kInt32, 1, 0);
+    // The knock's connection is made by the kernel even though rank 1 is stopped; its hello
+    // follows at once on the same thread.
+    expect(wait_until([&] { return open_sockets() > before; }, 20s), "no knock within 20 s");
+    std::this_thread::sleep_for(300ms);
+    ::kill(stuck, SIGKILL);
+    const auto killed = Clock::now();
+    try {
+      sent->wait();
+      throw std::runtime_error("a send to a killed rank succeeded");
+    } catch (const CommError& e) {
+      const long long took = ms_since(killed);
+      expect(took < 10000, fmt::format("failed {} ms after the kill: {}", took, e.what()));
+      expect_error_naming_rank_1(e, CommErrorKind::kPeerGone, "reset the request unread");
+    }
+  });
 }
 
 }  // namespace
