@@ -4,8 +4,10 @@
 // reference and bit for bit against the copying path; the ranks fall back together (and say why)
 // when one cannot make or map its copy; a peer killed in a zero-copy allreduce is named within
 // seconds.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -15,6 +17,7 @@
 #include <string>
 
 #include "comm/comm_test_util.h"
+#include "comm/ring/shm/shared_buffers.h"
 #include "ddp/error.h"
 #include "support/multiprocess.h"
 
@@ -207,6 +210,12 @@ TEST(SharedBuffers, OneRankWithSharedBuffersOffOrOtherSizesOrTcpGetNone) {
     } catch (const ConfigError& e) {
       expect(std::string(e.what()).find("same size") != std::string::npos, e.what());
     }
+    try {
+      pg->allocate_shared_buffer(0);
+      throw std::runtime_error("a buffer of 0 bytes was accepted");
+    } catch (const ConfigError& e) {
+      expect(std::string(e.what()).find("bytes is 0") != std::string::npos, e.what());
+    }
     auto tcp = make_group(tcp_dir.path(), rank, kWorld,
                           {.timeout = 30s, .group_name = "tcp", .transport = Transport::kTcp});
     std::string why = "unset";
@@ -240,6 +249,35 @@ TEST(SharedBuffers, RankOutOfDescriptorsForItsCopyOrAPeersFallsBackWithEveryRank
   expect_all_refused_then_usable([&](int rank) { limit_descriptors(rank, 1); }, restore,
                                  "could not map rank 0's copy: cannot open",
                                  "rank 1 could not map a peer's copy");
+}
+
+// What a rank opens through /proc/<pid>/fd/<fd> must be a sealed memfd of the agreed size: an
+// unsealed one, one of another size, or a descriptor that is not open are refused by name.
+TEST(SharedBuffers, APeersCopyIsMappedOnlyWhenSealedAndOfTheAgreedSize) {
+  constexpr std::size_t kBytes = 8192;
+  std::string error;
+  const int unsealed = ::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(unsealed, 0);
+  ASSERT_EQ(::ftruncate(unsealed, kBytes), 0);
+  EXPECT_EQ(comm::shm::map_peer_copy(::getpid(), unsealed, kBytes, error), nullptr);
+  EXPECT_NE(error.find("is not a sealed shared buffer of 8192 bytes"), std::string::npos) << error;
+  ::close(unsealed);
+
+  comm::shm::OwnSharedMemory own;
+  ASSERT_EQ(own.create(kBytes, "ddp-test"), "");
+  error.clear();
+  EXPECT_EQ(comm::shm::map_peer_copy(::getpid(), own.fd(), 2 * kBytes, error), nullptr);
+  EXPECT_NE(error.find("is not a sealed shared buffer of 16384 bytes"), std::string::npos) << error;
+  error.clear();
+  std::byte* mapped = comm::shm::map_peer_copy(::getpid(), own.fd(), kBytes, error);
+  ASSERT_NE(mapped, nullptr) << error;
+  ::munmap(mapped, kBytes);
+
+  const int closed = ::dup(0);
+  ::close(closed);
+  error.clear();
+  EXPECT_EQ(comm::shm::map_peer_copy(::getpid(), closed, kBytes, error), nullptr);
+  EXPECT_NE(error.find("cannot open /proc/"), std::string::npos) << error;
 }
 
 // A peer killed before a zero-copy allreduce: the others fail within seconds with an error naming
