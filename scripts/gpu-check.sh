@@ -22,7 +22,7 @@
 # Environment: DDP_GPU_CHECK_PYTHON (default python3: the one with torch), DDP_GPU_CHECK_JOBS
 # (default nproc), DDP_GPU_CHECK_BUDGET (seconds, default 360), DDP_GPU_CHECK_BUILD (default
 # build-gpu), DDP_GPU_DEPS (default .gpu-deps), DDP_GPU_CHECK_STEPS (timed steps per benchmark,
-# default 20).
+# default 20), DDP_GPU_CHECK_TEST_JOBS (GPU tests run at once, default 4).
 set -eEuo pipefail  # -E: the ERR trap below also sees failures inside functions
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -52,7 +52,8 @@ budget=${DDP_GPU_CHECK_BUDGET:-360}
 build=${DDP_GPU_CHECK_BUILD:-build-gpu}
 deps=${DDP_GPU_DEPS:-.gpu-deps}
 bench_steps=${DDP_GPU_CHECK_STEPS:-20}
-for n in jobs budget bench_steps; do
+test_jobs=${DDP_GPU_CHECK_TEST_JOBS:-4}
+for n in jobs budget bench_steps test_jobs; do
   if ! [[ ${!n} =~ ^[1-9][0-9]*$ ]]; then
     echo "gpu-check: $n is '${!n}', not a positive whole number" >&2
     exit 2
@@ -290,10 +291,11 @@ if ! run_step step build "$(step_limit "$budget" 110)" -- \
   exit 1
 fi
 
-# 4. The tests labelled gpu, one at a time (they share the device).
+# 4. The tests labelled gpu, a few at a time: they share the device, which holds several
+# processes' contexts, and each spends most of its time starting (libtorch, CUDA, rendezvous).
 junit=$state/gpu-tests.junit.xml
-run_step step gpu-tests "$(step_limit 120 60)" -- "${ddp_env[@]}" ctest --test-dir "$build" -L gpu \
-  --output-on-failure --timeout 90 --output-junit "$junit" || true
+run_step step gpu-tests "$(step_limit 180 60)" -- "${ddp_env[@]}" ctest --test-dir "$build" -L gpu \
+  -j "$test_jobs" --output-on-failure --timeout 90 --output-junit "$junit" || true
 if [[ -f $junit ]]; then
   "$python" "$report" ctest-summary --test-dir "$build" --junit "$junit" --prefix gpu-check.sh \
     --json "$state/gpu_tests.json" || failures+=("summarising the GPU tests failed")
