@@ -55,6 +55,7 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/comm_hook_by_name.h"
+#include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/fully_sharded_data_parallel.h"
 #include "ddp/torch/script_distributed_data_parallel.h"
@@ -83,6 +84,16 @@ torch::nn::Sequential make_model(const std::string& name) {
 }
 
 // A field of /proc/self/status in MiB (VmRSS: resident now, VmHWM: peak resident), 0 if absent.
+// The largest of every rank's `value`, through the tensor API: a group over device memory (nccl)
+// reads no host buffer, so the value travels on `device` there.
+double max_over_ranks(ddp::ProcessGroup& group, double value, const torch::Device& device) {
+  const bool on_device = group.memory_space() == ddp::MemorySpace::kCuda;
+  auto tensor = torch::full(
+      {1}, value, torch::TensorOptions(torch::kFloat64).device(on_device ? device : torch::kCPU));
+  ddp::all_reduce(tensor, ddp::ReduceOp::kMax, group);
+  return tensor.item<double>();
+}
+
 double status_mib(const std::string& field) {
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);) {
@@ -433,11 +444,10 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
-    double step_s = median(step_seconds);
-    group->allreduce(&step_s, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
-    double peak_mem_mb = status_mib("VmHWM") - rss_before_model_mib;
-    group->allreduce(&peak_mem_mb, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
-    group->allreduce(&state_mem_mb, 1, ddp::DType::kFloat64, ddp::ReduceOp::kMax)->wait();
+    const double step_s = max_over_ranks(*group, median(step_seconds), device);
+    const double peak_mem_mb =
+        max_over_ranks(*group, status_mib("VmHWM") - rss_before_model_mib, device);
+    state_mem_mb = max_over_ranks(*group, state_mem_mb, device);
     group->barrier()->wait();
     if (rank == 0) {
       // Ψ, and the largest FSDP unit's parameter count: what the memory formulas need.

@@ -264,7 +264,8 @@ else
 fi
 
 # 2. Configure: PyTorch's libtorch, the carried libraries, everything else off.
-configure=(cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+# Line tables (-g1): a crashed rank's backtrace is resolved to file and line on that machine.
+configure=(cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS=-g1
   -DDDP_LIBTORCH=pytorch "-DTorch_DIR=$torch_cmake/Torch" "-DDDP_PYTORCH_VENV=$torch_prefix"
   "-DCMAKE_PREFIX_PATH=$deps/usr" -DDDP_WITH_MPI=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
   -DCMAKE_DISABLE_FIND_PACKAGE_OpenSSL=ON -DDDP_BUILD_BENCH=ON -DDDP_BENCH_MICRO=OFF
@@ -274,9 +275,10 @@ configure=(cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 if [[ -f $site/nvidia/nccl/include/nccl.h ]]; then
   configure+=("-DDDP_NCCL_INCLUDE_DIR=$site/nvidia/nccl/include")
 fi
-for dir in cu13/include cuda_runtime/include; do  # CUDA 13's wheels, then 12's
-  if [[ -f $site/nvidia/$dir/cuda_runtime.h ]]; then
-    configure+=("-DDDP_CUDA_RUNTIME_INCLUDE_DIR=$site/nvidia/$dir")
+# A wheel's include folder may lack crt/ (CUDA 13's cu13 wheel does): then the toolkit's.
+for dir in "$site/nvidia/cu13/include" "$site/nvidia/cuda_runtime/include" /usr/local/cuda/include; do
+  if [[ -f $dir/cuda_runtime.h && -f $dir/crt/host_defines.h ]]; then
+    configure+=("-DDDP_CUDA_RUNTIME_INCLUDE_DIR=$dir")
     break
   fi
 done
@@ -296,6 +298,13 @@ fi
 junit=$state/gpu-tests.junit.xml
 run_step step gpu-tests "$(step_limit 180 60)" -- "${ddp_env[@]}" ctest --test-dir "$build" -L gpu \
   -j "$test_jobs" --output-on-failure --timeout 90 --output-junit "$junit" || true
+# A crashed rank printed its frames as offsets that only this machine's binaries resolve.
+tests_log=$(ls "$state"/logs/*-gpu-tests.log 2>/dev/null | tail -n 1)
+if [[ -n $tests_log ]] && grep -q "rank process crashed" "$tests_log"; then
+  "$python" "$repo/scripts/symbolize_backtraces.py" "$tests_log" >"$state/logs/gpu-tests-symbolized.log" ||
+    failures+=("symbolizing the GPU tests' backtraces failed")
+  grep -A3 -- "->" "$state/logs/gpu-tests-symbolized.log" | grep -- "->" | grep -v "sigaction\|report_crash\|libc-start\|_start" | head -n 40 || true
+fi
 if [[ -f $junit ]]; then
   "$python" "$report" ctest-summary --test-dir "$build" --junit "$junit" --prefix gpu-check.sh \
     --json "$state/gpu_tests.json" || failures+=("summarising the GPU tests failed")

@@ -431,7 +431,9 @@ TEST(Gpu, SyncBatchNormAndGradScalerOnCudaEqualTheCpu) {
     for (const auto& device : {torch::Device(torch::kCPU), kCuda0}) {
       SyncBatchNorm bn(SyncBatchNormOptions(3).process_group(pg));
       bn->to(device, torch::kFloat64);
-      const auto input = x.to(device).requires_grad_(true);
+      // A copy on every device: x.to(kCPU) is x itself, and requires_grad_ on it would make the
+      // CUDA input a non-leaf (copied from a tensor that requires grad) with no .grad().
+      const auto input = x.to(device).clone().requires_grad_(true);
       const auto y = bn->forward(input);
       (y * y).sum().backward();
       out.push_back(y.detach().cpu());

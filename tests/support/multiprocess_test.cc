@@ -1,0 +1,58 @@
+// run_ranks, the harness every multi-process test stands on: a rank that crashes is reported
+// with its signal and its frames, so a crash on a machine one cannot log in to (the GPU machine
+// of scripts/gpu-check.sh) still says where it happened.
+#include "support/multiprocess.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <cstdlib>
+
+namespace ddp::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SKIP_UNDER_SANITIZERS() GTEST_SKIP() << "the sanitizers report crashes themselves"
+#else
+#define SKIP_UNDER_SANITIZERS() (void)0
+#endif
+
+// Not inlined, so that its name is a frame of the backtrace.
+[[gnu::noinline]] void crash_with(int signal_number) {
+  std::raise(signal_number);
+}
+
+TEST(RunRanks, ACrashedRankIsKilledByItsSignalAndSaysWhere) {
+  SKIP_UNDER_SANITIZERS();
+  const auto results = run_ranks(2, [](int rank) {
+    if (rank == 1) crash_with(SIGSEGV);
+  });
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_TRUE(results[0].ok()) << describe(results);
+  EXPECT_EQ(results[1].signal, SIGSEGV) << describe(results);
+  EXPECT_THAT(results[1].error, HasSubstr("rank process crashed: signal 11 (SEGV); backtrace:"));
+  // backtrace_symbols_fd names this program's frames by its path.
+  EXPECT_THAT(results[1].error, HasSubstr("test_support_test(")) << results[1].error;
+  EXPECT_THAT(describe(results), HasSubstr("killed by signal 11"));
+}
+
+TEST(RunRanks, AnAbortedRankIsReportedTheSameWay) {
+  SKIP_UNDER_SANITIZERS();
+  const auto results = run_ranks(1, [](int) { std::abort(); });
+  ASSERT_EQ(results.size(), 1u);
+  EXPECT_EQ(results[0].signal, SIGABRT) << describe(results);
+  EXPECT_THAT(results[0].error, HasSubstr("rank process crashed: signal 6 (ABRT); backtrace:"));
+}
+
+TEST(RunRanks, AnExceptionIsReportedWithItsMessageAndNoBacktrace) {
+  const auto results = run_ranks(1, [](int) { throw std::runtime_error("the reason"); });
+  ASSERT_EQ(results.size(), 1u);
+  EXPECT_EQ(results[0].exit_code, 1);
+  EXPECT_EQ(results[0].error, "the reason");
+}
+
+}  // namespace
+}  // namespace ddp::test
