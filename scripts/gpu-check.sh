@@ -22,7 +22,8 @@
 # Environment: DDP_GPU_CHECK_PYTHON (default python3: the one with torch), DDP_GPU_CHECK_JOBS
 # (default nproc), DDP_GPU_CHECK_BUDGET (seconds, default 360), DDP_GPU_CHECK_BUILD (default
 # build-gpu), DDP_GPU_DEPS (default .gpu-deps), DDP_GPU_CHECK_STEPS (timed steps per benchmark,
-# default 20), DDP_GPU_CHECK_TEST_JOBS (GPU tests run at once, default 4).
+# default 20), DDP_GPU_CHECK_TEST_JOBS (GPU tests run at once, default 4), DDP_GPU_CHECK_BENCHMARKS
+# (0: the tests alone, the benchmarks recorded as not run; default 1).
 set -eEuo pipefail  # -E: the ERR trap below also sees failures inside functions
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -53,6 +54,7 @@ build=${DDP_GPU_CHECK_BUILD:-build-gpu}
 deps=${DDP_GPU_DEPS:-.gpu-deps}
 bench_steps=${DDP_GPU_CHECK_STEPS:-20}
 test_jobs=${DDP_GPU_CHECK_TEST_JOBS:-4}
+run_benchmarks=${DDP_GPU_CHECK_BENCHMARKS:-1}
 for n in jobs budget bench_steps test_jobs; do
   if ! [[ ${!n} =~ ^[1-9][0-9]*$ ]]; then
     echo "gpu-check: $n is '${!n}', not a positive whole number" >&2
@@ -319,9 +321,11 @@ ddprun=("${ddp_env[@]}" "$build/bin/ddprun" --standalone)
 train_bench=$build/bin/ddp-train-bench
 torch_bench=("${torch_env[@]}" "$python" "$repo/bench/pytorch_ddp_bench.py")
 bench() {  # NAME SIDE WORLD BACKEND -- COMMAND...
-  local name=$1 side=$2 world=$3 backend=$4
+  local name=$1 side=$2 world=$3 backend=$4 limit
   shift 5
-  run_step benchmark "$name" "$(step_limit 75 0)" --extra "side=$side" --extra "world=$world" \
+  limit=$(step_limit 75 0)
+  [[ $run_benchmarks == 0 ]] && limit=0
+  run_step benchmark "$name" "$limit" --extra "side=$side" --extra "world=$world" \
     --extra "backend=$backend" -- env OMP_NUM_THREADS=1 "$@" || true
 }
 # World 2 on one GPU first (the staged path against gloo with CUDA tensors), then world 1 over

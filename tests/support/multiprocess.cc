@@ -1,10 +1,12 @@
 #include "support/multiprocess.h"
 
+#include <dlfcn.h>
 #include <execinfo.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -48,7 +50,40 @@ std::string read_all_nonblocking(int fd) {
 // sanitizers, whose own reports of the same signals say more.
 int crash_report_fd = -1;
 
-void report_crash(int signal_number) {
+// Where the faulting instruction is, and every word of the stack above it that points into a
+// loaded program or library: when the fault is a jump to a bad address (a call through a dangling
+// pointer), the unwinder stops at the signal frame, and the return addresses found here are all
+// that says who made the call. The symbolizer (scripts/symbolize_backtraces.py) resolves both.
+void report_registers_and_stack(int fd, const siginfo_t* info, const void* context) {
+  if (context == nullptr) return;
+  const auto& registers = static_cast<const ucontext_t*>(context)->uc_mcontext;
+#if defined(__x86_64__)
+  void* pc = reinterpret_cast<void*>(registers.gregs[REG_RIP]);
+  auto* const* stack = reinterpret_cast<void* const*>(registers.gregs[REG_RSP]);
+#elif defined(__aarch64__)
+  void* pc = reinterpret_cast<void*>(registers.pc);
+  auto* const* stack = reinterpret_cast<void* const*>(registers.sp);
+#else
+  return;
+#endif
+  char line[128];
+  int length = std::snprintf(line, sizeof line, "faulting instruction %p, fault address %p:\n", pc,
+                             info != nullptr ? info->si_addr : nullptr);
+  if (length <= 0 || ::write(fd, line, static_cast<std::size_t>(length)) < 0) return;
+  ::backtrace_symbols_fd(&pc, 1, fd);
+  void* code[48];
+  int found = 0;
+  for (int word = 0; word < 1024 && found < 48; ++word) {
+    Dl_info where{};
+    if (::dladdr(stack[word], &where) != 0 && where.dli_fname != nullptr)
+      code[found++] = stack[word];
+  }
+  length = std::snprintf(line, sizeof line, "stack words that point into loaded objects:\n");
+  if (length <= 0 || ::write(fd, line, static_cast<std::size_t>(length)) < 0) return;
+  ::backtrace_symbols_fd(code, found, fd);
+}
+
+void report_crash(int signal_number, siginfo_t* info, void* context) {
   void* frames[64];
   const int count = ::backtrace(frames, 64);
   char head[96];
@@ -59,6 +94,8 @@ void report_crash(int signal_number) {
     if (fd < 0 || length <= 0) continue;
     if (::write(fd, head, static_cast<std::size_t>(length)) < 0) continue;
     ::backtrace_symbols_fd(frames, count, fd);
+    // The first fault handled is the first crash; the stack words can only help then.
+    if (signal_number != SIGABRT) report_registers_and_stack(fd, info, context);
   }
   ::signal(signal_number, SIG_DFL);
   ::raise(signal_number);
@@ -70,8 +107,8 @@ void install_crash_report(int error_fd) {
   void* warm_up[1];
   ::backtrace(warm_up, 1);  // loads libgcc now: the handler must not be the first caller
   struct sigaction action {};
-  action.sa_handler = report_crash;
-  action.sa_flags = SA_RESETHAND | SA_NODEFER;
+  action.sa_sigaction = report_crash;
+  action.sa_flags = SA_SIGINFO | SA_RESETHAND | SA_NODEFER;
   for (const int signal_number : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT})
     ::sigaction(signal_number, &action, nullptr);
 #else

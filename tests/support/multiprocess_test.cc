@@ -39,6 +39,25 @@ TEST(RunRanks, ACrashedRankIsKilledByItsSignalAndSaysWhere) {
   EXPECT_THAT(describe(results), HasSubstr("killed by signal 11"));
 }
 
+[[gnu::noinline]] void call_through(void (*target)()) {
+  void (*volatile kept)() = target;  // not folded into a trap by the optimiser
+  kept();
+}
+
+// A jump to a bad address leaves the unwinder nothing past the signal frame: the faulting
+// instruction and the return addresses on the stack still name the caller.
+TEST(RunRanks, ACallThroughANullPointerNamesTheCallerFromTheStack) {
+  SKIP_UNDER_SANITIZERS();
+  const auto results = run_ranks(1, [](int) { call_through(nullptr); });
+  ASSERT_EQ(results.size(), 1u);
+  EXPECT_EQ(results[0].signal, SIGSEGV) << describe(results);
+  const std::string& report = results[0].error;
+  EXPECT_THAT(report, HasSubstr("faulting instruction (nil), fault address (nil)"));
+  const auto stack = report.find("stack words that point into loaded objects:");
+  ASSERT_NE(stack, std::string::npos) << report;
+  EXPECT_NE(report.find("test_support_test(", stack), std::string::npos) << report;
+}
+
 TEST(RunRanks, AnAbortedRankIsReportedTheSameWay) {
   SKIP_UNDER_SANITIZERS();
   const auto results = run_ranks(1, [](int) { std::abort(); });
