@@ -100,6 +100,13 @@ if(Torch_FOUND AND DDP_LIBTORCH STREQUAL "pytorch")
   target_link_options(ddp::libtorch INTERFACE "LINKER:--as-needed"
                       "LINKER:-rpath-link,${_ddp_torch_prefix}/lib:${_ddp_nvidia_libs}")
 endif()
+# libstdc++ first among a program's libraries. PyPI's libtorch.so of PyTorch 2.11 defines and
+# exports its own copy of std::filesystem (64 functions), and a program that lists libtorch before
+# libstdc++ (the compiler driver adds -lstdc++ last) binds its std::filesystem calls to that copy:
+# its remove_all(path, error_code&) calls through a null pointer (seen on the GPU machine; on the
+# CPU with tests/libtorch_select's libstdcxx_first check). Listed first, libstdc++ is where every
+# object of the process finds them, libddp_torch.so's and the program's own calls alike.
+target_link_options(ddp::libtorch INTERFACE "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
 if(Torch_FOUND)
   # TORCH_LIBRARIES holds the torch target (with TORCH_CXX_FLAGS as its compile options) and,
   # for a CUDA-enabled libtorch, the CUDA libraries that TorchConfig.cmake found.
