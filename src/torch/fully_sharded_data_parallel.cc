@@ -17,7 +17,9 @@
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp_phase.h"
 #include "fsdp_unit.h"
+#include "host_values.h"
 #include "libtorch_compat.h"
+#include "parameter_devices.h"
 #include "rank_agreement.h"
 
 namespace ddp {
@@ -76,12 +78,38 @@ c10::DataPtr map_bytes(std::size_t bytes) {
   return c10::DataPtr(address, block, &unmap_block, c10::Device(c10::kCPU));
 }
 
-// A tensor of `numel` elements of `dtype` in mapped memory (zero-filled, as fresh mappings are).
-torch::Tensor mapped_zeros(std::int64_t numel, torch::ScalarType dtype) {
+// Device memory (CUDA) from the device's own allocator, under a deleter of FSDP's own, so that a
+// storage FSDP made is recognised on every device (sharded_elsewhere below) as mapped host memory
+// is by unmap_block.
+void free_device_block(void* context) {
+  delete static_cast<c10::DataPtr*>(context);  // the allocator's DataPtr frees the block
+}
+
+c10::DataPtr device_bytes(std::size_t bytes, const c10::Device& device) {
+  c10::DeviceGuard on_device(device);  // the caching allocator allocates on the current device
+  auto* held = new c10::DataPtr(c10::GetAllocator(device.type())->allocate(bytes));
+  void* address = held->get();
+  return c10::DataPtr(address, held, &free_device_block, device);
+}
+
+bool is_fsdp_memory(const c10::DataPtr& data) {
+  return data.get_deleter() == &unmap_block || data.get_deleter() == &free_device_block;
+}
+
+c10::DataPtr flat_bytes(std::size_t bytes, const c10::Device& device) {
+  return device.is_cpu() ? map_bytes(bytes) : device_bytes(bytes, device);
+}
+
+// A tensor of `numel` elements of `dtype` in FSDP's memory on `device`, zero-filled.
+torch::Tensor flat_zeros_on(std::int64_t numel, torch::ScalarType dtype,
+                            const c10::Device& device) {
   const auto bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
-  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, map_bytes(bytes),
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, flat_bytes(bytes, device),
                        /*allocator=*/nullptr, /*resizable=*/false);
-  return torch::empty({0}, dtype).set_(storage, 0, {numel}, {1});
+  auto tensor =
+      torch::empty({0}, torch::TensorOptions(dtype).device(device)).set_(storage, 0, {numel}, {1});
+  if (!device.is_cpu()) tensor.zero_();  // fresh mappings are zero; device memory is not
+  return tensor;
 }
 
 // PyTorch FSDP's gradient_predivide_factor (DefaultState._get_gradient_predivide_factor): doubled
@@ -116,7 +144,7 @@ void release_storage(const torch::Tensor& full) {
 void allocate_storage(const torch::Tensor& full) {
   auto* storage = full.storage().unsafeGetStorageImpl();
   const auto bytes = static_cast<std::size_t>(full.numel()) * full.element_size();
-  storage->set_data_ptr_noswap(map_bytes(bytes));
+  storage->set_data_ptr_noswap(flat_bytes(bytes, full.device()));
   storage->set_nbytes(bytes);
 }
 
@@ -174,6 +202,28 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
 }
 
 FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() = default;
+
+torch::Tensor FullyShardedDataParallelImpl::flat_zeros(std::int64_t numel,
+                                                       torch::ScalarType dtype) const {
+  return flat_zeros_on(numel, dtype, device_);
+}
+
+void FullyShardedDataParallelImpl::check_device() const {
+  if (device_.is_cuda()) {
+    detail::check_device_usable(device_, "FullyShardedDataParallel's parameters' device");
+  }
+  for (const ProcessGroup* group : {group_, shard_group_, replicate_group_.get()}) {
+    if (group == nullptr || group->memory_space() != MemorySpace::kCuda ||
+        internal::takes_as_is(*group, device_)) {
+      continue;
+    }
+    throw ConfigError(fmt::format(
+        "FullyShardedDataParallel: the parameters are on {}, but the process group ({}) takes "
+        "this process's CUDA memory only (cuda:{}); move the model to that GPU before wrapping "
+        "it, or use a host group (ring, mpi)",
+        device_.str(), group->backend(), group->cuda_device()));
+  }
+}
 
 torch::ScalarType FullyShardedDataParallelImpl::compute_dtype() const {
   return options_.mixed_precision.param_dtype.value_or(torch::kFloat);
@@ -320,8 +370,8 @@ void FullyShardedDataParallelImpl::build() {
         // Sharded already: a parameter shared with a nested wrapper's module (tied weights), or
         // one another wrapper holds (its storage is FSDP's, or gone while freed).
         const auto& storage = p.storage();
-        const bool sharded_elsewhere = storage.data_ptr().get_deleter() == &unmap_block ||
-                                       (p.numel() > 0 && storage.nbytes() == 0);
+        const bool sharded_elsewhere =
+            is_fsdp_memory(storage.data_ptr()) || (p.numel() > 0 && storage.nbytes() == 0);
         const auto owner = std::find_if(nested_.begin(), nested_.end(), [&](const auto& n) {
           return n.second->shards_parameter(p);
         });
@@ -425,12 +475,19 @@ void FullyShardedDataParallelImpl::build() {
                 "put the children that share it in one unit",
                 shape_text(p), c, it->second));
           }
-          if (p.scalar_type() != torch::kFloat || !p.device().is_cpu() || p.is_sparse()) {
+          if (p.scalar_type() != torch::kFloat || !(p.is_cpu() || p.is_cuda()) || p.is_sparse()) {
             throw ConfigError(fmt::format(
                 "FullyShardedDataParallel: parameter {} of child {} is {} on {}; it must be a "
-                "dense fp32 CPU tensor (the flat buffers are fp32 host memory; FSDP is not yet "
-                "on CUDA, issue 25)",
+                "dense fp32 tensor on the CPU or a CUDA device (the flat buffers are fp32)",
                 shape_text(p), c, c10::toString(p.scalar_type()), p.device().str()));
+          }
+          if (unit_of.size() == 1) device_ = p.device();
+          if (p.device() != device_) {
+            throw ConfigError(fmt::format(
+                "FullyShardedDataParallel: parameter {} of child {} is on {}, but the first "
+                "parameter is on {}; every parameter of a wrapper must be on one device (move "
+                "the model with ->to(device) before wrapping it)",
+                shape_text(p), c, p.device().str(), device_.str()));
           }
           unit->offsets.push_back(unit->numel);
           unit->params.push_back(p);
@@ -456,6 +513,10 @@ void FullyShardedDataParallelImpl::build() {
     if (units_.empty() && nested_.empty()) {
       throw ConfigError("FullyShardedDataParallel: the module has no parameters to shard");
     }
+    check_device();
+    // The device's type, not its index: ranks on one host each use their own GPU.
+    description << "parameters on " << c10::DeviceTypeName(device_.type(), /*lower_case=*/true)
+                << "\n";
     for (const auto& b : wrapped_->buffers())
       description << "buffer " << shape_text(b) << "\n";
   } catch (const std::exception& e) {
@@ -480,14 +541,14 @@ void FullyShardedDataParallelImpl::build() {
   for (std::size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
     // The fp32 values: the gathered parameters themselves, or (param_dtype) their master copy.
-    torch::Tensor master = mapped_zeros(unit.padded, torch::kFloat);
+    torch::Tensor master = flat_zeros(unit.padded, torch::kFloat);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
       master.narrow(0, unit.offsets[i], unit.params[i].numel())
           .copy_(unit.params[i].detach().reshape(-1));
     }
     broadcast(master, 0, *group_);  // every rank starts from rank 0's values, as DDP
     if (separate_copy) {
-      unit.full = mapped_zeros(unit.padded, compute_dtype());
+      unit.full = flat_zeros(unit.padded, compute_dtype());
       unit.full.copy_(master);
     } else {
       unit.full = master;
@@ -648,6 +709,7 @@ torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
   if (input.defined()) {
     last_input_sizes_ = input.sizes().vec();
     last_input_dtype_ = input.scalar_type();
+    last_input_device_ = input.device();
   }
   if (module_.is_empty() && !tensor_forward_) {
     throw ConfigError(
@@ -695,7 +757,7 @@ void FullyShardedDataParallelImpl::queue_finish_backward() {
 
 void FullyShardedDataParallelImpl::attach_flat_gradient(Unit& u) const {
   torch::NoGradGuard no_grad;
-  u.reduction_input = mapped_zeros(u.padded, compute_dtype());
+  u.reduction_input = flat_zeros(u.padded, compute_dtype());
   for (std::size_t i = 0; i < u.params.size(); ++i) {
     auto& p = u.params[i];
     auto view = u.reduction_input.narrow(0, u.offsets[i], p.numel()).view(p.sizes());
@@ -739,7 +801,7 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
   }
   const bool in_place = u.reduction_input.defined();
   // No hook ran before the unit.
-  if (!in_place) u.reduction_input = mapped_zeros(u.padded, compute_dtype());
+  if (!in_place) u.reduction_input = flat_zeros(u.padded, compute_dtype());
   for (std::size_t i = 0; i < u.params.size(); ++i) {
     auto& p = u.params[i];
     const auto& grad = p.grad();
@@ -750,7 +812,7 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
     p.mutable_grad().reset();  // the full gradient is not kept
   }
   if (reduce_dtype() != compute_dtype()) {
-    auto converted = mapped_zeros(u.padded, reduce_dtype());
+    auto converted = flat_zeros(u.padded, reduce_dtype());
     converted.copy_(u.reduction_input);
     u.reduction_input = converted;
   }
@@ -762,7 +824,7 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
     u.reduction = all_reduce_async(u.reduction_input, ReduceOp::kSum, *group_);
   } else {
     // Mapped, as the flat buffers: freed at once when harvested (after the first backward).
-    u.reduction_output = mapped_zeros(u.shard_numel, reduce_dtype());
+    u.reduction_output = flat_zeros(u.shard_numel, reduce_dtype());
     u.reduction = reduce_scatter_tensor_async(u.reduction_output, u.reduction_input, ReduceOp::kSum,
                                               *shard_group_);
   }
@@ -942,7 +1004,8 @@ torch::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, dou
       local = infinity ? std::max(local, g.abs().max().item<double>())
                        : local + g.abs().pow(norm_type).sum().item<double>();
     }
-    auto combined = torch::tensor({local}, torch::kFloat64);
+    // On the shards' device: a nccl group reads no host memory.
+    auto combined = torch::tensor({local}, torch::kFloat64).to(wrapper->device_);
     if (wrapper->options_.sharding_strategy != ShardingStrategy::kNoShard) {
       all_reduce(combined, infinity ? ReduceOp::kMax : ReduceOp::kSum, *wrapper->shard_group_);
     }
@@ -982,7 +1045,7 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::ful
     if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
       flats.push_back(unit->shard.detach());
     } else {
-      auto flat = torch::empty({unit->padded}, torch::kFloat);
+      auto flat = torch::empty({unit->padded}, torch::TensorOptions(torch::kFloat).device(device_));
       all_gather_into_tensor(flat, unit->shard.detach(), *shard_group_);
       flats.push_back(flat);
     }
@@ -1058,7 +1121,8 @@ void FullyShardedDataParallelImpl::join_main_hook() {
   }
   auto sizes = last_input_sizes_;
   sizes[0] = 0;
-  const auto empty = torch::zeros(sizes, torch::TensorOptions().dtype(last_input_dtype_));
+  const auto empty = torch::zeros(
+      sizes, torch::TensorOptions().dtype(last_input_dtype_).device(last_input_device_));
   join_optimizer_->zero_grad();
   shadowing_ = true;
   try {

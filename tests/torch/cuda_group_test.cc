@@ -1,11 +1,11 @@
-// DistributedDataParallel, ZeroRedundancyOptimizer, Join, the tensor API's list forms and the
-// object collectives over a group
-// whose buffers are device memory (the nccl backend), checked without a GPU: DeviceMemoryGroup
-// declares CUDA memory and forwards to a ring group, and ScopedCpuAsCudaGroupMemoryForTests lets
-// the torch layer take CPU tensors as that memory. The torch layer's own host values (flags,
-// hashes, plans, objects) must then reach the group only through copies in its memory
-// (src/torch/host_values.h); the training itself must equal the same training over the ring bit for
-// bit. gpu_test.cc runs DistributedDataParallel over real nccl where there is a GPU.
+// DistributedDataParallel, ZeroRedundancyOptimizer, FullyShardedDataParallel, Join, the tensor
+// API's list forms and the object collectives over a group whose buffers are device memory (the
+// nccl backend), checked without a GPU: DeviceMemoryGroup declares CUDA memory and forwards to a
+// ring group, and ScopedCpuAsCudaGroupMemoryForTests lets the torch layer take CPU tensors as that
+// memory. The torch layer's own host values (flags, hashes, plans, objects) must then reach the
+// group only through copies in its memory (src/torch/host_values.h); the training itself must equal
+// the same training over the ring bit for bit. gpu_test.cc runs DistributedDataParallel over real
+// nccl where there is a GPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -22,6 +22,7 @@
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_objects.h"
+#include "ddp/torch/fully_sharded_data_parallel.h"
 #include "ddp/torch/join.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
 #include "support/forwarding_group.h"
@@ -401,6 +402,63 @@ TEST(CudaGroup, JoinWithUnevenInputsOverADeviceMemoryGroupEqualsTheRingBitForBit
                           i));
     }
     test::expect_identical_across_ranks(*ring, trained[1], "parameters after Join");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// FullyShardedDataParallel (every sharding strategy, and clip_grad_norm_ and full_state_dict)
+// over the device-memory group equals the same training over the ring bit for bit: its
+// construction's agreement travels relayed, and every collective it makes goes through the tensor
+// API (so a nccl group would get device memory, never a host value of FSDP's own).
+TEST(CudaGroup, FsdpOverADeviceMemoryGroupEqualsTheRingBitForBit) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto ring = join_group(rank, 2, port);
+    internal::ScopedCpuAsCudaGroupMemoryForTests pretend;
+    const auto data = test::make_batches(3, 8, {5});
+    const auto make_model = [] {
+      torch::manual_seed(11);
+      return torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::Tanh(),
+                                   torch::nn::Linear(7, 6), torch::nn::Tanh(),
+                                   torch::nn::Linear(6, 3));
+    };
+    for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                ShardingStrategy::kNoShard}) {
+      std::vector<std::vector<torch::Tensor>> trained;
+      std::vector<torch::OrderedDict<std::string, torch::Tensor>> states;
+      for (const bool over_device : {false, true}) {
+        std::shared_ptr<ProcessGroup> group =
+            over_device ? std::make_shared<DeviceMemoryGroup>(ring) : ring;
+        const auto relayed_before = pretend.relayed_calls();
+        FullyShardedDataParallel model(
+            make_model(), group, FsdpOptions{.sharding_strategy = strategy, .min_num_params = 40});
+        require(over_device == (pretend.relayed_calls() > relayed_before),
+                "FSDP's construction relayed its agreement on the wrong group");
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        for (int step = 0; step < 3; ++step) {
+          opt.zero_grad();
+          const auto x = data.inputs[step].narrow(0, rank * 4, 4);
+          model->forward(x).pow(2).sum().backward();
+          model->clip_grad_norm_(0.5);
+          opt.step();
+        }
+        std::vector<torch::Tensor> shards;
+        for (const auto& p : model->parameters())
+          shards.push_back(p.detach().clone());
+        trained.push_back(shards);
+        states.push_back(model->full_state_dict(0));
+      }
+      for (std::size_t i = 0; i < trained[0].size(); ++i) {
+        require(torch::equal(trained[0][i], trained[1][i]),
+                fmt::format("{}: shard {} differs between the ring and the device-memory group",
+                            to_string(strategy), i));
+      }
+      require(states[0].size() == states[1].size(), "full_state_dict sizes differ");
+      for (const auto& item : states[0]) {
+        require(torch::equal(item.value(), states[1][item.key()]),
+                fmt::format("{}: full_state_dict's {} differs", to_string(strategy), item.key()));
+      }
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }

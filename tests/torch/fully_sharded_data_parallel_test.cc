@@ -423,6 +423,19 @@ TEST(FullyShardedDataParallel, BadUnitBoundariesAreNamedOnEveryRank) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// The flat buffers are fp32 on the CPU or a CUDA device (gpu_test.cc runs CUDA, and names
+// parameters on two devices): another dtype is named, with the parameter and child, on every rank.
+TEST(FullyShardedDataParallel, ParametersOfAnotherDtypeAreNamedOnEveryRank) {
+  expect_build_fails<ConfigError>(
+      "parameter [9, 6] Double of child 0 is Double on cpu; it must be a dense fp32 tensor on the "
+      "CPU or a CUDA device",
+      [](int, auto pg) {
+        auto model = make_model();
+        model->to(torch::kFloat64);
+        FullyShardedDataParallel(model, pg);
+      });
+}
+
 TEST(FullyShardedDataParallel, ModelsThatDifferAcrossRanksAreNamedOnEveryRank) {
   expect_build_fails<Error>(
       "the ranks differ: rank 0 has   parameter [4, 9] Float but rank 2 has   parameter [5, 9] "

@@ -18,6 +18,7 @@
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_objects.h"
+#include "ddp/torch/fully_sharded_data_parallel.h"
 #include "ddp/torch/grad_scaler.h"
 #include "ddp/torch/join.h"
 #include "ddp/torch/powersgd_hook.h"
@@ -157,6 +158,73 @@ TEST(Gpu, ZeroOnCudaThroughTheStagedRingEqualsOneProcess) {
     std::vector<torch::Tensor> got;
     train_on_cuda(rank, pg, data, kCuda0, nullptr, got, /*zero=*/true);
     if (rank == 0) expect_all_close(got, one_process(data, kCuda0), 1e-5);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// FullyShardedDataParallel with its flat buffers on cuda:0: `world` ranks on the same batches
+// (each its share), the full parameters gathered to rank 0 on the CPU at the end.
+torch::nn::Sequential fsdp_test_model() {
+  torch::manual_seed(11);
+  return torch::nn::Sequential(torch::nn::Linear(20, 32), torch::nn::Tanh(),
+                               torch::nn::Linear(32, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
+}
+
+std::vector<torch::Tensor> train_fsdp_on_cuda(int rank, int world,
+                                              const std::shared_ptr<ProcessGroup>& pg,
+                                              const test::Batches& data,
+                                              ShardingStrategy strategy) {
+  auto net = fsdp_test_model();
+  net->to(kCuda0);
+  FullyShardedDataParallel model(net, pg,
+                                 FsdpOptions{.sharding_strategy = strategy, .min_num_params = 500});
+  for (const auto& p : model->parameters())
+    require(p.is_cuda(), "a shard is not on the GPU");
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const auto share = data.inputs.size(1) / world;
+  for (int step = 0; step < data.inputs.size(0); ++step) {
+    opt.zero_grad();
+    const auto x = data.inputs[step].narrow(0, rank * share, share).to(kCuda0);
+    model->forward(x).pow(2).mean().backward();
+    for (const auto& p : model->parameters())
+      require(!p.grad().defined() || p.grad().is_cuda(), "a gradient left the GPU");
+    model->clip_grad_norm_(1.0);
+    opt.step();
+  }
+  std::vector<torch::Tensor> full;
+  for (const auto& item : model->full_state_dict(0))
+    full.push_back(item.value().cpu());
+  return full;
+}
+
+// The same model on the whole batch in one process, on the GPU, with the same clipping.
+std::vector<torch::Tensor> fsdp_reference(const test::Batches& data) {
+  auto net = fsdp_test_model();
+  net->to(kCuda0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < data.inputs.size(0); ++step) {
+    opt.zero_grad();
+    net->forward(data.inputs[step].to(kCuda0)).pow(2).mean().backward();
+    torch::nn::utils::clip_grad_norm_(net->parameters(), 1.0);
+    opt.step();
+  }
+  std::vector<torch::Tensor> params;
+  for (const auto& p : net->parameters())
+    params.push_back(p.detach().cpu());
+  return params;
+}
+
+TEST(Gpu, FsdpOnCudaThroughTheStagedRingEqualsOneProcess) {
+  SKIP_WITHOUT_CUDA();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    const auto data = test::make_batches(4, 16, {20});
+    for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      const auto got = train_fsdp_on_cuda(rank, 2, pg, data, strategy);
+      if (rank == 0) expect_all_close(got, fsdp_reference(data), 1e-5);
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }
@@ -379,6 +447,38 @@ TEST(Gpu, DdpOverNcclEqualsOneProcess) {
     std::vector<std::string> names;
     all_gather_object(names, std::string("rank 0"), pg);
     require(names == std::vector<std::string>{"rank 0"}, "all_gather_object over nccl");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// FullyShardedDataParallel over nccl (world 1: one GPU) equals one process; parameters that are
+// not on the group's GPU, or on two devices, are named errors.
+TEST(Gpu, FsdpOverNcclEqualsOneProcessAndNamesParametersOffTheGroupsGpu) {
+  SKIP_WITHOUT_CUDA_OR_NCCL();
+  const auto results = test::run_ranks(1, [&](int) {
+    test::TempDir dir("ddp-gpu-nccl-fsdp");
+    const auto pg = nccl_world_of_one(dir);
+    const auto data = test::make_batches(4, 16, {20});
+    expect_all_close(train_fsdp_on_cuda(0, 1, pg, data, ShardingStrategy::kFullShard),
+                     fsdp_reference(data), 1e-5);
+    try {
+      FullyShardedDataParallel on_cpu(fsdp_test_model(), pg);
+      throw std::runtime_error("FSDP took CPU parameters on nccl");
+    } catch (const ConfigError& e) {
+      require(
+          std::string(e.what()).find("takes this process's CUDA memory only") != std::string::npos,
+          std::string("the refusal of CPU parameters on nccl does not say why: ") + e.what());
+    }
+    auto split = fsdp_test_model();
+    split[0]->to(kCuda0);
+    try {
+      FullyShardedDataParallel on_two(split, pg);
+      throw std::runtime_error("FSDP took parameters on two devices");
+    } catch (const ConfigError& e) {
+      require(std::string(e.what()).find("every parameter of a wrapper must be on one device") !=
+                  std::string::npos,
+              std::string("parameters on two devices are not named: ") + e.what());
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }

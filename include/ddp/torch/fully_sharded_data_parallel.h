@@ -34,6 +34,12 @@
 // join the neighbouring unit (explicit ranges may leave them between units; a child with
 // parameters outside every unit is a ConfigError).
 //
+// Devices: the parameters (fp32) are on the CPU or on one CUDA device, and the flat buffers,
+// shards and gradients live there (on CUDA, from the device's caching allocator, freed to it
+// between uses as the CPU's mappings are unmapped). Over a host group (ring, mpi) the
+// collectives of CUDA buffers are staged through host copies (the tensor API); over nccl they
+// take the device memory, and parameters off the group's GPU are a ConfigError.
+//
 // Strategies (PyTorch's ShardingStrategy):
 // - kFullShard (ZeRO 3): before a unit's forward its full parameters are all-gathered (the next
 //   unit's all-gather runs while this one computes), and freed after it; a gradient hook on the
@@ -384,6 +390,15 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // parameters (they are views of them in fp32 kNoShard and kShardGradOp).
   torch::ScalarType compute_dtype() const;
   torch::ScalarType reduce_dtype() const;
+  // The device every parameter of this wrapper is on (the CPU, or one CUDA device): where its
+  // flat buffers, shards and gradients live. A host group (ring, mpi) stages CUDA buffers'
+  // collectives through host copies (the tensor API); nccl takes them as they are.
+  torch::Device device_{torch::kCPU};
+  // A zero-filled flat buffer of `numel` elements on device_ (mapped host memory on the CPU).
+  torch::Tensor flat_zeros(std::int64_t numel, torch::ScalarType dtype) const;
+  // ConfigError when device_ is a CUDA device this process cannot use, or a group takes CUDA
+  // memory (nccl) that device_ is not.
+  void check_device() const;
   bool low_precision_parameters() const { return compute_dtype() != torch::kFloat; }
   void check_mixed_precision() const;
   // The original dtypes of the buffers buffer_dtype cast (full_state_dict returns those).
@@ -399,6 +414,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   torch::optim::Optimizer* join_optimizer_ = nullptr;
   std::vector<std::int64_t> last_input_sizes_;
   torch::ScalarType last_input_dtype_ = torch::kFloat;
+  torch::Device last_input_device_{torch::kCPU};
   bool shadowing_ = false;
   void check_join_setup() const;
 };
