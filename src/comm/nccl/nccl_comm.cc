@@ -5,6 +5,8 @@
 #include <cstring>
 #include <thread>
 
+#include "comm/nccl/poll_pacer.h"
+
 namespace ddp::comm::nccl {
 namespace {
 
@@ -18,18 +20,6 @@ ncclConfig_t non_blocking_config() {
 constexpr auto kFinalizeBound = std::chrono::seconds(10);
 
 }  // namespace
-
-void back_off(int idle) {
-  constexpr int kSpins = 64;
-  constexpr int kYields = 64;
-  if (idle < kSpins) return;
-  if (idle < kSpins + kYields) {
-    std::this_thread::yield();
-    return;
-  }
-  std::this_thread::sleep_for(
-      std::chrono::microseconds(std::min(100, idle - kSpins - kYields + 1)));
-}
 
 std::unique_ptr<NcclComm> NcclComm::init_rank(const NcclLibrary& lib, const UniqueIdBytes& id,
                                               int size, int rank, net::Deadline deadline,
@@ -141,7 +131,8 @@ NcclComm::Result NcclComm::poll() {
 }
 
 NcclComm::Result NcclComm::settle(net::Deadline deadline) {
-  for (int idle = 0;; ++idle) {
+  PollPacer pacer;
+  for (;;) {
     {
       std::lock_guard lock(mutex_);
       if (handle_ == nullptr) return {Outcome::kAborted, ncclSuccess, {}};
@@ -152,7 +143,7 @@ NcclComm::Result NcclComm::settle(net::Deadline deadline) {
       if (state != ncclInProgress) return failure(state);
     }
     if (net::Clock::now() >= deadline) return {Outcome::kTimedOut, ncclInProgress, {}};
-    back_off(idle);
+    pacer.pause();
   }
 }
 

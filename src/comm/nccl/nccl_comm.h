@@ -75,8 +75,4 @@ class NcclComm {
   bool failed_ = false;
 };
 
-// Between two polls of the device: spin a little, then yield, then sleep up to 100 µs (a rank's
-// kernels need no CPU; its peers on the same host may).
-void back_off(int idle);
-
 }  // namespace ddp::comm::nccl

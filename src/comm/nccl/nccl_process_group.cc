@@ -11,6 +11,7 @@
 #include "comm/nccl/nccl_device_guard.h"
 #include "comm/nccl/nccl_errors.h"
 #include "comm/nccl/nccl_group.h"
+#include "comm/nccl/poll_pacer.h"
 #include "ddp/error.h"
 
 namespace ddp::comm::nccl {
@@ -149,7 +150,8 @@ void NcclProcessGroup::prepare_call(Call& call, const CallOptions& options) {
 
 void NcclProcessGroup::wait_for_event(const Call& call, cudaEvent_t event, NcclComm& comm,
                                       net::Deadline deadline, const char* what) {
-  for (int idle = 0;; ++idle) {
+  PollPacer pacer;
+  for (;;) {
     const cudaError_t rc = lib_.EventQuery(event);
     if (rc == cudaSuccess) return;
     if (rc != cudaErrorNotReady) {
@@ -161,7 +163,7 @@ void NcclProcessGroup::wait_for_event(const Call& call, cudaEvent_t event, NcclC
     if (net::Clock::now() >= deadline) {
       throw_if_failed(call, {NcclComm::Outcome::kTimedOut, ncclInProgress, {}}, what, comm);
     }
-    back_off(idle);
+    pacer.pause();
   }
 }
 
