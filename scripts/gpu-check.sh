@@ -330,16 +330,18 @@ bench() {  # NAME SIDE WORLD BACKEND -- COMMAND...
 }
 # World 2 on one GPU first (the staged path against gloo with CUDA tensors), then world 1 over
 # NCCL, then world 1 without DDP (the floor both DDPs are measured against).
+# --phases: each rank's host time per phase (forward, backward, waiting for the buckets, step),
+# in the log beside the result: where DDP's time goes on the device.
 bench ddp-w2-one-gpu-staged ddp 2 ring -- "${ddprun[@]}" --nproc-per-node 2 \
-  "$train_bench" "${bench_args[@]}"
+  "$train_bench" "${bench_args[@]}" --phases
 bench pytorch-w2-one-gpu-gloo pytorch 2 gloo -- "${ddprun[@]}" --nproc-per-node 2 \
   "${torch_bench[@]}" "${bench_args[@]}" --backend gloo
 bench ddp-w1-nccl ddp 1 nccl -- DDP_BACKEND=nccl "${ddprun[@]}" --nproc-per-node 1 \
-  "$train_bench" "${bench_args[@]}" --always-ddp
+  "$train_bench" "${bench_args[@]}" --always-ddp --phases
 bench pytorch-w1-nccl pytorch 1 nccl -- "${ddprun[@]}" --nproc-per-node 1 "${torch_bench[@]}" \
   "${bench_args[@]}" --always-ddp --backend nccl
 bench ddp-w1-no-ddp ddp 1 none -- "${ddprun[@]}" --nproc-per-node 1 \
-  "$train_bench" "${bench_args[@]}"
+  "$train_bench" "${bench_args[@]}" --phases
 bench pytorch-w1-no-ddp pytorch 1 none -- "${ddprun[@]}" --nproc-per-node 1 \
   "${torch_bench[@]}" "${bench_args[@]}"
 completed=1

@@ -168,6 +168,10 @@ def record_step(args):
                     re.search(r"\bmodel=\S+ world_size=", line)]
             if info:
                 record["info"] = info[-1]
+            # ddp-train-bench --phases: each rank's host time per phase of a step.
+            phases = [line.strip() for line in lines if "phases_ms " in line]
+            if phases:
+                record["phases"] = phases
         elif args.rc == 0:
             record["status"] = "error"
             record["error"] = "exited 0 but printed no step_ms= line"
@@ -368,7 +372,8 @@ no CUDA device (libcudart.so.13: cudaGetDeviceCount error 35)
                            "ddp_w2": "ddprun: rank 0: ddp-train-bench: the gradient is on "
                                      "cuda:0; ddp moves CPU tensors only\n",
                            "slow": "step 1\n",
-                           "torch_w1": "model=mlp world_size=1\nstep_ms=1.500 "
+                           "torch_w1": "[0] rank 0 phases_ms zero_grad=0.01 forward=0.2\n"
+                                       "model=mlp world_size=1\nstep_ms=1.500 "
                                        "samples_per_s=42666.7\n"}.items():
             logs[name] = os.path.join(state, name + ".log")
             with open(logs[name], "w") as f:
@@ -400,6 +405,7 @@ no CUDA device (libcudart.so.13: cudaGetDeviceCount error 35)
         assert bench["slow"]["status"] == "timeout", bench
         assert bench["torch_w1"]["step_ms"] == 1.5, bench
         assert bench["torch_w1"]["info"] == "model=mlp world_size=1", bench
+        assert bench["torch_w1"]["phases"] == ["[0] rank 0 phases_ms zero_grad=0.01 forward=0.2"]
         assert len(report["failures"]) == 2, report["failures"]
         # A GPU present but tests skipped: a failure, not a pass.
         write_json(os.path.join(state, "machine.json"), {"gpu_count": 1})
