@@ -34,6 +34,13 @@ for variant in "${variants[@]}"; do
   "$work/$variant/comm_consumer"
   out=$("$work/$variant/torch_consumer")
   echo "$variant: $out"
+  # libstdc++ comes before libtorch among the consumer's libraries (cmake/DdpFindTorch.cmake: a
+  # libtorch that exports std::filesystem must not capture the program's calls).
+  needed=$(readelf -d "$work/$variant/torch_consumer" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
+  stdcxx_at=$(grep -n '^libstdc++' <<<"$needed" | head -1 | cut -d: -f1)
+  torch_at=$(grep -n '^libtorch' <<<"$needed" | head -1 | cut -d: -f1)
+  [[ -n $stdcxx_at && -n $torch_at && $stdcxx_at -lt $torch_at ]] ||
+    { echo "consumer ($variant) lists libtorch before libstdc++:"; echo "$needed"; exit 1; }
   # The version ddp::torch reports is the one its consumer runs on.
   version=$(sed -n 's/.*ddp: libtorch \([0-9.]*\) .*/\1/p' "$work/$variant.log" | head -1)
   [[ $out == "libtorch $version sum 4"* ]] ||
