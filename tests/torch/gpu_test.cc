@@ -22,6 +22,7 @@
 #include "ddp/torch/grad_scaler.h"
 #include "ddp/torch/join.h"
 #include "ddp/torch/powersgd_hook.h"
+#include "ddp/torch/quantized_hook.h"
 #include "ddp/torch/sync_batch_norm.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
@@ -512,6 +513,49 @@ TEST(Gpu, AutoSendsCudaTensorsToNcclAndCpuTensorsToTheRing) {
     auto t = torch::ones({4}, torch::TensorOptions(kCuda0));
     all_reduce(t, ReduceOp::kSum);
     require(torch::equal(t.cpu(), torch::ones({4})), "all_reduce of a CUDA tensor under auto");
+    destroy_process_group();
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// What nccl cannot do is named, not done wrongly: the int8 hook (it quantizes host memory) on
+// DDP's device buckets fails the backward with its reason; under DDP_BACKEND=auto a CUDA tensor's
+// receive from any source (NCCL has none) names the way through host memory.
+TEST(Gpu, Int8HookOnNcclBucketsAndReceiveFromAnySourceUnderAutoAreNamed) {
+  SKIP_WITHOUT_CUDA_OR_NCCL();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(1, [&](int) {
+    InitOptions options;
+    options.launch.rank = 0;
+    options.launch.world_size = 1;
+    options.launch.master_addr = "127.0.0.1";
+    options.launch.master_port = port;
+    options.backend = "auto";
+    init_process_group(options);
+    require(default_cuda_process_group() != nullptr,
+            "no nccl group under auto: " + cuda_process_group_absent_reason());
+    test::Mlp net;
+    net->to(kCuda0);
+    DistributedDataParallel model(net.ptr());
+    model->register_comm_hook(int8_quantize_hook(std::make_shared<Int8QuantizeState>()));
+    const auto data = test::make_batches(1, 8, {20});
+    try {
+      torch::nn::functional::cross_entropy(model->forward(data.inputs[0].to(kCuda0)),
+                                           data.targets[0].to(kCuda0))
+          .backward();
+      throw std::runtime_error("the int8 hook ran on nccl's device buckets");
+    } catch (const Error& e) {
+      require(std::string(e.what()).find("this hook quantizes host memory") != std::string::npos,
+              std::string("the int8 hook's refusal does not say why: ") + e.what());
+    }
+    try {
+      recv_any_source(torch::zeros({4}, torch::TensorOptions(kCuda0)));
+      throw std::runtime_error("recv_any_source of a CUDA tensor went to nccl under auto");
+    } catch (const ConfigError& e) {
+      require(
+          std::string(e.what()).find("which has no receive from any source") != std::string::npos,
+          std::string("recv_any_source under auto does not say why: ") + e.what());
+    }
     destroy_process_group();
   });
   EXPECT_ALL_RANKS_OK(results);
