@@ -66,6 +66,18 @@ std::shared_ptr<ProcessGroup> nccl_world_of_one(const test::TempDir& dir) {
                                  {.device = 0});
 }
 
+// init_process_group with DDP_BACKEND=auto for a job of one rank (master on `port`): the ring
+// group, and a nccl group for CUDA tensors where this process can drive the GPU.
+std::shared_ptr<ProcessGroup> init_auto_world_of_one(int port) {
+  InitOptions options;
+  options.launch.rank = 0;
+  options.launch.world_size = 1;
+  options.launch.master_addr = "127.0.0.1";
+  options.launch.master_port = port;
+  options.backend = "auto";
+  return init_process_group(options);
+}
+
 void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error(what);
 }
@@ -490,13 +502,7 @@ TEST(Gpu, AutoSendsCudaTensorsToNcclAndCpuTensorsToTheRing) {
   SKIP_WITHOUT_CUDA_OR_NCCL();
   const int port = test::free_port();
   const auto results = test::run_ranks(1, [&](int) {
-    InitOptions options;
-    options.launch.rank = 0;
-    options.launch.world_size = 1;
-    options.launch.master_addr = "127.0.0.1";
-    options.launch.master_port = port;
-    options.backend = "auto";
-    auto ring = init_process_group(options);
+    auto ring = init_auto_world_of_one(port);
     require(ring->backend() == "ring", "auto's default group is not a ring group");
     auto cuda_group = default_cuda_process_group();
     require(cuda_group != nullptr && cuda_group->backend() == "nccl",
@@ -525,13 +531,7 @@ TEST(Gpu, Int8HookOnNcclBucketsAndReceiveFromAnySourceUnderAutoAreNamed) {
   SKIP_WITHOUT_CUDA_OR_NCCL();
   const int port = test::free_port();
   const auto results = test::run_ranks(1, [&](int) {
-    InitOptions options;
-    options.launch.rank = 0;
-    options.launch.world_size = 1;
-    options.launch.master_addr = "127.0.0.1";
-    options.launch.master_port = port;
-    options.backend = "auto";
-    init_process_group(options);
+    init_auto_world_of_one(port);
     require(default_cuda_process_group() != nullptr,
             "no nccl group under auto: " + cuda_process_group_absent_reason());
     test::Mlp net;
