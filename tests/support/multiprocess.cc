@@ -9,6 +9,7 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +44,9 @@ std::string read_all_nonblocking(int fd) {
   }
   return out;
 }
+
+// support/throw_recorder.cc, where the test executable has it (every one ddp_add_test makes).
+extern "C" const char* ddp_test_last_thrown_exception() __attribute__((weak));
 
 // A rank that crashes says where: the frames go to stderr and, through the error pipe, into the
 // test's failure message; then the signal is raised again with its default action, so the parent
@@ -94,6 +98,13 @@ void report_crash(int signal_number, siginfo_t* info, void* context) {
     if (fd < 0 || length <= 0) continue;
     if (::write(fd, head, static_cast<std::size_t>(length)) < 0) continue;
     ::backtrace_symbols_fd(frames, count, fd);
+    // A crash while an exception unwinds (a faulting destructor) would hide why it was thrown.
+    if (std::uncaught_exceptions() > 0 && ddp_test_last_thrown_exception != nullptr) {
+      char line[640];
+      const int n = std::snprintf(line, sizeof line, "while an exception propagated: %s\n",
+                                  ddp_test_last_thrown_exception());
+      if (n > 0 && ::write(fd, line, static_cast<std::size_t>(std::min(n, 639))) < 0) continue;
+    }
     // The first fault handled is the first crash; the stack words can only help then.
     if (signal_number != SIGABRT) report_registers_and_stack(fd, info, context);
   }

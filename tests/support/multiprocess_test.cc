@@ -8,6 +8,7 @@
 
 #include <csignal>
 #include <cstdlib>
+#include <stdexcept>
 
 namespace ddp::test {
 namespace {
@@ -56,6 +57,24 @@ TEST(RunRanks, ACallThroughANullPointerNamesTheCallerFromTheStack) {
   const auto stack = report.find("stack words that point into loaded objects:");
   ASSERT_NE(stack, std::string::npos) << report;
   EXPECT_NE(report.find("test_support_test(", stack), std::string::npos) << report;
+}
+
+// A destructor that crashes while an exception unwinds (the GPU machine's temporary folders did):
+// the report still names the exception and its message.
+struct CrashesWhenDestroyed {
+  ~CrashesWhenDestroyed() { crash_with(SIGSEGV); }
+};
+
+TEST(RunRanks, ACrashWhileAnExceptionUnwindsStillNamesTheException) {
+  SKIP_UNDER_SANITIZERS();
+  const auto results = run_ranks(1, [](int) {
+    CrashesWhenDestroyed on_the_way_out;
+    throw std::invalid_argument("the reason the test failed");
+  });
+  ASSERT_EQ(results.size(), 1u);
+  EXPECT_EQ(results[0].signal, SIGSEGV) << describe(results);
+  EXPECT_THAT(results[0].error, HasSubstr("while an exception propagated: std::invalid_argument: "
+                                          "the reason the test failed"));
 }
 
 TEST(RunRanks, AnAbortedRankIsReportedTheSameWay) {
