@@ -513,6 +513,15 @@ void FullyShardedDataParallelImpl::build() {
     if (units_.empty() && nested_.empty()) {
       throw ConfigError("FullyShardedDataParallel: the module has no parameters to shard");
     }
+    // A wrapper whose parameters are all in nested wrappers works where they do.
+    if (units_.empty()) device_ = nested_.front().second->device_;
+    for (const auto& [path, wrapper] : nested_) {
+      if (wrapper->device_ == device_) continue;
+      throw ConfigError(fmt::format(
+          "FullyShardedDataParallel: the nested wrapper at '{}' holds parameters on {}, but this "
+          "wrapper's are on {}; move the whole model to one device before wrapping it",
+          path, wrapper->device_.str(), device_.str()));
+    }
     check_device();
     // The device's type, not its index: ranks on one host each use their own GPU.
     description << "parameters on " << c10::DeviceTypeName(device_.type(), /*lower_case=*/true)
