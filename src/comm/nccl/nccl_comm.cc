@@ -1,9 +1,7 @@
 // A non-blocking NCCL communicator (see nccl_comm.h).
 #include "comm/nccl/nccl_comm.h"
 
-#include <algorithm>
 #include <cstring>
-#include <thread>
 
 #include "comm/nccl/poll_pacer.h"
 
