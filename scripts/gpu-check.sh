@@ -295,6 +295,11 @@ if ! run_step step build "$(step_limit "$budget" 110)" -- \
   exit 1
 fi
 
+# Which std::filesystem the test program binds to (PyTorch 2.11's libtorch.so exports a broken
+# copy; this machine's linker is not the Debian one's): recorded, and a failure if it is the wrong one.
+run_step step link-probe 30 -- "${ddp_env[@]}" bash "$repo/scripts/gpu_link_probe.sh" \
+  "$build/bin/torch_gpu_test" || true
+
 # 4. The tests labelled gpu, a few at a time: they share the device, which holds several
 # processes' contexts, and each spends most of its time starting (libtorch, CUDA, rendezvous).
 junit=$state/gpu-tests.junit.xml

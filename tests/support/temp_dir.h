@@ -5,13 +5,14 @@
 //   write(dir / "model.pt");
 #pragma once
 
+#include <ftw.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <system_error>
 
 namespace ddp::test {
 
@@ -25,9 +26,15 @@ class TempDir {
     }
     path_ = pattern;
   }
+  // nftw, not std::filesystem::remove_all: PyPI's libtorch.so of PyTorch 2.11 exports its own
+  // std::filesystem, whose remove_all calls through a null pointer, and a test program must not
+  // depend on which copy its link binds to (the GPU machine's crashed in this destructor;
+  // docs/gpu.md). Gpu.StdFilesystemRemoveAllBindsToLibstdcxxBesideLibtorch checks that alone.
   ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
+    ::nftw(
+        path_.c_str(),
+        [](const char* entry, const struct stat*, int, struct FTW*) { return ::remove(entry); }, 16,
+        FTW_DEPTH | FTW_PHYS);
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;

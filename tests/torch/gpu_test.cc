@@ -9,7 +9,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <stdexcept>
+#include <string>
+#include <system_error>
 
 #include "comm/file_store.h"
 #include "ddp/init.h"
@@ -634,6 +637,25 @@ TEST(Gpu, CheckpointMapLocationMovesBetweenCudaAndTheCpu) {
     }
   });
   EXPECT_ALL_RANKS_OK(results);
+}
+
+// Needs no GPU, but runs in the program the GPU machine builds: PyPI's libtorch.so of PyTorch
+// 2.11 exports its own std::filesystem, whose remove_all calls through a null pointer, and
+// ddp::libtorch lists libstdc++ first so that a program's calls bind to libstdc++'s copy
+// (cmake/DdpFindTorch.cmake). A rank killed here says that the order did not hold on this
+// machine's linker; scripts/gpu_link_probe.sh shows which copy the calls bound to.
+TEST(Gpu, StdFilesystemRemoveAllBindsToLibstdcxxBesideLibtorch) {
+  test::TempDir dir("ddp-gpu-remove-all");
+  const auto tree = dir.path() / "tree";
+  std::filesystem::create_directories(tree / "a" / "b");
+  const auto results = test::run_ranks(1, [&](int) {
+    std::error_code error;
+    const auto removed = std::filesystem::remove_all(tree, error);
+    require(!error, "remove_all failed: " + error.message());
+    require(removed == 3, "remove_all removed " + std::to_string(removed) + " entries, not 3");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+  EXPECT_FALSE(std::filesystem::exists(tree));
 }
 
 }  // namespace
