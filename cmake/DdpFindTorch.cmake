@@ -100,13 +100,20 @@ if(Torch_FOUND AND DDP_LIBTORCH STREQUAL "pytorch")
   target_link_options(ddp::libtorch INTERFACE "LINKER:--as-needed"
                       "LINKER:-rpath-link,${_ddp_torch_prefix}/lib:${_ddp_nvidia_libs}")
 endif()
-# libstdc++ first among a program's libraries. PyPI's libtorch.so of PyTorch 2.11 defines and
-# exports its own copy of std::filesystem (64 functions), and a program that lists libtorch before
-# libstdc++ (the compiler driver adds -lstdc++ last) binds its std::filesystem calls to that copy:
-# its remove_all(path, error_code&) calls through a null pointer (seen on the GPU machine; on the
-# CPU with tests/libtorch_select's libstdcxx_first check). Listed first, libstdc++ is where every
-# object of the process finds them, libddp_torch.so's and the program's own calls alike.
+# libstdc++ before libtorch. PyPI's libtorch.so of PyTorch 2.11 defines and exports its own copy
+# of std::filesystem (64 functions), whose remove_all(path, error_code&) calls through a null
+# pointer; a program whose calls bind to that copy crashes in them (docs/gpu.md). Two places, for
+# the two ways a compiler links libstdc++:
+#  - shared (Debian's g++): a link option, so libstdc++.so comes first among the program's
+#    NEEDED libraries and every object of the process finds std::filesystem there;
+#  - static (the GPU machine's g++ found only libstdc++.a: its test programs had no libstdc++ in
+#    NEEDED and bound remove_all to libtorch.so, which the driver's -lstdc++ came after): the same
+#    flags as the first of ddp::libtorch's libraries, where the archive's members are pulled in
+#    before the linker reaches libtorch.so. An option before the objects pulls nothing.
+# Tested by tests/libtorch_select (LibstdcxxComesBefore...); scripts/gpu_link_probe.sh shows the
+# bindings on the GPU machine.
 target_link_options(ddp::libtorch INTERFACE "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
+target_link_libraries(ddp::libtorch INTERFACE "-Wl,--push-state,--no-as-needed,-lstdc++,--pop-state")
 if(Torch_FOUND)
   # TORCH_LIBRARIES holds the torch target (with TORCH_CXX_FLAGS as its compile options) and,
   # for a CUDA-enabled libtorch, the CUDA libraries that TorchConfig.cmake found.

@@ -14,6 +14,8 @@ program=${1:?usage: gpu_link_probe.sh PATH/TO/torch_gpu_test}
 bindings=$(mktemp -d)
 trap 'rm -rf "$bindings"' EXIT
 
+echo "the compiler's libstdc++: shared $(c++ -print-file-name=libstdc++.so), archive $(c++ -print-file-name=libstdc++.a)"
+echo "linker: $(ld --version | head -n 1)"
 echo "NEEDED, in the order the dynamic linker searches them:"
 readelf -d "$program" | grep NEEDED
 echo "the program's references to std::filesystem::remove_all:"
