@@ -145,12 +145,13 @@ run_step() {
   step_no=$((step_no + 1))
   log=$state/logs/$(printf %02d "$step_no")-$name.log
   if ((limit == 0)); then
-    echo "not run: only $((deadline - SECONDS)) s of the ${budget} s budget left" >"$log"
+    local why=${not_run_reason:-"the ${budget} s budget was spent"}
+    echo "not run: $why (only $((deadline - SECONDS)) s of the ${budget} s budget left)" >"$log"
     "$python" "$report" record-step --state "$state" --kind "$kind" --name "$name" --rc 125 \
       --seconds 0 --log "$log" --command "$*" --extra "status=not_run" \
-      --extra "error=not run: the ${budget} s budget was spent" "${extras[@]}"
+      --extra "error=not run: $why" "${extras[@]}"
     render
-    echo "gpu-check: $kind $name not run: budget spent"
+    echo "gpu-check: $kind $name not run: $why"
     return 125
   fi
   echo "=== gpu-check: $kind $name (limit $limit s): $*"
@@ -328,8 +329,12 @@ torch_bench=("${torch_env[@]}" "$python" "$repo/bench/pytorch_ddp_bench.py")
 bench() {  # NAME SIDE WORLD BACKEND -- COMMAND...
   local name=$1 side=$2 world=$3 backend=$4 limit
   shift 5
+  local not_run_reason=""
   limit=$(step_limit 75 0)
-  [[ $run_benchmarks == 0 ]] && limit=0
+  if [[ $run_benchmarks == 0 ]]; then
+    limit=0
+    not_run_reason="left out by DDP_GPU_CHECK_BENCHMARKS=0"
+  fi
   run_step benchmark "$name" "$limit" --extra "side=$side" --extra "world=$world" \
     --extra "backend=$backend" -- env OMP_NUM_THREADS=1 "$@" || true
 }
