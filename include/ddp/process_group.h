@@ -51,6 +51,15 @@ struct CallOptions {
   // stream (a cudaStream_t, opaque here) whose work queued so far the call must follow, captured
   // when the call is made. nullptr = the device's default stream. Host groups ignore it.
   void* cuda_stream = nullptr;
+  // Stream order instead of host completion, for a group whose buffers are device memory (a
+  // cudaEvent_t the caller owns, opaque here; host groups ignore it): the Work completes once the
+  // call is queued on the device, and the group records this event on its stream right after the
+  // call, so a stream that waits on it (cudaStreamWaitEvent) sees the results, as with PyTorch's
+  // work.wait() on NCCL. The host never waits for the device. The group's watchdog then follows
+  // the call on the device: if it fails or outlives its deadline there, the group aborts its
+  // communicator (the kernels exit; the call's results are wrong) and is poisoned, so every later
+  // call fails with that error. Collectives only; DistributedDataParallel uses it for its buckets.
+  void* cuda_done_event = nullptr;
 };
 
 // Where the buffers a group's calls name must live.

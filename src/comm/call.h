@@ -36,6 +36,8 @@ struct Call {
   // The backend's per-call state made on the caller's thread (GroupFront::prepare_call), e.g. the
   // nccl backend's event recorded on CallOptions::cuda_stream; opaque to the front and the queue.
   std::shared_ptr<void> backend_state;
+  // CallOptions::cuda_done_event, kept by a device group's prepare_call for its run_call.
+  void* cuda_done_event = nullptr;
 
   // Formatted when needed (errors, TCP steps), not on every call: it allocates.
   std::string description() const {

@@ -119,7 +119,33 @@ class CudaStaging final : public DeviceStaging {
   std::vector<std::unique_ptr<c10::Event>> copied_in_;
 };
 
+class CudaDoneEvent final : public DoneEvent {
+ public:
+  explicit CudaDoneEvent(c10::Device device) : device_(device), event_(c10::DeviceType::CUDA) {
+    // c10::Event makes its cudaEvent_t when first recorded: once now, so that the group has one
+    // to record (and block() one to wait on: it waits only for an event recorded once).
+    c10::DeviceGuard guard(device_);
+    event_.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+  }
+  void* handle() const override { return event_.eventId(); }
+  void wait_on_current_stream() override {
+    event_.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+  }
+
+ private:
+  c10::Device device_;
+  c10::Event event_;
+};
+
 }  // namespace
+
+std::unique_ptr<DoneEvent> make_cuda_done_event(c10::Device device) {
+  if (!device.is_cuda() || !device.has_index()) {
+    throw ConfigError(
+        fmt::format("a CUDA event needs a CUDA device with an index, not {}", device.str()));
+  }
+  return std::make_unique<CudaDoneEvent>(device);
+}
 
 std::unique_ptr<DeviceStaging> make_cuda_staging(c10::Device device) {
   if (!device.is_cuda() || !device.has_index()) {

@@ -65,6 +65,11 @@ void* current_cuda_stream(c10::Device device) {
   make_cuda_staging(device);  // throws the same named error
   return nullptr;
 }
+
+std::unique_ptr<DoneEvent> make_cuda_done_event(c10::Device device) {
+  make_cuda_staging(device);  // throws the same named error
+  return nullptr;
+}
 #endif
 
 }  // namespace ddp::detail

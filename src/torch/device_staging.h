@@ -54,6 +54,19 @@ std::unique_ptr<DeviceStaging> make_host_staging(StagingObserver observer);
 // (DDP_TORCH_CUDA unset: the libtorch had none).
 std::unique_ptr<DeviceStaging> make_cuda_staging(c10::Device device);
 
+// An event for a stream-ordered collective on a device group (CallOptions::cuda_done_event): the
+// group records it on its stream after the call; wait_on_current_stream() then makes the
+// device's current stream wait for the call's results, without blocking the host.
+class DoneEvent {
+ public:
+  virtual ~DoneEvent() = default;
+  virtual void* handle() const = 0;  // the cudaEvent_t, for CallOptions::cuda_done_event
+  virtual void wait_on_current_stream() = 0;
+};
+
+// One on `device` (a CUDA device with an index). ConfigError in builds without CUDA.
+std::unique_ptr<DoneEvent> make_cuda_done_event(c10::Device device);
+
 // The current CUDA stream of `device` as a cudaStream_t (CallOptions::cuda_stream), for a group
 // whose buffers are device memory. ConfigError in builds without CUDA.
 void* current_cuda_stream(c10::Device device);

@@ -47,6 +47,11 @@ struct Reducer::Bucket {
   std::string staging_error;
   // Written by the copy-in callback, read after the Work's wait: why the copy-in failed.
   std::shared_ptr<std::string> copy_in_error;
+  // A CUDA bucket on a device group without a comm hook: its allreduce is stream-ordered
+  // (CallOptions::cuda_done_event), and the end of backward makes the current stream wait on
+  // this event instead of the host waiting for the device. Made on first use, kept.
+  std::unique_ptr<detail::DoneEvent> done_event;
+  bool stream_ordered = false;  // this pass's reduction is
 };
 
 namespace {
@@ -539,6 +544,23 @@ void Reducer::launch_through_hook(std::size_t b) {
       --bucket.left_in_place_count;
     }
   }
+  if (!custom_hook_ && group_->memory_space() == MemorySpace::kCuda && bucket.contents.is_cuda()) {
+    // As allreduce_hook, but stream-ordered: the host does not wait for the device at the end of
+    // backward (PyTorch's reducer makes the current stream wait on the work the same way).
+    if (!bucket.done_event)
+      bucket.done_event = detail::make_cuda_done_event(bucket.contents.device());
+    torch::Tensor& contents = bucket.contents;
+    bucket.reduction = {
+        group_->allreduce(contents.data_ptr(), contents.data_ptr(),
+                          static_cast<std::size_t>(contents.numel()),
+                          to_dtype(contents.scalar_type()), ReduceOp::kAvg,
+                          {.cuda_stream = detail::current_cuda_stream(contents.device()),
+                           .cuda_done_event = bucket.done_event->handle()}),
+        {},
+        static_cast<std::size_t>(contents.nbytes())};
+    bucket.stream_ordered = true;
+    return;
+  }
   bucket.reduction = run_comm_hook(b, "");
 }
 
@@ -675,6 +697,7 @@ void Reducer::reset_iteration() {
     std::fill(bucket.left_in_place.begin(), bucket.left_in_place.end(), 0);
     bucket.left_in_place_count = 0;
     bucket.reduced_in_place = false;
+    bucket.stream_ordered = false;
     bucket.staging_error.clear();
   }
   staging_failed_ = false;
@@ -726,6 +749,8 @@ void Reducer::finalize_backward() {
                            [&] {
                              if (bucket.reduction.work) bucket.reduction.work->wait();
                            });
+      // Queued on the device: what reads the bucket from here on runs after it there.
+      if (bucket.stream_ordered) bucket.done_event->wait_on_current_stream();
       const auto done = bucket.completed_ns ? bucket.completed_ns->load() : 0;
       timeline_.bucket_completed[b] =
           done != 0 ? Clock::time_point(Clock::duration(done)) : Clock::now();

@@ -19,7 +19,10 @@
 //  3. the data: NCCL calls on the communication stream (nccl_collectives.cc), then an event;
 //  4. completion: cudaEventQuery and ncclCommGetAsyncError are polled until the event is done, the
 //     communicator failed (a peer's failure shows here), or the deadline passed, in which case the
-//     communicator is aborted (its kernels exit) and a kTimeout CommError names the call.
+//     communicator is aborted (its kernels exit) and a kTimeout CommError names the call. A
+//     stream-ordered call (CallOptions::cuda_done_event) records the caller's event instead and
+//     returns: its Work completes now, and the watcher (completion_watcher.h) follows it on the
+//     device under the same deadline, aborting and poisoning the group on a failure.
 // The first failure poisons the queue; on_poison aborts both communicators, so the point-to-point
 // operations in flight fail too, and nothing of this group can wait on the device any more.
 #pragma once
@@ -33,6 +36,7 @@
 #include <vector>
 
 #include "comm/group_front.h"
+#include "comm/nccl/completion_watcher.h"
 #include "comm/nccl/nccl_comm.h"
 #include "comm/nccl/nccl_library.h"
 #include "ddp/nccl_process_group.h"
@@ -120,6 +124,11 @@ class NcclProcessGroup final : public GroupFront,
   ncclResult_t enqueue_collective(const Call& call, ncclComm_t comm);
   // Device scratch of at least `bytes` for the executor (alltoall/gather staging); grows.
   void* executor_scratch(std::size_t bytes, const Call& call);
+  // Step 4 of a stream-ordered call: records the caller's done event and a watched one of the
+  // pool's on stream_, and hands the watched one to watcher_.
+  void complete_on_stream(const Call& call, cudaEvent_t done_event, net::Deadline deadline);
+  // The watcher found a stream-ordered call failed or late: abort, poison (any thread).
+  void on_watched_failure(const CompletionWatcher::Failure& failure);
 
   std::shared_ptr<Store> store_;
   const NcclLibrary& lib_;
@@ -136,6 +145,10 @@ class NcclProcessGroup final : public GroupFront,
   DeviceBuffer scratch_;              // executor only
   int subgroups_created_ = 0;
   std::mutex new_group_mutex_;
+  // Events of stream-ordered calls the watcher follows, reused (created on demand).
+  std::mutex watched_events_mutex_;
+  std::vector<cudaEvent_t> free_watched_events_;  // under watched_events_mutex_
+  std::unique_ptr<CompletionWatcher> watcher_;    // made in the constructor's body
 
   // Point to point: its own queue (issue order, worker, deadlines, poisoning) on p2p_comm_.
   std::unique_ptr<P2pRunner> p2p_runner_;

@@ -194,11 +194,16 @@ NcclProcessGroup::NcclProcessGroup(std::shared_ptr<Store> store, const NcclLibra
                                   .job_rank = settings::job_place().rank,
                                   .job_world_size = settings::job_place().world_size}),
       sends_to_(static_cast<std::size_t>(size), 0),
-      recvs_from_(static_cast<std::size_t>(size), 0) {}
+      recvs_from_(static_cast<std::size_t>(size), 0) {
+  // Its thread starts with the first stream-ordered call, and stops in the destructor's body.
+  watcher_ = std::make_unique<CompletionWatcher>(
+      [this](const CompletionWatcher::Failure& failure) { on_watched_failure(failure); });
+}
 
 NcclProcessGroup::~NcclProcessGroup() {
   stop_queue();  // before the state run_call() uses goes away
   p2p_queue_.stop();
+  watcher_->stop();  // its polls use comm_; what it still watched is released unpolled
   DeviceGuard guard(lib_, device_);
   // A poisoned group's communicators were aborted already; a healthy one's are finalised.
   p2p_comm_.reset();
@@ -206,6 +211,8 @@ NcclProcessGroup::~NcclProcessGroup() {
   for (cudaEvent_t event : {check_done_, call_done_}) {
     if (event != nullptr) lib_.EventDestroy(event);
   }
+  for (cudaEvent_t event : free_watched_events_)
+    lib_.EventDestroy(event);
   for (cudaStream_t stream : {stream_, p2p_stream_}) {
     if (stream != nullptr) lib_.StreamDestroy(stream);
   }

@@ -146,6 +146,7 @@ void NcclProcessGroup::prepare_call(Call& call, const CallOptions& options) {
   check_cuda(call, lib_.EventRecord(event, static_cast<cudaStream_t>(options.cuda_stream)),
              "cudaEventRecord on CallOptions::cuda_stream");
   call.backend_state = std::move(owned);
+  call.cuda_done_event = options.cuda_done_event;
 }
 
 void NcclProcessGroup::wait_for_event(const Call& call, cudaEvent_t event, NcclComm& comm,
@@ -238,8 +239,86 @@ void NcclProcessGroup::run_call(Call& call, net::Deadline deadline) {
   const auto result =
       comm_->run([&](ncclComm_t comm) { return enqueue_collective(call, comm); }, deadline);
   throw_if_failed(call, result, "when it was enqueued", *comm_);
+  if (call.cuda_done_event != nullptr) {
+    complete_on_stream(call, static_cast<cudaEvent_t>(call.cuda_done_event), deadline);
+    return;
+  }
   check_cuda(call, lib_.EventRecord(call_done_, stream_), "cudaEventRecord");
   wait_for_event(call, call_done_, *comm_, deadline, "on the device");
+}
+
+void NcclProcessGroup::complete_on_stream(const Call& call, cudaEvent_t done_event,
+                                          net::Deadline deadline) {
+  check_cuda(call, lib_.EventRecord(done_event, stream_),
+             "cudaEventRecord of CallOptions::cuda_done_event");
+  cudaEvent_t watched = nullptr;
+  {
+    std::lock_guard lock(watched_events_mutex_);
+    if (!free_watched_events_.empty()) {
+      watched = free_watched_events_.back();
+      free_watched_events_.pop_back();
+    }
+  }
+  if (watched == nullptr) {
+    check_cuda(call, lib_.EventCreateWithFlags(&watched, cudaEventDisableTiming),
+               "cudaEventCreateWithFlags (a stream-ordered call's watched event)");
+  }
+  const cudaError_t recorded = lib_.EventRecord(watched, stream_);
+  if (recorded != cudaSuccess) {
+    lib_.EventDestroy(watched);
+    check_cuda(call, recorded, "cudaEventRecord (a stream-ordered call's watched event)");
+  }
+  // The watcher's thread polls the event and the communicator; a failure there names the call
+  // as the executor would have ("... did not complete within ...").
+  watcher_->watch(
+      {.poll =
+           [this, watched](std::string& why) {
+             DeviceGuard guard(lib_, device_);  // the watcher's thread
+             const cudaError_t rc = lib_.EventQuery(watched);
+             if (rc == cudaSuccess) return CompletionWatcher::Status::kDone;
+             if (rc != cudaErrorNotReady) {
+               lib_.GetLastErrorCuda();
+               why = describe_cuda_failure("cudaEventQuery (the call's completion on the device)",
+                                           rc, lib_.GetErrorName(rc), lib_.GetErrorStringCuda(rc));
+               return CompletionWatcher::Status::kFailed;
+             }
+             const NcclComm::Result state = comm_->poll();
+             if (state.outcome == NcclComm::Outcome::kReady) {
+               return CompletionWatcher::Status::kPending;
+             }
+             why = state.outcome == NcclComm::Outcome::kAborted
+                       ? std::string("the group's NCCL communicator was aborted")
+                       : describe_nccl_failure(state.code, lib_.GetErrorString(state.code),
+                                               state.last_error.c_str());
+             return CompletionWatcher::Status::kFailed;
+           },
+       .deadline = deadline,
+       .description = call.description(),
+       .release =
+           [this, watched] {
+             std::lock_guard lock(watched_events_mutex_);
+             free_watched_events_.push_back(watched);
+           }});
+}
+
+void NcclProcessGroup::on_watched_failure(const CompletionWatcher::Failure& failure) {
+  if (comm_) comm_->abort();
+  const std::string what =
+      failure.timed_out
+          ? fmt::format(
+                "did not complete on the device within its deadline (stream-ordered, "
+                "watched after its Work completed); the NCCL communicator was aborted: a "
+                "peer is stuck, stopped, or never issued the call")
+          : fmt::format(
+                "failed on the device after its Work completed (stream-ordered): {}; "
+                "the NCCL communicator was aborted",
+                failure.why);
+  queue().poison(std::make_exception_ptr(CommError(
+      failure.timed_out ? CommErrorKind::kTimeout : CommErrorKind::kAborted,
+      fmt::format("rank {} of group '{}' (nccl backend, CUDA device {}): {} {}; its results and "
+                  "everything after it on this group are not to be used",
+                  rank(), name(), device_, failure.description, what),
+      name(), failure.description, 0, -1)));
 }
 
 // The first failure: abort both communicators (every kernel of this group exits, every later

@@ -1,0 +1,102 @@
+// CompletionWatcher (completion_watcher.h).
+#include "comm/nccl/completion_watcher.h"
+
+#include <utility>
+
+#include "comm/nccl/poll_pacer.h"
+
+namespace ddp::comm::nccl {
+
+CompletionWatcher::CompletionWatcher(std::function<void(const Failure&)> on_failure)
+    : on_failure_(std::move(on_failure)) {}
+
+CompletionWatcher::~CompletionWatcher() {
+  stop();
+}
+
+void CompletionWatcher::watch(Entry entry) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!stopping_ && !failed_) {
+      entries_.push_back(std::move(entry));
+      if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+      wake_.notify_one();
+      return;
+    }
+  }
+  if (entry.release) entry.release();
+}
+
+std::size_t CompletionWatcher::in_flight() const {
+  std::lock_guard lock(mutex_);
+  return entries_.size();
+}
+
+void CompletionWatcher::stop() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    wake_.notify_one();
+  }
+  if (thread_.joinable()) thread_.join();
+  std::deque<Entry> left;
+  {
+    std::lock_guard lock(mutex_);
+    left.swap(entries_);
+  }
+  for (auto& entry : left) {
+    if (entry.release) entry.release();
+  }
+}
+
+void CompletionWatcher::run() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [this] { return stopping_ || !entries_.empty(); });
+    if (stopping_) return;
+    // The front entry is only ever popped here, so it stays valid while the lock is released.
+    Entry& entry = entries_.front();
+    lock.unlock();
+    PollPacer pacer;
+    Failure failure;
+    bool failed = false;
+    for (;;) {
+      std::string why;
+      const Status status = entry.poll(why);
+      if (status == Status::kDone) break;
+      if (status == Status::kFailed) {
+        failure = {entry.description, false, std::move(why)};
+        failed = true;
+        break;
+      }
+      if (net::Clock::now() >= entry.deadline) {
+        failure = {entry.description, true, {}};
+        failed = true;
+        break;
+      }
+      {
+        std::lock_guard stop_check(mutex_);
+        if (stopping_) break;  // stop() releases it
+      }
+      pacer.pause();
+    }
+    if (failed) on_failure_(failure);
+    lock.lock();
+    if (stopping_) return;
+    Entry done = std::move(entries_.front());
+    entries_.pop_front();
+    std::deque<Entry> unpolled;
+    if (failed) {
+      failed_ = true;
+      unpolled.swap(entries_);
+    }
+    lock.unlock();
+    if (done.release) done.release();
+    for (auto& left : unpolled) {
+      if (left.release) left.release();
+    }
+    lock.lock();
+  }
+}
+
+}  // namespace ddp::comm::nccl
