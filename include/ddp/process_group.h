@@ -55,10 +55,11 @@ struct CallOptions {
   // cudaEvent_t the caller owns, opaque here; host groups ignore it): the Work completes once the
   // call is queued on the device, and the group records this event on its stream right after the
   // call, so a stream that waits on it (cudaStreamWaitEvent) sees the results, as with PyTorch's
-  // work.wait() on NCCL. The host never waits for the device. The group's watchdog then follows
-  // the call on the device: if it fails or outlives its deadline there, the group aborts its
-  // communicator (the kernels exit; the call's results are wrong) and is poisoned, so every later
-  // call fails with that error. Collectives only; DistributedDataParallel uses it for its buckets.
+  // work.wait() on NCCL. Only where completes_on_stream() says so. The host never waits for the
+  // device. The group's watchdog then follows the call on the device: if it fails or outlives its
+  // deadline there, the group aborts its communicator (the kernels exit; the call's results are
+  // wrong) and is poisoned, so every later call fails with that error. Collectives only;
+  // DistributedDataParallel uses it for its buckets.
   void* cuda_done_event = nullptr;
 };
 
@@ -92,6 +93,9 @@ class ProcessGroup {
   virtual std::string_view backend() const = 0;
   // Where the buffers of this group's calls live (see MemorySpace). Host by default.
   virtual MemorySpace memory_space() const { return MemorySpace::kHost; }
+  // Whether this group honours CallOptions::cuda_done_event (nccl does). A group that does not
+  // ignores it, and its callers wait for the Work as usual; false by default.
+  virtual bool completes_on_stream() const { return false; }
   // For a CUDA group: the index of the CUDA device whose memory its calls take; -1 when the group
   // does not say (the caller's current device) and for host groups.
   virtual int cuda_device() const { return -1; }

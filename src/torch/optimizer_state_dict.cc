@@ -114,8 +114,10 @@ std::optional<GenericDict> param_state(const torch::optim::OptimizerParamState& 
       fmt::format("{}: not an optimizer state dict ddp can read: {}", source, what));
 }
 
-const IValue& field(const GenericDict& d, const char* key, const std::string& source,
-                    const std::string& where) {
+// By value (a reference count): GCC 13 warns that a reference returned by a call given a temporary
+// string may dangle (-Wdangling-reference), though it points into `d`.
+IValue field(const GenericDict& d, const char* key, const std::string& source,
+             const std::string& where) {
   const auto it = d.find(key);
   if (it == d.end()) format_error(source, fmt::format("{} has no '{}'", where, key));
   return it->value();

@@ -544,7 +544,7 @@ void Reducer::launch_through_hook(std::size_t b) {
       --bucket.left_in_place_count;
     }
   }
-  if (!custom_hook_ && group_->memory_space() == MemorySpace::kCuda && bucket.contents.is_cuda()) {
+  if (!custom_hook_ && group_->completes_on_stream() && bucket.contents.is_cuda()) {
     // As allreduce_hook, but stream-ordered: the host does not wait for the device at the end of
     // backward (PyTorch's reducer makes the current stream wait on the work the same way).
     if (!bucket.done_event)

@@ -78,6 +78,7 @@ class NcclProcessGroup final : public GroupFront,
 
   std::string_view backend() const override { return "nccl"; }
   MemorySpace memory_space() const override { return MemorySpace::kCuda; }
+  bool completes_on_stream() const override { return true; }
   int cuda_device() const override { return device_; }
   // The front queues allreduce_segments as one call; run_call reduces each piece where it lies
   // (one NCCL allreduce per piece, grouped), since the portable default packs into host memory.

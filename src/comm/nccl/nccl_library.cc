@@ -183,11 +183,11 @@ std::unique_ptr<NcclLibrary> load_now(const std::string& library) {
 
 }  // namespace
 
-const NcclLibrary& NcclLibrary::load(const std::string& library) {
+const NcclLibrary& NcclLibrary::load(std::string_view library) {
   static std::mutex mutex;
   static std::unique_ptr<NcclLibrary> loaded;  // never freed: the libraries stay loaded
   std::lock_guard lock(mutex);
-  if (!loaded) loaded = load_now(library);
+  if (!loaded) loaded = load_now(std::string(library));
   return *loaded;
 }
 

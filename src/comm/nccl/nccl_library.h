@@ -16,6 +16,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "comm/nccl/nccl_headers.h"
 
@@ -78,7 +79,8 @@ struct NcclLibrary {
   cudaError_t (*GetLastErrorCuda)();
 
   // Loads both libraries (or returns the table loaded before). `library`: see the file comment.
-  static const NcclLibrary& load(const std::string& library);
+  // (A string_view: a string literal makes no temporary for GCC 13 to warn a reference outlives.)
+  static const NcclLibrary& load(std::string_view library);
 
   // Makes `device` current on the calling thread after checking that this process sees a CUDA
   // device and that `device` is one of them (-1: the current one, returned). ConfigError names
