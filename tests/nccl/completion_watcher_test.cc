@@ -59,6 +59,14 @@ CompletionWatcher::Entry entry(Recorder& r, std::string name,
               }};
 }
 
+// A watcher that records its failures in `r`.
+std::unique_ptr<CompletionWatcher> recording_watcher(Recorder& r) {
+  return std::make_unique<CompletionWatcher>([&r](const CompletionWatcher::Failure& f) {
+    std::lock_guard lock(r.mutex);
+    r.failures.push_back(f);
+  });
+}
+
 bool eventually(const std::function<bool()>& condition) {
   const auto until = std::chrono::steady_clock::now() + 10s;
   while (!condition()) {
@@ -70,10 +78,8 @@ bool eventually(const std::function<bool()>& condition) {
 
 TEST(CompletionWatcher, CallsCompleteInOrderAndEachIsReleasedOnce) {
   Recorder r;
-  CompletionWatcher watcher([&](const CompletionWatcher::Failure& f) {
-    std::lock_guard lock(r.mutex);
-    r.failures.push_back(f);
-  });
+  auto watcher_owner = recording_watcher(r);
+  CompletionWatcher& watcher = *watcher_owner;
   auto first = std::make_shared<std::atomic<int>>(0);
   auto second = std::make_shared<std::atomic<int>>(1);  // already done: still waits for the first
   watcher.watch(entry(r, "allreduce #1", first));
@@ -97,10 +103,8 @@ TEST(CompletionWatcher, CallsCompleteInOrderAndEachIsReleasedOnce) {
 
 TEST(CompletionWatcher, APassedDeadlineIsReportedOnceAndReleasesTheRestUnpolled) {
   Recorder r;
-  CompletionWatcher watcher([&](const CompletionWatcher::Failure& f) {
-    std::lock_guard lock(r.mutex);
-    r.failures.push_back(f);
-  });
+  auto watcher_owner = recording_watcher(r);
+  CompletionWatcher& watcher = *watcher_owner;
   auto stuck = std::make_shared<std::atomic<int>>(0);
   auto behind = std::make_shared<std::atomic<int>>(0);
   watcher.watch(entry(r, "allreduce #4", stuck, 50ms));
@@ -116,10 +120,8 @@ TEST(CompletionWatcher, APassedDeadlineIsReportedOnceAndReleasesTheRestUnpolled)
 
 TEST(CompletionWatcher, AFailedCallIsReportedWithItsReasonAndLaterCallsAreReleasedAtOnce) {
   Recorder r;
-  CompletionWatcher watcher([&](const CompletionWatcher::Failure& f) {
-    std::lock_guard lock(r.mutex);
-    r.failures.push_back(f);
-  });
+  auto watcher_owner = recording_watcher(r);
+  CompletionWatcher& watcher = *watcher_owner;
   auto failing = std::make_shared<std::atomic<int>>(2);
   watcher.watch(entry(r, "reduce_scatter #6", failing));
   ASSERT_TRUE(eventually([&] { return r.released_names().size() == 1; }));
