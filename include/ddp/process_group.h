@@ -57,9 +57,9 @@ struct CallOptions {
   // call, so a stream that waits on it (cudaStreamWaitEvent) sees the results, as with PyTorch's
   // work.wait() on NCCL. Only where completes_on_stream() says so. The host never waits for the
   // device. The group's watchdog then follows the call on the device: if it fails or outlives its
-  // deadline there, the group aborts its communicator (the kernels exit; the call's results are
-  // wrong) and is poisoned, so every later call fails with that error. Collectives only;
-  // DistributedDataParallel uses it for its buckets.
+  // deadline there, the process ends with a message naming the call (its results were handed out
+  // as done and are wrong; nothing may go on with them), as PyTorch's NCCL watchdog does.
+  // Collectives only; DistributedDataParallel uses it for its buckets.
   void* cuda_done_event = nullptr;
 };
 

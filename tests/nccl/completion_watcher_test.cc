@@ -155,5 +155,58 @@ TEST(CompletionWatcher, StopReleasesWhatIsLeftWithoutReportingIt) {
   EXPECT_EQ(reported, 0);
 }
 
+TEST(CompletionWatcher, DrainWaitsForEveryCallWatchedSoFar) {
+  Recorder r;
+  auto watcher = recording_watcher(r);
+  auto first = std::make_shared<std::atomic<int>>(0);
+  auto second = std::make_shared<std::atomic<int>>(0);
+  watcher->watch(entry(r, "allreduce #11", first));
+  watcher->watch(entry(r, "allreduce #12", second));
+  std::thread finisher([&] {
+    std::this_thread::sleep_for(30ms);
+    *first = 1;
+    std::this_thread::sleep_for(30ms);
+    *second = 1;
+  });
+  watcher->drain();
+  EXPECT_THAT(r.released_names(), ElementsAre("allreduce #11", "allreduce #12"));
+  finisher.join();
+  // A late call ends a drain too, by its deadline (the failure is reported).
+  watcher->watch(entry(r, "allreduce #13", std::make_shared<std::atomic<int>>(0), 50ms));
+  watcher->drain();
+  std::lock_guard lock(r.mutex);
+  ASSERT_EQ(r.failures.size(), 1u);
+  EXPECT_EQ(r.failures[0].description, "allreduce #13");
+}
+
+// The nccl group's answer to a watched failure ends the process, naming the group and the call:
+// the call's results were handed to the program as done, so going on could exit 0 with them.
+TEST(CompletionWatcherDeathTest, TheBackendsAnswerToALateCallEndsTheProcessNamingIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        Recorder r;
+        CompletionWatcher watcher([](const CompletionWatcher::Failure& f) {
+          abort_after_watched_failure(f, "rank 1 of group 'default' (nccl backend, CUDA device 0)");
+        });
+        watcher.watch(entry(r, "allreduce #14", std::make_shared<std::atomic<int>>(0), 20ms));
+        watcher.drain();
+        std::this_thread::sleep_for(10s);  // not reached: the watcher's thread aborts
+      },
+      "rank 1 of group 'default' .* allreduce #14 did not complete on the device within its "
+      "deadline.*aborting the process");
+  EXPECT_DEATH(
+      {
+        Recorder r;
+        CompletionWatcher watcher([](const CompletionWatcher::Failure& f) {
+          abort_after_watched_failure(f, "rank 0 of group 'g'");
+        });
+        watcher.watch(entry(r, "broadcast #15", std::make_shared<std::atomic<int>>(2)));
+        watcher.drain();
+        std::this_thread::sleep_for(10s);
+      },
+      "broadcast #15 failed on the device: the communicator reported an error");
+}
+
 }  // namespace
 }  // namespace ddp::comm::nccl

@@ -1,7 +1,11 @@
 // CompletionWatcher (completion_watcher.h).
 #include "comm/nccl/completion_watcher.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <utility>
+
+#include <fmt/format.h>
 
 #include "comm/nccl/poll_pacer.h"
 
@@ -32,11 +36,17 @@ std::size_t CompletionWatcher::in_flight() const {
   return entries_.size();
 }
 
+void CompletionWatcher::drain() {
+  std::unique_lock lock(mutex_);
+  drained_.wait(lock, [this] { return entries_.empty() || failed_ || stopping_; });
+}
+
 void CompletionWatcher::stop() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
     wake_.notify_one();
+    drained_.notify_all();
   }
   if (thread_.joinable()) thread_.join();
   std::deque<Entry> left;
@@ -90,6 +100,7 @@ void CompletionWatcher::run() {
       failed_ = true;
       unpolled.swap(entries_);
     }
+    drained_.notify_all();
     lock.unlock();
     if (done.release) done.release();
     for (auto& left : unpolled) {
@@ -97,6 +108,22 @@ void CompletionWatcher::run() {
     }
     lock.lock();
   }
+}
+
+void abort_after_watched_failure(const CompletionWatcher::Failure& failure,
+                                 const std::string& group) {
+  const std::string what =
+      failure.timed_out
+          ? std::string(
+                "did not complete on the device within its deadline: a peer is stuck, "
+                "stopped, or never issued the call")
+          : fmt::format("failed on the device: {}", failure.why);
+  std::fprintf(stderr,
+               "ddp: %s: %s %s. Its Work had completed when it was queued (stream-ordered), so "
+               "the program may already use its wrong results: aborting the process\n",
+               group.c_str(), failure.description.c_str(), what.c_str());
+  std::fflush(stderr);
+  std::abort();
 }
 
 }  // namespace ddp::comm::nccl

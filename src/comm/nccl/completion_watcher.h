@@ -2,13 +2,14 @@
 // (CallOptions::cuda_done_event): their Work completed once they were queued on the device, so
 // nobody waits for them on the host. One thread polls each such call's completion, oldest first
 // (they run in that order on the group's stream), until it finished, failed, or passed its
-// deadline; the first failure is reported once (the group aborts its communicator, so the kernels
-// exit, and poisons itself, so every later call fails with that error), and the calls still
-// watched are then released unpolled. Knows nothing of CUDA: each entry brings its own poll.
+// deadline; the first failure is reported once (the nccl group then ends the process:
+// abort_after_watched_failure below), and the calls still watched are released unpolled. Knows
+// nothing of CUDA: each entry brings its own poll.
 //
-//   CompletionWatcher watcher([&](const Failure& f) { abort_and_poison(f); });
-//   watcher.watch({.poll = query_event, .deadline = d, .description = "allreduce #7", .release =
-//   ...}); watcher.stop();  // before what the polls use goes away (the destructor stops too)
+//   CompletionWatcher watcher([&](const Failure& f) { abort_after_watched_failure(f, who); });
+//   watcher.watch({.poll = query_event, .deadline = d, .description = "allreduce #7"});
+//   watcher.drain();  // every call watched so far done, or the failure reported
+//   watcher.stop();   // before what the polls use goes away (the destructor stops too)
 #pragma once
 
 #include <condition_variable>
@@ -50,6 +51,9 @@ class CompletionWatcher {
   void watch(Entry entry);
   // Calls watched and not yet done.
   std::size_t in_flight() const;
+  // Blocks until every call watched so far is done or a failure was reported (each call has a
+  // deadline, so this ends), or stop() was called.
+  void drain();
   // Joins the thread; entries left are released unpolled. Idempotent.
   void stop();
 
@@ -59,10 +63,19 @@ class CompletionWatcher {
   const std::function<void(const Failure&)> on_failure_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<Entry> entries_;  // under mutex_
-  bool stopping_ = false;      // under mutex_
-  bool failed_ = false;        // under mutex_
+  std::condition_variable drained_;  // an entry left, a failure, or stop
+  std::deque<Entry> entries_;        // under mutex_
+  bool stopping_ = false;            // under mutex_
+  bool failed_ = false;              // under mutex_
   std::thread thread_;
 };
+
+// The nccl backend's answer to a failure the watcher found: the message (naming `group`, e.g.
+// "rank 0 of group 'default' (nccl backend, CUDA device 0)", and the call) on stderr, then
+// std::abort(). The call's Work already told the program it was done, so its results are in use
+// and wrong; a process that went on could save them and exit 0. PyTorch's NCCL watchdog tears the
+// process down the same way; a launcher (ddprun) sees the failed rank.
+[[noreturn]] void abort_after_watched_failure(const CompletionWatcher::Failure& failure,
+                                              const std::string& group);
 
 }  // namespace ddp::comm::nccl

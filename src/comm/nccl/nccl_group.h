@@ -22,7 +22,7 @@
 //     communicator is aborted (its kernels exit) and a kTimeout CommError names the call. A
 //     stream-ordered call (CallOptions::cuda_done_event) records the caller's event instead and
 //     returns: its Work completes now, and the watcher (completion_watcher.h) follows it on the
-//     device under the same deadline, aborting and poisoning the group on a failure.
+//     device under the same deadline; a failure there ends the process (its results went out).
 // The first failure poisons the queue; on_poison aborts both communicators, so the point-to-point
 // operations in flight fail too, and nothing of this group can wait on the device any more.
 #pragma once
@@ -128,7 +128,7 @@ class NcclProcessGroup final : public GroupFront,
   // Step 4 of a stream-ordered call: records the caller's done event and a watched one of the
   // pool's on stream_, and hands the watched one to watcher_.
   void complete_on_stream(const Call& call, cudaEvent_t done_event, net::Deadline deadline);
-  // The watcher found a stream-ordered call failed or late: abort, poison (any thread).
+  // The watcher found a stream-ordered call failed or late: ends the process (its thread).
   void on_watched_failure(const CompletionWatcher::Failure& failure);
 
   std::shared_ptr<Store> store_;

@@ -203,7 +203,10 @@ NcclProcessGroup::NcclProcessGroup(std::shared_ptr<Store> store, const NcclLibra
 NcclProcessGroup::~NcclProcessGroup() {
   stop_queue();  // before the state run_call() uses goes away
   p2p_queue_.stop();
-  watcher_->stop();  // its polls use comm_; what it still watched is released unpolled
+  // Stream-ordered calls still on the device finish (or fail, which aborts) first: their
+  // polls use comm_, and dropping them unwatched could let a failure pass unseen.
+  watcher_->drain();
+  watcher_->stop();
   DeviceGuard guard(lib_, device_);
   // A poisoned group's communicators were aborted already; a healthy one's are finalised.
   p2p_comm_.reset();

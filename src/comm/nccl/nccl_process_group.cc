@@ -302,23 +302,10 @@ void NcclProcessGroup::complete_on_stream(const Call& call, cudaEvent_t done_eve
 }
 
 void NcclProcessGroup::on_watched_failure(const CompletionWatcher::Failure& failure) {
-  if (comm_) comm_->abort();
-  const std::string what =
-      failure.timed_out
-          ? fmt::format(
-                "did not complete on the device within its deadline (stream-ordered, "
-                "watched after its Work completed); the NCCL communicator was aborted: a "
-                "peer is stuck, stopped, or never issued the call")
-          : fmt::format(
-                "failed on the device after its Work completed (stream-ordered): {}; "
-                "the NCCL communicator was aborted",
-                failure.why);
-  queue().poison(std::make_exception_ptr(CommError(
-      failure.timed_out ? CommErrorKind::kTimeout : CommErrorKind::kAborted,
-      fmt::format("rank {} of group '{}' (nccl backend, CUDA device {}): {} {}; its results and "
-                  "everything after it on this group are not to be used",
-                  rank(), name(), device_, failure.description, what),
-      name(), failure.description, 0, -1)));
+  // Not a poisoned group that lives on: the results went out as done (completion_watcher.h).
+  abort_after_watched_failure(
+      failure,
+      fmt::format("rank {} of group '{}' (nccl backend, CUDA device {})", rank(), name(), device_));
 }
 
 // The first failure: abort both communicators (every kernel of this group exits, every later
