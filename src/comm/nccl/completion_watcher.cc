@@ -38,7 +38,7 @@ std::size_t CompletionWatcher::in_flight() const {
 
 void CompletionWatcher::drain() {
   std::unique_lock lock(mutex_);
-  drained_.wait(lock, [this] { return entries_.empty() || failed_ || stopping_; });
+  drained_.wait(lock, [this] { return (entries_.empty() && !busy_) || failed_ || stopping_; });
 }
 
 void CompletionWatcher::stop() {
@@ -66,6 +66,7 @@ void CompletionWatcher::run() {
     if (stopping_) return;
     // The front entry is only ever popped here, so it stays valid while the lock is released.
     Entry& entry = entries_.front();
+    busy_ = true;  // until it is released: drain() waits for that too
     lock.unlock();
     PollPacer pacer;
     Failure failure;
@@ -100,13 +101,14 @@ void CompletionWatcher::run() {
       failed_ = true;
       unpolled.swap(entries_);
     }
-    drained_.notify_all();
     lock.unlock();
     if (done.release) done.release();
     for (auto& left : unpolled) {
       if (left.release) left.release();
     }
     lock.lock();
+    busy_ = false;
+    drained_.notify_all();
   }
 }
 

@@ -67,6 +67,7 @@ class CompletionWatcher {
   std::deque<Entry> entries_;        // under mutex_
   bool stopping_ = false;            // under mutex_
   bool failed_ = false;              // under mutex_
+  bool busy_ = false;                // under mutex_: an entry taken, not yet released
   std::thread thread_;
 };
 
