@@ -114,6 +114,10 @@ int ring_point_to_point_connections_of(const ProcessGroup& group);
 // shared buffers (ProcessGroup::allocate_shared_buffer) instead of copying through the host's
 // segment; -1 for groups of other backends. Any thread, any time.
 long long ring_shared_buffer_allreduces_of(const ProcessGroup& group);
+// The same for reduce-scatters whose input, and allgathers whose output, lay in such a buffer at
+// the same offset on every rank (read, or written, straight in the peers' copies).
+long long ring_shared_buffer_reduce_scatters_of(const ProcessGroup& group);
+long long ring_shared_buffer_allgathers_of(const ProcessGroup& group);
 
 }  // namespace ddp
 #pragma GCC visibility pop

@@ -1,5 +1,6 @@
 // Shared buffers (ProcessGroup::allocate_shared_buffer, issue 28): on one host the ranks map each
-// other's buffers and an in-place allreduce of one reduces straight from the peers' copies. Real
+// other's buffers and an in-place allreduce of one reduces straight from the peers' copies (a
+// reduce-scatter reads its input there, an allgather writes its output there). Real
 // rank processes over the ring backend's shared-memory transport: every dtype and op against the
 // reference and bit for bit against the copying path; the ranks fall back together (and say why)
 // when one cannot make or map its copy; a peer killed in a zero-copy allreduce is named within
@@ -128,6 +129,123 @@ TEST(SharedBuffers, InPlaceAllreduceReadsThePeersCopiesAndEqualsTheCopyingPath) 
     pg->allreduce(base, out.data(), ones.size(), DType::kFloat32, ReduceOp::kSum)->wait();
     expect(out[0] == kWorld, "out of place: wrong sum");
     check_counted(zero_copy, "calls that cannot be zero-copy");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// World 4: a reduce-scatter whose input lies in a shared buffer at the same offset on every rank
+// reduces each block straight from the peers' copies, and an allgather whose output does writes
+// each block straight into them: every dtype and op against the reference, random floats bit for
+// bit against the copying path, an in-place allgather, each call counted as zero-copy; calls
+// made again at once (a rank overwrites its input while a slow peer might still read it, unless
+// the call's last synchronisation holds it); and the calls that cannot be zero-copy correct and
+// not counted.
+TEST(SharedBuffers, ReduceScatterFromAndAllgatherIntoSharedBuffersEqualTheCopyingPath) {
+  constexpr int kWorld = 4;
+  TempDir dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = shm_group(dir, rank, kWorld);
+    constexpr std::size_t kBytes = 5 << 20;
+    std::string why;
+    auto buffer = pg->allocate_shared_buffer(kBytes, &why);
+    expect(buffer != nullptr, "no shared buffer: " + why);
+    auto* base = static_cast<std::byte*>(buffer.get());
+    long long scatters = 0, gathers = 0;
+    auto check_counted = [&](const std::string& what) {
+      const long long rs = ring_shared_buffer_reduce_scatters_of(*pg);
+      const long long ag = ring_shared_buffer_allgathers_of(*pg);
+      expect(rs == scatters && ag == gathers,
+             fmt::format("rank {}: {}: {} zero-copy reduce-scatters and {} allgathers, expected "
+                         "{} and {}",
+                         rank, what, rs, ag, scatters, gathers));
+    };
+    int salt = 0;
+    for (const DType dtype : kAllDTypes) {
+      const std::size_t esize = dtype_size(dtype);
+      for (const std::size_t per_rank : {std::size_t{1}, std::size_t{1001}, std::size_t{70001}}) {
+        for (const std::size_t offset : {std::size_t{0}, std::size_t{4096 + 64}}) {
+          const std::size_t count = per_rank * kWorld;
+          const std::size_t block = per_rank * esize;
+          for (const ReduceOp op : kAllOps) {
+            if (!reduces(dtype, op)) continue;
+            ++salt;
+            const auto input = make_input(dtype, count, rank, salt);
+            std::memcpy(base + offset, input.data(), count * esize);
+            std::vector<std::byte> out(block);
+            pg->reduce_scatter(base + offset, out.data(), per_rank, dtype, op)->wait();
+            const std::string what = fmt::format("reduce-scatter {} {} x {} at offset {}",
+                                                 to_string(op), to_string(dtype), count, offset);
+            const auto all = expected_reduction(dtype, op, count, kWorld, salt);
+            const auto* mine = all.data() + static_cast<std::size_t>(rank) * block;
+            expect_bytes(out, std::vector<std::byte>(mine, mine + block), dtype, what);
+            ++scatters;
+            check_counted(what);
+          }
+          // Allgather: each rank's block is its input (salted), from a private buffer and then in
+          // place (send is this rank's block of the shared output).
+          ++salt;
+          std::vector<std::vector<std::byte>> blocks;
+          for (int r = 0; r < kWorld; ++r)
+            blocks.push_back(make_input(dtype, per_rank, r, salt));
+          for (const bool in_place : {false, true}) {
+            std::byte* out = base + offset;
+            std::memset(out, 0xab, count * esize);
+            std::byte* send = out + static_cast<std::size_t>(rank) * block;
+            std::vector<std::byte> own = blocks[static_cast<std::size_t>(rank)];
+            if (in_place) {
+              std::memcpy(send, own.data(), block);
+            } else {
+              send = own.data();
+            }
+            pg->allgather(send, out, per_rank, dtype)->wait();
+            for (int r = 0; r < kWorld; ++r) {
+              expect(
+                  std::memcmp(out + static_cast<std::size_t>(r) * block,
+                              blocks[static_cast<std::size_t>(r)].data(), block) == 0,
+                  fmt::format("rank {}: allgather{} {} x {} at offset {}: block {} differs", rank,
+                              in_place ? " in place" : "", to_string(dtype), per_rank, offset, r));
+            }
+            ++gathers;
+            check_counted("allgather");
+          }
+        }
+      }
+    }
+    // Rounding order: random floats, the same bits as the copying path from a private buffer.
+    std::mt19937 random(99 + rank);
+    std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+    constexpr std::size_t kPerRank = 250'001;
+    std::vector<float> values(kPerRank * kWorld);
+    for (auto& v : values)
+      v = uniform(random);
+    auto* shared = reinterpret_cast<float*>(base + 256);
+    std::memcpy(shared, values.data(), values.size() * sizeof(float));
+    for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      std::vector<float> zero_copy(kPerRank), copied(kPerRank);
+      pg->reduce_scatter(shared, zero_copy.data(), kPerRank, DType::kFloat32, op)->wait();
+      pg->reduce_scatter(values.data(), copied.data(), kPerRank, DType::kFloat32, op)->wait();
+      expect(std::memcmp(zero_copy.data(), copied.data(), kPerRank * sizeof(float)) == 0,
+             fmt::format("rank {}: reduce-scatter {} of random floats differs from the copying "
+                         "path",
+                         rank, to_string(op)));
+      ++scatters;
+      check_counted("random floats");
+    }
+    // Not zero-copy: ranks at different offsets, one rank with a private buffer (each correct).
+    constexpr std::size_t kSmall = 5000;
+    std::vector<float> ones(kSmall * kWorld, 1.0f), out(kSmall);
+    auto* at = reinterpret_cast<float*>(base + 64 * static_cast<std::size_t>(rank));
+    std::memcpy(at, ones.data(), ones.size() * sizeof(float));
+    pg->reduce_scatter(at, out.data(), kSmall, DType::kFloat32, ReduceOp::kSum)->wait();
+    expect(out[0] == kWorld && out[kSmall - 1] == kWorld, "different offsets: wrong sum");
+    std::vector<float> gathered(kSmall * kWorld);
+    float* into = rank == 2 ? gathered.data() : reinterpret_cast<float*>(base);
+    std::vector<float> mine(kSmall, static_cast<float>(rank));
+    pg->allgather(mine.data(), into, kSmall, DType::kFloat32)->wait();
+    for (int r = 0; r < kWorld; ++r)
+      expect(into[static_cast<std::size_t>(r) * kSmall] == static_cast<float>(r),
+             "one private output: wrong block");
+    check_counted("calls that cannot be zero-copy");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

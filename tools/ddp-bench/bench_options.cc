@@ -231,8 +231,9 @@ std::optional<BenchOptions> parse_command_line(const std::vector<std::string>& a
                "allreduce in place (send = recv; the input is rewritten before each iteration, "
                "outside the timed region)");
   app.add_flag("--shared-buffer", options.shared_buffer,
-               "allreduce in place in a buffer from ProcessGroup::allocate_shared_buffer (the ring "
-               "backend's zero-copy path on one host); implies --in-place");
+               "receive buffers (and the reduce-scatter's send buffer) from "
+               "ProcessGroup::allocate_shared_buffer: the ring backend's zero-copy paths on one "
+               "host for allreduce (in place: implies --in-place), reduce_scatter and allgather");
   app.add_flag("--json", options.json, "Print one JSON object per row instead of the table");
   app.add_option("--timeout", timeout_seconds,
                  "Seconds the rendezvous and each collective may take (default DDP_TIMEOUT, else "

@@ -48,7 +48,10 @@ BenchRunner::BenchRunner(ProcessGroup& group, const BenchOptions& options)
   if (options.shared_buffer) {
     std::string why;
     shared_recv_ = group.allocate_shared_buffer(std::max<std::size_t>(capacity_bytes_, 64), &why);
-    if (!shared_recv_) {
+    if (shared_recv_) {
+      shared_send_ = group.allocate_shared_buffer(std::max<std::size_t>(capacity_bytes_, 64), &why);
+    }
+    if (!shared_recv_ || !shared_send_) {
       throw std::invalid_argument(
           "ddp-bench: --shared-buffer: the group made no shared buffer (" +
           (why.empty() ? std::string(group.backend()) + " backend, or not every rank on one host"
@@ -68,7 +71,10 @@ BenchRow BenchRunner::run(Collective collective, std::size_t requested_bytes) {
                        .reduce_op = options_.reduce_op,
                        .world_size = group_.size(),
                        .root = options_.root};
-  std::byte* send = send_.get();
+  // --shared-buffer: a reduce-scatter's zero-copy path reads its input from the shared buffer.
+  std::byte* send = shared_send_ && collective == Collective::kReduceScatter
+                        ? static_cast<std::byte*>(shared_send_.get())
+                        : send_.get();
   std::byte* recv = shared_recv_ ? static_cast<std::byte*>(shared_recv_.get()) : recv_.get();
 
   // Broadcast works in place on `recv`: the root's holds its input for the whole run, the others'

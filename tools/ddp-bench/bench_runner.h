@@ -75,6 +75,7 @@ class BenchRunner {
   Buffer send_;
   Buffer recv_;
   std::shared_ptr<void> shared_recv_;  // --shared-buffer: replaces recv_
+  std::shared_ptr<void> shared_send_;  // --shared-buffer: replaces send_ for reduce_scatter
 };
 
 }  // namespace ddp::bench

@@ -43,8 +43,10 @@ class RingProcessGroup final : public GroupFront,
   // See ring_point_to_point_connections_of().
   int point_to_point_connections() const { return p2p_ ? p2p_->connections() : 0; }
 
-  // See ring_shared_buffer_allreduces_of().
+  // See ring_shared_buffer_allreduces_of() and the two after it.
   long long shared_buffer_allreduces() const;
+  long long shared_buffer_reduce_scatters() const;
+  long long shared_buffer_allgathers() const;
 
   std::string_view backend() const override { return "ring"; }
   // ring_shared_buffers.cc: over the host's shared-memory domain (kShm), else none.

@@ -13,9 +13,27 @@
 
 namespace ddp {
 
+namespace {
+
+const comm::RingProcessGroup* ring_of(const ProcessGroup& group) {
+  return dynamic_cast<const comm::RingProcessGroup*>(&group);
+}
+
+}  // namespace
+
 long long ring_shared_buffer_allreduces_of(const ProcessGroup& group) {
-  const auto* ring = dynamic_cast<const comm::RingProcessGroup*>(&group);
+  const auto* ring = ring_of(group);
   return ring != nullptr ? ring->shared_buffer_allreduces() : -1;
+}
+
+long long ring_shared_buffer_reduce_scatters_of(const ProcessGroup& group) {
+  const auto* ring = ring_of(group);
+  return ring != nullptr ? ring->shared_buffer_reduce_scatters() : -1;
+}
+
+long long ring_shared_buffer_allgathers_of(const ProcessGroup& group) {
+  const auto* ring = ring_of(group);
+  return ring != nullptr ? ring->shared_buffer_allgathers() : -1;
 }
 
 namespace comm {
@@ -29,6 +47,18 @@ enum Word : std::size_t { kBytes, kPid, kFd, kWords };
 long long RingProcessGroup::shared_buffer_allreduces() const {
   return mode_ == Mode::kShm && domain_
              ? static_cast<long long>(domain_->shared_buffer_allreduces())
+             : 0;
+}
+
+long long RingProcessGroup::shared_buffer_reduce_scatters() const {
+  return mode_ == Mode::kShm && domain_
+             ? static_cast<long long>(domain_->shared_buffer_reduce_scatters())
+             : 0;
+}
+
+long long RingProcessGroup::shared_buffer_allgathers() const {
+  return mode_ == Mode::kShm && domain_
+             ? static_cast<long long>(domain_->shared_buffer_allgathers())
              : 0;
 }
 

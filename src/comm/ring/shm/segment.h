@@ -48,8 +48,9 @@ struct alignas(kCacheLine) RankControl {
   // one still reads the header of call c).
   alignas(kCacheLine) OpHeader headers[2];
   // By call parity too: the shared buffer (SharedBufferMapping::id; 0: none) that this rank's
-  // large allreduce reduces in place, and the byte offset of its data in that buffer. The call
-  // takes the zero-copy path when every rank names the same buffer and offset.
+  // call reads from or writes into (a large in-place allreduce's data, a reduce-scatter's input,
+  // an allgather's output), and the byte offset of that data in it. The call takes the zero-copy
+  // path when every rank names the same buffer and offset.
   std::uint64_t shared_buffer[2];
   std::uint64_t shared_offset[2];
   char abort_reason[kAbortReasonBytes];

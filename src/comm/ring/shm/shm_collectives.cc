@@ -109,6 +109,10 @@ void ShmDomain::run_chunked_or(std::size_t count, std::size_t chunk_elems, CopyI
   }
 }
 
+// The zero-copy paths reduce in pieces of this many bytes, so that the destination of the
+// rank-order passes stays in the cache.
+constexpr std::size_t kZeroCopyPieceBytes = 64 * 1024;
+
 // Slice of a chunk of `len` elements that `rank` reduces: equal parts rounded up to a cache line,
 // so that no two ranks write the same line; the last ranks may get less or nothing.
 static std::pair<std::size_t, std::size_t> slice_of(std::size_t len, int rank, int size,
@@ -260,13 +264,14 @@ void ShmDomain::allreduce_segments(std::span<const BufferSegment> segments, DTyp
   run_allreduce(buffer, buffer, count, dtype, op, header, deadline);
 }
 
-// Every rank's copy of the buffer is mapped here, so rank r reduces slice r of the whole call
-// from all of them (in rank order: the copying path's bits) into a cache-sized scratch and writes
-// it into every copy. Each element is read once and written once per rank, against the copying
-// path's copy in, reduce, and copy out through the segment. Only rank r touches slice r of any
-// copy until B_0, and no rank reads its own buffer before it has seen every B_0.
-bool ShmDomain::try_zero_copy_allreduce(const SharedBufferMapping& shared, std::size_t offset,
-                                        std::size_t count, DType dtype, ReduceOp op) {
+void ShmDomain::name_shared_buffer(const SharedBufferMapping* shared, std::size_t offset) {
+  RankControl& mine = controls(segment_)[rank_];
+  const int parity = static_cast<int>(calls_ & 1);
+  mine.shared_buffer[parity] = shared != nullptr ? shared->id : 0;
+  mine.shared_offset[parity] = shared != nullptr ? offset : 0;
+}
+
+bool ShmDomain::all_named(const SharedBufferMapping& shared, std::size_t offset) const {
   const int parity = static_cast<int>(calls_ & 1);
   for (int r = 0; r < size_; ++r) {
     const RankControl& control = controls(segment_)[r];
@@ -274,10 +279,20 @@ bool ShmDomain::try_zero_copy_allreduce(const SharedBufferMapping& shared, std::
       return false;
     }
   }
+  return true;
+}
+
+// Every rank's copy of the buffer is mapped here, so rank r reduces slice r of the whole call
+// from all of them (in rank order: the copying path's bits) into a cache-sized scratch and writes
+// it into every copy. Each element is read once and written once per rank, against the copying
+// path's copy in, reduce, and copy out through the segment. Only rank r touches slice r of any
+// copy until B_0, and no rank reads its own buffer before it has seen every B_0.
+bool ShmDomain::try_zero_copy_allreduce(const SharedBufferMapping& shared, std::size_t offset,
+                                        std::size_t count, DType dtype, ReduceOp op) {
+  if (!all_named(shared, offset)) return false;
   const std::size_t esize = dtype_size(dtype);
   const auto [begin, n] = slice_of(count, rank_, size_, esize);
-  constexpr std::size_t kPieceBytes = 64 * 1024;
-  const std::size_t piece = std::max<std::size_t>(1, kPieceBytes / esize);
+  const std::size_t piece = std::max<std::size_t>(1, kZeroCopyPieceBytes / esize);
   if (zero_copy_scratch_.size() < piece * esize) zero_copy_scratch_.resize(piece * esize);
   std::byte* scratch = zero_copy_scratch_.data();
   for (std::size_t at = 0; at < n; at += piece) {
@@ -305,10 +320,7 @@ void ShmDomain::run_allreduce(const Pieces& in, const Pieces& out, std::size_t c
     }
     // Published with the header (before A_0): a rank whose buffer is not shared names none, and
     // every rank then copies (chunk 0's copy-in is done either way, so both paths can follow).
-    const int parity = static_cast<int>(calls_ & 1);
-    RankControl& mine = controls(segment_)[rank_];
-    mine.shared_buffer[parity] = shared != nullptr ? shared->id : 0;
-    mine.shared_offset[parity] = shared_offset;
+    name_shared_buffer(shared, shared_offset);
     // Nobody else reads this rank's slice of its input, so it stays where it is (saves 1/N of
     // the copy-in) and the reduction reads it from there.
     auto copy_in_but_own_slice = [&](std::size_t first, std::size_t len, int p) {
@@ -418,10 +430,22 @@ void ShmDomain::allgather(const void* send, void* recv, std::size_t count_per_ra
   check_buffer(send, count_per_rank, "send");
   check_buffer(recv, count_per_rank, "recv");
   const std::size_t esize = dtype_size(dtype);
+  const auto* in = static_cast<const std::byte*>(send);
+  auto* out = static_cast<std::byte*>(recv);
+  // Zero-copy only where no peer writes what this rank reads: send apart from recv, or exactly
+  // this rank's block of it (in place).
+  const std::size_t block = count_per_rank * esize;
+  const std::size_t total = block * static_cast<std::size_t>(size_);
+  const bool apart = in + block <= out || out + total <= in;
+  const bool own_block = in == out + static_cast<std::size_t>(rank_) * block;
+  std::size_t shared_offset = 0;
+  std::shared_ptr<const SharedBufferMapping> shared;
+  if (count_per_rank > 0 && (apart || own_block)) {
+    shared = shared_buffers_->find(out, total, rank_, shared_offset);
+  }
   guarded(header, deadline, [&] {
-    const auto* in = static_cast<const std::byte*>(send);
-    auto* out = static_cast<std::byte*>(recv);
-    run_chunked(
+    name_shared_buffer(shared.get(), shared_offset);
+    run_chunked_or(
         count_per_rank, options_.slot_bytes / esize,
         [&](std::size_t first, std::size_t len, int p) {
           std::memcpy(input_slot(rank_, p), in + first * esize, len * esize);
@@ -431,8 +455,30 @@ void ShmDomain::allgather(const void* send, void* recv, std::size_t count_per_ra
             std::memmove(out + (r * count_per_rank + first) * esize, input_slot(r, p), len * esize);
           }
         },
-        [](std::size_t, std::size_t, int) {});
+        [](std::size_t, std::size_t, int) {},
+        [&] {
+          return shared != nullptr &&
+                 try_zero_copy_allgather(*shared, shared_offset, in, count_per_rank, dtype);
+        });
   });
+}
+
+// Every rank's copy of recv is mapped here: this rank's block goes straight into each (read once,
+// written size() times, against the copying path's copy in and every rank reading every slot).
+// Each rank writes only its own block of any copy, and no rank reads its result before it has
+// seen every rank's B_0.
+bool ShmDomain::try_zero_copy_allgather(const SharedBufferMapping& shared, std::size_t offset,
+                                        const std::byte* send, std::size_t count_per_rank,
+                                        DType dtype) {
+  if (!all_named(shared, offset)) return false;
+  const std::size_t block = count_per_rank * dtype_size(dtype);
+  const std::size_t at = offset + static_cast<std::size_t>(rank_) * block;
+  for (int r = 0; r < size_; ++r) {
+    std::byte* to = shared.bases[static_cast<std::size_t>(r)] + at;
+    if (to != send) std::memcpy(to, send, block);  // in place: this rank's own copy has it
+  }
+  shared_buffer_allgathers_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 void ShmDomain::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank,
@@ -445,10 +491,17 @@ void ShmDomain::reduce_scatter(const void* send, void* recv, std::size_t count_p
   // A chunk carries `len` elements of each of the size_ blocks, so it is 1/size_ as long.
   const std::size_t chunk =
       std::max<std::size_t>(1, options_.slot_bytes / (esize * static_cast<std::size_t>(size_)));
+  const auto* in = static_cast<const std::byte*>(send);
+  auto* out = static_cast<std::byte*>(recv);
+  std::size_t shared_offset = 0;
+  std::shared_ptr<const SharedBufferMapping> shared;
+  if (count_per_rank > 0) {
+    shared = shared_buffers_->find(in, count_per_rank * esize * static_cast<std::size_t>(size_),
+                                   rank_, shared_offset);
+  }
   guarded(header, deadline, [&] {
-    const auto* in = static_cast<const std::byte*>(send);
-    auto* out = static_cast<std::byte*>(recv);
-    run_chunked(
+    name_shared_buffer(shared.get(), shared_offset);
+    run_chunked_or(
         count_per_rank, chunk,
         [&](std::size_t first, std::size_t len, int p) {
           std::byte* slot = input_slot(rank_, p);
@@ -463,8 +516,34 @@ void ShmDomain::reduce_scatter(const void* send, void* recv, std::size_t count_p
               out + first * esize, [&](int r) { return input_slot(r, p) + offset; }, len, dtype, op,
               size_);
         },
-        [](std::size_t, std::size_t, int) {});
+        [](std::size_t, std::size_t, int) {},
+        [&] {
+          return shared != nullptr && try_zero_copy_reduce_scatter(*shared, shared_offset, out,
+                                                                   count_per_rank, dtype, op);
+        });
   });
+}
+
+// Every rank's copy of send is mapped here: this rank's block of each is reduced straight into
+// recv, in rank order (the copying path's bits), piece by piece so that recv stays in the cache
+// between the passes. Each copy is read once, against the copying path's copy in and read back.
+// No rank changes its send before it has seen every rank's B_0.
+bool ShmDomain::try_zero_copy_reduce_scatter(const SharedBufferMapping& shared, std::size_t offset,
+                                             std::byte* recv, std::size_t count_per_rank,
+                                             DType dtype, ReduceOp op) {
+  if (!all_named(shared, offset)) return false;
+  const std::size_t esize = dtype_size(dtype);
+  const std::size_t at = offset + static_cast<std::size_t>(rank_) * count_per_rank * esize;
+  const std::size_t piece = std::max<std::size_t>(1, kZeroCopyPieceBytes / esize);
+  for (std::size_t first = 0; first < count_per_rank; first += piece) {
+    const std::size_t m = std::min(piece, count_per_rank - first);
+    reduce_in_rank_order(
+        recv + first * esize,
+        [&](int r) { return shared.bases[static_cast<std::size_t>(r)] + at + first * esize; }, m,
+        dtype, op, size_);
+  }
+  shared_buffer_reduce_scatters_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 void ShmDomain::barrier(const OpHeader& header, Deadline deadline) {

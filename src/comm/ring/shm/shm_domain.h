@@ -141,10 +141,15 @@ class ShmDomain final : public RingTransport {
   void reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op, int root,
               const OpHeader& header, Deadline deadline);
   // recv holds size() * count_per_rank elements, rank r's contribution at r * count_per_rank.
+  // When recv lies in a shared buffer at the same offset on every rank (and send does not
+  // overlap recv, or is this rank's block of it), each rank writes its contribution straight
+  // into every rank's copy (zero-copy; one more synchronisation ends the call).
   void allgather(const void* send, void* recv, std::size_t count_per_rank, DType dtype,
                  const OpHeader& header, Deadline deadline);
   // send holds size() * count_per_rank elements; rank r receives the reduction of block r.
-  // recv must not overlap send.
+  // recv must not overlap send. When send lies in a shared buffer at the same offset on every
+  // rank, each rank reduces its block straight from every rank's copy into recv (zero-copy, in
+  // rank order: the copying path's bits).
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DType dtype,
                       ReduceOp op, const OpHeader& header, Deadline deadline);
   void barrier(const OpHeader& header, Deadline deadline);
@@ -158,6 +163,13 @@ class ShmDomain final : public RingTransport {
   // How many allreduces took the zero-copy path so far (any thread).
   std::uint64_t shared_buffer_allreduces() const {
     return shared_buffer_allreduces_.load(std::memory_order_relaxed);
+  }
+  // The same for reduce-scatters and allgathers.
+  std::uint64_t shared_buffer_reduce_scatters() const {
+    return shared_buffer_reduce_scatters_.load(std::memory_order_relaxed);
+  }
+  std::uint64_t shared_buffer_allgathers() const {
+    return shared_buffer_allgathers_.load(std::memory_order_relaxed);
   }
 
   // RingTransport: a local peer whose current call has mine.sequence but another header (by its
@@ -195,9 +207,19 @@ class ShmDomain final : public RingTransport {
   void run_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
                      ReduceOp op, const OpHeader& header, Deadline deadline,
                      const SharedBufferMapping* shared = nullptr, std::size_t shared_offset = 0);
-  // The zero-copy path, when every rank names `shared` at `offset` (after all arrived).
+  // Publishes, with this call's header, the shared buffer this rank's data lies in (at `offset`)
+  // or none (null), before the call's first event.
+  void name_shared_buffer(const SharedBufferMapping* shared, std::size_t offset);
+  // Whether every rank named `shared` at `offset` (once all arrived).
+  bool all_named(const SharedBufferMapping& shared, std::size_t offset) const;
+  // The zero-copy paths, when every rank names `shared` at `offset` (after all arrived).
   bool try_zero_copy_allreduce(const SharedBufferMapping& shared, std::size_t offset,
                                std::size_t count, DType dtype, ReduceOp op);
+  bool try_zero_copy_reduce_scatter(const SharedBufferMapping& shared, std::size_t offset,
+                                    std::byte* recv, std::size_t count_per_rank, DType dtype,
+                                    ReduceOp op);
+  bool try_zero_copy_allgather(const SharedBufferMapping& shared, std::size_t offset,
+                               const std::byte* send, std::size_t count_per_rank, DType dtype);
   void run_small_allreduce(const Pieces& in, const Pieces& out, std::size_t count, DType dtype,
                            ReduceOp op);
 
@@ -250,6 +272,8 @@ class ShmDomain final : public RingTransport {
 
   std::shared_ptr<SharedBufferRegistry> shared_buffers_ = std::make_shared<SharedBufferRegistry>();
   std::atomic<std::uint64_t> shared_buffer_allreduces_{0};
+  std::atomic<std::uint64_t> shared_buffer_reduce_scatters_{0};
+  std::atomic<std::uint64_t> shared_buffer_allgathers_{0};
   std::vector<std::byte> zero_copy_scratch_;
 
   std::optional<CommError> error_;
