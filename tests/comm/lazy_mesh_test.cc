@@ -406,13 +406,19 @@ TEST(LazyPointToPoint, NoConnectionAtCreationThenOnePerPeerUsed) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-// Whether process `pid` has exited (gone, or a zombie: its descriptors are closed either way).
-bool exited(pid_t pid) {
+// Process `pid`'s state letter from /proc/<pid>/stat ('R', 'S', 'T', 'Z', ...), or '?' when gone.
+char process_state(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
   const auto paren = text.rfind(')');
-  return !stat.good() || paren == std::string::npos || paren + 2 >= text.size() ||
-         text[paren + 2] == 'Z';
+  if (!stat.good() || paren == std::string::npos || paren + 2 >= text.size()) return '?';
+  return text[paren + 2];
+}
+
+// Whether process `pid` has exited (gone, or a zombie: its descriptors are closed either way).
+bool exited(pid_t pid) {
+  const char state = process_state(pid);
+  return state == '?' || state == 'Z';
 }
 
 // A rank that has gone before its first point-to-point connection: the rank below that knocks
@@ -492,6 +498,10 @@ void with_rank_1_stopped(const std::function<void(ProcessGroup&, pid_t)>& on_ran
         pid_t stuck = 0;
         std::ifstream(pid_file) >> stuck;
         expect(stuck > 0, "no pid from rank 1");
+        // Rank 1 must be stopped before rank 0 knocks: a rank 1 still on its way to SIGSTOP
+        // (a loaded machine) could answer the knock and take a small send (CI saw it once).
+        expect(wait_until([&] { return process_state(stuck) == 'T'; }, 20s),
+               "rank 1 did not stop within 20 s");
         try {
           on_rank_0(*pg, stuck);
         } catch (...) {
