@@ -199,7 +199,12 @@ class Bench(Cluster):
                           "--hostfile", str(hostfile), "--mca", "plm_rsh_agent", RSH_AGENT,
                           "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
                           "--mca", "btl_tcp_if_include", "eth0",
-                          "--mca", "oob_tcp_if_include", "eth0"]
+                          "--mca", "oob_tcp_if_include", "eth0",
+                          # The remote orted writes hwloc's topology into shared memory at the
+                          # "biggest" hole of its address space, and segfaults there about one
+                          # launch in five on this kernel (hwloc_shmem_topology_write; 18 of 90
+                          # launches, 0 of 80 with this): ranks then read the topology themselves.
+                          "--mca", "rtc_hwloc_vmhole", "none"]
                 if self.args.mpi_yield:
                     # What OpenMPI does itself when it knows a node is oversubscribed; it cannot
                     # know here (every host has 1 slot, the hosts share 2 CPUs).
