@@ -114,9 +114,14 @@ void Work::complete(std::exception_ptr error) {
     if (callbacks.empty()) finished_.store(true, std::memory_order_release);
   }
   if (!callbacks.empty()) {
+    // A callback may hold the last reference to this Work (it is released below).
+    const auto keep_alive = weak_from_this().lock();
     for (const auto& callback : callbacks)
       run_callback(callback, *this);
-    // Waiters wake only now, so that wait() returning means the callbacks have run.
+    // What the callbacks hold (a collective's input tensor kept alive, for one) is released
+    // before waiters wake: wait() returning means the callbacks have run and that memory is free
+    // again (FSDP's memory count, fsdp_memory.h, reads it right after a step).
+    callbacks.clear();
     std::lock_guard lock(mutex_);
     finished_.store(true, std::memory_order_release);
   }

@@ -74,6 +74,31 @@ TEST(Work, WaitReturnsAfterCallbacksAndACallbackMayWaitForItsOwnWork) {
   completer.join();
 }
 
+// What a callback holds (the torch layer keeps a collective's input tensor alive in one) is
+// released before wait() returns, so that memory the caller frees after the wait is free then.
+TEST(Work, WaitReturnsAfterWhatTheCallbacksHeldIsReleased) {
+  struct SlowToRelease {
+    explicit SlowToRelease(std::atomic<bool>* flag) : released(flag) {}
+    SlowToRelease(const SlowToRelease&) = delete;
+    SlowToRelease& operator=(const SlowToRelease&) = delete;
+    ~SlowToRelease() {
+      std::this_thread::sleep_for(50ms);  // wait() below must not return before this ends
+      *released = true;
+    }
+    std::atomic<bool>* released;
+  };
+  std::atomic<bool> released{false};
+  auto work = std::make_shared<Work>("op", 1s);
+  {
+    auto held = std::make_shared<SlowToRelease>(&released);
+    work->then([held](Work&) {});
+  }
+  std::thread completer([&] { work->complete(); });
+  work->wait();
+  EXPECT_TRUE(released);
+  completer.join();
+}
+
 TEST(Work, ThrowingCallbackDoesNotEscape) {
   Work work("op", 1s);
   work.then([](Work&) { throw std::runtime_error("callback bug"); });
