@@ -43,9 +43,14 @@ TEST(PollPacer, SleepsWithAOneMicrosecondTimerSlackOnlyInItsOwnThread) {
   const long before = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
   long in_poller = 0;
   std::thread poller([&] {
+    // Linux's default, whatever this thread inherited (an earlier test may have run a pacer on
+    // the main thread).
+    (void)::prctl(PR_SET_TIMERSLACK, 50'000UL, 0UL, 0UL, 0UL);
     PollPacer pacer;
-    const auto until = Clock::now() + PollPacer::kYieldFor + std::chrono::milliseconds(1);
-    while (Clock::now() < until)
+    // Until the pacer has slept (it lowers the slack before its first sleep), with a deadline far
+    // past its yielding phase: a loaded machine may preempt the poller for milliseconds (CI).
+    const auto until = Clock::now() + PollPacer::kYieldFor + std::chrono::seconds(5);
+    while (::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0) != 1000 && Clock::now() < until)
       pacer.pause();
     in_poller = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
   });
