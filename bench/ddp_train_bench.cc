@@ -32,6 +32,11 @@
 // with CUDA and a device; a CUDA tensor the torch layer does not take yet is its named error.
 // peak_mem_mb and state_mem_mb are host memory (VmHWM, VmRSS) on either device, and --phases
 // times the host's side of each phase there (only the whole step waits for the device).
+// With zero2/fsdp a line before the last, `fsdp_buffers place=host|device peak_mb=<p>
+// formula_mb=<f> ...`: the most bytes FSDP's unsharded buffers (gathered parameters, full flat
+// gradients) held at once in the timed steps (ddp/torch/fsdp_memory.h, the largest rank's; on the
+// device with --device cuda, where --cpu-offload leaves only shard-sized transients beside them),
+// beside docs/sharding.md's formula.
 #include <malloc.h>
 
 #include <algorithm>
@@ -57,6 +62,7 @@
 #include "ddp/torch/comm_hook_by_name.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/fsdp_memory.h"
 #include "ddp/torch/fully_sharded_data_parallel.h"
 #include "ddp/torch/script_distributed_data_parallel.h"
 #include "ddp/torch/sync_batch_norm.h"
@@ -200,6 +206,11 @@ int main(int argc, char** argv) {
   bool keep_free_heap = false;
   app.add_flag("--keep-free-heap", keep_free_heap,
                "zero2/fsdp: FsdpOptions::release_free_heap = false (malloc keeps freed memory)");
+  bool cpu_offload = false;
+  app.add_flag(
+      "--cpu-offload", cpu_offload,
+      "zero2/fsdp: FsdpOptions::cpu_offload.offload_params (with --device cuda the shards, "
+      "their gradients and the optimizer step on the host; on the CPU a no-op)");
   app.add_option("--device", device_name,
                  "cpu, or cuda: cuda:(LOCAL_RANK % device count); two ranks may share a GPU")
       ->check(CLI::IsMember({"cpu", "cuda"}));
@@ -249,6 +260,10 @@ int main(int argc, char** argv) {
                "ddp-train-bench: --model-file trains a TorchScript module under "
                "ScriptDistributedDataParallel; --sync-bn and --sharding zero2/fsdp need the "
                "built-in models (libtorch modules)\n");
+    return 2;
+  }
+  if (cpu_offload && !fully_sharded) {
+    fmt::print(stderr, "ddp-train-bench: --cpu-offload is FSDP's: add --sharding zero2 or fsdp\n");
     return 2;
   }
   if (!model_file.empty()) model_name = "file:" + model_file;
@@ -306,6 +321,7 @@ int main(int argc, char** argv) {
                                                           : ddp::ShardingStrategy::kShardGradOp,
                   .min_num_params = min_num_params,
                   .mixed_precision = {.param_dtype = param_dtype, .buffer_dtype = param_dtype},
+                  .cpu_offload = {.offload_params = cpu_offload},
                   .release_free_heap = !keep_free_heap})
               .ptr();
       forward = [&](const torch::Tensor& x) { return fsdp_model->forward(x); };
@@ -372,6 +388,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<double>> phase_ms(5);
     double state_mem_mb = 0.0;
     for (int step = 0; step < warmup + steps; ++step) {
+      if (step == warmup) ddp::reset_fsdp_buffer_peak();  // the timed steps' peak
       const auto start = Clock::now();
       opt.zero_grad();
       const auto zeroed = Clock::now();
@@ -448,6 +465,10 @@ int main(int argc, char** argv) {
     const double peak_mem_mb =
         max_over_ranks(*group, status_mib("VmHWM") - rss_before_model_mib, device);
     state_mem_mb = max_over_ranks(*group, state_mem_mb, device);
+    const auto place =
+        device.is_cuda() ? ddp::FsdpMemoryPlace::kDevice : ddp::FsdpMemoryPlace::kHost;
+    const double fsdp_peak_mb = max_over_ranks(
+        *group, static_cast<double>(ddp::fsdp_buffer_bytes(place).peak) / (1 << 20), device);
     group->barrier()->wait();
     if (rank == 0) {
       // Ψ, and the largest FSDP unit's parameter count: what the memory formulas need.
@@ -464,6 +485,24 @@ int main(int argc, char** argv) {
           model_name, world, batch_size, threads, steps, group->backend(), optimizer_name, sharding,
           params, largest_unit, param_dtype_name, device_name,
           (ddp_model || fsdp_model) ? "on" : "off");
+      if (fsdp_model) {
+        // docs/sharding.md's formula for FSDP's unsharded buffers (U: the largest unit's padded
+        // size, b: bytes per element of param_dtype): FULL_SHARD two gathered units and two units'
+        // full flat gradients, b·(2U + 2U); SHARD_GRAD_OP every unit gathered instead of two.
+        std::int64_t unit = 0, all_units = 0;
+        for (std::size_t u = 0; u < fsdp_model->unit_count(); ++u) {
+          unit = std::max(unit, fsdp_model->unit_info(u).padded_numel);
+          all_units += fsdp_model->unit_info(u).padded_numel;
+        }
+        const double b = param_dtype ? 2.0 : 4.0;
+        const double gathered = static_cast<double>(sharding == "fsdp" ? 2 * unit : all_units);
+        const double formula_mb = b * (gathered + 2.0 * static_cast<double>(unit)) / (1 << 20);
+        fmt::print(
+            "fsdp_buffers place={} peak_mb={:.1f} formula_mb={:.1f} peak_over_formula={:.3f} "
+            "cpu_offload={}\n",
+            device.is_cuda() ? "device" : "host", fsdp_peak_mb, formula_mb,
+            fsdp_peak_mb / formula_mb, cpu_offload ? "on" : "off");
+      }
       fmt::print(
           "step_ms={:.3f} samples_per_s={:.1f} peak_mem_mb={:.1f} state_mem_mb={:.1f} "
           "bytes_per_step={:.0f}\n",

@@ -354,4 +354,10 @@ bench ddp-w1-no-ddp ddp 1 none -- "${ddprun[@]}" --nproc-per-node 1 \
   "$train_bench" "${bench_args[@]}" --phases
 bench pytorch-w1-no-ddp pytorch 1 none -- "${ddprun[@]}" --nproc-per-node 1 \
   "${torch_bench[@]}" "${bench_args[@]}"
+# FSDP over NCCL at world 1 with and without CPU offload (last: left out first when time is short):
+# what moving the shards, their gradients and the optimizer step to the host costs a step.
+bench ddp-w1-nccl-fsdp ddp 1 nccl -- DDP_BACKEND=nccl "${ddprun[@]}" --nproc-per-node 1 \
+  "$train_bench" "${bench_args[@]}" --sharding fsdp --phases
+bench ddp-w1-nccl-fsdp-cpu-offload ddp 1 nccl -- DDP_BACKEND=nccl "${ddprun[@]}" \
+  --nproc-per-node 1 "$train_bench" "${bench_args[@]}" --sharding fsdp --cpu-offload --phases
 completed=1

@@ -172,6 +172,10 @@ def record_step(args):
             phases = [line.strip() for line in lines if "phases_ms " in line]
             if phases:
                 record["phases"] = phases
+            # zero2/fsdp: the peak of FSDP's flat buffers on the device beside the formula.
+            buffers = [line.strip() for line in lines if "fsdp_buffers " in line]
+            if buffers:
+                record["fsdp_buffers"] = buffers[-1]
         elif args.rc == 0:
             record["status"] = "error"
             record["error"] = "exited 0 but printed no step_ms= line"
@@ -373,7 +377,8 @@ no CUDA device (libcudart.so.13: cudaGetDeviceCount error 35)
                                      "cuda:0; ddp moves CPU tensors only\n",
                            "slow": "step 1\n",
                            "torch_w1": "[0] rank 0 phases_ms zero_grad=0.01 forward=0.2\n"
-                                       "model=mlp world_size=1\nstep_ms=1.500 "
+                                       "model=mlp world_size=1\nfsdp_buffers place=device "
+                                       "peak_mb=1.0 formula_mb=1.0\nstep_ms=1.500 "
                                        "samples_per_s=42666.7\n"}.items():
             logs[name] = os.path.join(state, name + ".log")
             with open(logs[name], "w") as f:
@@ -406,6 +411,7 @@ no CUDA device (libcudart.so.13: cudaGetDeviceCount error 35)
         assert bench["torch_w1"]["step_ms"] == 1.5, bench
         assert bench["torch_w1"]["info"] == "model=mlp world_size=1", bench
         assert bench["torch_w1"]["phases"] == ["[0] rank 0 phases_ms zero_grad=0.01 forward=0.2"]
+        assert bench["torch_w1"]["fsdp_buffers"].endswith("peak_mb=1.0 formula_mb=1.0"), bench
         assert len(report["failures"]) == 2, report["failures"]
         # A GPU present but tests skipped: a failure, not a pass.
         write_json(os.path.join(state, "machine.json"), {"gpu_count": 1})

@@ -1,12 +1,10 @@
 #include "ddp/torch/fully_sharded_data_parallel.h"
 
 #include <malloc.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <new>
 #include <sstream>
 #include <unordered_map>
 
@@ -16,6 +14,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/tensor_collectives.h"
 #include "ddp_phase.h"
+#include "fsdp_flat_memory.h"
 #include "fsdp_unit.h"
 #include "host_values.h"
 #include "libtorch_compat.h"
@@ -27,90 +26,6 @@ namespace ddp {
 namespace {
 
 using internal::shape_text;
-
-// Memory for the buffers FSDP frees during a step (full parameters, full flat gradients) comes
-// straight from mmap and goes back with munmap: through malloc it would stay in the process when
-// malloc is told to keep freed memory (ddprun's GLIBC_TUNABLES, for speed), and the buffers of
-// different units would fragment the heap, so freeing would save nothing.
-//
-// Those buffers are mapped afresh several times per step, and every page of a fresh mapping costs
-// a fault on first touch: with 4 KiB pages that was 16 384 faults per 64 MiB unit, about as long
-// as gathering it. So blocks of at least one huge page are aligned to 2 MiB and advised
-// MADV_HUGEPAGE (transparent huge pages, used where the system allows it: "madvise" or "always"
-// in /sys/kernel/mm/transparent_hugepage/enabled), 512 times fewer faults; elsewhere the advice
-// is ignored and the block works as before.
-constexpr std::size_t kHugePage = std::size_t{2} << 20;
-
-struct MappedBlock {
-  void* mapping = nullptr;  // what munmap gets (the aligned block lies inside)
-  std::size_t mapped_bytes = 0;
-};
-
-void unmap_block(void* context) {
-  auto* block = static_cast<MappedBlock*>(context);
-  if (block->mapping != nullptr) munmap(block->mapping, block->mapped_bytes);
-  delete block;
-}
-
-c10::DataPtr map_bytes(std::size_t bytes) {
-  auto* block = new MappedBlock{};
-  void* address = nullptr;
-  if (bytes > 0) {
-    const bool huge = bytes >= kHugePage;
-    // One huge page more than asked, so that a 2 MiB-aligned block of `bytes` fits inside.
-    const std::size_t mapped = huge ? bytes + kHugePage : bytes;
-    void* mapping =
-        mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mapping == MAP_FAILED) {
-      delete block;
-      throw std::bad_alloc();
-    }
-    block->mapping = mapping;
-    block->mapped_bytes = mapped;
-    address = mapping;
-    if (huge) {
-      const auto at = reinterpret_cast<std::uintptr_t>(mapping);
-      address = reinterpret_cast<void*>((at + kHugePage - 1) & ~(kHugePage - 1));
-      // Advice only: a kernel without THP answers EINVAL and the 4 KiB pages serve as before.
-      (void)madvise(address, bytes, MADV_HUGEPAGE);
-    }
-  }
-  return c10::DataPtr(address, block, &unmap_block, c10::Device(c10::kCPU));
-}
-
-// Device memory (CUDA) from the device's own allocator, under a deleter of FSDP's own, so that a
-// storage FSDP made is recognised on every device (sharded_elsewhere below) as mapped host memory
-// is by unmap_block.
-void free_device_block(void* context) {
-  delete static_cast<c10::DataPtr*>(context);  // the allocator's DataPtr frees the block
-}
-
-c10::DataPtr device_bytes(std::size_t bytes, const c10::Device& device) {
-  c10::DeviceGuard on_device(device);  // the caching allocator allocates on the current device
-  auto* held = new c10::DataPtr(c10::GetAllocator(device.type())->allocate(bytes));
-  void* address = held->get();
-  return c10::DataPtr(address, held, &free_device_block, device);
-}
-
-bool is_fsdp_memory(const c10::DataPtr& data) {
-  return data.get_deleter() == &unmap_block || data.get_deleter() == &free_device_block;
-}
-
-c10::DataPtr flat_bytes(std::size_t bytes, const c10::Device& device) {
-  return device.is_cpu() ? map_bytes(bytes) : device_bytes(bytes, device);
-}
-
-// A tensor of `numel` elements of `dtype` in FSDP's memory on `device`, zero-filled.
-torch::Tensor flat_zeros_on(std::int64_t numel, torch::ScalarType dtype,
-                            const c10::Device& device) {
-  const auto bytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
-  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, flat_bytes(bytes, device),
-                       /*allocator=*/nullptr, /*resizable=*/false);
-  auto tensor =
-      torch::empty({0}, torch::TensorOptions(dtype).device(device)).set_(storage, 0, {numel}, {1});
-  if (!device.is_cpu()) tensor.zero_();  // fresh mappings are zero; device memory is not
-  return tensor;
-}
 
 // PyTorch FSDP's gradient_predivide_factor (DefaultState._get_gradient_predivide_factor): doubled
 // while it divides the world and is below world/factor. A low-precision sum is divided by it
@@ -129,27 +44,6 @@ bool is_16_bit(torch::ScalarType dtype) {
 
 std::string dtype_text(const std::optional<torch::ScalarType>& dtype) {
   return dtype ? std::string(c10::toString(*dtype)) : std::string("unset");
-}
-
-// Freeing and refilling a full parameter buffer in place, as PyTorch's FSDP resizes the flat
-// parameter's storage to 0 and back: the module's parameters and the tensors autograd saved for
-// backward are views of this storage, so they stay valid handles and see the new memory once it
-// is refilled (and gathered). The same StorageImpl calls exist in libtorch 1.13 and 2.x.
-void release_storage(const torch::Tensor& full) {
-  auto* storage = full.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, full.device()));
-  storage->set_nbytes(std::size_t{0});
-}
-
-void allocate_storage(const torch::Tensor& full) {
-  auto* storage = full.storage().unsafeGetStorageImpl();
-  const auto bytes = static_cast<std::size_t>(full.numel()) * full.element_size();
-  storage->set_data_ptr_noswap(flat_bytes(bytes, full.device()));
-  storage->set_nbytes(bytes);
-}
-
-bool storage_allocated(const torch::Tensor& full) {
-  return full.storage().nbytes() > 0;
 }
 
 }  // namespace
@@ -205,7 +99,7 @@ FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() = default;
 
 torch::Tensor FullyShardedDataParallelImpl::flat_zeros(std::int64_t numel,
                                                        torch::ScalarType dtype) const {
-  return flat_zeros_on(numel, dtype, device_);
+  return internal::fsdp_flat_zeros(numel, dtype, device_);
 }
 
 void FullyShardedDataParallelImpl::check_device() const {
@@ -370,8 +264,8 @@ void FullyShardedDataParallelImpl::build() {
         // Sharded already: a parameter shared with a nested wrapper's module (tied weights), or
         // one another wrapper holds (its storage is FSDP's, or gone while freed).
         const auto& storage = p.storage();
-        const bool sharded_elsewhere =
-            is_fsdp_memory(storage.data_ptr()) || (p.numel() > 0 && storage.nbytes() == 0);
+        const bool sharded_elsewhere = internal::is_fsdp_memory(storage.data_ptr()) ||
+                                       (p.numel() > 0 && storage.nbytes() == 0);
         const auto owner = std::find_if(nested_.begin(), nested_.end(), [&](const auto& n) {
           return n.second->shards_parameter(p);
         });
@@ -452,8 +346,16 @@ void FullyShardedDataParallelImpl::build() {
       }
     }
 
+    if (options_.cpu_offload.offload_params &&
+        options_.sharding_strategy == ShardingStrategy::kNoShard) {
+      throw ConfigError(
+          "FullyShardedDataParallel: cpu_offload.offload_params with NO_SHARD is not built (every "
+          "rank holds the whole model there, as DistributedDataParallel); offload with "
+          "FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD");
+    }
     const auto& mp = options_.mixed_precision;
     description << "strategy " << to_string(options_.sharding_strategy) << "\n"
+                << "cpu offload of parameters: " << options_.cpu_offload.offload_params << "\n"
                 << "mixed precision: param " << dtype_text(mp.param_dtype) << ", reduce "
                 << dtype_text(mp.reduce_dtype) << ", buffer " << dtype_text(mp.buffer_dtype) << "\n"
                 << "children " << children << "\n";
@@ -564,7 +466,8 @@ void FullyShardedDataParallelImpl::build() {
     }
     if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
       unit.shard = master;
-    } else if (options_.sharding_strategy == ShardingStrategy::kShardGradOp && !separate_copy) {
+    } else if (options_.sharding_strategy == ShardingStrategy::kShardGradOp && !separate_copy &&
+               !offloads_shards()) {
       // The full buffer stays allocated, so the shard is the rank's own range of it (the
       // all-gather then runs in place): 4 bytes per parameter / W less than a separate copy,
       // which is what ZeRO stage 2's 4Ψ + 12Ψ/W counts.
@@ -572,6 +475,9 @@ void FullyShardedDataParallelImpl::build() {
     } else {
       unit.shard = master.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
     }
+    // cpu_offload: the shard lives in pinned host memory, so that each gather's copy to the device
+    // is asynchronous; the optimizer then steps on the CPU.
+    if (offloads_shards()) unit.shard = unit.shard.to(torch::kCPU).pin_memory();
     unit.shard.set_requires_grad(true);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
       auto& p = unit.params[i];
@@ -631,9 +537,12 @@ void FullyShardedDataParallelImpl::start_gather(std::size_t unit) {
   if (options_.sharding_strategy == ShardingStrategy::kNoShard) return;
   auto& u = *units_[unit];
   if (u.state != Unit::State::kFree) return;
-  if (!storage_allocated(u.full)) allocate_storage(u.full);
+  if (!internal::fsdp_storage_allocated(u.full)) internal::allocate_fsdp_storage(u.full);
   // param_dtype: the shard is cast before it travels (half the bytes), and kept until gathered.
+  // cpu_offload: copied to the device first (from pinned memory, ordered on the current stream,
+  // which the collective follows).
   u.gather_source = u.shard.detach();
+  if (offloads_shards()) u.gather_source = u.gather_source.to(device_, /*non_blocking=*/true);
   if (low_precision_parameters()) u.gather_source = u.gather_source.to(compute_dtype());
   u.gather = all_gather_into_tensor_async(u.full, u.gather_source, *shard_group_);
   u.state = Unit::State::kGathering;
@@ -655,7 +564,7 @@ void FullyShardedDataParallelImpl::wait_gather(std::size_t unit) {
 void FullyShardedDataParallelImpl::free_full(std::size_t unit) {
   wait_gather(unit);
   auto& u = *units_[unit];
-  release_storage(u.full);
+  internal::release_fsdp_storage(u.full);
   u.state = Unit::State::kFree;
 }
 
@@ -833,7 +742,8 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
     u.reduction = all_reduce_async(u.reduction_input, ReduceOp::kSum, *group_);
   } else {
     // Mapped, as the flat buffers: freed at once when harvested (after the first backward).
-    u.reduction_output = flat_zeros(u.shard_numel, reduce_dtype());
+    u.reduction_output = internal::fsdp_flat_zeros(u.shard_numel, reduce_dtype(), device_,
+                                                   internal::FlatBufferKind::kShardSized);
     u.reduction = reduce_scatter_tensor_async(u.reduction_output, u.reduction_input, ReduceOp::kSum,
                                               *shard_group_);
   }
@@ -876,6 +786,8 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
     average = average.to(torch::kFloat);
   }
   if (divisor != 1.0) average.div_(divisor);
+  // cpu_offload: only the shard's averaged gradient leaves the device, to the host shard's .grad().
+  if (offloads_shards()) average = average.to(torch::kCPU);
   auto& grad = u.shard.mutable_grad();
   if (grad.defined()) {
     grad.add_(average);
@@ -1055,7 +967,9 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::ful
       flats.push_back(unit->shard.detach());
     } else {
       auto flat = torch::empty({unit->padded}, torch::TensorOptions(torch::kFloat).device(device_));
-      all_gather_into_tensor(flat, unit->shard.detach(), *shard_group_);
+      // cpu_offload's host shard goes to the device first (the group may read device memory
+      // only).
+      all_gather_into_tensor(flat, unit->shard.detach().to(device_), *shard_group_);
       flats.push_back(flat);
     }
   }

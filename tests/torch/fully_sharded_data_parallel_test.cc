@@ -423,6 +423,48 @@ TEST(FullyShardedDataParallel, BadUnitBoundariesAreNamedOnEveryRank) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// FsdpCpuOffload (PyTorch's CPUOffload) on the CPU changes nothing, the shards being host memory
+// already: FULL_SHARD and SHARD_GRAD_OP with it train to the same bits as without it, with the
+// optimizer over the same CPU shards (gpu_test.cc runs it on CUDA, where it moves them). With
+// NO_SHARD it is a ConfigError on every rank; ranks that disagree about it are named.
+TEST(FullyShardedDataParallel, CpuOffloadOnTheCpuChangesNothingAndNoShardRefusesIt) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      std::vector<torch::OrderedDict<std::string, torch::Tensor>> states;
+      for (const bool offload : {false, true}) {
+        auto options = three_units(strategy);
+        options.cpu_offload.offload_params = offload;
+        FullyShardedDataParallel fsdp(make_model(), pg, options);
+        for (const auto& p : fsdp->parameters())
+          if (!p.is_cpu()) throw std::runtime_error("a shard is not on the CPU");
+        auto opt = make_optimizer(Kind::kAdam, fsdp->parameters());
+        train_steps(fsdp, *opt, rank, 2, 0, 5);
+        states.push_back(fsdp->full_state_dict(0));
+      }
+      for (const auto& item : states[0]) {
+        if (!torch::equal(item.value(), states[1][item.key()])) {
+          throw std::runtime_error(fmt::format("{}: {} differs with cpu_offload on the CPU",
+                                               to_string(strategy), item.key()));
+        }
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+  expect_build_fails<ConfigError>("cpu_offload.offload_params with NO_SHARD is not built",
+                                  [](int, auto pg) {
+                                    auto options = three_units(ShardingStrategy::kNoShard);
+                                    options.cpu_offload.offload_params = true;
+                                    FullyShardedDataParallel(make_model(), pg, options);
+                                  });
+  expect_build_fails<Error>("cpu offload of parameters", [](int rank, auto pg) {
+    auto options = three_units(ShardingStrategy::kFullShard);
+    options.cpu_offload.offload_params = rank == 1;
+    FullyShardedDataParallel(make_model(), pg, options);
+  });
+}
+
 // The flat buffers are fp32 on the CPU or a CUDA device (gpu_test.cc runs CUDA, and names
 // parameters on two devices): another dtype is named, with the parameter and child, on every rank.
 TEST(FullyShardedDataParallel, ParametersOfAnotherDtypeAreNamedOnEveryRank) {

@@ -10,9 +10,15 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+
+#include <fmt/format.h>
+#ifdef DDP_TEST_CUDA_ALLOCATOR
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include "comm/file_store.h"
 #include "ddp/init.h"
@@ -21,6 +27,7 @@
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
 #include "ddp/torch/distributed_objects.h"
+#include "ddp/torch/fsdp_memory.h"
 #include "ddp/torch/fully_sharded_data_parallel.h"
 #include "ddp/torch/grad_scaler.h"
 #include "ddp/torch/join.h"
@@ -67,6 +74,17 @@ bool cuda_device_present() {
 std::shared_ptr<ProcessGroup> nccl_world_of_one(const test::TempDir& dir) {
   return make_nccl_process_group(std::make_shared<test::FileStore>(dir.path()), 0, 1,
                                  {.device = 0});
+}
+
+// Runs `body` in one forked rank (CUDA is initialised there only) with a nccl group of one on
+// cuda:0, meeting through files in a temporary directory named `name`.
+void on_nccl_world_of_one(const char* name,
+                          const std::function<void(const std::shared_ptr<ProcessGroup>&)>& body) {
+  const auto results = test::run_ranks(1, [&](int) {
+    test::TempDir dir(name);
+    body(nccl_world_of_one(dir));
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 // init_process_group with DDP_BACKEND=auto for a job of one rank (master on `port`): the ring
@@ -187,26 +205,45 @@ torch::nn::Sequential fsdp_test_model() {
                                torch::nn::Linear(16, 4));
 }
 
+// With `offload` (FsdpCpuOffload), the shards must be pinned host memory and their gradients and
+// the optimizer's state host memory; without, all of them on the GPU.
 std::vector<torch::Tensor> train_fsdp_on_cuda(int rank, int world,
                                               const std::shared_ptr<ProcessGroup>& pg,
-                                              const test::Batches& data,
-                                              ShardingStrategy strategy) {
+                                              const test::Batches& data, ShardingStrategy strategy,
+                                              bool offload = false) {
   auto net = fsdp_test_model();
   net->to(kCuda0);
   FullyShardedDataParallel model(net, pg,
-                                 FsdpOptions{.sharding_strategy = strategy, .min_num_params = 500});
-  for (const auto& p : model->parameters())
-    require(p.is_cuda(), "a shard is not on the GPU");
+                                 FsdpOptions{.sharding_strategy = strategy,
+                                             .min_num_params = 500,
+                                             .cpu_offload = {.offload_params = offload}});
+  for (const auto& p : model->parameters()) {
+    if (offload) {
+      require(p.is_cpu() && p.is_pinned(), "an offloaded shard is not in pinned host memory");
+    } else {
+      require(p.is_cuda(), "a shard is not on the GPU");
+    }
+  }
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   const auto share = data.inputs.size(1) / world;
   for (int step = 0; step < data.inputs.size(0); ++step) {
     opt.zero_grad();
     const auto x = data.inputs[step].narrow(0, rank * share, share).to(kCuda0);
     model->forward(x).pow(2).mean().backward();
-    for (const auto& p : model->parameters())
-      require(!p.grad().defined() || p.grad().is_cuda(), "a gradient left the GPU");
+    for (const auto& p : model->parameters()) {
+      require(!p.grad().defined() || p.grad().is_cuda() != offload,
+              offload ? "an offloaded shard's gradient is on the GPU" : "a gradient left the GPU");
+    }
     model->clip_grad_norm_(1.0);
     opt.step();
+  }
+  if (offload) {
+    require(opt.state().size() == model->parameters().size(), "a shard has no optimizer state");
+    for (const auto& entry : opt.state()) {
+      const auto& momentum =
+          static_cast<const torch::optim::SGDParamState&>(*entry.second).momentum_buffer();
+      require(momentum.is_cpu(), "the optimizer's state of an offloaded shard is on the GPU");
+    }
   }
   std::vector<torch::Tensor> full;
   for (const auto& item : model->full_state_dict(0))
@@ -231,16 +268,103 @@ std::vector<torch::Tensor> fsdp_reference(const test::Batches& data) {
   return params;
 }
 
-TEST(Gpu, FsdpOnCudaThroughTheStagedRingEqualsOneProcess) {
-  SKIP_WITHOUT_CUDA();
+// Both strategies at world 2 through the staged ring (both ranks on GPU 0) against one process.
+void check_fsdp_through_the_staged_ring(bool offload) {
   const int port = test::free_port();
   const auto results = test::run_ranks(2, [&](int rank) {
     auto pg = test::join_group(rank, 2, port);
     const auto data = test::make_batches(4, 16, {20});
     for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
-      const auto got = train_fsdp_on_cuda(rank, 2, pg, data, strategy);
+      const auto got = train_fsdp_on_cuda(rank, 2, pg, data, strategy, offload);
       if (rank == 0) expect_all_close(got, fsdp_reference(data), 1e-5);
     }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Gpu, FsdpOnCudaThroughTheStagedRingEqualsOneProcess) {
+  SKIP_WITHOUT_CUDA();
+  check_fsdp_through_the_staged_ring(/*offload=*/false);
+}
+
+// FsdpCpuOffload: the shards, their gradients and the optimizer's state in host memory, the
+// gathered units on the GPU; the same training as one process, through the staged ring at world 2
+// (both ranks on GPU 0) ...
+TEST(Gpu, FsdpWithCpuOffloadThroughTheStagedRingKeepsShardsOnTheHostAndEqualsOneProcess) {
+  SKIP_WITHOUT_CUDA();
+  check_fsdp_through_the_staged_ring(/*offload=*/true);
+}
+
+// ... and over nccl at world 1 (the gathers copy the host shard to the device first).
+TEST(Gpu, FsdpWithCpuOffloadOverNcclEqualsOneProcess) {
+  SKIP_WITHOUT_CUDA_OR_NCCL();
+  on_nccl_world_of_one("ddp-gpu-nccl-fsdp-offload", [&](const std::shared_ptr<ProcessGroup>& pg) {
+    const auto data = test::make_batches(4, 16, {20});
+    for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      expect_all_close(train_fsdp_on_cuda(0, 1, pg, data, strategy, /*offload=*/true),
+                       fsdp_reference(data), 1e-5);
+    }
+  });
+}
+
+// FsdpCpuOffload on the device: between steps FULL_SHARD keeps nothing there, and the peak of
+// its unsharded device buffers over a step follows docs/sharding.md's formula, 4·(2U + 2U) bytes
+// for U parameters per unit (fsdp_memory_test.cc checks the same count on the CPU). The CUDA
+// caching allocator's own peak over the step counts everything else too (two reduce-scatter
+// outputs and two gathers' shard copies, U/W each, autograd's weight-gradient temporary,
+// activations): printed, and bounded by the formula plus those. Staged world 2 on cuda:0, four
+// equal units of 4 MiB.
+TEST(Gpu, FsdpWithCpuOffloadHoldsOnTheDeviceWhatTheFormulaSays) {
+  SKIP_WITHOUT_CUDA();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    constexpr std::int64_t kWidth = 1024, kUnitParams = kWidth * kWidth + kWidth;
+    auto pg = test::join_group(rank, 2, port);
+    torch::manual_seed(5);
+    torch::nn::Sequential net(torch::nn::Linear(kWidth, kWidth));
+    for (int u = 1; u < 4; ++u) {
+      net->push_back(torch::nn::Tanh());
+      net->push_back(torch::nn::Linear(kWidth, kWidth));
+    }
+    net->to(kCuda0);
+    FullyShardedDataParallel fsdp(net, pg,
+                                  FsdpOptions{.sharding_strategy = ShardingStrategy::kFullShard,
+                                              .min_num_params = 1'000'000,
+                                              .cpu_offload = {.offload_params = true}});
+    require(fsdp->unit_count() == 4, "not four units");
+    torch::optim::SGD opt(fsdp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    const auto step = [&] {
+      opt.zero_grad();
+      torch::manual_seed(100 + rank);
+      fsdp->forward(torch::randn({8, kWidth}).to(kCuda0)).pow(2).mean().backward();
+      opt.step();
+      torch::cuda::synchronize();
+    };
+    step();  // cuBLAS's workspace and the allocator's first blocks
+    require(fsdp_buffer_bytes(FsdpMemoryPlace::kDevice).live == 0,
+            "FSDP keeps device memory between steps with cpu_offload");
+#ifdef DDP_TEST_CUDA_ALLOCATOR
+    namespace allocator = c10::cuda::CUDACachingAllocator;
+    constexpr std::size_t kAll = 0;  // StatType::AGGREGATE, in every libtorch 2.x
+    allocator::resetPeakStats(0);
+    const auto before = allocator::getDeviceStats(0).allocated_bytes[kAll].current;
+#endif
+    reset_fsdp_buffer_peak();
+    step();
+    const auto counted = fsdp_buffer_bytes(FsdpMemoryPlace::kDevice);
+    const std::int64_t formula = 4 * (2 * kUnitParams + 2 * kUnitParams);
+    std::string report = fmt::format("rank {}: FSDP's device buffers peak {} bytes, formula {}",
+                                     rank, counted.peak, formula);
+#ifdef DDP_TEST_CUDA_ALLOCATOR
+    const auto allocated = allocator::getDeviceStats(0).allocated_bytes[kAll].peak - before;
+    const std::int64_t bound = formula + 4 * 4 * kUnitParams / 2 + 4 * kUnitParams + (4 << 20);
+    report += fmt::format("; the CUDA allocator's peak over the step {} bytes (bound {})",
+                          allocated, bound);
+    require(allocated <= bound, report);
+#endif
+    std::printf("%s\n", report.c_str());
+    require(counted.peak <= formula && counted.peak >= formula * 85 / 100 && counted.live == 0,
+            report);
   });
   EXPECT_ALL_RANKS_OK(results);
 }
@@ -367,9 +491,7 @@ TEST(Gpu, TensorApiStagesCudaTensorsOnAHostGroup) {
 // NCCL, ordered after the current stream; the list forms run staged and relayed.
 TEST(Gpu, TensorApiHandsCudaTensorsToANcclGroupDirectly) {
   SKIP_WITHOUT_CUDA_OR_NCCL();
-  const auto results = test::run_ranks(1, [&](int) {
-    test::TempDir dir("ddp-gpu-nccl-api");
-    const auto pg = nccl_world_of_one(dir);
+  on_nccl_world_of_one("ddp-gpu-nccl-api", [&](const std::shared_ptr<ProcessGroup>& pg) {
     const auto on_gpu = torch::TensorOptions(kCuda0).dtype(torch::kFloat32);
     const auto values = torch::arange(1, 7, on_gpu);
     auto expect = [&](const torch::Tensor& got, const torch::Tensor& want, const char* what) {
@@ -406,7 +528,6 @@ TEST(Gpu, TensorApiHandsCudaTensorsToANcclGroupDirectly) {
     all_gather(list, values, pg);
     expect(list[0], values, "all_gather (a list form)");
   });
-  EXPECT_ALL_RANKS_OK(results);
 }
 
 // DistributedDataParallel (with SGD, then with ZeroRedundancyOptimizer) over nccl at world 1 (a
@@ -416,9 +537,7 @@ TEST(Gpu, TensorApiHandsCudaTensorsToANcclGroupDirectly) {
 // work over nccl too.
 TEST(Gpu, DdpOverNcclEqualsOneProcess) {
   SKIP_WITHOUT_CUDA_OR_NCCL();
-  const auto results = test::run_ranks(1, [&](int) {
-    test::TempDir dir("ddp-gpu-nccl-ddp");
-    const auto pg = nccl_world_of_one(dir);
+  on_nccl_world_of_one("ddp-gpu-nccl-ddp", [&](const std::shared_ptr<ProcessGroup>& pg) {
     const auto data = test::make_batches(5, 16, {20});
     const auto want = one_process(data, kCuda0);
     for (const bool zero : {false, true}) {
@@ -464,16 +583,13 @@ TEST(Gpu, DdpOverNcclEqualsOneProcess) {
     all_gather_object(names, std::string("rank 0"), pg);
     require(names == std::vector<std::string>{"rank 0"}, "all_gather_object over nccl");
   });
-  EXPECT_ALL_RANKS_OK(results);
 }
 
 // FullyShardedDataParallel over nccl (world 1: one GPU) equals one process; parameters that are
 // not on the group's GPU, or on two devices, are named errors.
 TEST(Gpu, FsdpOverNcclEqualsOneProcessAndNamesParametersOffTheGroupsGpu) {
   SKIP_WITHOUT_CUDA_OR_NCCL();
-  const auto results = test::run_ranks(1, [&](int) {
-    test::TempDir dir("ddp-gpu-nccl-fsdp");
-    const auto pg = nccl_world_of_one(dir);
+  on_nccl_world_of_one("ddp-gpu-nccl-fsdp", [&](const std::shared_ptr<ProcessGroup>& pg) {
     const auto data = test::make_batches(4, 16, {20});
     expect_all_close(train_fsdp_on_cuda(0, 1, pg, data, ShardingStrategy::kFullShard),
                      fsdp_reference(data), 1e-5);
@@ -496,7 +612,6 @@ TEST(Gpu, FsdpOverNcclEqualsOneProcessAndNamesParametersOffTheGroupsGpu) {
               std::string("parameters on two devices are not named: ") + e.what());
     }
   });
-  EXPECT_ALL_RANKS_OK(results);
 }
 
 // DDP_BACKEND=auto at world 1 on a GPU: the nccl group exists, and CUDA tensors go to it when no

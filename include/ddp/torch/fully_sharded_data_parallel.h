@@ -36,7 +36,8 @@
 //
 // Devices: the parameters (fp32) are on the CPU or on one CUDA device, and the flat buffers,
 // shards and gradients live there (on CUDA, from the device's caching allocator, freed to it
-// between uses as the CPU's mappings are unmapped). Over a host group (ring, mpi) the
+// between uses as the CPU's mappings are unmapped; the shards and their gradients on the CPU with
+// FsdpOptions::cpu_offload). Over a host group (ring, mpi) the
 // collectives of CUDA buffers are staged through host copies (the tensor API); over nccl they
 // take the device memory, and parameters off the group's GPU are a ConfigError.
 //
@@ -130,6 +131,18 @@ struct FsdpMixedPrecision {
   std::optional<torch::ScalarType> buffer_dtype;
 };
 
+// PyTorch's FSDP CPUOffload. With offload_params, a wrapper whose parameters are on a CUDA device
+// keeps each unit's shard (the fp32 parameters the optimizer steps on) and its gradient in host
+// memory (the shard pinned): a gather copies the shard to the device first, and each unit's
+// reduced gradient comes back to the host, so parameters() are CPU tensors and the optimizer
+// (and its state) steps on the CPU; the device holds only the gathered units and the gradients
+// being reduced. On the CPU it changes nothing (the shards are host memory already). kNoShard
+// with offload_params is a ConfigError (every rank holds the whole model there: use
+// DistributedDataParallel).
+struct FsdpCpuOffload {
+  bool offload_params = false;
+};
+
 struct FsdpOptions {
   ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
   // Auto-wrap policy: a unit closes once it holds at least this many parameters (PyTorch's
@@ -144,6 +157,7 @@ struct FsdpOptions {
   std::shared_ptr<ProcessGroup> shard_group;
   std::shared_ptr<ProcessGroup> replicate_group;
   FsdpMixedPrecision mixed_precision;
+  FsdpCpuOffload cpu_offload;
   // Hand the heap's free memory back to the system (malloc_trim) at construction, at each forward
   // and at the end of each backward, so that the memory FSDP saves is not kept by malloc (ddprun
   // tells glibc to keep freed memory, for speed). Process-wide; kNoShard never does.
@@ -396,6 +410,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   torch::Device device_{torch::kCPU};
   // A zero-filled flat buffer of `numel` elements on device_ (mapped host memory on the CPU).
   torch::Tensor flat_zeros(std::int64_t numel, torch::ScalarType dtype) const;
+  // cpu_offload.offload_params on a CUDA device_: the shards and their gradients live on the CPU.
+  bool offloads_shards() const { return options_.cpu_offload.offload_params && !device_.is_cpu(); }
   // ConfigError when device_ is a CUDA device this process cannot use, or a group takes CUDA
   // memory (nccl) that device_ is not.
   void check_device() const;
