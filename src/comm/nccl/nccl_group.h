@@ -37,6 +37,7 @@
 
 #include "comm/group_front.h"
 #include "comm/nccl/completion_watcher.h"
+#include "comm/nccl/cuda_event_pool.h"
 #include "comm/nccl/nccl_comm.h"
 #include "comm/nccl/nccl_library.h"
 #include "ddp/nccl_process_group.h"
@@ -125,8 +126,8 @@ class NcclProcessGroup final : public GroupFront,
   ncclResult_t enqueue_collective(const Call& call, ncclComm_t comm);
   // Device scratch of at least `bytes` for the executor (alltoall/gather staging); grows.
   void* executor_scratch(std::size_t bytes, const Call& call);
-  // Step 4 of a stream-ordered call: records the caller's done event and a watched one of the
-  // pool's on stream_, and hands the watched one to watcher_.
+  // Step 4 of a stream-ordered call: records the caller's done event and a watched one of
+  // events_ on stream_, and hands the watched one to watcher_.
   void complete_on_stream(const Call& call, cudaEvent_t done_event, net::Deadline deadline);
   // The watcher found a stream-ordered call failed or late: ends the process (its thread).
   void on_watched_failure(const CompletionWatcher::Failure& failure);
@@ -146,10 +147,10 @@ class NcclProcessGroup final : public GroupFront,
   DeviceBuffer scratch_;              // executor only
   int subgroups_created_ = 0;
   std::mutex new_group_mutex_;
-  // Events of stream-ordered calls the watcher follows, reused (created on demand).
-  std::mutex watched_events_mutex_;
-  std::vector<cudaEvent_t> free_watched_events_;  // under watched_events_mutex_
-  std::unique_ptr<CompletionWatcher> watcher_;    // made in the constructor's body
+  // The events of the caller's streams (prepare_call) and of the stream-ordered calls the watcher
+  // follows, reused (created on demand; calls hold it until they give their event back).
+  std::shared_ptr<CudaEventPool> events_;
+  std::unique_ptr<CompletionWatcher> watcher_;  // made in the constructor's body
 
   // Point to point: its own queue (issue order, worker, deadlines, poisoning) on p2p_comm_.
   std::unique_ptr<P2pRunner> p2p_runner_;

@@ -185,6 +185,7 @@ NcclProcessGroup::NcclProcessGroup(std::shared_ptr<Store> store, const NcclLibra
       lib_(lib),
       device_(device),
       options_(std::move(options)),
+      events_(std::make_shared<CudaEventPool>(lib)),
       p2p_runner_(std::make_unique<P2pRunner>(*this)),
       p2p_queue_(*p2p_runner_,
                  OpQueue::Options{.group = options_.group_name + "#p2p",
@@ -214,8 +215,7 @@ NcclProcessGroup::~NcclProcessGroup() {
   for (cudaEvent_t event : {check_done_, call_done_}) {
     if (event != nullptr) lib_.EventDestroy(event);
   }
-  for (cudaEvent_t event : free_watched_events_)
-    lib_.EventDestroy(event);
+  events_.reset();  // its idle events, on the device (a call still holding one keeps the pool)
   for (cudaStream_t stream : {stream_, p2p_stream_}) {
     if (stream != nullptr) lib_.StreamDestroy(stream);
   }

@@ -139,13 +139,15 @@ void NcclProcessGroup::prepare_call(Call& call, const CallOptions& options) {
   for (const auto& segment : call.segments)
     check_device_memory(segment.data, "segment", described);
   cudaEvent_t event = nullptr;
-  check_cuda(call, lib_.EventCreateWithFlags(&event, cudaEventDisableTiming),
+  check_cuda(call, events_->acquire(&event),
              "cudaEventCreateWithFlags (the caller's stream event)");
-  const NcclLibrary* lib = &lib_;
-  std::shared_ptr<void> owned(event, [lib](CUevent_st* e) { lib->EventDestroy(e); });
-  check_cuda(call, lib_.EventRecord(event, static_cast<cudaStream_t>(options.cuda_stream)),
-             "cudaEventRecord on CallOptions::cuda_stream");
-  call.backend_state = std::move(owned);
+  const cudaError_t recorded =
+      lib_.EventRecord(event, static_cast<cudaStream_t>(options.cuda_stream));
+  if (recorded != cudaSuccess) {
+    events_->discard(event);  // not handed out again
+    check_cuda(call, recorded, "cudaEventRecord on CallOptions::cuda_stream");
+  }
+  call.backend_state = events_->hold(event);  // back to events_ once the call is done with it
   call.cuda_done_event = options.cuda_done_event;
 }
 
@@ -252,20 +254,11 @@ void NcclProcessGroup::complete_on_stream(const Call& call, cudaEvent_t done_eve
   check_cuda(call, lib_.EventRecord(done_event, stream_),
              "cudaEventRecord of CallOptions::cuda_done_event");
   cudaEvent_t watched = nullptr;
-  {
-    std::lock_guard lock(watched_events_mutex_);
-    if (!free_watched_events_.empty()) {
-      watched = free_watched_events_.back();
-      free_watched_events_.pop_back();
-    }
-  }
-  if (watched == nullptr) {
-    check_cuda(call, lib_.EventCreateWithFlags(&watched, cudaEventDisableTiming),
-               "cudaEventCreateWithFlags (a stream-ordered call's watched event)");
-  }
+  check_cuda(call, events_->acquire(&watched),
+             "cudaEventCreateWithFlags (a stream-ordered call's watched event)");
   const cudaError_t recorded = lib_.EventRecord(watched, stream_);
   if (recorded != cudaSuccess) {
-    lib_.EventDestroy(watched);
+    events_->discard(watched);
     check_cuda(call, recorded, "cudaEventRecord (a stream-ordered call's watched event)");
   }
   // The watcher's thread polls the event and the communicator; a failure there names the call
@@ -294,11 +287,7 @@ void NcclProcessGroup::complete_on_stream(const Call& call, cudaEvent_t done_eve
            },
        .deadline = deadline,
        .description = call.description(),
-       .release =
-           [this, watched] {
-             std::lock_guard lock(watched_events_mutex_);
-             free_watched_events_.push_back(watched);
-           }});
+       .release = [events = events_, watched] { events->release(watched); }});
 }
 
 void NcclProcessGroup::on_watched_failure(const CompletionWatcher::Failure& failure) {
