@@ -32,9 +32,13 @@ The job's time is reported without that hold. Stepping the rank can miss (it may
 everyone within one burst on a loaded machine); a held row then tries up to 5 jobs.
 
 "accepted" counts attempts that got in: a store client that got status 0 or a reply to a
-request, a data connection that was not closed within --verdict-seconds after a wrong MAC (or
-the acceptor's answer to a plain hello). It must be 0; the script exits 1 otherwise, or when a
-job fails (exit code, --check) or an attack could not be run.
+request, a data connection that the rank took and did not close within --verdict-seconds after a
+wrong MAC (or the acceptor's answer to a plain hello). It must be 0; the script exits 1
+otherwise, or when a job fails (exit code, --check) or an attack could not be run. A rank keeps
+its collective mesh's listener open for peers that connect on first use but accepts on it only
+while an operation waits for one: the data rows attack every listener of the waiting ranks that
+accepts during the hold (a connection the rank never takes off a listener's queue reaches
+nothing of it, and is counted "unanswered", not an attempt).
 
 Everything is bounded in count and time, talks to 127.0.0.1 only, and every process it starts is
 killed on exit (Ctrl-C included). Python 3 standard library only.
@@ -191,23 +195,63 @@ def socket_inodes(pid):
     return inodes
 
 
-def listening_ports(pid):
-    """TCP ports `pid` listens on (from its /proc/PID/net/tcp{,6} and its descriptors)."""
-    inodes = socket_inodes(pid)
-    ports = set()
-    if not inodes:
-        return ports
+def tcp_table_rows(pid):
+    """The split rows of /proc/PID/net/tcp and tcp6 (the process's network namespace)."""
     for table in ("tcp", "tcp6"):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
                 next(f)
                 for line in f:
-                    parts = line.split()
-                    if parts[3] == "0A" and parts[9] in inodes:
-                        ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+                    yield line.split()
         except (OSError, StopIteration):
             pass
-    return ports
+
+
+def tcp_port(address):
+    """The port of a /proc/net/tcp address field (hex "ADDR:PORT")."""
+    return int(address.rsplit(":", 1)[1], 16)
+
+
+def listening_ports(pid):
+    """TCP ports `pid` listens on (from its /proc/PID/net/tcp{,6} and its descriptors)."""
+    inodes = socket_inodes(pid)
+    if not inodes:
+        return set()
+    return {tcp_port(parts[1]) for parts in tcp_table_rows(pid)
+            if parts[3] == "0A" and parts[9] in inodes}
+
+
+def rank_took(pid, s):
+    """Whether process `pid` accept()ed the connection `s`: True when its end of it is one of the
+    process's descriptors, False while the connection waits in the queue of a listener the
+    process is not accepting on at the moment (no descriptor: inode 0 in /proc/net/tcp), None
+    when the connection is gone (the process closed it)."""
+    try:
+        mine, theirs = s.getsockname()[1], s.getpeername()[1]
+    except OSError:
+        return None
+    inodes = socket_inodes(pid)
+    for parts in tcp_table_rows(pid):
+        if tcp_port(parts[1]) == theirs and tcp_port(parts[2]) == mine:
+            return parts[9] in inodes
+    return None
+
+
+def served_now(pid, port, seconds):
+    """Whether `pid` accepts connections on `port` now: a connection it takes within `seconds`.
+    A rank keeps a collective mesh's listener open for peers that connect on first use and
+    accepts on it only while an operation waits for one (docs/security.md)."""
+    try:
+        with connect(port) as s:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                taken = rank_took(pid, s)
+                if taken is None or taken:
+                    return True
+                time.sleep(0.01)
+    except OSError:
+        return False
+    return False
 
 
 def proc_status_kib(pid, field):
@@ -597,9 +641,16 @@ def collective_bytes(count=4096):
     return header + b"\xff" * (4 * count)
 
 
-def data_impostor(port, rank, world, variant, secret, session, verdict_s):
-    """Claims rank world-1 (the one being held) towards `rank`. Returns 'refused', 'accepted',
-    'no listener' or 'error: ...'."""
+def data_impostor(port, rank, pid, world, variant, secret, session, verdict_s):
+    """Claims rank world-1 (the one being held) towards `rank` (process `pid`). Returns 'refused',
+    'accepted', 'unanswered' (the rank never took the connection off its listener's queue: it was
+    not accepting there, so nothing of the attempt reached it), 'no listener' or 'error: ...'."""
+
+    def verdict(s):
+        if closed_by_peer(s, verdict_s):
+            return "refused"
+        return "unanswered" if rank_took(pid, s) is False else "accepted"
+
     claimed = world - 1
     try:
         s = connect(port)
@@ -617,7 +668,7 @@ def data_impostor(port, rank, world, variant, secret, session, verdict_s):
                 if len(got) == 24 + len(GROUP):
                     return "accepted"  # the rank answered a plain hello
                 send_quietly(s, collective_bytes())
-                return "refused" if closed_by_peer(s, verdict_s) else "accepted"
+                return verdict(s)
             nc = os.urandom(32)
             hello = ring_hello(RING_AUTH_MAGIC, world, claimed, rank) + nc
             if variant == "replay":
@@ -652,9 +703,9 @@ def data_impostor(port, rank, world, variant, secret, session, verdict_s):
             if not send_quietly(s, mac):
                 return "refused"
             send_quietly(s, collective_bytes())
-            return "refused" if closed_by_peer(s, verdict_s) else "accepted"
+            return verdict(s)
         except socket.timeout:
-            return "accepted"
+            return verdict(s)
         except OSError:
             return "refused"
 
@@ -936,12 +987,24 @@ def row_data_impostors(args, secret, workdir, baseline_s, timeout_s):
             session = store_get_if_present(s, SESSION_KEY) or b""
         if not session:
             row.notes.append("no session id in the store: replay/other-session MACs use ''")
-        targets = sorted(ports.items())
-        per_port = (args.attempts + len(targets) - 1) // len(targets)
+        # Every data listener of the waiting ranks that accepts now: a rank also keeps its
+        # collective mesh's listener open, and accepts there only while an operation waits for a
+        # peer that connects on first use (an attempt there would wait in the queue, unanswered).
+        targets, unserved = [], []
+        for r, listening in sorted(job.data_ports().items()):
+            if r == max(job.workers):
+                continue
+            for port in sorted(listening):
+                served = served_now(job.workers[r], port, args.verdict_seconds)
+                (targets if served else unserved).append((r, port))
+        if unserved:
+            row.notes.append("not accepting during the hold (not attacked): " + ", ".join(
+                f"rank {r} port {port}" for r, port in unserved))
+        per_port = (args.attempts + len(targets) - 1) // max(1, len(targets))
         deadline = time.monotonic() + 120
         for r, port in targets:
             t = run_attempts(
-                lambda v: data_impostor(port, r, args.world, v, secret, session,
+                lambda v: data_impostor(port, r, job.workers[r], args.world, v, secret, session,
                                         args.verdict_seconds),
                 DATA_VARIANTS, max(per_port, len(DATA_VARIANTS)), deadline)
             for v, outcomes in t.items():
@@ -952,8 +1015,9 @@ def row_data_impostors(args, secret, workdir, baseline_s, timeout_s):
         release(job)
         job.wait()
         row.jobs.append(job)
-        row.notes.append(f"held ranks {sorted(ports)} listening on {sorted(ports.values())}; "
-                         f"still listening after the attacks: {sorted(still)}")
+        row.notes.append(f"attacked ranks {sorted({r for r, _ in targets})} on ports "
+                         f"{[port for _, port in targets]}; still listening after the attacks: "
+                         f"{sorted(still)}")
         row.notes.append(f"ranks logged {job.count('refused a connection')} refusals")
     else:
         row.failed_to_run = True
