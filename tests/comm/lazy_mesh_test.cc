@@ -5,6 +5,7 @@
 // holds no connection at creation and one per peer it exchanges messages with. Real processes on
 // 127.0.0.1 over TCP.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -16,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -120,6 +122,72 @@ TEST(LazyMesh, PatternAtCreationOthersOnFirstUse) {
     pg->recv(got.data(), got.size(), DType::kInt32, from, 9)->wait();
     sent->wait();
     expect(got == std::vector<int>(1000, from), "recv from a peer outside the pattern is wrong");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Whether a socket listens on 127.0.0.1 or any address at `port` (/proc/net/tcp, this network
+// namespace).
+bool listens_on(int port) {
+  std::ifstream table("/proc/self/net/tcp");
+  std::string line;
+  std::getline(table, line);  // the header
+  while (std::getline(table, line)) {
+    std::istringstream row(line);
+    std::string slot, local, remote, state;
+    row >> slot >> local >> remote >> state;
+    const auto colon = local.find(':');
+    if (colon != std::string::npos && state == "0A" &&
+        std::stoi(local.substr(colon + 1), nullptr, 16) == port)
+      return true;
+  }
+  return false;
+}
+
+// The port of the collective mesh's listener that `rank` published for the first incarnation of
+// the group "default".
+int published_port(const std::filesystem::path& dir, int rank) {
+  FileStore store(dir);
+  const std::string address =
+      store.get_string(fmt::format("ring/default/0/addr/{}", rank), std::chrono::seconds(10));
+  return std::stoi(address.substr(address.rfind(':') + 1));
+}
+
+// A rank's collective listener is open only while a rank above it has yet to connect (on first
+// use): after creation exactly the ranks with a lazy peer above still listen, and after an
+// alltoall (every peer connected) none does, a connection to the port is refused, and the group
+// goes on working.
+TEST(LazyMesh, ListenerStopsOnceEveryRankAboveHasConnected) {
+  constexpr int kWorld = 8;
+  TempDir dir;
+  auto results = run_ranks(kWorld, [&](int rank) {
+    auto pg = make_group(dir.path(), rank, kWorld, {.timeout = 30s, .transport = Transport::kTcp});
+    const auto pattern = comm::pattern_peers(rank, kWorld);
+    bool lazy_above = false;
+    for (int p = rank + 1; p < kWorld; ++p)
+      lazy_above = lazy_above || !std::binary_search(pattern.begin(), pattern.end(), p);
+    const int port = published_port(dir.path(), rank);
+    expect(listens_on(port) == lazy_above,
+           fmt::format("rank {}: listening {} after creation, with a lazy peer above: {}", rank,
+                       listens_on(port), lazy_above));
+    std::vector<int> send(kWorld, rank), recv(kWorld, -1);
+    pg->alltoall(send.data(), recv.data(), 1, DType::kInt32)->wait();
+    expect(!listens_on(port), fmt::format("rank {}: still listening after the alltoall", rank));
+    const int probe = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<std::uint16_t>(port));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const int connected = ::connect(probe, reinterpret_cast<sockaddr*>(&address), sizeof address);
+    const int error = errno;
+    ::close(probe);
+    expect(connected != 0 && error == ECONNREFUSED,
+           fmt::format("rank {}: a connection to the shut port was not refused", rank));
+    std::vector<float> values(1000, static_cast<float>(rank + 1));
+    pg->allreduce(values.data(), values.data(), values.size(), DType::kFloat32, ReduceOp::kSum)
+        ->wait();
+    expect(values == std::vector<float>(1000, kWorld * (kWorld + 1) / 2.0f),
+           fmt::format("rank {}: the allreduce after the listener stopped is wrong", rank));
   });
   EXPECT_ALL_RANKS_OK(results);
 }

@@ -128,6 +128,7 @@ void PeerMesh::open(Store& store, const MeshParams& p, const std::vector<int>& e
   }
   if (accepting.joinable()) accepting.join();
   if (accept_error) std::rethrow_exception(accept_error);
+  stop_listening_once_complete();
 }
 
 void PeerMesh::connect_to_lower(int peer, net::Deadline deadline) {
@@ -208,6 +209,7 @@ void PeerMesh::connect_peer(int peer, const AcceptWait& wait) {
     return;
   }
   acceptor_->accept_until(listener_, sockets_, {peer}, wait);
+  stop_listening_once_complete();
 }
 
 void PeerMesh::accept_from_above(AcceptWait wait) {
@@ -234,6 +236,19 @@ net::Socket PeerMesh::take(int peer) {
 void PeerMesh::shutdown_listener() noexcept {
   // Only the fd is touched: the socket object is not replaced while the mesh lives.
   if (listener_.valid()) net::shutdown_socket(listener_.fd(), net::ShutdownHow::kBoth);
+}
+
+void PeerMesh::stop_listening_once_complete() noexcept {
+  // A mesh whose ranks below may knock (point to point) keeps listening for them.
+  if (params_.on_knock) return;
+  for (int r = params_.rank + 1; r < params_.size; ++r) {
+    const auto slot = static_cast<std::size_t>(r);
+    if (!sockets_[slot].valid() && taken_[slot] == 0) return;
+  }
+  // Every rank that connects to this one has: nothing legitimate reaches the port any more, and a
+  // stranger's connection would only sit unanswered in its queue. Shut, not closed: abort() may
+  // shut it again from another thread, and the fd must stay this listener's meanwhile.
+  shutdown_listener();
 }
 
 int PeerMesh::connected() const {

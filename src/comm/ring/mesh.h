@@ -1,9 +1,10 @@
 // Bootstrap of a ring group's TCP connections (internal): a mesh that connects some peers when
 // it opens and the others on first use.
 //
-// Every rank listens on an ephemeral port for the life of the mesh and publishes "host:port" in
-// the store under `<prefix>addr/<rank>`. Of each pair of ranks the higher connects and the lower
-// accepts, each connection opening with the checked (and, with a secret, authenticated)
+// Every rank listens on an ephemeral port and publishes "host:port" in the store under
+// `<prefix>addr/<rank>`; a mesh without knocks stops listening once every rank above it has
+// connected (nothing else may connect then). Of each pair of ranks the higher connects and the
+// lower accepts, each connection opening with the checked (and, with a secret, authenticated)
 // handshake of mesh_handshake.h; connections that fail the handshake are refused and logged, and
 // the wait goes on.
 //
@@ -99,12 +100,15 @@ class PeerMesh {
   std::vector<net::Socket>& sockets() { return sockets_; }
   // How many peers are connected (not counting those taken).
   int connected() const;
-  // Stops listening (the group failed): connections not yet accepted are reset and an accept wait
-  // wakes. Any thread; never throws.
+  // Stops listening (the group failed, or every rank above has connected): connections not yet
+  // accepted are reset, later ones refused, and an accept wait wakes. Any thread; never throws.
   void shutdown_listener() noexcept;
 
  private:
   void connect_to_lower(int peer, net::Deadline deadline);
+  // Stops listening once every rank above this one is connected, unless ranks below may knock
+  // (on_knock): a collective mesh then needs its port no more.
+  void stop_listening_once_complete() noexcept;
   // A TCP connection to `peer`'s listener (its address from the store), before any handshake.
   net::Socket dial(int peer, net::Deadline deadline);
 
