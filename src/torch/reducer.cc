@@ -1,5 +1,7 @@
 #include "ddp/torch/reducer.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <atomic>
 #include <map>
@@ -1021,22 +1023,39 @@ void Reducer::rebuild_buckets() {
     seen[static_cast<std::size_t>(i)] = true;
     new_order.push_back(static_cast<std::size_t>(i));
   }
-  // Keep gradients accumulated so far (no_sync, or values the user still reads).
-  std::vector<torch::Tensor> saved(n);
-  {
-    torch::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto& grad = parameters_[i].grad();
-      if (grad.defined() && is_bucket_view(i, grad)) saved[i] = grad.clone();
-    }
-  }
-  assign_buckets(new_order);
+  // The old buckets go before the new ones are made, so that the rebuild never holds two sets of
+  // buckets (the peak of a training step's memory otherwise: once the gradients, and a third
+  // time with the copies this used to make). A gradient that lives in an old bucket keeps its
+  // values (no_sync's accumulation, or values the user still reads): when it is all zeros (the
+  // usual case, zero_grad() before forward) it becomes a view of its new, zeroed slot without a
+  // copy; any other keeps its old bucket alive until assign_buckets() has copied it over.
   torch::NoGradGuard no_grad;
+  std::vector<char> zero_view(n, 0);
   for (std::size_t i = 0; i < n; ++i) {
-    if (!saved[i].defined()) continue;
-    torch::Tensor view = slot_view(i);
-    view.copy_(saved[i]);
-    parameters_[i].mutable_grad() = view;
+    torch::Tensor& grad = parameters_[i].mutable_grad();
+    if (!grad.defined() || !is_bucket_view(i, grad) || grad.any().item<bool>()) continue;
+    zero_view[i] = 1;
+    grad = torch::Tensor();
+  }
+  buckets_.clear();
+#ifdef __GLIBC__
+  // glibc keeps freed heap memory resident: the old buckets' pages go back to the kernel now, or
+  // new buckets of other sizes would be made beside them all the same (once per training).
+  ::malloc_trim(0);
+#endif
+  try {
+    assign_buckets(new_order);
+  } catch (const std::exception& e) {
+    // No buckets are left to reduce into: every later synchronisation is refused by name.
+    hook_failure_ = fmt::format(
+        "DistributedDataParallel (rank {}): rebuilding the gradient buckets failed: {}. This "
+        "DistributedDataParallel has no buckets left and refuses to synchronise again: free "
+        "memory, then start again with a new process group (from a checkpoint)",
+        group_->rank(), e.what());
+    throw;
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (zero_view[i] != 0) parameters_[i].mutable_grad() = slot_view(i);
   }
 }
 
