@@ -59,6 +59,7 @@
 #include "bench_timing.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
+#include "ddp/torch/chunked_adam.h"
 #include "ddp/torch/comm_hook_by_name.h"
 #include "ddp/torch/distributed.h"
 #include "ddp/torch/distributed_data_parallel.h"
@@ -117,6 +118,8 @@ void warm_up_libtorch(const std::string& optimizer_name, int batch_size) {
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (optimizer_name == "adam") {
     opt = std::make_unique<torch::optim::Adam>(tiny->parameters(), torch::optim::AdamOptions(1e-3));
+  } else if (optimizer_name == "chunked-adam") {
+    opt = std::make_unique<ddp::ChunkedAdam>(tiny->parameters(), torch::optim::AdamOptions(1e-3));
   } else {
     opt = std::make_unique<torch::optim::SGD>(tiny->parameters(),
                                               torch::optim::SGDOptions(0.01).momentum(0.9));
@@ -185,8 +188,11 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile)
       ->excludes(model_option);
   std::string optimizer_name = "sgd";
-  app.add_option("--optimizer", optimizer_name, "sgd (momentum 0.9) or adam")
-      ->check(CLI::IsMember({"sgd", "adam"}));
+  app.add_option("--optimizer", optimizer_name,
+                 "sgd (momentum 0.9), adam (libtorch's, also as ZeRO's local optimizer) or "
+                 "chunked-adam (ddp::ChunkedAdam: the same state and results without "
+                 "parameter-sized temporaries; ZeRO's default for AdamOptions)")
+      ->check(CLI::IsMember({"sgd", "adam", "chunked-adam"}));
   std::string sharding = "ddp";
   app.add_option("--sharding", sharding,
                  "ddp (every rank holds the optimizer state), zero1 (ZeroRedundancyOptimizer), "
@@ -352,10 +358,15 @@ int main(int argc, char** argv) {
     const auto params = fsdp_model ? fsdp_model->parameters() : model_params;
     if (sharding == "zero1" || sharding == "zero1-overlap") {
       const ddp::ZeroOptions zero_options{.overlap_with_ddp = sharding == "zero1-overlap"};
-      auto zero = optimizer_name == "adam" ? std::make_unique<ddp::ZeroRedundancyOptimizer>(
-                                                 model_params, adam, group, zero_options)
-                                           : std::make_unique<ddp::ZeroRedundancyOptimizer>(
-                                                 model_params, sgd, group, zero_options);
+      auto zero = optimizer_name == "adam"
+                      ? std::make_unique<ddp::ZeroRedundancyOptimizer>(
+                            model_params, ddp::optimizer_factory<torch::optim::Adam>(adam), group,
+                            zero_options)
+                  : optimizer_name == "chunked-adam"
+                      ? std::make_unique<ddp::ZeroRedundancyOptimizer>(model_params, adam, group,
+                                                                       zero_options)
+                      : std::make_unique<ddp::ZeroRedundancyOptimizer>(model_params, sgd, group,
+                                                                       zero_options);
       if (zero_options.overlap_with_ddp) {
         if (!ddp_model) {
           throw ddp::ConfigError(
@@ -369,6 +380,8 @@ int main(int argc, char** argv) {
       optimizer = std::move(zero);
     } else if (optimizer_name == "adam") {
       optimizer = std::make_unique<torch::optim::Adam>(params, adam);
+    } else if (optimizer_name == "chunked-adam") {
+      optimizer = std::make_unique<ddp::ChunkedAdam>(params, adam);
     } else {
       optimizer = std::make_unique<torch::optim::SGD>(params, sgd);
     }

@@ -2,13 +2,14 @@
 """Memory per rank of each sharding strategy against the ZeRO formulas (docs/sharding.md).
 
     bench/sharding_memory.py [--worlds 2,4] [--variants ddp,ddp-view,zero1,zero1-view,zero2,fsdp]
-                             [--optimizer adam] [--model large] [--build-dir build]
+                             [--optimizer adam|chunked-adam|sgd] [--model large] [--build-dir build]
                              [--batch-size 8] [--steps 3] [--warmup 1] [--no-env-tuning]
                              [-- ddp-train-bench ARG ...]
 
 Runs `ddprun --standalone --nproc-per-node W ddp-train-bench --model M --optimizer O --sharding S`
 for every world size and variant, one after another ("-view" adds --gradient-as-bucket-view: DDP's
-gradients are views of its buckets instead of a second copy), and prints a markdown table of the
+gradients are views of its buckets instead of a second copy; ":OPTIMIZER" runs that variant with
+another --optimizer, e.g. zero1:chunked-adam), and prints a markdown table of the
 largest rank's two measures beside the formula of each:
 
   state_mem_mb  resident memory right after the last optimizer step (parameters, gradients and
@@ -41,7 +42,7 @@ MIB = 1024.0 * 1024.0
 
 def state_formula(sharding, optimizer, params, world):
     """Model-state bytes per rank, and the formula's text."""
-    state = 8 if optimizer == "adam" else 4  # optimizer state bytes per parameter
+    state = 8 if optimizer in ("adam", "chunked-adam") else 4  # state bytes per parameter
     if sharding == "ddp":
         return (8 + state) * params, f"{8 + state}Ψ"
     if sharding == "zero1":
@@ -51,14 +52,21 @@ def state_formula(sharding, optimizer, params, world):
     return (8 + state) * params / world, f"{8 + state}Ψ/W"
 
 
+def parse_variant(variant, default_optimizer):
+    """(sharding, view, optimizer) of 'SHARDING[-view][:OPTIMIZER]'."""
+    name, _, optimizer = variant.partition(":")
+    sharding, _, view = name.partition("-")
+    return sharding, view, optimizer or default_optimizer
+
+
 def run(args, world, variant):
-    sharding, _, view = variant.partition("-")
+    sharding, view, optimizer = parse_variant(variant, args.optimizer)
     argv = [os.path.join(args.build_dir, "bin", "ddprun")]
     if args.no_env_tuning:
         argv.append("--no-env-tuning")
     argv += ["--standalone", "--nproc-per-node",
             str(world), os.path.join(args.build_dir, "bin", "ddp-train-bench"), "--model",
-            args.model, "--optimizer", args.optimizer, "--sharding", sharding, "--batch-size",
+            args.model, "--optimizer", optimizer, "--sharding", sharding, "--batch-size",
             str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if view == "view":
         argv.append("--gradient-as-bucket-view")
@@ -72,14 +80,14 @@ def run(args, world, variant):
         return None
     return dict(params=int(first.group(1)), unit=int(first.group(2)),
                 step_ms=float(last.group(1)), peak=float(last.group(2)),
-                state=float(last.group(3)), sharding=sharding)
+                state=float(last.group(3)), sharding=sharding, optimizer=optimizer)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--variants", default="ddp,ddp-view,zero1,zero1-view,zero2,fsdp")
-    parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    parser.add_argument("--optimizer", default="adam", choices=["adam", "chunked-adam", "sgd"])
     parser.add_argument("--model", default="large")
     parser.add_argument("--build-dir", default="build")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -92,9 +100,11 @@ def main():
     args = parser.parse_args()
     variants = args.variants.split(",")
     for v in variants:
-        if v.partition("-")[0] not in ("ddp", "zero1", "zero2", "fsdp") or \
-                v.partition("-")[2] not in ("", "view"):
-            parser.error(f"unknown variant {v!r}: ddp, zero1, zero2, fsdp, each optionally -view")
+        sharding, view, optimizer = parse_variant(v, args.optimizer)
+        if sharding not in ("ddp", "zero1", "zero2", "fsdp") or view not in ("", "view") or \
+                optimizer not in ("adam", "chunked-adam", "sgd"):
+            parser.error(f"unknown variant {v!r}: ddp, zero1, zero2, fsdp, each optionally -view, "
+                         f"then optionally :adam, :chunked-adam or :sgd")
 
     print(f"| W | variant | state_mem_mb | state formula (MiB) | state ÷ formula | peak_mem_mb | "
           f"peak formula (MiB) | peak ÷ formula | peak ÷ DDP's |")
@@ -108,7 +118,7 @@ def main():
                 print(f"| {world} | {variant} | failed | | | | | | |", flush=True)
                 ok = False
                 continue
-            state_bytes, text = state_formula(r["sharding"], args.optimizer, r["params"], world)
+            state_bytes, text = state_formula(r["sharding"], r["optimizer"], r["params"], world)
             peak_bytes, peak_text = state_bytes, text
             if r["sharding"] == "fsdp":
                 peak_bytes += 4 * r["unit"]

@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "ddp/torch/chunked_adam.h"
 #include "ddp/torch/distributed_objects.h"
 #include "ddp_phase.h"
 #include "libtorch_compat.h"
@@ -72,14 +73,14 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<torch::Tensor> para
                                                  torch::optim::AdamOptions defaults, GroupRef group,
                                                  ZeroOptions options)
     : ZeroRedundancyOptimizer(std::move(params),
-                              optimizer_factory<torch::optim::Adam>(std::move(defaults)),
-                              std::move(group), options) {}
+                              optimizer_factory<ChunkedAdam>(std::move(defaults)), std::move(group),
+                              options) {}
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<torch::Tensor> params,
                                                  torch::optim::AdamWOptions defaults,
                                                  GroupRef group, ZeroOptions options)
     : ZeroRedundancyOptimizer(std::move(params),
-                              optimizer_factory<torch::optim::AdamW>(std::move(defaults)),
+                              optimizer_factory<ChunkedAdamW>(std::move(defaults)),
                               std::move(group), options) {}
 
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
@@ -175,7 +176,11 @@ void ZeroRedundancyOptimizer::build(std::vector<OptimizerParamGroup> param_group
     local_ = factory_(std::move(local_groups));
     if (!local_) throw ConfigError("ZeroRedundancyOptimizer: the optimizer factory returned null");
     const auto& local = *local_;
-    kind_ = c10::demangle(typeid(local).name());
+    // ChunkedAdam(W) keeps libtorch's state: its states and checkpoints are Adam(W)'s.
+    kind_ = dynamic_cast<const ChunkedAdamW*>(&local) != nullptr ? "torch::optim::AdamW"
+            : dynamic_cast<const ChunkedAdam*>(&local) != nullptr
+                ? "torch::optim::Adam"
+                : c10::demangle(typeid(local).name());
     if (dynamic_cast<const torch::optim::LBFGS*>(&local) != nullptr) {
       throw ConfigError(
           "ZeroRedundancyOptimizer: LBFGS cannot be sharded (its step is a line search over "

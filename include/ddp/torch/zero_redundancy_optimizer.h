@@ -119,7 +119,9 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
                           OptimizerFactory factory, GroupRef group = {}, ZeroOptions options = {});
   ZeroRedundancyOptimizer(std::vector<torch::Tensor> params, OptimizerFactory factory,
                           GroupRef group = {}, ZeroOptions options = {});
-  // Convenience: the local optimizers are SGD, Adam or AdamW with these defaults.
+  // Convenience: the local optimizers are SGD, or Adam or AdamW with libtorch's state and a step
+  // without parameter-sized temporaries (ChunkedAdam, ChunkedAdamW: chunked_adam.h), with these
+  // defaults. For libtorch's own Adam: optimizer_factory<torch::optim::Adam>(defaults).
   ZeroRedundancyOptimizer(std::vector<torch::Tensor> params, torch::optim::SGDOptions defaults,
                           GroupRef group = {}, ZeroOptions options = {});
   ZeroRedundancyOptimizer(std::vector<torch::Tensor> params, torch::optim::AdamOptions defaults,
