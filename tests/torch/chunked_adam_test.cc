@@ -77,35 +77,36 @@ void expect_same_steps(torch::optim::Optimizer& mine, std::vector<torch::Tensor>
   ASSERT_EQ(mine.state().size(), theirs.state().size()) << what;
 }
 
-TEST(ChunkedAdam, EqualsLibtorchsAdamBitForBit) {
+// Mine against Theirs (libtorch's class) for each of `each_options`, four steps apiece.
+template <class Mine, class Theirs, class Options>
+void expect_equal_to_libtorch(const std::vector<Options>& each_options, const char* name) {
   OneThread one_thread;
-  for (const auto& options :
-       {torch::optim::AdamOptions(1e-2), torch::optim::AdamOptions(1e-2).weight_decay(0.1),
-        torch::optim::AdamOptions(1e-2).amsgrad(true),
-        torch::optim::AdamOptions(3e-3).weight_decay(0.05).amsgrad(true).eps(1e-6)}) {
+  for (const auto& options : each_options) {
     auto mine_params = make_parameters();
     auto their_params = copies(mine_params);
-    ChunkedAdam mine(mine_params, options);
-    torch::optim::Adam theirs(their_params, options);
+    Mine mine(mine_params, options);
+    Theirs theirs(their_params, options);
     expect_same_steps(
         mine, mine_params, theirs, their_params, 4,
-        fmt::format("Adam wd {} amsgrad {}", options.weight_decay(), options.amsgrad()));
+        fmt::format("{} wd {} amsgrad {}", name, options.weight_decay(), options.amsgrad()));
   }
 }
 
+TEST(ChunkedAdam, EqualsLibtorchsAdamBitForBit) {
+  using torch::optim::AdamOptions;
+  expect_equal_to_libtorch<ChunkedAdam, torch::optim::Adam>(
+      std::vector<AdamOptions>{AdamOptions(1e-2), AdamOptions(1e-2).weight_decay(0.1),
+                               AdamOptions(1e-2).amsgrad(true),
+                               AdamOptions(3e-3).weight_decay(0.05).amsgrad(true).eps(1e-6)},
+      "Adam");
+}
+
 TEST(ChunkedAdam, AdamWEqualsLibtorchsAdamWBitForBit) {
-  OneThread one_thread;
-  for (const auto& options :
-       {torch::optim::AdamWOptions(1e-2), torch::optim::AdamWOptions(1e-2).weight_decay(0),
-        torch::optim::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(true)}) {
-    auto mine_params = make_parameters();
-    auto their_params = copies(mine_params);
-    ChunkedAdamW mine(mine_params, options);
-    torch::optim::AdamW theirs(their_params, options);
-    expect_same_steps(
-        mine, mine_params, theirs, their_params, 4,
-        fmt::format("AdamW wd {} amsgrad {}", options.weight_decay(), options.amsgrad()));
-  }
+  using torch::optim::AdamWOptions;
+  expect_equal_to_libtorch<ChunkedAdamW, torch::optim::AdamW>(
+      std::vector<AdamWOptions>{AdamWOptions(1e-2), AdamWOptions(1e-2).weight_decay(0),
+                                AdamWOptions(1e-2).weight_decay(0.1).amsgrad(true)},
+      "AdamW");
 }
 
 // The state is libtorch's: saved from one class, it loads into the other, which steps on as the
