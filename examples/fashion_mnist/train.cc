@@ -178,7 +178,10 @@ double evaluate(torch::nn::Module& module,
   torch::NoGradGuard no_grad;
   module.eval();
   std::int64_t correct = 0;
-  constexpr std::int64_t kEvalBatch = 1000;
+  // Small batches: at 1,000 a convolution's buffers (100 MB) exceed glibc's mmap threshold, so
+  // every batch maps and faults them in afresh; at 100 they are reused, and one evaluation of the
+  // cnn takes 2.4 s instead of 6.1 (one thread, without ddprun's malloc tuning).
+  constexpr std::int64_t kEvalBatch = 100;
   for (std::int64_t start = 0; start < test.size(); start += kEvalBatch) {
     const auto length = std::min(kEvalBatch, test.size() - start);
     const auto logits = forward(test.images.narrow(0, start, length));
