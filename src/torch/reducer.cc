@@ -177,9 +177,11 @@ std::size_t Reducer::check_parameters(const std::vector<torch::Tensor>& paramete
   std::size_t reattached = 0;
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     const auto& now = parameters[i];
-    // What the parameter was: its slot in a bucket, or (no bucket) the tensor itself.
-    const auto& view =
-        sparse_[i] ? parameters_[i] : buckets_[slots_[i].bucket].views[slots_[i].index];
+    // What the parameter was: its slot in a bucket, or (no bucket: sparse, or none left after a
+    // failed rebuild) the tensor itself.
+    const auto& view = sparse_[i] || buckets_.empty()
+                           ? parameters_[i]
+                           : buckets_[slots_[i].bucket].views[slots_[i].index];
     if (now.sizes() != view.sizes() || now.scalar_type() != view.scalar_type() ||
         now.device() != view.device()) {
       throw Error(fmt::format(
@@ -379,7 +381,7 @@ torch::Tensor Reducer::slot_view(std::size_t param) const {
 }
 
 bool Reducer::is_bucket_view(std::size_t param, const torch::Tensor& grad) const {
-  if (sparse_[param]) return false;
+  if (sparse_[param] || buckets_.empty()) return false;
   const auto& view = buckets_[slots_[param].bucket].views[slots_[param].index];
   return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
          grad.is_contiguous();
@@ -1052,7 +1054,7 @@ void Reducer::rebuild_buckets() {
         "DistributedDataParallel has no buckets left and refuses to synchronise again: free "
         "memory, then start again with a new process group (from a checkpoint)",
         group_->rank(), e.what());
-    throw;
+    throw Error(hook_failure_);  // says what failed and that this DDP cannot go on
   }
   for (std::size_t i = 0; i < n; ++i) {
     if (zero_view[i] != 0) parameters_[i].mutable_grad() = slot_view(i);

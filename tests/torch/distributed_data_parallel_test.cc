@@ -262,6 +262,103 @@ TEST(DistributedDataParallel, BucketRebuildHoldsOneSetOfBucketsAndKeepsTheGradie
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// libtorch's CPU allocator, but refusing every allocation of at least `refuse_from` bytes while
+// installed (as an exhausted memory would): the allocation fails deterministically, whatever glibc
+// kept mapped. (c10::Allocator's allocate lost its const, and copy_data came, in PyTorch 2.3.)
+#define DDP_TEST_ALLOCATOR_2_3 \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3))
+class RefusingLargeAllocations final : public c10::Allocator {
+ public:
+  explicit RefusingLargeAllocations(std::size_t refuse_from)
+      : inner_(c10::GetAllocator(c10::DeviceType::CPU)), refuse_from_(refuse_from) {
+    c10::SetAllocator(c10::DeviceType::CPU, this, /*priority=*/255);
+  }
+  ~RefusingLargeAllocations() override {
+    c10::SetAllocator(c10::DeviceType::CPU, inner_, /*priority=*/255);
+  }
+  RefusingLargeAllocations(const RefusingLargeAllocations&) = delete;
+  RefusingLargeAllocations& operator=(const RefusingLargeAllocations&) = delete;
+
+#if DDP_TEST_ALLOCATOR_2_3
+  c10::DataPtr allocate(std::size_t n) override {
+#else
+  c10::DataPtr allocate(std::size_t n) const override {
+#endif
+    TORCH_CHECK(n < refuse_from_, "RefusingLargeAllocations: ", n, " bytes refused");
+    return inner_->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return inner_->raw_deleter();
+  }
+#if DDP_TEST_ALLOCATOR_2_3
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner_->copy_data(dest, src, count);
+  }
+#endif
+
+ private:
+  c10::Allocator* inner_;
+  std::size_t refuse_from_;
+};
+
+// A rebuild that cannot allocate its new buckets (the CPU allocator refusing 8 MiB and more, on
+// both ranks) fails that forward by name, and every later synchronisation is refused naming the
+// rebuild: there are no buckets left to reduce into, and going on would leave the ranks waiting on
+// each other. The model still evaluates as the module it wraps. With and without
+// gradient_as_bucket_view.
+TEST(DistributedDataParallel, AFailedBucketRebuildIsNamedAndRefusesEveryLaterSynchronisation) {
+  const int port = test::free_port();
+  constexpr int kWorld = 2;
+  const auto results = run_ranks(kWorld, [&](int rank) {
+    ::setenv("DDP_SHM_SHARED_BUFFERS", "0", 1);
+    auto pg = join_group(rank, kWorld, port);
+    const auto x = torch::randn({4, 2048});
+    for (const bool as_view : {false, true}) {
+      const std::string mode = as_view ? "gradient_as_bucket_view" : "copying gradients";
+      torch::manual_seed(3);
+      auto net = torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Tanh(),
+                                       torch::nn::Linear(2048, 8));
+      DistributedDataParallel model(net.ptr(), pg, {.gradient_as_bucket_view = as_view});
+      model->forward(x).sum().backward();
+      model->zero_grad();
+      std::string rebuild_error;
+      try {
+        RefusingLargeAllocations refusing(8 << 20);  // the weight's new bucket is 16 MiB
+        model->forward(x);
+      } catch (const std::exception& e) {
+        rebuild_error = e.what();
+      }
+      if (rebuild_error.find("rebuilding the gradient buckets failed") == std::string::npos ||
+          rebuild_error.find("no buckets left") == std::string::npos) {
+        throw std::runtime_error(mode +
+                                 ": the rebuilding forward with large allocations refused: " +
+                                 (rebuild_error.empty() ? "no error" : rebuild_error));
+      }
+      for (int attempt = 0; attempt < 2; ++attempt) {
+        std::string refusal;
+        try {
+          model->forward(x).sum().backward();
+        } catch (const std::exception& e) {
+          refusal = e.what();
+        }
+        if (refusal.find("refusing to synchronise gradients after an earlier failure") ==
+                std::string::npos ||
+            refusal.find("rebuilding the gradient buckets failed") == std::string::npos) {
+          throw std::runtime_error(mode + ": a step after the failed rebuild: " +
+                                   (refusal.empty() ? "no error" : refusal));
+        }
+      }
+      // Nothing is lost: the model still evaluates (and so can be saved) as the module it wraps.
+      model->eval();
+      torch::NoGradGuard no_grad;
+      if (!torch::equal(model->forward(x), net->forward(x)))
+        throw std::runtime_error(mode + ": evaluation after the failed rebuild differs");
+    }
+    ::unsetenv("DDP_SHM_SHARED_BUFFERS");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(DistributedDataParallel, Fp16CompressionIsCloseToOneProcess) {
   check_equivalence<Mlp>(2, 8, {20}, {}, 1e-2,
                          [](auto& model) { model->register_comm_hook(fp16_compress_hook()); });
