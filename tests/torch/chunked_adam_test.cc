@@ -4,8 +4,6 @@
 // save/load; and the step's peak memory without the parameter-sized temporaries libtorch's makes.
 #include <gtest/gtest.h>
 
-#include <fstream>
-#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -15,9 +13,13 @@
 #include <torch/torch.h>
 
 #include "ddp/torch/chunked_adam.h"
+#include "support/resident_memory.h"
 
 namespace ddp {
 namespace {
+
+using test::peak_added_mib;
+using test::status_mib;
 
 // One intra-op thread for the scope (the bit-for-bit contract's condition).
 class OneThread {
@@ -148,22 +150,6 @@ TEST(ChunkedAdam, SparseGradientsAreRefusedAsLibtorchRefusesThem) {
     EXPECT_NE(std::string(e.what()).find("does not support sparse gradients"), std::string::npos)
         << e.what();
   }
-}
-
-double status_mib(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
-  }
-  return -1.0;
-}
-
-// The resident memory a call adds at its peak, in MiB (VmHWM reset through clear_refs).
-double peak_added_mib(const std::function<void()>& call) {
-  std::ofstream("/proc/self/clear_refs") << "5";
-  const double before = status_mib("VmRSS");
-  call();
-  return status_mib("VmHWM") - before;
 }
 
 // A 64 MiB weight: libtorch's step peaks at two weight-sized temporaries above what it holds, the
