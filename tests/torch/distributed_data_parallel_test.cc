@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 
 #include "ddp/error.h"
@@ -161,6 +162,28 @@ TEST(DistributedDataParallel, SharedBucketsOnOneHostGiveTheCopyingPathsBits) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// The rebuild tests' model: a 16 MiB weight, then a small one.
+torch::nn::Sequential make_model() {
+  torch::manual_seed(3);
+  return torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Tanh(),
+                               torch::nn::Linear(2048, 8));
+}
+
+// Runs `body(group, input)` on two ranks whose buckets are private copies
+// (DDP_SHM_SHARED_BUFFERS=0), with an input for make_model().
+void on_two_ranks_with_copying_buckets(
+    const std::function<void(const std::shared_ptr<ProcessGroup>&, const torch::Tensor&)>& body) {
+  const int port = test::free_port();
+  constexpr int kWorld = 2;
+  const auto results = run_ranks(kWorld, [&](int rank) {
+    ::setenv("DDP_SHM_SHARED_BUFFERS", "0", 1);
+    auto pg = join_group(rank, kWorld, port);
+    body(pg, torch::randn({4, 2048}));
+    ::unsetenv("DDP_SHM_SHARED_BUFFERS");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // The bucket rebuild (at the second forward) holds one set of buckets at a time, and keeps every
 // gradient's values. World 2, a 16 MiB weight in copying buckets (DDP_SHM_SHARED_BUFFERS=0: a
 // shared bucket's pages would count in both ranks' resident sets), with and without
@@ -171,17 +194,8 @@ TEST(DistributedDataParallel, SharedBucketsOnOneHostGiveTheCopyingPathsBits) {
 // in between.
 TEST(DistributedDataParallel, BucketRebuildHoldsOneSetOfBucketsAndKeepsTheGradients) {
   if (status_mib("VmHWM") < 0) GTEST_SKIP() << "no VmHWM in /proc/self/status";
-  const int port = test::free_port();
-  constexpr int kWorld = 2;
-  const auto results = run_ranks(kWorld, [&](int rank) {
-    ::setenv("DDP_SHM_SHARED_BUFFERS", "0", 1);
-    auto pg = join_group(rank, kWorld, port);
-    const auto x = torch::randn({4, 2048});
-    auto make_model = [] {
-      torch::manual_seed(3);
-      return torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Tanh(),
-                                   torch::nn::Linear(2048, 8));
-    };
+  on_two_ranks_with_copying_buckets([](const std::shared_ptr<ProcessGroup>& pg,
+                                       const torch::Tensor& x) {
     const double bucket_mib = 2048.0 * 2049 * 4 / (1 << 20);
     for (const bool as_view : {false, true}) {
       const std::string mode = as_view ? "gradient_as_bucket_view" : "copying gradients";
@@ -247,9 +261,7 @@ TEST(DistributedDataParallel, BucketRebuildHoldsOneSetOfBucketsAndKeepsTheGradie
               "{}: gradient {} after the rebuild differs from the model rebuilt earlier", mode, i));
       }
     }
-    ::unsetenv("DDP_SHM_SHARED_BUFFERS");
   });
-  EXPECT_ALL_RANKS_OK(results);
 }
 
 // libtorch's CPU allocator, but refusing every allocation of at least `refuse_from` bytes while
@@ -297,56 +309,49 @@ class RefusingLargeAllocations final : public c10::Allocator {
 // each other. The model still evaluates as the module it wraps. With and without
 // gradient_as_bucket_view.
 TEST(DistributedDataParallel, AFailedBucketRebuildIsNamedAndRefusesEveryLaterSynchronisation) {
-  const int port = test::free_port();
-  constexpr int kWorld = 2;
-  const auto results = run_ranks(kWorld, [&](int rank) {
-    ::setenv("DDP_SHM_SHARED_BUFFERS", "0", 1);
-    auto pg = join_group(rank, kWorld, port);
-    const auto x = torch::randn({4, 2048});
-    for (const bool as_view : {false, true}) {
-      const std::string mode = as_view ? "gradient_as_bucket_view" : "copying gradients";
-      torch::manual_seed(3);
-      auto net = torch::nn::Sequential(torch::nn::Linear(2048, 2048), torch::nn::Tanh(),
-                                       torch::nn::Linear(2048, 8));
-      DistributedDataParallel model(net.ptr(), pg, {.gradient_as_bucket_view = as_view});
-      model->forward(x).sum().backward();
-      model->zero_grad();
-      std::string rebuild_error;
-      try {
-        RefusingLargeAllocations refusing(8 << 20);  // the weight's new bucket is 16 MiB
-        model->forward(x);
-      } catch (const std::exception& e) {
-        rebuild_error = e.what();
-      }
-      if (rebuild_error.find("rebuilding the gradient buckets failed") == std::string::npos ||
-          rebuild_error.find("no buckets left") == std::string::npos) {
-        throw std::runtime_error(mode +
-                                 ": the rebuilding forward with large allocations refused: " +
-                                 (rebuild_error.empty() ? "no error" : rebuild_error));
-      }
-      for (int attempt = 0; attempt < 2; ++attempt) {
-        std::string refusal;
-        try {
+  on_two_ranks_with_copying_buckets(
+      [](const std::shared_ptr<ProcessGroup>& pg, const torch::Tensor& x) {
+        for (const bool as_view : {false, true}) {
+          const std::string mode = as_view ? "gradient_as_bucket_view" : "copying gradients";
+          auto net = make_model();
+          DistributedDataParallel model(net.ptr(), pg, {.gradient_as_bucket_view = as_view});
           model->forward(x).sum().backward();
-        } catch (const std::exception& e) {
-          refusal = e.what();
+          model->zero_grad();
+          std::string rebuild_error;
+          try {
+            RefusingLargeAllocations refusing(8 << 20);  // the weight's new bucket is 16 MiB
+            model->forward(x);
+          } catch (const std::exception& e) {
+            rebuild_error = e.what();
+          }
+          if (rebuild_error.find("rebuilding the gradient buckets failed") == std::string::npos ||
+              rebuild_error.find("no buckets left") == std::string::npos) {
+            throw std::runtime_error(mode +
+                                     ": the rebuilding forward with large allocations refused: " +
+                                     (rebuild_error.empty() ? "no error" : rebuild_error));
+          }
+          for (int attempt = 0; attempt < 2; ++attempt) {
+            std::string refusal;
+            try {
+              model->forward(x).sum().backward();
+            } catch (const std::exception& e) {
+              refusal = e.what();
+            }
+            if (refusal.find("refusing to synchronise gradients after an earlier failure") ==
+                    std::string::npos ||
+                refusal.find("rebuilding the gradient buckets failed") == std::string::npos) {
+              throw std::runtime_error(mode + ": a step after the failed rebuild: " +
+                                       (refusal.empty() ? "no error" : refusal));
+            }
+          }
+          // Nothing is lost: the model still evaluates (and so can be saved) as the module it
+          // wraps.
+          model->eval();
+          torch::NoGradGuard no_grad;
+          if (!torch::equal(model->forward(x), net->forward(x)))
+            throw std::runtime_error(mode + ": evaluation after the failed rebuild differs");
         }
-        if (refusal.find("refusing to synchronise gradients after an earlier failure") ==
-                std::string::npos ||
-            refusal.find("rebuilding the gradient buckets failed") == std::string::npos) {
-          throw std::runtime_error(mode + ": a step after the failed rebuild: " +
-                                   (refusal.empty() ? "no error" : refusal));
-        }
-      }
-      // Nothing is lost: the model still evaluates (and so can be saved) as the module it wraps.
-      model->eval();
-      torch::NoGradGuard no_grad;
-      if (!torch::equal(model->forward(x), net->forward(x)))
-        throw std::runtime_error(mode + ": evaluation after the failed rebuild differs");
-    }
-    ::unsetenv("DDP_SHM_SHARED_BUFFERS");
-  });
-  EXPECT_ALL_RANKS_OK(results);
+      });
 }
 
 TEST(DistributedDataParallel, Fp16CompressionIsCloseToOneProcess) {
