@@ -31,6 +31,13 @@ struct FullyShardedDataParallelImpl::Unit {
   bool reduced = false;
   std::shared_ptr<Work> reduction;
   torch::Tensor reduction_input, reduction_output;
+  // Whether reduction_input holds gradients of finished no_sync() passes (kept for the next
+  // synchronised one).
+  bool holds_accumulation = false;
+  // The shard's .grad() when a failed backward was dropped (it may hold part of that pass), and
+  // its version then: a reduction may not add to it unchanged.
+  const c10::TensorImpl* grad_at_failure = nullptr;
+  std::int64_t grad_version_at_failure = 0;
 };
 
 }  // namespace ddp

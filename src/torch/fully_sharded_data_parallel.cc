@@ -581,7 +581,57 @@ void FullyShardedDataParallelImpl::throw_not_a(const char* type_name) const {
       c10::demangle(type_name), wrapped_->name()));
 }
 
+// A backward that threw inside autograd (out of memory, a hook that failed) never ran
+// finish_backward: the units' ready counts and reductions are stale, so the next backward would
+// reduce none of those units and leave their gradients undefined. That pass is dropped here, before
+// anything is gathered: its in-flight reductions are waited for (on every rank that failed alike
+// they complete; a rank that did not fail is left waiting, which the group's timeout names), and
+// its partial gradients freed. What it may already have added to a shard's .grad() is marked: a
+// reduction that would add to it unchanged is refused by name (harvest_reduction), so the partial
+// pass is never silently part of a step; zero the gradients and it is gone. Gradients accumulated
+// under no_sync() are lost with it: that is an error here, once, naming what to redo.
+void FullyShardedDataParallelImpl::drop_unfinished_backward() {
+  if (!finish_queued_) return;
+  finish_queued_ = false;
+  torch::NoGradGuard no_grad;
+  bool lost_accumulation = false;
+  for (std::size_t unit = 0; unit < units_.size(); ++unit) {
+    auto& u = *units_[unit];
+    if (u.reduction) {
+      detail::in_phase(
+          detail::kFsdpCauses,
+          [&] {
+            return fmt::format(
+                "gradient reduce-scatter of unit {} of {} (of a backward that failed)", unit + 1,
+                units_.size());
+          },
+          [&] { u.reduction->wait(); });
+    }
+    lost_accumulation = lost_accumulation || u.holds_accumulation;
+    u.holds_accumulation = false;
+    u.reduction.reset();
+    u.reduction_input = torch::Tensor();
+    u.reduction_output = torch::Tensor();
+    u.ready = 0;
+    u.reduced = false;
+    for (auto& p : u.params)
+      p.mutable_grad().reset();
+    const auto& grad = u.shard.grad();
+    u.grad_at_failure = grad.defined() ? grad.unsafeGetTensorImpl() : nullptr;
+    u.grad_version_at_failure = grad.defined() ? grad._version() : 0;
+    if (frees_full_parameters()) free_full(unit);
+  }
+  outstanding_.clear();
+  if (lost_accumulation) {
+    throw Error(
+        "FullyShardedDataParallel: the last backward failed before it finished, and the gradients "
+        "accumulated under no_sync() went with it; start this step's accumulation again (zero the "
+        "gradients first)");
+  }
+}
+
 void FullyShardedDataParallelImpl::begin_forward(bool tensor_forward) {
+  drop_unfinished_backward();
   if (!shadowing_ && join_state()) {
     if (!tensor_forward) {
       throw ConfigError(
@@ -789,6 +839,18 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
   // cpu_offload: only the shard's averaged gradient leaves the device, to the host shard's .grad().
   if (offloads_shards()) average = average.to(torch::kCPU);
   auto& grad = u.shard.mutable_grad();
+  if (u.grad_at_failure != nullptr) {
+    const bool unchanged = grad.defined() && grad.unsafeGetTensorImpl() == u.grad_at_failure &&
+                           grad._version() == u.grad_version_at_failure;
+    u.grad_at_failure = nullptr;
+    if (unchanged) {
+      throw Error(fmt::format(
+          "FullyShardedDataParallel: unit {} of {}: its shard's gradient has not changed since a "
+          "backward failed before it finished, so it may hold part of that backward; zero the "
+          "gradients (optimizer.zero_grad()) after a failed step, then run the step again",
+          unit + 1, units_.size()));
+    }
+  }
   if (grad.defined()) {
     grad.add_(average);
   } else {
@@ -797,6 +859,7 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
   u.reduction.reset();
   u.reduction_input = torch::Tensor();
   u.reduction_output = torch::Tensor();
+  u.holds_accumulation = false;
 }
 
 void FullyShardedDataParallelImpl::finish_backward() {
@@ -812,6 +875,7 @@ void FullyShardedDataParallelImpl::finish_backward() {
   for (auto& unit : units_) {
     unit->ready = 0;
     unit->reduced = false;
+    unit->holds_accumulation = unit->reduction_input.defined();  // no_sync's, for the next pass
   }
   if (frees_full_parameters()) {
     for (std::size_t u = 0; u < units_.size(); ++u)

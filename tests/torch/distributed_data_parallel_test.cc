@@ -13,6 +13,7 @@
 #include "support/resident_memory.h"
 #include "torch/ddp_test_models.h"
 #include "torch/ddp_test_util.h"
+#include "torch/refusing_allocator.h"
 
 namespace ddp {
 namespace {
@@ -264,45 +265,6 @@ TEST(DistributedDataParallel, BucketRebuildHoldsOneSetOfBucketsAndKeepsTheGradie
   });
 }
 
-// libtorch's CPU allocator, but refusing every allocation of at least `refuse_from` bytes while
-// installed (as an exhausted memory would): the allocation fails deterministically, whatever glibc
-// kept mapped. (c10::Allocator's allocate lost its const, and copy_data came, in PyTorch 2.3.)
-#define DDP_TEST_ALLOCATOR_2_3 \
-  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3))
-class RefusingLargeAllocations final : public c10::Allocator {
- public:
-  explicit RefusingLargeAllocations(std::size_t refuse_from)
-      : inner_(c10::GetAllocator(c10::DeviceType::CPU)), refuse_from_(refuse_from) {
-    c10::SetAllocator(c10::DeviceType::CPU, this, /*priority=*/255);
-  }
-  ~RefusingLargeAllocations() override {
-    c10::SetAllocator(c10::DeviceType::CPU, inner_, /*priority=*/255);
-  }
-  RefusingLargeAllocations(const RefusingLargeAllocations&) = delete;
-  RefusingLargeAllocations& operator=(const RefusingLargeAllocations&) = delete;
-
-#if DDP_TEST_ALLOCATOR_2_3
-  c10::DataPtr allocate(std::size_t n) override {
-#else
-  c10::DataPtr allocate(std::size_t n) const override {
-#endif
-    TORCH_CHECK(n < refuse_from_, "RefusingLargeAllocations: ", n, " bytes refused");
-    return inner_->allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const override {
-    return inner_->raw_deleter();
-  }
-#if DDP_TEST_ALLOCATOR_2_3
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    inner_->copy_data(dest, src, count);
-  }
-#endif
-
- private:
-  c10::Allocator* inner_;
-  std::size_t refuse_from_;
-};
-
 // A rebuild that cannot allocate its new buckets (the CPU allocator refusing 8 MiB and more, on
 // both ranks) fails that forward by name, and every later synchronisation is refused naming the
 // rebuild: there are no buckets left to reduce into, and going on would leave the ranks waiting on
@@ -319,7 +281,7 @@ TEST(DistributedDataParallel, AFailedBucketRebuildIsNamedAndRefusesEveryLaterSyn
           model->zero_grad();
           std::string rebuild_error;
           try {
-            RefusingLargeAllocations refusing(8 << 20);  // the weight's new bucket is 16 MiB
+            test::RefusingLargeAllocations refusing(8 << 20);  // the weight's new bucket is 16 MiB
             model->forward(x);
           } catch (const std::exception& e) {
             rebuild_error = e.what();

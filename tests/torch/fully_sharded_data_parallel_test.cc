@@ -25,6 +25,7 @@
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "torch/ddp_test_util.h"
+#include "torch/refusing_allocator.h"
 
 namespace ddp {
 namespace {
@@ -351,6 +352,89 @@ TEST(FullyShardedDataParallel, GradientsAccumulateAndEvaluationLeavesNothingGath
       if (out.requires_grad() || out.size(1) != 2) throw std::runtime_error("eval output");
     }
     if (fsdp->gathered_parameter_bytes() != 0) throw std::runtime_error("left gathered");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// The error of `call`, or "" when it returns.
+std::string error_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A backward that fails inside autograd (a hook that throws at its end, after some units'
+// gradients were reduced; an allocation refused midway) never finishes: the next forward drops
+// what it left, a gradient it may have reached is never added to silently (the next backward is
+// refused by name until the gradients are zeroed), and a step after zero_grad equals the same step
+// of a wrapper that never failed (before the fix its first unit got no gradient at all). Gradients
+// accumulated under no_sync() that the failure took are named once. Both sharded strategies.
+TEST(FullyShardedDataParallel, ABackwardThatFailedIsDroppedAndNeverPartOfAStepSilently) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port, 10s);
+    auto [x, y] = make_batch(rank, 2, 0);
+    auto zero = [](FullyShardedDataParallel& model) {
+      for (auto& p : model->parameters())
+        p.mutable_grad() = torch::Tensor();
+    };
+    auto expect_error = [](const std::string& what, const std::string& error,
+                           const std::string& expected) {
+      if (error.find(expected) == std::string::npos) {
+        throw std::runtime_error(fmt::format("{}: expected an error with '{}', got '{}'", what,
+                                             expected, error.empty() ? "none" : error));
+      }
+    };
+    for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      const std::string name = to_string(strategy);
+      FullyShardedDataParallel fsdp(make_model(), pg, three_units(strategy));
+      FullyShardedDataParallel clean(make_model(), pg, three_units(strategy));
+      auto failing_input = x.clone().requires_grad_(true);
+      failing_input.register_hook(
+          [](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("a hook failed"); });
+      expect_error(name + ": a backward whose hook throws",
+                   error_of([&] { torch::mse_loss(fsdp->forward(failing_input), y).backward(); }),
+                   "a hook failed");
+      expect_error(name + ": the next backward without zero_grad",
+                   error_of([&] { torch::mse_loss(fsdp->forward(x), y).backward(); }),
+                   "has not changed since a backward failed");
+      expect_error(name + ": a backward with large allocations refused", error_of([&] {
+                     auto loss = torch::mse_loss(fsdp->forward(x), y);
+                     test::RefusingLargeAllocations refusing(64);
+                     loss.backward();
+                   }),
+                   "RefusingLargeAllocations");
+      zero(fsdp);
+      torch::mse_loss(fsdp->forward(x), y).backward();
+      torch::mse_loss(clean->forward(x), y).backward();
+      for (std::size_t i = 0; i < clean->parameters().size(); ++i) {
+        const auto& got = fsdp->parameters()[i].grad();
+        if (!got.defined() || !torch::equal(got, clean->parameters()[i].grad())) {
+          throw std::runtime_error(fmt::format(
+              "{}: shard {}'s gradient after the failures and zero_grad {} the clean step's", name,
+              i, got.defined() ? "differs from" : "is missing, unlike"));
+        }
+      }
+      if (fsdp->gathered_parameter_bytes() != clean->gathered_parameter_bytes())
+        throw std::runtime_error(name + ": gathers other parameters than the clean wrapper");
+      zero(fsdp);
+      {
+        auto guard = fsdp->no_sync();
+        torch::mse_loss(fsdp->forward(x), y).backward();
+        error_of([&] { torch::mse_loss(fsdp->forward(failing_input), y).backward(); });
+      }
+      expect_error(name + ": the forward after a failed no_sync backward",
+                   error_of([&] { fsdp->forward(x); }), "accumulated under no_sync() went with it");
+      zero(fsdp);
+      torch::mse_loss(fsdp->forward(x), y).backward();
+      for (std::size_t i = 0; i < clean->parameters().size(); ++i) {
+        if (!torch::equal(fsdp->parameters()[i].grad(), clean->parameters()[i].grad()))
+          throw std::runtime_error(fmt::format("{}: shard {} after the no_sync failure", name, i));
+      }
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }
