@@ -1065,6 +1065,16 @@ void Reducer::prepare_for_backward(const std::vector<torch::Tensor>& outputs) {
   std::lock_guard lock(mutex_);
   // A new pass: a failed one may have dropped its queued callbacks.
   end_of_backward_queued_ = false;
+  if (callback_queued_) {
+    // The last backward threw inside autograd after its first hook (a hook of the user's, an
+    // allocation): finalize_backward never ran, and every parameter it reached would count as
+    // ready twice in this pass. That pass is dropped: what it launched completes first (as on the
+    // other ranks, or within the group's timeout), and nothing of it is delivered; the local
+    // gradients autograd accumulated before the failure stay in .grad, as without DDP.
+    if (staging_thread_) staging_thread_->drain(Clock::now() + kDefaultTimeout);
+    wait_for_launched_buckets();
+    reset_iteration();
+  }
   if (!require_sync_) return;
   throw_if_hook_failed();
   expect_hooks_ = true;

@@ -316,6 +316,54 @@ TEST(DistributedDataParallel, AFailedBucketRebuildIsNamedAndRefusesEveryLaterSyn
       });
 }
 
+// A backward that throws inside autograd after DDP's hooks ran (here a hook on the input, the
+// last gradient computed: every bucket launched) never reaches DDP's end of backward. The next
+// forward drops that pass (before: the next backward failed with "received a gradient twice"), and
+// after zero_grad the step equals the same step of a model that never failed, with and without
+// gradient_as_bucket_view.
+TEST(DistributedDataParallel, ABackwardThatFailedInsideAutogradIsDroppedAtTheNextForward) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port, 10s);
+    torch::manual_seed(5 + rank);
+    const auto x = torch::randn({8, 20});
+    for (const bool as_view : {false, true}) {
+      const std::string mode = as_view ? "gradient_as_bucket_view" : "copying gradients";
+      torch::manual_seed(1);
+      Mlp failing_net;
+      torch::manual_seed(1);
+      Mlp clean_net;
+      DistributedDataParallel model(failing_net.ptr(), pg, {.gradient_as_bucket_view = as_view});
+      DistributedDataParallel clean(clean_net.ptr(), pg, {.gradient_as_bucket_view = as_view});
+      auto failing_input = x.clone().requires_grad_(true);
+      failing_input.register_hook(
+          [](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("a hook failed"); });
+      for (const bool fail : {false, true}) {  // the second pass fails (after the rebuild)
+        model->zero_grad();
+        try {
+          model->forward(fail ? failing_input : x).sum().backward();
+          if (fail) throw std::runtime_error(mode + ": the failing hook did not fail backward");
+        } catch (const std::runtime_error& e) {
+          if (!fail || std::string(e.what()).find("a hook failed") == std::string::npos) throw;
+        }
+        clean->zero_grad();
+        clean->forward(x).sum().backward();
+      }
+      model->zero_grad();
+      clean->zero_grad();
+      model->forward(x).sum().backward();
+      clean->forward(x).sum().backward();
+      for (std::size_t i = 0; i < clean->parameters().size(); ++i) {
+        if (!torch::equal(model->parameters()[i].grad(), clean->parameters()[i].grad())) {
+          throw std::runtime_error(
+              fmt::format("{}: gradient {} after the failed backward differs", mode, i));
+        }
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(DistributedDataParallel, Fp16CompressionIsCloseToOneProcess) {
   check_equivalence<Mlp>(2, 8, {20}, {}, 1e-2,
                          [](auto& model) { model->register_comm_hook(fp16_compress_hook()); });
