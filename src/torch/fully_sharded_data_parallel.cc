@@ -917,8 +917,9 @@ void FullyShardedDataParallelImpl::summon_full_params(const std::function<void()
     }
     if (wrapper->finish_queued_) {
       throw ConfigError(
-          "FullyShardedDataParallel::summon_full_params inside a backward pass; call it between "
-          "steps");
+          "FullyShardedDataParallel::summon_full_params inside a backward pass, or after one that "
+          "failed before it finished; call it between steps (after a failed backward, once a "
+          "forward has dropped what it left)");
     }
   }
   // Everything gathered, as forward's first gather would (the shards may have changed).

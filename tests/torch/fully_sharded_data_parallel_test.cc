@@ -398,6 +398,8 @@ TEST(FullyShardedDataParallel, ABackwardThatFailedIsDroppedAndNeverPartOfAStepSi
       expect_error(name + ": a backward whose hook throws",
                    error_of([&] { torch::mse_loss(fsdp->forward(failing_input), y).backward(); }),
                    "a hook failed");
+      expect_error(name + ": summon_full_params after the failed backward",
+                   error_of([&] { fsdp->summon_full_params([] {}); }), "after one that failed");
       expect_error(name + ": the next backward without zero_grad",
                    error_of([&] { torch::mse_loss(fsdp->forward(x), y).backward(); }),
                    "has not changed since a backward failed");
