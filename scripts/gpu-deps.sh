@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run HERE (Debian 12), before a GPU check: fetches the libraries ddp's build needs beyond a CUDA
-# toolkit and PyTorch (fmt, GoogleTest/GMock, CLI11, nlohmann-json, zlib), as Debian packages
-# (`apt-get download`), and unpacks them (`dpkg -x`) into .gpu-deps/ (ignored by git), which the
+# toolkit and PyTorch (fmt, GoogleTest/GMock, CLI11, nlohmann-json, zlib, libdeflate), as Debian
+# packages (`apt-get download`), and unpacks them (`dpkg -x`) into .gpu-deps/ (ignored by git), which the
 # device tool carries to the GPU machine beside the working tree; scripts/gpu-check.sh builds
 # against it there (CMAKE_PREFIX_PATH, LD_LIBRARY_PATH). That machine has no Debian packages and no
 # network. What is turned off instead of carried: OpenMPI (DDP_WITH_MPI=OFF), OpenSSL (shared-
@@ -19,6 +19,7 @@ packages=(
   libcli11-dev                  # CLI11 (header-only): ddprun, ddp-train-bench
   nlohmann-json3-dev            # nlohmann-json (header-only)
   zlib1g-dev zlib1g             # zlib: ddp::torch's checkpoint CRCs; libz.so.1 beside its link
+  libdeflate-dev libdeflate0    # libdeflate: the CRC-32 of the zip records ddp reads
 )
 
 if ! command -v apt-get >/dev/null || ! command -v dpkg >/dev/null; then

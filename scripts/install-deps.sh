@@ -17,6 +17,7 @@ packages=(
   libpython3-dev  # Python.h: torch_ddp, the extension in python/ (built in the pytorch stage)
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libfmt-dev nlohmann-json3-dev zlib1g-dev libssl-dev
+  libdeflate-dev  # the CRC-32 of every zip record read (src/archive)
   iproute2 procps
   nftables  # scripts/cluster.sh --loss (this kernel has no netem)
   python3-matplotlib  # the plots: scripts/plot_metrics.py, scripts/plot_trace.py, bench/plot_cluster.py

@@ -8,6 +8,7 @@ protocol change; the seeds are small, valid examples for the fuzzer to mutate.
 import gzip
 import os
 import struct
+import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -106,3 +107,119 @@ write("fuzz_flight_dump", "hang", b"\x02" + flight_dump(2, 4, [
     flight_entry(0, "barrier", "completed"), flight_entry(1, "allreduce", "started")],
     reason="signal"))
 
+
+
+# --- PyTorch's files: pickles (fuzz_pickle_reader) and torch.save's zip archives
+# (fuzz_zip_reader), well-formed and hostile (the cases docs/security.md lists), made here, not
+# checked in as blobs by hand. The hostile ones are scaled down where their full size would only
+# slow the fuzzer (tests/archive and tests/torch run them at full size). ---
+def p_str(s):
+    s = s.encode()
+    return b"X" + struct.pack("<I", len(s)) + s
+
+
+def p_int(v):
+    return b"\x8a\x08" + struct.pack("<q", v)
+
+
+def p_ints(values):
+    return b"(" + b"".join(p_int(v) for v in values) + b"t"
+
+
+def p_tensor(storage_type, key, numel, offset, size, stride):
+    return (b"ctorch._utils\n_rebuild_tensor_v2\n((" + p_str("storage") + b"ctorch\n" +
+            storage_type.encode() + b"\n" + p_str(key) + p_str("cpu") + p_int(numel) + b"tQ" +
+            p_int(offset) + p_ints(size) + p_ints(stride) +
+            b"\x89ccollections\nOrderedDict\n)RtR")
+
+
+ORDERED_DICT = b"ccollections\nOrderedDict\n)R"
+
+
+def p_state_dict(entries):
+    return (b"\x80\x02" + ORDERED_DICT + b"(" +
+            b"".join(p_str(k) + v for k, v in entries) + b"u.")
+
+
+good_pickle = p_state_dict([
+    ("weight", p_tensor("FloatStorage", "0", 6, 0, [2, 3], [3, 1])),
+    ("bias", p_tensor("FloatStorage", "1", 2, 0, [2], [1])),
+    ("view", p_tensor("FloatStorage", "0", 6, 1, [2], [3])),
+])
+hostile_pickles = {
+    "state_dict": good_pickle,
+    "deep_lists": b"\x80\x02" + b"(" * 1000 + b"N" + b"l" * 1000 + b"0" + ORDERED_DICT + b".",
+    "dup_bomb": b"\x80\x02N" + b"2\x86" * 26 + b"0" + ORDERED_DICT + b".",
+    "huge_memo_index": b"\x80\x02N" + b"r" + struct.pack("<I", 1 << 25) + b"0" + ORDERED_DICT + b".",
+    "memo_get_tuple": (b"\x80\x02(" + b"N" * 1000 + b"tq\x01" + b"(" + b"h\x01" * 2000 + b"t0" +
+                       b"0" + ORDERED_DICT + b"."),
+    "tuple1_chain": b"\x80\x02N" + b"\x85" * 10000 + b"0" + ORDERED_DICT + b".",
+    "list_holds_itself": b"\x80\x02]q\x00h\x00a.",
+    "os_system": b"\x80\x02cposix\nsystem\n" + p_str("true") + b"\x85R.",
+    "newobj": b"\x80\x02ccollections\nOrderedDict\n)\x81.",
+    "overflowing_tensor": p_state_dict([
+        ("w", p_tensor("FloatStorage", "0", 4, 0, [2, 1 << 62], [1 << 62, 4]))]),
+    "huge_numel": p_state_dict([("w", p_tensor("FloatStorage", "0", (1 << 62) + 10, 0, [2], [1]))]),
+}
+for name, data in hostile_pickles.items():
+    write("fuzz_pickle_reader", name, data)
+
+
+def zip_archive(records, zip64=False):
+    """records: (name, data, method (0 or 8), crc or None, declared size or None)."""
+    out, directory = b"", b""
+    for name, data, method, crc, declared in records:
+        name = name.encode()
+        body = data
+        if method == 8:
+            c = zlib.compressobj(9, zlib.DEFLATED, -15)
+            body = c.compress(data) + c.flush()
+        crc = zlib.crc32(data) if crc is None else crc
+        size = len(data) if declared is None else declared
+        offset = len(out)
+        extra = struct.pack("<HHQQQ", 1, 24, size, len(body), offset) if zip64 else b""
+        small = 0xFFFFFFFF if zip64 else None
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, method, 0, 0, crc,
+                           small or len(body), small or size, len(name), 0) + name + body
+        directory += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, method, 0, 0, crc,
+                                 small or len(body), small or size, len(name), len(extra), 0, 0,
+                                 0, 0, small or offset) + name + extra
+    directory_offset = len(out)
+    out += directory
+    if zip64:
+        record = len(out)
+        out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, len(records),
+                           len(records), len(directory), directory_offset)
+        out += struct.pack("<IIQI", 0x07064B50, 0, record, 1)
+        return out + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF,
+                                 0xFFFFFFFF, 0)
+    return out + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(records), len(records),
+                             len(directory), directory_offset, 0)
+
+
+floats = struct.pack("<6f", 1, 2, 3, 4, 5, 6)
+bias = struct.pack("<2f", 7, 8)
+
+
+def torch_archive(pickle, storages, method=0, zip64=False, version=b"3\n"):
+    records = [("archive/data.pkl", pickle, method, None, None)]
+    records += [("archive/data/" + key, data, method, None, None) for key, data in storages]
+    records.append(("archive/version", version, 0, None, None))
+    return zip_archive(records, zip64)
+
+
+storages = [("0", floats), ("1", bias)]
+write("fuzz_zip_reader", "state_dict", torch_archive(good_pickle, storages))
+write("fuzz_zip_reader", "state_dict_zip64", torch_archive(good_pickle, storages, zip64=True))
+write("fuzz_zip_reader", "state_dict_deflated", torch_archive(good_pickle, storages, method=8))
+flipped = bytearray(torch_archive(good_pickle, storages))
+flipped[flipped.index(floats) + 5] ^= 0x10
+write("fuzz_zip_reader", "crc_flipped", bytes(flipped))
+small_pickle = p_state_dict([("w", p_tensor("FloatStorage", "0", 10, 0, [10], [1]))])
+write("fuzz_zip_reader", "zip_bomb", zip_archive([
+    ("archive/data.pkl", small_pickle, 0, None, None),
+    ("archive/data/0", bytes(4 << 20), 8, None, None)]))
+write("fuzz_zip_reader", "size_lies", zip_archive([
+    ("archive/data.pkl", small_pickle, 0, None, None),
+    ("archive/data/0", bytes(4096), 8, None, 40)]))
+write("fuzz_zip_reader", "hostile_pickle", torch_archive(hostile_pickles["dup_bomb"], []))

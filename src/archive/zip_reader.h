@@ -1,0 +1,103 @@
+// A zip archive read the way a server reads a file a stranger sent. Made for the archives
+// torch.save writes (PyTorch's PyTorchStreamWriter, miniz: stored records, zip64 where a size
+// needs it) and ddp's writer; reads any single-disk zip of stored or deflated records.
+//
+// What is checked, before anything is allocated or inflated:
+//   - the end-of-central-directory record (and the zip64 one) against the file's size, the
+//     central directory against them, every local header against its central entry (name,
+//     method) and the data area: no record reaches outside it, no two overlap, no name repeats;
+//   - each record's declared size: stored records are as long as declared, a deflated one cannot
+//     declare more than deflate can produce from its compressed bytes (1032:1);
+// and while reading: every record's CRC-32 (libdeflate's, several GB/s), a deflated record
+// inflates to exactly its declared size (never more: the output is the caller's buffer of that
+// size), and a file that changes size under the reader is an error, not a short record.
+//
+// Not thread-safe: one thread at a time per reader (reads are positional, but the reader keeps
+// which records were read for verify_unread). A large stored record is read by up to 4 threads
+// of the reader's own (fewer where the process's CPU affinity allows fewer), which end before the
+// read returns.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "archive/archive_error.h"
+
+namespace ddp::archive {
+
+struct ZipLimits {
+  std::size_t max_entries = std::size_t{1} << 20;
+  // The central directory is read whole: 1 Mi records of 200-byte names fit.
+  std::uint64_t max_directory_bytes = std::uint64_t{256} << 20;
+  // verify and verify_unread inflate a deflated record only up to this size (time is bounded).
+  std::uint64_t max_unread_inflated_bytes = std::uint64_t{64} << 20;
+};
+
+struct ZipEntry {
+  std::string name;
+  std::uint16_t method = 0;  // 0: stored, 8: deflated
+  std::uint32_t crc32 = 0;
+  std::uint64_t compressed_size = 0;
+  std::uint64_t size = 0;  // uncompressed
+  std::uint64_t local_header_offset = 0;
+  std::uint64_t data_offset = 0;  // from the local header
+};
+
+class ZipReader {
+ public:
+  // Throws ConfigError where the file cannot be opened or read, FormatError where its bytes are
+  // not a zip archive this reader accepts (message without the file's name).
+  static ZipReader open(const std::filesystem::path& path, ZipLimits limits = {});
+  static ZipReader from_bytes(std::string bytes, ZipLimits limits = {});
+
+  ZipReader(ZipReader&&) noexcept;
+  ZipReader& operator=(ZipReader&&) noexcept;
+  ~ZipReader();
+
+  std::uint64_t file_size() const;
+  const std::vector<ZipEntry>& entries() const { return entries_; }
+  const ZipEntry* find(std::string_view name) const;
+
+  // Reads the record whole into `out` (entry.size bytes), its CRC-32 verified. `entry` is one of
+  // this reader's entries(). Throws FormatError (damaged) and ConfigError (an I/O error).
+  void read(const ZipEntry& entry, void* out) const;
+  // The same without the CRC-32 (sizes still checked): only to measure what the check costs.
+  void read_unverified(const ZipEntry& entry, void* out) const;
+  // The same into a string; a record over `max_bytes` is a FormatError (kTooLarge) before it is
+  // read.
+  std::string read_string(const ZipEntry& entry, std::uint64_t max_bytes) const;
+  // Reads the record only to verify it (sizes and CRC-32), keeping nothing.
+  void verify(const ZipEntry& entry) const;
+  // Verifies the CRC-32 of every record not read so far, so that no damaged byte passes
+  // unnoticed because nobody needed it (deflated ones only up to max_unread_inflated_bytes).
+  void verify_unread() const;
+
+ private:
+  class Source;
+  ZipReader(std::unique_ptr<Source> source, ZipLimits limits);
+  void read_central_directory();
+  template <class Sink>
+  void stream(const ZipEntry& entry, Sink&& sink, bool verify = true) const;
+  void read_into(const ZipEntry& entry, unsigned char* out, bool verify) const;
+  std::size_t index_of(const ZipEntry& entry) const;
+  void check_crc(const ZipEntry& entry, std::uint32_t crc) const;
+
+  std::unique_ptr<Source> source_;
+  ZipLimits limits_;
+  std::vector<ZipEntry> entries_;
+  std::unordered_map<std::string_view, std::size_t> by_name_;
+  mutable std::vector<bool> read_;
+};
+
+// The folder every record of a PyTorch archive lies in ("archive/" for torch.save's, the file's
+// stem for older writers): the first record's name up to its first '/'. Records are looked up
+// as prefix + "data.pkl", as PyTorch's own reader does. FormatError where the first record has no
+// folder or another record lies outside it.
+std::string pytorch_record_prefix(const ZipReader& zip);
+
+}  // namespace ddp::archive

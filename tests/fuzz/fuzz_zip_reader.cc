@@ -1,0 +1,50 @@
+// libFuzzer harness: the zip reader (src/archive/zip_reader.h) and what ddp's state-dict reader
+// does with it, without torch: the archive's folder, data.pkl through the restricted pickle
+// reader, every storage the pickle names read (when its record's declared size fits what the
+// pickle asks, as the torch layer requires before allocating), and the CRC-32 of the records
+// nobody read. Any outcome but a result or a FormatError is a finding; so are time or memory
+// beyond libFuzzer's limits (a zip bomb, an overlap, a size that lies).
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "archive/zip_reader.h"
+#include "pytorch_archive_walk.h"
+
+namespace {
+
+// The harness's own bound on what a storage may allocate: the torch layer allocates what the
+// pickle declares; here that is capped so a declared 4 GiB tensor is not a finding.
+constexpr std::uint64_t kMaxStorageBytes = std::uint64_t{64} << 20;
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  try {
+    const auto zip =
+        ddp::archive::ZipReader::from_bytes(std::string(reinterpret_cast<const char*>(data), size));
+    const std::string prefix = ddp::archive::pytorch_record_prefix(zip);
+    const auto* pickle_entry = zip.find(prefix + "data.pkl");
+    if (pickle_entry == nullptr) {
+      zip.verify_unread();
+      return 0;
+    }
+    const std::string pickle = zip.read_string(*pickle_entry, std::uint64_t{64} << 20);
+    const auto tree = ddp::archive::read_pickle(pickle, {.allow_global = ddp::fuzz::torch_global});
+    tree.check_shape({});
+    ddp::fuzz::walk_pickle(tree, [&](const std::string& key, std::uint64_t numel) {
+      const auto* entry = zip.find(prefix + "data/" + key);
+      if (entry == nullptr || entry->size < numel || entry->size - numel >= 16 ||
+          entry->size > kMaxStorageBytes) {
+        return;
+      }
+      std::vector<char> bytes(static_cast<std::size_t>(entry->size));
+      zip.read(*entry, bytes.data());
+    });
+    zip.verify_unread();
+  } catch (const ddp::archive::FormatError&) {
+  }
+  return 0;
+}
