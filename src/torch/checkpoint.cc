@@ -5,11 +5,13 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <system_error>
 
 #include <fmt/format.h>
 
+#include "archive/zip_reader.h"
 #include "ddp/error.h"
 #include "torch/checkpoint_integrity.h"
 #include "torch/checkpoint_payload.h"
@@ -157,6 +159,30 @@ torch::serialize::InputArchive load_archive(const std::filesystem::path& path,
     throw ConfigError(
         fmt::format("checkpoint: {} does not exist or is not a regular file", path.string()));
   }
+  // libtorch's zip reader (miniz) verifies no CRC and inflates before it compares sizes: the
+  // archive's structure and every record's CRC-32 are checked here first, and libtorch reads only
+  // an archive whose every record holds what was written, but for tensor data: a damaged tensor
+  // record is left to ddp's own checksums below, which name the tensor ("model.0.weight", not
+  // "archive/data/3"), and reported by its record where the archive has none (torch::save's).
+  std::optional<std::string> damaged_tensor_record;
+  try {
+    const auto zip = archive::ZipReader::open(path);
+    for (const auto& entry : zip.entries()) {
+      try {
+        zip.verify(entry);
+      } catch (const archive::FormatError& e) {
+        const bool tensor_data = entry.name.find("/data/") != std::string::npos &&
+                                 e.kind() == archive::FormatError::Kind::kDamaged;
+        if (!tensor_data) throw;
+        if (!damaged_tensor_record) damaged_tensor_record = e.what();
+      }
+    }
+  } catch (const archive::FormatError& e) {
+    throw Error(
+        fmt::format("checkpoint: {} is not a readable torch archive (corrupt or "
+                    "truncated?): {}",
+                    path.string(), e.what()));
+  }
   torch::serialize::InputArchive archive;
   try {
     if (map_location) {
@@ -171,6 +197,10 @@ torch::serialize::InputArchive load_archive(const std::filesystem::path& path,
                     path.string(), e.what_without_backtrace()));
   }
   internal::verify_checksums(archive, path);
+  if (damaged_tensor_record) {
+    throw Error(
+        fmt::format("checkpoint: {} is damaged: {}", path.string(), *damaged_tensor_record));
+  }
   return archive;
 }
 

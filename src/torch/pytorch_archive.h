@@ -17,9 +17,18 @@
 
 namespace ddp::detail {
 
-// Reads the archive at `path`. Throws ConfigError (missing, unreadable), StateDictFormatError
-// (not a zip archive, the legacy format, a TorchScript archive, damaged) and UnsafePickleError.
-c10::IValue read_pytorch_archive(const std::filesystem::path& path);
+struct PytorchArchiveReadOptions {
+  // Every record's CRC-32 is verified; false only for state_dict_bench, which measures what the
+  // check costs against skipping it.
+  bool verify_crc = true;
+};
+
+// Reads the archive at `path` (with the zip reader's checks, archive/zip_reader.h, and the
+// restricted unpickler's limits). Throws ConfigError (missing, unreadable), StateDictFormatError
+// (not a zip archive, the legacy format, a TorchScript archive, damaged: a CRC, a size, an
+// offset, a pickle too deep or too large) and UnsafePickleError.
+c10::IValue read_pytorch_archive(const std::filesystem::path& path,
+                                 const PytorchArchiveReadOptions& options = {});
 
 // Writes `value` to `path` through PATH.tmp renamed over it. `ordered_dict_at_top`: the top-level
 // dict is pickled as a collections.OrderedDict (as Python's state_dict() is), others as dicts.

@@ -1,23 +1,30 @@
-// Reading PyTorch's zip archive: the zip layer is libtorch's PyTorchStreamReader (the reader
-// Python's torch.load uses too); what is not a state dict is told apart here, before the pickle
-// is read, so each kind of wrong file gets its own error.
+// Reading PyTorch's zip archive with ddp's own zip reader (archive/zip_reader.h) rather than
+// libtorch's PyTorchStreamReader: miniz verifies no CRC on read (neither does Python's
+// torch.load), so a flipped byte in a weight loaded silently, and it inflates a record whole
+// before anything compares its size with what the tensor needs. Here every record's declared
+// size is checked against its tensor before a byte is allocated, and every record's CRC-32 as it
+// is read (the records nothing reads too, at the end). What is not a state dict is told apart
+// before the pickle is read, so each kind of wrong file gets its own error.
 #include <array>
 #include <fstream>
+#include <optional>
 
-#include <caffe2/serialize/inline_container.h>
+#include <c10/core/CPUAllocator.h>
 #include <fmt/format.h>
 
+#include "archive/zip_reader.h"
 #include "ddp/torch/state_dict.h"
 #include "pytorch_archive.h"
 
 namespace ddp::detail {
 namespace {
 
-std::string first_line(const std::string& text) {
-  return text.substr(0, text.find('\n'));
-}
+// A state dict's pickle holds names and tensor headers (~100 bytes a tensor); this is ~500,000
+// tensors, and bounds the memory the pickle's tree may take (~50 bytes a pickle byte at worst).
+constexpr std::uint64_t kMaxPickleBytes = std::uint64_t{64} << 20;
+constexpr std::uint64_t kMaxSmallRecordBytes = 4096;
 
-// What the file starts with, told apart before libtorch's zip reader sees it.
+// What the file starts with, told apart before the zip reader sees it.
 void check_leading_bytes(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError(fmt::format("{}: cannot open the file to read", path.string()));
@@ -40,60 +47,75 @@ void check_leading_bytes(const std::filesystem::path& path) {
 
 }  // namespace
 
-c10::IValue read_pytorch_archive(const std::filesystem::path& path) {
+c10::IValue read_pytorch_archive(const std::filesystem::path& path,
+                                 const PytorchArchiveReadOptions& options) {
   const std::string source = path.string();
-  check_leading_bytes(path);
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
-  try {
-    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(source);
-  } catch (const c10::Error& e) {
-    throw StateDictFormatError(
-        fmt::format("{}: not a readable PyTorch zip archive (truncated or corrupted?): {}", source,
-                    first_line(e.what_without_backtrace())));
+  std::error_code ignored;
+  if (std::filesystem::is_directory(path, ignored)) {
+    throw ConfigError(fmt::format("{}: a directory, not a state dict file", source));
   }
+  check_leading_bytes(path);
+  std::optional<archive::ZipReader> opened;
+  std::string prefix;
   try {
-    if (reader->hasRecord("constants.pkl") || reader->hasRecord("code/__torch__.py")) {
+    opened.emplace(archive::ZipReader::open(path));
+    prefix = archive::pytorch_record_prefix(*opened);
+  } catch (const archive::FormatError& e) {
+    throw StateDictFormatError(fmt::format(
+        "{}: not a readable PyTorch zip archive (truncated or corrupted?): {}", source, e.what()));
+  }
+  const archive::ZipReader& zip = *opened;
+  auto record = [&](std::string_view name) { return zip.find(prefix + std::string(name)); };
+  try {
+    if (record("constants.pkl") != nullptr || record("code/__torch__.py") != nullptr) {
       throw StateDictFormatError(
           fmt::format("{}: a TorchScript archive (torch.jit.save), not a state dict: load it with "
                       "torch::jit::load, or save model.state_dict() from Python",
                       source));
     }
-    if (!reader->hasRecord("data.pkl")) {
+    const archive::ZipEntry* pickle_entry = record("data.pkl");
+    if (pickle_entry == nullptr) {
       throw StateDictFormatError(
           fmt::format("{}: a zip archive without data.pkl, not a file torch.save wrote", source));
     }
-    if (reader->hasRecord("byteorder")) {
-      auto [data, size] = reader->getRecord("byteorder");
-      const std::string order(static_cast<const char*>(data.get()), size);
+    if (const archive::ZipEntry* byteorder = record("byteorder")) {
+      const std::string order = zip.read_string(*byteorder, kMaxSmallRecordBytes);
       if (order != "little") {
         throw StateDictFormatError(fmt::format(
             "{}: tensors stored in byte order '{}'; ddp reads only 'little'", source, order));
       }
     }
-    auto [pickle, pickle_size] = reader->getRecord("data.pkl");
+    const std::string pickle = zip.read_string(*pickle_entry, kMaxPickleBytes);
     const StorageLoader load_storage = [&](const StorageRequest& request) {
-      const std::string name = "data/" + request.key;
-      if (!reader->hasRecord(name)) {
+      const archive::ZipEntry* entry = record("data/" + request.key);
+      if (entry == nullptr) {
         throw StateDictFormatError(fmt::format(
             "{}: the pickle refers to storage '{}', which the archive lacks", source, request.key));
       }
-      auto [bytes, size] = reader->getRecord(name);
-      const auto want = static_cast<std::size_t>(request.numel) * c10::elementSize(request.dtype);
-      if (size < want) {
-        throw StateDictFormatError(
-            fmt::format("{}: storage '{}' holds {} bytes; its {} elements of {} need {}", source,
-                        request.key, size, request.numel, c10::toString(request.dtype), want));
+      // Overflow was ruled out by the caller; the record must hold the elements exactly (a
+      // storage's bytes, at most one element's worth more), checked before it is allocated.
+      const auto item = static_cast<std::uint64_t>(c10::elementSize(request.dtype));
+      const auto want = static_cast<std::uint64_t>(request.numel) * item;
+      if (entry->size < want || entry->size - want >= item) {
+        throw StateDictFormatError(fmt::format(
+            "{}: storage '{}' holds {} bytes; its {} elements of {} need {}", source, request.key,
+            entry->size, request.numel, c10::toString(request.dtype), want));
       }
-      return at::Storage(at::Storage::use_byte_size_t(), want, std::move(bytes),
-                         /*allocator=*/nullptr, /*resizable=*/false);
+      at::DataPtr bytes = c10::GetCPUAllocator()->allocate(static_cast<std::size_t>(entry->size));
+      if (options.verify_crc) {
+        zip.read(*entry, bytes.get());
+      } else {
+        zip.read_unverified(*entry, bytes.get());
+      }
+      return at::Storage(at::Storage::use_byte_size_t(), static_cast<std::size_t>(want),
+                         std::move(bytes), /*allocator=*/nullptr, /*resizable=*/false);
     };
-    return unpickle_restricted(
-        std::string_view(static_cast<const char*>(pickle.get()), pickle_size), load_storage,
-        source);
-  } catch (const c10::Error& e) {
-    // A record whose checksum or header is wrong (getRecord checks the CRC-32).
-    throw StateDictFormatError(fmt::format("{}: a damaged PyTorch zip archive: {}", source,
-                                           first_line(e.what_without_backtrace())));
+    c10::IValue value = unpickle_restricted(pickle, load_storage, source);
+    if (options.verify_crc) zip.verify_unread();
+    return value;
+  } catch (const archive::FormatError& e) {
+    throw StateDictFormatError(
+        fmt::format("{}: a damaged PyTorch zip archive: {}", source, e.what()));
   }
 }
 

@@ -21,7 +21,11 @@
 // unpickler, which accepts only dicts (and OrderedDict), lists, tuples, strings, numbers, None,
 // booleans, storages and tensors (torch._utils._rebuild_tensor_v2 and its relatives), and refuses
 // any other global (a pickled model class, os.system, ...) with UnsafePickleError before it builds
-// anything from it, like `weights_only=True`.
+// anything from it, like `weights_only=True`. Nor can a file crash the reader or exhaust it:
+// every zip record's CRC-32 is verified (a flipped byte is a StateDictFormatError naming the
+// record), declared sizes are checked against what the tensors need before anything is inflated,
+// and the pickle is read in linear time and memory with a nesting limit (docs/interop.md,
+// "Reading a file a stranger sent").
 //
 // Loading validates every name, shape and dtype before it copies anything: a failed load leaves
 // the module unchanged. Tensors are loaded to the CPU and copied into the module's tensors
