@@ -10,6 +10,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/zero_redundancy_optimizer.h"
+#include "torch/optimizer_values.h"
 #include "torch/parameter_loads.h"
 
 namespace ddp::internal {
@@ -165,7 +166,19 @@ void load_model_and_optimizer(torch::serialize::InputArchive& archive, torch::nn
   }
   torch::serialize::InputArchive optimizer_archive;
   if (!archive.try_read("optimizer", optimizer_archive)) throw fail("it holds no optimizer");
+  // libtorch loads any number into the options and the state; a NaN learning rate or a negative
+  // step count trains to `loss -nan`. Checked here, and the optimizer put back as it was.
+  detail::OptimizerSnapshot before(optimizer);
   optimizer.load(optimizer_archive);
+  try {
+    detail::check_optimizer_values(optimizer, [&](const std::string& why) {
+      throw fail(
+          fmt::format("the optimizer's {} (damaged or hand-edited?); nothing was loaded", why));
+    });
+  } catch (...) {
+    before.restore();
+    throw;
+  }
   torch::NoGradGuard no_grad;
   for (auto& t : tensors)
     t.target.copy_(t.stored);

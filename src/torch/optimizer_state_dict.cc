@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "libtorch_compat.h"
+#include "optimizer_values.h"
 #include "pytorch_archive.h"
 
 namespace ddp {
@@ -182,11 +183,12 @@ torch::Tensor state_tensor(const GenericDict& s, const char* key, const torch::T
         fmt::format("state[{}]['{}']: [{}] {} in the file, parameter {} is [{}] {}", index, key,
                     fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()), index,
                     fmt::join(param.sizes(), ", "), c10::toString(param.scalar_type())));
-    throw StateDictMismatchError(
-        fmt::format("load_optimizer_state_dict: {} does not fit the optimizer: {}; nothing was "
-                    "loaded",
-                    source, report.mismatched.front()),
-        std::move(report));
+    // The message first: an argument list that formats the report and moves it is unordered.
+    std::string message = fmt::format(
+        "load_optimizer_state_dict: {} does not fit the optimizer: {}; nothing was "
+        "loaded",
+        source, report.mismatched.front());
+    throw StateDictMismatchError(message, std::move(report));
   }
   return t.to(param.device()).clone();
 }
@@ -241,6 +243,11 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
     return fmt::format("{} parameter group(s) of {} parameter(s)", sizes.size(),
                        fmt::join(sizes, ", "));
   };
+  const detail::ValueError value_error = [&](const std::string& what) {
+    throw StateDictFormatError(fmt::format(
+        "load_optimizer_state_dict: {}: {}; nothing was loaded (a damaged or hand-edited file?)",
+        source, what));
+  };
   std::vector<std::size_t> file_sizes, our_sizes;
   for (const auto& g : groups)
     our_sizes.push_back(g.params().size());
@@ -280,12 +287,19 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
     auto num = [&](const char* key) {
       return number(field(g, key, source, where), source, fmt::format("{}['{}']", where, key));
     };
+    // Each value as the training loop will use it: a NaN or negative learning rate loads into
+    // libtorch without complaint and trains to `loss -nan`.
+    auto checked = [&](const char* key, detail::ValueRange range) {
+      const double value = num(key);
+      detail::check_value(value, range, fmt::format("{}['{}']", where, key), value_error);
+      return value;
+    };
     GroupUpdate u;
-    u.lr = num("lr");
-    u.weight_decay = num("weight_decay");
+    u.lr = checked("lr", detail::ValueRange::kNonNegative);
+    u.weight_decay = checked("weight_decay", detail::ValueRange::kNonNegative);
     if (kind == Kind::kSgd) {
-      u.momentum = num("momentum");
-      u.dampening = num("dampening");
+      u.momentum = checked("momentum", detail::ValueRange::kNonNegative);
+      u.dampening = checked("dampening", detail::ValueRange::kFinite);
       u.nesterov = flag(g, "nesterov", false);
     } else {
       const IValue& betas = field(g, "betas", source, where);
@@ -295,7 +309,11 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
       if (pair.size() != 2) format_error(source, where + "['betas'] is not a pair");
       u.beta1 = number(pair[0], source, where + "['betas']");
       u.beta2 = number(pair[1], source, where + "['betas']");
-      u.eps = num("eps");
+      detail::check_value(u.beta1, detail::ValueRange::kUnitInterval, where + "['betas'][0]",
+                          value_error);
+      detail::check_value(u.beta2, detail::ValueRange::kUnitInterval, where + "['betas'][1]",
+                          value_error);
+      u.eps = checked("eps", detail::ValueRange::kNonNegative);
       u.amsgrad = flag(g, "amsgrad", false);
     }
     updates.push_back(u);
@@ -330,7 +348,7 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
     auto fill = [&](auto& st) {
       const double step = number(field(s, "step", source, fmt::format("state[{}]", index)), source,
                                  fmt::format("state[{}]['step']", index));
-      st->step(static_cast<std::int64_t>(std::llround(step)));
+      st->step(detail::checked_step(step, fmt::format("state[{}]['step']", index), value_error));
       st->exp_avg(state_tensor(s, "exp_avg", param, index, source));
       st->exp_avg_sq(state_tensor(s, "exp_avg_sq", param, index, source));
       if (updates[group_index].amsgrad) {

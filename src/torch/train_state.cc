@@ -1,5 +1,6 @@
 #include "ddp/torch/train_state.h"
 
+#include <limits>
 #include <mutex>
 #include <sstream>
 
@@ -93,7 +94,15 @@ StoredTrainProgress read_train_progress(torch::serialize::InputArchive& archive,
   progress.epoch_offset = static_cast<std::uint64_t>(epoch_offset);
   progress.global_step = read_int("global_step");
   progress.scheduler_step = read_int("scheduler_step");
-  progress.world_size = static_cast<int>(read_int("world_size"));
+  const std::int64_t world_size = read_int("world_size");
+  if (progress.global_step < 0 || progress.scheduler_step < 0) {
+    throw fail(fmt::format("global_step {} or scheduler_step {} is negative", progress.global_step,
+                           progress.scheduler_step));
+  }
+  if (world_size < 0 || world_size > std::numeric_limits<int>::max()) {
+    throw fail(fmt::format("world_size {} is not a world size", world_size));
+  }
+  progress.world_size = static_cast<int>(world_size);
   // Absent in files written before it was stored: 0, not recorded.
   c10::IValue dataset_size;
   if (archive.try_read("dataset_size", dataset_size)) {

@@ -16,6 +16,7 @@
 #include "ddp_phase.h"
 #include "libtorch_compat.h"
 #include "optimizer_state_tensors.h"
+#include "optimizer_values.h"
 #include "rank_agreement.h"
 #include "torch/host_values.h"
 
@@ -510,6 +511,12 @@ void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
         "{} groups: {}",
         kind_, params_.size(), param_groups_.size(), e.what_without_backtrace()));
   }
+  detail::check_optimizer_values(*full, [](const std::string& why) {
+    throw Error(
+        fmt::format("ZeroRedundancyOptimizer: the optimizer state's {} (damaged or "
+                    "hand-edited?); nothing was loaded",
+                    why));
+  });
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto it = full->state().find(optimizer_state_key(params_[i]));
     if (it == full->state().end()) continue;

@@ -45,6 +45,10 @@ void save_optimizer_state_dict(const torch::optim::Optimizer& optimizer,
                                const std::filesystem::path& path);
 
 // Loads a Python optimizer.state_dict() (or one save_optimizer_state_dict wrote) into `optimizer`.
+// Everything is checked before anything changes: state tensors of another shape or dtype are a
+// StateDictMismatchError, hyper-parameters and step counts the training loop cannot use (a NaN,
+// infinite or negative learning rate, a step that is not a whole number >= 0) a
+// StateDictFormatError naming the key (e.g. "param_groups[0]['lr'] is nan").
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
                                const std::filesystem::path& path);
 
