@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/ring/shm/segment.h"
 #include "shm/shm_test_util.h"
 #include "support/multiprocess.h"
 
@@ -554,6 +555,78 @@ TEST(ShmDomain, PeerOpensNothingButASealedSegment) {
   ::close(fd);
   std::ifstream in(file, std::ios::binary);
   EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), {}), content);
+}
+
+// Where this process maps the segment that `domain` made (rank 0: its name is "memfd:<name>",
+// which /proc/self/maps lists as "/memfd:<name> (deleted)"): what a process of the same user
+// reaches through /proc, writable.
+comm::shm::SegmentHeader* mapped_segment(const ShmDomain& domain) {
+  std::ifstream maps("/proc/self/maps");
+  const std::string name = "/" + domain.segment_name() + " ";
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(name) == std::string::npos) continue;
+    return reinterpret_cast<comm::shm::SegmentHeader*>(std::stoull(line, nullptr, 16));
+  }
+  throw std::runtime_error("no mapping of " + domain.segment_name() + " in /proc/self/maps");
+}
+
+// Rank 0 writes `value` into the segment's aborted_by while rank 1 waits for it in an allreduce:
+// a number that names no rank (or names the waiting rank itself) fails rank 1's call at its next
+// look, with an error that says the segment is damaged, instead of indexing the ranks' controls
+// with it (0x7fffffff: far outside the mapping, SIGSEGV; 5 at world 2: a "reason" read from the
+// data slots, or a peer that does not exist blamed).
+TEST(ShmDomain, ADamagedAbortedByFailsTheWaitingRankByName) {
+  for (const std::int32_t value :
+       {std::int32_t{0x7fffffff}, std::int32_t{5}, std::int32_t{-2}, std::int32_t{1}}) {
+    SCOPED_TRACE(value);
+    StoreDir dir;
+    const auto prefix = unique_prefix("damaged");
+    auto results = run_ranks(
+        2,
+        [&](int rank) {
+          auto domain = make_domain(dir.path(), rank, 2, small_slots(prefix));
+          FileStore store(dir.path(), 15s);
+          std::vector<float> v(16, 1.0f);
+          domain->allreduce(v.data(), v.data(), v.size(), DType::kFloat32, ReduceOp::kSum,
+                            header(Collective::kAllreduce, DType::kFloat32, v.size(), 0),
+                            after(10s));
+          if (rank == 0) {
+            store.get_string("waiting");
+            std::this_thread::sleep_for(100ms);  // rank 1 is asleep in its call by now
+            std::atomic_ref<std::int32_t>(mapped_segment(*domain)->aborted_by)
+                .store(value, std::memory_order_release);
+            store.get_string("done");  // alive until rank 1 is done: no death to notice instead
+            return;
+          }
+          store.set("waiting", "1");
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            domain->allreduce(v.data(), v.data(), v.size(), DType::kFloat32, ReduceOp::kSum,
+                              header(Collective::kAllreduce, DType::kFloat32, v.size(), 1),
+                              after(10s));
+          } catch (const CommError& e) {
+            store.set("done", "1");
+            const std::string what = e.what();
+            const std::string named =
+                value == 1 ? "aborted_by = 1 names this rank, which did not abort"
+                           : fmt::format("aborted_by = {} names no rank of this world of 2", value);
+            if (what.find("the shared segment of group 'shm' is damaged: " + named) ==
+                    std::string::npos ||
+                what.find("another process wrote into it?") == std::string::npos) {
+              throw std::runtime_error("the error does not say the segment is damaged: " + what);
+            }
+            if (std::chrono::steady_clock::now() - start > 5s) {
+              throw std::runtime_error("noticed the damage only at the deadline: " + what);
+            }
+            return;
+          }
+          store.set("done", "1");
+          throw std::runtime_error("the allreduce returned although its peer never came");
+        },
+        30s);
+    EXPECT_ALL_RANKS_OK(results);
+    EXPECT_EQ(results[1].signal, 0) << describe(results);
+  }
 }
 
 TEST(ShmDomain, BadArgumentsAreConfigErrors) {

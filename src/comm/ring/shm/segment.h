@@ -24,6 +24,19 @@ inline std::size_t round_up(std::size_t value, std::size_t multiple) {
 //   | small: 2 x size x small_bytes
 // Every rank writes only its own RankControl, its own input and small slots, and its slice of a
 // result slot; the events counters order those writes (see ShmDomain::run_chunked).
+//
+// Any process of the same user can write here too, so a rank trusts no field it did not write
+// itself further than its check where it is read:
+//   magic, version, size, slot_bytes, small_bytes, total_bytes   equal to this rank's (joining)
+//   joined            at most size - 1 (the join wait)
+//   aborted_by        -1 or a rank of the world other than the reader (every wait)
+//   pid               a positive pid (the join; the pidfds are opened from it)
+//   abort_reason      read up to its size, terminated or not; control bytes shown as '?'
+//   headers           only compared and described (describe() names a corrupt header)
+//   shared_buffer/offset  only compared with this rank's own (equal ones are in range here)
+//   events, sleepers, arrivals, arrival_sleepers   counters: compared, never used as an index
+// A damaged value can make a call fail or wait until its deadline, never read or write outside
+// the mapping.
 struct SegmentHeader {
   std::uint64_t magic;  // written last by rank 0, with release
   std::uint32_t version;

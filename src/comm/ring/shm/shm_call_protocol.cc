@@ -50,14 +50,41 @@ int ShmDomain::group_rank(int r) const {
   return r < 0 || options_.ranks.empty() ? r : options_.ranks[static_cast<std::size_t>(r)];
 }
 
+void ShmDomain::fail_damaged(const std::string& what) const {
+  fail(CommErrorKind::kTransport,
+       fmt::format("the shared segment of group '{}' is damaged: {} (another process wrote into "
+                   "it?)",
+                   options_.group, what),
+       -1);
+}
+
+// aborted_by is shared memory any process of the user can write: it is a rank's index only once
+// checked against the world (a stray value would index the controls far outside the mapping).
+// This rank is never the one that set it while it waits: it sets it only when its own call
+// failed, and a failed domain waits no more.
 int ShmDomain::aborted_peer() const {
   const int by = atomic(segment_->header.aborted_by).load(std::memory_order_acquire);
-  return by == rank_ ? -1 : by;
+  if (by == -1) return -1;
+  if (by < 0 || by >= size_) {
+    fail_damaged(fmt::format("aborted_by = {} names no rank of this world of {}", by, size_));
+  }
+  if (by == rank_) {
+    if (error_) return -1;
+    fail_damaged(fmt::format("aborted_by = {} names this rank, which did not abort", by));
+  }
+  return by;
 }
 
 void ShmDomain::fail_aborted(int by) const {
   const RankControl& c = controls(segment_)[by];
+  // At most the field's bytes, whether or not the peer wrote its terminator; control bytes (a
+  // terminal's escape sequences) are shown as '?', so the reason cannot rewrite the log around it.
   std::string reason(c.abort_reason, strnlen(c.abort_reason, sizeof c.abort_reason));
+  for (char& ch : reason) {
+    const auto byte = static_cast<unsigned char>(ch);
+    if ((byte < 0x20 && ch != '\n' && ch != '\t') || byte == 0x7f) ch = '?';
+  }
+  if (reason.empty()) reason = "(no reason given)";
   fail(CommErrorKind::kAborted,
        fmt::format("rank {} aborted the group: {}", rank_number(options_, by), reason), by, true);
 }

@@ -22,6 +22,12 @@
 // that does not describe the call) throw ConfigError without touching the domain; the peers then
 // wait for this rank until their deadline, so validate arguments before calling.
 //
+// The segment is memory that any process of the same user can write (through /proc). Every value
+// a rank reads from it that could index, size or name something is checked where it is read (a
+// rank number against the world, a pid, the layout); one out of range fails the call or create()
+// with a CommError saying that the segment is damaged, never a crash or a read outside it
+// (segment.h lists the fields and their checks).
+//
 // Assumes the ranks share a pid namespace (a dead peer is found by its pid, through a pidfd).
 //
 // Implemented in shm_domain_setup.cc (the segment: create, join, lifetime), shm_call_protocol.cc
@@ -234,10 +240,13 @@ class ShmDomain final : public RingTransport {
   void wait_for(int peer, std::uint32_t target);
   template <typename Blame>
   void wait_word(std::uint32_t& word, std::uint32_t& sleepers, std::uint32_t target, Blame&& blame);
-  int dead_peer() const;     // a peer that exited, or -1
-  int aborted_peer() const;  // the peer that aborted the domain, or -1
+  int dead_peer() const;  // a peer that exited, or -1
+  // The peer that aborted the domain, or -1; throws CommError when aborted_by names no peer.
+  int aborted_peer() const;
   [[noreturn]] void fail_dead(int peer) const;
   [[noreturn]] void fail_aborted(int peer) const;
+  // A field of the segment holds what no rank of this domain can have written there.
+  [[noreturn]] void fail_damaged(const std::string& what) const;
   // `peer` is a domain rank (or -1); the CommError carries its group_rank().
   [[noreturn]] void fail(CommErrorKind kind, const std::string& what, int peer,
                          bool peer_error = false) const;

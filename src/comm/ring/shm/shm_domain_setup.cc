@@ -100,6 +100,12 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
                                  opts.group, rank_number(opts, rank), what),
                      opts.group, "shm setup", 0, -1);
   };
+  auto damaged = [&](const std::string& what) -> CommError {
+    return fail(
+        fmt::format("the shared segment of group '{}' is damaged: {} (another process "
+                    "wrote into it?)",
+                    opts.group, what));
+  };
   auto remaining_ms = [&] {
     const auto left = deadline - net::Clock::now();
     return std::max(Milliseconds(1), std::chrono::duration_cast<Milliseconds>(left));
@@ -199,7 +205,8 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
     if (std::atomic_ref<std::uint64_t>(header.magic).load(std::memory_order_acquire) !=
             kSegmentMagic ||
         header.version != kSegmentVersion || header.size != size ||
-        header.slot_bytes != opts.slot_bytes || header.small_bytes != opts.small_bytes) {
+        header.slot_bytes != opts.slot_bytes || header.small_bytes != opts.small_bytes ||
+        header.total_bytes != layout.total) {
       throw fail(
           fmt::format("segment {} was made for another group (size {}, slot_bytes {}, "
                       "small_bytes {}; this rank has size {}, {}, {})",
@@ -214,7 +221,11 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
   // Everyone waits until all have joined, so that every pid is known before the first call.
   for (;;) {
     const std::uint32_t joined = atomic(header.joined).load(std::memory_order_acquire);
-    if (static_cast<int>(joined) >= size - 1) break;
+    if (joined > static_cast<std::uint32_t>(size - 1)) {
+      throw damaged(
+          fmt::format("joined = {} counts more ranks than the {} that join it", joined, size - 1));
+    }
+    if (static_cast<int>(joined) == size - 1) break;
     const auto now = net::Clock::now();
     if (now >= deadline) {
       std::string missing;
@@ -250,8 +261,14 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
   domain->peer_pids_.assign(size, 0);
   domain->peer_pidfds_.assign(size, -1);
   for (int r = 0; r < size; ++r) {
-    domain->peer_pids_[r] = atomic(control[r].pid).load(std::memory_order_relaxed);
-    if (r != rank) domain->peer_pidfds_[r] = open_pidfd(domain->peer_pids_[r]);
+    const int pid = atomic(control[r].pid).load(std::memory_order_relaxed);
+    // Every rank wrote its pid before it counted itself in `joined`; anything else is no pid (0,
+    // or a negative number that kill() would take for a process group).
+    if (pid <= 0) {
+      throw damaged(fmt::format("rank {}'s pid = {} is no process id", rank_number(opts, r), pid));
+    }
+    domain->peer_pids_[r] = pid;
+    if (r != rank) domain->peer_pidfds_[r] = open_pidfd(pid);
   }
   return domain;
 }
