@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
+#include "net/descriptors.h"
 
 namespace ddp::net {
 namespace {
@@ -219,6 +220,7 @@ Socket listen_tcp(const std::string& host, std::uint16_t port, int backlog) {
     }
     return sock;
   }
+  throw_if_out_of_descriptors(last_error, fmt::format("cannot listen on {}:{}", bind_host, port));
   if (last_error == EADDRINUSE) {
     throw ConfigError(fmt::format(
         "port {} is already in use on {}: pick another port (MASTER_PORT, or 0 for any free "
@@ -245,7 +247,9 @@ Socket accept_tcp(Socket& listener, Deadline deadline) {
       return sock;
     }
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED) {
-      throw Error(fmt::format("accept failed: {}", errno_text(errno)));
+      const int err = errno;
+      throw_if_out_of_descriptors(err, "accept failed");
+      throw Error(fmt::format("accept failed: {}", errno_text(err)));
     }
   }
 }
@@ -259,6 +263,8 @@ Socket connect_tcp(const std::string& host, std::uint16_t port, Deadline deadlin
       const int fd =
           ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
       if (fd < 0) {
+        // No retry frees a descriptor: say so now, not as the last error at the deadline.
+        throw_if_out_of_descriptors(errno, fmt::format("cannot connect to {}:{}", host, port));
         last_error = errno_text(errno);
         continue;
       }

@@ -5,8 +5,10 @@
 // can wait forever on the network. Sockets are move-only and close on destruction. A Socket may be
 // used by one thread at a time, except that one thread may send while another receives.
 //
-// Errors: TimeoutError (deadline), ConfigError (bad address, port in use), Error (anything else
-// from the kernel, with the errno text and the peer's address).
+// Errors: TimeoutError (deadline), ConfigError (bad address, port in use), OutOfDescriptorsError
+// (descriptors.h: a socket could not be made or accepted for want of descriptors; never retried
+// until a deadline), Error (anything else from the kernel, with the errno text and the peer's
+// address).
 #pragma once
 
 #include <chrono>
@@ -83,13 +85,15 @@ class Socket {
 // port 0 = any free port, see Socket::local_port). Throws ConfigError when the port is in use.
 Socket listen_tcp(const std::string& host, std::uint16_t port, int backlog = 1024);
 
-// Accepts one connection or throws TimeoutError at the deadline.
+// Accepts one connection or throws TimeoutError at the deadline; OutOfDescriptorsError when the
+// connection waits but this process has no descriptor for it (the listener stays readable).
 Socket accept_tcp(Socket& listener, Deadline deadline);
 
 // Connects to host:port, retrying refused or unreachable attempts with growing back-off until
 // `deadline` (the server may start later). Never returns a connection to itself (see
 // connected_to_itself): that is retried as a refusal. Throws TimeoutError naming the address and
-// the last error once the deadline passes, ConfigError when the host name does not resolve.
+// the last error once the deadline passes, ConfigError when the host name does not resolve,
+// OutOfDescriptorsError at once when no socket can be made.
 Socket connect_tcp(const std::string& host, std::uint16_t port, Deadline deadline);
 
 // Picks a port that is free right now on the loopback and wildcard addresses (bind to 0, read,

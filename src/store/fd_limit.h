@@ -9,7 +9,7 @@ namespace ddp::store {
 
 // Raises the soft RLIMIT_NOFILE to the hard limit (as the Go runtime does at start) and returns
 // the soft limit in force afterwards. Failing to raise it is not an error: the old limit is
-// returned.
+// returned. (net::raise_open_files_limit, net/descriptors.h.)
 std::size_t raise_open_files_limit();
 
 // The automatic TcpStoreLimits::max_connections for a process allowed `open_files` descriptors:

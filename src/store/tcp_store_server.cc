@@ -52,6 +52,7 @@
 #include "ddp/error.h"
 #include "ddp/tcp_store.h"
 #include "ddp/tcp_store_server.h"
+#include "net/descriptors.h"
 #include "net/socket.h"
 #include "store/fd_limit.h"
 #include "store/protocol.h"
@@ -180,7 +181,8 @@ class TcpStoreServer::Impl final : public store::Outbox {
     if (epoll_fd_ < 0 || wake_fd_ < 0) {
       const int err = errno;
       close_fds();
-      throw Error(fmt::format("store server: cannot create epoll/eventfd: {}", std::strerror(err)));
+      throw Error(fmt::format("store server: cannot create epoll/eventfd: {}",
+                              net::system_error_text(err)));
     }
     try {
       add_to_epoll(listener_.fd(), EPOLLIN, kListenerTag);

@@ -3,11 +3,15 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
+#include <stdexcept>
 #include <thread>
 
 #include "ddp/error.h"
+#include "support/multiprocess.h"
 
 namespace ddp::net {
 namespace {
@@ -119,6 +123,78 @@ TEST(Socket, LoopbackNamesAreRecognised) {
   EXPECT_FALSE(net::resolves_only_to_loopback("10.1.2.3"));
   EXPECT_FALSE(net::resolves_only_to_loopback("0.0.0.0"));
   EXPECT_THROW(net::resolves_only_to_loopback("no-such-host.invalid"), ConfigError);
+}
+
+// RLIMIT_NOFILE at the lowest free descriptor, so that the next one cannot be made (in a child
+// process of run_ranks: the limit is its own).
+void use_up_descriptors() {
+  const int lowest_free = ::dup(0);
+  ::close(lowest_free);
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  limit.rlim_cur = static_cast<rlim_t>(lowest_free);
+  if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) throw std::runtime_error("setrlimit failed");
+}
+
+void expect_names_the_limit(const std::string& what, const char* call) {
+  for (const char* needle : {"out of file descriptors (EMFILE", "ulimit -n", call}) {
+    if (what.find(needle) == std::string::npos) {
+      throw std::runtime_error(std::string("'") + needle + "' is not named: " + what);
+    }
+  }
+}
+
+// A socket that cannot be made for want of descriptors is named at once: no retry until the
+// deadline frees one (before, connect_tcp retried for the whole deadline and then blamed the
+// master's address).
+TEST(Socket, ConnectOutOfDescriptorsFailsAtOnceNamingTheLimit) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "not under a sanitizer: its own checks open a pipe, which a process with no "
+                  "free descriptor cannot (false reports)";
+#endif
+  const auto results = test::run_ranks(
+      1,
+      [](int) {
+        Socket listener = listen_tcp("127.0.0.1", 0);
+        use_up_descriptors();
+        const auto start = Clock::now();
+        try {
+          connect_tcp("127.0.0.1", listener.local_port(), deadline_after(5s));
+        } catch (const Error& e) {
+          expect_names_the_limit(e.what(), "cannot connect to 127.0.0.1");
+          if (Clock::now() - start > 1s) throw std::runtime_error("named only after retrying");
+          return;
+        }
+        throw std::runtime_error("connected without a descriptor");
+      },
+      30s);
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A connection that waits while this process has no descriptor to accept it.
+TEST(Socket, AcceptOutOfDescriptorsNamesTheLimit) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "not under a sanitizer: its own checks open a pipe, which a process with no "
+                  "free descriptor cannot (false reports)";
+#endif
+  const auto results = test::run_ranks(
+      1,
+      [](int) {
+        Socket listener = listen_tcp("127.0.0.1", 0);
+        Socket client = connect_tcp("127.0.0.1", listener.local_port(), deadline_after(5s));
+        use_up_descriptors();
+        try {
+          accept_tcp(listener, deadline_after(5s));
+        } catch (const TimeoutError& e) {
+          throw std::runtime_error(std::string("timed out instead: ") + e.what());
+        } catch (const Error& e) {
+          expect_names_the_limit(e.what(), "accept failed");
+          return;
+        }
+        throw std::runtime_error("accepted without a descriptor");
+      },
+      30s);
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 }  // namespace

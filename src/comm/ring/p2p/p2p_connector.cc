@@ -12,6 +12,7 @@
 #include "comm/ring/p2p/p2p_engine.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
+#include "net/descriptors.h"
 #include "net/fd_io.h"
 
 namespace ddp::comm::p2p {
@@ -25,7 +26,7 @@ P2pConnector::P2pConnector(Store& store, const MeshParams& params, net::Deadline
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) {
     throw Error(fmt::format("eventfd failed for the point-to-point connector of group '{}': {}",
-                            params.group, std::strerror(errno)));
+                            params.group, net::system_error_text(errno)));
   }
   try {
     mesh_.open(store, params_, /*eager=*/{}, deadline);

@@ -10,6 +10,7 @@
 #include "comm/ring/p2p/p2p_connector.h"
 #include "comm/ring/p2p/p2p_state.h"
 #include "ddp/error.h"
+#include "net/descriptors.h"
 #include "net/fd_io.h"
 
 namespace ddp::comm::p2p {
@@ -73,7 +74,7 @@ P2pEngine::P2pEngine(int size, std::unique_ptr<P2pConnector> connector, EngineOp
   state_->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (state_->wake_fd < 0) {
     throw Error(fmt::format("eventfd failed for the point-to-point engine of group '{}': {}",
-                            state_->options.group, error_text(errno)));
+                            state_->options.group, net::system_error_text(errno)));
   }
   thread_ = std::thread([s = state_] { s->run(); });
   if (connector_) connector_->start(*this);

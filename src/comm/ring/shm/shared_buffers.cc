@@ -13,6 +13,8 @@
 
 #include <fmt/format.h>
 
+#include "net/descriptors.h"
+
 namespace ddp::comm::shm {
 namespace {
 
@@ -81,12 +83,13 @@ std::string OwnSharedMemory::create(std::size_t bytes, const std::string& name_p
       fmt::format("{}-buffer-{}-{:08x}{:08x}", name_prefix, ::getpid(), random(), random());
   fd_ = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd_ < 0) {
-    return fmt::format("memfd_create failed: {} (the limit on open files?)", std::strerror(errno));
+    return fmt::format("memfd_create failed: {}", net::system_error_text(errno));
   }
   // Reserve the memory now: too little fails here instead of with a SIGBUS in a collective.
   if (const int err = ::posix_fallocate(fd_, 0, static_cast<off_t>(mapped_bytes_)); err != 0) {
     return fmt::format(
-        "cannot reserve {} bytes of shared memory: {} (a full /dev/shm or memory cgroup?)",
+        "cannot reserve {} bytes of shared memory: {} (the machine's or the memory cgroup's "
+        "memory is short; a memfd does not live in /dev/shm, whose size does not matter)",
         mapped_bytes_, std::strerror(err));
   }
   if (::fcntl(fd_, F_ADD_SEALS, kCopySeals) != 0) {
@@ -117,10 +120,14 @@ std::byte* map_peer_copy(int pid, int fd, std::size_t mapped_bytes, std::string&
   const std::string path = fmt::format("/proc/{}/fd/{}", pid, fd);
   const int opened = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (opened < 0) {
+    const int err = errno;
     error = fmt::format(
-        "cannot open {}: {} (the ranks of a host must run as the same user in the same pid "
-        "namespace)",
-        path, std::strerror(errno));
+        "cannot open {}: {}", path,
+        net::is_out_of_descriptors(err)
+            ? net::out_of_descriptors_text(err)
+            : fmt::format("{} (the ranks of a host must run as the same user in the same pid "
+                          "namespace)",
+                          std::strerror(err)));
     return nullptr;
   }
   struct stat st {};

@@ -54,9 +54,10 @@ class SharedBufferRegistry {
 };
 
 // This rank's copy of a new shared buffer: a sealed memfd of `bytes` rounded up to a page, with
-// its memory reserved (posix_fallocate: a full /dev/shm or memory cgroup fails here, not with a
-// SIGBUS later) and mapped. The peers open it through /proc/<pid>/fd/<fd> while this object
-// keeps the descriptor; close_descriptor() once they all have.
+// its memory reserved (posix_fallocate: too little memory, the machine's or the memory cgroup's,
+// fails here, not with a SIGBUS later) and mapped. The peers open it through
+// /proc/<pid>/fd/<fd> while this object keeps the descriptor; close_descriptor() once they all
+// have.
 class OwnSharedMemory {
  public:
   OwnSharedMemory() = default;

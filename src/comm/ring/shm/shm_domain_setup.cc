@@ -22,12 +22,14 @@
 #include "comm/ring/shm/shm_domain_internal.h"
 #include "comm/ring/shm/sync.h"
 #include "ddp/error.h"
+#include "net/descriptors.h"
 
 namespace ddp::comm::shm {
 namespace {
 
+// strerror's text; for EMFILE and ENFILE, the limit and what to do.
 std::string errno_text(int err) {
-  return std::strerror(err);
+  return net::system_error_text(err);
 }
 
 // Unmaps a half-made segment, and closes rank 0's descriptor of it, when create() fails.
@@ -157,12 +159,17 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
     }
     guard.fd = ::open(fd_path.c_str(), O_RDWR | O_CLOEXEC);
     if (guard.fd < 0) {
+      const int err = errno;
       const std::string creator = rank_number(opts, 0);
+      if (net::is_out_of_descriptors(err)) {
+        throw fail(fmt::format("cannot open rank {}'s segment through {}: {}", creator, fd_path,
+                               errno_text(err)));
+      }
       throw fail(fmt::format(
           "cannot open rank {0}'s segment through {1}: {2} (rank {0} exited or gave up, or this "
           "process may not read its /proc entries: the ranks of a host must run as the same "
           "user in the same pid namespace)",
-          creator, fd_path, errno_text(errno)));
+          creator, fd_path, errno_text(err)));
     }
     const int seals = ::fcntl(guard.fd, F_GET_SEALS);
     if (seals < 0 || (seals & kSeals) != kSeals) {
@@ -268,7 +275,16 @@ std::unique_ptr<ShmDomain> ShmDomain::create(Store& store, const std::string& ke
       throw damaged(fmt::format("rank {}'s pid = {} is no process id", rank_number(opts, r), pid));
     }
     domain->peer_pids_[r] = pid;
-    if (r != rank) domain->peer_pidfds_[r] = open_pidfd(pid);
+    if (r != rank) {
+      domain->peer_pidfds_[r] = open_pidfd(pid);
+      // Without a pidfd a peer's death is still seen (pid_alive), but a process out of
+      // descriptors is about to fail elsewhere: say why here.
+      const int err = errno;
+      if (domain->peer_pidfds_[r] < 0 && net::is_out_of_descriptors(err)) {
+        throw fail(fmt::format("pidfd_open of rank {} (pid {}) failed: {}", rank_number(opts, r),
+                               pid, errno_text(err)));
+      }
+    }
   }
   return domain;
 }
