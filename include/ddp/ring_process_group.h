@@ -15,6 +15,13 @@
 // to this rank's port that fails the handshake (garbage, a bad hello, a wrong or missing secret)
 // is refused and logged, and the wait goes on. Call it from one thread per rank.
 //
+// File descriptors: a group holds about two sockets per peer (collectives, point to point), a few
+// listeners and eventfds, and a pidfd per other rank of its host. Before connecting,
+// make_ring_process_group raises the soft RLIMIT_NOFILE to the hard limit if it is short of that
+// (plus what the process has open and some headroom), and throws CommError (kSetup) at once,
+// naming `ulimit -n` and the number needed, if even the hard limit is. Running out later (EMFILE
+// while connecting or accepting) is a CommError that names the limit, within about a second.
+//
 // Timeout precedence (first that applies): CallOptions::timeout of the call; RingOptions::timeout
 // when non-zero; the DDP_TIMEOUT environment variable (seconds, may be fractional) read here;
 // kDefaultTimeout (300 s). The same timeout bounds the connection set-up.

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -12,6 +13,7 @@
 #include "comm/wire.h"
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
+#include "net/descriptors.h"
 #include "net/fd_io.h"
 
 namespace ddp::comm {
@@ -25,6 +27,10 @@ constexpr std::size_t kMacBytes = auth::kMacBytes;
 // must not exhaust the descriptors, and a real peer finishes in microseconds).
 constexpr std::size_t kMaxPendingHandshakes = 256;
 constexpr int kRefusalsLoggedInFull = 20;
+// How long accepting may keep failing for want of descriptors, with no handshake left to drop for
+// room, before the wait fails naming it: long enough for a file the program closes soon, short
+// beside any timeout (a process at its limit rarely gets below it on its own).
+constexpr auto kOutOfDescriptorsGrace = std::chrono::seconds(1);
 
 std::uint32_t expected_magic(const HandshakeParams& params) {
   return params.secret.empty() ? kHandshakeMagic : kAuthHandshakeMagic;
@@ -148,6 +154,7 @@ struct MeshAcceptor::Impl {
     };
     peers_ = &peers;
     taken_ = wait.taken;
+    short_of_descriptors_since_.reset();  // each wait has its own grace
     std::vector<pollfd> fds;
     constexpr auto kIdleEvery = std::chrono::milliseconds(10);
     auto last_idle = net::Clock::now();
@@ -195,7 +202,7 @@ struct MeshAcceptor::Impl {
         }
         pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
       }
-      if (fds[0].revents != 0) accept_new(listener);
+      if (fds[0].revents != 0) accept_new(listener, wanted, wait);
       if (wait.wake_fd >= 0 && fds.back().revents != 0) break;
     }
     if (unlogged_ > 0) {
@@ -207,14 +214,17 @@ struct MeshAcceptor::Impl {
     }
   }
 
-  void accept_new(net::Socket& listener) {
+  void accept_new(net::Socket& listener, const std::vector<int>& wanted, const AcceptWait& wait) {
     net::Socket socket;
     try {
       socket = net::accept_tcp(listener, net::Clock::now());
     } catch (const TimeoutError&) {
       return;  // the connection went away before we took it
+    } catch (const net::OutOfDescriptorsError& e) {
+      out_of_descriptors(e.what(), wanted, wait);
+      return;
     } catch (const Error& e) {
-      // Out of descriptors or the like: make room rather than spin on a readable listener.
+      // Out of memory or the like: make room rather than spin on a readable listener.
       if (!pending_.empty()) {
         refuse(pending_.front(), fmt::format("dropped to make room ({})", e.what()));
         pending_.erase(pending_.begin());
@@ -223,6 +233,7 @@ struct MeshAcceptor::Impl {
       }
       return;
     }
+    short_of_descriptors_since_.reset();
     socket.set_nonblocking(true);
     if (pending_.size() >= kMaxPendingHandshakes) {
       refuse(pending_.front(),
@@ -233,6 +244,49 @@ struct MeshAcceptor::Impl {
     Pending p;
     p.socket = std::move(socket);
     pending_.push_back(std::move(p));
+  }
+
+  // A connection waits but this process has no descriptor for it. A flood of idle connections can
+  // use them up: dropping the oldest handshake makes room. Otherwise the process is at its limit,
+  // and retrying until the deadline would only end in a timeout that blames the peers: the wait
+  // fails once this has lasted kOutOfDescriptorsGrace, naming the limit. Either way it is logged
+  // (once) and remembered for the timeout's message.
+  void out_of_descriptors(const std::string& what, const std::vector<int>& wanted,
+                          const AcceptWait& wait) {
+    const auto now = net::Clock::now();
+    if (descriptor_error_.empty()) {
+      params_.log(fmt::format("ddp: rank {} of group '{}' cannot accept a connection: {}",
+                              params_.rank, params_.group, what));
+    }
+    descriptor_error_ = what;
+    if (!short_of_descriptors_since_) short_of_descriptors_since_ = now;
+    if (!pending_.empty()) {
+      refuse(pending_.front(), fmt::format("dropped to make room ({})", what));
+      pending_.erase(pending_.begin());
+      return;
+    }
+    if (now - *short_of_descriptors_since_ >= kOutOfDescriptorsGrace) {
+      const std::string missing = missing_ranks(wanted);
+      throw CommError(
+          CommErrorKind::kSetup,
+          fmt::format("rank {} of group '{}' cannot accept {}: {}", params_.rank, params_.group,
+                      missing.empty() ? std::string("connections")
+                                      : fmt::format("the connections of ranks {}", missing),
+                      what),
+          params_.group, wait.op.empty() ? std::string("connect") : wait.op, wait.sequence, -1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+
+  // "1, 3": the ranks of `wanted` not connected yet.
+  std::string missing_ranks(const std::vector<int>& wanted) const {
+    std::string missing;
+    for (const int peer : wanted) {
+      if (!(*peers_)[static_cast<std::size_t>(peer)].valid()) {
+        missing += fmt::format("{}{}", missing.empty() ? "" : ", ", peer);
+      }
+    }
+    return missing;
   }
 
   // Reads what the socket has for the current stage and moves on when the stage is complete.
@@ -371,17 +425,28 @@ struct MeshAcceptor::Impl {
   }
 
   [[noreturn]] void fail_timeout(const std::vector<int>& wanted, const AcceptWait& wait) {
-    std::string missing;
+    const std::string missing = missing_ranks(wanted);
     int first = -1;
     for (const int peer : wanted) {
       if (!(*peers_)[static_cast<std::size_t>(peer)].valid()) {
-        missing += fmt::format("{}{}", missing.empty() ? "" : ", ", peer);
-        if (first < 0) first = peer;
+        first = peer;
+        break;
       }
     }
     std::string refusals;
     if (refused_ > 0) {
       refusals = fmt::format(" ({} connection(s) refused, the last {})", refused_, last_refusal_);
+    }
+    if (!descriptor_error_.empty()) {
+      // The peers may well have connected: this rank could not take their connections.
+      throw CommError(
+          CommErrorKind::kTimeout,
+          fmt::format("rank {} of group '{}' timed out after {} ms waiting for ranks {} to "
+                      "connect{}; it ran out of descriptors accepting them: {}{}",
+                      params_.rank, params_.group, wait.timeout.count(), missing,
+                      wait.op.empty() ? std::string() : fmt::format(" (for {})", wait.op),
+                      descriptor_error_, refusals),
+          params_.group, wait.op.empty() ? std::string("connect") : wait.op, wait.sequence, -1);
     }
     if (wait.op.empty()) {
       throw CommError(
@@ -409,6 +474,10 @@ struct MeshAcceptor::Impl {
   std::vector<Pending> pending_;               // kept across calls: a handshake may span two waits
   int refused_ = 0;
   std::string last_refusal_;
+  // The last accept that failed for want of descriptors ("" = none), and since when accepting has
+  // failed so without a success in between.
+  std::string descriptor_error_;
+  std::optional<net::Clock::time_point> short_of_descriptors_since_;
   std::chrono::steady_clock::time_point last_log_{};
   int unlogged_ = 0;
 };

@@ -116,7 +116,10 @@ class MeshAcceptor {
   // handshake. Any other rank above params.rank that completes its handshake meanwhile is kept in
   // `peers` too. It returns earlier, without an error, when `wait` says so (wake_fd,
   // return_on_first). Sockets are blocking, with TCP_NODELAY. At the deadline throws CommError
-  // (kTimeout) naming the ranks still missing and the last refusal.
+  // (kTimeout) naming the ranks still missing and the last refusal. When connections wait but
+  // this process has no descriptor to accept them (EMFILE/ENFILE) and no handshake in progress
+  // to drop for room, throws CommError (kSetup) naming the limit within about a second, not at
+  // the deadline.
   void accept_until(net::Socket& listener, std::vector<net::Socket>& peers,
                     const std::vector<int>& wanted, const AcceptWait& wait);
 

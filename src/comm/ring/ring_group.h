@@ -87,6 +87,12 @@ class RingProcessGroup final : public GroupFront,
     kHierarchical,  // several hosts, several ranks on some: allreduce inside hosts, then across
   };
   void set_up_locality(Transport transport, net::Deadline deadline);
+  // Fails (CommError kSetup) within the creation, before any connection, when this process may
+  // not open the descriptors the group needs (after raising its soft limit to the hard one where
+  // that is too low), naming `ulimit -n` and the number: `local` ranks share this host (1 while
+  // unknown), `cross_peers` are the ranks of its cross-host mesh but this one, and the number
+  // advised covers `may_share` ranks on this host (while unknown: as many as could).
+  void check_descriptor_limit(int local, int cross_peers, int may_share) const;
   void connect_cross_host_mesh(net::Deadline deadline);
   // Runs `call` on the executing thread (the algorithm its header names); throws CommError.
   void run_op(const Call& call, net::Deadline deadline);
@@ -107,7 +113,8 @@ class RingProcessGroup final : public GroupFront,
 
   std::shared_ptr<Store> store_;
   RingOptions options_;
-  std::string prefix_;  // store keys of this incarnation of the group
+  std::string prefix_;           // store keys of this incarnation of the group
+  std::size_t open_before_ = 0;  // descriptors this process had open when creation began
   std::chrono::microseconds spin_{0};
   // DDP_WAIT_WARN_SECONDS: a collective waiting this long for a peer says so (0: never).
   std::chrono::milliseconds wait_warning_{0};

@@ -10,12 +10,17 @@
 #include "comm/ring/p2p/p2p_connector.h"
 #include "comm/ring/ring_group.h"
 #include "ddp/error.h"
+#include "net/descriptors.h"
 #include "settings/settings.h"
 
 namespace ddp {
 namespace {
 
 using std::chrono::milliseconds;
+
+// Descriptors the program around a group may want besides those it has open when the group is
+// created (a checkpoint, a dataset's files, a log), in the estimate of check_descriptor_limit.
+constexpr std::size_t kProgramHeadroom = 16;
 
 milliseconds resolve_group_timeout(milliseconds configured) {
   if (configured.count() > 0) return configured;
@@ -112,9 +117,16 @@ RingProcessGroup::~RingProcessGroup() {
 
 void RingProcessGroup::connect() {
   const auto deadline = net::deadline_after(group_timeout());
+  const Transport transport = resolve_transport(options_);
+  if (size() > 1) {
+    // Before anything is opened or written to the store: too low a limit is named at once,
+    // instead of as connections that fail (or are never accepted) until the timeout.
+    open_before_ = net::open_descriptor_count();
+    check_descriptor_limit(/*local=*/1, /*cross_peers=*/0,
+                           /*may_share=*/transport == Transport::kTcp ? 1 : size());
+  }
   const std::int64_t joined = store_->add(fmt::format("ring/{}/joins", name()), 1);
   prefix_ = fmt::format("ring/{}/{}/", name(), (joined - 1) / size());
-  const Transport transport = resolve_transport(options_);
   if (size() == 1) {
     transport_text_ = "none (1 rank)";
     return;
@@ -163,6 +175,11 @@ void RingProcessGroup::set_up_locality(Transport transport, net::Deadline deadli
     shm.slot_bytes = options_.shm_slot_bytes;
     shm.small_bytes = std::min(shm.small_bytes, shm.slot_bytes);
   }
+  const int cross_peers = hosts.size() > 1 && (topology_.equal_hosts() || local_rank == 0)
+                              ? static_cast<int>(hosts.size()) - 1
+                              : 0;
+  check_descriptor_limit(static_cast<int>(local.size()), cross_peers,
+                         static_cast<int>(local.size()));
   if (hosts.size() == 1) {
     domain_ = shm::ShmDomain::create(*store_, prefix_ + "shm", rank(), size(), shm, deadline);
     mesh_.context().set_idle_check([this] { check_for_other_call(*domain_); });
@@ -189,6 +206,60 @@ void RingProcessGroup::set_up_locality(Transport transport, net::Deadline deadli
     sizes += fmt::format("{}{}", sizes.empty() ? "" : "+", h.size());
   transport_text_ = fmt::format("hierarchical({} hosts, {} ranks, {})", hosts.size(), sizes,
                                 hierarchy_.slices ? "slices" : "leaders");
+}
+
+// What one group may hold open at once, by kind, beside what the process had open before:
+//   a socket to every peer for collectives (the usual calls connect a few peers; alltoall, gather
+//   and scatter connect the rest on first use) and one for point to point (connected on first
+//   use), and one to each cross-host peer (hierarchical);
+//   two listening sockets (the collective mesh's until every rank above connected, point to
+//   point's for life), and the cross-host mesh's;
+//   two eventfds (point to point's connector and engine);
+//   a pidfd for each other rank on this host (a dead peer is seen at once), and the segment's
+//   memfd while the host's ranks join it;
+// plus kProgramHeadroom for the program. The store's connection is among those open before.
+void RingProcessGroup::check_descriptor_limit(int local, int cross_peers, int may_share) const {
+  const auto peers = static_cast<std::size_t>(size() - 1);
+  const auto cross = static_cast<std::size_t>(cross_peers);
+  const std::size_t sockets = 2 * peers + cross;
+  const std::size_t listeners = 2 + (cross > 0 ? 1 : 0);
+  const std::size_t eventfds = 2;
+  // A pidfd for each other rank of the host, and the segment.
+  const auto shared_memory = [](int ranks) {
+    return ranks > 1 ? static_cast<std::size_t>(ranks) : std::size_t{0};
+  };
+  const std::size_t needed =
+      open_before_ + sockets + listeners + eventfds + shared_memory(local) + kProgramHeadroom;
+  const std::size_t limit = net::ensure_open_files_limit(needed);
+  if (limit >= needed) return;
+  std::string parts = fmt::format(
+      "{} open already, {} sockets for its {} peers (collectives and point to point{}), {} "
+      "listening sockets, {} eventfds",
+      open_before_, sockets, peers, cross > 0 ? ", and across hosts" : "", listeners, eventfds);
+  if (local > 1) {
+    parts += fmt::format(
+        ", {} pidfds for the other ranks of this host and 1 for the shared "
+        "segment",
+        local - 1);
+  }
+  parts += fmt::format(", and {} for the program", kProgramHeadroom);
+  // Before the ranks of this host are known, the advice covers their sharing it (a second
+  // failure with a larger number would be no help).
+  const std::size_t advised =
+      needed - shared_memory(local) + shared_memory(std::max(local, may_share));
+  if (advised > needed) {
+    parts += fmt::format("; {} more if all {} ranks share this host", advised - needed, may_share);
+  }
+  throw CommError(
+      CommErrorKind::kSetup,
+      fmt::format("rank {} of group '{}' cannot create the group: this process may open {} file "
+                  "descriptors (ulimit -n; its hard limit is {}), but a group of {} ranks needs "
+                  "about {} here ({}); start the ranks with ulimit -n {} or more (a hard limit "
+                  "is raised in /etc/security/limits.conf, systemd's LimitNOFILE or docker's "
+                  "--ulimit nofile)",
+                  rank(), name(), limit, net::hard_open_files_limit(), size(), needed, parts,
+                  advised),
+      name(), "connect", 0, -1);
 }
 
 // The cross-host step's own TCP mesh among the ranks of this rank's local index on every host
