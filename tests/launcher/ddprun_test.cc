@@ -988,6 +988,20 @@ TEST(Ddprun, ProgramThatCannotBeExecutedIsReported) {
   EXPECT_THAT(r.output, HasSubstr("Exec format error"));
 }
 
+// 64 workers under a limit of 64 descriptors: the pipes of the workers run out. The error says so
+// once, prefixed once ("ddprun: error: ddprun: pipe2 failed" before), with the limit.
+TEST(Ddprun, RunningOutOfDescriptorsIsOneLineWithOnePrefix) {
+  const auto r =
+      Subprocess::start({"/bin/bash", "-c",
+                         "ulimit -n 64 && exec \"$0\" --nproc-per-node 64 /bin/true", ddprun()})
+          .wait(60s);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("ddprun: error: pipe2 failed: Too many open files (out of file "
+                                  "descriptors: ddprun holds two or more per worker, and may "
+                                  "open 64; raise ulimit -n)"));
+  EXPECT_THAT(r.output, Not(HasSubstr("ddprun: error: ddprun:")));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Signals and orphans
 

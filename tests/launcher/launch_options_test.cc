@@ -134,6 +134,67 @@ TEST(ParseCommandLine, BadInputNamesTheOption) {
   EXPECT_THAT(usage_error({"--nproc-per-node", "2"}), HasSubstr("PROGRAM"));
 }
 
+// A value with whitespace around it, an empty value, a number in another base or too large for
+// any integer: refused by name, with the value as written (each was taken as something else:
+// ' 2' as 2, '010' as 8, '' as "not given").
+TEST(ParseCommandLine, WhitespaceEmptyValuesAndOddNumbersAreRefusedByName) {
+  EXPECT_THAT(usage_error({"--nproc-per-node", " 2", "/bin/true"}),
+              HasSubstr("--nproc-per-node: ' 2' has whitespace before or after it"));
+  EXPECT_THAT(usage_error({"--nproc-per-node", "2 ", "/bin/true"}),
+              HasSubstr("--nproc-per-node: '2 ' has whitespace"));
+  EXPECT_THAT(usage_error({"--nproc-per-node", "+2", "/bin/true"}), HasSubstr("got '+2'"));
+  EXPECT_THAT(usage_error({"--nproc-per-node", "99999999999999999999", "/bin/true"}),
+              HasSubstr("--nproc-per-node"));
+  EXPECT_THAT(usage_error({"--nnodes", " 2", "/bin/true"}),
+              HasSubstr("--nnodes: ' 2' has whitespace"));
+  EXPECT_THAT(usage_error({"--nnodes", "1: 2", "/bin/true"}), HasSubstr("got '1: 2'"));
+  EXPECT_THAT(usage_error({"--nnodes", "99999999999999999999", "/bin/true"}),
+              HasSubstr("--nnodes 99999999999999999999: 99999999999999999999 is out of range"));
+  EXPECT_THAT(usage_error({"--node-rank", " 0", "/bin/true"}),
+              HasSubstr("--node-rank: ' 0' has whitespace"));
+  EXPECT_THAT(usage_error({"--master-port", "29500 ", "/bin/true"}),
+              HasSubstr("--master-port: '29500 ' has whitespace"));
+  EXPECT_THAT(
+      usage_error({"--master-port", "99999999999999999999", "/bin/true"}),
+      HasSubstr("--master-port: 99999999999999999999 is out of range, expected 0 to 65535"));
+  EXPECT_THAT(usage_error({"--master-port", "0x10", "/bin/true"}),
+              HasSubstr("--master-port: expected a whole number from 0 to 65535, got '0x10'"));
+  EXPECT_THAT(usage_error({"--max-restarts", "", "/bin/true"}),
+              HasSubstr("--max-restarts: expected a whole number from 0 to 1000000, got ''"));
+  EXPECT_THAT(usage_error({"--agent-port", "-1", "/bin/true"}), HasSubstr("--agent-port"));
+  EXPECT_THAT(usage_error({"--grace-period", " 5", "/bin/true"}),
+              HasSubstr("--grace-period: ' 5' has whitespace"));
+  EXPECT_THAT(usage_error({"--grace-period", "1e3", "/bin/true"}),
+              HasSubstr("--grace-period: expected seconds from 0 to 86400, got '1e3'"));
+  EXPECT_THAT(usage_error({"--grace-period", "inf", "/bin/true"}), HasSubstr("got 'inf'"));
+  EXPECT_THAT(usage_error({"--rdzv-last-call", "", "/bin/true"}),
+              HasSubstr("--rdzv-last-call: expected seconds from 0 to 3600, got ''"));
+  EXPECT_THAT(usage_error({"--master-addr", " node1", "/bin/true"}),
+              HasSubstr("--master-addr: ' node1' has whitespace"));
+  EXPECT_THAT(usage_error({"--master-addr", "", "/bin/true"}), HasSubstr("--master-addr is empty"));
+  EXPECT_THAT(usage_error({"--agent-listen-addr", "0.0.0.0 ", "/bin/true"}),
+              HasSubstr("--agent-listen-addr: '0.0.0.0 ' has whitespace"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "node1:29400 ", "/bin/true"}),
+              HasSubstr("--rdzv-endpoint: 'node1:29400 ' has whitespace"));
+  EXPECT_THAT(usage_error({"--rdzv-endpoint", "node1:0x10", "/bin/true"}),
+              HasSubstr("has port '0x10'"));
+  EXPECT_THAT(usage_error({"--rdzv-backend", "c10d ", "/bin/true"}),
+              HasSubstr("--rdzv-backend: 'c10d ' has whitespace"));
+  for (const char* option : {"--log-dir", "--secret-file", "--rdzv-backend", "--rdzv-endpoint",
+                             "--redirects", "--tee", "--local-ranks-filter"}) {
+    EXPECT_THAT(usage_error({option, "", "/bin/true"}),
+                HasSubstr(std::string(option) + " is empty"));
+    EXPECT_THAT(usage_error({std::string(option) + "=", "/bin/true"}),
+                HasSubstr(std::string(option) + " is empty"));
+  }
+  // Plain decimal numbers still mean what they say (no octal).
+  const LaunchOptions decimal = parse(
+      {"--nproc-per-node", "010", "--master-port", "08080", "--grace-period", "0.5", "/bin/true"});
+  EXPECT_EQ(decimal.nproc_per_node, 10);
+  EXPECT_EQ(decimal.master_port, 8080);
+  EXPECT_EQ(decimal.grace_period, std::chrono::milliseconds(500));
+}
+
 TEST(ParseCommandLine, RedirectsTeeAndFilterFollowTorchrunsValues) {
   char dir_template[] = "/tmp/ddprun-logs-XXXXXX";
   ASSERT_NE(::mkdtemp(dir_template), nullptr);

@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <ostream>
@@ -21,44 +22,79 @@
 namespace ddp::ddprun {
 namespace {
 
-// CLI11 checks run on the text before conversion, so the message can quote what the user wrote.
-CLI::Validator whole_number(long min, long max) {
-  return CLI::Validator(
-      [min, max](std::string& text) -> std::string {
-        long value = 0;
-        std::size_t used = 0;
-        try {
-          value = std::stol(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size()) {
-          return fmt::format("expected a whole number, got '{}'", text);
-        }
-        if (value < min || value > max) {
-          return fmt::format("{} is out of range, expected {} to {}", value, min, max);
-        }
-        return {};
-      },
-      "");  // the range is in the option's description
+bool all_digits(std::string_view text) {
+  return !text.empty() &&
+         std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+bool has_space_around(std::string_view text) {
+  return !text.empty() && (std::isspace(static_cast<unsigned char>(text.front())) ||
+                           std::isspace(static_cast<unsigned char>(text.back())));
+}
+
+// A value with whitespace around it is a quoting slip (' 2', 'host '), not what was meant: refused
+// by name, with the value as written, rather than trimmed by one parser and kept by another.
+void refuse_space_around(std::string_view option, std::string_view text) {
+  if (has_space_around(text)) {
+    throw UsageError(fmt::format("{}: '{}' has whitespace before or after it; give the value alone",
+                                 option, text));
+  }
+}
+
+// Options are parsed from text here, never converted by CLI11, whose integers take C's prefixes
+// ("010" is 8, "0x10" is 16) and leading whitespace. Digits only: no sign, no spaces, no prefix;
+// a number too large for a long is out of range like any other.
+long parse_whole_number(std::string_view option, std::string_view text, long min, long max) {
+  refuse_space_around(option, text);
+  if (!all_digits(text)) {
+    throw UsageError(
+        fmt::format("{}: expected a whole number from {} to {}, got '{}'", option, min, max, text));
+  }
+  long value = 0;
+  const auto result = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (result.ec == std::errc::result_out_of_range || value < min || value > max) {
+    throw UsageError(
+        fmt::format("{}: {} is out of range, expected {} to {}", option, text, min, max));
+  }
+  return value;
+}
+
+// Seconds as a plain decimal number from 0 to `max` ("5", "0.5", "2."): no sign, exponent, hex,
+// "inf" or spaces.
+double parse_seconds(std::string_view option, std::string_view text, double max) {
+  refuse_space_around(option, text);
+  const std::size_t point = text.find('.');
+  const std::string_view whole = text.substr(0, point);
+  const std::string_view fraction =
+      point == std::string_view::npos ? std::string_view() : text.substr(point + 1);
+  const bool plain =
+      all_digits(whole) && whole.size() <= 12 && (fraction.empty() || all_digits(fraction));
+  const double value = plain ? std::stod(std::string(text)) : -1;
+  if (!plain || value > max) {
+    throw UsageError(fmt::format("{}: expected seconds from 0 to {}, got '{}'", option, max, text));
+  }
+  return value;
+}
+
+// An option given with an empty value ("--log-dir ''", "--log-dir="): refused by name rather
+// than taken as not given.
+void refuse_empty(const CLI::Option* option, std::string_view value, std::string_view what) {
+  if (option->count() > 0 && value.empty()) {
+    throw UsageError(fmt::format("{} is empty: {}", option->get_name(), what));
+  }
 }
 
 int parse_nproc(const std::string& text) {
   // torchrun also accepts "cpu"/"auto" (one worker per CPU); "gpu" has no meaning here.
   if (text == "cpu" || text == "auto") return usable_cpu_count();
-  std::size_t used = 0;
-  long value = 0;
+  refuse_space_around("--nproc-per-node", text);
   try {
-    value = std::stol(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size() || value < 1 || value > 4096) {
+    return static_cast<int>(parse_whole_number("--nproc-per-node", text, 1, 4096));
+  } catch (const UsageError&) {
     throw UsageError(fmt::format(
         "--nproc-per-node: expected a whole number from 1 to 4096, 'cpu' or 'auto', got '{}'",
         text));
   }
-  return static_cast<int>(value);
 }
 
 constexpr std::string_view kFooter =
@@ -145,6 +181,7 @@ std::pair<std::string, int> parse_endpoint(const std::string& text) {
         "--rdzv-endpoint: '{}' {}; expected HOST or HOST:PORT (e.g. 10.0.0.1:29400, [::1]:29400)",
         text, why));
   };
+  refuse_space_around("--rdzv-endpoint", text);
   std::string host = text;
   std::string port_text;
   if (text.starts_with('[')) {
@@ -165,14 +202,9 @@ std::pair<std::string, int> parse_endpoint(const std::string& text) {
   if (host.empty()) throw bad("names no host");
   int port = 29400;
   if (!port_text.empty()) {
-    std::size_t used = 0;
     long value = -1;
-    try {
-      value = std::stol(port_text, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != port_text.size() || value < 0 || value > 65535) {
+    if (all_digits(port_text) && port_text.size() <= 5) value = std::stol(port_text);
+    if (value < 0 || value > 65535) {
       throw bad(fmt::format("has port '{}', not a number from 0 to 65535", port_text));
     }
     port = static_cast<int>(value);
@@ -182,24 +214,20 @@ std::pair<std::string, int> parse_endpoint(const std::string& text) {
 
 // --nnodes: N (MIN = MAX = N) or torchrun's MIN:MAX (elastic membership, docs/ddprun.md).
 std::pair<int, int> parse_nnodes(const std::string& text) {
+  refuse_space_around("--nnodes", text);
   const auto number = [&](const std::string& part) {
-    std::size_t used = 0;
-    long value = -1;
-    try {
-      value = std::stol(part, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != part.size() || part[0] == '+' || part[0] == '-') {
+    if (!all_digits(part)) {
       throw UsageError(fmt::format(
           "--nnodes: expected N or MIN:MAX with whole numbers (e.g. 2, or 1:4 for an elastic job "
           "of 1 to 4 nodes), got '{}'",
           text));
     }
-    if (value < 1 || value > (1 << 20)) {
+    long value = -1;
+    const auto result = std::from_chars(part.data(), part.data() + part.size(), value);
+    if (result.ec == std::errc::result_out_of_range || value < 1 || value > (1 << 20)) {
       throw UsageError(
           fmt::format("--nnodes {}: {} is out of range, every node count must be from 1 to {}",
-                      text, value, 1 << 20));
+                      text, part, 1 << 20));
     }
     return static_cast<int>(value);
   };
@@ -215,25 +243,6 @@ std::pair<int, int> parse_nnodes(const std::string& text) {
         "--nnodes {}: MIN {} is more than MAX {}; write MIN:MAX with MIN <= MAX", text, min, max));
   }
   return {min, max};
-}
-
-// Seconds from 0 to `max`, for options whose values CLI11 checks as text.
-CLI::Validator seconds_up_to(double max) {
-  return CLI::Validator(
-      [max](std::string& text) -> std::string {
-        std::size_t used = 0;
-        double value = -1;
-        try {
-          value = std::stod(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size() || !std::isfinite(value) || value < 0 || value > max) {
-          return fmt::format("expected seconds from 0 to {}, got '{}'", max, text);
-        }
-        return {};
-      },
-      "");
 }
 
 void check_run_id(const std::string& id) {
@@ -306,8 +315,14 @@ std::string resolve_program(const std::string& program, const char* path_env) {
 std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& args,
                                                 std::ostream& help_out) {
   LaunchOptions options;
+  // Numbers are bound as text and parsed after (parse_whole_number, parse_seconds).
   std::string nproc_text = "1";
-  double grace_seconds = 5.0;
+  std::string node_rank_text = "0";
+  std::string master_port_text = "29500";
+  std::string last_call_text = "3";
+  std::string max_restarts_text = "0";
+  std::string agent_port_text = "0";
+  std::string grace_text = "5";
 
   CLI::App app{
       "ddprun: starts the local workers of a data-parallel job (like torchrun).\n"
@@ -330,11 +345,10 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
       ->type_name("N|MIN:MAX")
       ->group(kJobSize);
   auto* node_rank =
-      app.add_option("--node-rank,--node_rank", options.node_rank,
+      app.add_option("--node-rank,--node_rank", node_rank_text,
                      "This node's index, 0 to nnodes-1 (default 0); with --nnodes MIN:MAX, "
                      "give --node-rank 0 to the node on --master-addr (it serves the "
                      "rendezvous) and none to the others (their ranks are assigned per round)")
-          ->check(whole_number(0, 1 << 20))
           ->type_name("R")
           ->group(kJobSize);
 
@@ -345,33 +359,32 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
           ->type_name("HOST")
           ->group(kRendezvous);
   auto* master_port =
-      app.add_option("--master-port,--master_port", options.master_port,
+      app.add_option("--master-port,--master_port", master_port_text,
                      "Port of the rendezvous store on the master; 0 picks a free one (default "
                      "29500)")
-          ->check(whole_number(0, 65535))
           ->type_name("PORT")
           ->group(kRendezvous);
   app.add_flag("--standalone", options.standalone,
                "Single-node job on a free local port (implies --nnodes 1 --master-port 0)")
       ->group(kRendezvous);
   std::string rdzv_backend;
-  app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend,
-                 "torchrun's rendezvous backend: 'c10d' or 'static' (both mean ddp's store on "
-                 "global rank 0; others are not supported)")
-      ->type_name("NAME")
-      ->group(kRendezvous);
+  auto* rdzv_backend_option =
+      app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend,
+                     "torchrun's rendezvous backend: 'c10d' or 'static' (both mean ddp's store on "
+                     "global rank 0; others are not supported)")
+          ->type_name("NAME")
+          ->group(kRendezvous);
   std::string rdzv_endpoint;
-  app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint,
-                 "HOST[:PORT] of the rendezvous store, as --master-addr and "
-                 "--master-port (port default 29400, torchrun's)")
-      ->type_name("HOST:PORT")
-      ->group(kRendezvous);
-  double last_call_seconds = 3.0;
-  app.add_option("--rdzv-last-call,--rdzv_last_call", last_call_seconds,
+  auto* rdzv_endpoint_option =
+      app.add_option("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint,
+                     "HOST[:PORT] of the rendezvous store, as --master-addr and "
+                     "--master-port (port default 29400, torchrun's)")
+          ->type_name("HOST:PORT")
+          ->group(kRendezvous);
+  app.add_option("--rdzv-last-call,--rdzv_last_call", last_call_text,
                  "With --nnodes MIN:MAX: a round closes this many seconds after its last "
                  "newcomer once MIN nodes are in (at once with MAX); torchrun's "
                  "last_call_timeout (default 3)")
-      ->check(seconds_up_to(3600))
       ->type_name("SECONDS")
       ->group(kRendezvous);
   app.add_option("--rdzv-id,--rdzv_id", options.run_id,
@@ -379,51 +392,35 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
                  "'none')")
       ->type_name("ID")
       ->group(kRendezvous);
-  app.add_option("--secret-file,--secret_file", options.secret_file,
-                 "File holding the job's secret (not readable by other users): turns on "
-                 "authentication of the store and of every connection between workers; the "
-                 "workers get its path as DDP_SECRET_FILE, never the secret itself")
-      ->type_name("PATH")
-      ->group(kRendezvous);
+  auto* secret_file_option =
+      app.add_option("--secret-file,--secret_file", options.secret_file,
+                     "File holding the job's secret (not readable by other users): turns on "
+                     "authentication of the store and of every connection between workers; the "
+                     "workers get its path as DDP_SECRET_FILE, never the secret itself")
+          ->type_name("PATH")
+          ->group(kRendezvous);
 
   constexpr const char* kRestarts = "Failures and restarts";
-  app.add_option("--max-restarts,--max_restarts", options.max_restarts,
+  app.add_option("--max-restarts,--max_restarts", max_restarts_text,
                  "Restart the whole job (every node, together) up to this many times after a "
                  "worker fails (default 0)")
-      ->check(whole_number(0, 1000000))
       ->type_name("K")
       ->group(kRestarts);
-  app.add_option("--agent-port,--agent_port", options.agent_port,
-                 "With --nnodes > 1 and --max-restarts: port on --master-addr where node 0's "
-                 "ddprun serves the restart rounds to the other nodes' ddprun (default: "
-                 "--master-port + 1)")
-      ->check(whole_number(1, 65535))
-      ->type_name("PORT")
-      ->group(kRestarts);
+  auto* agent_port =
+      app.add_option("--agent-port,--agent_port", agent_port_text,
+                     "With --nnodes > 1 and --max-restarts: port on --master-addr where node 0's "
+                     "ddprun serves the restart rounds to the other nodes' ddprun (default: "
+                     "--master-port + 1)")
+          ->type_name("PORT")
+          ->group(kRestarts);
   app.add_option("--agent-listen-addr,--agent_listen_addr", options.agent_listen_addr,
                  "Address node 0's ddprun serves the restart rounds on (default: "
                  "DDP_STORE_LISTEN_ADDR when set, else --master-addr's interface only, as the "
                  "workers' store; 0.0.0.0 = every IPv4 address, :: = every address)")
       ->type_name("ADDR")
       ->group(kRestarts);
-  app.add_option("--grace-period,--grace_period", grace_seconds,
+  app.add_option("--grace-period,--grace_period", grace_text,
                  "Seconds between asking workers to stop and killing them (default 5)")
-      ->check(CLI::Validator(
-          [](std::string& text) -> std::string {
-            std::size_t used = 0;
-            double value = -1;
-            try {
-              value = std::stod(text, &used);
-            } catch (const std::exception&) {
-              used = 0;
-            }
-            if (used == 0 || used != text.size() || !std::isfinite(value) || value < 0 ||
-                value > 86400) {
-              return fmt::format("expected seconds from 0 to 86400, got '{}'", text);
-            }
-            return {};
-          },
-          ""))
       ->type_name("SECONDS")
       ->group(kRestarts);
 
@@ -434,27 +431,34 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
                "front of each line (lines stay whole); for machine-readable output")
       ->group(kOutput);
   std::string log_dir;
-  app.add_option("--log-dir,--log_dir", log_dir,
-                 "Also write each worker's stdout and stderr to "
-                 "DIR/<run-id>/attempt_<k>/<rank>/{stdout,stderr}.log, and give the workers "
-                 "DDP_DUMP_DIR=DIR/<run-id>/attempt_<k> unless it is set")
-      ->type_name("DIR")
-      ->group(kOutput);
+  auto* log_dir_option =
+      app.add_option("--log-dir,--log_dir", log_dir,
+                     "Also write each worker's stdout and stderr to "
+                     "DIR/<run-id>/attempt_<k>/<rank>/{stdout,stderr}.log, and give the workers "
+                     "DDP_DUMP_DIR=DIR/<run-id>/attempt_<k> unless it is set")
+          ->type_name("DIR")
+          ->group(kOutput);
   OutputRoutingText routing_text;
-  app.add_option("-r,--redirects", routing_text.redirects,
-                 "Streams sent to the --log-dir files only, not the console: 0 none, 1 stdout, 2 "
-                 "stderr, 3 both; or LOCAL_RANK:VALUE pairs, e.g. 0:1,1:3 (default 0)")
-      ->type_name("STREAMS")
-      ->group(kOutput);
-  app.add_option("-t,--tee", routing_text.tee,
-                 "Streams written to both the console and the --log-dir files (the files always "
-                 "get every stream; this undoes --redirects), same values as --redirects")
-      ->type_name("STREAMS")
-      ->group(kOutput);
-  app.add_option("--local-ranks-filter,--local_ranks_filter", routing_text.local_ranks_filter,
-                 "Only these local ranks' output reaches the console, e.g. 0,2 (files keep all)")
-      ->type_name("RANKS")
-      ->group(kOutput);
+  auto* redirects =
+      app.add_option(
+             "-r,--redirects", routing_text.redirects,
+             "Streams sent to the --log-dir files only, not the console: 0 none, 1 stdout, 2 "
+             "stderr, 3 both; or LOCAL_RANK:VALUE pairs, e.g. 0:1,1:3 (default 0)")
+          ->type_name("STREAMS")
+          ->group(kOutput);
+  auto* tee =
+      app.add_option(
+             "-t,--tee", routing_text.tee,
+             "Streams written to both the console and the --log-dir files (the files always "
+             "get every stream; this undoes --redirects), same values as --redirects")
+          ->type_name("STREAMS")
+          ->group(kOutput);
+  auto* ranks_filter =
+      app.add_option(
+             "--local-ranks-filter,--local_ranks_filter", routing_text.local_ranks_filter,
+             "Only these local ranks' output reaches the console, e.g. 0,2 (files keep all)")
+          ->type_name("RANKS")
+          ->group(kOutput);
 
   constexpr const char* kWorkers = "Workers";
   bool no_env_tuning = false;
@@ -468,6 +472,23 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
                "Python script needs its interpreter: 'ddprun python3 train.py')")
       ->group(kWorkers);
   app.set_help_flag("-h,--help", "Print this help and exit")->group(kWorkers);
+
+  // CLI11 takes "--log-dir=" (nothing after '=') as "--log-dir" with the next argument as its
+  // value, so that PROGRAM, or the next option, silently became the value. Refused here, among
+  // ddprun's own arguments (up to PROGRAM or "--"; those after are PROGRAM's own).
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--" || arg.size() < 2 || arg[0] != '-') break;
+    const std::size_t equals = arg.find('=');
+    const CLI::Option* option = app.get_option_no_throw(arg.substr(0, equals));
+    if (option == nullptr) continue;  // CLI11 names an unknown option
+    if (equals == std::string::npos) {
+      if (option->get_items_expected_min() > 0) ++i;  // its value
+    } else if (equals + 1 == arg.size()) {
+      throw UsageError(fmt::format("{} is empty: give a value after '=', or leave {} out",
+                                   option->get_name(), option->get_name()));
+    }
+  }
 
   // CLI11 wants argv order reversed in a vector; parse(vector) does that for us.
   std::vector<std::string> reversed(args.rbegin(), args.rend());
@@ -493,9 +514,42 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
                     command.front()));
   }
 
+  // Given but empty: refused by name (each was taken as not given, silently).
+  refuse_empty(log_dir_option, log_dir,
+               "give the folder for the workers' output files, or leave --log-dir out");
+  refuse_empty(secret_file_option, options.secret_file,
+               "give the path of the file holding the job's secret, or leave --secret-file out");
+  refuse_empty(rdzv_backend_option, rdzv_backend, "give c10d or static, or leave it out");
+  refuse_empty(rdzv_endpoint_option, rdzv_endpoint, "give HOST or HOST:PORT, or leave it out");
+  refuse_empty(redirects, routing_text.redirects,
+               "give 0, 1, 2 or 3, or LOCAL_RANK:VALUE pairs, or leave it out");
+  refuse_empty(tee, routing_text.tee,
+               "give 0, 1, 2 or 3, or LOCAL_RANK:VALUE pairs, or leave it out");
+  refuse_empty(ranks_filter, routing_text.local_ranks_filter,
+               "give the local ranks to show (e.g. 0,2), or leave it out");
+  // Names and numbers with whitespace around them (paths may have it: a folder can be called so).
+  refuse_space_around("--master-addr", options.master_addr);
+  refuse_space_around("--rdzv-backend", rdzv_backend);
+  if (options.agent_listen_addr) {
+    refuse_space_around("--agent-listen-addr", *options.agent_listen_addr);
+  }
+
   options.nproc_per_node = parse_nproc(nproc_text);
   std::tie(options.min_nnodes, options.nnodes) = parse_nnodes(nnodes_text);
-  options.rdzv_last_call = std::chrono::milliseconds(std::llround(last_call_seconds * 1000.0));
+  options.node_rank =
+      static_cast<int>(parse_whole_number("--node-rank", node_rank_text, 0, 1 << 20));
+  options.master_port =
+      static_cast<int>(parse_whole_number("--master-port", master_port_text, 0, 65535));
+  options.max_restarts =
+      static_cast<int>(parse_whole_number("--max-restarts", max_restarts_text, 0, 1000000));
+  if (agent_port->count() > 0) {
+    options.agent_port =
+        static_cast<int>(parse_whole_number("--agent-port", agent_port_text, 1, 65535));
+  }
+  options.rdzv_last_call = std::chrono::milliseconds(
+      std::llround(parse_seconds("--rdzv-last-call", last_call_text, 3600) * 1000.0));
+  options.grace_period = std::chrono::milliseconds(
+      std::llround(parse_seconds("--grace-period", grace_text, 86400) * 1000.0));
   if (!rdzv_backend.empty() && rdzv_backend != "c10d" && rdzv_backend != "static") {
     throw UsageError(
         fmt::format("--rdzv-backend '{}' is not supported: ddprun's rendezvous is ddp's store on "
@@ -516,7 +570,6 @@ std::optional<LaunchOptions> parse_command_line(const std::vector<std::string>& 
     std::tie(options.master_addr, options.master_port) = parse_endpoint(rdzv_endpoint);
   }
   check_run_id(options.run_id);
-  options.grace_period = std::chrono::milliseconds(std::llround(grace_seconds * 1000.0));
   if (options.standalone) {
     if (options.nnodes != 1) {
       throw UsageError(

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -57,8 +58,21 @@ constexpr milliseconds kBlameSettle{500};
 // member's host gone (every agent beats about every 500 ms, also while it stops its workers).
 constexpr milliseconds kElasticSilence{10'000};
 
+// Error texts say what failed; whoever prints one says who (main's "ddprun: error: ", note()'s
+// "ddprun: "), so that the prefix comes once.
 [[noreturn]] void throw_errno(const std::string& what) {
-  throw Error(fmt::format("ddprun: {} failed: {}", what, std::strerror(errno)));
+  const int err = errno;
+  std::string hint;
+  if (err == EMFILE || err == ENFILE) {
+    rlimit limit{};
+    ::getrlimit(RLIMIT_NOFILE, &limit);
+    hint = fmt::format(
+        " (out of file descriptors: ddprun holds two or more per worker, and may open {}; "
+        "raise ulimit -n)",
+        limit.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
+                                        : std::to_string(limit.rlim_cur));
+  }
+  throw Error(fmt::format("{} failed: {}{}", what, std::strerror(err), hint));
 }
 
 std::string signal_name(int sig) {

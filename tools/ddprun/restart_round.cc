@@ -56,7 +56,7 @@ void RestartRounds::join(int round) {
         if (!store_->check(one)) missing.push_back(node);
       }
       throw TimeoutError(fmt::format(
-          "ddprun: restart round {}: node(s) {} did not join within {} s (their ddprun is gone "
+          "restart round {}: node(s) {} did not join within {} s (their ddprun is gone "
           "or cannot reach {}:{}); giving up",
           round, fmt::join(missing, ", "),
           std::chrono::duration_cast<std::chrono::seconds>(options_.join_timeout).count(),
@@ -266,7 +266,7 @@ JoinedRound RestartRounds::join_elastic(int round) {
         if (store_->check(members_key)) break;
         if (Clock::now() >= deadline) {
           throw TimeoutError(fmt::format(
-              "ddprun: no round of the elastic job took this node within {} s (waiting for round "
+              "no round of the elastic job took this node within {} s (waiting for round "
               "{} at {}:{}: the job may have --nnodes MAX nodes already); giving up",
               std::chrono::duration_cast<std::chrono::seconds>(options_.join_timeout).count(),
               round, options_.host, options_.port));

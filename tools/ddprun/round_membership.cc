@@ -16,10 +16,10 @@ bool contains(const std::vector<RoundMember>& list, int agent) {
 }
 
 [[noreturn]] void bad_value(const std::string& what, const std::string& text) {
-  throw StoreError(fmt::format(
-      "ddprun: the elastic rendezvous holds a malformed {} '{}' (another ddprun version, or "
-      "another job with the same --rdzv-id on this --agent-port?)",
-      what, text));
+  throw StoreError(
+      fmt::format("the elastic rendezvous holds a malformed {} '{}' (another ddprun version, or "
+                  "another job with the same --rdzv-id on this --agent-port?)",
+                  what, text));
 }
 
 }  // namespace
