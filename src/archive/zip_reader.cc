@@ -1,38 +1,28 @@
-// The zip reader (zip_reader.h). Layout from PKWARE's APPNOTE 6.3: local headers and data, the
-// central directory, [zip64 end record, zip64 locator,] the end record with an optional comment.
+// The zip reader's second phase (zip_reader.h): reading records, stored or deflated, each
+// verified against its CRC-32 and its declared size. Layout from PKWARE's APPNOTE 6.3: local
+// headers and data, the central directory, [zip64 end record, zip64 locator,] the end record;
+// zip_directory.cc reads and checks all but the data.
 #include "archive/zip_reader.h"
 
-#include <fcntl.h>
 #include <libdeflate.h>
 #include <sched.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <exception>
-#include <numeric>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "archive/byte_source.h"
+#include "archive/zip_format.h"
+
 namespace ddp::archive {
+
+using zip::damaged;
+
 namespace {
 
-constexpr std::uint32_t kLocalHeader = 0x04034b50;
-constexpr std::uint32_t kCentralHeader = 0x02014b50;
-constexpr std::uint32_t kEndRecord = 0x06054b50;
-constexpr std::uint32_t kZip64EndRecord = 0x06064b50;
-constexpr std::uint32_t kZip64Locator = 0x07064b50;
-constexpr std::size_t kEndRecordBytes = 22;
-constexpr std::size_t kZip64EndRecordBytes = 56;
-constexpr std::size_t kZip64LocatorBytes = 20;
-constexpr std::size_t kCentralHeaderBytes = 46;
-constexpr std::size_t kLocalHeaderBytes = 30;
-// Deflate's largest ratio: a block of 258-byte matches costs at least about 2 bits per match.
-constexpr std::uint64_t kMaxDeflateRatio = 1032;
 // Records are read and checked in pieces of this size, so each piece's CRC runs while the piece
 // is still in the cache the read put it in.
 constexpr std::size_t kPiece = std::size_t{256} << 10;
@@ -52,113 +42,17 @@ unsigned usable_cpus() {
   return static_cast<unsigned>(std::max(1, CPU_COUNT(&set)));
 }
 
-[[noreturn]] void damaged(const std::string& what) {
-  throw FormatError(FormatError::Kind::kDamaged, what);
-}
-
-std::uint64_t le(const unsigned char* p, int bytes) {
-  std::uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i)
-    v |= std::uint64_t{p[i]} << (8 * i);
-  return v;
-}
-std::uint16_t u16(const unsigned char* p) {
-  return static_cast<std::uint16_t>(le(p, 2));
-}
-std::uint32_t u32(const unsigned char* p) {
-  return static_cast<std::uint32_t>(le(p, 4));
-}
-std::uint64_t u64(const unsigned char* p) {
-  return le(p, 8);
-}
-
-// a + b <= limit, without overflow.
-bool fits(std::uint64_t a, std::uint64_t b, std::uint64_t limit) {
-  return a <= limit && b <= limit - a;
-}
-
 }  // namespace
 
-// Where the bytes come from: a file read with pread (positional, so reads need no shared
-// position) or memory (fuzzing, tests).
-class ZipReader::Source {
- public:
-  explicit Source(std::string bytes) : memory_(std::move(bytes)), size_(memory_.size()) {}
-  Source(int fd, std::uint64_t size, std::string path)
-      : fd_(fd), size_(size), path_(std::move(path)) {}
-  ~Source() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Source(const Source&) = delete;
-  Source& operator=(const Source&) = delete;
-
-  std::uint64_t size() const { return size_; }
-
-  void read(std::uint64_t offset, void* out, std::size_t n) const {
-    if (!fits(offset, n, size_)) {
-      damaged(fmt::format("a read of {} bytes at byte {} reaches past the end of the {}-byte file",
-                          n, offset, size_));
-    }
-    if (fd_ < 0) {
-      std::memcpy(out, memory_.data() + offset, n);
-      return;
-    }
-    auto* to = static_cast<char*>(out);
-    while (n > 0) {
-      const ssize_t got = ::pread(fd_, to, n, static_cast<off_t>(offset));
-      if (got < 0) {
-        if (errno == EINTR) continue;
-        throw ConfigError(
-            fmt::format("{}: cannot read at byte {}: {}", path_, offset, std::strerror(errno)));
-      }
-      if (got == 0) {
-        damaged(
-            fmt::format("the file ended at byte {}, though it was {} bytes when opened "
-                        "(changed while being read?)",
-                        offset, size_));
-      }
-      to += got;
-      offset += static_cast<std::uint64_t>(got);
-      n -= static_cast<std::size_t>(got);
-    }
-  }
-  std::vector<unsigned char> read(std::uint64_t offset, std::size_t n) const {
-    std::vector<unsigned char> bytes(n);
-    read(offset, bytes.data(), n);
-    return bytes;
-  }
-
- private:
-  int fd_ = -1;
-  std::string memory_;
-  std::uint64_t size_;
-  std::string path_;
-};
-
 ZipReader ZipReader::open(const std::filesystem::path& path, ZipLimits limits) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    throw ConfigError(
-        fmt::format("{}: cannot open the file to read: {}", path.string(), std::strerror(errno)));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    const int error = errno;
-    ::close(fd);
-    throw ConfigError(fmt::format("{}: {}", path.string(),
-                                  S_ISDIR(st.st_mode) ? "a directory, not a file"
-                                  : error != 0        ? std::strerror(error)
-                                                      : "not a regular file"));
-  }
-  return ZipReader(
-      std::make_unique<Source>(fd, static_cast<std::uint64_t>(st.st_size), path.string()), limits);
+  return ZipReader(ByteSource::open(path), limits);
 }
 
 ZipReader ZipReader::from_bytes(std::string bytes, ZipLimits limits) {
-  return ZipReader(std::make_unique<Source>(std::move(bytes)), limits);
+  return ZipReader(std::make_unique<ByteSource>(std::move(bytes)), limits);
 }
 
-ZipReader::ZipReader(std::unique_ptr<Source> source, ZipLimits limits)
+ZipReader::ZipReader(std::unique_ptr<ByteSource> source, ZipLimits limits)
     : source_(std::move(source)), limits_(limits) {
   read_central_directory();
 }
@@ -168,209 +62,6 @@ ZipReader::~ZipReader() = default;
 
 std::uint64_t ZipReader::file_size() const {
   return source_->size();
-}
-
-void ZipReader::read_central_directory() {
-  const std::uint64_t size = source_->size();
-  if (size < kEndRecordBytes) {
-    damaged(fmt::format("{} bytes, too short for a zip archive", size));
-  }
-  // The end record is the last 22 bytes but for a comment of up to 65535 bytes: the last
-  // signature whose comment length reaches the end of the file exactly.
-  const std::size_t tail_bytes =
-      static_cast<std::size_t>(std::min<std::uint64_t>(size, kEndRecordBytes + 0xffff));
-  const std::uint64_t tail_start = size - tail_bytes;
-  const auto tail = source_->read(tail_start, tail_bytes);
-  std::size_t at = tail_bytes - kEndRecordBytes;
-  for (;; --at) {
-    if (u32(&tail[at]) == kEndRecord && at + kEndRecordBytes + u16(&tail[at + 20]) == tail_bytes) {
-      break;
-    }
-    if (at == 0) damaged("no end-of-central-directory record (truncated, or not a zip archive)");
-  }
-  const unsigned char* end = &tail[at];
-  const std::uint64_t end_offset = tail_start + at;
-  std::uint64_t disk = u16(end + 4), directory_disk = u16(end + 6);
-  std::uint64_t entries_here = u16(end + 8), entries = u16(end + 10);
-  std::uint64_t directory_size = u32(end + 12), directory_offset = u32(end + 16);
-  std::uint64_t data_end = end_offset;
-
-  const bool saturated = entries == 0xffff || directory_size == 0xffffffff ||
-                         directory_offset == 0xffffffff || entries_here == 0xffff;
-  bool zip64 = false;
-  if (end_offset >= kZip64LocatorBytes) {
-    const auto locator = source_->read(end_offset - kZip64LocatorBytes, kZip64LocatorBytes);
-    zip64 = u32(locator.data()) == kZip64Locator;
-    if (zip64) {
-      const std::uint64_t record_offset = u64(&locator[8]);
-      if (!fits(record_offset, kZip64EndRecordBytes, end_offset - kZip64LocatorBytes)) {
-        damaged(fmt::format("the zip64 end record at byte {} lies outside the file's end",
-                            record_offset));
-      }
-      const auto record = source_->read(record_offset, kZip64EndRecordBytes);
-      if (u32(record.data()) != kZip64EndRecord) {
-        damaged(
-            fmt::format("no zip64 end record at byte {}, where its locator points", record_offset));
-      }
-      disk = u32(&record[16]);
-      directory_disk = u32(&record[20]);
-      entries_here = u64(&record[24]);
-      entries = u64(&record[32]);
-      directory_size = u64(&record[40]);
-      directory_offset = u64(&record[48]);
-      data_end = record_offset;
-    }
-  }
-  if (saturated && !zip64) damaged("sizes that need a zip64 end record, which the file lacks");
-  if (disk != 0 || directory_disk != 0 || entries_here != entries) {
-    throw FormatError(FormatError::Kind::kUnsupported, "an archive split over several disks");
-  }
-  if (!fits(directory_offset, directory_size, data_end) ||
-      directory_offset + directory_size != data_end) {
-    damaged(
-        fmt::format("the central directory ({} bytes at byte {}) does not end where the end "
-                    "record begins (byte {})",
-                    directory_size, directory_offset, data_end));
-  }
-  if (entries > limits_.max_entries) {
-    throw FormatError(
-        FormatError::Kind::kTooLarge,
-        fmt::format("{} records, over this reader's limit of {}", entries, limits_.max_entries));
-  }
-  if (directory_size > limits_.max_directory_bytes) {
-    throw FormatError(FormatError::Kind::kTooLarge,
-                      fmt::format("a central directory of {} bytes, over this reader's limit of {}",
-                                  directory_size, limits_.max_directory_bytes));
-  }
-  if (entries * kCentralHeaderBytes > directory_size) {
-    damaged(fmt::format("{} records cannot fit a central directory of {} bytes", entries,
-                        directory_size));
-  }
-
-  const auto directory = source_->read(directory_offset, static_cast<std::size_t>(directory_size));
-  std::size_t pos = 0;
-  entries_.reserve(static_cast<std::size_t>(entries));
-  for (std::uint64_t i = 0; i < entries; ++i) {
-    if (directory.size() - pos < kCentralHeaderBytes || u32(&directory[pos]) != kCentralHeader) {
-      damaged(fmt::format("central directory record {} is not where it should be (byte {})", i,
-                          directory_offset + pos));
-    }
-    const unsigned char* h = &directory[pos];
-    const std::uint16_t flags = u16(h + 8);
-    ZipEntry e;
-    e.method = u16(h + 10);
-    e.crc32 = u32(h + 16);
-    e.compressed_size = u32(h + 20);
-    e.size = u32(h + 24);
-    const std::size_t name_bytes = u16(h + 28), extra_bytes = u16(h + 30),
-                      comment_bytes = u16(h + 32);
-    std::uint64_t start_disk = u16(h + 34);
-    e.local_header_offset = u32(h + 42);
-    if (directory.size() - pos - kCentralHeaderBytes < name_bytes + extra_bytes + comment_bytes) {
-      damaged(fmt::format("central directory record {} runs past the directory's end", i));
-    }
-    e.name.assign(reinterpret_cast<const char*>(h + kCentralHeaderBytes), name_bytes);
-    // The zip64 extra field holds, in this order, the fields saturated above.
-    const unsigned char* extra = h + kCentralHeaderBytes + name_bytes;
-    for (std::size_t x = 0; x + 4 <= extra_bytes;) {
-      const std::uint16_t id = u16(extra + x), length = u16(extra + x + 2);
-      if (x + 4 + length > extra_bytes)
-        damaged(fmt::format("record '{}': a damaged extra field", e.name));
-      if (id == 0x0001) {
-        const unsigned char* field = extra + x + 4;
-        std::size_t left = length;
-        auto take = [&](std::uint64_t& value) {
-          if (left < 8) damaged(fmt::format("record '{}': a zip64 field too short", e.name));
-          value = u64(field);
-          field += 8;
-          left -= 8;
-        };
-        if (e.size == 0xffffffff) take(e.size);
-        if (e.compressed_size == 0xffffffff) take(e.compressed_size);
-        if (e.local_header_offset == 0xffffffff) take(e.local_header_offset);
-        if (start_disk == 0xffff) {
-          if (left < 4) damaged(fmt::format("record '{}': a zip64 field too short", e.name));
-          start_disk = u32(field);
-        }
-      }
-      x += 4 + length;
-    }
-    pos += kCentralHeaderBytes + name_bytes + extra_bytes + comment_bytes;
-
-    if (e.name.empty() || e.name.find('\0') != std::string::npos) {
-      damaged(fmt::format("central directory record {} has an empty or binary name", i));
-    }
-    if (start_disk != 0) {
-      throw FormatError(FormatError::Kind::kUnsupported, "an archive split over several disks");
-    }
-    if ((flags & 0x41) != 0) {
-      throw FormatError(FormatError::Kind::kUnsupported,
-                        fmt::format("record '{}' is encrypted", e.name));
-    }
-    if (e.method != 0 && e.method != 8) {
-      throw FormatError(FormatError::Kind::kUnsupported,
-                        fmt::format("record '{}' is compressed with method {} (this reader "
-                                    "reads stored (0) and deflated (8) records)",
-                                    e.name, e.method));
-    }
-    if (e.method == 0 && e.compressed_size != e.size) {
-      damaged(fmt::format("stored record '{}' declares {} bytes but holds {}", e.name, e.size,
-                          e.compressed_size));
-    }
-    if (e.method == 8 && e.size / kMaxDeflateRatio > e.compressed_size) {
-      damaged(
-          fmt::format("deflated record '{}' declares {} bytes, more than its {} compressed "
-                      "bytes can inflate to",
-                      e.name, e.size, e.compressed_size));
-    }
-    entries_.push_back(std::move(e));
-  }
-  if (pos != directory.size()) {
-    damaged(fmt::format("the central directory holds {} bytes after its {} records",
-                        directory.size() - pos, entries));
-  }
-
-  // Every local header, checked against its central record and the data area (which ends where
-  // the central directory begins).
-  for (auto& e : entries_) {
-    if (!fits(e.local_header_offset, kLocalHeaderBytes + e.name.size(), directory_offset)) {
-      damaged(fmt::format("record '{}' starts at byte {}, outside the data area", e.name,
-                          e.local_header_offset));
-    }
-    const auto local = source_->read(e.local_header_offset, kLocalHeaderBytes + e.name.size());
-    if (u32(local.data()) != kLocalHeader || u16(&local[8]) != e.method ||
-        u16(&local[26]) != e.name.size() ||
-        std::memcmp(&local[kLocalHeaderBytes], e.name.data(), e.name.size()) != 0) {
-      damaged(
-          fmt::format("the local header of record '{}' (byte {}) does not match its "
-                      "central directory entry",
-                      e.name, e.local_header_offset));
-    }
-    e.data_offset = e.local_header_offset + kLocalHeaderBytes + e.name.size() + u16(&local[28]);
-    if (!fits(e.data_offset, e.compressed_size, directory_offset)) {
-      damaged(fmt::format("record '{}' ({} bytes at byte {}) reaches past the data area", e.name,
-                          e.compressed_size, e.data_offset));
-    }
-  }
-  std::vector<std::size_t> order(entries_.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return entries_[a].local_header_offset < entries_[b].local_header_offset;
-  });
-  for (std::size_t k = 1; k < order.size(); ++k) {
-    const ZipEntry& before = entries_[order[k - 1]];
-    const ZipEntry& after = entries_[order[k]];
-    if (before.data_offset + before.compressed_size > after.local_header_offset) {
-      damaged(fmt::format("records '{}' and '{}' overlap in the file", before.name, after.name));
-    }
-  }
-  by_name_.reserve(entries_.size());
-  for (std::size_t i = 0; i < entries_.size(); ++i) {
-    if (!by_name_.emplace(entries_[i].name, i).second) {
-      damaged(fmt::format("two records are named '{}'", entries_[i].name));
-    }
-  }
-  read_.assign(entries_.size(), false);
 }
 
 const ZipEntry* ZipReader::find(std::string_view name) const {

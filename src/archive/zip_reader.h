@@ -30,6 +30,8 @@
 
 namespace ddp::archive {
 
+class ByteSource;
+
 struct ZipLimits {
   std::size_t max_entries = std::size_t{1} << 20;
   // The central directory is read whole: 1 Mi records of 200-byte names fit.
@@ -78,8 +80,7 @@ class ZipReader {
   void verify_unread() const;
 
  private:
-  class Source;
-  ZipReader(std::unique_ptr<Source> source, ZipLimits limits);
+  ZipReader(std::unique_ptr<ByteSource> source, ZipLimits limits);
   void read_central_directory();
   template <class Sink>
   void stream(const ZipEntry& entry, Sink&& sink, bool verify = true) const;
@@ -87,7 +88,7 @@ class ZipReader {
   std::size_t index_of(const ZipEntry& entry) const;
   void check_crc(const ZipEntry& entry, std::uint32_t crc) const;
 
-  std::unique_ptr<Source> source_;
+  std::unique_ptr<ByteSource> source_;
   ZipLimits limits_;
   std::vector<ZipEntry> entries_;
   std::unordered_map<std::string_view, std::size_t> by_name_;
