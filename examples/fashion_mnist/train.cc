@@ -12,7 +12,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -33,6 +32,7 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
+#include "common/program_options.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/checkpoint.h"
@@ -879,31 +879,6 @@ int run(const Options& options) {
 
 }  // namespace
 
-// CLI::Range lets NaN through (every comparison with NaN is false): floating options must first
-// be finite numbers.
-const CLI::Validator kFinite(
-    [](std::string& text) -> std::string {
-      double value = 0;
-      if (!CLI::detail::lexical_cast(text, value)) return fmt::format("'{}' is not a number", text);
-      if (!std::isfinite(value)) return fmt::format("{} is not a finite number", text);
-      return {};
-    },
-    "FINITE");
-
-// CLI11 reads "-1" and numbers past 2^64 - 1 into a uint64 as 2^64 - 1 without a word: whole
-// numbers are checked as text first.
-const CLI::Validator kUint64(
-    [](std::string& text) -> std::string {
-      std::uint64_t value = 0;
-      const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-      if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
-        return fmt::format("'{}' is not a whole number from 0 to {}", text,
-                           std::numeric_limits<std::uint64_t>::max());
-      }
-      return {};
-    },
-    "UINT64");
-
 int main(int argc, char** argv) {
   Options options;
   CLI::App app{
@@ -940,14 +915,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   auto* lr_option =
       app.add_option("--lr", options.lr, "learning rate (default: 0.05 with sgd, 0.001 with adam)")
-          ->check(kFinite)
+          ->check(ddp_programs::kFinite)
           ->check(CLI::Range(1e-6, 10.0));
   app.add_option("--momentum", options.momentum, "SGD momentum")
-      ->check(kFinite)
+      ->check(ddp_programs::kFinite)
       ->check(CLI::Range(0.0, 0.999))
       ->capture_default_str();
   app.add_option("--weight-decay", options.weight_decay, "weight decay (L2, added to the gradient)")
-      ->check(kFinite)
+      ->check(ddp_programs::kFinite)
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--lr-schedule", options.schedule,
@@ -955,7 +930,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cosine", "constant"}))
       ->capture_default_str();
   app.add_option("--seed", options.seed, "seed of the model's initialisation and the shuffling")
-      ->check(kUint64)
+      ->check(ddp_programs::kUint64)
       ->capture_default_str();
   app.add_option("--data-dir", options.data_dir,
                  "folder with the four *-ubyte.gz files of Fashion-MNIST")
@@ -986,7 +961,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100000000));
   app.add_option("--threads", options.threads,
                  "torch threads per rank (default: OMP_NUM_THREADS, else 1)")
-      ->check(CLI::Range(1, 256));
+      ->check(ddp_programs::kThreads);
   app.add_option("--limit-train", options.limit_train,
                  "train on the first N training samples only (for quick tests)")
       ->check(CLI::Range(std::size_t{1}, fmnist::kTrainCount));
@@ -1024,7 +999,9 @@ int main(int argc, char** argv) {
                  "with --comm-hook powersgd: plain allreduce for the steps before (>= 2)")
       ->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 40))
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "train-fashion-mnist")) {
+    return *code;
+  }
   if (options.optimizer == "adam" && lr_option->count() == 0) options.lr = kAdamDefaultLr;
 
   try {
