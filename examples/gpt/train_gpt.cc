@@ -12,8 +12,12 @@
 // (PipelineOptions::dp_group: each replica takes its rows of the batch, gradients averaged once
 // per step). Every layout of the same run trains the same model on the same batches: the weights
 // come from fixed seeds, the vocabulary is padded to a multiple of 8, and each step's batch is
-// drawn from --seed. AdamW. The text: --data (default: the GPL's text from Debian's base-files),
-// or a generated one when the file is missing.
+// drawn from --seed. AdamW. The text: --data, or by default the GPL's text from Debian's
+// base-files (a generated one where that file is missing).
+//
+// Every flag is range-checked before the job starts (a refusal names the flag, its value and what
+// would be valid, and exits 1), the sizes together against the machine's memory; the layout
+// against the job's world size once it has joined.
 //
 // Rank 0 prints "step <k> loss <loss>" every --log-every steps, and last
 // "final loss=<loss> param_sum=<sum of every element of every parameter of the whole model>",
@@ -22,10 +26,10 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
+#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -35,6 +39,7 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
+#include "common/program_options.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/device_mesh.h"
@@ -46,6 +51,13 @@
 
 namespace {
 
+constexpr const char* kDefaultData = "/usr/share/common-licenses/GPL-3";
+
+// Bounds of the size flags: far above anything this example trains, low enough that no product
+// of them overflows (the memory they need together is checked against the machine's).
+constexpr std::int64_t kMaxSize = std::int64_t{1} << 20;
+constexpr std::int64_t kMaxBatch = std::int64_t{1} << 30;
+
 struct Options {
   int dp = 1, tp = 1, pp = 1;
   int microbatches = 1;
@@ -54,7 +66,8 @@ struct Options {
   int log_every = 5;
   std::uint64_t seed = 1;
   std::string dtype = "float32";
-  std::string data = "/usr/share/common-licenses/GPL-3";
+  std::string data = kDefaultData;
+  bool data_given = false;  // --data on the command line: it must be there
   int layers = 4;
   std::int64_t hidden = 32, heads = 4, block_size = 16, batch_size = 8;
   double lr = 3e-3;
@@ -66,12 +79,12 @@ struct Options {
   std::int64_t vocab_at_least = 0;  // pads the vocabulary further (benchmarks: a larger head)
 };
 
-// The text to learn: the file, or (when it is missing) a generated one, the same on every rank.
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (in) {
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (text.size() > 1000) return text;
+// The text to learn, the same on every rank: --data's file; without --data the default file, or a
+// generated text where it is missing. (A file given by --data that cannot be read is refused: it
+// is not silently replaced, nor is a short one.)
+std::string read_text(const Options& o) {
+  if (o.data_given || std::filesystem::exists(o.data)) {
+    return ddp_programs::read_whole_file("--data", o.data);
   }
   std::string text;
   const char* words[] = {"the ",      "model ",     "is ",   "split ",    "over ",
@@ -151,36 +164,116 @@ double full_parameter_sum(torch::nn::Sequential& stage) {
   return sum;
 }
 
-int run(const Options& o) {
-  torch::set_num_threads(o.threads);
-  auto world = ddp::init_process_group();
-  if (o.dp * o.tp * o.pp != world->size()) {
-    throw ddp::ConfigError(fmt::format(
-        "--dp {} x --tp {} x --pp {} = {} ranks, but the job has {}: launch that many (ddprun "
-        "--nproc-per-node {})",
-        o.dp, o.tp, o.pp, o.dp * o.tp * o.pp, world->size(), o.dp * o.tp * o.pp));
-  }
-  if (o.dtype != "float32" && o.dtype != "float64") {
-    throw ddp::ConfigError(fmt::format("--dtype {}: float32 or float64", o.dtype));
-  }
-  const auto dtype = o.dtype == "float64" ? torch::kFloat64 : torch::kFloat32;
+// The vocabulary: one id per distinct character of the text, padded to a multiple of 8 (the same
+// on every layout: tp divides it up to 8) and to --vocab-at-least.
+std::int64_t padded_vocabulary(std::int64_t chars, const Options& o) {
+  return (std::max(chars, o.vocab_at_least) + 7) / 8 * 8;
+}
+
+// Refuses, naming the flags, what the layout cannot run: the flags that must divide one another,
+// a block the text cannot fill, and sizes that cannot fit in the machine's memory.
+void check_options(const Options& o, const std::string& text, std::int64_t vocab) {
   if (o.batch_size % o.dp != 0 || (o.batch_size / o.dp) % o.microbatches != 0) {
     throw ddp::ConfigError(fmt::format(
         "--batch-size {} must split into --dp {} replicas of --microbatches {} equal micro-batches",
         o.batch_size, o.dp, o.microbatches));
   }
+  if (o.hidden % o.heads != 0) {
+    throw ddp::ConfigError(
+        fmt::format("--hidden {} must be a multiple of --heads {}", o.hidden, o.heads));
+  }
+  if (o.heads % o.tp != 0 || vocab % o.tp != 0) {
+    throw ddp::ConfigError(fmt::format(
+        "--tp {} must divide --heads {} and the vocabulary of {} (the text's characters padded "
+        "to a multiple of 8 and to --vocab-at-least)",
+        o.tp, o.heads, vocab));
+  }
+  // Each step draws windows of block_size + 1 characters (the inputs and the next character of
+  // each) from random starts: the text must hold one at least.
+  const auto characters = static_cast<std::int64_t>(text.size());
+  if (characters < o.block_size + 2) {
+    const std::string source = o.data_given || std::filesystem::exists(o.data)
+                                   ? fmt::format("--data '{}'", o.data)
+                                   : fmt::format("the generated text ('{}' is missing)", o.data);
+    throw ddp::ConfigError(fmt::format(
+        "--block-size {}: {} has {} characters, but it must be longer than the block size + 1 "
+        "(at least {}): use a smaller --block-size or a longer text",
+        o.block_size, source, characters, o.block_size + 2));
+  }
+  if (o.time_after >= o.steps) {
+    throw ddp::ConfigError(fmt::format(
+        "--time-after {}: no step after it would be timed, --steps is {} (valid: 0 to {})",
+        o.time_after, o.steps, o.steps - 1));
+  }
+  if (o.resume && o.checkpoint.empty()) throw ddp::ConfigError("--resume needs --checkpoint DIR");
+  if (!o.checkpoint.empty() && std::filesystem::exists(o.checkpoint) &&
+      !std::filesystem::is_directory(o.checkpoint)) {
+    throw ddp::ConfigError(fmt::format(
+        "--checkpoint '{}' is not a directory (it holds one file per part)", o.checkpoint));
+  }
+  // What a rank holds at once, at the least: its share of the parameters (every rank builds the
+  // whole model, the split layers cut for its tp rank), one layer's attention scores of one
+  // micro-batch, the step's windows of the text and the text itself as ids (both int64, the ids
+  // twice: a vector and a tensor). Optimizer state, gradients and the other activations come on
+  // top.
+  const double h = static_cast<double>(o.hidden);
+  const double parameters =
+      (2.0 * static_cast<double>(vocab) * h + static_cast<double>(o.layers) * 12.0 * h * h) /
+          static_cast<double>(o.tp) +
+      static_cast<double>(o.block_size) * h;
+  const double rows = static_cast<double>(o.batch_size / o.dp / o.microbatches);
+  const double scores = rows * static_cast<double>(o.heads / o.tp) *
+                        static_cast<double>(o.block_size) * static_cast<double>(o.block_size);
+  const double element = o.dtype == "float64" ? 8.0 : 4.0;
+  const double windows =
+      static_cast<double>(o.batch_size) * static_cast<double>(o.block_size + 1) * 8.0;
+  const double ids = 16.0 * static_cast<double>(characters);
+  ddp_programs::check_fits_in_memory(
+      element * (parameters + scores) + windows + ids,
+      fmt::format("--hidden {} x --layers {} (a vocabulary of {}) with --block-size {}, "
+                  "--batch-size {} and --dtype {} ({:.3g} parameters per rank, attention scores "
+                  "of {:.3g} elements per layer)",
+                  o.hidden, o.layers, vocab, o.block_size, o.batch_size, o.dtype, parameters,
+                  scores));
+}
+
+// dp x tp x pp, or nullopt where it overflows int64 (--dp 65536 --tp 65536 made "0 ranks" in int).
+std::optional<std::int64_t> layout_ranks(const Options& o) {
+  std::int64_t ranks = 1;
+  for (const int size : {o.dp, o.tp, o.pp}) {
+    if (__builtin_mul_overflow(ranks, size, &ranks)) return std::nullopt;
+  }
+  return ranks;
+}
+
+int run(const Options& o) {
+  torch::set_num_threads(o.threads);
+  // The layout first: where it does not fit the job, the other flags' checks (the batch split
+  // over --dp, --tp against --heads) would name a symptom of it.
+  auto world = ddp::init_process_group();
+  const auto ranks = layout_ranks(o);
+  if (ranks != world->size()) {
+    const std::string product = ranks ? fmt::format("{}", *ranks) : "more than 2^63";
+    throw ddp::ConfigError(fmt::format(
+        "--dp {} x --tp {} x --pp {} = {} ranks, but the job has {}: their product must be the "
+        "job's world size{}",
+        o.dp, o.tp, o.pp, product, world->size(),
+        ranks && *ranks <= std::numeric_limits<int>::max()
+            ? fmt::format(" (or launch that many: ddprun --nproc-per-node {})", *ranks)
+            : ""));
+  }
+  const std::string text = read_text(o);
+  const std::set<char> chars(text.begin(), text.end());
+  const std::int64_t vocab = padded_vocabulary(static_cast<std::int64_t>(chars.size()), o);
+  check_options(o, text, vocab);
+
+  const auto dtype = o.dtype == "float64" ? torch::kFloat64 : torch::kFloat32;
   ddp::DeviceMesh mesh({{"pp", o.pp}, {"dp", o.dp}, {"tp", o.tp}}, world);
   const auto tp = mesh.group("tp");
 
-  const std::string text = read_text(o.data);
-  const std::set<char> chars(text.begin(), text.end());
   std::map<char, std::int64_t> id_of;
   for (const char c : chars)
     id_of.emplace(c, static_cast<std::int64_t>(id_of.size()));
-  // Padded to a multiple of 8, the same on every layout (tp divides it up to 8).
-  const std::int64_t vocab =
-      (std::max<std::int64_t>(static_cast<std::int64_t>(chars.size()), o.vocab_at_least) + 7) / 8 *
-      8;
   std::vector<std::int64_t> ids;
   ids.reserve(text.size());
   for (const char c : text)
@@ -217,8 +310,15 @@ int run(const Options& o) {
   ddp::MeshTrainState state(mesh, *pipe.stage_module(), optimizer, {.tag = "train-gpt"});
   ddp::TrainProgress progress;
   if (o.resume) {
-    if (o.checkpoint.empty()) throw ddp::ConfigError("--resume needs --checkpoint DIR");
     progress = state.load(o.checkpoint);
+    // No step would run, and the final line would report a loss that no step computed. Every
+    // rank loaded the same step, so every rank refuses alike.
+    if (progress.global_step >= o.steps) {
+      throw ddp::ConfigError(fmt::format(
+          "--resume: the checkpoint in '{}' is at step {} already and --steps is {}: nothing to "
+          "run (--steps counts from the start: pass more than {})",
+          o.checkpoint, progress.global_step, o.steps, progress.global_step));
+    }
     ddp::print_main_line(
         fmt::format("resuming from {} at step {}", o.checkpoint, progress.global_step));
   }
@@ -276,40 +376,57 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"train-gpt: a character-level GPT with data, tensor and pipeline parallelism"};
-  app.add_option("--dp", o.dp, "data-parallel replicas")->check(CLI::PositiveNumber);
-  app.add_option("--tp", o.tp, "tensor-parallel ranks per layer (divides the heads and 8)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--pp", o.pp, "pipeline stages")->check(CLI::PositiveNumber);
+  // Whole-number flags: CLI::PositiveNumber printed its range as "0.000000 to 1797693134...".
+  const auto positive_int = CLI::Range(1, std::numeric_limits<int>::max());
+  const auto size = CLI::Range(std::int64_t{1}, kMaxSize);
+  app.add_option("--dp", o.dp, "data-parallel replicas (dp x tp x pp = the world size)")
+      ->check(positive_int);
+  app.add_option("--tp", o.tp,
+                 "tensor-parallel ranks per layer (divides the heads and the vocabulary)")
+      ->check(positive_int);
+  app.add_option("--pp", o.pp, "pipeline stages")->check(positive_int);
   app.add_option("--microbatches", o.microbatches, "micro-batches per step and replica")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--schedule", o.schedule, "gpipe or 1f1b");
-  app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
-  app.add_option("--log-every", o.log_every, "print the loss every N steps")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--seed", o.seed, "draws the batches");
-  app.add_option("--dtype", o.dtype, "float32 or float64");
-  app.add_option("--data", o.data, "a text file (a generated text when missing)");
-  app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::PositiveNumber);
+      ->check(positive_int);
+  app.add_option("--schedule", o.schedule, "gpipe or 1f1b")
+      ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--steps", o.steps,
+                 "optimizer steps (in all: a resumed run counts from the start)")
+      ->check(positive_int);
+  app.add_option("--log-every", o.log_every, "print the loss every N steps")->check(positive_int);
+  app.add_option("--seed", o.seed, "draws the batches")->check(ddp_programs::kUint64);
+  app.add_option("--dtype", o.dtype, "float32 or float64")
+      ->check(CLI::IsMember({"float32", "float64"}));
+  app.add_option("--data", o.data,
+                 fmt::format("a text file (default: {}, or a generated text where it is missing)",
+                             kDefaultData))
+      ->check(ddp_programs::kReadableFile);
+  app.add_option("--layers", o.layers, "transformer blocks")
+      ->check(CLI::Range(1, static_cast<int>(kMaxSize)));
   app.add_option("--batch-size", o.batch_size, "sequences per step (all replicas together)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--lr", o.lr, "AdamW's learning rate")->check(CLI::PositiveNumber);
+      ->check(CLI::Range(std::int64_t{1}, kMaxBatch));
+  app.add_option("--lr", o.lr, "AdamW's learning rate")
+      ->check(ddp_programs::positive_at_most(10.0));
   app.add_option("--time-after", o.time_after,
-                 "time the steps after this many and print median_step_ms (benchmarks)");
+                 "time the steps after this many and print median_step_ms (benchmarks)")
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_option("--vocab-at-least", o.vocab_at_least,
-                 "pad the vocabulary to at least this many entries (benchmarks)");
-  app.add_option("--hidden", o.hidden, "model width (divisible by --heads)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.heads, "attention heads (divisible by --tp)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--block-size", o.block_size, "characters per sequence")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--threads", o.threads, "torch threads per rank")->check(CLI::PositiveNumber);
+                 "pad the vocabulary to at least this many entries (benchmarks)")
+      ->check(CLI::Range(std::int64_t{0}, kMaxSize));
+  app.add_option("--hidden", o.hidden, "model width (divisible by --heads)")->check(size);
+  app.add_option("--heads", o.heads, "attention heads (divisible by --tp)")->check(size);
+  app.add_option("--block-size", o.block_size,
+                 "characters per sequence (the text must be longer than this + 1)")
+      ->check(size);
+  app.add_option("--threads", o.threads, "torch threads per rank")->check(ddp_programs::kThreads);
   app.add_option("--checkpoint", o.checkpoint,
                  "a folder for each rank's part of the model and optimizer (saved at the end)");
   app.add_option("--checkpoint-every", o.checkpoint_every, "also save every N steps")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_flag("--resume", o.resume, "continue from --checkpoint (the same tp x pp split)");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "train-gpt")) {
+    return *code;
+  }
+  o.data_given = app.count("--data") > 0;
   try {
     return run(o);
   } catch (const std::exception& e) {
