@@ -9,13 +9,15 @@
 // bf16 autocast, and a snapshot that rank 0 writes after each epoch and every rank loads before
 // wrapping (so a restarted job resumes at the next epoch). docs/porting.md walks through it next
 // to the Python original. Rank 0 prints one line per epoch and finally "final_loss=<loss>".
+// Every flag is range-checked: a refusal names the flag, its value and what would be valid, and
+// exits 1 (as any other error).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <iterator>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -23,6 +25,7 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
+#include "common/program_options.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/checkpoint.h"
@@ -53,12 +56,12 @@ struct Options {
 class CharDataset : public torch::data::datasets::Dataset<CharDataset> {
  public:
   CharDataset(const std::string& path, std::int64_t block_size) : block_size_(block_size) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw ddp::ConfigError(fmt::format("--data {}: cannot read it", path));
-    const std::string text{std::istreambuf_iterator<char>(in), {}};
+    const std::string text = ddp_programs::read_whole_file("--data", path);
     if (static_cast<std::int64_t>(text.size()) <= block_size + 1) {
-      throw ddp::ConfigError(fmt::format("--data {}: {} characters, fewer than --block-size {} + 2",
-                                         path, text.size(), block_size));
+      throw ddp::ConfigError(fmt::format(
+          "--block-size {}: --data '{}' has {} characters, but it must be longer than the block "
+          "size + 1 (at least {}): use a smaller --block-size or a longer text",
+          block_size, path, text.size(), block_size + 2));
     }
     std::vector<std::int64_t> ids(text.size());
     for (std::size_t i = 0; i < text.size(); ++i)
@@ -144,6 +147,7 @@ class Trainer {
         group_(std::move(group)),
         dataset_(options.data, options.block_size),
         sampler_(dataset_.size().value(), *group_, {.shuffle = true, .seed = options.seed}) {
+    check_fits_in_memory();
     torch::manual_seed(static_cast<std::uint64_t>(options.seed));
     GPT gpt(options);
     // The optimizer holds the module's own tensors, which are also the wrapper's parameters.
@@ -153,6 +157,14 @@ class Trainer {
     if (!options.snapshot.empty() && std::filesystem::exists(options.snapshot)) {
       const auto info = ddp::load_checkpoint(options.snapshot, *gpt, *optimizer_, "char-gpt");
       first_epoch_ = static_cast<int>(info.epoch) + 1;
+      // No epoch would run, and the final line would report a loss that no step computed. Every
+      // rank loaded the same snapshot, so every rank refuses alike.
+      if (first_epoch_ >= options.epochs) {
+        throw ddp::ConfigError(fmt::format(
+            "--epochs {}: the snapshot '{}' has trained epochs 0 to {} already: nothing to run "
+            "(--epochs counts from the start: pass {} or more to train on from it)",
+            options.epochs, options.snapshot, info.epoch, first_epoch_ + 1));
+      }
       if (group_->rank() == 0) {
         fmt::print("resuming from snapshot {} at epoch {}\n", options.snapshot, first_epoch_);
       }
@@ -189,6 +201,26 @@ class Trainer {
   }
 
  private:
+  // What a rank holds at once, at the least: the model's parameters (fp32), one layer's attention
+  // scores of one batch (the loader deals at most this rank's share of the samples) and the text
+  // as ids (an int64 vector and tensor). AdamW's state, gradients and other activations come on
+  // top.
+  void check_fits_in_memory() const {
+    const double e = static_cast<double>(options_.embedding);
+    const double t = static_cast<double>(options_.block_size);
+    const double parameters = 2.0 * CharDataset::kVocabulary * e + t * e +
+                              static_cast<double>(options_.layers) * (12.0 * e * e + 13.0 * e);
+    const auto samples = static_cast<std::int64_t>(dataset_.size().value());
+    const auto share = (samples + group_->size() - 1) / group_->size();
+    const double rows = static_cast<double>(std::min(options_.batch_size, share));
+    const double scores = rows * static_cast<double>(options_.heads) * t * t;
+    ddp_programs::check_fits_in_memory(
+        4.0 * (parameters + scores) + 16.0 * static_cast<double>(samples),
+        fmt::format("--layers {} with --block-size {} and --batch-size {} ({:.3g} parameters, "
+                    "attention scores of {:.3g} elements per layer)",
+                    options_.layers, options_.block_size, options_.batch_size, parameters, scores));
+  }
+
   double step(const torch::Tensor& ids, const torch::Tensor& targets) {
     optimizer_->zero_grad();
     torch::Tensor loss;
@@ -222,22 +254,52 @@ class Trainer {
 int main(int argc, char** argv) {
   Options options;
   CLI::App app{"train-char-gpt: minGPT-ddp ported to C++ with ddp (run it under ddprun)"};
-  app.add_option("--data", options.data, "a text file to learn")->capture_default_str();
+  // Far above anything this example trains, low enough that no product of them overflows (the
+  // memory they need together is checked against the machine's).
+  constexpr std::int64_t kMaxSize = std::int64_t{1} << 20;
+  app.add_option("--data", options.data, "a text file to learn")
+      ->check(ddp_programs::kReadableFile)
+      ->capture_default_str();
   app.add_option("--snapshot", options.snapshot,
                  "snapshot file: written by rank 0 after each epoch, resumed from when present");
-  app.add_option("--epochs", options.epochs, "epochs")
-      ->check(CLI::PositiveNumber)
+  app.add_option("--epochs", options.epochs, "epochs (in all: a resumed run counts from the start)")
+      ->check(CLI::Range(1, 1'000'000))
       ->capture_default_str();
   app.add_option("--max-steps", options.max_steps, "at most this many steps per epoch (0: all)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--batch-size", options.batch_size, "per rank")->check(CLI::PositiveNumber);
-  app.add_option("--block-size", options.block_size, "context length")->check(CLI::PositiveNumber);
-  app.add_option("--layers", options.layers, "transformer blocks")->check(CLI::PositiveNumber);
-  app.add_option("--lr", options.learning_rate, "AdamW learning rate")->check(CLI::PositiveNumber);
+      ->check(CLI::Range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max()));
+  app.add_option("--batch-size", options.batch_size, "per rank")
+      ->check(CLI::Range(std::int64_t{1}, kMaxSize));
+  app.add_option("--block-size", options.block_size,
+                 "context length (the text must be longer than this + 1)")
+      ->check(CLI::Range(std::int64_t{1}, kMaxSize));
+  app.add_option("--layers", options.layers, "transformer blocks")
+      ->check(CLI::Range(std::int64_t{1}, kMaxSize));
+  app.add_option("--lr", options.learning_rate, "AdamW learning rate")
+      ->check(ddp_programs::positive_at_most(10.0));
   app.add_option("--grad-clip", options.grad_clip, "gradient norm clip")
-      ->check(CLI::PositiveNumber);
+      ->check(ddp_programs::kPositiveFinite);
   app.add_flag("--amp", options.amp, "bf16 autocast for the forward");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "train-char-gpt")) {
+    return *code;
+  }
+  // A snapshot path that cannot be written failed only after the first epoch's training.
+  if (!options.snapshot.empty()) {
+    namespace fs = std::filesystem;
+    const fs::path snapshot(options.snapshot);
+    const auto folder = snapshot.has_parent_path() ? snapshot.parent_path() : fs::path(".");
+    std::string problem;
+    if (fs::exists(snapshot) && !fs::is_regular_file(snapshot)) {
+      problem = "it exists and is not a regular file";
+    } else if (fs::exists(folder) && !fs::is_directory(folder)) {
+      problem = fmt::format("'{}' is not a folder", folder.string());
+    } else if (!fs::exists(folder)) {
+      problem = fmt::format("its folder '{}' does not exist", folder.string());
+    }
+    if (!problem.empty()) {
+      std::cerr << fmt::format("train-char-gpt: --snapshot '{}': {}\n", options.snapshot, problem);
+      return 1;
+    }
+  }
   try {
     torch::set_num_threads(1);
     auto group = ddp::init_process_group();
