@@ -37,6 +37,9 @@
 // gradients) held at once in the timed steps (ddp/torch/fsdp_memory.h, the largest rank's; on the
 // device with --device cuda, where --cpu-offload leaves only shard-sized transients beside them),
 // beside docs/sharding.md's formula.
+//
+// Every flag is range-checked before the job starts: a refusal names the flag, its value and what
+// would be valid, and exits 1 (as any other error).
 #include <malloc.h>
 
 #include <algorithm>
@@ -45,6 +48,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -57,6 +61,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_timing.h"
+#include "common/program_options.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/chunked_adam.h"
@@ -71,6 +76,62 @@
 #include "ddp/torch/zero_redundancy_optimizer.h"
 
 namespace {
+
+// The largest bucket cap: 1 TiB, far above any model here (a cap above the model's size makes one
+// bucket), and low enough to count in bytes (1e300 MiB reached DDP as a cap of 0 bytes).
+constexpr double kMaxBucketCapMb = 1 << 20;
+// --warmup + --steps must stay an int.
+constexpr int kMaxSteps = 1'000'000'000;
+
+// Floats per sample, beyond its 784 input pixels, of the built-in model's widest activation: the
+// cnn's first convolution (32 x 28 x 28), the MLPs' 4096-wide layers.
+double widest_activation(const std::string& model) {
+  return model == "cnn" ? 32 * 28 * 28 : 4096;
+}
+
+// The TorchScript archive of --model-file, refused by name where it is none or does not map a
+// [batch, 1, 28, 28] float batch to [batch, 10] logits (libtorch's own errors named no flag).
+torch::jit::Module load_model_file(const std::string& path, const torch::Device& device) {
+  // libtorch's message without its backtrace, first line only.
+  const auto first_line = [](const c10::Error& e) {
+    const std::string text = e.what_without_backtrace();
+    return text.substr(0, text.find('\n'));
+  };
+  auto script = [&] {
+    try {
+      return torch::jit::load(path, device);
+    } catch (const c10::Error& e) {
+      throw ddp::ConfigError(
+          fmt::format("--model-file '{}' is not a TorchScript archive (torch::jit::load: {}); "
+                      "export one with torch.jit.script or torch.jit.trace and .save()",
+                      path, first_line(e)));
+    } catch (const std::exception& e) {
+      throw ddp::ConfigError(fmt::format(
+          "--model-file '{}' is not a TorchScript archive (torch::jit::load: {})", path, e.what()));
+    }
+  }();
+  // One forward of two samples in eval mode (no batch-norm statistics change), before anything is
+  // timed.
+  script.eval();
+  try {
+    torch::NoGradGuard no_grad;
+    const auto logits = script.forward({torch::zeros({2, 1, 28, 28}).to(device)});
+    if (!logits.isTensor() || logits.toTensor().sizes() != c10::IntArrayRef{2, 10}) {
+      throw ddp::ConfigError(fmt::format(
+          "--model-file '{}': its forward of a [2, 1, 28, 28] float batch returned {}, not [2, 10] "
+          "logits",
+          path,
+          logits.isTensor() ? "a tensor of shape " + c10::str(logits.toTensor().sizes())
+                            : fmt::format("a {}", logits.tagKind())));
+    }
+  } catch (const c10::Error& e) {
+    throw ddp::ConfigError(
+        fmt::format("--model-file '{}': its forward of a [2, 1, 28, 28] float batch failed: {}",
+                    path, first_line(e)));
+  }
+  script.train();
+  return script;
+}
 
 torch::nn::Sequential make_model(const std::string& name) {
   namespace nn = torch::nn;
@@ -185,7 +246,7 @@ int main(int argc, char** argv) {
   app.add_option("--model-file", model_file,
                  "a TorchScript archive to train instead (forward: [batch, 1, 28, 28] float -> "
                  "[batch, 10] logits), under ddp::ScriptDistributedDataParallel")
-      ->check(CLI::ExistingFile)
+      ->check(ddp_programs::kReadableFile)
       ->excludes(model_option);
   std::string optimizer_name = "sgd";
   app.add_option("--optimizer", optimizer_name,
@@ -202,7 +263,7 @@ int main(int argc, char** argv) {
   std::int64_t min_num_params = 1'000'000;
   app.add_option("--min-num-params", min_num_params,
                  "zero2/fsdp: a unit closes once it holds this many parameters")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
   std::string param_dtype_name = "float32";
   app.add_option("--param-dtype", param_dtype_name,
                  "float32, or bfloat16: forward and backward in bf16 from fp32 master weights "
@@ -222,14 +283,15 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_flag("--always-ddp", always_ddp,
                "wrap the model in DistributedDataParallel also with one process (DDP's own cost)");
-  app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", steps, "timed steps")->check(CLI::Range(1, kMaxSteps));
+  app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::Range(0, kMaxSteps));
   app.add_option("--batch-size", batch_size, "samples per rank and step")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--threads", threads, "torch threads per rank")->check(CLI::PositiveNumber);
-  app.add_option("--bucket-cap-mb", bucket_cap_mb, "DDP bucket cap")->check(CLI::PositiveNumber);
-  app.add_option("--first-bucket-cap-mb", first_bucket_cap_mb, "DDP cap of the first bucket")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, std::numeric_limits<int>::max()));
+  app.add_option("--threads", threads, "torch threads per rank")->check(ddp_programs::kThreads);
+  app.add_option("--bucket-cap-mb", bucket_cap_mb, "DDP bucket cap (MiB)")
+      ->check(ddp_programs::positive_at_most(kMaxBucketCapMb, "MiB"));
+  app.add_option("--first-bucket-cap-mb", first_bucket_cap_mb, "DDP cap of the first bucket (MiB)")
+      ->check(ddp_programs::positive_at_most(kMaxBucketCapMb, "MiB"));
   app.add_flag("--gradient-as-bucket-view", as_view, "gradients are views of the buckets");
   int powersgd_rank = 1;
   std::int64_t powersgd_start = 2;
@@ -238,7 +300,7 @@ int main(int argc, char** argv) {
          "none, fp16, bf16, powersgd, batched-powersgd, int8 or noop (no communication: the bound)")
       ->check(CLI::IsMember(ddp::comm_hook_names()));
   app.add_option("--powersgd-rank", powersgd_rank, "PowerSGD's matrix_approximation_rank")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, std::numeric_limits<int>::max()));
   app.add_option("--powersgd-start-iter", powersgd_start,
                  "PowerSGD's start_powersgd_iter (>= 2; keep it <= --warmup to time compression)")
       ->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 40));
@@ -248,17 +310,15 @@ int main(int argc, char** argv) {
   app.add_option("--divergence-check-every", divergence_check_every,
                  "DDP option divergence_check_every (0 = off; default: the library's, "
                  "DDP_DIVERGENCE_CHECK_EVERY or ddp::kDefaultDivergenceCheckEvery)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max()));
   app.add_flag("--check-costs", check_costs,
                "also time DDP's per-forward parameter check and one divergence check (rank 0)");
   app.add_flag("--sync-bn", sync_bn, "the cnn's BatchNorms become ddp::SyncBatchNorm");
   app.add_flag("--phases", phases,
                "also print each rank's median time per phase of a step (zero_grad, forward, "
                "backward until autograd finished, waiting for the last bucket, optimizer step)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
+  if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "ddp-train-bench")) {
+    return *code;
   }
   const bool fully_sharded = sharding == "zero2" || sharding == "fsdp";
   if (!model_file.empty() && (sync_bn || fully_sharded)) {
@@ -266,11 +326,11 @@ int main(int argc, char** argv) {
                "ddp-train-bench: --model-file trains a TorchScript module under "
                "ScriptDistributedDataParallel; --sync-bn and --sharding zero2/fsdp need the "
                "built-in models (libtorch modules)\n");
-    return 2;
+    return 1;
   }
   if (cpu_offload && !fully_sharded) {
     fmt::print(stderr, "ddp-train-bench: --cpu-offload is FSDP's: add --sharding zero2 or fsdp\n");
-    return 2;
+    return 1;
   }
   if (!model_file.empty()) model_name = "file:" + model_file;
   std::optional<torch::ScalarType> param_dtype;
@@ -278,6 +338,15 @@ int main(int argc, char** argv) {
 
   std::string where;  // the device, in error messages of CUDA runs
   try {
+    // The batch (made on the host, whatever the device) and, on the CPU, the built-in model's
+    // widest activation of it: a lower bound of what a rank holds.
+    const bool widest_counted = device_name == "cpu" && model_file.empty();
+    ddp_programs::check_fits_in_memory(
+        4.0 * (784.0 + (widest_counted ? widest_activation(model_name) : 0.0)) * batch_size,
+        fmt::format("--batch-size {}{} ({})", batch_size,
+                    model_file.empty() ? fmt::format(" of --model {}", model_name) : "",
+                    widest_counted ? "the input batch and the model's widest activation on it"
+                                   : "the input batch"));
     torch::set_num_threads(threads);
     const torch::Device device = pick_device(device_name);
     if (device.is_cuda()) where = fmt::format(" (--device cuda: {})", device.str());
@@ -301,8 +370,7 @@ int main(int argc, char** argv) {
       if (sync_bn) ddp::convert_sync_batchnorm(net.ptr(), group);
       model_params = net->parameters();
     } else {
-      script = torch::jit::load(model_file, device);
-      script->train();
+      script = load_model_file(model_file, device);
       for (const auto& p : script->parameters())
         model_params.push_back(p);
     }
