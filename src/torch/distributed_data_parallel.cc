@@ -177,10 +177,15 @@ std::shared_ptr<ProcessGroup> default_group_for(const WrappedModuleTensors& wrap
   return default_process_group();
 }
 
+// A bucket larger than 1 TiB is a mistake (or 1e300, whose conversion to a byte count was
+// undefined and came out as 0: "bucket caps must be positive").
+constexpr double kMaxBucketCapMb = 1024.0 * 1024.0;
+
 std::size_t megabytes_to_bytes(double mb, const char* option) {
-  if (!std::isfinite(mb) || mb <= 0) {
+  if (!std::isfinite(mb) || mb <= 0 || mb > kMaxBucketCapMb) {
     throw ConfigError(
-        fmt::format("DdpOptions::{} = {} must be a positive number of MiB", option, mb));
+        fmt::format("DdpOptions::{} = {} must be a positive number of MiB, at most {} (1 TiB)",
+                    option, mb, kMaxBucketCapMb));
   }
   return static_cast<std::size_t>(std::max(1.0, mb * 1024.0 * 1024.0));
 }

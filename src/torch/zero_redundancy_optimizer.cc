@@ -94,9 +94,11 @@ void ZeroRedundancyOptimizer::build(std::vector<OptimizerParamGroup> param_group
   // this rank's description and every rank throws it.
   try {
     if (!factory_) throw ConfigError("ZeroRedundancyOptimizer: the optimizer factory is empty");
-    if (!(options_.bucket_cap_mb > 0)) {
+    // At most 1 TiB: 1e300 MiB converted to a byte count is undefined.
+    if (!(options_.bucket_cap_mb > 0) || !(options_.bucket_cap_mb <= 1024.0 * 1024.0)) {
       throw ConfigError(
-          fmt::format("ZeroRedundancyOptimizer: bucket_cap_mb must be positive, got {}",
+          fmt::format("ZeroRedundancyOptimizer: bucket_cap_mb must be a positive number of MiB, "
+                      "at most 1048576 (1 TiB), got {}",
                       options_.bucket_cap_mb));
     }
     std::unordered_set<const void*> seen;

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 #include <string>
 
@@ -718,6 +719,26 @@ TEST(DistributedDataParallel, IgnoringANameTheModuleDoesNotHaveIsAConfigErrorNam
       return;
     }
     throw std::runtime_error("no ConfigError for an unknown name to ignore");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Bucket caps that are not a number of MiB a bucket can have: named, not turned into 0 bytes (an
+// undefined conversion of 1e300 gave "bucket caps must be positive") or a cap of 2^64.
+TEST(DistributedDataParallel, BucketCapsThatAreNotASizeAreConfigErrorsNamingTheOption) {
+  const auto results = run_ranks(1, [](int) {
+    const auto pg = join_group(0, 1, test::free_port());
+    WithBatchNorm net;
+    for (const double mb : {1e300, -1.0, 0.0, std::nan(""), 2e6}) {
+      try {
+        DistributedDataParallel model(net.ptr(), pg, {.bucket_cap_mb = mb});
+        throw std::runtime_error(fmt::format("bucket_cap_mb = {} was accepted", mb));
+      } catch (const ConfigError& e) {
+        if (std::string(e.what()).find("DdpOptions::bucket_cap_mb") == std::string::npos) {
+          throw std::runtime_error("unhelpful message: " + std::string(e.what()));
+        }
+      }
+    }
   });
   EXPECT_ALL_RANKS_OK(results);
 }
