@@ -452,6 +452,18 @@ int run(const Options& options) {
       options.comm_hook,
       {.powersgd_rank = options.powersgd_rank, .powersgd_start_iter = options.powersgd_start_iter});
   torch::set_num_threads(options.threads > 0 ? options.threads : default_threads());
+  // The files the run starts from, read and checked before the data loads (which takes seconds):
+  // a damaged, hostile or mismatched file fails at once. The model's state is kept; the optimizer
+  // file is loaded into a throwaway optimizer of the same model, which checks its shapes and
+  // values, and again into the real one once the job has started. Before the seed is set: the
+  // throwaway model draws from the generator.
+  std::optional<ddp::StateDict> init_state;
+  if (!options.init_state_dict.empty()) init_state = ddp::read_state_dict(options.init_state_dict);
+  if (!options.init_optimizer_state.empty()) {
+    Net probe(options.model);
+    ddp::load_optimizer_state_dict(*make_optimizer(options, probe->parameters(), nullptr),
+                                   options.init_optimizer_state);
+  }
   torch::manual_seed(options.seed);
 
   // Load (and validate) the data before joining the job: a wrong --data-dir fails at once.
@@ -531,8 +543,8 @@ int run(const Options& options) {
 
     int first_epoch = options.start_epoch > 0 ? options.start_epoch : 1;
     // Every rank loads the same files, so ranks agree before DDP's broadcast makes sure of it.
-    if (!options.init_state_dict.empty()) {
-      ddp::load_state_dict(*net, options.init_state_dict);
+    if (init_state) {
+      ddp::load_state_dict(ddp::state_dict(*net), *init_state, {}, options.init_state_dict);
       if (leader) fmt::print("model state from {}\n", options.init_state_dict);
     }
     if (!options.init_optimizer_state.empty()) {
