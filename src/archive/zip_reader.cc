@@ -24,8 +24,9 @@ using zip::damaged;
 namespace {
 
 // Records are read and checked in pieces of this size, so each piece's CRC runs while the piece
-// is still in the cache the read put it in.
-constexpr std::size_t kPiece = std::size_t{256} << 10;
+// is still in the cache the read put it in (64 KiB: the CRC's share of a 1 GiB load was a median
+// 9 % over seven runs of state_dict_bench, 12 % with 256 KiB pieces).
+constexpr std::size_t kPiece = std::size_t{64} << 10;
 // A stored record this large is read by several threads, each a contiguous part of at least
 // kPart bytes: its copy from the page cache (and the page faults of fresh memory) and its CRC run
 // side by side, and the parts' CRCs are combined (zlib's crc32_combine). One thread reads 1.4 GB/s
