@@ -151,12 +151,18 @@ std::size_t ZipReader::index_of(const ZipEntry& entry) const {
 }
 
 void ZipReader::check_crc(const ZipEntry& entry, std::uint32_t crc) const {
-  if (crc != entry.crc32) {
-    damaged(
-        fmt::format("record '{}' fails its CRC-32 check (recorded {:08x}, computed {:08x}): "
-                    "the file is damaged",
-                    entry.name, entry.crc32, crc));
-  }
+  if (crc == entry.crc32) return;
+  // PyTorch 2.x writes 0 for every record's CRC when told not to compute them: say so, since
+  // "damaged" would send the user looking for a broken disk.
+  const bool all_zero =
+      std::all_of(entries_.begin(), entries_.end(), [](const ZipEntry& e) { return e.crc32 == 0; });
+  damaged(fmt::format(
+      "record '{}' fails its CRC-32 check (recorded {:08x}, computed {:08x}): {}", entry.name,
+      entry.crc32, crc,
+      all_zero ? "every record's recorded CRC is 0, which is what PyTorch writes with "
+                 "torch.utils.serialization.config.save.compute_crc32 = False; save it again with "
+                 "the default (True): ddp verifies every record"
+               : "the file is damaged"));
 }
 
 namespace {

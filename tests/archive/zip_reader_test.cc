@@ -105,6 +105,10 @@ TEST(ZipReader, EveryRecordsCrcIsVerified) {
   // A recorded CRC that is wrong though the bytes are intact is damage too.
   const auto zip = ZipReader::from_bytes(make_zip({{.name = "a/x", .data = data, .crc = 1234}}));
   EXPECT_TRUE(says(error_of([&] { zip.verify_unread(); }), "recorded 000004d2"));
+  // Every CRC 0: PyTorch's torch.save with compute_crc32 = False, named as such.
+  const auto unchecked = ZipReader::from_bytes(
+      make_zip({{.name = "a/x", .data = data, .crc = 0}, {.name = "a/y", .data = "y", .crc = 0}}));
+  EXPECT_TRUE(says(error_of([&] { unchecked.verify_unread(); }), "compute_crc32 = False"));
 }
 
 // A zip bomb costs neither memory nor time: a record that declares more than deflate can
