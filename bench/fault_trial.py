@@ -3,7 +3,7 @@
 and check that ddprun --max-restarts and train-fashion-mnist --checkpoint-every-steps bring it to
 the end.
 
-    bench/fault_trial.py [--runs 20] [--epochs 4] [--limit-train 0] [--nproc 2]
+    bench/fault_trial.py [--runs 20] [--epochs 4] [--limit-train 0] [--limit-test 0] [--nproc 2]
                          [--checkpoint-every 100] [--max-restarts 3] [--kills 1]
                          [--kill worker|host] [--rejoin-after SECONDS]
                          [--build-dir build] [--seed 1] [--run-timeout 3600] [--json-out FILE]
@@ -130,7 +130,7 @@ def command(args, checkpoint):
             "--checkpoint-every-steps", str(args.checkpoint_every), "--resume", "--log-every", "1",
             "--seed", "42", "--data-dir", args.data_dir] + (
                 ["--global-batch-size", str(args.global_batch_size)] if args.global_batch_size
-                else [])
+                else []) + (["--limit-test", str(args.limit_test)] if args.limit_test else [])
 
 
 def free_port():
@@ -200,6 +200,8 @@ def main():
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--limit-train", type=int, default=60000)
+    parser.add_argument("--limit-test", type=int, default=0,
+                        help="evaluate on the first N test samples only (0: all; tiny forms)")
     parser.add_argument("--nproc", type=int, default=None,
                         help="workers per node (default 2, or 1 per node with --kill host)")
     parser.add_argument("--checkpoint-every", type=int, default=100)

@@ -78,6 +78,7 @@ struct Options {
   bool resume = false;
   int threads = 0;              // 0 = OMP_NUM_THREADS, else 1
   std::size_t limit_train = 0;  // 0 = all
+  std::size_t limit_test = 0;   // 0 = all
   int log_every = 100;          // batches; 0 = no progress lines
   bool uneven = false;          // no sampler padding, rank r skips r * uneven_skew batches
   int uneven_skew = 10;         // batches per epoch that each higher rank has fewer
@@ -473,7 +474,11 @@ int run(const Options& options) {
                                        options.limit_train, dataset.train.count));
   }
   const TensorSplit train = to_tensors(dataset.train, options.limit_train);
-  const TensorSplit test = to_tensors(dataset.test, 0);
+  if (options.limit_test > dataset.test.count) {
+    throw ddp::ConfigError(fmt::format("--limit-test {} exceeds the {} test samples",
+                                       options.limit_test, dataset.test.count));
+  }
+  const TensorSplit test = to_tensors(dataset.test, options.limit_test);
   dataset = {};  // the tensors own copies; free the bytes
 
   auto group = ddp::init_process_group();
@@ -977,6 +982,10 @@ int main(int argc, char** argv) {
   app.add_option("--limit-train", options.limit_train,
                  "train on the first N training samples only (for quick tests)")
       ->check(CLI::Range(std::size_t{1}, fmnist::kTrainCount));
+  app.add_option("--limit-test", options.limit_test,
+                 "evaluate on the first N test samples only (for quick tests; the accuracy is "
+                 "then that of those N)")
+      ->check(CLI::Range(std::size_t{1}, fmnist::kTestCount));
   app.add_option("--log-every", options.log_every,
                  "rank 0 prints the loss every N batches (0: only once per epoch)")
       ->check(CLI::Range(0, 1000000))

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -32,6 +33,10 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 const std::filesystem::path kDataDir = DDP_FMNIST_DEFAULT_DIR;
+// The test images the short runs evaluate on (train-fashion-mnist --limit-test): enough that
+// chance (0.1) and a trained cnn (above 0.5) are far apart, and that two runs of equal models
+// agree, at a fifth of the whole set's time.
+const char* const kTestSamples = "2000";
 
 class TrainFashionMnistTest : public ::testing::Test {
  protected:
@@ -43,10 +48,14 @@ class TrainFashionMnistTest : public ::testing::Test {
   }
 
   // ddprun --standalone --nproc-per-node 2 train-fashion-mnist ARGS, with one thread per rank
-  // and a bounded rendezvous, so that a broken run fails instead of waiting.
-  static ExitStatus train(const std::vector<std::string>& args,
-                          std::chrono::milliseconds timeout = 150s,
+  // and a bounded rendezvous, so that a broken run fails instead of waiting. Evaluation on the
+  // first kTestSamples test images unless ARGS say otherwise: the whole test set took most of a
+  // short run's time (2.4 s per evaluation of the cnn on one thread).
+  static ExitStatus train(std::vector<std::string> args, std::chrono::milliseconds timeout = 150s,
                           std::map<std::string, std::optional<std::string>> env = {}) {
+    if (std::find(args.begin(), args.end(), "--limit-test") == args.end()) {
+      args.insert(args.end(), {"--limit-test", kTestSamples});
+    }
     std::vector<std::string> argv{built_program("ddprun"), "--standalone", "--nproc-per-node", "2",
                                   built_program("train-fashion-mnist")};
     argv.insert(argv.end(), args.begin(), args.end());
@@ -190,10 +199,27 @@ TEST_F(TrainFashionMnistTest, TrainsUnderPyTorch2sTorchrun) {
     GTEST_SKIP() << "no PyTorch 2.x environment at " << DDP_PYTORCH_VENV
                  << "; scripts/install-deps.sh installs it (scripts/pytorch-python runs it)";
   }
+  std::vector<std::string> argv{DDP_PYTORCH_PYTHON,
+                                "-m",
+                                "torch.distributed.run",
+                                "--no-python",
+                                "--standalone",
+                                "--nproc-per-node",
+                                "2",
+                                "--tee",
+                                "3",
+                                built_program("train-fashion-mnist"),
+                                "--epochs",
+                                "1",
+                                "--limit-train",
+                                "1024",
+                                "--batch-size",
+                                "64",
+                                "--log-every",
+                                "0"};
+  argv.insert(argv.end(), {"--limit-test", kTestSamples});
   auto process = Subprocess::start(
-      {DDP_PYTORCH_PYTHON, "-m", "torch.distributed.run", "--no-python", "--standalone",
-       "--nproc-per-node", "2", "--tee", "3", built_program("train-fashion-mnist"), "--epochs", "1",
-       "--limit-train", "1024", "--batch-size", "64", "--log-every", "0"},
+      argv,
       {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "120"}, {"DDP_PYTORCH_VENV", DDP_PYTORCH_VENV}});
   // torchrun's default environment (TORCHELASTIC_USE_AGENT_STORE=True): the ranks join through
   // torchrun's own c10d store.
@@ -403,6 +429,8 @@ TEST(TrainFashionMnistOptionsTest, BadOptionsAreRejectedBeforeAnythingStarts) {
         {"--fsdp-min-params", "0"},
         {"--global-batch-size", "128", "--uneven"},
         {"--global-batch-size", "0"},
+        {"--limit-test", "0"},
+        {"--limit-test", "10001"},
         {"--resume"}}) {
     std::vector<std::string> argv{built_program("train-fashion-mnist")};
     argv.insert(argv.end(), args.begin(), args.end());
@@ -526,9 +554,9 @@ TEST(TrainFashionMnistOptionsTest, CheckpointEveryStepsNeedsACheckpointAndEvenIn
 // two ranks with batches of 32 train, up to rounding (the mlp: no BatchNorm statistics, which
 // are per rank). A global batch the world size cannot split into whole micro-batches is named.
 TEST_F(TrainFashionMnistTest, GlobalBatchSizeAccumulatesToTheSameModelAtHalfTheWorld) {
-  const std::vector<std::string> common{"--model",       "mlp",  "--epochs",    "1",
-                                        "--limit-train", "1024", "--log-every", "0",
-                                        "--batch-size",  "32"};
+  const std::vector<std::string> common{"--model",       "mlp",  "--epochs",     "1",
+                                        "--limit-train", "1024", "--log-every",  "0",
+                                        "--batch-size",  "32",   "--limit-test", "10000"};
   const auto two = train(common);
   ASSERT_EQ(two.exit_code, 0) << two.output;
 
@@ -561,11 +589,12 @@ TEST_F(TrainFashionMnistTest, GlobalBatchSizeAccumulatesToTheSameModelAtHalfTheW
 TEST_F(TrainFashionMnistTest, UnevenInputsUnderJoinFinishAtWorldThree) {
   // 2000 samples over 3 ranks: 11 batches of 64 each, less 3 per higher rank: 11, 8, 5 per epoch,
   // for two epochs under one Join.
-  auto process = Subprocess::start(
-      {built_program("ddprun"), "--standalone", "--nproc-per-node", "3",
-       built_program("train-fashion-mnist"), "--uneven", "--uneven-skew", "3", "--epochs", "2",
-       "--limit-train", "2000", "--batch-size", "64", "--log-every", "0"},
-      {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "120"}});
+  auto process =
+      Subprocess::start({built_program("ddprun"), "--standalone", "--nproc-per-node", "3",
+                         built_program("train-fashion-mnist"), "--uneven", "--uneven-skew", "3",
+                         "--epochs", "2", "--limit-train", "2000", "--limit-test", kTestSamples,
+                         "--batch-size", "64", "--log-every", "0"},
+                        {{"OMP_NUM_THREADS", "1"}, {"DDP_TIMEOUT", "120"}});
   const auto result = process.wait(200s);
   ASSERT_FALSE(result.timed_out) << result.output;
   ASSERT_EQ(result.exit_code, 0) << result.output;
