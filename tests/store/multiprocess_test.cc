@@ -112,8 +112,15 @@ TEST(TcpStoreProcesses, ServerProcessKilledGivesClientsAStoreError) {
   EXPECT_TRUE(results[1].ok()) << test::describe(results);
 }
 
-// Rank 0 runs the server with a file descriptor limit that rank 1's connections exhaust.
+// Rank 0 runs the server with a file descriptor limit that rank 1's connections exhaust. Not
+// under a sanitizer (it runs in the main stage): their own checks open a pipe, which a process
+// with no free descriptor cannot, and report falsely (UBSan: "invalid vptr" at the virtual calls
+// of the exception that names EMFILE; tests/net/socket_test.cc skips its like).
 TEST(TcpStoreProcesses, ServerOutOfFileDescriptorsKeepsServingAndRecovers) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "not under a sanitizer: its own checks open a pipe, which a process with no "
+                  "free descriptor cannot (false reports)";
+#endif
   const auto port = static_cast<std::uint16_t>(test::free_port());
   const auto results = test::run_ranks(2, [&](int rank) {
     const TcpStoreOptions options{.timeout = 10s, .connect_timeout = 10s};
