@@ -22,8 +22,8 @@
 
 #include "ddp/error.h"
 #include "ddp/init.h"
-#include "ddp/torch/distributed.h"
-#include "ddp/torch/pipeline.h"
+#include "ddp/torch/api/distributed.h"
+#include "ddp/torch/parallel/pipeline/pipeline.h"
 
 namespace {
 

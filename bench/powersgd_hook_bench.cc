@@ -25,8 +25,8 @@
 
 #include "bench_timing.h"
 #include "ddp/init.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/powersgd_hook.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/ddp/hooks/powersgd_hook.h"
 
 namespace {
 

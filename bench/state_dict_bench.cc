@@ -37,8 +37,8 @@
 
 #include "archive/zip_reader.h"
 #include "bench_timing.h"
-#include "ddp/torch/state_dict.h"
-#include "torch/pytorch_archive.h"
+#include "ddp/torch/formats/state_dict.h"
+#include "torch/formats/pytorch_archive.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"ddp::save_state_dict/load_state_dict against torch::save/torch::load"};

@@ -160,7 +160,7 @@ else()
 endif()
 
 # DDP_TORCH_CUDA: the torch layer's CUDA sources (streams, events, pinned host twins; see
-# src/torch/device_staging.h) are compiled when this libtorch has CUDA: its TorchConfig then lists
+# src/torch/core/device_staging.h) are compiled when this libtorch has CUDA: its TorchConfig then lists
 # the CUDA libraries (libc10_cuda among them) in TORCH_CUDA_LIBRARIES, or defines torch_cuda.
 set(DDP_TORCH_CUDA OFF)
 if(Torch_FOUND AND (TORCH_CUDA_LIBRARIES OR TARGET torch_cuda))

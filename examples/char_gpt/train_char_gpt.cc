@@ -28,10 +28,10 @@
 #include "common/program_options.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
-#include "ddp/torch/checkpoint.h"
-#include "ddp/torch/data_loader_sampler.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/grad_scaler.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/samplers/data_loader_sampler.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/ddp/grad_scaler.h"
 
 namespace {
 

@@ -42,12 +42,12 @@
 #include "common/program_options.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
-#include "ddp/torch/device_mesh.h"
-#include "ddp/torch/distributed.h"
-#include "ddp/torch/gpt_block.h"
-#include "ddp/torch/mesh_train_state.h"
-#include "ddp/torch/pipeline.h"
-#include "ddp/torch/tensor_parallel.h"
+#include "ddp/torch/parallel/mesh/device_mesh.h"
+#include "ddp/torch/api/distributed.h"
+#include "ddp/torch/parallel/tensor/gpt_block.h"
+#include "ddp/torch/parallel/mesh/mesh_train_state.h"
+#include "ddp/torch/parallel/pipeline/pipeline.h"
+#include "ddp/torch/parallel/tensor/tensor_parallel.h"
 
 namespace {
 

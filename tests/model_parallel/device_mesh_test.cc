@@ -12,8 +12,8 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/device_mesh.h"
-#include "ddp/torch/distributed.h"
+#include "ddp/torch/parallel/mesh/device_mesh.h"
+#include "ddp/torch/api/distributed.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

@@ -18,11 +18,11 @@
 
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
-#include "ddp/torch/device_mesh.h"
-#include "ddp/torch/distributed.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/gpt_block.h"
-#include "ddp/torch/tensor_parallel.h"
+#include "ddp/torch/parallel/mesh/device_mesh.h"
+#include "ddp/torch/api/distributed.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/parallel/tensor/gpt_block.h"
+#include "ddp/torch/parallel/tensor/tensor_parallel.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

@@ -32,6 +32,8 @@ for variant in "${variants[@]}"; do
       cat "$work/$variant.log"; exit 1; }
   cmake --build "$work/$variant" >> "$work/$variant.log"
   "$work/$variant/comm_consumer"
+  # A program on the old header paths built (with -Werror) and runs.
+  "$work/$variant/old_paths_consumer"
   out=$("$work/$variant/torch_consumer")
   echo "$variant: $out"
   # libstdc++ comes before libtorch among the consumer's libraries (cmake/DdpFindTorch.cmake: a

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "ddp/torch/c10d_process_group.h"
+#include "ddp/torch/c10d/c10d_process_group.h"
 #include "torch/c10d_wrap_checks.h"
 #include "torch/ddp_test_util.h"
 

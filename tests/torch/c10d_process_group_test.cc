@@ -19,11 +19,11 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/c10d_process_group.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/join.h"
-#include "ddp/torch/sync_batch_norm.h"
-#include "ddp/torch/zero_redundancy_optimizer.h"
+#include "ddp/torch/c10d/c10d_process_group.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/api/join.h"
+#include "ddp/torch/ddp/sync_batch_norm.h"
+#include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "torch/c10d_wrap_checks.h"

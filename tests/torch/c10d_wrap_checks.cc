@@ -9,10 +9,10 @@
 
 #include <fmt/format.h>
 
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/join.h"
-#include "ddp/torch/sync_batch_norm.h"
-#include "ddp/torch/zero_redundancy_optimizer.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/api/join.h"
+#include "ddp/torch/ddp/sync_batch_norm.h"
+#include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "torch/ddp_test_util.h"
 
 namespace ddp::test {

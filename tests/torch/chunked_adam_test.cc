@@ -12,7 +12,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "ddp/torch/chunked_adam.h"
+#include "ddp/torch/zero/chunked_adam.h"
 #include "support/resident_memory.h"
 
 namespace ddp {

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "ddp/error.h"
-#include "ddp/torch/comm_hook_by_name.h"
+#include "ddp/torch/ddp/hooks/comm_hook_by_name.h"
 
 namespace ddp {
 namespace {

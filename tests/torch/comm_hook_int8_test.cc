@@ -1,11 +1,11 @@
 // int8_quantize_hook on real ranks: its error bound, identical results on every rank, error
 // feedback over many steps, DDP training, checkpointing its state, bytes sent.
-#include "ddp/torch/quantized_hook.h"
+#include "ddp/torch/ddp/hooks/quantized_hook.h"
 
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "torch/comm_hook_test_util.h"

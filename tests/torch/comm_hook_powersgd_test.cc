@@ -2,7 +2,7 @@
 // gathered gradients, against plain averaging at full rank, error feedback over many steps, DDP
 // training, checkpointing the state, bad options, a throwing hook, and PyTorch 2.x's
 // powerSGD_hook on the same gradients (skipped where scripts/pytorch-python is unavailable).
-#include "ddp/torch/powersgd_hook.h"
+#include "ddp/torch/ddp/hooks/powersgd_hook.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"

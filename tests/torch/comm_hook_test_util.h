@@ -12,8 +12,8 @@
 #include <fmt/format.h>
 
 #include "ddp/process_group.h"
-#include "ddp/torch/comm_hooks.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/ddp/hooks/comm_hooks.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "torch/ddp_test_util.h"
 
 namespace ddp::test {

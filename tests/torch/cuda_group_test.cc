@@ -3,7 +3,7 @@
 // nccl backend), checked without a GPU: DeviceMemoryGroup declares CUDA memory and forwards to a
 // ring group, and ScopedCpuAsCudaGroupMemoryForTests lets the torch layer take CPU tensors as that
 // memory. The torch layer's own host values (flags, hashes, plans, objects) must then reach the
-// group only through copies in its memory (src/torch/host_values.h); the training itself must equal
+// group only through copies in its memory (src/torch/core/host_values.h); the training itself must equal
 // the same training over the ring bit for bit. gpu_test.cc runs DistributedDataParallel over real
 // nccl where there is a GPU.
 #include <gmock/gmock.h>
@@ -19,18 +19,18 @@
 #include <fmt/format.h>
 
 #include "ddp/init.h"
-#include "ddp/torch/distributed.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/distributed_objects.h"
-#include "ddp/torch/fully_sharded_data_parallel.h"
-#include "ddp/torch/join.h"
-#include "ddp/torch/zero_redundancy_optimizer.h"
+#include "ddp/torch/api/distributed.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/api/distributed_objects.h"
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/torch/api/join.h"
+#include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_models.h"
 #include "torch/ddp_test_util.h"
-#include "torch/host_staging.h"
-#include "torch/host_values.h"
+#include "torch/core/host_staging.h"
+#include "torch/core/host_values.h"
 
 namespace ddp {
 namespace {

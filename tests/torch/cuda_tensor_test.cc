@@ -13,9 +13,9 @@
 #include <torch/torch.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed.h"
-#include "ddp/torch/tensor_collectives.h"
-#include "ddp/torch/zero_redundancy_optimizer.h"
+#include "ddp/torch/api/distributed.h"
+#include "ddp/torch/core/tensor_collectives.h"
+#include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

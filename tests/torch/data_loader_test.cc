@@ -12,8 +12,8 @@
 
 #include "ddp/error.h"
 #include "ddp/init.h"
-#include "ddp/torch/data_loader_sampler.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/samplers/data_loader_sampler.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_models.h"
 #include "torch/ddp_test_util.h"

@@ -1,13 +1,13 @@
 // Post-local SGD, the noop hook and the compress wrappers (local_sgd.h, comm_hooks.h), in real
 // processes: which iterations average the gradients over which ranks, and what the periodic model
 // averager averages, against values each rank computes on its own.
-#include "ddp/torch/local_sgd.h"
+#include "ddp/torch/ddp/hooks/local_sgd.h"
 
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/api/distributed.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

@@ -8,9 +8,9 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/comm_hooks.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/join.h"
+#include "ddp/torch/ddp/hooks/comm_hooks.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/api/join.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

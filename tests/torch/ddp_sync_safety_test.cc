@@ -8,8 +8,8 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/checkpoint.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "torch/ddp_test_models.h"

@@ -14,7 +14,7 @@
 
 #include "ddp/init.h"
 #include "ddp/process_group.h"
-#include "ddp/torch/tensor_collectives.h"
+#include "ddp/torch/core/tensor_collectives.h"
 
 namespace ddp::test {
 

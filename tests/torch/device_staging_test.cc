@@ -1,4 +1,4 @@
-// The staged path of CUDA buckets on a host group (src/torch/device_staging.h), checked on the
+// The staged path of CUDA buckets on a host group (src/torch/core/device_staging.h), checked on the
 // CPU: ReducerOptions::staging_for_tests sends CPU buckets through host twins the same way and
 // reports each step, and a recording group sees what the engine is handed. Checked: a bucket is
 // copied out after its gradients were computed, the engine sees only twin addresses, the copy-in
@@ -15,9 +15,9 @@
 #include <stdexcept>
 
 #include "ddp/error.h"
-#include "ddp/torch/checkpoint.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/powersgd_hook.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/ddp/hooks/powersgd_hook.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"

@@ -14,11 +14,11 @@
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
-#include "ddp/torch/distributed.h"
+#include "ddp/torch/api/distributed.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
-#include "torch/host_staging.h"
+#include "torch/core/host_staging.h"
 
 namespace ddp {
 namespace {

@@ -1,4 +1,4 @@
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

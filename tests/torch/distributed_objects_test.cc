@@ -9,8 +9,8 @@
 
 #include "ddp/error.h"
 #include "ddp/init.h"
-#include "ddp/torch/distributed_objects.h"
-#include "ddp/torch/json_codec.h"
+#include "ddp/torch/api/distributed_objects.h"
+#include "ddp/torch/api/json_codec.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

@@ -9,8 +9,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "ddp/torch/fsdp_memory.h"
-#include "ddp/torch/fully_sharded_data_parallel.h"
+#include "ddp/torch/fsdp/fsdp_memory.h"
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/fully_sharded_data_parallel.h"
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

@@ -14,9 +14,9 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/fully_sharded_data_parallel.h"
-#include "ddp/torch/train_state.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/torch/checkpoint/train_state.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "torch/ddp_test_util.h"

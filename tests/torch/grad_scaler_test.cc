@@ -1,13 +1,13 @@
 // GradScaler (PyTorch's dynamic loss scaling, agreed across ranks) and AutocastGuard.
-#include "ddp/torch/grad_scaler.h"
+#include "ddp/torch/ddp/grad_scaler.h"
 
 #include <gtest/gtest.h>
 
 #include <limits>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/version.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/core/version.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_models.h"
 #include "torch/ddp_test_util.h"

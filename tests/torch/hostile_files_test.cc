@@ -10,9 +10,9 @@
 
 #include <gtest/gtest.h>
 
-#include "ddp/torch/checkpoint.h"
-#include "ddp/torch/optimizer_state_dict.h"
-#include "ddp/torch/state_dict.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/formats/optimizer_state_dict.h"
+#include "ddp/torch/formats/state_dict.h"
 #include "support/hostile_archives.h"
 #include "support/resident_memory.h"
 #include "support/temp_dir.h"

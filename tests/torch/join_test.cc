@@ -10,8 +10,8 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/join.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/api/join.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"

@@ -5,7 +5,7 @@
 //
 // The exports run at test time (export_torchscript_model.py) in the parent process, which never
 // touches libtorch (the ranks are forked); a missing Python or torch skips, saying which.
-#include "ddp/torch/script_distributed_data_parallel.h"
+#include "ddp/torch/ddp/script_distributed_data_parallel.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/runtime/graph_executor.h>
@@ -21,9 +21,9 @@
 #include <utility>
 
 #include "ddp/error.h"
-#include "ddp/torch/comm_hooks.h"
-#include "ddp/torch/state_dict.h"
-#include "ddp/torch/zero_redundancy_optimizer.h"
+#include "ddp/torch/ddp/hooks/comm_hooks.h"
+#include "ddp/torch/formats/state_dict.h"
+#include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"

@@ -14,8 +14,8 @@
 #include <gtest/gtest.h>
 #include <torch/script.h>
 
-#include "ddp/torch/optimizer_state_dict.h"
-#include "ddp/torch/state_dict.h"
+#include "ddp/torch/formats/optimizer_state_dict.h"
+#include "ddp/torch/formats/state_dict.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
 

@@ -1,4 +1,4 @@
-#include "ddp/torch/sync_batch_norm.h"
+#include "ddp/torch/ddp/sync_batch_norm.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "torch/ddp_test_util.h"
 

@@ -18,18 +18,18 @@
 
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
-#include "ddp/torch/checkpoint.h"
-#include "ddp/torch/distributed_data_parallel.h"
-#include "ddp/torch/join.h"
-#include "ddp/torch/optimizer_state_dict.h"
-#include "ddp/torch/state_dict.h"
-#include "ddp/torch/zero_redundancy_optimizer.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
+#include "ddp/torch/api/join.h"
+#include "ddp/torch/formats/optimizer_state_dict.h"
+#include "ddp/torch/formats/state_dict.h"
+#include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
 #include "torch/ddp_test_util.h"
-#include "torch/host_staging.h"
-#include "torch/libtorch_compat.h"
+#include "torch/core/host_staging.h"
+#include "torch/core/libtorch_compat.h"
 
 namespace ddp {
 namespace {

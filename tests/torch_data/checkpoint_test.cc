@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "ddp/error.h"
-#include "ddp/torch/checkpoint.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
 #include "support/temp_dir.h"
 
 namespace ddp::test {

@@ -13,7 +13,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/torch/distributed_sampler.h"
+#include "ddp/torch/samplers/distributed_sampler.h"
 #include "support/subprocess.h"
 
 namespace ddp::test {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "ddp/error.h"
-#include "ddp/torch/distributed_sampler.h"
+#include "ddp/torch/samplers/distributed_sampler.h"
 
 namespace ddp::test {
 namespace {

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "ddp/error.h"
-#include "ddp/torch/checkpoint.h"
-#include "ddp/torch/train_state.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/checkpoint/train_state.h"
 #include "support/temp_dir.h"
 
 namespace ddp::test {

@@ -18,8 +18,8 @@
 
 #include "ddp-trace/timeline_merge.h"
 #include "ddp/init.h"
-#include "ddp/torch/comm_hooks.h"
-#include "ddp/torch/distributed_data_parallel.h"
+#include "ddp/torch/ddp/hooks/comm_hooks.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/trace.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"

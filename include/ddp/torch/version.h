@@ -1,14 +1,6 @@
-// Which libtorch ddp::torch was built against.
+// Moved to "ddp/torch/core/version.h": the torch layer's public headers live in folders by component
+// (docs/architecture.md). This path keeps working, without a warning, for at least one more
+// release; include "ddp/torch/core/version.h" (or the umbrella "ddp/torch.h") instead.
 #pragma once
 
-#include <string>
-
-// Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
-#pragma GCC visibility push(default)
-namespace ddp {
-
-// libtorch's version string, e.g. "1.13.1".
-std::string libtorch_version();
-
-}  // namespace ddp
-#pragma GCC visibility pop
+#include "ddp/torch/core/version.h"

@@ -1,4 +1,4 @@
-#include <ddp/torch/version.h>
+#include <ddp/torch/core/version.h>
 #include <torch/torch.h>
 
 #include <iostream>

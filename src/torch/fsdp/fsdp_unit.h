@@ -1,0 +1,43 @@
+// One unit of FullyShardedDataParallel: its children, flat buffers, shard and backward state.
+// Internal to ddp_torch (fully_sharded_data_parallel.cc and fsdp_sharded_checkpoint.cc).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/work.h"
+#include "torch/core/libtorch_compat.h"
+
+namespace ddp {
+
+struct FullyShardedDataParallelImpl::Unit {
+  enum class State { kFree, kGathering, kGathered };
+  std::size_t begin = 0, end = 0;
+  std::vector<torch::Tensor> params;  // the wrapped module's parameters, in flat order
+  std::vector<std::int64_t> offsets;  // of each parameter in the flat buffer
+  std::int64_t numel = 0, padded = 0, shard_numel = 0;
+  torch::Tensor full;   // the padded flat buffer the parameters are views of (in param_dtype)
+  torch::Tensor shard;  // this rank's fp32 leaf (fp32 kNoShard: `full` itself)
+  State state = State::kGathered;
+  std::shared_ptr<Work> gather;
+  torch::Tensor gather_source;  // what the all-gather in flight sends (the shard, or its cast)
+  std::vector<std::unique_ptr<libtorch_compat::GradReadyHook>> hooks;
+  std::size_t ready = 0;  // parameters whose gradient arrived in this backward pass
+  bool reduced = false;
+  std::shared_ptr<Work> reduction;
+  torch::Tensor reduction_input, reduction_output;
+  // Whether reduction_input holds gradients of finished no_sync() passes (kept for the next
+  // synchronised one).
+  bool holds_accumulation = false;
+  // The shard's .grad() when a failed backward was dropped (it may hold part of that pass), and
+  // its version then: a reduction may not add to it unchanged.
+  const c10::TensorImpl* grad_at_failure = nullptr;
+  std::int64_t grad_version_at_failure = 0;
+};
+
+}  // namespace ddp
