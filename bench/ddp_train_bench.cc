@@ -21,7 +21,7 @@
 // the warm-up) and int8 compress it.
 // --model-file PATH trains a TorchScript archive instead (torch.jit.script or torch.jit.trace
 // exported; its forward takes one [batch, 1, 28, 28] float tensor and returns [batch, 10] logits)
-// under ddp::ScriptDistributedDataParallel; tests/torch/export_torchscript_model.py --model
+// under ddp::ScriptDistributedDataParallel; tests/torch/ddp/export_torchscript_model.py --model
 // bench_cnn exports the cnn, for comparing the two wrappers (bench/torchscript_vs_module.py).
 // With one process the model is trained without DistributedDataParallel, as the Python peer does,
 // unless --always-ddp (DDP's own cost at world 1, e.g. over DDP_BACKEND=nccl).
@@ -34,7 +34,7 @@
 // times the host's side of each phase there (only the whole step waits for the device).
 // With zero2/fsdp a line before the last, `fsdp_buffers place=host|device peak_mb=<p>
 // formula_mb=<f> ...`: the most bytes FSDP's unsharded buffers (gathered parameters, full flat
-// gradients) held at once in the timed steps (ddp/torch/fsdp_memory.h, the largest rank's; on the
+// gradients) held at once in the timed steps (ddp/torch/fsdp/fsdp_memory.h, the largest rank's; on the
 // device with --device cuda, where --cpu-offload leaves only shard-sized transients beside them),
 // beside docs/sharding.md's formula.
 //

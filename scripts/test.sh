@@ -107,7 +107,7 @@ if want pytorch; then
   # C++ against another libtorch, 26 files that took a third of this stage's build and whose
   # paths the trainer's runs and torch_ddp's tests cross here; the CI's 90 minutes could not hold
   # both (a cold run took 101).
-  pytorch_stage_dirs=(tests/torch_data tests/package tests/libtorch_select python)
+  pytorch_stage_dirs=(tests/programs tests/package tests/libtorch_select python)
   cmake --build "$ddp_build_dir" --target "${pytorch_stage_dirs[@]/%//all}" torch_unit_test \
     train-char-gpt train-gpt ddp-bench ddp-train-bench
   # torch_ddp into the PyTorch environment, as the README says (reusing this build), for the
@@ -125,6 +125,8 @@ if want pytorch; then
   main_stage_only+='|^TrainFashionMnistOptionsTest[.]|^train_fashion_mnist[.]state_dict_crossover$'
   main_stage_only+='|^TrainFashionMnistTest[.](GlobalBatchSize|FsdpAndZero2|ZeroSharded|Resuming'
   main_stage_only+='WithAnother|UnevenInputsUnderJoin|AFullDisk|AnEpochCheckpointOfSgd)'
+  # train-gpt's layouts and flags (tests/programs, from tests/model_parallel) ran in main only.
+  main_stage_only+='|^train_gpt[.]|^TrainGptFlags[.]'
   run_ctest "$ddp_build_dir/tests/torch" --output-on-failure --timeout 600 -j "$jobs" -L unit
   for dir in "${pytorch_stage_dirs[@]}"; do
     run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs" \

@@ -29,9 +29,9 @@
 #include "ddp/error.h"
 #include "ddp/init.h"
 #include "ddp/torch/checkpoint/checkpoint.h"
-#include "ddp/torch/samplers/data_loader_sampler.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/ddp/grad_scaler.h"
+#include "ddp/torch/samplers/data_loader_sampler.h"
 
 namespace {
 

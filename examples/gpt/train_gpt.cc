@@ -42,11 +42,11 @@
 #include "common/program_options.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
-#include "ddp/torch/parallel/mesh/device_mesh.h"
 #include "ddp/torch/api/distributed.h"
-#include "ddp/torch/parallel/tensor/gpt_block.h"
+#include "ddp/torch/parallel/mesh/device_mesh.h"
 #include "ddp/torch/parallel/mesh/mesh_train_state.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
+#include "ddp/torch/parallel/tensor/gpt_block.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 
 namespace {

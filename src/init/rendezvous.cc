@@ -9,6 +9,7 @@
 #include <functional>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -18,6 +19,7 @@
 #include "ddp/prefix_store.h"
 #include "ddp/tcp_store.h"
 #include "init/agent_store.h"
+#include "init/resolved_rendezvous.h"
 #include "net/socket.h"
 #include "settings/settings.h"
 #include "store/c10d_store_client.h"
@@ -307,8 +309,12 @@ Milliseconds resolve_timeout(std::optional<Milliseconds> explicit_timeout,
 }
 
 World rendezvous(const InitOptions& options) {
+  return rendezvous(options, resolve_launch_environment(options.launch));
+}
+
+World rendezvous(const InitOptions& options, LaunchEnvironment environment) {
   World world;
-  world.environment = resolve_launch_environment(options.launch);
+  world.environment = std::move(environment);
   world.timeout = resolve_timeout(options.timeout);
   const auto& env = world.environment;
 

@@ -3,7 +3,7 @@
 // libtorch ships ProcessGroupGloo.hpp but not the gloo headers it includes, so C++ cannot build a
 // ProcessGroupGloo against it; torch.distributed can, and hands the C++ object over through
 // pybind11 (test_wrap_c10d_gloo.py). The checks are c10d_process_group_test.cc's
-// (tests/torch/c10d_wrap_checks.h).
+// (tests/support/torch/c10d_wrap_checks.h).
 #include <torch/extension.h>
 
 #include <pybind11/chrono.h>
@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "ddp/torch/c10d/c10d_process_group.h"
-#include "torch/c10d_wrap_checks.h"
-#include "torch/ddp_test_util.h"
+#include "support/torch/c10d_wrap_checks.h"
+#include "support/torch/ddp_test_util.h"
 
 namespace {
 

@@ -1,6 +1,7 @@
-// Moved to "ddp/torch/ddp/hooks/comm_hook_by_name.h": the torch layer's public headers live in folders by component
-// (docs/architecture.md). This path keeps working, without a warning, for at least one more
-// release; include "ddp/torch/ddp/hooks/comm_hook_by_name.h" (or the umbrella "ddp/torch.h") instead.
+// Moved to "ddp/torch/ddp/hooks/comm_hook_by_name.h".
+// The torch layer's public headers live in folders by component (docs/architecture.md). This
+// path keeps working, without a warning, for at least one more release; include the new path
+// (or the umbrella "ddp/torch.h") instead.
 #pragma once
 
 #include "ddp/torch/ddp/hooks/comm_hook_by_name.h"

@@ -1,6 +1,7 @@
-// Moved to "ddp/torch/ddp/grad_scaler.h": the torch layer's public headers live in folders by component
-// (docs/architecture.md). This path keeps working, without a warning, for at least one more
-// release; include "ddp/torch/ddp/grad_scaler.h" (or the umbrella "ddp/torch.h") instead.
+// Moved to "ddp/torch/ddp/grad_scaler.h".
+// The torch layer's public headers live in folders by component (docs/architecture.md). This
+// path keeps working, without a warning, for at least one more release; include the new path
+// (or the umbrella "ddp/torch.h") instead.
 #pragma once
 
 #include "ddp/torch/ddp/grad_scaler.h"

@@ -155,9 +155,9 @@ std::string describe_splits(const std::vector<std::vector<int>>& split_ranks) {
 std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& split_ranks,
                                           GroupRef group) {
   ProcessGroup& parent = group.get();
-  internal::require_agreement(parent, describe_splits(split_ranks),
-                              split_problem(split_ranks, parent.size()), "the split", "split_group",
-                              "splits");
+  detail::require_agreement(parent, describe_splits(split_ranks),
+                            split_problem(split_ranks, parent.size()), "the split", "split_group",
+                            "splits");
   std::shared_ptr<ProcessGroup> mine;
   for (const auto& split : split_ranks) {
     std::vector<int> ranks = split;

@@ -117,7 +117,7 @@ std::string failures_of(const std::vector<Encoded>& objects) {
 
 std::vector<std::string> all_gather_bytes(ProcessGroup& group, const Encoded& mine) {
   // A CUDA group reads device memory only: the bytes travel through device copies there.
-  internal::HostValues values(group);
+  detail::HostValues values(group);
   ProcessGroup& g = *values;
   const auto words =
       all_gather_words(g, {mine.failed ? 1 : 0, static_cast<std::int64_t>(mine.bytes.size())});
@@ -132,7 +132,7 @@ std::vector<std::string> all_gather_bytes(ProcessGroup& group, const Encoded& mi
 
 std::vector<std::string> gather_bytes(ProcessGroup& group, const Encoded& mine, int dst) {
   // A CUDA group reads device memory only: the bytes travel through device copies there.
-  internal::HostValues values(group);
+  detail::HostValues values(group);
   ProcessGroup& g = *values;
   if (dst < 0 || dst >= g.size()) {
     // The same verdict on every rank: nothing is sent.
@@ -163,7 +163,7 @@ std::vector<std::string> gather_bytes(ProcessGroup& group, const Encoded& mine, 
 std::vector<std::string> broadcast_bytes(ProcessGroup& group, const std::vector<Encoded>& objects,
                                          int src) {
   // A CUDA group reads device memory only: the bytes travel through device copies there.
-  internal::HostValues values(group);
+  detail::HostValues values(group);
   ProcessGroup& g = *values;
   if (src < 0 || src >= g.size()) {
     throw ConfigError(fmt::format(
@@ -194,7 +194,7 @@ std::vector<std::string> broadcast_bytes(ProcessGroup& group, const std::vector<
 
 std::string scatter_bytes(ProcessGroup& group, const std::vector<Encoded>& objects, int src) {
   // A CUDA group reads device memory only: the bytes travel through device copies there.
-  internal::HostValues values(group);
+  detail::HostValues values(group);
   ProcessGroup& g = *values;
   if (src < 0 || src >= g.size()) {
     throw ConfigError(fmt::format("scatter_object_list: src {} is not a rank of the group (0..{})",

@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "torch/core/fingerprint.h"
 #include "torch/core/host_values.h"
 
 namespace ddp {
@@ -19,18 +20,13 @@ constexpr const char* kEarlyTermination =
     "throw_on_early_termination off to let the ranks that finished early shadow the others";
 
 std::int32_t allreduce_sum(ProcessGroup& group, std::int32_t value) {
-  internal::HostValues(group)->allreduce(&value, 1, DType::kInt32, ReduceOp::kSum)->wait();
+  detail::HostValues(group)->allreduce(&value, 1, DType::kInt32, ReduceOp::kSum)->wait();
   return value;
 }
 
-// FNV-1a: the same on every rank and build (std::hash is not specified to be).
+// The fingerprint as the int64 the collectives exchange.
 std::int64_t fingerprint(const std::string& text) {
-  std::uint64_t hash = 14695981039346656037ull;
-  for (const unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return static_cast<std::int64_t>(hash);
+  return static_cast<std::int64_t>(detail::fingerprint(std::string_view(text)));
 }
 
 }  // namespace
@@ -76,7 +72,7 @@ Join::Join(std::vector<std::reference_wrapper<Joinable>> joinables, JoinOptions 
   // Every rank must shadow the same collectives: check that the joinables agree.
   std::int64_t mine = fingerprint(description);
   std::vector<std::int64_t> all(static_cast<std::size_t>(group_->size()));
-  internal::HostValues(*group_)->allgather(&mine, all.data(), 1, DType::kInt64)->wait();
+  detail::HostValues(*group_)->allgather(&mine, all.data(), 1, DType::kInt64)->wait();
   std::vector<int> differing;
   for (int r = 0; r < group_->size(); ++r) {
     if (all[static_cast<std::size_t>(r)] != all[0]) differing.push_back(r);

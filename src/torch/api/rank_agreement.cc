@@ -12,22 +12,18 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/distributed_objects.h"
+#include "torch/core/fingerprint.h"
 #include "torch/core/host_values.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 namespace {
 
 constexpr const char* kErrorPrefix = "error: ";
 
-// FNV-1a: the same on every rank and build (std::hash is not specified to be).
+// The fingerprint as the int64 the collectives exchange.
 std::int64_t fingerprint(const std::string& text) {
-  std::uint64_t hash = 14695981039346656037ull;
-  for (const unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ull;
-  }
-  return static_cast<std::int64_t>(hash);
+  return static_cast<std::int64_t>(detail::fingerprint(std::string_view(text)));
 }
 
 std::vector<std::string> lines_of(const std::string& text) {
@@ -99,6 +95,19 @@ void require_agreement(ProcessGroup& group, const std::string& description,
   }
 }
 
+void agree_or_throw(ProcessGroup& group, const std::string& description,
+                    const std::string& local_error, const AgreementWording& wording) {
+  const auto agreement = compare_across_ranks(group, description, local_error);
+  if (agreement.failed_rank >= 0) {
+    throw ConfigError(fmt::format("{} could not be built on {} {}: {}", wording.wrapper,
+                                  wording.member, agreement.failed_rank, agreement.failure));
+  }
+  if (!agreement.difference.empty()) {
+    throw ConfigError(fmt::format("{}: {}: {}. {}", wording.wrapper, wording.differ,
+                                  agreement.difference, wording.requirement));
+  }
+}
+
 void raise_if_any_rank_failed(ProcessGroup& group, const std::string& local_error,
                               const std::string& what) {
   const auto agreement = compare_across_ranks(group, std::string(), local_error);
@@ -107,4 +116,4 @@ void raise_if_any_rank_failed(ProcessGroup& group, const std::string& local_erro
       fmt::format("{} failed on rank {}: {}", what, agreement.failed_rank, agreement.failure));
 }
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -9,12 +9,13 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include <torch/torch.h>
 
 #include "ddp/process_group.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 // "[2, 3] Float": a tensor's shape and dtype, as the descriptions name them.
 std::string shape_text(const torch::Tensor& t);
@@ -39,10 +40,25 @@ void require_agreement(ProcessGroup& group, const std::string& description,
                        const std::string& local_error, const std::string& refused_what,
                        const std::string& call, const std::string& what_differs);
 
+// How a wrapper names itself and what it requires when its ranks disagree at construction.
+struct AgreementWording {
+  std::string_view wrapper;          // "ZeroRedundancyOptimizer"
+  std::string_view member = "rank";  // what a failed_rank numbers: "rank", or "stage"
+  std::string_view differ = "the ranks differ";
+  std::string_view requirement;  // "Every rank must pass the same parameters ..."
+};
+
+// compare_across_ranks, then a ConfigError on every rank unless all agree: "<wrapper> could not
+// be built on <member> R: <text>" (the lowest failed rank's text), or "<wrapper>: <differ>:
+// <difference>. <requirement>". The one agreement check of the collective constructors (ZeRO,
+// FSDP, the pipeline).
+void agree_or_throw(ProcessGroup& group, const std::string& description,
+                    const std::string& local_error, const AgreementWording& wording);
+
 // A step every rank must have done (e.g. writing its file): an Error on every rank, "<what>
 // failed on rank R: <text>" (the lowest failed rank's text), when `local_error` is not empty on
 // some rank; returns on every rank otherwise.
 void raise_if_any_rank_failed(ProcessGroup& group, const std::string& local_error,
                               const std::string& what);
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -1,5 +1,5 @@
 // C10dBackend: ddp's ExternalBackend (ddp/external_backend.h) over a libtorch c10d group
-// (internal; the public entry is ddp/torch/c10d_process_group.h).
+// (internal; the public entry is ddp/torch/c10d/c10d_process_group.h).
 //
 // Each collective becomes the c10d call of the same kind on tensors that alias the caller's
 // buffers (torch::from_blob); the worker thread waits for c10d's Work until the call's deadline,

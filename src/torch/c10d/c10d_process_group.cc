@@ -1,4 +1,4 @@
-// wrap_c10d (ddp/torch/c10d_process_group.h): a c10d group behind ddp's front.
+// wrap_c10d (ddp/torch/c10d/c10d_process_group.h): a c10d group behind ddp's front.
 #include "ddp/torch/c10d/c10d_process_group.h"
 
 #include <algorithm>

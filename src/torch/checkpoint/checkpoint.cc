@@ -47,7 +47,7 @@ int write_all(int fd, const char* data, std::size_t size) noexcept {
 void warn_if_unverified(torch::serialize::InputArchive& archive,
                         const std::filesystem::path& path) {
   c10::IValue checksums;
-  if (archive.try_read(internal::kChecksumsEntry, checksums)) return;  // verified by load_archive
+  if (archive.try_read(detail::kChecksumsEntry, checksums)) return;  // verified by load_archive
   TORCH_WARN("checkpoint ", path.string(),
              " has no checksums (written by an older ddp or by torch::save), so damage to it "
              "cannot be detected; it is loaded unverified. Save it again to add them.");
@@ -73,7 +73,7 @@ void refuse_folder(const std::filesystem::path& path) {
 void save_archive_atomically(torch::serialize::OutputArchive& archive,
                              const std::filesystem::path& path) {
   refuse_folder(path);
-  internal::add_checksums(archive);
+  detail::add_checksums(archive);
   const std::filesystem::path temporary = path.string() + ".tmp";
   const int raw_fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (raw_fd < 0) {
@@ -196,7 +196,7 @@ torch::serialize::InputArchive load_archive(const std::filesystem::path& path,
                     "truncated?): {}",
                     path.string(), e.what_without_backtrace()));
   }
-  internal::verify_checksums(archive, path);
+  detail::verify_checksums(archive, path);
   if (damaged_tensor_record) {
     throw Error(
         fmt::format("checkpoint: {} is damaged: {}", path.string(), *damaged_tensor_record));
@@ -210,7 +210,7 @@ void save_checkpoint(const std::filesystem::path& path, const torch::nn::Module&
   archive.write("ddp_checkpoint_format", c10::IValue(kCheckpointFormat));
   archive.write("epoch", c10::IValue(info.epoch));
   archive.write("tag", c10::IValue(info.tag));
-  internal::write_model_and_optimizer(archive, model, optimizer);
+  detail::write_model_and_optimizer(archive, model, optimizer);
   save_archive_atomically(archive, path);
 }
 
@@ -246,7 +246,7 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& path, torch::nn::Mod
           fmt::format("it was saved for '{}', but this run uses '{}'", info.tag, expected_tag));
     }
 
-    internal::load_model_and_optimizer(archive, model, optimizer, path, "the checkpoint");
+    detail::load_model_and_optimizer(archive, model, optimizer, path, "the checkpoint");
   } catch (const c10::Error& e) {
     throw fail(fmt::format("does not fit this model or optimizer: {}", e.what_without_backtrace()));
   }

@@ -12,7 +12,7 @@
 
 #include "ddp/error.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 namespace {
 
 using Checksums = std::map<std::string, std::uint32_t>;
@@ -151,4 +151,4 @@ bool verify_checksums(torch::serialize::InputArchive& archive, const std::filesy
   return true;
 }
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -20,7 +20,7 @@
 
 #include <torch/torch.h>
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 inline constexpr const char* kChecksumsEntry = "ddp_checksums";
 
@@ -33,4 +33,4 @@ void add_checksums(torch::serialize::OutputArchive& archive);
 // the first entry that differs, is missing or is not listed.
 bool verify_checksums(torch::serialize::InputArchive& archive, const std::filesystem::path& path);
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

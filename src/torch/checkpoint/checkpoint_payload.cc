@@ -10,10 +10,10 @@
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/formats/optimizer_wrapper.h"
-#include "torch/formats/optimizer_values.h"
 #include "torch/core/parameter_loads.h"
+#include "torch/formats/optimizer_values.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 namespace {
 
 // One tensor of the model and the value stored for it.
@@ -186,4 +186,4 @@ void load_model_and_optimizer(torch::serialize::InputArchive& archive, torch::nn
   detail::note_parameters_loaded();
 }
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -1,9 +1,9 @@
 // The model and optimizer part of a checkpoint archive, shared by save_checkpoint
 // (checkpoint.h) and TrainState (train_state.h) so that both lay it out and check it the same way.
 //
-//   internal::write_model_and_optimizer(archive, model, optimizer);        // entries "model",
+//   detail::write_model_and_optimizer(archive, model, optimizer);        // entries "model",
 //   ...                                                                   // "optimizer"
-//   internal::load_model_and_optimizer(archive, model, optimizer, path);   // in place, all or none
+//   detail::load_model_and_optimizer(archive, model, optimizer, path);   // in place, all or none
 //
 // Internal to ddp_torch. Functions are thread-compatible (no shared state).
 #pragma once
@@ -13,7 +13,7 @@
 
 #include <torch/torch.h>
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 // The optimizer's kind and the options that shape its state, e.g. "Adam", "Adam with amsgrad",
 // "SGD with momentum", "SGD without momentum", "RMSprop with momentum, centered"; a
@@ -37,4 +37,4 @@ void load_model_and_optimizer(torch::serialize::InputArchive& archive, torch::nn
                               torch::optim::Optimizer& optimizer, const std::filesystem::path& path,
                               const std::string& what);
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -33,7 +33,7 @@ torch::Tensor torch_generator_state() {
 
 }  // namespace
 
-namespace internal {
+namespace detail {
 
 void write_train_progress(torch::serialize::OutputArchive& archive, const char* format_entry,
                           std::int64_t format, const TrainStateOptions& options,
@@ -144,7 +144,7 @@ void apply_generators(const StoredTrainProgress& stored, const TrainStateOptions
   if (options.rng != nullptr && stored.user_rng) *options.rng = *stored.user_rng;
 }
 
-}  // namespace internal
+}  // namespace detail
 
 TrainState::TrainState(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                        TrainStateOptions options)
@@ -153,8 +153,8 @@ TrainState::TrainState(torch::nn::Module& model, torch::optim::Optimizer& optimi
 void TrainState::save(const std::filesystem::path& path, const TrainProgress& progress,
                       int world_size) const {
   torch::serialize::OutputArchive archive;
-  internal::write_train_progress(archive, kFormatEntry, kFormat, options_, progress, world_size);
-  internal::write_model_and_optimizer(archive, model_, optimizer_);
+  detail::write_train_progress(archive, kFormatEntry, kFormat, options_, progress, world_size);
+  detail::write_model_and_optimizer(archive, model_, optimizer_);
   save_archive_atomically(archive, path);
 }
 
@@ -164,10 +164,9 @@ TrainProgress TrainState::load(const std::filesystem::path& path) {
     return Error(fmt::format("train state: {}: {}", path.string(), what));
   };
   try {
-    const auto stored =
-        internal::read_train_progress(archive, kFormatEntry, kFormat, options_, fail);
-    internal::load_model_and_optimizer(archive, model_, optimizer_, path, "the training state in");
-    internal::apply_generators(stored, options_);
+    const auto stored = detail::read_train_progress(archive, kFormatEntry, kFormat, options_, fail);
+    detail::load_model_and_optimizer(archive, model_, optimizer_, path, "the training state in");
+    detail::apply_generators(stored, options_);
     return stored.progress;
   } catch (const c10::Error& e) {
     throw fail(fmt::format("does not fit this model, optimizer or generator: {}",

@@ -13,7 +13,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint/train_state.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 // Writes the format entry (`format_entry` = `format`), the tag, the progress (world_size stored
 // from `world_size` when > 0) and the generators.
@@ -38,4 +38,4 @@ StoredTrainProgress read_train_progress(torch::serialize::InputArchive& archive,
 // Sets torch's default CPU generator and options.rng from `stored`.
 void apply_generators(const StoredTrainProgress& stored, const TrainStateOptions& options);
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

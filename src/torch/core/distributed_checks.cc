@@ -28,7 +28,7 @@ void check_tensor(const torch::Tensor& tensor, const std::string& what,
     // groups; the list forms on a CUDA group): reaching here is a call made without staging.
     throw ConfigError(fmt::format(
         "{} is on {}, which this call cannot take without staging; pass tensor.cpu(), or call "
-        "it through the tensor API (ddp/torch/distributed.h), which stages CUDA tensors",
+        "it through the tensor API (ddp/torch/api/distributed.h), which stages CUDA tensors",
         what, tensor.device().str()));
   }
   check_contiguous(tensor, what);

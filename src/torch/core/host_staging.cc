@@ -49,7 +49,7 @@ std::shared_ptr<Work> run_on_host(ProcessGroup& group, const std::vector<torch::
   for (const auto& t : written)
     host_written.push_back(staged_host_copy(t));
   // A CUDA group's relay lives until the call's Work completes (the chain below holds it).
-  auto on = std::make_shared<internal::HostValues>(group);
+  auto on = std::make_shared<detail::HostValues>(group);
   std::shared_ptr<Work> work;
   staging_inner_call_running = true;
   try {

@@ -9,7 +9,7 @@
 #include "ddp/error.h"
 #include "torch/core/device_staging.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 namespace {
 
 std::atomic<int> cpu_as_cuda_group_memory{0};
@@ -238,4 +238,4 @@ bool takes_as_is(const ProcessGroup& group, const c10::Device& device) {
   return device.is_cuda() || (device.is_cpu() && pretend_cpu_is_cuda());
 }
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -7,7 +7,7 @@
 // copied back (synchronously) as the Work's last step, so that they are in place when wait()
 // returns; a failed call copies nothing back.
 //
-//   internal::HostValues values(group);
+//   detail::HostValues values(group);
 //   values->allreduce(flags.data(), flags.size(), DType::kInt32, ReduceOp::kMax)->wait();
 //
 // The relay takes every collective and send/recv with the ProcessGroup contract (new_group is a
@@ -21,7 +21,7 @@
 
 #include "ddp/process_group.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 class HostValues {
  public:
@@ -42,7 +42,7 @@ class HostValues {
 // Tests without a GPU. While one lives (any thread): a CUDA group's device copies are host
 // clones, counted by relayed_calls(), and the torch layer takes CPU tensors as that group's
 // device memory (takes_as_is below), so that DistributedDataParallel and Join run over a group
-// that declares CUDA memory (tests/torch/cuda_group_test.cc).
+// that declares CUDA memory (tests/torch/api/cuda_group_test.cc).
 class ScopedCpuAsCudaGroupMemoryForTests {
  public:
   ScopedCpuAsCudaGroupMemoryForTests();
@@ -57,4 +57,4 @@ class ScopedCpuAsCudaGroupMemoryForTests {
 // device for a CUDA group (and the CPU there too while the switch above lives).
 bool takes_as_is(const ProcessGroup& group, const c10::Device& device);
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -64,7 +64,7 @@ struct EngineBuffer {
 EngineBuffer engine_buffer(ProcessGroup& group, const torch::Tensor& tensor,
                            const std::string& what) {
   const bool cuda_group = group.memory_space() == MemorySpace::kCuda;
-  if (cuda_group && !internal::takes_as_is(group, tensor.device())) {
+  if (cuda_group && !detail::takes_as_is(group, tensor.device())) {
     throw ConfigError(fmt::format(
         "{} is on {}, but the process group ({}) takes CUDA memory only; move it to this "
         "process's GPU (tensor.to(torch::kCUDA)) or use a host group (ring, mpi)",

@@ -18,11 +18,11 @@
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/core/tensor_collectives.h"
 #include "ddp/trace.h"
-#include "torch/core/wrapper_phase.h"
-#include "torch/core/parameter_loads.h"
 #include "torch/api/rank_agreement.h"
 #include "torch/core/host_values.h"
 #include "torch/core/parameter_devices.h"
+#include "torch/core/parameter_loads.h"
+#include "torch/core/wrapper_phase.h"
 
 namespace ddp {
 namespace {
@@ -190,7 +190,7 @@ std::size_t megabytes_to_bytes(double mb, const char* option) {
   return static_cast<std::size_t>(std::max(1.0, mb * 1024.0 * 1024.0));
 }
 
-using internal::shape_text;
+using detail::shape_text;
 
 // Every rank describes its parameters (name, shape, dtype; one line each, the count last) and the
 // ranks compare the descriptions (rank_agreement.h: one small allgather when they agree). The first
@@ -208,7 +208,7 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
   }
   description += fmt::format("{} trainable parameters\n", params.size());
   const auto mixed = detail::mixed_devices(params, names);
-  const auto agreement = internal::compare_across_ranks(group, description, mixed.value_or(""));
+  const auto agreement = detail::compare_across_ranks(group, description, mixed.value_or(""));
   if (agreement.failed_rank >= 0) {
     throw ConfigError(fmt::format("rank {}: {}", agreement.failed_rank, agreement.failure));
   }
@@ -464,7 +464,7 @@ void DistributedDataParallelBase::guard_divergence(bool loaded_here) {
   in_ddp_phase(
       [] { return std::string("divergence guard (did any rank load parameters?)"); },
       [&] {
-        internal::HostValues(*group_)->allgather(&mine, loaded.data(), 1, DType::kInt32)->wait();
+        detail::HostValues(*group_)->allgather(&mine, loaded.data(), 1, DType::kInt32)->wait();
       });
   std::vector<int> loaded_ranks;
   for (int r = 0; r < group_->size(); ++r) {
@@ -579,7 +579,7 @@ void DistributedDataParallelBase::check_divergence_because(const std::vector<int
   std::vector<std::int64_t> all(mine.size() * world);
   in_ddp_phase([] { return std::string("divergence check"); },
                [&] {
-                 internal::HostValues(*group_)
+                 detail::HostValues(*group_)
                      ->allgather(mine.data(), all.data(), mine.size(), DType::kInt64)
                      ->wait();
                });
@@ -630,7 +630,7 @@ DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_ste
   }
   in_ddp_phase([] { return std::string("Join step agreement"); },
                [&] {
-                 internal::HostValues(*group_)
+                 detail::HostValues(*group_)
                      ->allreduce(flags.data(), flags.size(), DType::kInt32, ReduceOp::kMax)
                      ->wait();
                });
@@ -666,7 +666,7 @@ void DistributedDataParallelBase::join_post_hook(bool is_last_joiner) {
   in_ddp_phase(
       [] { return std::string("Join's final model synchronisation"); },
       [&] {
-        internal::HostValues(*group_)->allreduce(&root, 1, DType::kInt64, ReduceOp::kMax)->wait();
+        detail::HostValues(*group_)->allreduce(&root, 1, DType::kInt64, ReduceOp::kMax)->wait();
         std::vector<torch::Tensor> state = parameters_and_buffers(wrapped_);
         broadcast_coalesced(*group_, state, static_cast<int>(root));
       });

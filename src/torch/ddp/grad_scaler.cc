@@ -9,8 +9,8 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "torch/core/libtorch_compat.h"
 #include "torch/core/host_values.h"
+#include "torch/core/libtorch_compat.h"
 
 namespace ddp {
 namespace {
@@ -81,7 +81,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (group_ && group_->size() > 1) {
     // Every rank must make the same decision: one overflow anywhere skips the step everywhere.
     std::int32_t flag = found_inf ? 1 : 0;
-    internal::HostValues(*group_)->allreduce(&flag, 1, DType::kInt32, ReduceOp::kMax)->wait();
+    detail::HostValues(*group_)->allreduce(&flag, 1, DType::kInt32, ReduceOp::kMax)->wait();
     found_inf = flag != 0;
   }
   state.unscaled = true;

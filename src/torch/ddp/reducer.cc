@@ -15,13 +15,13 @@
 #include "ddp/timeouts.h"
 #include "ddp/torch/core/tensor_collectives.h"
 #include "ddp/trace.h"
-#include "torch/core/wrapper_phase.h"
-#include "torch/core/libtorch_compat.h"
 #include "torch/core/device_staging.h"
 #include "torch/core/host_values.h"
+#include "torch/core/libtorch_compat.h"
 #include "torch/core/parameter_devices.h"
 #include "torch/core/sparse_allreduce.h"
 #include "torch/core/staging_thread.h"
+#include "torch/core/wrapper_phase.h"
 
 namespace ddp {
 
@@ -111,7 +111,7 @@ Reducer::Reducer(std::vector<torch::Tensor> parameters, std::vector<std::string>
   if (const auto mixed = detail::mixed_devices(parameters_, names_)) throw ConfigError(*mixed);
   const c10::Device device =
       parameters_.empty() ? c10::Device(c10::kCPU) : parameters_.front().device();
-  if (group_->memory_space() == MemorySpace::kCuda && !internal::takes_as_is(*group_, device)) {
+  if (group_->memory_space() == MemorySpace::kCuda && !detail::takes_as_is(*group_, device)) {
     throw ConfigError(fmt::format(
         "DistributedDataParallel: the parameters are on {}, but the process group ({}) takes "
         "CUDA memory only; move the module to its GPU (module->to(torch::Device(\"cuda:<local "
@@ -744,8 +744,8 @@ void Reducer::finalize_backward() {
     }
     std::shared_ptr<Work> used_work;
     if (!used_anywhere.empty()) {
-      used_work = internal::HostValues(*group_)->allreduce(
-          used_anywhere.data(), used_anywhere.size(), DType::kInt32, ReduceOp::kMax);
+      used_work = detail::HostValues(*group_)->allreduce(used_anywhere.data(), used_anywhere.size(),
+                                                         DType::kInt32, ReduceOp::kMax);
     }
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       auto& bucket = buckets_[b];
@@ -945,8 +945,8 @@ void Reducer::shadow_backward() {
   std::shared_ptr<Work> used_work;
   if (options_.find_unused_parameters || options_.static_graph) {
     unused_map.assign(parameters_.size(), 0);
-    used_work = internal::HostValues(*group_)->allreduce(unused_map.data(), unused_map.size(),
-                                                         DType::kInt32, ReduceOp::kMax);
+    used_work = detail::HostValues(*group_)->allreduce(unused_map.data(), unused_map.size(),
+                                                       DType::kInt32, ReduceOp::kMax);
   }
   try {
     for (std::size_t b = 0; b < reductions.size(); ++b) {
@@ -1010,7 +1010,7 @@ void Reducer::rebuild_buckets() {
   record_ready_order_ = false;
   detail::in_ddp_phase([] { return std::string("bucket rebuild before forward"); },
                        [&] {
-                         internal::HostValues(*group_)
+                         detail::HostValues(*group_)
                              ->broadcast(order.data(), order.size(), DType::kInt64, /*root=*/0)
                              ->wait();
                        });

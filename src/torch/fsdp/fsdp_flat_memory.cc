@@ -114,9 +114,8 @@ c10::DataPtr device_bytes(std::size_t bytes, std::size_t counted_bytes, const c1
   return c10::DataPtr(address, block, &free_device_block, device);
 }
 
-c10::DataPtr flat_bytes(std::size_t bytes, const c10::Device& device,
-                        internal::FlatBufferKind kind) {
-  const std::size_t counted = kind == internal::FlatBufferKind::kUnsharded ? bytes : 0;
+c10::DataPtr flat_bytes(std::size_t bytes, const c10::Device& device, detail::FlatBufferKind kind) {
+  const std::size_t counted = kind == detail::FlatBufferKind::kUnsharded ? bytes : 0;
   return device.is_cpu() ? map_bytes(bytes, counted) : device_bytes(bytes, counted, device);
 }
 
@@ -132,7 +131,7 @@ void reset_fsdp_buffer_peak() {
     count.peak.store(count.live.load());
 }
 
-namespace internal {
+namespace detail {
 
 torch::Tensor fsdp_flat_zeros(std::int64_t numel, torch::ScalarType dtype,
                               const c10::Device& device, FlatBufferKind kind) {
@@ -167,6 +166,6 @@ bool fsdp_storage_allocated(const torch::Tensor& full) {
   return full.storage().nbytes() > 0;
 }
 
-}  // namespace internal
+}  // namespace detail
 
 }  // namespace ddp

@@ -1,6 +1,6 @@
 // FullyShardedDataParallel's flat buffers: where their memory comes from (mmap on the host, the
 // device's allocator on a device), freeing and refilling a buffer in place, and the byte counts
-// of ddp/torch/fsdp_memory.h. Internal to ddp_torch.
+// of ddp/torch/fsdp/fsdp_memory.h. Internal to ddp_torch.
 #pragma once
 
 #include <cstddef>
@@ -8,7 +8,7 @@
 
 #include <torch/torch.h>
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 // What a flat buffer is, for fsdp_memory.h's count: kUnsharded (a unit's full parameters or full
 // flat gradient) is counted, kShardSized (a reduce-scatter's output, which becomes the shard's
@@ -31,4 +31,4 @@ void release_fsdp_storage(const torch::Tensor& full);
 void allocate_fsdp_storage(const torch::Tensor& full);
 bool fsdp_storage_allocated(const torch::Tensor& full);
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

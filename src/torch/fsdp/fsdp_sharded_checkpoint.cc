@@ -22,12 +22,12 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/api/distributed.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
-#include "torch/fsdp/fsdp_unit.h"
-#include "torch/core/libtorch_compat.h"
 #include "torch/api/rank_agreement.h"
+#include "torch/core/libtorch_compat.h"
+#include "torch/fsdp/fsdp_unit.h"
 
 namespace ddp {
 
@@ -159,8 +159,8 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
       failure = e.what();
     }
   }
-  internal::raise_if_any_rank_failed(*group_, failure,
-                                     "FullyShardedDataParallel: preparing " + dir.string());
+  detail::raise_if_any_rank_failed(*group_, failure,
+                                   "FullyShardedDataParallel: preparing " + dir.string());
   try {
     write_shard_file(dir, optimizer);
   } catch (const std::exception& e) {  // ddp::Error, std::filesystem_error, c10::Error
@@ -168,7 +168,7 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
   }
   // Every shard file is complete before the manifest names them; a rank that could not write
   // its own makes every rank throw.
-  internal::raise_if_any_rank_failed(
+  detail::raise_if_any_rank_failed(
       *group_, failure, "FullyShardedDataParallel: writing the shard files of " + dir.string());
   if (rank == 0) {
     try {
@@ -185,7 +185,7 @@ void FullyShardedDataParallelImpl::save_sharded_checkpoint(
     }
   }
   // The checkpoint is complete when save returns on any rank.
-  internal::raise_if_any_rank_failed(
+  detail::raise_if_any_rank_failed(
       *group_, failure, "FullyShardedDataParallel: writing " + (dir / "manifest.pt").string());
 }
 

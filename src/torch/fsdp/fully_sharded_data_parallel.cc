@@ -13,19 +13,19 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/core/tensor_collectives.h"
-#include "torch/core/wrapper_phase.h"
-#include "torch/fsdp/fsdp_flat_memory.h"
-#include "torch/fsdp/fsdp_unit.h"
+#include "torch/api/rank_agreement.h"
 #include "torch/core/host_values.h"
 #include "torch/core/libtorch_compat.h"
 #include "torch/core/parameter_devices.h"
-#include "torch/api/rank_agreement.h"
+#include "torch/core/wrapper_phase.h"
+#include "torch/fsdp/fsdp_flat_memory.h"
+#include "torch/fsdp/fsdp_unit.h"
 
 namespace ddp {
 
 namespace {
 
-using internal::shape_text;
+using detail::shape_text;
 
 // PyTorch FSDP's gradient_predivide_factor (DefaultState._get_gradient_predivide_factor): doubled
 // while it divides the world and is below world/factor. A low-precision sum is divided by it
@@ -99,7 +99,7 @@ FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() = default;
 
 torch::Tensor FullyShardedDataParallelImpl::flat_zeros(std::int64_t numel,
                                                        torch::ScalarType dtype) const {
-  return internal::fsdp_flat_zeros(numel, dtype, device_);
+  return detail::fsdp_flat_zeros(numel, dtype, device_);
 }
 
 void FullyShardedDataParallelImpl::check_device() const {
@@ -108,7 +108,7 @@ void FullyShardedDataParallelImpl::check_device() const {
   }
   for (const ProcessGroup* group : {group_, shard_group_, replicate_group_.get()}) {
     if (group == nullptr || group->memory_space() != MemorySpace::kCuda ||
-        internal::takes_as_is(*group, device_)) {
+        detail::takes_as_is(*group, device_)) {
       continue;
     }
     throw ConfigError(fmt::format(
@@ -264,8 +264,8 @@ void FullyShardedDataParallelImpl::build() {
         // Sharded already: a parameter shared with a nested wrapper's module (tied weights), or
         // one another wrapper holds (its storage is FSDP's, or gone while freed).
         const auto& storage = p.storage();
-        const bool sharded_elsewhere = internal::is_fsdp_memory(storage.data_ptr()) ||
-                                       (p.numel() > 0 && storage.nbytes() == 0);
+        const bool sharded_elsewhere =
+            detail::is_fsdp_memory(storage.data_ptr()) || (p.numel() > 0 && storage.nbytes() == 0);
         const auto owner = std::find_if(nested_.begin(), nested_.end(), [&](const auto& n) {
           return n.second->shards_parameter(p);
         });
@@ -434,17 +434,11 @@ void FullyShardedDataParallelImpl::build() {
     local_error = e.what();
   }
 
-  const auto agreement = internal::compare_across_ranks(*group_, description.str(), local_error);
-  if (agreement.failed_rank >= 0) {
-    throw ConfigError(fmt::format("FullyShardedDataParallel could not be built on rank {}: {}",
-                                  agreement.failed_rank, agreement.failure));
-  }
-  if (!agreement.difference.empty()) {
-    throw Error(fmt::format(
-        "FullyShardedDataParallel: the ranks differ: {}. Every rank must wrap the same model "
-        "(children, parameter shapes and dtypes, buffers) with the same strategy and units",
-        agreement.difference));
-  }
+  detail::agree_or_throw(*group_, description.str(), local_error,
+                         {.wrapper = "FullyShardedDataParallel",
+                          .requirement = "Every rank must wrap the same model (children, "
+                                         "parameter shapes and dtypes, buffers) with the same "
+                                         "strategy and units"});
 
   torch::NoGradGuard no_grad;
   const int rank = shard_group_->rank();
@@ -537,7 +531,7 @@ void FullyShardedDataParallelImpl::start_gather(std::size_t unit) {
   if (options_.sharding_strategy == ShardingStrategy::kNoShard) return;
   auto& u = *units_[unit];
   if (u.state != Unit::State::kFree) return;
-  if (!internal::fsdp_storage_allocated(u.full)) internal::allocate_fsdp_storage(u.full);
+  if (!detail::fsdp_storage_allocated(u.full)) detail::allocate_fsdp_storage(u.full);
   // param_dtype: the shard is cast before it travels (half the bytes), and kept until gathered.
   // cpu_offload: copied to the device first (from pinned memory, ordered on the current stream,
   // which the collective follows).
@@ -564,7 +558,7 @@ void FullyShardedDataParallelImpl::wait_gather(std::size_t unit) {
 void FullyShardedDataParallelImpl::free_full(std::size_t unit) {
   wait_gather(unit);
   auto& u = *units_[unit];
-  internal::release_fsdp_storage(u.full);
+  detail::release_fsdp_storage(u.full);
   u.state = Unit::State::kFree;
 }
 
@@ -792,8 +786,8 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
     u.reduction = all_reduce_async(u.reduction_input, ReduceOp::kSum, *group_);
   } else {
     // Mapped, as the flat buffers: freed at once when harvested (after the first backward).
-    u.reduction_output = internal::fsdp_flat_zeros(u.shard_numel, reduce_dtype(), device_,
-                                                   internal::FlatBufferKind::kShardSized);
+    u.reduction_output = detail::fsdp_flat_zeros(u.shard_numel, reduce_dtype(), device_,
+                                                 detail::FlatBufferKind::kShardSized);
     u.reduction = reduce_scatter_tensor_async(u.reduction_output, u.reduction_input, ReduceOp::kSum,
                                               *shard_group_);
   }

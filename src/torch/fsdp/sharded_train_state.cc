@@ -13,10 +13,10 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/api/distributed.h"
-#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/checkpoint/train_state.h"
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "torch/api/rank_agreement.h"
 #include "torch/checkpoint/train_state_archive.h"
 
@@ -105,8 +105,8 @@ void ShardedTrainState::save(const std::filesystem::path& dir, const TrainProgre
       failure = e.what();
     }
   }
-  internal::raise_if_any_rank_failed(group, failure,
-                                     "sharded train state: preparing " + dir.string());
+  detail::raise_if_any_rank_failed(group, failure,
+                                   "sharded train state: preparing " + dir.string());
   broadcast(number, 0, group);
   const std::string name = checkpoint_name(number.item<std::int64_t>());
   const auto folder = dir / name;
@@ -117,8 +117,8 @@ void ShardedTrainState::save(const std::filesystem::path& dir, const TrainProgre
   if (leader) {
     try {
       torch::serialize::OutputArchive archive;
-      internal::write_train_progress(archive, kShardedFormatEntry, kShardedFormat, options_,
-                                     progress, world_size);
+      detail::write_train_progress(archive, kShardedFormatEntry, kShardedFormat, options_, progress,
+                                   world_size);
       for (const auto& [name, buffer] : model_buffers(model_))
         archive.write(kBufferPrefix + name, buffer.detach());
       save_archive_atomically(archive, folder / kStateFile);
@@ -137,7 +137,7 @@ void ShardedTrainState::save(const std::filesystem::path& dir, const TrainProgre
       failure = e.what();
     }
   }
-  internal::raise_if_any_rank_failed(
+  detail::raise_if_any_rank_failed(
       group, failure, "sharded train state: writing " + (folder / kStateFile).string());
 }
 
@@ -156,7 +156,7 @@ TrainProgress ShardedTrainState::load(const std::filesystem::path& dir) {
     return Error(fmt::format("sharded train state: {}: {}", state_path.string(), what));
   };
   const auto stored =
-      internal::read_train_progress(archive, kShardedFormatEntry, kShardedFormat, options_, fail);
+      detail::read_train_progress(archive, kShardedFormatEntry, kShardedFormat, options_, fail);
   // Every buffer of the model, by name and shape, before anything changes.
   std::vector<std::pair<torch::Tensor, torch::Tensor>> buffers;  // the model's, the saved
   for (const auto& [name, buffer] : model_buffers(model_)) {
@@ -178,7 +178,7 @@ TrainProgress ShardedTrainState::load(const std::filesystem::path& dir) {
     for (auto& [mine, saved] : buffers)
       mine.copy_(saved);
   }
-  internal::apply_generators(stored, options_);
+  detail::apply_generators(stored, options_);
   return stored.progress;
 }
 

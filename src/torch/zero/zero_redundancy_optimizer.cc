@@ -11,14 +11,14 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
-#include "ddp/torch/zero/chunked_adam.h"
 #include "ddp/torch/api/distributed_objects.h"
-#include "torch/core/wrapper_phase.h"
-#include "torch/core/libtorch_compat.h"
-#include "torch/zero/optimizer_state_tensors.h"
-#include "torch/formats/optimizer_values.h"
+#include "ddp/torch/zero/chunked_adam.h"
 #include "torch/api/rank_agreement.h"
 #include "torch/core/host_values.h"
+#include "torch/core/libtorch_compat.h"
+#include "torch/core/wrapper_phase.h"
+#include "torch/formats/optimizer_values.h"
+#include "torch/zero/optimizer_state_tensors.h"
 
 namespace ddp {
 
@@ -30,7 +30,7 @@ using torch::optim::OptimizerParamGroup;
 // The archive entry that names the optimizer kind (a plain optimizer's load ignores it).
 constexpr const char* kKindEntry = "ddp_zero_optimizer_kind";
 
-using internal::shape_text;
+using detail::shape_text;
 
 }  // namespace
 
@@ -122,7 +122,7 @@ void ZeroRedundancyOptimizer::build(std::vector<OptimizerParamGroup> param_group
         // A host group stages CUDA parameters' broadcasts through host copies (the tensor API);
         // a CUDA group takes device memory only.
         if (group_->memory_space() == MemorySpace::kCuda &&
-            !internal::takes_as_is(*group_, p.device())) {
+            !detail::takes_as_is(*group_, p.device())) {
           throw ConfigError(fmt::format(
               "ZeroRedundancyOptimizer: parameter {} (group {}) is on {}, but the process group "
               "({}) takes CUDA memory only; move the model to this process's GPU or use a host "
@@ -224,17 +224,11 @@ void ZeroRedundancyOptimizer::build(std::vector<OptimizerParamGroup> param_group
 
 void ZeroRedundancyOptimizer::check_across_ranks(const std::string& description,
                                                  const std::string& local_error) {
-  const auto agreement = internal::compare_across_ranks(*group_, description, local_error);
-  if (agreement.failed_rank >= 0) {
-    throw Error(fmt::format("ZeroRedundancyOptimizer could not be built on rank {}: {}",
-                            agreement.failed_rank, agreement.failure));
-  }
-  if (!agreement.difference.empty()) {
-    throw Error(fmt::format(
-        "ZeroRedundancyOptimizer: the ranks differ: {}. Every rank must pass the same parameters "
-        "(count, shapes, dtypes, groups) and an optimizer of the same kind",
-        agreement.difference));
-  }
+  detail::agree_or_throw(*group_, description, local_error,
+                         {.wrapper = "ZeroRedundancyOptimizer",
+                          .requirement = "Every rank must pass the same parameters (count, "
+                                         "shapes, dtypes, groups) and an optimizer of the "
+                                         "same kind"});
 }
 
 void ZeroRedundancyOptimizer::build_buckets() {

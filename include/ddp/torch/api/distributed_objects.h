@@ -11,7 +11,7 @@
 //   static T decode(const std::string& bytes);    // may throw
 // Built in: std::string, arithmetic types (their bytes: every rank must share the byte order,
 // as ranks of one job do), torch::Tensor and c10::IValue (libtorch's pickler, torch::pickle_save;
-// tensors must be on the CPU), and nlohmann::json (include ddp/torch/json_codec.h).
+// tensors must be on the CPU), and nlohmann::json (include ddp/torch/api/json_codec.h).
 //
 // Calls are collective over the group (default: the default group, as in distributed.h), made by
 // every rank in the same order. Each first exchanges every contributing rank's status and size:

@@ -31,7 +31,7 @@
 // differs, the ranks, and the ranks that loaded. DdpOptions::divergence_check_every = 0 (or
 // DDP_DIVERGENCE_CHECK_EVERY=0) turns the guard off entirely.
 //
-// Uneven inputs: DistributedDataParallel is a Joinable; see ddp/torch/join.h.
+// Uneven inputs: DistributedDataParallel is a Joinable; see ddp/torch/api/join.h.
 //
 // Gradient accumulation: `{ auto guard = model->no_sync(); loss.backward(); }` for the micro-steps,
 // then a normal backward for the last one. Options follow PyTorch's names and defaults.
@@ -56,10 +56,10 @@
 #include <torch/torch.h>
 
 #include "ddp/process_group.h"
-#include "ddp/torch/ddp/hooks/comm_hooks.h"
-#include "ddp/torch/ddp/ddp_logging_data.h"
 #include "ddp/torch/api/join.h"
 #include "ddp/torch/core/output_tensors.h"
+#include "ddp/torch/ddp/ddp_logging_data.h"
+#include "ddp/torch/ddp/hooks/comm_hooks.h"
 #include "ddp/torch/ddp/reducer.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
@@ -135,7 +135,7 @@ class [[nodiscard]] NoSyncGuard {
 // forward), since a load or a replaced attribute may swap them. The tensors are the module's own,
 // never copies: DDP hooks their gradient accumulators and writes rank 0's values into them. Filled
 // for a torch::nn::Module by DistributedDataParallelImpl, for a torch::jit::Module by
-// ScriptDistributedDataParallelImpl (ddp/torch/script_distributed_data_parallel.h).
+// ScriptDistributedDataParallelImpl (ddp/torch/ddp/script_distributed_data_parallel.h).
 struct WrappedModuleTensors {
   std::function<torch::OrderedDict<std::string, torch::Tensor>()> named_parameters;
   std::function<torch::OrderedDict<std::string, torch::Tensor>()> named_buffers;
@@ -154,7 +154,7 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   void register_comm_hook(CommHook hook, std::string name = "custom") {
     reducer_->register_comm_hook(std::move(hook), std::move(name));
   }
-  // Configuration, buckets and average times so far (ddp/torch/ddp_logging_data.h). Local.
+  // Configuration, buckets and average times so far (ddp/torch/ddp/ddp_logging_data.h). Local.
   DdpLoggingData logging_data() const;
 
   // Copies rank 0's buffers to every rank (collective). E.g. before evaluating on every rank.
@@ -167,7 +167,7 @@ class DistributedDataParallelBase : public torch::nn::Module, public Joinable {
   // parameters were re-attached.
   std::size_t check_parameters();
 
-  // Joinable (ddp/torch/join.h).
+  // Joinable (ddp/torch/api/join.h).
   void join_main_hook() override;
   void join_post_hook(bool is_last_joiner) override;
   ProcessGroup& join_process_group() override { return *group_; }

@@ -78,9 +78,10 @@ struct ReducerOptions {
   // once (first iteration) instead of in every forward.
   bool static_graph = false;
   // For tests only: CPU buckets take the staged path that CUDA buckets on a host group take (host
-  // twins, copy-out, reduction on the staging thread, copy-in, join; src/torch/core/device_staging.h),
-  // and `observer` (may be empty; called from several threads) is told each step: "twin",
-  // "copy_out", "copied_out", "copy_in" with the bucket and its twin's address, then "join".
+  // twins, copy-out, reduction on the staging thread, copy-in, join;
+  // src/torch/core/device_staging.h), and `observer` (may be empty; called from several threads) is
+  // told each step: "twin", "copy_out", "copied_out", "copy_in" with the bucket and its twin's
+  // address, then "join".
   struct StagingForTests {
     bool enabled = false;
     std::function<void(std::string_view step, std::size_t bucket, const void* twin)> observer;

@@ -11,12 +11,13 @@
 //     opt.step();
 //   }
 //
-// Everything DistributedDataParallel does (ddp/torch/distributed_data_parallel.h) happens the same
-// way, by the same code: the construction check and rank 0's broadcast, buckets and gradient hooks,
-// buffer broadcasts, no_sync(), Join, comm hooks, the divergence guard. The module's parameters and
-// buffers are its attributes (named_parameters/named_buffers, recursive, as Python names them:
-// "conv1.weight", "bn.running_mean"), read from the module at every forward, so an attribute
-// replaced after wrapping (module.setattr) is followed as a replaced nn::Module parameter is.
+// Everything DistributedDataParallel does (ddp/torch/ddp/distributed_data_parallel.h) happens the
+// same way, by the same code: the construction check and rank 0's broadcast, buckets and gradient
+// hooks, buffer broadcasts, no_sync(), Join, comm hooks, the divergence guard. The module's
+// parameters and buffers are its attributes (named_parameters/named_buffers, recursive, as Python
+// names them: "conv1.weight", "bn.running_mean"), read from the module at every forward, so an
+// attribute replaced after wrapping (module.setattr) is followed as a replaced nn::Module parameter
+// is.
 //
 // This wrapper is a torch::nn::Module: parameters() and buffers() are the TorchScript module's
 // own tensors (the same TensorImpls, under "module."), for optimizers and checkpoints; a

@@ -23,8 +23,8 @@
 //
 // Errors: OptimizerMismatchError (optimizer_mismatch_error.h) when the file holds another
 // optimizer (SGD vs Adam, Adam vs AdamW where the file says, SGD with maximize) or another number
-// of groups or parameters; StateDictMismatchError when a state tensor's shape or dtype differs from its
-// parameter's; ConfigError for an optimizer other than SGD, Adam or AdamW; the read errors of
+// of groups or parameters; StateDictMismatchError when a state tensor's shape or dtype differs from
+// its parameter's; ConfigError for an optimizer other than SGD, Adam or AdamW; the read errors of
 // state_dict.h.
 #pragma once
 

@@ -63,9 +63,9 @@
 #include <torch/torch.h>
 
 #include "ddp/process_group.h"
-#include "ddp/torch/ddp/hooks/comm_hooks.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/join.h"
+#include "ddp/torch/ddp/hooks/comm_hooks.h"
 #include "ddp/torch/formats/optimizer_wrapper.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
@@ -169,7 +169,7 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer,
   // How many broadcasts each step() makes (one per bucket).
   std::size_t bucket_count() const;
 
-  // Joinable (ddp/torch/join.h): a joined rank steps its shard with the gradients DDP's shadow
+  // Joinable (ddp/torch/api/join.h): a joined rank steps its shard with the gradients DDP's shadow
   // step handed it, and takes part in the broadcasts.
   void join_main_hook() override;
   void join_post_hook(bool is_last_joiner) override;

@@ -63,8 +63,8 @@ DeviceMesh::DeviceMesh(std::vector<MeshDimension> shape, GroupRef group) {
   ProcessGroup& parent = group.get();
   // Every rank judges its shape, then all compare: a rank with a bad or different shape makes every
   // rank throw here instead of leaving the others waiting in new_group.
-  internal::require_agreement(parent, describe_shape(shape), shape_problem(shape, parent.size()),
-                              "the mesh", "DeviceMesh", "shapes");
+  detail::require_agreement(parent, describe_shape(shape), shape_problem(shape, parent.size()),
+                            "the mesh", "DeviceMesh", "shapes");
 
   for (auto& dim : shape) {
     names_.push_back(std::move(dim.name));

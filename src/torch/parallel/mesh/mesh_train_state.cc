@@ -84,7 +84,7 @@ void MeshTrainState::save(const std::filesystem::path& dir, const TrainProgress&
       failure = e.what();
     }
   }
-  internal::raise_if_any_rank_failed(group, failure, "MeshTrainState: preparing " + dir.string());
+  detail::raise_if_any_rank_failed(group, failure, "MeshTrainState: preparing " + dir.string());
   if (writes_part()) {
     try {
       TrainState(part_, optimizer_, {.tag = options_.tag})
@@ -93,8 +93,8 @@ void MeshTrainState::save(const std::filesystem::path& dir, const TrainProgress&
       failure = e.what();
     }
   }
-  internal::raise_if_any_rank_failed(group, failure,
-                                     "MeshTrainState: writing the parts of " + dir.string());
+  detail::raise_if_any_rank_failed(group, failure,
+                                   "MeshTrainState: writing the parts of " + dir.string());
   if (leader) {
     try {
       torch::serialize::OutputArchive manifest;
@@ -105,8 +105,8 @@ void MeshTrainState::save(const std::filesystem::path& dir, const TrainProgress&
       failure = e.what();
     }
   }
-  internal::raise_if_any_rank_failed(group, failure,
-                                     "MeshTrainState: writing " + (dir / kManifest).string());
+  detail::raise_if_any_rank_failed(group, failure,
+                                   "MeshTrainState: writing " + (dir / kManifest).string());
 }
 
 TrainProgress MeshTrainState::load(const std::filesystem::path& dir) {

@@ -28,9 +28,9 @@
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/distributed_objects.h"
 #include "ddp/trace.h"
+#include "torch/api/rank_agreement.h"
 #include "torch/core/wrapper_phase.h"
 #include "torch/parallel/pipeline/pipeline_messages.h"
-#include "torch/api/rank_agreement.h"
 
 namespace ddp {
 
@@ -165,25 +165,21 @@ struct Pipeline::State {
 };
 
 void Pipeline::State::agree(const std::string& description, const std::string& local_error) {
-  const auto agreement = internal::compare_across_ranks(*group, description, local_error);
-  if (agreement.failed_rank >= 0) {
-    throw ConfigError(fmt::format("Pipeline could not be built on stage {}: {}",
-                                  agreement.failed_rank, agreement.failure));
-  }
-  if (!agreement.difference.empty()) {
-    throw ConfigError(fmt::format(
-        "Pipeline: the stages were configured differently: {}. Every rank of the pp group must "
-        "pass the same model split, schedule, micro-batch count and recomputation",
-        agreement.difference));
-  }
+  detail::agree_or_throw(
+      *group, description, local_error,
+      {.wrapper = "Pipeline",
+       .member = "stage",
+       .differ = "the stages were configured differently",
+       .requirement = "Every rank of the pp group must pass the same model split, schedule, "
+                      "micro-batch count and recomputation"});
   actions = pipeline_actions(options.schedule, stage(), stages(), options.micro_batches);
   if (options.dp_group) {
     // The replicas of this stage average their gradients: they must hold the same layers.
     std::string replica = fmt::format("stage {} of {}\nlayers [{}, +{})\n", stage(), stages(),
                                       layer_range.first, layer_range.second);
     for (const auto& item : module->named_parameters())
-      replica += item.key() + " " + internal::shape_text(item.value()) + "\n";
-    const auto agreement = internal::compare_across_ranks(*options.dp_group, replica, "");
+      replica += item.key() + " " + detail::shape_text(item.value()) + "\n";
+    const auto agreement = detail::compare_across_ranks(*options.dp_group, replica, "");
     if (!agreement.difference.empty()) {
       throw ConfigError(fmt::format(
           "Pipeline: the data-parallel replicas of this stage differ: {}. Every rank of "
@@ -339,8 +335,8 @@ void Pipeline::State::forward(Run& run, int micro_batch) {
   if (stage() == 0) {
     kept.input = run.inputs[i];
   } else {
-    kept.input = internal::recv_pipeline_tensor(*group, stage() - 1, kPipelineActivationTag,
-                                                micro_batch, options.timeout);
+    kept.input = detail::recv_pipeline_tensor(*group, stage() - 1, kPipelineActivationTag,
+                                              micro_batch, options.timeout);
   }
   const auto begin_ns = trace_clock_ns();
   torch::Tensor output;
@@ -365,7 +361,7 @@ void Pipeline::State::forward(Run& run, int micro_batch) {
       std::max(stats.peak_stored_activations, static_cast<int>(run.stored.size()));
   record(run, {Kind::kForward, micro_batch}, begin_ns, end_ns);
   if (!last()) {
-    run.sends.push_back(internal::send_pipeline_tensor(
+    run.sends.push_back(detail::send_pipeline_tensor(
         *group, output, stage() + 1, kPipelineActivationTag, micro_batch, options.timeout));
   }
 }
@@ -375,8 +371,8 @@ void Pipeline::State::backward(Run& run, int micro_batch) {
   auto& kept = node.mapped();
   torch::Tensor output_grad;
   if (!last()) {
-    output_grad = internal::recv_pipeline_tensor(*group, stage() + 1, kPipelineGradientTag,
-                                                 micro_batch, options.timeout);
+    output_grad = detail::recv_pipeline_tensor(*group, stage() + 1, kPipelineGradientTag,
+                                               micro_batch, options.timeout);
   }
   const auto begin_ns = trace_clock_ns();
   if (options.recompute && stage() > 0) {
@@ -411,7 +407,7 @@ void Pipeline::State::backward(Run& run, int micro_batch) {
   if (stage() > 0) {
     auto input_grad = kept.input.grad();
     if (!input_grad.defined()) input_grad = torch::zeros_like(kept.input);
-    run.sends.push_back(internal::send_pipeline_tensor(
+    run.sends.push_back(detail::send_pipeline_tensor(
         *group, input_grad, stage() - 1, kPipelineGradientTag, micro_batch, options.timeout));
   }
 }
@@ -495,7 +491,7 @@ double Pipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
   std::string failure_text;
   try {
     st.run_schedule(run, input, target);
-  } catch (const internal::PipelinePeerFailed& e) {
+  } catch (const detail::PipelinePeerFailed& e) {
     failure = std::current_exception();
     origin = e.origin();
     failure_text = e.what();
@@ -513,11 +509,11 @@ double Pipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
   st.stats.wall = std::chrono::nanoseconds(trace_clock_ns() - run.start_ns);
   if (failure) {
     if (stage > 0)
-      internal::send_pipeline_failure(group, stage - 1, kPipelineGradientTag, origin,
-                                      st.options.timeout);
+      detail::send_pipeline_failure(group, stage - 1, kPipelineGradientTag, origin,
+                                    st.options.timeout);
     if (!st.last())
-      internal::send_pipeline_failure(group, stage + 1, kPipelineActivationTag, origin,
-                                      st.options.timeout);
+      detail::send_pipeline_failure(group, stage + 1, kPipelineActivationTag, origin,
+                                    st.options.timeout);
     run.stored.clear();
     st.broken = failure_text;
   }

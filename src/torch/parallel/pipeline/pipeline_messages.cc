@@ -10,7 +10,7 @@
 #include "ddp/torch/parallel/pipeline/pipeline.h"
 #include "torch/core/distributed_checks.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 namespace {
 
@@ -122,4 +122,4 @@ void send_pipeline_failure(ProcessGroup& group, int dst, int tag, int origin,
   }
 }
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -15,7 +15,7 @@
 #include "ddp/process_group.h"
 #include "ddp/work.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 // What the message carries, for error texts: "activation" or "gradient".
 const char* pipeline_message_name(int tag);
@@ -48,4 +48,4 @@ torch::Tensor recv_pipeline_tensor(ProcessGroup& group, int src, int tag, int mi
 void send_pipeline_failure(ProcessGroup& group, int dst, int tag, int origin,
                            std::chrono::milliseconds timeout) noexcept;
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -187,7 +187,7 @@ std::vector<std::pair<std::string, torch::Tensor>> GptBlockImpl::full_named_para
 
 void GptBlockImpl::parallelize(std::shared_ptr<ProcessGroup> tp_group, const ParallelizePlan& plan,
                                std::shared_ptr<TensorParallelRng> rng) {
-  auto& group = internal::tp_group_or_throw(tp_group, "parallelize_module");
+  auto& group = detail::tp_group_or_throw(tp_group, "parallelize_module");
   std::string error;
   if (tp_group_) {
     error = "parallelize_module: the block is already parallelised; parallelise a block once";
@@ -199,7 +199,7 @@ void GptBlockImpl::parallelize(std::shared_ptr<ProcessGroup> tp_group, const Par
     plan_text.push_back(fmt::format("{}={}", name, style_name(style)));
   // One agreement up front, so that ranks given different plans all fail here, before any of
   // them builds a layer the others do not.
-  internal::agree_on_layer(
+  detail::agree_on_layer(
       group, "parallelize_module",
       fmt::format("GptBlock hidden={} heads={} mlp_hidden={} plan: {}", options_.hidden,
                   options_.heads, options_.mlp_hidden, fmt::join(plan_text, ", ")),

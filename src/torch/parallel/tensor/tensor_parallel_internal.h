@@ -10,7 +10,7 @@
 
 #include "ddp/process_group.h"
 
-namespace ddp::internal {
+namespace ddp::detail {
 
 // *group; ConfigError naming `call` when it is null (this rank is not a member).
 ProcessGroup& tp_group_or_throw(const std::shared_ptr<ProcessGroup>& group,
@@ -26,4 +26,4 @@ void agree_on_layer(ProcessGroup& group, const std::string& layer, const std::st
 // FNV-1a of the tensor's bytes (contiguous copy): to compare full weights across ranks cheaply.
 std::uint64_t tensor_fingerprint(const torch::Tensor& tensor);
 
-}  // namespace ddp::internal
+}  // namespace ddp::detail

@@ -12,13 +12,14 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
-#include "torch/core/distributed_checks.h"
 #include "torch/api/rank_agreement.h"
+#include "torch/core/distributed_checks.h"
+#include "torch/core/fingerprint.h"
 #include "torch/parallel/tensor/tensor_parallel_internal.h"
 
 namespace ddp {
 
-namespace internal {
+namespace detail {
 
 ProcessGroup& tp_group_or_throw(const std::shared_ptr<ProcessGroup>& group,
                                 const std::string& call) {
@@ -50,17 +51,11 @@ void agree_on_layer(ProcessGroup& group, const std::string& layer, const std::st
 std::uint64_t tensor_fingerprint(const torch::Tensor& tensor) {
   if (!tensor.defined()) return 0;
   const auto bytes = tensor.detach().contiguous();
-  const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
-  const auto size = static_cast<std::size_t>(bytes.numel()) * bytes.element_size();
-  std::uint64_t hash = 14695981039346656037ull;
-  for (std::size_t i = 0; i < size; ++i) {
-    hash ^= data[i];
-    hash *= 1099511628211ull;
-  }
-  return hash;
+  return fingerprint(bytes.data_ptr(),
+                     static_cast<std::size_t>(bytes.numel()) * bytes.element_size());
 }
 
-}  // namespace internal
+}  // namespace detail
 
 namespace {
 
@@ -89,9 +84,8 @@ std::string full_linear_problem(const char* layer, const LinearParameters& full,
 }
 
 std::string weights_description(const LinearParameters& full) {
-  return fmt::format("weights={:016x}/{:016x} dtype={}", internal::tensor_fingerprint(full.weight),
-                     internal::tensor_fingerprint(full.bias),
-                     dtype_name(full.weight.scalar_type()));
+  return fmt::format("weights={:016x}/{:016x} dtype={}", detail::tensor_fingerprint(full.weight),
+                     detail::tensor_fingerprint(full.bias), dtype_name(full.weight.scalar_type()));
 }
 
 }  // namespace
@@ -143,7 +137,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
 
 void ColumnParallelLinearImpl::build(const LinearParameters* given) {
   constexpr const char* layer = "ColumnParallelLinear";
-  auto& group = internal::tp_group_or_throw(group_, layer);
+  auto& group = detail::tp_group_or_throw(group_, layer);
   const std::int64_t tp = group.size();
   const auto& o = options_;
   std::string error;
@@ -167,7 +161,7 @@ void ColumnParallelLinearImpl::build(const LinearParameters* given) {
                   given != nullptr && error.empty()
                       ? weights_description(*given)
                       : fmt::format("seed={} dtype={}", o.seed, dtype_name(o.dtype)));
-  internal::agree_on_layer(group, layer, description, error);
+  detail::agree_on_layer(group, layer, description, error);
 
   const auto full = given != nullptr ? *given
                                      : initial_linear_parameters(o.in_features, o.out_features,
@@ -240,7 +234,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options,
 
 void RowParallelLinearImpl::build(const LinearParameters* given) {
   constexpr const char* layer = "RowParallelLinear";
-  auto& group = internal::tp_group_or_throw(group_, layer);
+  auto& group = detail::tp_group_or_throw(group_, layer);
   const std::int64_t tp = group.size();
   const auto& o = options_;
   std::string error;
@@ -261,7 +255,7 @@ void RowParallelLinearImpl::build(const LinearParameters* given) {
                   given != nullptr && error.empty()
                       ? weights_description(*given)
                       : fmt::format("seed={} dtype={}", o.seed, dtype_name(o.dtype)));
-  internal::agree_on_layer(group, layer, description, error);
+  detail::agree_on_layer(group, layer, description, error);
 
   const auto full = given != nullptr ? *given
                                      : initial_linear_parameters(o.in_features, o.out_features,
@@ -310,7 +304,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOpt
 
 void VocabParallelEmbeddingImpl::build(const torch::Tensor* given) {
   constexpr const char* layer = "VocabParallelEmbedding";
-  auto& group = internal::tp_group_or_throw(group_, layer);
+  auto& group = detail::tp_group_or_throw(group_, layer);
   const std::int64_t tp = group.size();
   const auto& o = options_;
   std::string error;
@@ -330,13 +324,13 @@ void VocabParallelEmbeddingImpl::build(const torch::Tensor* given) {
         given->defined() ? fmt::format("{}", fmt::join(given->sizes(), ", ")) : "undefined",
         o.num_embeddings, o.embedding_dim);
   }
-  const std::string description = fmt::format(
-      "num_embeddings={} embedding_dim={} {}", o.num_embeddings, o.embedding_dim,
-      given != nullptr && error.empty()
-          ? fmt::format("weights={:016x} dtype={}", internal::tensor_fingerprint(*given),
-                        dtype_name(given->scalar_type()))
-          : fmt::format("seed={} dtype={}", o.seed, dtype_name(o.dtype)));
-  internal::agree_on_layer(group, layer, description, error);
+  const std::string description =
+      fmt::format("num_embeddings={} embedding_dim={} {}", o.num_embeddings, o.embedding_dim,
+                  given != nullptr && error.empty()
+                      ? fmt::format("weights={:016x} dtype={}", detail::tensor_fingerprint(*given),
+                                    dtype_name(given->scalar_type()))
+                      : fmt::format("seed={} dtype={}", o.seed, dtype_name(o.dtype)));
+  detail::agree_on_layer(group, layer, description, error);
 
   const auto full = given != nullptr ? *given
                                      : initial_embedding_weight(o.num_embeddings, o.embedding_dim,

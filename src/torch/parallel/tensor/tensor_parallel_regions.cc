@@ -169,27 +169,27 @@ std::int64_t checked_dim(const torch::Tensor& input, std::int64_t dim, ProcessGr
 
 torch::Tensor copy_to_tensor_parallel_region(const torch::Tensor& input,
                                              const std::shared_ptr<ProcessGroup>& group) {
-  internal::tp_group_or_throw(group, "copy_to_tensor_parallel_region");
+  detail::tp_group_or_throw(group, "copy_to_tensor_parallel_region");
   return CopyToRegion::apply(input, group);
 }
 
 torch::Tensor reduce_from_tensor_parallel_region(const torch::Tensor& input,
                                                  const std::shared_ptr<ProcessGroup>& group) {
-  internal::tp_group_or_throw(group, "reduce_from_tensor_parallel_region");
+  detail::tp_group_or_throw(group, "reduce_from_tensor_parallel_region");
   return ReduceFromRegion::apply(input, group);
 }
 
 torch::Tensor scatter_to_tensor_parallel_region(const torch::Tensor& input,
                                                 const std::shared_ptr<ProcessGroup>& group) {
   constexpr const char* call = "scatter_to_tensor_parallel_region";
-  const auto dim = checked_dim(input, -1, internal::tp_group_or_throw(group, call), call, true);
+  const auto dim = checked_dim(input, -1, detail::tp_group_or_throw(group, call), call, true);
   return ScatterToRegion::apply(input, group, dim);
 }
 
 torch::Tensor gather_from_tensor_parallel_region(const torch::Tensor& input,
                                                  const std::shared_ptr<ProcessGroup>& group) {
   constexpr const char* call = "gather_from_tensor_parallel_region";
-  const auto dim = checked_dim(input, -1, internal::tp_group_or_throw(group, call), call, false);
+  const auto dim = checked_dim(input, -1, detail::tp_group_or_throw(group, call), call, false);
   return GatherFromRegion::apply(input, group, dim, false);
 }
 
@@ -198,7 +198,7 @@ torch::Tensor scatter_to_sequence_parallel_region(const torch::Tensor& input,
                                                   std::int64_t sequence_dim) {
   constexpr const char* call = "scatter_to_sequence_parallel_region";
   const auto dim =
-      checked_dim(input, sequence_dim, internal::tp_group_or_throw(group, call), call, true);
+      checked_dim(input, sequence_dim, detail::tp_group_or_throw(group, call), call, true);
   return ScatterToRegion::apply(input, group, dim);
 }
 
@@ -207,7 +207,7 @@ torch::Tensor gather_from_sequence_parallel_region(const torch::Tensor& input,
                                                    std::int64_t sequence_dim) {
   constexpr const char* call = "gather_from_sequence_parallel_region";
   const auto dim =
-      checked_dim(input, sequence_dim, internal::tp_group_or_throw(group, call), call, false);
+      checked_dim(input, sequence_dim, detail::tp_group_or_throw(group, call), call, false);
   return GatherFromRegion::apply(input, group, dim, true);
 }
 
@@ -216,7 +216,7 @@ torch::Tensor reduce_scatter_to_sequence_parallel_region(const torch::Tensor& in
                                                          std::int64_t sequence_dim) {
   constexpr const char* call = "reduce_scatter_to_sequence_parallel_region";
   const auto dim =
-      checked_dim(input, sequence_dim, internal::tp_group_or_throw(group, call), call, true);
+      checked_dim(input, sequence_dim, detail::tp_group_or_throw(group, call), call, true);
   return ReduceScatterToRegion::apply(input, group, dim);
 }
 

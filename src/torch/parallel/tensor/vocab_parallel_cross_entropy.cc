@@ -65,7 +65,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
                                            const std::shared_ptr<ProcessGroup>& group) {
   constexpr const char* call = "vocab_parallel_cross_entropy";
-  auto& g = internal::tp_group_or_throw(group, call);
+  auto& g = detail::tp_group_or_throw(group, call);
   detail::check_collective(g, [&] {
     if (!logits.defined() || !target.defined() || logits.dim() < 1) {
       throw ConfigError(fmt::format("{}: logits and target must be defined tensors", call));

@@ -28,9 +28,9 @@
 
 #include <torch/torch.h>
 
-#include "ddp/torch/parallel/mesh/device_mesh.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/checkpoint/train_state.h"
+#include "ddp/torch/parallel/mesh/device_mesh.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
