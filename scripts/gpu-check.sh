@@ -325,7 +325,7 @@ render
 bench_args=(--model mlp --batch-size 64 --steps "$bench_steps" --warmup 5 --device cuda)
 ddprun=("${ddp_env[@]}" "$build/bin/ddprun" --standalone)
 train_bench=$build/bin/ddp-train-bench
-torch_bench=("${torch_env[@]}" "$python" "$repo/bench/pytorch_ddp_bench.py")
+torch_bench=("${torch_env[@]}" "$python" "$repo/bench/compare/pytorch_ddp_bench.py")
 bench() {  # NAME SIDE WORLD BACKEND -- COMMAND...
   local name=$1 side=$2 world=$3 backend=$4 limit
   shift 5

@@ -20,7 +20,8 @@ packages=(
   libdeflate-dev  # the CRC-32 of every zip record read (src/archive)
   iproute2 procps
   nftables  # scripts/cluster.sh --loss (this kernel has no netem)
-  python3-matplotlib  # the plots: scripts/plot_metrics.py, scripts/plot_trace.py, bench/plot_cluster.py
+  # the plots: scripts/plot_metrics.py, scripts/plot_trace.py, bench/cluster/plot_cluster.py
+  python3-matplotlib
 )
 
 missing=()

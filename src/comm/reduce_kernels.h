@@ -2,7 +2,7 @@
 //
 // Type-erased on purpose (one function, a switch to a template instance), so that algorithms stay
 // free of templates. The instances are simple loops over __restrict pointers compiled with -O3,
-// which GCC vectorises; bench/reduce_kernels_bench.cc measures them. float16 and bfloat16 are
+// which GCC vectorises; bench/micro/reduce_kernels_bench.cc measures them. float16 and bfloat16 are
 // widened to float32, combined, and rounded back to nearest even, one rounding per call.
 // Pure functions: any thread; they do not throw (dtype/op are validated by the callers; a bitwise
 // op on a floating-point dtype leaves dst untouched).

@@ -4,15 +4,18 @@
     tests/bench/bench_coverage.py --source REPO --build BUILD_DIR [--ctest ctest]
                                   [--unconfigured CMAKELISTS ...]
 
-Reads every test's command line from `ctest --show-only=json-v1` of BUILD_DIR. A script of bench/
-(.py, .sh) counts as run when a command line names bench/<file>; a program (.c, .cc) when a
-command line names its executable (the file's stem, '_' or '-'), or, for a program this build did
-not make (no MPI, DDP_BENCH_MICRO=OFF), it is reported and not held against the build. A file that
-only a driver runs is listed in DRIVEN_BY with the driver, which must itself be run and must name
-the file (so that the list cannot rot either). A script whose test lives in a folder that this
-build does not configure (python/ without DDP_BUILD_PYTHON: scripts/test.sh runs it in its pytorch
-stage) counts when that folder's CMakeLists.txt, given with --unconfigured, names bench/<file>.
-Headers and bench_common.py are helpers. Exit 0
+Reads every test's command line from `ctest --show-only=json-v1` of BUILD_DIR. The files are those
+of bench/'s sub-folders (micro/, compare/, cluster/, probes/, common/), named by their path below
+bench/ (`compare/compare_ddp.py`); results/ holds data, not programs, and is not looked at. A
+script (.py, .sh) counts as run when a command line names bench/<kind>/<file>; a program (.c, .cc)
+when a command line names its executable (the file's stem, '_' or '-'), or, for a program this
+build did not make (no MPI, DDP_BENCH_MICRO=OFF), it is reported and not held against the build. A
+file that only a driver runs is listed in DRIVEN_BY with the driver, which must itself be run and
+must name the file (so that the list cannot rot either). A script whose test lives in a folder that
+this build does not configure (python/ without DDP_BUILD_PYTHON: scripts/test.sh runs it in its
+pytorch stage) counts when that folder's CMakeLists.txt, given with --unconfigured, names
+bench/<kind>/<file>. Headers, bench_common.py, CMakeLists.txt and README.md are not programs. A
+file at the top of bench/ (other than those two) fails: it belongs in a folder of its kind. Exit 0
 when every file is run, 1 otherwise (with the names), 2 for bad arguments.
 """
 
@@ -22,17 +25,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-HELPERS = {"CMakeLists.txt", "bench_common.py"}
-# file -> the driver whose tiny form runs it (the driver's source must name the file).
+HELPERS = {"CMakeLists.txt", "README.md", "bench_common.py"}
+DATA = "results"  # bench/results/: recorded runs, not programs
+# file -> the driver whose tiny form runs it (the driver's source must name the file); paths below
+# bench/.
 DRIVEN_BY = {
-    "ddp_train_bench.cc": "compare_ddp.py",      # as ddp-train-bench, with pytorch_ddp_bench.py
-    "pytorch_ddp_bench.py": "compare_ddp.py",    # on PyTorch 1.13 and 2.x
-    "gloo_allreduce.py": "compare_allreduce.py",  # peers gloo (1.13) and gloo2 (2.x)
-    "mpi_allreduce.c": "compare_allreduce.py",    # peers openmpi-tcp and openmpi
-    "pin_to_local_rank.sh": "flight_recorder_cost.sh",  # PIN=1
-    "mesh_scale_probe.cc": "scale.py",  # as mesh-scale-probe, at every world it measures
-    "gloo_scale_probe.py": "scale.py",  # peer gloo2, which scale.py --quick runs where PyTorch 2.x is
-    "pytorch_model_parallel_bench.py": "compare_model_parallel.py",  # beside train-gpt
+    # as ddp-train-bench, with pytorch_ddp_bench.py on PyTorch 1.13 and 2.x
+    "compare/ddp_train_bench.cc": "compare/compare_ddp.py",
+    "compare/pytorch_ddp_bench.py": "compare/compare_ddp.py",
+    # peers gloo (1.13) and gloo2 (2.x); openmpi-tcp and openmpi
+    "compare/gloo_allreduce.py": "compare/compare_allreduce.py",
+    "compare/mpi_allreduce.c": "compare/compare_allreduce.py",
+    "common/pin_to_local_rank.sh": "probes/flight_recorder_cost.sh",  # PIN=1
+    # as mesh-scale-probe, at every world it measures; peer gloo2, which scale.py --quick runs
+    # where PyTorch 2.x is
+    "probes/mesh_scale_probe.cc": "probes/scale.py",
+    "probes/gloo_scale_probe.py": "probes/scale.py",
+    "compare/pytorch_model_parallel_bench.py": "compare/compare_model_parallel.py",  # train-gpt's peer
 }
 
 
@@ -67,22 +76,28 @@ def main():
         return {stem, stem.replace("_", "-")}
 
     missing, not_built = [], []
-    for path in sorted(bench.iterdir()):
-        name = path.name
-        if name in HELPERS or path.suffix == ".h" or not path.is_file():
+    for path in sorted(bench.rglob("*")):
+        name = path.relative_to(bench).as_posix()  # e.g. compare/compare_ddp.py
+        if not path.is_file() or name.split("/")[0] == DATA or "__pycache__" in name:
+            continue
+        if path.name in HELPERS or path.suffix == ".h":
+            continue
+        if "/" not in name:
+            missing.append(f"{name} (at the top of bench/: move it into the folder of its kind)")
             continue
         if name in DRIVEN_BY:
             driver = DRIVEN_BY[name]
             if not script_run(driver):
                 missing.append(f"{name} (its driver {driver} is not run)")
-            elif not any(n in (bench / driver).read_text() for n in program_names(name)):
+            elif not any(n in (bench / driver).read_text()
+                         for n in program_names(path.name)):
                 missing.append(f"{name} ({driver}, which should run it, does not name it)")
             continue
         if path.suffix in (".py", ".sh"):
             if not script_run(name):
                 missing.append(name)
         elif path.suffix in (".c", ".cc"):
-            names = program_names(name)
+            names = program_names(path.name)
             if not any((bin_dir / n).exists() for n in names):
                 not_built.append(name)
             elif not names & words:

@@ -1,6 +1,6 @@
-// ddp-train-bench (bench/ddp_train_bench.cc) refuses every bad flag by name: exit 1 and a message
-// naming the flag, the value and what would be valid, never a runaway or libtorch's error alone.
-// One process each (world size 1, no launcher).
+// ddp-train-bench (bench/compare/ddp_train_bench.cc) refuses every bad flag by name: exit 1 and a
+// message naming the flag, the value and what would be valid, never a runaway or libtorch's error
+// alone. One process each (world size 1, no launcher).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -65,7 +65,7 @@ TEST(DdpTrainBenchFlags, AModelFileThatIsNoTorchScriptArchiveIsNamed) {
 }
 
 TEST(DdpTrainBenchFlags, ATorchScriptModelOfTheWrongShapeIsNamedBeforeTheFirstStep) {
-  // Exported by /usr/bin/python3's torch (Debian's, as bench/torchscript_vs_module.py does).
+  // Exported by /usr/bin/python3's torch (Debian's, as bench/probes/torchscript_vs_module.py does).
   TempDir dir("ddp-train-bench-flags");
   const auto model = (dir.path() / "five_logits.pt").string();
   const auto exported =

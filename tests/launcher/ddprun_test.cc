@@ -1188,8 +1188,8 @@ TEST(Ddprun, EachWorkerLeadsItsOwnProcessSession) {
 }
 
 TEST(Ddprun, SameSessionMeasurementAidKeepsTheWorkersInDdprunsSession) {
-  // DDP_LAUNCHER_SAME_SESSION=1 is the old behaviour, for bench/launcher_under_load.py: its own
-  // process group still, but ddprun's session.
+  // DDP_LAUNCHER_SAME_SESSION=1 is the old behaviour, for bench/probes/launcher_under_load.py: its
+  // own process group still, but ddprun's session.
   auto p = Subprocess::start({ddprun(), "--nproc-per-node", "2", "/bin/sh", "-c", kPrintSession},
                              {{"DDP_LAUNCHER_SAME_SESSION", "1"}});
   // 0 where the session's leader lives outside this pid namespace (CI's container); -1 is an error.

@@ -368,7 +368,7 @@ pid_t Supervisor::spawn(Worker& worker, const std::vector<std::string>& env_stri
     // autogroup scheduler shares the CPU between sessions, so workers left in the caller's session
     // share one slice of it against every other session of a loaded machine (docs/ddprun.md,
     // "Process sessions"). DDP_LAUNCHER_SAME_SESSION=1 keeps the caller's session (a measurement
-    // aid for bench/launcher_under_load.py).
+    // aid for bench/probes/launcher_under_load.py).
     if (same_session || ::setsid() < 0) ::setpgid(0, 0);
     // If ddprun is killed outright (SIGKILL), take the worker down with it rather than orphan it.
     // The signal follows the death of the thread that forked: ddprun forks from its main thread,

@@ -7,8 +7,8 @@
 // then it sleeps kSleep at a time, with its timer slack lowered to 1 µs. Linux's default slack of
 // 50 µs made each short sleep last 50 µs or more, and the sleeps grew to 100 µs: every NCCL call
 // was seen done up to ~150 µs after the device finished it, and DDP waits on every bucket's call
-// (docs/benchmarks.md, "DDP on a GPU"). bench/poll_pacer_bench on the development VM: a call of
-// 100 µs to 1 ms is seen 0.3 µs late (median) instead of 60-78 µs; one of 3 ms, in the sleeping
+// (docs/benchmarks.md, "DDP on a GPU"). bench/micro/poll_pacer_bench on the development VM: a call
+// of 100 µs to 1 ms is seen 0.3 µs late (median) instead of 60-78 µs; one of 3 ms, in the sleeping
 // phase, 27 µs instead of 48 (the VM's wake-up latency, not the slack, is what remains).
 #pragma once
 

@@ -4,9 +4,10 @@ modules under ddp's DistributedDataParallel (issue 27).
     python3 export_torchscript_model.py --model cnn_bn --how script --out model.pt
 
 --model cnn_bn: a cnn with a BatchNorm (a buffer that DDP broadcasts) on [batch, 1, 12, 12]
-inputs, 4 classes (the tests). --model bench_cnn: ddp-train-bench's cnn (bench/ddp_train_bench.cc,
-make_model("cnn")) on [batch, 1, 28, 28] inputs, 10 classes, the same layers in the same order, so
-its parameter and buffer names are the nn::Sequential's ("0.weight", "1.running_mean", ...).
+inputs, 4 classes (the tests). --model bench_cnn: ddp-train-bench's cnn
+(bench/compare/ddp_train_bench.cc, make_model("cnn")) on [batch, 1, 28, 28] inputs, 10 classes, the
+same layers in the same order, so its parameter and buffer names are the nn::Sequential's
+("0.weight", "1.running_mean", ...).
 --how script (torch.jit.script) or trace (torch.jit.trace on a random batch). The archive is
 saved in training mode. Prints the torch version on stdout.
 """
