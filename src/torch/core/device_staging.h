@@ -10,11 +10,11 @@
 //   reduction done (any thread)  copy_in(b)       twin -> bucket on the copy-in stream
 //   end of backward (autograd)   join()           the current stream waits on every copy_in
 //
-// The caller keeps that order (src/torch/ddp/reducer.cc); the autograd thread never blocks on a
-// copy. Calls for different buckets may come from different threads at once; calls for one bucket
-// come in the order above. Two implementations: CUDA streams and events (cuda_staging.cc, compiled
-// with DDP_TORCH_CUDA), and a host one for tests that stages CPU buckets the same way, copying at
-// once and reporting every step to an observer (ReducerOptions::staging_for_tests).
+// The caller keeps that order (src/torch/ddp/reducer_launch.cc); the autograd thread never blocks
+// on a copy. Calls for different buckets may come from different threads at once; calls for one
+// bucket come in the order above. Two implementations: CUDA streams and events (cuda_staging.cc,
+// compiled with DDP_TORCH_CUDA), and a host one for tests that stages CPU buckets the same way,
+// copying at once and reporting every step to an observer (ReducerOptions::staging_for_tests).
 #pragma once
 
 #include <chrono>

@@ -1,13 +1,13 @@
+// DistributedDataParallel: construction (options, the parameters' agreement across ranks, rank
+// 0's state broadcast, the Reducer and its hooks), no_sync's guard and the mixed-precision casts
+// (forward's steps are in ddp_forward.cc, Join's in ddp_join.cc).
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 
 #include <algorithm>
-#include <array>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
-#include <map>
 #include <unordered_set>
 
 #include <fmt/format.h>
@@ -17,20 +17,15 @@
 #include "ddp/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/core/tensor_collectives.h"
-#include "ddp/trace.h"
 #include "torch/api/rank_agreement.h"
-#include "torch/core/host_values.h"
 #include "torch/core/parameter_devices.h"
 #include "torch/core/parameter_loads.h"
 #include "torch/core/wrapper_phase.h"
+#include "torch/ddp/distributed_data_parallel_internal.h"
 
 namespace ddp {
-namespace {
+namespace detail {
 
-using detail::in_ddp_phase;
-
-// The parameters that train, each once (a parameter shared by two submodules appears twice), in
-// registration order: what the Reducer works on.
 void collect_trainable(const WrappedModuleTensors& module, std::vector<torch::Tensor>& params,
                        std::vector<std::string>& names) {
   params.clear();
@@ -43,6 +38,30 @@ void collect_trainable(const WrappedModuleTensors& module, std::vector<torch::Te
     names.push_back(item.key());
   }
 }
+
+std::vector<torch::Tensor> parameters_and_buffers(const WrappedModuleTensors& module) {
+  std::vector<torch::Tensor> state = module.named_parameters().values();
+  const auto buffers = module.named_buffers().values();
+  state.insert(state.end(), buffers.begin(), buffers.end());
+  return state;
+}
+
+std::vector<const void*> storage_of(const std::vector<torch::Tensor>& params) {
+  std::vector<const void*> storage;
+  storage.reserve(params.size());
+  for (const auto& p : params)
+    storage.push_back(p.data_ptr());
+  return storage;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::collect_trainable;
+using detail::in_ddp_phase;
+using detail::parameters_and_buffers;
+using detail::storage_of;
 
 std::int64_t divergence_interval(std::optional<std::int64_t> option) {
   if (option) {
@@ -65,15 +84,6 @@ std::int64_t divergence_interval(std::optional<std::int64_t> option) {
         text));
   }
   return value;
-}
-
-// Every parameter (trainable or not) and every buffer: what rank 0 sends at construction and
-// after a Join.
-std::vector<torch::Tensor> parameters_and_buffers(const WrappedModuleTensors& module) {
-  std::vector<torch::Tensor> state = module.named_parameters().values();
-  const auto buffers = module.named_buffers().values();
-  state.insert(state.end(), buffers.begin(), buffers.end());
-  return state;
 }
 
 WrappedModuleTensors tensors_of(const std::shared_ptr<torch::nn::Module>& module) {
@@ -131,43 +141,6 @@ std::vector<bool> sparse_gradient_parameters(const torch::nn::Module& module,
   return flags;
 }
 
-std::vector<const void*> storage_of(const std::vector<torch::Tensor>& params) {
-  std::vector<const void*> storage;
-  storage.reserve(params.size());
-  for (const auto& p : params)
-    storage.push_back(p.data_ptr());
-  return storage;
-}
-
-// A 64-bit checksum of a tensor's bytes (four independent lanes of xxHash64's round, so the
-// multiplications overlap): any changed bit changes it.
-std::int64_t checksum(const torch::Tensor& tensor) {
-  const torch::Tensor data = tensor.detach().cpu().contiguous();
-  const auto* bytes = static_cast<const unsigned char*>(data.data_ptr());
-  const std::size_t size = static_cast<std::size_t>(data.numel()) * data.element_size();
-  constexpr std::uint64_t kPrime1 = 11400714785074694791ull;
-  constexpr std::uint64_t kPrime2 = 14029467366897019727ull;
-  const auto round = [](std::uint64_t lane, std::uint64_t word) {
-    lane += word * kPrime2;
-    lane = (lane << 31) | (lane >> 33);
-    return lane * kPrime1;
-  };
-  std::uint64_t lanes[4] = {kPrime1 + kPrime2, kPrime2, 0, ~kPrime1};
-  std::size_t at = 0;
-  for (; at + 32 <= size; at += 32) {
-    std::uint64_t words[4];
-    std::memcpy(words, bytes + at, sizeof words);
-    for (int k = 0; k < 4; ++k)
-      lanes[k] = round(lanes[k], words[k]);
-  }
-  std::uint64_t hash = size;
-  for (const auto lane : lanes)
-    hash = round(hash, lane);
-  for (; at < size; ++at)
-    hash = round(hash, bytes[at]);
-  return static_cast<std::int64_t>(hash);
-}
-
 // The default group for the module's parameters (default_process_group_for their device): under
 // DDP_BACKEND=auto, the nccl group for CUDA parameters where every rank has a GPU of its own.
 std::shared_ptr<ProcessGroup> default_group_for(const WrappedModuleTensors& wrapped) {
@@ -221,16 +194,6 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
 }
 
 }  // namespace
-
-// What the ranks do in one training step under Join, agreed by one allreduce (max) in which a
-// joined rank contributes zeros.
-struct DistributedDataParallelBase::StepPlan {
-  bool sync = false;               // gradients of this step are synchronised
-  bool broadcast_buffers = false;  // buffers are broadcast before forward
-  bool rebuild = false;            // buckets are rebuilt before forward
-  int buffer_root = 0;             // the highest rank still training
-  bool loaded = false;             // some rank loaded or replaced parameters (divergence guard)
-};
 
 NoSyncGuard::NoSyncGuard(Reducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
   reducer_->set_require_sync(false);
@@ -372,310 +335,6 @@ void DistributedDataParallelBase::restore_full_precision_parameters() {
   cast_parameters_.clear();
   full_precision_data_.clear();
   if (restored) reducer_->follow_gradient_accumulators();
-}
-
-std::size_t DistributedDataParallelBase::check_parameters() {
-  std::vector<torch::Tensor> params;
-  std::vector<std::string> names;
-  collect_trainable(wrapped_, params, names);
-  return reducer_->check_parameters(params, names);
-}
-
-// What the reducer multiplies the averaged gradients by under a Join: averaged over the ranks
-// still training instead of all (divide_by_initial_world_size false), or 1.
-double DistributedDataParallelBase::join_gradient_scale(const JoinState& join,
-                                                        int nonjoined) const {
-  return join.options.divide_by_initial_world_size || nonjoined <= 0
-             ? 1.0
-             : static_cast<double>(group_->size()) / nonjoined;
-}
-
-void DistributedDataParallelBase::pre_forward() {
-  if (!options_.param_dtype) {
-    pre_forward_in_full_precision();
-    return;
-  }
-  // A forward whose backward never ran (or failed) left the parameters cast: the checks below
-  // compare the full-precision ones.
-  restore_full_precision_parameters();
-  pre_forward_in_full_precision();
-  cast_parameters_for_forward();
-}
-
-void DistributedDataParallelBase::pre_forward_in_full_precision() {
-  forward_started_ = std::chrono::steady_clock::now();
-  const std::size_t reattached = check_parameters();
-  // Only in training mode: evaluation (often on rank 0 alone) must not wait for other ranks.
-  if (!is_training()) return;
-  // The guard counts only forwards that a synchronised backward may follow: a training-mode
-  // forward under NoGradGuard (an evaluation that forgot eval()) communicates no more than before.
-  const bool guarded = torch::GradMode::is_enabled() &&
-                       options_.divergence_check_every.value_or(0) > 0 && group_->size() > 1;
-  const bool loaded_here = guarded && parameters_loaded_since_last_forward(reattached);
-  buffers_ = wrapped_.named_buffers().values();  // a load may have replaced some
-  const auto& join = join_state();
-  if (join && join->options.enable) {
-    const int nonjoined = in_ddp_phase([] { return std::string("Join notification"); },
-                                       [&] { return Join::notify_join_context(*this); });
-    const StepPlan plan = plan_join_step(/*joined=*/false, loaded_here);
-    reducer_->set_gradient_scale(join_gradient_scale(*join, nonjoined));
-    if (plan.rebuild) reducer_->rebuild_buckets();
-    ++training_forwards_;
-    // With a rank joined, its parameters are stale by design: compare only while all train.
-    if (guarded) {
-      ++guarded_forwards_;
-      if (nonjoined == group_->size() &&
-          (plan.loaded || guarded_forwards_ % *options_.divergence_check_every == 0)) {
-        check_divergence_because({});
-      }
-    }
-    if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
-    return;
-  }
-  reducer_->set_gradient_scale(1.0);
-  if (reducer_->rebuild_due()) reducer_->rebuild_buckets();
-  ++training_forwards_;
-  // After the forward, once the reducer has accepted the backward to come (a reducer that
-  // refuses, after a failed comm hook, says so before this rank joins a collective).
-  guard_after_forward_ = guarded;
-  loaded_before_forward_ = loaded_here;
-  if (options_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) {
-    broadcast_buffers_from(0);
-  }
-}
-
-bool DistributedDataParallelBase::parameters_loaded_since_last_forward(std::size_t reattached) {
-  std::vector<torch::Tensor> params;
-  std::vector<std::string> names;
-  collect_trainable(wrapped_, params, names);
-  auto storage = storage_of(params);
-  const auto loads = detail::parameters_loaded_count();
-  const bool loaded = reattached > 0 || storage != parameter_storage_ || loads != loads_seen_;
-  parameter_storage_ = std::move(storage);
-  loads_seen_ = loads;
-  return loaded;
-}
-
-void DistributedDataParallelBase::guard_divergence(bool loaded_here) {
-  ++guarded_forwards_;
-  // Every rank says whether it loaded: 4 bytes, and the ranks that did are named in the error.
-  std::vector<std::int32_t> loaded(static_cast<std::size_t>(group_->size()));
-  const std::int32_t mine = loaded_here ? 1 : 0;
-  in_ddp_phase(
-      [] { return std::string("divergence guard (did any rank load parameters?)"); },
-      [&] {
-        detail::HostValues(*group_)->allgather(&mine, loaded.data(), 1, DType::kInt32)->wait();
-      });
-  std::vector<int> loaded_ranks;
-  for (int r = 0; r < group_->size(); ++r) {
-    if (loaded[static_cast<std::size_t>(r)] != 0) loaded_ranks.push_back(r);
-  }
-  if (!loaded_ranks.empty() || guarded_forwards_ % *options_.divergence_check_every == 0) {
-    check_divergence_because(loaded_ranks);
-  }
-}
-
-void DistributedDataParallelBase::post_forward(const std::vector<torch::Tensor>& outputs) {
-  // As PyTorch: a forward with gradients enabled prepares the synchronised backward, whatever
-  // the mode (a backward after an eval-mode forward is averaged too).
-  if (torch::GradMode::is_enabled()) {
-    reducer_->prepare_for_backward(outputs);
-  } else if (options_.param_dtype) {
-    restore_full_precision_parameters();  // no backward follows
-  }
-  if (std::exchange(guard_after_forward_, false)) guard_divergence(loaded_before_forward_);
-  const auto finished = std::chrono::steady_clock::now();
-  if (is_training()) {
-    ++timed_forwards_;
-    forward_time_ += finished - forward_started_;
-  }
-  if (trace_enabled()) {
-    trace_complete("forward", "ddp", trace_thread_lane(), trace_clock_ns(forward_started_),
-                   trace_clock_ns(finished), {{"training", is_training()}});
-  }
-}
-
-DdpLoggingData DistributedDataParallelBase::logging_data() const {
-  DdpLoggingData data;
-  data.world_size = group_->size();
-  data.rank = group_->rank();
-  data.backend_name = std::string(group_->backend());
-  const auto& options = reducer_->options();
-  data.bucket_cap_bytes = options.bucket_cap_bytes;
-  data.first_bucket_cap_bytes = options.first_bucket_cap_bytes;
-  data.broadcast_buffers = options_.broadcast_buffers;
-  data.find_unused_parameters = options.find_unused_parameters;
-  data.gradient_as_bucket_view = options.gradient_as_bucket_view;
-  data.static_graph = options.static_graph;
-  data.comm_hook = reducer_->comm_hook_name();
-
-  std::vector<torch::Tensor> params;
-  std::vector<std::string> names;
-  collect_trainable(wrapped_, params, names);
-  std::map<std::string, std::int64_t> bytes_by_name;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const auto bytes = static_cast<std::int64_t>(params[i].nbytes());
-    data.total_parameter_size_bytes += bytes;
-    bytes_by_name[names[i]] = bytes;
-    const std::string dtype = c10::toString(params[i].scalar_type());
-    if (std::find(data.dtypes.begin(), data.dtypes.end(), dtype) == data.dtypes.end()) {
-      data.dtypes.push_back(dtype);
-    }
-  }
-  data.num_parameter_tensors = static_cast<std::int64_t>(params.size());
-  for (const auto bytes : reducer_->bucket_sizes_bytes())
-    data.bucket_sizes.push_back(static_cast<std::int64_t>(bytes));
-  for (const auto& bucket : reducer_->bucket_assignment())
-    data.bucket_parameter_counts.push_back(static_cast<std::int64_t>(bucket.size()));
-  data.has_rebuilt_buckets = reducer_->buckets_rebuilt();
-  data.shared_buckets = reducer_->buckets_shared();
-  data.shared_buckets_why_not = reducer_->shared_buckets_why_not();
-  data.unused_parameter_names = reducer_->unused_parameter_names();
-  for (const auto& name : data.unused_parameter_names) {
-    if (const auto it = bytes_by_name.find(name); it != bytes_by_name.end()) {
-      data.unused_parameter_size += it->second;
-    }
-  }
-  const ReducerStats stats = reducer_->stats();
-  data.iteration = stats.iterations;
-  data.unused_parameter_searches = stats.unused_parameter_searches;
-  data.forward_passes = timed_forwards_;
-  if (timed_forwards_ > 0) data.avg_forward_compute_time = forward_time_.count() / timed_forwards_;
-  if (stats.iterations > 0) {
-    data.avg_backward_compute_time = stats.backward_compute.count() / stats.iterations;
-    data.avg_backward_comm_time = stats.backward_comm.count() / stats.iterations;
-    data.avg_backward_compute_comm_overlap_time =
-        stats.backward_compute_comm_overlap.count() / stats.iterations;
-  }
-  data.last_bytes_sent = static_cast<std::int64_t>(reducer_->last_timeline().bytes_sent);
-  return data;
-}
-
-void DistributedDataParallelBase::broadcast_buffers_from(int root) {
-  in_ddp_phase(
-      [root] {
-        return root == 0 ? std::string("buffer broadcast before forward")
-                         : fmt::format("buffer broadcast before forward (from rank {})", root);
-      },
-      [&] { broadcast_coalesced(*group_, buffers_, root); });
-}
-
-void DistributedDataParallelBase::sync_buffers() {
-  buffers_ = wrapped_.named_buffers().values();
-  if (buffers_.empty() || group_->size() == 1) return;
-  in_ddp_phase([] { return std::string("sync_buffers()"); },
-               [&] { broadcast_coalesced(*group_, buffers_, /*root=*/0); });
-}
-
-void DistributedDataParallelBase::check_divergence_because(const std::vector<int>& loaded_ranks) {
-  std::vector<torch::Tensor> params;
-  std::vector<std::string> names;
-  collect_trainable(wrapped_, params, names);
-  std::vector<std::int64_t> mine;
-  mine.reserve(params.size());
-  for (const auto& p : params)
-    mine.push_back(checksum(p));
-  const auto world = static_cast<std::size_t>(group_->size());
-  std::vector<std::int64_t> all(mine.size() * world);
-  in_ddp_phase([] { return std::string("divergence check"); },
-               [&] {
-                 detail::HostValues(*group_)
-                     ->allgather(mine.data(), all.data(), mine.size(), DType::kInt64)
-                     ->wait();
-               });
-  std::size_t differing_params = 0;
-  std::size_t first = mine.size();
-  std::vector<int> ranks;
-  for (std::size_t i = 0; i < mine.size(); ++i) {
-    bool differs = false;
-    for (std::size_t r = 1; r < world; ++r) {
-      if (all[r * mine.size() + i] == all[i]) continue;
-      differs = true;
-      if (first == mine.size() || first == i) ranks.push_back(static_cast<int>(r));
-    }
-    if (!differs) continue;
-    ++differing_params;
-    if (first == mine.size()) first = i;
-  }
-  if (differing_params == 0) return;
-  const std::string when =
-      loaded_ranks.empty()
-          ? fmt::format("divergence check after {} training forwards", guarded_forwards_)
-          : fmt::format(
-                "checked because rank(s) {} loaded or replaced parameters since the last "
-                "forward",
-                fmt::join(loaded_ranks, ", "));
-  throw Error(fmt::format(
-      "DistributedDataParallel: the ranks' parameters have drifted apart ({}): parameter '{}' {} "
-      "differs on rank(s) {} from rank 0's ({} of {} parameters differ). Something changed "
-      "parameters on some ranks only: a checkpoint loaded on one rank, an optimizer step skipped "
-      "or repeated, a forward or backward outside the wrapper, or a non-deterministic update. "
-      "Load checkpoints on every rank (or load before wrapping: the wrapper copies rank 0's "
-      "parameters to every rank) and step the optimizer on every rank",
-      when, names[first], shape_text(params[first]), fmt::join(ranks, ", "), differing_params,
-      mine.size()));
-}
-
-DistributedDataParallelBase::StepPlan DistributedDataParallelBase::plan_join_step(
-    bool joined, bool loaded_here) {
-  std::array<std::int32_t, 6> flags{};
-  if (!joined) {
-    const bool sync = reducer_->require_sync();
-    flags = {sync ? 1 : 0,
-             sync ? 0 : 1,
-             options_.broadcast_buffers && !buffers_.empty() && group_->size() > 1 ? 1 : 0,
-             reducer_->rebuild_due() ? 1 : 0,
-             group_->rank() + 1,
-             loaded_here ? 1 : 0};
-  }
-  in_ddp_phase([] { return std::string("Join step agreement"); },
-               [&] {
-                 detail::HostValues(*group_)
-                     ->allreduce(flags.data(), flags.size(), DType::kInt32, ReduceOp::kMax)
-                     ->wait();
-               });
-  if (flags[0] != 0 && flags[1] != 0) {
-    throw Error(
-        "DistributedDataParallel under Join: in this step some ranks run inside no_sync() and "
-        "others do not. Every rank still training must synchronise the same steps");
-  }
-  return StepPlan{.sync = flags[0] != 0,
-                  .broadcast_buffers = flags[2] != 0,
-                  .rebuild = flags[3] != 0,
-                  .buffer_root = std::max(0, flags[4] - 1),
-                  .loaded = flags[5] != 0};
-}
-
-void DistributedDataParallelBase::join_main_hook() {
-  buffers_ = wrapped_.named_buffers().values();
-  const StepPlan plan = plan_join_step(/*joined=*/true, /*loaded_here=*/false);
-  if (plan.rebuild) reducer_->rebuild_buckets();
-  if (plan.broadcast_buffers) broadcast_buffers_from(plan.buffer_root);
-  // The gradients the shadow step leaves here (for a sharded optimizer's step) are scaled as the
-  // training ranks scale theirs.
-  if (const auto& join = join_state()) {
-    reducer_->set_gradient_scale(join_gradient_scale(*join, join->nonjoined));
-  }
-  if (plan.sync) reducer_->shadow_backward();
-}
-
-void DistributedDataParallelBase::join_post_hook(bool is_last_joiner) {
-  // Ranks that joined early did not step their optimizers while shadowing: every rank takes the
-  // model of the (highest) rank that trained longest.
-  std::int64_t root = is_last_joiner ? group_->rank() : -1;
-  in_ddp_phase(
-      [] { return std::string("Join's final model synchronisation"); },
-      [&] {
-        detail::HostValues(*group_)->allreduce(&root, 1, DType::kInt64, ReduceOp::kMax)->wait();
-        std::vector<torch::Tensor> state = parameters_and_buffers(wrapped_);
-        broadcast_coalesced(*group_, state, static_cast<int>(root));
-      });
-  reducer_->set_gradient_scale(1.0);
-}
-
-std::string DistributedDataParallelBase::join_description() const {
-  return fmt::format("DistributedDataParallel({} parameters, {} buffers)",
-                     wrapped_.named_parameters().size(), wrapped_.named_buffers().values().size());
 }
 
 }  // namespace ddp

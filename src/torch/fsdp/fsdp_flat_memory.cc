@@ -93,8 +93,8 @@ c10::DataPtr map_bytes(std::size_t bytes, std::size_t counted_bytes) {
 }
 
 // Device memory (CUDA) from the device's own allocator, under a deleter of FSDP's own, so that a
-// storage FSDP made is recognised on every device (sharded_elsewhere in
-// fully_sharded_data_parallel.cc) as mapped host memory is by unmap_block, and counted.
+// storage FSDP made is recognised on every device (sharded_elsewhere in fsdp_sharding.cc) as
+// mapped host memory is by unmap_block, and counted.
 struct DeviceBlock {
   c10::DataPtr held;  // the allocator's: freeing it frees the block
   std::size_t counted_bytes = 0;

@@ -1,5 +1,6 @@
 // One unit of FullyShardedDataParallel: its children, flat buffers, shard and backward state.
-// Internal to ddp_torch (fully_sharded_data_parallel.cc and fsdp_sharded_checkpoint.cc).
+// Internal to ddp_torch (fully_sharded_data_parallel.cc, the phases in fsdp_sharding.cc,
+// fsdp_forward.cc, fsdp_backward.cc and fsdp_full_params.cc, and fsdp_sharded_checkpoint.cc).
 #pragma once
 
 #include <cstddef>
@@ -39,5 +40,14 @@ struct FullyShardedDataParallelImpl::Unit {
   const c10::TensorImpl* grad_at_failure = nullptr;
   std::int64_t grad_version_at_failure = 0;
 };
+
+namespace detail {
+
+// bf16 and fp16: the 16-bit dtypes FSDP may compute and reduce in (fp32 is the other).
+inline bool is_16_bit(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 || dtype == torch::kHalf;
+}
+
+}  // namespace detail
 
 }  // namespace ddp

@@ -355,7 +355,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // outputs (for the gather before backward) and frees.
   void begin_forward(bool tensor_forward);
   // A backward that failed inside autograd never reached finish_backward: its per-pass state is
-  // dropped at the next forward (fully_sharded_data_parallel.cc says how).
+  // dropped at the next forward (fsdp_forward.cc says how).
   void drop_unfinished_backward();
   void end_forward(const std::vector<torch::Tensor>& outputs);
   void find_nested_wrappers();

@@ -1,5 +1,5 @@
-// PowerSGD's passes over a bucket as plain loops (powersgd_hook.cc): no libtorch, so that the file
-// is compiled with -O3 for the vectoriser and without the library's precompiled torch header.
+// PowerSGD's passes over a bucket as plain loops (powersgd_reduce.cc): no libtorch, so that the
+// file is compiled with -O3 for the vectoriser and without the library's precompiled torch header.
 // Pure functions on raw row-major buffers; any thread; they do not throw.
 #pragma once
 

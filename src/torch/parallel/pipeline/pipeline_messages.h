@@ -1,8 +1,8 @@
-// The messages between pipeline stages (internal to pipeline.cc): a tensor as a 12-word header
-// (micro-batch, dtype, shape) followed by its data, and a failure notice (a header alone) that
-// tells a neighbour to stop waiting. Activations travel on kPipelineActivationTag from stage s to
-// s + 1, gradients on kPipelineGradientTag from s to s - 1, so a stage reads each neighbour on one
-// tag and a notice sent there is the next message it reads.
+// The messages between pipeline stages (internal to pipeline_stage.cc and pipeline_step.cc): a
+// tensor as a 12-word header (micro-batch, dtype, shape) followed by its data, and a failure notice
+// (a header alone) that tells a neighbour to stop waiting. Activations travel on
+// kPipelineActivationTag from stage s to s + 1, gradients on kPipelineGradientTag from s to s - 1,
+// so a stage reads each neighbour on one tag and a notice sent there is the next message it reads.
 #pragma once
 
 #include <chrono>

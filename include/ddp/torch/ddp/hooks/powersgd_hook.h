@@ -74,7 +74,7 @@ class PowerSGDState {
   void load(torch::serialize::InputArchive& archive);
 
  private:
-  friend struct PowerSGDAccess;  // src/torch/ddp/hooks/powersgd_hook.cc
+  friend struct PowerSGDAccess;  // src/torch/ddp/hooks/powersgd_internal.h
   PowerSGDOptions options_;
   mutable std::mutex mutex_;  // buckets run on the autograd thread and the group's worker
   std::int64_t iter_ = 0;

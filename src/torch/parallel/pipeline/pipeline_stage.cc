@@ -1,0 +1,206 @@
+// Pipeline: a stage's run of its schedule in one step: the micro-batches, each action's forward
+// (or, recomputing, its replay) and backward, the messages to the neighbouring stages, and the
+// timings of the step's stats.
+#include <algorithm>
+#include <mutex>
+#include <utility>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "ddp/error.h"
+#include "ddp/torch/parallel/pipeline/pipeline.h"
+#include "ddp/trace.h"
+#include "torch/parallel/pipeline/pipeline_messages.h"
+#include "torch/parallel/pipeline/pipeline_state.h"
+
+namespace ddp {
+
+namespace {
+
+using Kind = PipelineAction::Kind;
+
+// The CPU generator's state, to run a forward again with the random draws of its first run.
+torch::Tensor cpu_rng_state() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_cpu_rng_state(const torch::Tensor& state) {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+// `batch` split into `parts` equal chunks along dim 0; `what` names it ("input", "target").
+std::vector<torch::Tensor> micro_batches_of(const torch::Tensor& batch, int parts, int stage,
+                                            const char* what) {
+  if (!batch.defined() || batch.dim() == 0) {
+    throw ConfigError(
+        fmt::format("pipeline stage {}: the {} is {}; stage {} needs a batch (rows along dim 0)",
+                    stage, what, batch.defined() ? "a scalar" : "undefined", stage));
+  }
+  if (batch.size(0) % parts != 0) {
+    throw ConfigError(fmt::format(
+        "pipeline stage {}: the {} batch has {} rows, which do not divide into {} micro-batches; "
+        "use a batch size that is a multiple of micro_batches",
+        stage, what, batch.size(0), parts));
+  }
+  return batch.split(batch.size(0) / parts);
+}
+
+}  // namespace
+
+void Pipeline::State::record(Run& run, PipelineAction action, std::int64_t begin_ns,
+                             std::int64_t end_ns) {
+  stats.timings.push_back({action, std::chrono::nanoseconds(begin_ns - run.start_ns),
+                           std::chrono::nanoseconds(end_ns - run.start_ns)});
+  stats.busy += std::chrono::nanoseconds(end_ns - begin_ns);
+  if (trace_enabled()) {
+    trace_complete(action.kind == Kind::kForward ? "pipeline forward" : "pipeline backward",
+                   "pipeline", trace_thread_lane(), begin_ns, end_ns,
+                   {{"stage", stage()}, {"micro_batch", action.micro_batch}, {"step", steps}});
+  }
+}
+
+torch::Tensor Pipeline::State::scaled_loss(const torch::Tensor& output,
+                                           const torch::Tensor& target) {
+  if (output.dim() == 0 || target.dim() == 0 || output.size(0) != target.size(0)) {
+    throw ConfigError(fmt::format(
+        "pipeline stage {}: the model's output has shape {} but the target micro-batch has shape "
+        "{}; they must have the same rows (dim 0)",
+        stage(), fmt::join(output.sizes(), "x"), fmt::join(target.sizes(), "x")));
+  }
+  auto loss_value = loss(output, target);
+  if (!loss_value.defined() || loss_value.numel() != 1) {
+    throw ConfigError(
+        fmt::format("pipeline stage {}: the loss function must return a scalar (the mean over the "
+                    "micro-batch), not a tensor of {} elements",
+                    stage(), loss_value.defined() ? loss_value.numel() : 0));
+  }
+  return loss_value.reshape({}) / options.micro_batches;
+}
+
+void Pipeline::State::forward(Run& run, int micro_batch) {
+  const auto i = static_cast<std::size_t>(micro_batch);
+  StoredMicroBatch kept;
+  if (stage() == 0) {
+    kept.input = run.inputs[i];
+  } else {
+    kept.input = detail::recv_pipeline_tensor(*group, stage() - 1, kPipelineActivationTag,
+                                              micro_batch, options.timeout);
+  }
+  const auto begin_ns = trace_clock_ns();
+  torch::Tensor output;
+  if (options.recompute) {
+    kept.rng_state = cpu_rng_state();
+    torch::NoGradGuard no_grad;
+    output = stage_forward(kept.input);
+    if (last()) run.loss += scaled_loss(output, run.targets[i]).item<double>();
+  } else {
+    if (stage() > 0) kept.input.requires_grad_(true);
+    output = stage_forward(kept.input);
+    if (last()) {
+      kept.loss = scaled_loss(output, run.targets[i]);
+      run.loss += kept.loss.item<double>();
+    } else {
+      kept.output = output;
+    }
+  }
+  const auto end_ns = trace_clock_ns();
+  run.stored.emplace(micro_batch, std::move(kept));
+  stats.peak_stored_activations =
+      std::max(stats.peak_stored_activations, static_cast<int>(run.stored.size()));
+  record(run, {Kind::kForward, micro_batch}, begin_ns, end_ns);
+  if (!last()) {
+    run.sends.push_back(detail::send_pipeline_tensor(
+        *group, output, stage() + 1, kPipelineActivationTag, micro_batch, options.timeout));
+  }
+}
+
+void Pipeline::State::backward(Run& run, int micro_batch) {
+  auto node = run.stored.extract(micro_batch);
+  auto& kept = node.mapped();
+  torch::Tensor output_grad;
+  if (!last()) {
+    output_grad = detail::recv_pipeline_tensor(*group, stage() + 1, kPipelineGradientTag,
+                                               micro_batch, options.timeout);
+  }
+  const auto begin_ns = trace_clock_ns();
+  if (options.recompute && stage() > 0) {
+    kept.input = kept.input.detach().requires_grad_(true);
+  }
+  if (options.recompute) {
+    const auto current_rng = cpu_rng_state();
+    set_cpu_rng_state(kept.rng_state);
+    auto output = stage_forward(kept.input);
+    set_cpu_rng_state(current_rng);
+    if (last()) {
+      kept.loss = scaled_loss(output, run.targets[static_cast<std::size_t>(micro_batch)]);
+    } else {
+      kept.output = output;
+    }
+  }
+  if (last()) {
+    kept.loss.backward();
+  } else {
+    if (output_grad.sizes() != kept.output.sizes()) {
+      throw ConfigError(fmt::format(
+          "pipeline stage {}: the gradient of micro-batch {} from stage {} has shape {} but the "
+          "activation sent has shape {}",
+          stage(), micro_batch, stage() + 1, fmt::join(output_grad.sizes(), "x"),
+          fmt::join(kept.output.sizes(), "x")));
+    }
+    // A stage whose output does not depend on anything that requires grad has nothing to do.
+    if (kept.output.requires_grad()) kept.output.backward(output_grad);
+  }
+  const auto end_ns = trace_clock_ns();
+  record(run, {Kind::kBackward, micro_batch}, begin_ns, end_ns);
+  if (stage() > 0) {
+    auto input_grad = kept.input.grad();
+    if (!input_grad.defined()) input_grad = torch::zeros_like(kept.input);
+    run.sends.push_back(detail::send_pipeline_tensor(
+        *group, input_grad, stage() - 1, kPipelineGradientTag, micro_batch, options.timeout));
+  }
+}
+
+void Pipeline::State::run_schedule(Run& run, const torch::Tensor& input,
+                                   const torch::Tensor& target) {
+  const int m = options.micro_batches;
+  if (stage() == 0) {
+    run.inputs = micro_batches_of(input, m, stage(), "input");
+    if (input.requires_grad() && torch::GradMode::is_enabled()) {
+      // Backpropagating each micro-batch through its view of the input would materialise an
+      // input-sized gradient per micro-batch (the split's backward fills the other parts with
+      // zeros) and run the graph before the input m times (which frees it after the first):
+      // the stage works on leaves instead, and the input gets one backward at the end.
+      run.input_views = std::move(run.inputs);
+      for (const auto& view : run.input_views)
+        run.inputs.push_back(view.detach().requires_grad_(true));
+    }
+  }
+  if (last()) run.targets = micro_batches_of(target, m, stage(), "target");
+  for (const auto& action : actions) {
+    if (action.kind == Kind::kForward) {
+      forward(run, action.micro_batch);
+    } else {
+      backward(run, action.micro_batch);
+    }
+  }
+  if (!run.input_views.empty()) backward_into_input(run);
+}
+
+void Pipeline::State::backward_into_input(Run& run) {
+  const auto begin_ns = trace_clock_ns();
+  std::vector<torch::Tensor> grads;
+  grads.reserve(run.inputs.size());
+  for (const auto& leaf : run.inputs)
+    grads.push_back(leaf.grad().defined() ? leaf.grad() : torch::zeros_like(leaf));
+  torch::autograd::backward(run.input_views, grads);
+  // Stage work, but of no micro-batch: busy time without an entry in `timings`.
+  stats.busy += std::chrono::nanoseconds(trace_clock_ns() - begin_ns);
+}
+
+}  // namespace ddp
