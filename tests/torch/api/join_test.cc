@@ -17,6 +17,7 @@
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/torch/deterministic_models.h"
 
 namespace ddp {
 namespace {
@@ -33,15 +34,7 @@ constexpr int kIn = 6, kHidden = 8, kOut = 3, kBatch = 5;
 torch::nn::Sequential make_model() {
   torch::nn::Sequential model(torch::nn::Linear(kIn, kHidden), torch::nn::Tanh(),
                               torch::nn::Linear(kHidden, kOut));
-  torch::NoGradGuard no_grad;
-  int k = 0;
-  for (auto& p : model->parameters()) {
-    std::vector<double> values(static_cast<std::size_t>(p.numel()));
-    for (std::size_t j = 0; j < values.size(); ++j)
-      values[j] = 0.3 * std::sin(0.37 * static_cast<double>(j + 1) + k);
-    p.copy_(torch::tensor(values, torch::kFloat64).view(p.sizes()).to(torch::kFloat32));
-    ++k;
-  }
+  test::fill_deterministic(*model);
   return model;
 }
 

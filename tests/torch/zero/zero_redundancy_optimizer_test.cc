@@ -27,9 +27,10 @@
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/torch/ddp_test_util.h"
+#include "support/torch/deterministic_models.h"
 #include "torch/core/host_staging.h"
 #include "torch/core/libtorch_compat.h"
-#include "support/torch/ddp_test_util.h"
 
 namespace ddp {
 namespace {
@@ -40,37 +41,14 @@ using test::join_group;
 using test::run_ranks;
 using ::testing::HasSubstr;
 
-constexpr int kIn = 6, kGlobalBatch = 12, kSteps = 20;
+constexpr int kIn = test::kShardedIn, kGlobalBatch = test::kShardedGlobalBatch, kSteps = 20;
 
 torch::nn::Sequential make_model(int variant = 0) {
-  torch::nn::Sequential model(torch::nn::Linear(kIn, 9), torch::nn::Tanh(),
-                              torch::nn::Linear(9, 4 + variant), torch::nn::Tanh(),
-                              torch::nn::Linear(4 + variant, 2));
-  torch::NoGradGuard no_grad;
-  int k = 0;
-  for (auto& p : model->parameters()) {
-    std::vector<double> values(static_cast<std::size_t>(p.numel()));
-    for (std::size_t j = 0; j < values.size(); ++j)
-      values[j] = 0.3 * std::sin(0.37 * static_cast<double>(j + 1) + k);
-    p.copy_(torch::tensor(values, torch::kFloat64).view(p.sizes()).to(torch::kFloat32));
-    ++k;
-  }
-  return model;
+  return test::sharded_suite_model(variant);
 }
 
-// Rank `rank`'s slice of the global batch of `step`.
 std::pair<torch::Tensor, torch::Tensor> make_batch(int rank, int world, int step) {
-  std::vector<double> x, y;
-  for (int s = 0; s < kGlobalBatch; ++s) {
-    for (int f = 0; f < kIn; ++f)
-      x.push_back(std::sin(0.011 * (step * 100 + s * kIn + f) + 0.5 * f));
-    for (int o = 0; o < 2; ++o)
-      y.push_back(std::cos(0.017 * (step * 100 + s * 2 + o)));
-  }
-  const int per = kGlobalBatch / world;
-  auto xs = torch::tensor(x, torch::kFloat64).view({kGlobalBatch, kIn}).to(torch::kFloat32);
-  auto ys = torch::tensor(y, torch::kFloat64).view({kGlobalBatch, 2}).to(torch::kFloat32);
-  return {xs.narrow(0, rank * per, per), ys.narrow(0, rank * per, per)};
+  return test::sharded_suite_batch(rank, world, step);
 }
 
 enum class Kind { kSgd, kAdam, kAdamW };
