@@ -110,8 +110,8 @@ endif()
 #    NEEDED and bound remove_all to libtorch.so, which the driver's -lstdc++ came after): the same
 #    flags as the first of ddp::libtorch's libraries, where the archive's members are pulled in
 #    before the linker reaches libtorch.so. An option before the objects pulls nothing.
-# Tested by tests/libtorch_select (LibstdcxxComesBefore...); scripts/gpu_link_probe.sh shows the
-# bindings on the GPU machine.
+# Tested by tests/system/libtorch_select (LibstdcxxComesBefore...); scripts/gpu_link_probe.sh
+# shows the bindings on the GPU machine.
 target_link_options(ddp::libtorch INTERFACE "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
 target_link_libraries(ddp::libtorch INTERFACE "-Wl,--push-state,--no-as-needed,-lstdc++,--pop-state")
 if(Torch_FOUND)

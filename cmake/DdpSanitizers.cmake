@@ -2,7 +2,7 @@
 #
 #   -DDDP_SANITIZE=address   ASan + UBSan (every UB check fatal), for the unit and multi-process suites
 #   -DDDP_SANITIZE=thread    TSan
-#   -DDDP_FUZZ=ON            libFuzzer harnesses in tests/fuzz (clang only; implies address)
+#   -DDDP_FUZZ=ON            libFuzzer harnesses in tests/system/fuzz (clang only; implies address)
 #
 # The flags are set for this directory tree, so they reach every target ddp builds (libraries,
 # tools, tests) and nothing else: dependencies (libtorch, OpenMPI, GoogleTest) come prebuilt and
@@ -11,7 +11,7 @@
 set(DDP_SANITIZE "" CACHE STRING
     "Sanitizers for ddp's own targets: empty (none), 'address' (ASan+UBSan) or 'thread' (TSan)")
 set_property(CACHE DDP_SANITIZE PROPERTY STRINGS "" address thread)
-option(DDP_FUZZ "Build the libFuzzer harnesses in tests/fuzz (needs clang)" OFF)
+option(DDP_FUZZ "Build the libFuzzer harnesses in tests/system/fuzz (needs clang)" OFF)
 
 if(DDP_FUZZ)
   if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
@@ -51,6 +51,7 @@ if(_ddp_sanitize_flags)
   message(STATUS "ddp: sanitizers for ddp's targets: ${_ddp_sanitize_flags}")
 endif()
 if(DDP_FUZZ)
-  # Coverage instrumentation everywhere; only the harnesses link libFuzzer's main (tests/fuzz).
+  # Coverage instrumentation everywhere; only the harnesses link libFuzzer's main
+  # (tests/system/fuzz).
   add_compile_options(-fsanitize=fuzzer-no-link)
 endif()

@@ -40,11 +40,12 @@ want() { [[ ",$stages," == *",$1,"* ]]; }
 
 jobs=$(nproc)
 asan_options=halt_on_error=1:detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:check_initialization_order=1
+suppressions=$PWD/tests/system/sanitizers
 sanitizer_env=(
   "ASAN_OPTIONS=$asan_options"
-  "LSAN_OPTIONS=suppressions=$PWD/tests/sanitizers/lsan.supp:print_suppressions=0"
+  "LSAN_OPTIONS=suppressions=$suppressions/lsan.supp:print_suppressions=0"
   "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1"
-  "TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/sanitizers/tsan.supp"
+  "TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$suppressions/tsan.supp"
 )
 # ctest over a build that may hold tests labelled gpu, then one line on them: a GPU test that
 # skipped for want of a CUDA device is never a silent pass (scripts/gpu_report.py reads ctest's
@@ -101,13 +102,13 @@ if want pytorch; then
   cmake -S . -B "$ddp_build_dir" -G Ninja "${build_type[@]}" \
     "${ddp_cmake_libtorch[@]}" -DDDP_BUILD_PYTHON=ON
   # Only what this stage's tests run (the folders below, the programs their scripts start, and
-  # every installed program: tests/package installs the build tree): the torch-free tests and
+  # every installed program: tests/system/package installs the build tree): the torch-free tests and
   # benchmarks ran in the main stage, and linking each against PyTorch's libtorch costs CI
   # minutes for nothing. Of tests/torch only the unit suite: its multi-process suite is the same
   # C++ against another libtorch, 26 files that took a third of this stage's build and whose
   # paths the trainer's runs and torch_ddp's tests cross here; the CI's 90 minutes could not hold
   # both (a cold run took 101).
-  pytorch_stage_dirs=(tests/programs tests/package tests/libtorch_select python)
+  pytorch_stage_dirs=(tests/programs tests/system/package tests/system/libtorch_select python)
   cmake --build "$ddp_build_dir" --target "${pytorch_stage_dirs[@]/%//all}" torch_unit_test \
     train-char-gpt train-gpt ddp-bench ddp-train-bench
   # torch_ddp into the PyTorch environment, as the README says (reusing this build), for the
@@ -169,7 +170,7 @@ if want asan; then
   sanitized_build build-asan all -DDDP_SANITIZE=address
   env "${sanitizer_env[@]}" ctest --test-dir build-asan --output-on-failure --timeout 900 \
     -j "$jobs" -L 'unit|multiprocess' -E "$mpi_tests"
-  # The tests that run OpenMPI: its leaks are suppressed (tests/sanitizers/lsan.supp), which
+  # The tests that run OpenMPI: its leaks are suppressed (tests/system/sanitizers/lsan.supp), which
   # needs whole stacks (slow unwinding) and its plug-ins kept loaded so their frames have names.
   env "${sanitizer_env[@]}" OMPI_MCA_mca_base_component_disable_dlclose=1 \
     PMIX_MCA_mca_base_component_disable_dlclose=1 \

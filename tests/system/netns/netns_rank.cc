@@ -1,4 +1,4 @@
-// One rank of the network-namespace test (tests/netns/netns_test.cc):
+// One rank of the network-namespace test (tests/system/netns/netns_test.cc):
 //   netns_rank RANK SIZE STORE_HOST STORE_PORT
 // with DDP_ADVERTISE_ADDR set to its namespace's address. Checks that the group runs
 // hierarchically, then allreduces several sizes, dtypes and ops against the reference on every

@@ -8,7 +8,7 @@
 // (or success) and close the connection, never crash, hang or throw anything else.
 //
 // The seed corpus is recorded from two real ranks (what rank 1 sends to rank 0, through a proxy):
-//   DDP_FUZZ_RECORD=tests/fuzz/corpus/ring_peer/valid_session ./fuzz_ring_peer
+//   DDP_FUZZ_RECORD=tests/system/fuzz/corpus/fuzz_ring_peer/session ./fuzz_ring_peer
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>

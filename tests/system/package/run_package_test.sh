@@ -22,7 +22,7 @@ if [[ $libtorch == debian ]]; then variants+=(system-headers); fi
 for variant in "${variants[@]}"; do
   extra=()
   if [[ $variant == system-headers ]]; then extra=(-DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON); fi
-  cmake -S "$source_dir/tests/package/consumer" -B "$work/$variant" -G Ninja \
+  cmake -S "$source_dir/tests/system/package/consumer" -B "$work/$variant" -G Ninja \
     -DCMAKE_PREFIX_PATH="$work/prefix" "${extra[@]}" > "$work/$variant.log" 2>&1 ||
     { echo "consumer ($variant) failed to configure:"; cat "$work/$variant.log"; exit 1; }
   expected="Torch CMake package"

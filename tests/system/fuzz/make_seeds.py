@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the seed corpora of the fuzz harnesses into tests/fuzz/corpus/ (docs/fuzzing.md).
+"""Writes the seed corpora of the fuzz harnesses into tests/system/fuzz/corpus/ (docs/fuzzing.md).
 
 The store and IDX seeds follow docs/store.md and idx_reader.h; the ring seed is recorded from
 two real ranks by the harness itself (DDP_FUZZ_RECORD, see fuzz_ring_peer.cc). Rerun after a
