@@ -31,8 +31,8 @@
 // Assumes the ranks share a pid namespace (a dead peer is found by its pid, through a pidfd).
 //
 // Implemented in shm_domain_setup.cc (the segment: create, join, lifetime), shm_call_protocol.cc
-// (the per-call synchronisation: events, arrivals, waits, header check, abort) and
-// shm_collectives.cc (the collectives over that protocol).
+// (the per-call synchronisation: events, arrivals, waits, header check, abort), shm_collectives.cc
+// and shm_other_collectives.cc (the collectives over that protocol).
 #pragma once
 
 #include <atomic>
@@ -199,7 +199,7 @@ class ShmDomain final : public RingTransport {
   ShmDomain(int rank, int size, ShmOptions options);
 
   // One chunked collective; the three steps are called with (first element, elements, buffer
-  // parity) of each chunk (see shm_collectives.cc).
+  // parity) of each chunk (see shm_collectives_internal.h).
   template <typename CopyIn, typename Compute, typename CopyOut>
   void run_chunked(std::size_t count, std::size_t chunk_elems, CopyIn&& copy_in, Compute&& compute,
                    CopyOut&& copy_out);
