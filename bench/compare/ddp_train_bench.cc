@@ -22,9 +22,10 @@
 // --model-file PATH trains a TorchScript archive instead (torch.jit.script or torch.jit.trace
 // exported; its forward takes one [batch, 1, 28, 28] float tensor and returns [batch, 10] logits)
 // under ddp::ScriptDistributedDataParallel; tests/torch/ddp/export_torchscript_model.py --model
-// bench_cnn exports the cnn, for comparing the two wrappers (bench/probes/torchscript_vs_module.py).
-// With one process the model is trained without DistributedDataParallel, as the Python peer does,
-// unless --always-ddp (DDP's own cost at world 1, e.g. over DDP_BACKEND=nccl).
+// bench_cnn exports the cnn, for comparing the two wrappers
+// (bench/probes/torchscript_vs_module.py). With one process the model is trained without
+// DistributedDataParallel, as the Python peer does, unless --always-ddp (DDP's own cost at world
+// 1, e.g. over DDP_BACKEND=nccl).
 //
 // --device cuda puts the model and the batch on cuda:(LOCAL_RANK % device count), so that two
 // ranks share one GPU on a one-GPU machine (through the torch layer's staged path: host twins on
@@ -34,9 +35,9 @@
 // times the host's side of each phase there (only the whole step waits for the device).
 // With zero2/fsdp a line before the last, `fsdp_buffers place=host|device peak_mb=<p>
 // formula_mb=<f> ...`: the most bytes FSDP's unsharded buffers (gathered parameters, full flat
-// gradients) held at once in the timed steps (ddp/torch/fsdp/fsdp_memory.h, the largest rank's; on the
-// device with --device cuda, where --cpu-offload leaves only shard-sized transients beside them),
-// beside docs/sharding.md's formula.
+// gradients) held at once in the timed steps (ddp/torch/fsdp/fsdp_memory.h, the largest rank's; on
+// the device with --device cuda, where --cpu-offload leaves only shard-sized transients beside
+// them), beside docs/sharding.md's formula.
 //
 // Every flag is range-checked before the job starts: a refusal names the flag, its value and what
 // would be valid, and exits 1 (as any other error).
@@ -64,15 +65,15 @@
 #include "common/program_options.h"
 #include "ddp/error.h"
 #include "ddp/init.h"
-#include "ddp/torch/zero/chunked_adam.h"
-#include "ddp/torch/ddp/hooks/comm_hook_by_name.h"
 #include "ddp/torch/api/distributed.h"
+#include "ddp/torch/core/tensor_collectives.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
-#include "ddp/torch/fsdp/fsdp_memory.h"
-#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/torch/ddp/hooks/comm_hook_by_name.h"
 #include "ddp/torch/ddp/script_distributed_data_parallel.h"
 #include "ddp/torch/ddp/sync_batch_norm.h"
-#include "ddp/torch/core/tensor_collectives.h"
+#include "ddp/torch/fsdp/fsdp_memory.h"
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/torch/zero/chunked_adam.h"
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
 
 namespace {
@@ -221,8 +222,9 @@ torch::Device pick_device(const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Median DistributedDataParallel training-step time (peer: "
-               "bench/compare/pytorch_ddp_bench.py)"};
+  CLI::App app{
+      "Median DistributedDataParallel training-step time (peer: "
+      "bench/compare/pytorch_ddp_bench.py)"};
   std::string model_name = "mlp";
   int steps = 30;
   int warmup = 5;

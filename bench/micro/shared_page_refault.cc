@@ -5,11 +5,11 @@
 //
 // FSDP frees each unit's flat gradient (and, FULL_SHARD, its gathered parameters) between uses
 // and maps them afresh, so peak memory holds one unit at a time. Its buffers are private
-// anonymous memory, 2 MiB-aligned with MADV_HUGEPAGE (src/torch/fsdp/fully_sharded_data_parallel.cc);
-// the ring backend's zero-copy reduce-scatter and allgather need them in a shared buffer instead
-// (a memfd every rank maps), which would be released between uses by punching a hole
-// (MADV_REMOVE) and refaulted on the next fill. This program times, per size, the median of
-// --iters rounds of each cycle, and the fill of memory that stays resident (the floor):
+// anonymous memory, 2 MiB-aligned with MADV_HUGEPAGE (src/torch/fsdp/fsdp_flat_memory.cc); the
+// ring backend's zero-copy reduce-scatter and allgather need them in a shared buffer instead (a
+// memfd every rank maps), which would be released between uses by punching a hole (MADV_REMOVE)
+// and refaulted on the next fill. This program times, per size, the median of --iters rounds of
+// each cycle, and the fill of memory that stays resident (the floor):
 //
 //   anon_thp      mmap (2 MiB-aligned, MADV_HUGEPAGE), fill, munmap
 //   memfd         fill a shared memfd mapping, MADV_REMOVE (huge only where

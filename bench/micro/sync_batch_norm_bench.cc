@@ -20,8 +20,8 @@
 #include "bench_timing.h"
 #include "ddp/init.h"
 #include "ddp/tcp_store.h"
-#include "ddp/torch/ddp/sync_batch_norm.h"
 #include "ddp/torch/core/tensor_collectives.h"
+#include "ddp/torch/ddp/sync_batch_norm.h"
 #include "forked_ranks.h"
 
 namespace {

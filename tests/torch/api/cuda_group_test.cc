@@ -27,10 +27,10 @@
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
-#include "torch/core/host_staging.h"
-#include "torch/core/host_values.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
+#include "torch/core/host_staging.h"
+#include "torch/core/host_values.h"
 
 namespace ddp {
 namespace {

@@ -17,8 +17,8 @@
 #include "ddp/torch/api/distributed.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
-#include "torch/core/host_staging.h"
 #include "support/torch/ddp_test_util.h"
+#include "torch/core/host_staging.h"
 
 namespace ddp {
 namespace {
