@@ -29,11 +29,13 @@
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 #include "torch/core/host_staging.h"
 #include "torch/core/host_values.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::join_group;
 using test::run_ranks;
@@ -492,5 +494,6 @@ TEST(CudaGroup, AutoWithoutNcclEverywhereLeavesCudaTensorsOnTheRing) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

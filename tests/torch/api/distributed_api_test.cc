@@ -18,10 +18,12 @@
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 #include "torch/core/host_staging.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::free_port;
@@ -826,5 +828,6 @@ TEST(DistributedApiBadInput, NoDefaultGroupIsANamedError) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -13,6 +13,7 @@
 #include "ddp/torch/api/json_codec.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 // A user type whose encoder fails on demand.
 struct Fragile {
@@ -31,6 +32,7 @@ struct ddp::ObjectCodec<Fragile> {
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::free_port;
 using test::join_group;
@@ -162,5 +164,6 @@ TEST(DistributedObjectsErrors, AnEncoderThatThrowsOnOneRankIsANamedErrorOnEveryR
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

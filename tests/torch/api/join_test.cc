@@ -18,9 +18,11 @@
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/torch/deterministic_models.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::expect_close;
@@ -364,5 +366,6 @@ TEST(Join, DisabledJoinMakesNoCollectives) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

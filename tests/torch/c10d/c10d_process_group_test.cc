@@ -28,6 +28,7 @@
 #include "support/temp_dir.h"
 #include "support/torch/c10d_wrap_checks.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #if DDP_TEST_C10D_GLOO
@@ -37,6 +38,7 @@
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::run_ranks;
@@ -496,5 +498,8 @@ TEST(C10dDouble, DistributedDataParallelEqualsRingGroup) {
                        Training::kDdp);
 }
 
+#undef REQUIRE_GLOO  // not into the next source of a unity batch
+
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -14,6 +14,7 @@
 #include "ddp/torch/ddp/sync_batch_norm.h"
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 
@@ -26,6 +27,7 @@ void expect_equal(const at::Tensor& got, const at::Tensor& want, const std::stri
 }
 
 namespace {
+namespace DDP_UNITY_ID {
 
 // Every rank's results as a tensor of `type`, from values worked out in double.
 at::Tensor as(const std::vector<double>& values, at::ScalarType type) {
@@ -268,9 +270,11 @@ void check_send_recv(ProcessGroup& pg) {
   pg.barrier()->wait();
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 
 void check_every_operation(ProcessGroup& pg) {
+  using namespace DDP_UNITY_ID;
   std::vector<at::ScalarType> types = {torch::kFloat32, torch::kFloat64, torch::kFloat16,
                                        torch::kInt8,    torch::kUInt8,   torch::kInt32,
                                        torch::kInt64};
@@ -287,6 +291,7 @@ void check_every_operation(ProcessGroup& pg) {
 }
 
 namespace {
+namespace DDP_UNITY_ID {
 
 constexpr int kIn = 6, kHidden = 8, kOut = 3, kBatch = 4, kSteps = 4;
 
@@ -315,14 +320,17 @@ std::pair<at::Tensor, at::Tensor> make_batch(int rank, int step) {
 
 // Trains on 2 ranks over the group `make_group` builds; returns rank 0's parameters and buffers
 // (every rank checks that all hold the same parameters).
+}  // namespace DDP_UNITY_ID
 }  // namespace
 
 torch::nn::Sequential make_c10d_check_model(bool batch_norm) {
+  using namespace DDP_UNITY_ID;
   return make_model(batch_norm);
 }
 
 std::vector<at::Tensor> train_c10d_check_model(const std::shared_ptr<ProcessGroup>& pg,
                                                C10dTraining training) {
+  using namespace DDP_UNITY_ID;
   const int rank = pg->rank();
   auto net = make_model(training == C10dTraining::kSyncBatchNorm);
   if (training == C10dTraining::kSyncBatchNorm) convert_sync_batchnorm(net.ptr(), pg);

@@ -23,9 +23,11 @@
 #include "ddp/error.h"
 #include "ddp/torch/checkpoint/checkpoint.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -408,5 +410,6 @@ TEST(CheckpointTest, AFullDiskDuringSaveIsANamedErrorThatRemovesTheTemporary) {
   EXPECT_EQ(load_checkpoint(path, *loaded.net, *loaded.optimizer).epoch, 1);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -21,9 +21,11 @@
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 constexpr std::int64_t kSamples = 96;
 constexpr std::int64_t kBatch = 4;  // per rank
@@ -183,5 +185,6 @@ TEST_F(TrainStateResume, AtWorldSizeThreeRepeatsNoSampleAndSkipsNone) {
   expect_every_sample_once(dir_.path(), 3);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -16,9 +16,11 @@
 #include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/checkpoint/train_state.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -257,5 +259,6 @@ TEST(TrainStateTest, TheDatasetSizeIsStoredAndReturned) {
   EXPECT_EQ(state.load(dir.path() / "unknown.pt").dataset_size, 0u);  // not recorded
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -18,9 +18,11 @@
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::HasSubstr;
 
@@ -76,5 +78,8 @@ TEST(CudaTensor, AMetaTensorIsRefusedNamingTheDevicesDdpMoves) {
   }
 }
 
+#undef DECLARE_CUDA_TENSOR  // not into the next source of a unity batch
+
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

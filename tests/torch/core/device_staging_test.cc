@@ -23,9 +23,11 @@
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::join_group;
 using test::run_ranks;
@@ -304,5 +306,6 @@ TEST(DeviceStaging, CheckpointMapLocationLoadsOnTheCpuAndRefusesADeviceBeyondThe
   }
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -9,9 +9,11 @@
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::join_group;
 using test::run_ranks;
@@ -182,5 +184,6 @@ TEST(DdpMixedPrecision, AnIntegerParamOrBufferDtypeIsRefused) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

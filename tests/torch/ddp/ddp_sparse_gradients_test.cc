@@ -13,9 +13,11 @@
 #include "ddp/torch/ddp/hooks/comm_hooks.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::join_group;
 using test::run_ranks;
@@ -205,5 +207,6 @@ TEST(DdpSparseGradients, ACommHookIsRefusedByName) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -15,9 +15,11 @@
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/torch/refusing_allocator.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::Batches;
@@ -930,5 +932,6 @@ TEST(DistributedDataParallel, NoProcessGroupIsAConfigError) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -11,9 +11,11 @@
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::expect_identical_across_ranks;
 using test::join_group;
@@ -242,5 +244,6 @@ TEST(AutocastGuard, RunsLinearInBfloat16AndRestoresTheState) {
   }
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -29,9 +29,11 @@
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::expect_close;
@@ -470,5 +472,6 @@ TEST(ScriptDdp, AForwardThatReturnsNoTensorIsNamedByTheTensorForm) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -11,9 +11,11 @@
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::expect_close;
@@ -510,5 +512,6 @@ TEST(SyncBatchNorm, InsideDdpWithNoSyncEqualsOneProcessOnTheConcatenatedBatches)
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

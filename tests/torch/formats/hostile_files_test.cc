@@ -16,9 +16,11 @@
 #include "support/hostile_archives.h"
 #include "support/resident_memory.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 namespace fs = std::filesystem;
 namespace p = test::pickle;
@@ -328,5 +330,6 @@ TEST(HostileFiles, CheckpointsWithUnusableValuesOrDamagedRecordsAreRefused) {
   load_archive(dir.path() / "plain.pt");
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

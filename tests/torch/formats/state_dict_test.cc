@@ -18,9 +18,11 @@
 #include "ddp/torch/formats/state_dict.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using namespace std::string_literals;
@@ -409,5 +411,6 @@ TEST(StateDict, RoundTripKeepsValuesDtypesViewsAndTorchScriptModules) {
   EXPECT_TRUE(equal_all(saved, state_dict(scripted)));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

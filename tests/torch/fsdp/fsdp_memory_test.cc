@@ -13,9 +13,11 @@
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 constexpr std::int64_t kWidth = 256;
 constexpr std::int64_t kUnitParams = kWidth * kWidth + kWidth;  // one Linear: 65,792 (even)
@@ -89,5 +91,6 @@ TEST(FsdpMemory, FlatBuffersBesideTheShardsFollowTheFormula) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -16,9 +16,11 @@
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::join_group;
 using test::run_ranks;
@@ -247,5 +249,6 @@ TEST(FsdpMixedPrecision, ADtypeItCannotComputeOrReduceInIsNamedOnEveryRank) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

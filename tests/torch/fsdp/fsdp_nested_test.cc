@@ -20,9 +20,11 @@
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::expect_close;
@@ -420,5 +422,6 @@ TEST(FsdpNested, MisuseIsNamed) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

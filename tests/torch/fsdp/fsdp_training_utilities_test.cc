@@ -18,9 +18,11 @@
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::expect_close;
 using test::join_group;
@@ -274,5 +276,6 @@ TEST(FsdpNoSyncAndClip, BadArgumentsAreNamed) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -27,9 +27,11 @@
 #include "support/torch/ddp_test_util.h"
 #include "support/torch/deterministic_models.h"
 #include "support/torch/refusing_allocator.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::join_group;
@@ -659,11 +661,13 @@ TEST(FullyShardedDataParallel, ACheckpointThatDoesNotFitIsNamedOnEveryRank) {
                              "holds Adam state but the optimizer is SGD");
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 // What `body` throws must be a ddp::Error naming `part`; anything else (no error, another type)
 // fails the rank.
@@ -764,5 +768,6 @@ TEST(FullyShardedDataParallel, ACollectiveMismatchInForwardNamesTheLikelyCauses)
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

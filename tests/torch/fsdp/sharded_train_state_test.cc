@@ -22,9 +22,11 @@
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::join_group;
@@ -207,5 +209,6 @@ TEST(ShardedTrainState, BadFoldersAreNamedAndChangeNothing) {
   }));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -17,9 +17,11 @@
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::join_group;
 using test::run_ranks;
@@ -208,5 +210,6 @@ TEST(DdpModelHolder, AsAClassMemberItTrainsLikeTheWrapperItHolds) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

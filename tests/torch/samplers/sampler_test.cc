@@ -11,9 +11,11 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/samplers/distributed_sampler.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -277,5 +279,6 @@ TEST(DistributedSamplerResumeTest, DropLastWithFewerSamplesLeftThanRanksIsAConfi
   EXPECT_EQ(sampler.size(), 1u);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

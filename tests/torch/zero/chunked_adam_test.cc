@@ -14,9 +14,11 @@
 
 #include "ddp/torch/zero/chunked_adam.h"
 #include "support/resident_memory.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::peak_added_mib;
 using test::status_mib;
@@ -181,5 +183,6 @@ TEST(ChunkedAdam, StepMakesNoParameterSizedTemporaries) {
   EXPECT_LT(chunked_w, 8.0) << "ChunkedAdamW added " << chunked_w << " MiB";
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

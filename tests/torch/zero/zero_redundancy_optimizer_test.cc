@@ -29,11 +29,13 @@
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/torch/deterministic_models.h"
+#include "support/unity_namespace.h"
 #include "torch/core/host_staging.h"
 #include "torch/core/libtorch_compat.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::expect_identical_across_ranks;
@@ -880,5 +882,6 @@ TEST(ZeroRedundancyOptimizer, OverlapWithDdpMisuseIsNamed) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -7,9 +7,11 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/ddp/hooks/comm_hook_by_name.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -47,5 +49,6 @@ TEST(CommHookByName, BadPowerSgdRankIsAConfigError) {
   EXPECT_NO_THROW(comm_hook_from_name("int8", {.powersgd_rank = 0}));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -10,9 +10,11 @@
 #include "support/temp_dir.h"
 #include "support/torch/comm_hook_test_util.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::gather_all;
 using test::join_group;
@@ -148,5 +150,6 @@ TEST(Int8Hook, NullStateIsAConfigError) {
   EXPECT_THROW(int8_quantize_hook(nullptr), ConfigError);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

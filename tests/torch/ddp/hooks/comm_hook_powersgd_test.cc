@@ -18,9 +18,11 @@
 #include "support/temp_dir.h"
 #include "support/torch/comm_hook_test_util.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::expect_close;
@@ -509,5 +511,6 @@ TEST(PowerSgd, EqualsPyTorchBatchedSameShapes) {
   check_against_pytorch(2, 2, true);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -10,9 +10,11 @@
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::join_group;
 using test::run_ranks;
@@ -218,5 +220,6 @@ TEST(PostLocalSgd, BadOptionsAreConfigErrors) {
   EXPECT_THROW(PeriodicModelAverager({.period = 2, .warmup_steps = -1}), ConfigError);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

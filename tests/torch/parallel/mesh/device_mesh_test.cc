@@ -16,9 +16,11 @@
 #include "ddp/torch/parallel/mesh/device_mesh.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::join_group;
@@ -149,5 +151,6 @@ TEST(DeviceMesh, RanksThatPassDifferentShapesAllFailNamingTheDifference) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -28,9 +28,11 @@
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::join_group;
@@ -696,5 +698,6 @@ TEST(PipelineErrors, AStageThatDiesMidScheduleFailsItsNeighbours) {
   EXPECT_TRUE(results[2].ok()) << test::describe(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -25,9 +25,11 @@
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::expect_close;
@@ -639,5 +641,6 @@ TEST(TensorParallel, RanksThatDisagreeOnAShapeGetAnErrorNotAHang) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp
