@@ -21,7 +21,10 @@ variants=(torch-package)
 if [[ $libtorch == debian ]]; then variants+=(system-headers); fi
 for variant in "${variants[@]}"; do
   extra=()
-  if [[ $variant == system-headers ]]; then extra=(-DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON); fi
+  # The old header paths are checked with the first variant only (the same headers either way).
+  if [[ $variant == system-headers ]]; then
+    extra=(-DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON -DDDP_CONSUMER_OLD_PATHS=OFF)
+  fi
   cmake -S "$source_dir/tests/system/package/consumer" -B "$work/$variant" -G Ninja \
     -DCMAKE_PREFIX_PATH="$work/prefix" "${extra[@]}" > "$work/$variant.log" 2>&1 ||
     { echo "consumer ($variant) failed to configure:"; cat "$work/$variant.log"; exit 1; }
@@ -33,7 +36,7 @@ for variant in "${variants[@]}"; do
   cmake --build "$work/$variant" >> "$work/$variant.log"
   "$work/$variant/comm_consumer"
   # A program on the old header paths built (with -Werror) and runs.
-  "$work/$variant/old_paths_consumer"
+  if [[ $variant == torch-package ]]; then "$work/$variant/old_paths_consumer"; fi
   out=$("$work/$variant/torch_consumer")
   echo "$variant: $out"
   # libstdc++ comes before libtorch among the consumer's libraries (cmake/DdpFindTorch.cmake: a
