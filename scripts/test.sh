@@ -12,7 +12,7 @@
 #          and IValue paths that differ between libtorch versions); the layers below (net, store,
 #          comm, init) do not link libtorch and are the same code as in main
 #   asan   build-asan/ (ASan+UBSan, no libtorch): the unit and multiprocess suites
-#   tsan   build-tsan/ (TSan, no libtorch): the net, store, engine (comm, shm) and init tests
+#   tsan   build-tsan/ (TSan, no libtorch): the net, store, engine (comm, shm), init and rpc tests
 #   fuzz   build-fuzz/ (clang, libFuzzer+ASan+UBSan, no libtorch): each harness for
 #          DDP_FUZZ_SECONDS (default 15) from its seed corpus (docs/fuzzing.md)
 # DDP_TEST_STAGES picks stages (default: main,pytorch,asan,tsan,fuzz; without pytorch when
@@ -194,7 +194,7 @@ if want tsan; then
   # chosen at worlds 2 to 5 as at 8, and those twelve took 180 s of this stage's 622 (TSan, 8
   # instrumented processes on 2 cores).
   tsan_left_out="$mpi_tests|_world[6-8]( |\$)"
-  tsan_dirs=(net store comm shm init nccl)
+  tsan_dirs=(net store comm shm init nccl rpc)
   tsan_targets=("${tsan_dirs[@]/#/tests/}")
   sanitized_build build-tsan "${tsan_targets[*]/%//all}" -DDDP_SANITIZE=thread
   for dir in "${tsan_dirs[@]}"; do

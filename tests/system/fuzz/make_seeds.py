@@ -223,3 +223,24 @@ write("fuzz_zip_reader", "size_lies", zip_archive([
     ("archive/data.pkl", small_pickle, 0, None, None),
     ("archive/data/0", bytes(4096), 8, None, 40)]))
 write("fuzz_zip_reader", "hostile_pickle", torch_archive(hostile_pickles["dup_bomb"], []))
+
+# --- RPC (src/rpc): the first byte picks raw (even: handshake, then frames) or frames after a
+# real handshake (odd); handshake.h and frame.h give the layouts ---
+def rpc_frame(kind, call_id, timeout_ms, name, payload):
+    head = struct.pack("<IBBHQIIQ", 0x43505244, 1, kind, 0, call_id, timeout_ms, len(name),
+                       len(payload))
+    return head + struct.pack("<I", zlib.crc32(head)) + name + payload
+
+
+RPC_HELLO = struct.pack("<IBBHiii", 0x48505244, 1, 0, 0, 2, 1, 0) + bytes(32)
+RPC_MAC = bytes(32)  # no secret: the MACs are zero
+echo = rpc_frame(1, 1, 5000, b"echo", b"hi")
+write("fuzz_rpc_peer", "raw_session", b"\x00" + RPC_HELLO + RPC_MAC + echo)
+write("fuzz_rpc_peer", "raw_hello_only", b"\x00" + RPC_HELLO)
+write("fuzz_rpc_peer", "raw_wrong_world", b"\x00" + struct.pack("<IBBHiii", 0x48505244, 1, 0, 0, 3,
+                                                                 1, 0) + bytes(32))
+write("fuzz_rpc_peer", "frames_echo", b"\x01" + echo + rpc_frame(1, 2, 5000, b"echo", b""))
+write("fuzz_rpc_peer", "frames_unknown_function", b"\x01" + rpc_frame(1, 3, 5000, b"nope", b"x"))
+write("fuzz_rpc_peer", "frames_reply_on_wrong_way", b"\x01" + rpc_frame(2, 1, 0, b"", b"x"))
+big = struct.pack("<IBBHQIIQ", 0x43505244, 1, 1, 0, 5, 5000, 4, 1 << 40)
+write("fuzz_rpc_peer", "frames_oversized", b"\x01" + big + struct.pack("<I", zlib.crc32(big)))

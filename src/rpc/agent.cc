@@ -1,0 +1,657 @@
+#include "rpc/agent.h"
+
+#include <cxxabi.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "auth/hmac.h"
+#include "ddp/error.h"
+#include "net/fd_io.h"
+
+namespace ddp::rpc {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Inbound connections still in their handshake; more are closed at once, so a flood of strangers
+// costs a descriptor for a moment each, not a thread each.
+constexpr int kMaxHandshakes = 64;
+
+std::atomic<int> g_agent_instances{0};
+
+std::string random_session(bool secret) {
+  if (secret) {
+    const auth::Nonce nonce = auth::random_nonce();
+    std::string hex;
+    for (std::uint8_t b : nonce)
+      hex += fmt::format("{:02x}", b);
+    return hex;
+  }
+  std::random_device device;
+  return fmt::format("{:08x}{:08x}", device(), device());
+}
+
+// The type of the exception being handled, demangled ("std::runtime_error").
+std::string current_exception_type() {
+  const std::type_info* type = abi::__cxa_current_exception_type();
+  if (type == nullptr) return "unknown";
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(type->name(), nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled != nullptr ? demangled : type->name();
+  std::free(demangled);
+  return name;
+}
+
+// Sends every byte of `iov` or throws: TimeoutError at the deadline, Error when the connection
+// fails.
+void send_all_iov(int fd, iovec* iov, int count, net::Deadline deadline, const std::string& peer) {
+  int at = 0;
+  while (at < count) {
+    if (iov[at].iov_len == 0) {
+      ++at;
+      continue;
+    }
+    const ssize_t sent = net::send_iov_nonblocking(fd, iov + at, count - at);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        throw Error(fmt::format("rpc: sending to {} failed: {}", peer, std::strerror(errno)));
+      }
+      pollfd p{fd, POLLOUT, 0};
+      const int ready = net::poll_fds({&p, 1}, net::poll_timeout_ms(deadline));
+      if (ready == 0 && net::Clock::now() >= deadline) {
+        throw TimeoutError(
+            fmt::format("rpc: sending to {} did not finish by its deadline (the "
+                        "peer does not read)",
+                        peer));
+      }
+      continue;
+    }
+    auto left = static_cast<std::size_t>(sent);
+    while (at < count && left >= iov[at].iov_len) {
+      left -= iov[at].iov_len;
+      ++at;
+    }
+    if (at < count) {
+      iov[at].iov_base = static_cast<std::uint8_t*>(iov[at].iov_base) + left;
+      iov[at].iov_len -= left;
+    }
+  }
+}
+
+}  // namespace
+
+struct Agent::Connection {
+  net::Socket socket;
+  int peer_rank = -1;
+  bool outbound = false;
+  std::mutex send_mutex;
+  std::thread thread;
+  std::atomic<bool> broken{false};
+  std::atomic<bool> finished{false};
+};
+
+Agent::Agent(Store& store, AgentOptions options)
+    : store_(store), options_(std::move(options)), pool_(std::max(1, options_.threads)) {
+  check_worker_name(options_.name);
+  if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size) {
+    throw ConfigError(fmt::format("rpc: rank {} is not in a world of {} workers", options_.rank,
+                                  options_.world_size));
+  }
+  limits_.max_payload_bytes = options_.max_message_bytes;
+  prefix_ = fmt::format("{}/{}", options_.store_prefix, g_agent_instances++);
+  listener_ = net::listen_tcp(options_.bind_host, 0);
+
+  WorkerInfo me{options_.name, options_.rank,
+                options_.host.empty() ? net::host_name() : options_.host, listener_.local_port()};
+  const std::string session_key = prefix_ + "/session";
+  if (options_.rank == 0) store_.set(session_key, random_session(!options_.secret.empty()));
+  workers_ = exchange_workers(store_, prefix_, me, options_.world_size, options_.timeout);
+  handshake_self_ = {store_.get_string(session_key, options_.timeout), options_.world_size,
+                     options_.rank, options_.name, options_.secret};
+
+  const auto world = static_cast<std::size_t>(options_.world_size);
+  outbound_.resize(world);
+  inbound_.resize(world);
+  broken_.resize(world);
+  timer_ = std::thread([this] { timer_loop(); });
+  acceptor_ = std::thread([this] { accept_loop(); });
+  try {
+    const net::Deadline deadline = net::deadline_after(options_.timeout);
+    for (const WorkerInfo& peer : workers_) {
+      if (peer.rank == options_.rank) continue;
+      auto connection = std::make_shared<Connection>();
+      connection->socket = net::connect_tcp(peer.host, peer.port, deadline);
+      connection->socket.set_no_delay(true);
+      handshake_as_caller(connection->socket, handshake_self_, peer.rank, peer.name, deadline);
+      connection->peer_rank = peer.rank;
+      connection->outbound = true;
+      std::lock_guard lock(connections_mutex_);
+      outbound_[static_cast<std::size_t>(peer.rank)] = connection;
+      all_connections_.push_back(connection);
+      connection->thread = std::thread([this, connection] {
+        read_frames(connection);
+        connection->finished = true;
+      });
+    }
+    std::unique_lock lock(connections_mutex_);
+    const bool all_in = connections_cv_.wait_until(lock, deadline, [&] {
+      for (int r = 0; r < options_.world_size; ++r) {
+        if (r != options_.rank && !inbound_[static_cast<std::size_t>(r)]) return false;
+      }
+      return true;
+    });
+    if (!all_in) {
+      std::string missing;
+      for (int r = 0; r < options_.world_size; ++r) {
+        if (r != options_.rank && !inbound_[static_cast<std::size_t>(r)]) {
+          missing += (missing.empty() ? "" : ", ") + who(r);
+        }
+      }
+      throw TimeoutError(fmt::format("rpc: {} did not hear from {} within {} ms of starting",
+                                     who(options_.rank), missing, options_.timeout.count()));
+    }
+  } catch (...) {
+    stop();
+    throw;
+  }
+}
+
+Agent::~Agent() {
+  stop();
+}
+
+void Agent::register_function(const std::string& name, Handler handler) {
+  if (name.empty() || name.size() > limits_.max_name_bytes) {
+    throw ConfigError(fmt::format("rpc: a function name must have 1 to {} bytes; '{}' has {}",
+                                  limits_.max_name_bytes, name.substr(0, 200), name.size()));
+  }
+  std::unique_lock lock(handlers_mutex_);
+  handlers_[name] = std::move(handler);
+}
+
+const WorkerInfo* Agent::find_worker(std::string_view name) const {
+  for (const WorkerInfo& w : workers_) {
+    if (w.name == name) return &w;
+  }
+  return nullptr;
+}
+
+Executor Agent::executor() {
+  return [this](std::function<void()> task) {
+    auto shared = std::make_shared<std::function<void()>>(std::move(task));
+    if (!pool_.post([shared] { (*shared)(); })) (*shared)();
+  };
+}
+
+std::string Agent::who(int rank) const {
+  if (rank < 0 || rank >= static_cast<int>(workers_.size())) return fmt::format("rank {}", rank);
+  return fmt::format("worker '{}' (rank {})", workers_[static_cast<std::size_t>(rank)].name, rank);
+}
+
+std::size_t Agent::pending_calls() const {
+  std::lock_guard lock(pending_mutex_);
+  return pending_.size();
+}
+
+std::string Agent::broken_reason(int rank) const {
+  std::lock_guard lock(connections_mutex_);
+  if (rank < 0 || rank >= static_cast<int>(broken_.size())) return {};
+  return broken_[static_cast<std::size_t>(rank)];
+}
+
+CallFuture Agent::call(int to_rank, const std::string& function, Bytes payload,
+                       Milliseconds timeout) {
+  CallPromise promise(executor());
+  CallFuture future = promise.future();
+  const std::string target = who(to_rank);
+  if (to_rank < 0 || to_rank >= options_.world_size) {
+    promise.fail(FailureKind::kUnknownWorker,
+                 fmt::format("rpc: no worker has rank {}; the world has {} (0 to {})", to_rank,
+                             options_.world_size, options_.world_size - 1));
+    return future;
+  }
+  if (stopping_) {
+    promise.fail(FailureKind::kShutdown,
+                 fmt::format("rpc: '{}' on {}: this worker's RPC is shut down", function, target));
+    return future;
+  }
+  if (payload.size() > options_.max_message_bytes || function.empty() ||
+      function.size() > limits_.max_name_bytes) {
+    promise.fail(
+        FailureKind::kCallerError,
+        fmt::format("rpc: '{}' on {}: {}", function.substr(0, 200), target,
+                    function.empty() || function.size() > limits_.max_name_bytes
+                        ? fmt::format("a function name has 1 to {} bytes", limits_.max_name_bytes)
+                        : fmt::format("the arguments are {} bytes, more than the limit "
+                                      "of {} (RpcOptions::max_message_bytes)",
+                                      payload.size(), options_.max_message_bytes)));
+    return future;
+  }
+  const net::Deadline deadline = net::deadline_after(timeout);
+  std::uint64_t id = 0;
+  {
+    std::lock_guard lock(pending_mutex_);
+    id = next_call_id_++;
+    pending_.emplace(id, Pending{promise, to_rank, function, timeout, {}});
+    pending_[id].deadline_entry = deadlines_.emplace(deadline, id);
+  }
+  timer_cv_.notify_one();
+
+  if (to_rank == options_.rank) {
+    CallPromise local(executor());
+    local.future().then(
+        [this, id](const Reply& reply) { complete_call(id, options_.rank, reply); });
+    auto shared = std::make_shared<Bytes>(std::move(payload));
+    if (!pool_.post([this, deadline, function, shared, local] {
+          run_handler(options_.rank, deadline, function, std::move(*shared), local);
+        })) {
+      fail_call(id, FailureKind::kShutdown, "this worker's RPC is shut down");
+    }
+    return future;
+  }
+
+  std::shared_ptr<Connection> connection;
+  std::string broken;
+  {
+    std::lock_guard lock(connections_mutex_);
+    connection = outbound_[static_cast<std::size_t>(to_rank)];
+    broken = broken_[static_cast<std::size_t>(to_rank)];
+  }
+  if (!connection || connection->broken) {
+    fail_call(id, FailureKind::kWorkerGone,
+              "the connection to it broke earlier: " + (broken.empty() ? "closed" : broken));
+    return future;
+  }
+  const auto left = std::chrono::duration_cast<Milliseconds>(deadline - net::Clock::now());
+  FrameHeader header{FrameKind::kRequest, id,
+                     static_cast<std::uint32_t>(std::clamp<std::int64_t>(
+                         left.count(), 1, std::numeric_limits<std::uint32_t>::max())),
+                     static_cast<std::uint32_t>(function.size()), payload.size()};
+  try {
+    send_frame(*connection, header, function, payload, deadline);
+  } catch (const Error& e) {
+    // Part of a frame may be on the wire: the stream has lost its place, so the connection goes.
+    connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
+  }
+  return future;
+}
+
+void Agent::send_frame(Connection& connection, const FrameHeader& header, std::string_view name,
+                       const Bytes& payload, net::Deadline deadline) {
+  auto bytes = encode_frame_header(header);
+  iovec iov[3] = {{bytes.data(), bytes.size()},
+                  {const_cast<char*>(name.data()), name.size()},
+                  {const_cast<std::uint8_t*>(payload.data()), payload.size()}};
+  std::lock_guard lock(connection.send_mutex);
+  if (connection.broken)
+    throw Error("rpc: the connection to " + who(connection.peer_rank) + " is closed");
+  send_all_iov(connection.socket.fd(), iov, 3, deadline, who(connection.peer_rank));
+}
+
+void Agent::complete_call(std::uint64_t call_id, int from_rank, const Reply& reply) {
+  Pending pending;
+  {
+    std::lock_guard lock(pending_mutex_);
+    auto it = pending_.find(call_id);
+    if (it == pending_.end()) return;  // failed already (its deadline passed): the reply is late
+    if (it->second.to_rank != from_rank) return;
+    pending = std::move(it->second);
+    deadlines_.erase(pending.deadline_entry);
+    pending_.erase(it);
+  }
+  pending_cv_.notify_all();
+  if (reply.ok()) {
+    pending.promise.complete(reply);
+    return;
+  }
+  Failure failure = *reply.failure;
+  failure.message =
+      fmt::format("rpc: '{}' on {}: {}", pending.function, who(pending.to_rank), failure.message);
+  pending.promise.complete(Reply{{}, std::move(failure)});
+}
+
+void Agent::fail_call(std::uint64_t call_id, FailureKind kind, const std::string& message) {
+  Pending pending;
+  {
+    std::lock_guard lock(pending_mutex_);
+    auto it = pending_.find(call_id);
+    if (it == pending_.end()) return;
+    pending = std::move(it->second);
+    deadlines_.erase(pending.deadline_entry);
+    pending_.erase(it);
+  }
+  pending_cv_.notify_all();
+  pending.promise.fail(
+      kind, fmt::format("rpc: '{}' on {}: {}", pending.function, who(pending.to_rank), message));
+}
+
+void Agent::timer_loop() {
+  std::unique_lock lock(pending_mutex_);
+  while (!timer_stop_) {
+    if (deadlines_.empty()) {
+      timer_cv_.wait(lock);
+      continue;
+    }
+    auto first = deadlines_.begin();
+    if (net::Clock::now() < first->first) {
+      timer_cv_.wait_until(lock, first->first);
+      continue;
+    }
+    const std::uint64_t id = first->second;
+    auto it = pending_.find(id);
+    Pending pending = std::move(it->second);
+    deadlines_.erase(first);
+    pending_.erase(it);
+    lock.unlock();
+    pending_cv_.notify_all();
+    pending.promise.fail(
+        FailureKind::kTimeout,
+        fmt::format("rpc: '{}' on {} did not complete within its deadline of {} "
+                    "ms",
+                    pending.function, who(pending.to_rank), pending.timeout.count()));
+    lock.lock();
+  }
+}
+
+void Agent::accept_loop() {
+  while (!stopping_) {
+    if (!listener_.wait_readable(net::deadline_after(100ms))) {
+      reap_finished();
+      continue;
+    }
+    if (stopping_) return;
+    net::Socket socket;
+    try {
+      socket = net::accept_tcp(listener_, net::deadline_after(100ms));
+    } catch (const Error&) {
+      continue;  // the caller gave up, or no descriptor: the listener is still there
+    }
+    std::lock_guard lock(connections_mutex_);
+    if (handshakes_running_ >= kMaxHandshakes) {
+      ++refused_;
+      continue;  // closed as it goes out of scope
+    }
+    ++handshakes_running_;
+    auto connection = std::make_shared<Connection>();
+    connection->socket = std::move(socket);
+    connection->socket.set_no_delay(true);
+    all_connections_.push_back(connection);
+    connection->thread = std::thread([this, connection] {
+      serve_inbound(connection);
+      connection->finished = true;
+    });
+  }
+}
+
+void Agent::reap_finished() {
+  std::vector<std::shared_ptr<Connection>> done;
+  {
+    std::lock_guard lock(connections_mutex_);
+    std::erase_if(all_connections_, [&](const std::shared_ptr<Connection>& c) {
+      // Only the refused: a connection of a worker stays listed until stop().
+      if (!c->finished || c->peer_rank >= 0) return false;
+      done.push_back(c);
+      return true;
+    });
+  }
+  for (auto& c : done) {
+    if (c->thread.joinable()) c->thread.join();
+  }
+}
+
+void Agent::serve_inbound(std::shared_ptr<Connection> connection) {
+  int caller = -1;
+  try {
+    caller = handshake_as_callee(
+        connection->socket, handshake_self_,
+        [this](int r) { return workers_[static_cast<std::size_t>(r)].name; },
+        net::deadline_after(options_.timeout));
+    std::lock_guard lock(connections_mutex_);
+    --handshakes_running_;
+    auto& slot = inbound_[static_cast<std::size_t>(caller)];
+    if (slot) {
+      ++refused_;
+      std::fprintf(stderr, "ddp rpc: %s: a second connection from %s refused\n",
+                   who(options_.rank).c_str(), who(caller).c_str());
+      return;
+    }
+    connection->peer_rank = caller;
+    slot = connection;
+    connections_cv_.notify_all();
+  } catch (const Error& e) {
+    std::lock_guard lock(connections_mutex_);
+    --handshakes_running_;
+    ++refused_;
+    if (!stopping_) {
+      std::fprintf(stderr, "ddp rpc: %s refused a connection from %s: %s\n",
+                   who(options_.rank).c_str(), connection->socket.peer().c_str(), e.what());
+    }
+    return;
+  }
+  read_frames(connection);
+}
+
+void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
+  std::array<std::uint8_t, kFrameHeaderBytes> head{};
+  const std::string peer = who(connection->peer_rank);
+  try {
+    for (;;) {
+      connection->socket.wait_readable(net::Deadline::max());
+      // Once a frame has started, all of it must come within the timeout.
+      const net::Deadline deadline = net::deadline_after(options_.timeout);
+      connection->socket.recv_all(head.data(), head.size(), deadline);
+      const FrameHeader header = decode_frame_header(head.data(), limits_, peer);
+      std::string name(header.name_bytes, '\0');
+      connection->socket.recv_all(name.data(), name.size(), deadline);
+      Bytes payload(header.payload_bytes);
+      connection->socket.recv_all(payload.data(), payload.size(), deadline);
+      if (!connection->outbound) {
+        if (header.kind != FrameKind::kRequest) {
+          throw ProtocolError(
+              fmt::format("rpc: {} sent a reply on the connection that carries "
+                          "its own calls",
+                          peer));
+        }
+        dispatch(connection, header.call_id, header.timeout_ms, std::move(name),
+                 std::move(payload));
+        continue;
+      }
+      if (header.kind == FrameKind::kRequest) {
+        throw ProtocolError(
+            fmt::format("rpc: {} sent a request on the connection that carries "
+                        "this worker's calls",
+                        peer));
+      }
+      Reply reply;
+      if (header.kind == FrameKind::kReply) {
+        reply.payload = std::move(payload);
+      } else {
+        const auto kind = name.empty() ? 0 : static_cast<std::uint8_t>(name[0]);
+        if (kind < 1 || kind > static_cast<std::uint8_t>(FailureKind::kCallerError)) {
+          throw ProtocolError(fmt::format("rpc: {} sent a failure of unknown kind {}", peer, kind));
+        }
+        reply.failure = Failure{static_cast<FailureKind>(kind), name.substr(1),
+                                std::string(payload.begin(), payload.end())};
+      }
+      complete_call(header.call_id, connection->peer_rank, reply);
+    }
+  } catch (const ProtocolError& e) {
+    ++refused_;
+    if (!stopping_) std::fprintf(stderr, "ddp rpc: %s: %s\n", who(options_.rank).c_str(), e.what());
+    connection_failed(*connection, e.what(), FailureKind::kProtocol);
+  } catch (const Error& e) {
+    connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
+  } catch (const std::bad_alloc&) {
+    connection_failed(*connection, "no memory for a frame of " + peer, FailureKind::kProtocol);
+  }
+}
+
+void Agent::connection_failed(Connection& connection, const std::string& reason, FailureKind kind) {
+  if (connection.broken.exchange(true)) return;
+  net::shutdown_socket(connection.socket.fd(), net::ShutdownHow::kBoth);
+  if (!connection.outbound || connection.peer_rank < 0) return;
+  {
+    std::lock_guard lock(connections_mutex_);
+    auto& slot = broken_[static_cast<std::size_t>(connection.peer_rank)];
+    if (slot.empty()) slot = reason;
+  }
+  std::vector<std::uint64_t> ids;
+  {
+    std::lock_guard lock(pending_mutex_);
+    for (const auto& [id, pending] : pending_) {
+      if (pending.to_rank == connection.peer_rank) ids.push_back(id);
+    }
+  }
+  for (std::uint64_t id : ids) {
+    fail_call(id, stopping_ ? FailureKind::kShutdown : kind,
+              "the connection broke during the call: " + reason);
+  }
+}
+
+void Agent::dispatch(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
+                     std::uint32_t timeout_ms, std::string function, Bytes payload) {
+  const net::Deadline deadline = net::deadline_after(Milliseconds(timeout_ms));
+  CallPromise reply(executor());
+  reply.future().then(
+      [this, connection, call_id](const Reply& r) { send_reply(connection, call_id, r); });
+  auto shared = std::make_shared<Bytes>(std::move(payload));
+  const int caller = connection->peer_rank;
+  if (!pool_.post([this, caller, deadline, function = std::move(function), shared, reply] {
+        run_handler(caller, deadline, function, std::move(*shared), reply);
+      })) {
+    reply.fail(FailureKind::kShutdown, who(options_.rank) + " is shutting down");
+  }
+}
+
+void Agent::run_handler(int caller_rank, net::Deadline deadline, const std::string& function,
+                        Bytes payload, const CallPromise& reply) {
+  Handler handler;
+  {
+    std::shared_lock lock(handlers_mutex_);
+    auto it = handlers_.find(function);
+    if (it == handlers_.end()) {
+      std::string known;
+      for (const auto& [name, unused] : handlers_)
+        known += (known.empty() ? "" : ", ") + name;
+      reply.fail(FailureKind::kUnknownFunction,
+                 fmt::format("{} has no function '{}' registered (it has: {}); register it on "
+                             "every worker before calling it",
+                             who(options_.rank), function, known.empty() ? "none" : known));
+      return;
+    }
+    handler = it->second;
+  }
+  if (net::Clock::now() >= deadline) {
+    reply.fail(FailureKind::kTimeout,
+               fmt::format("its deadline passed before it ran on {}", who(options_.rank)));
+    return;
+  }
+  try {
+    handler(CallerInfo{caller_rank, workers_[static_cast<std::size_t>(caller_rank)].name, deadline},
+            std::move(payload), reply);
+  } catch (...) {
+    const std::string type = current_exception_type();
+    std::string what = "(not a std::exception)";
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    reply.fail(FailureKind::kRemoteException,
+               fmt::format("{} threw {}: {}", who(options_.rank), type, what), type);
+  }
+}
+
+void Agent::send_reply(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
+                       const Reply& reply) {
+  if (connection->broken) return;  // the caller is gone: nobody to answer
+  FrameHeader header{reply.ok() ? FrameKind::kReply : FrameKind::kFailure, call_id, 0, 0, 0};
+  std::string name;
+  Bytes message;
+  const Bytes* payload = &reply.payload;
+  if (!reply.ok()) {
+    name.push_back(static_cast<char>(reply.failure->kind));
+    name += reply.failure->type_name.substr(0, limits_.max_name_bytes - 1);
+    message.assign(reply.failure->message.begin(), reply.failure->message.end());
+    payload = &message;
+  }
+  header.name_bytes = static_cast<std::uint32_t>(name.size());
+  header.payload_bytes = payload->size();
+  try {
+    send_frame(*connection, header, name, *payload, net::deadline_after(options_.timeout));
+  } catch (const Error& e) {
+    connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
+  }
+}
+
+void Agent::shutdown(Milliseconds timeout) {
+  const net::Deadline deadline = net::deadline_after(timeout);
+  try {
+    {
+      std::unique_lock lock(pending_mutex_);
+      if (!pending_cv_.wait_until(lock, deadline, [&] { return pending_.empty(); })) {
+        throw TimeoutError(
+            fmt::format("rpc: shutdown of {}: {} calls of this worker were still "
+                        "waiting after {} ms",
+                        who(options_.rank), pending_.size(), timeout.count()));
+      }
+    }
+    store_.set(fmt::format("{}/done/{}", prefix_, options_.rank), "1");
+    std::vector<std::string> keys;
+    for (int r = 0; r < options_.world_size; ++r)
+      keys.push_back(fmt::format("{}/done/{}", prefix_, r));
+    const auto left = std::chrono::duration_cast<Milliseconds>(deadline - net::Clock::now());
+    store_.wait(keys, std::max(left, Milliseconds(1)));
+  } catch (...) {
+    stop();
+    throw;
+  }
+  stop();
+}
+
+void Agent::stop() {
+  std::call_once(stopped_, [&] {
+    stopping_ = true;
+    if (acceptor_.joinable()) acceptor_.join();
+    std::vector<std::shared_ptr<Connection>> connections;
+    {
+      std::lock_guard lock(connections_mutex_);
+      connections = all_connections_;
+    }
+    for (auto& c : connections) {
+      c->broken = true;
+      net::shutdown_socket(c->socket.fd(), net::ShutdownHow::kBoth);
+    }
+    for (auto& c : connections) {
+      if (c->thread.joinable()) c->thread.join();
+    }
+    std::vector<std::uint64_t> ids;
+    {
+      std::lock_guard lock(pending_mutex_);
+      for (const auto& entry : pending_)
+        ids.push_back(entry.first);
+      timer_stop_ = true;
+    }
+    timer_cv_.notify_all();
+    if (timer_.joinable()) timer_.join();
+    for (std::uint64_t id : ids)
+      fail_call(id, FailureKind::kShutdown, "this worker's RPC was stopped");
+    pool_.stop();
+    std::lock_guard lock(connections_mutex_);
+    outbound_.clear();
+    inbound_.clear();
+    all_connections_.clear();
+  });
+}
+
+}  // namespace ddp::rpc

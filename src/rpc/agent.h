@@ -1,0 +1,185 @@
+// The RPC agent: ddp's transport for remote calls between named workers (the role of PyTorch's
+// TensorPipe agent), torch-free. The torch layer's rpc room (src/torch/rpc) puts values, RRefs
+// and distributed autograd on top; this layer moves bytes.
+//
+//   rpc::Agent agent(store, {.name = "ps", .rank = 0, .world_size = 3, .secret = secret});
+//   agent.register_function("echo", [](const CallerInfo&, Bytes in, const CallPromise& reply) {
+//     reply.complete({std::move(in)});
+//   });
+//   CallFuture f = agent.call(1, "echo", bytes, 5s);      // never blocks on the peer
+//   const Reply& r = f.wait();                            // r.failure names what went wrong
+//   agent.shutdown(30s);                                  // every worker, together
+//
+// Start-up (the constructor) publishes this worker in the store, checks that the workers agree
+// (names unique, one world size) and connects every worker to every other, each connection
+// opened by a handshake that authenticates it with the job's secret (handshake.h). Each worker
+// then holds one connection per peer for its own calls (their replies come back on it) and one
+// from each peer for the peer's calls.
+//
+// Calls: every call has a deadline; a timer fails it with kTimeout when it passes, whatever the
+// callee does. A connection that closes or breaks fails every call waiting on it with
+// kWorkerGone naming the worker, and later calls to that worker fail at once. Requests run on a
+// pool of `threads` threads; a handler completes its reply (from any thread, now or later); an
+// exception out of a handler is sent back as kRemoteException with its type and text; a call of
+// a name the callee never registered is kUnknownFunction naming what it has. A call to oneself
+// runs the handler here, without a connection.
+//
+// Reading: every frame's header is checked (frame.h) before its lengths are trusted; a peer that
+// breaks the protocol loses its connection (its calls fail with kProtocol), nothing else. A
+// connection that does not pass the handshake within `timeout` is closed.
+//
+// shutdown() is graceful and collective: it waits for this worker's calls to complete, then for
+// every worker to reach the same point (through the store), then stops. stop() (and the
+// destructor) stop at once, failing what is still waiting with kShutdown.
+//
+// Threads: every member may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "ddp/store.h"
+#include "ddp/timeouts.h"
+#include "net/socket.h"
+#include "rpc/call_future.h"
+#include "rpc/frame.h"
+#include "rpc/handshake.h"
+#include "rpc/task_pool.h"
+#include "rpc/worker_directory.h"
+
+namespace ddp::rpc {
+
+struct AgentOptions {
+  std::string name;
+  int rank = 0;
+  int world_size = 1;
+  // The address the other workers reach this one at ("" = this host's name), and the address to
+  // listen on ("" = every address).
+  std::string host;
+  std::string bind_host;
+  std::string secret;  // "" = no authentication
+  // Start-up, each handshake, a frame's bytes once it started, and the shut-down's wait.
+  Milliseconds timeout = kDefaultTimeout;
+  std::uint64_t max_message_bytes = std::uint64_t{1} << 30;
+  int threads = 16;
+  // Keys in the store: <prefix>/<instance>/...; the instance counts this process's agents, so a
+  // job that starts RPC again after a shut-down (every worker alike) gets fresh keys.
+  std::string store_prefix = "rpc";
+};
+
+struct CallerInfo {
+  int rank = 0;
+  std::string name;
+  net::Deadline deadline;  // the caller's deadline, as far as this worker's clock knows
+};
+
+using Handler =
+    std::function<void(const CallerInfo& caller, Bytes request, const CallPromise& reply)>;
+
+class Agent {
+ public:
+  Agent(Store& store, AgentOptions options);
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  // Registers (or replaces) the function `name`. Calls that arrive before it is registered get
+  // kUnknownFunction.
+  void register_function(const std::string& name, Handler handler);
+
+  const WorkerInfo& self() const { return workers_[static_cast<std::size_t>(options_.rank)]; }
+  const std::vector<WorkerInfo>& workers() const { return workers_; }
+  const WorkerInfo* find_worker(std::string_view name) const;
+
+  CallFuture call(int to_rank, const std::string& function, Bytes payload, Milliseconds timeout);
+
+  // Runs `task` on the agent's pool (false once stopped).
+  bool post(std::function<void()> task) { return pool_.post(std::move(task)); }
+  Executor executor();
+
+  // Neither from a handler or a callback (they run on the pool these join).
+  void shutdown(Milliseconds timeout);
+  void stop();
+
+  // Calls of this worker not yet complete.
+  std::size_t pending_calls() const;
+  // Why the connection to `rank` broke ("" while it is up).
+  std::string broken_reason(int rank) const;
+  // Connections refused or closed for breaking the protocol, for tests and logs.
+  std::int64_t refused_connections() const { return refused_.load(); }
+
+ private:
+  struct Connection;
+  struct Pending {
+    CallPromise promise;
+    int to_rank = 0;
+    std::string function;
+    Milliseconds timeout{0};
+    std::multimap<net::Deadline, std::uint64_t>::iterator deadline_entry;
+  };
+
+  void accept_loop();
+  void reap_finished();
+  void complete_call(std::uint64_t call_id, int from_rank, const Reply& reply);
+  void serve_inbound(std::shared_ptr<Connection> connection);
+  void read_frames(const std::shared_ptr<Connection>& connection);
+  void connection_failed(Connection& connection, const std::string& reason, FailureKind kind);
+  void dispatch(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
+                std::uint32_t timeout_ms, std::string function, Bytes payload);
+  void run_handler(int caller_rank, net::Deadline deadline, const std::string& function,
+                   Bytes payload, const CallPromise& reply);
+  void send_frame(Connection& connection, const FrameHeader& header, std::string_view name,
+                  const Bytes& payload, net::Deadline deadline);
+  void send_reply(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
+                  const Reply& reply);
+  void timer_loop();
+  void fail_call(std::uint64_t call_id, FailureKind kind, const std::string& message);
+  std::string who(int rank) const;
+
+  Store& store_;
+  AgentOptions options_;
+  std::string prefix_;
+  HandshakeSelf handshake_self_;
+  FrameLimits limits_;
+  std::vector<WorkerInfo> workers_;
+  TaskPool pool_;
+
+  net::Socket listener_;
+  std::thread acceptor_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<std::int64_t> refused_{0};
+
+  mutable std::mutex connections_mutex_;
+  std::condition_variable connections_cv_;
+  std::vector<std::shared_ptr<Connection>> outbound_;  // by rank; null for self
+  std::vector<std::shared_ptr<Connection>> inbound_;   // by rank, once its handshake passed
+  std::vector<std::shared_ptr<Connection>> all_connections_;
+  std::vector<std::string> broken_;  // by rank
+  int handshakes_running_ = 0;
+
+  mutable std::shared_mutex handlers_mutex_;
+  std::map<std::string, Handler, std::less<>> handlers_;
+
+  mutable std::mutex pending_mutex_;
+  std::condition_variable pending_cv_;
+  std::unordered_map<std::uint64_t, Pending> pending_;
+  std::uint64_t next_call_id_ = 1;
+  std::multimap<net::Deadline, std::uint64_t> deadlines_;
+  std::condition_variable timer_cv_;
+  bool timer_stop_ = false;
+  std::thread timer_;
+  std::once_flag stopped_;
+};
+
+}  // namespace ddp::rpc

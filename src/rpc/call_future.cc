@@ -1,0 +1,91 @@
+#include "rpc/call_future.h"
+
+#include <cstdio>
+#include <exception>
+
+namespace ddp::rpc {
+
+std::string to_string(FailureKind kind) {
+  switch (kind) {
+    case FailureKind::kRemoteException:
+      return "remote exception";
+    case FailureKind::kUnknownFunction:
+      return "unknown function";
+    case FailureKind::kWorkerGone:
+      return "worker gone";
+    case FailureKind::kTimeout:
+      return "timeout";
+    case FailureKind::kShutdown:
+      return "shut down";
+    case FailureKind::kProtocol:
+      return "protocol error";
+    case FailureKind::kUnknownWorker:
+      return "unknown worker";
+    case FailureKind::kCallerError:
+      return "refused by the caller";
+  }
+  return "failure " + std::to_string(static_cast<int>(kind));
+}
+
+bool CallFuture::done() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->done;
+}
+
+const Reply& CallFuture::wait() const& {
+  std::unique_lock lock(state_->mutex);
+  state_->cv.wait(lock, [&] { return state_->done; });
+  return state_->reply;
+}
+
+void CallFuture::then(std::function<void(const Reply&)> callback) const {
+  {
+    std::lock_guard lock(state_->mutex);
+    if (!state_->done) {
+      state_->callbacks.push_back(std::move(callback));
+      return;
+    }
+  }
+  callback(state_->reply);  // the reply no longer changes once done
+}
+
+CallPromise::CallPromise(Executor executor) : state_(std::make_shared<CallFuture::State>()) {
+  state_->executor = std::move(executor);
+}
+
+bool CallPromise::complete(Reply reply) const {
+  std::vector<std::function<void(const Reply&)>> callbacks;
+  {
+    std::lock_guard lock(state_->mutex);
+    if (state_->done) return false;
+    state_->reply = std::move(reply);
+    state_->done = true;
+    callbacks.swap(state_->callbacks);
+  }
+  state_->cv.notify_all();
+  if (callbacks.empty()) return true;
+  auto state = state_;
+  auto run = [state, callbacks = std::move(callbacks)] {
+    for (const auto& callback : callbacks) {
+      // A callback that throws has nobody to tell but the log: the future it was added to is
+      // complete, and the others must still run.
+      try {
+        callback(state->reply);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "ddp rpc: a callback on a call's future threw: %s\n", e.what());
+      }
+    }
+  };
+  if (state_->executor) {
+    state_->executor(std::move(run));
+  } else {
+    run();
+  }
+  return true;
+}
+
+bool CallPromise::fail(FailureKind kind, std::string message, std::string type_name) const {
+  return complete(Reply{{}, Failure{kind, std::move(type_name), std::move(message)}});
+}
+
+}  // namespace ddp::rpc

@@ -1,0 +1,93 @@
+// The result of one RPC as the transport sees it (internal; agent.h): bytes, or a failure that
+// says what kind of failure it was. A CallPromise completes once; its CallFuture waits for it or
+// runs callbacks after it. The agent completes every future it hands out by the call's deadline at
+// the latest (a timer fails the calls whose deadline passed), so wait() never waits forever.
+//
+// Threads: any thread may wait, add callbacks and complete. Callbacks added before completion
+// run on the executor given to the promise (never on the thread reading the connection, which a
+// callback that blocks would stall); added after completion, at once on the adding thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ddp::rpc {
+
+using Bytes = std::vector<std::uint8_t>;
+
+enum class FailureKind : std::uint8_t {
+  kRemoteException = 1,  // the function threw: type_name and message are the callee's
+  kUnknownFunction = 2,  // the callee has no function of that name
+  kWorkerGone = 3,       // the connection to the worker closed or failed mid-call
+  kTimeout = 4,          // the call's deadline passed
+  kShutdown = 5,         // the agent was shut down before the call completed
+  kProtocol = 6,         // the peer broke the wire protocol
+  kUnknownWorker = 7,    // no worker of that name or rank
+  kCallerError = 8,      // refused before sending (e.g. a message over the limit)
+};
+
+std::string to_string(FailureKind kind);
+
+struct Failure {
+  FailureKind kind = FailureKind::kRemoteException;
+  std::string type_name;  // kRemoteException: the callee's exception type
+  std::string message;    // the whole text, naming the worker and the function
+};
+
+struct Reply {
+  Bytes payload;
+  std::optional<Failure> failure = std::nullopt;
+  bool ok() const { return !failure.has_value(); }
+};
+
+using Executor = std::function<void(std::function<void()>)>;
+
+class CallFuture {
+ public:
+  CallFuture() = default;
+  bool valid() const { return state_ != nullptr; }
+  bool done() const;
+  // Blocks until the call completes; the reply stays readable as long as the future lives. On a
+  // temporary (`agent.call(...).wait()`) a copy, which outlives it.
+  const Reply& wait() const&;
+  Reply wait() && { return static_cast<const CallFuture&>(*this).wait(); }
+  void then(std::function<void(const Reply&)> callback) const;
+
+ private:
+  friend class CallPromise;
+  struct State;
+  explicit CallFuture(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+class CallPromise {
+ public:
+  CallPromise() = default;
+  explicit CallPromise(Executor executor);
+  CallFuture future() const { return CallFuture(state_); }
+  // Completes the call; false (and nothing changes) when it had completed already, which is how
+  // a reply that arrives after its deadline's failure is dropped.
+  bool complete(Reply reply) const;
+  bool fail(FailureKind kind, std::string message, std::string type_name = {}) const;
+  bool valid() const { return state_ != nullptr; }
+
+ private:
+  std::shared_ptr<CallFuture::State> state_;
+};
+
+struct CallFuture::State {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  Reply reply;
+  std::vector<std::function<void(const Reply&)>> callbacks;
+  Executor executor;
+};
+
+}  // namespace ddp::rpc

@@ -1,0 +1,44 @@
+// A fixed set of threads running queued tasks in order of arrival (internal; agent.h): where the
+// agent runs handlers and the callbacks of completed calls, so the threads reading connections
+// never run user code. stop() lets the queued tasks finish, then joins.
+//
+// A task that blocks holds its thread: handlers that wait on calls of their own should be few or
+// return at once and complete their reply from a callback (docs/rpc.md).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ddp::rpc {
+
+class TaskPool {
+ public:
+  explicit TaskPool(int threads);
+  ~TaskPool();
+  TaskPool(const TaskPool&) = delete;
+  TaskPool& operator=(const TaskPool&) = delete;
+
+  // Queues a task; false (and the task is dropped) after stop().
+  bool post(std::function<void()> task);
+  // Runs what is queued, then joins every thread. Idempotent; not from a pool thread.
+  void stop();
+  // Tasks queued or running.
+  std::size_t busy() const;
+
+ private:
+  void run();
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  std::size_t running_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace ddp::rpc
