@@ -342,8 +342,10 @@ void Agent::timer_loop() {
       continue;
     }
     auto first = deadlines_.begin();
-    if (net::Clock::now() < first->first) {
-      timer_cv_.wait_until(lock, first->first);
+    // A copy: the entry may be erased (its call completed) while this thread waits.
+    const net::Deadline earliest = first->first;
+    if (net::Clock::now() < earliest) {
+      timer_cv_.wait_until(lock, earliest);
       continue;
     }
     const std::uint64_t id = first->second;
