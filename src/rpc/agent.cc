@@ -16,7 +16,7 @@
 #include "ddp/error.h"
 #include "net/fd_io.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 namespace {
 
 using namespace std::chrono_literals;
@@ -656,4 +656,4 @@ void Agent::stop() {
   });
 }
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

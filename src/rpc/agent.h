@@ -2,8 +2,9 @@
 // TensorPipe agent), torch-free. The torch layer's rpc room (src/torch/rpc) puts values, RRefs
 // and distributed autograd on top; this layer moves bytes.
 //
-//   rpc::Agent agent(store, {.name = "ps", .rank = 0, .world_size = 3, .secret = secret});
-//   agent.register_function("echo", [](const CallerInfo&, Bytes in, const CallPromise& reply) {
+//   rpc::transport::Agent agent(store, {.name = "ps", .rank = 0, .world_size = 3, .secret =
+//   secret}); agent.register_function("echo", [](const CallerInfo&, Bytes in, const CallPromise&
+//   reply) {
 //     reply.complete({std::move(in)});
 //   });
 //   CallFuture f = agent.call(1, "echo", bytes, 5s);      // never blocks on the peer
@@ -58,7 +59,7 @@
 #include "rpc/task_pool.h"
 #include "rpc/worker_directory.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 
 struct AgentOptions {
   std::string name;
@@ -182,4 +183,4 @@ class Agent {
   std::once_flag stopped_;
 };
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <exception>
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 
 std::string to_string(FailureKind kind) {
   switch (kind) {
@@ -88,4 +88,4 @@ bool CallPromise::fail(FailureKind kind, std::string message, std::string type_n
   return complete(Reply{{}, Failure{kind, std::move(type_name), std::move(message)}});
 }
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 
 using Bytes = std::vector<std::uint8_t>;
 
@@ -90,4 +90,4 @@ struct CallFuture::State {
   Executor executor;
 };
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -8,7 +8,7 @@
 
 #include "ddp/error.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 namespace {
 
 template <typename T>
@@ -88,4 +88,4 @@ FrameHeader decode_frame_header(const std::uint8_t* bytes, const FrameLimits& li
   return header;
 }
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <string>
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 
 inline constexpr std::uint32_t kFrameMagic = 0x43505244;  // "DRPC"
 inline constexpr std::uint8_t kFrameVersion = 1;
@@ -47,4 +47,4 @@ std::array<std::uint8_t, kFrameHeaderBytes> encode_frame_header(const FrameHeade
 FrameHeader decode_frame_header(const std::uint8_t* bytes, const FrameLimits& limits,
                                 const std::string& peer);
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -10,7 +10,7 @@
 #include "auth/hmac.h"
 #include "ddp/error.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 namespace {
 
 constexpr std::uint32_t kHelloMagic = 0x48505244;  // "DRPH"
@@ -192,4 +192,4 @@ int handshake_as_callee(net::Socket& socket, const HandshakeSelf& self,
   return hello.caller_rank;
 }
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -22,7 +22,7 @@
 
 #include "net/socket.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 
 struct HandshakeSelf {
   std::string session;
@@ -43,4 +43,4 @@ int handshake_as_callee(net::Socket& socket, const HandshakeSelf& self,
                         const std::function<std::string(int)>& name_of_rank,
                         net::Deadline deadline);
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <exception>
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 
 TaskPool::TaskPool(int threads) {
   threads_.reserve(static_cast<std::size_t>(threads));
@@ -64,4 +64,4 @@ void TaskPool::run() {
   }
 }
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 
 class TaskPool {
  public:
@@ -41,4 +41,4 @@ class TaskPool {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

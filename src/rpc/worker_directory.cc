@@ -7,7 +7,7 @@
 
 #include "ddp/error.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 namespace {
 
 bool allowed(char c) {
@@ -82,4 +82,4 @@ std::vector<WorkerInfo> exchange_workers(Store& store, const std::string& prefix
   return workers;
 }
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -12,7 +12,7 @@
 #include "ddp/store.h"
 #include "ddp/timeouts.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 
 struct WorkerInfo {
   std::string name;
@@ -34,4 +34,4 @@ std::vector<WorkerInfo> exchange_workers(Store& store, const std::string& prefix
                                          const WorkerInfo& self, int world_size,
                                          Milliseconds timeout);
 
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -20,7 +20,7 @@
 #include "rpc/agent.h"
 #include "support/multiprocess.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 namespace {
 
 using namespace std::chrono_literals;
@@ -326,4 +326,4 @@ TEST(RpcAgent, AStrangersBytesCostItsConnectionAndNothingElse) {
 }
 
 }  // namespace
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

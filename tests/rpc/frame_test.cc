@@ -8,7 +8,7 @@
 #include "rpc/frame.h"
 #include "rpc/worker_directory.h"
 
-namespace ddp::rpc {
+namespace ddp::rpc::transport {
 namespace {
 
 std::string refusal(std::array<std::uint8_t, kFrameHeaderBytes> bytes, FrameLimits limits = {}) {
@@ -69,4 +69,4 @@ TEST(RpcWorkerName, LettersDigitsAndSomePunctuationOnly) {
 }
 
 }  // namespace
-}  // namespace ddp::rpc
+}  // namespace ddp::rpc::transport

@@ -80,7 +80,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   std::thread worker0([store, rendezvous] {
     try {
-      ddp::rpc::AgentOptions options;
+      ddp::rpc::transport::AgentOptions options;
       options.name = "w0";
       options.rank = 0;
       options.world_size = 2;
@@ -88,10 +88,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       options.bind_host = "127.0.0.1";
       options.timeout = 2000ms;
       options.threads = 2;
-      ddp::rpc::Agent agent(*store, options);
+      ddp::rpc::transport::Agent agent(*store, options);
       agent.register_function(
-          "echo", [](const ddp::rpc::CallerInfo&, ddp::rpc::Bytes in,
-                     const ddp::rpc::CallPromise& reply) { reply.complete({std::move(in)}); });
+          "echo",
+          [](const ddp::rpc::transport::CallerInfo&, ddp::rpc::transport::Bytes in,
+             const ddp::rpc::transport::CallPromise& reply) { reply.complete({std::move(in)}); });
       std::unique_lock lock(rendezvous->mutex);
       rendezvous->cv.wait_for(lock, 10s, [&] { return rendezvous->input_done; });
     } catch (const ddp::Error&) {
@@ -114,14 +115,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     port0 = rendezvous->port;
   }
   store->set(prefix + "/worker/1", fmt::format("w1\n127.0.0.1\n{}\n2", my_port));
-  const ddp::rpc::HandshakeSelf self{session, 2, 1, "w1", ""};
+  const ddp::rpc::transport::HandshakeSelf self{session, 2, 1, "w1", ""};
 
   // Worker 0's own connection to worker 1, answered as worker 1 would; then held open until
   // worker 0 closes it.
   std::thread answer([&listener, self] {
     try {
       ddp::net::Socket s = ddp::net::accept_tcp(listener, ddp::net::deadline_after(5s));
-      ddp::rpc::handshake_as_callee(
+      ddp::rpc::transport::handshake_as_callee(
           s, self, [](int r) { return "w" + std::to_string(r); }, ddp::net::deadline_after(5s));
       char sink[4096];
       while (s.wait_readable(ddp::net::deadline_after(15s))) {
@@ -136,7 +137,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     ddp::net::Socket socket =
         ddp::net::connect_tcp("127.0.0.1", port0, ddp::net::deadline_after(5s));
     if (after_handshake) {
-      ddp::rpc::handshake_as_caller(socket, self, 0, "w0", ddp::net::deadline_after(5s));
+      ddp::rpc::transport::handshake_as_caller(socket, self, 0, "w0", ddp::net::deadline_after(5s));
     }
     if (!ddp::fuzz::send_and_drain(socket.fd(), data, size, 5000ms, 50ms)) {
       ddp::fuzz::report_hang("worker 0");
@@ -147,7 +148,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       ddp::net::Socket proper =
           ddp::net::connect_tcp("127.0.0.1", port0, ddp::net::deadline_after(5s));
       try {
-        ddp::rpc::handshake_as_caller(proper, self, 0, "w0", ddp::net::deadline_after(5s));
+        ddp::rpc::transport::handshake_as_caller(proper, self, 0, "w0",
+                                                 ddp::net::deadline_after(5s));
       } catch (const ddp::Error&) {
       }
     }
