@@ -54,3 +54,5 @@
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 // parallel/pipeline
 #include "ddp/torch/parallel/pipeline/pipeline.h"
+
+#include "ddp/torch/rpc/rpc.h"

@@ -1,0 +1,200 @@
+// ddp::rpc (include/ddp/torch/rpc/rpc.h) in real processes over a real TCP store: rpc_sync and
+// rpc_async on tensors and plain values, every failure as RpcError of its kind or TimeoutError,
+// and init_rpc's refusals.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "ddp/tcp_store.h"
+#include "ddp/torch/rpc/rpc.h"
+#include "support/multiprocess.h"
+#include "support/unity_namespace.h"
+
+namespace ddp {
+namespace {
+namespace DDP_UNITY_ID {
+
+using namespace std::chrono_literals;
+using test::run_ranks;
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
+std::string name_of(int rank) {
+  return rank == 0 ? "ps" : fmt::format("trainer{}", rank);
+}
+
+std::shared_ptr<TcpStore> store_for(int rank, int port) {
+  TcpStoreOptions options;
+  options.is_server = rank == 0;
+  options.timeout = 30s;
+  options.connect_timeout = 30s;
+  return std::make_shared<TcpStore>("127.0.0.1", static_cast<std::uint16_t>(port), options);
+}
+
+rpc::RpcOptions options_for(std::shared_ptr<Store> store, int rank, int world) {
+  rpc::RpcOptions options;
+  options.store = std::move(store);
+  options.rank = rank;
+  options.world_size = world;
+  options.advertise_host = "127.0.0.1";
+  options.bind_host = "127.0.0.1";
+  options.timeout = 20s;
+  return options;
+}
+
+void register_test_functions() {
+  rpc::register_function("add", [](const std::vector<c10::IValue>& args) {
+    return c10::IValue(args.at(0).toTensor() + args.at(1).toTensor());
+  });
+  rpc::register_function("echo", [](const std::vector<c10::IValue>& args) {
+    return c10::IValue(c10::ivalue::Tuple::create(args));
+  });
+  rpc::register_function("throw", [](const std::vector<c10::IValue>&) -> c10::IValue {
+    throw std::out_of_range("index 7 is past the end");
+  });
+  rpc::register_function("sleep", [](const std::vector<c10::IValue>& args) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(args.at(0).toInt()));
+    return c10::IValue();
+  });
+  rpc::register_function("whoami", [](const std::vector<c10::IValue>&) {
+    return c10::IValue(rpc::get_worker_info().name);
+  });
+}
+
+template <typename E>
+E expect_throw(const std::function<void()>& call, const std::string& what) {
+  try {
+    call();
+  } catch (const E& e) {
+    return e;
+  }
+  throw std::runtime_error(what + ": did not throw the expected error");
+}
+
+TEST(Rpc, SyncAndAsyncCallsCarryTensorsAndValuesToEveryWorker) {
+  const int port = test::free_port();
+  auto results = run_ranks(3, [&](int rank) {
+    auto store = store_for(rank, port);
+    register_test_functions();
+    rpc::init_rpc(name_of(rank), options_for(store, rank, 3));
+    require(rpc::get_worker_infos().size() == 3, "not three workers");
+    for (int to = 0; to < 3; ++to) {
+      const std::string target = name_of(to);
+      require(rpc::rpc_sync(target, "whoami").toStringRef() == target, "whoami on " + target);
+      auto a = torch::arange(12, torch::kFloat64).reshape({3, 4});
+      auto b = torch::full({3, 4}, 0.5, torch::kFloat64);
+      require(torch::equal(rpc::rpc_sync(target, "add", {a, b}).toTensor(), a + b),
+              "add on " + target);
+    }
+    // Values of every kind RPC carries, views of one storage among them, back unchanged.
+    auto base = torch::randn({4, 6});
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    dict.insert("lr", 0.05);
+    dict.insert("name", std::string("table"));
+    c10::impl::GenericList list(c10::AnyType::get());
+    list.push_back(torch::tensor({1, 2, 3}, torch::kInt64));
+    list.push_back(c10::IValue());
+    std::vector<c10::IValue> args{base.t(),
+                                  base.narrow(1, 2, 3),
+                                  torch::tensor({true, false}),
+                                  torch::randn({2}).to(torch::kBFloat16),
+                                  7,
+                                  2.5,
+                                  true,
+                                  std::string("text"),
+                                  dict,
+                                  list,
+                                  c10::IValue()};
+    const auto echoed =
+        rpc::rpc_sync(name_of((rank + 1) % 3), "echo", args).toTupleRef().elements();
+    require(echoed.size() == args.size(), "echo lost arguments");
+    require(torch::equal(echoed[0].toTensor(), base.t()), "a transposed view");
+    require(torch::equal(echoed[1].toTensor(), base.narrow(1, 2, 3)), "a narrowed view");
+    require(torch::equal(echoed[2].toTensor(), args[2].toTensor()), "a bool tensor");
+    require(torch::equal(echoed[3].toTensor(), args[3].toTensor()), "a bfloat16 tensor");
+    require(echoed[4].toInt() == 7 && echoed[5].toDouble() == 2.5 && echoed[6].toBool() &&
+                echoed[7].toStringRef() == "text" && echoed[10].isNone(),
+            "plain values");
+    const auto back = echoed[8].toGenericDict();
+    require(back.at("lr").toDouble() == 0.05 && back.at("name").toStringRef() == "table", "a dict");
+    require(torch::equal(echoed[9].toListRef()[0].toTensor(), torch::tensor({1, 2, 3})) &&
+                echoed[9].toListRef()[1].isNone(),
+            "a list");
+
+    std::vector<rpc::FuturePtr> futures;
+    for (int i = 0; i < 200; ++i) {
+      futures.push_back(
+          rpc::rpc_async(name_of(i % 3), "add", {torch::full({2}, i), torch::ones({2})}));
+    }
+    for (int i = 0; i < 200; ++i) {
+      futures[static_cast<std::size_t>(i)]->wait();
+      require(torch::equal(futures[static_cast<std::size_t>(i)]->value().toTensor(),
+                           torch::full({2}, i + 1.0)),
+              fmt::format("async call {}", i));
+    }
+    rpc::shutdown();
+    require(!rpc::is_initialized(), "RPC still running after shutdown");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Rpc, EveryFailureIsItsOwnErrorNamingTheWorkerAndTheFunction) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = store_for(rank, port);
+    register_test_functions();
+    rpc::init_rpc(name_of(rank), options_for(store, rank, 2));
+    const std::string peer = name_of(1 - rank);
+
+    const auto thrown =
+        expect_throw<rpc::RpcError>([&] { rpc::rpc_sync(peer, "throw"); }, "a throwing function");
+    require(thrown.kind() == rpc::RpcErrorKind::kRemoteException &&
+                thrown.remote_type() == "std::out_of_range" &&
+                std::string(thrown.what()).find("index 7 is past the end") != std::string::npos &&
+                std::string(thrown.what()).find("'" + peer + "'") != std::string::npos,
+            std::string("the remote exception: ") + thrown.what());
+
+    const auto unknown = expect_throw<rpc::RpcError>(
+        [&] { rpc::rpc_sync(peer, "no_such_function"); }, "an unknown function");
+    require(unknown.kind() == rpc::RpcErrorKind::kUnknownFunction, unknown.what());
+
+    const auto nobody =
+        expect_throw<rpc::RpcError>([&] { rpc::rpc_sync("nobody", "echo"); }, "an unknown worker");
+    require(nobody.kind() == rpc::RpcErrorKind::kUnknownWorker &&
+                std::string(nobody.what()).find("trainer1") != std::string::npos,
+            nobody.what());
+
+    const auto late = expect_throw<TimeoutError>(
+        [&] { rpc::rpc_sync(peer, "sleep", {1500}, 200ms); }, "a call past its deadline");
+    require(std::string(late.what()).find("200 ms") != std::string::npos, late.what());
+
+    // A value RPC does not carry is refused on the caller, naming the function.
+    const auto sparse = expect_throw<Error>(
+        [&] { rpc::rpc_sync(peer, "echo", {torch::eye(3).to_sparse()}); }, "a sparse tensor");
+    require(std::string(sparse.what()).find("'echo'") != std::string::npos, sparse.what());
+
+    const auto twice = expect_throw<ConfigError>(
+        [&] { rpc::init_rpc("again", options_for(store, rank, 2)); }, "a second init_rpc");
+    require(std::string(twice.what()).find("runs already") != std::string::npos, twice.what());
+
+    std::this_thread::sleep_for(1500ms);  // the sleeping call ends before the shut-down
+    rpc::shutdown();
+    const auto after =
+        expect_throw<rpc::RpcError>([&] { rpc::rpc_sync(peer, "echo"); }, "a call after shutdown");
+    require(after.kind() == rpc::RpcErrorKind::kNotInitialized, after.what());
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+}  // namespace DDP_UNITY_ID
+}  // namespace
+}  // namespace ddp
