@@ -56,3 +56,4 @@
 #include "ddp/torch/parallel/pipeline/pipeline.h"
 
 #include "ddp/torch/rpc/rpc.h"
+#include "ddp/torch/rpc/rref.h"

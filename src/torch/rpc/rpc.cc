@@ -8,14 +8,19 @@
 
 #include <fmt/format.h>
 
+#include <cxxabi.h>
 #include "ddp/job_secret.h"
+
 #include "rpc/agent.h"
+#include "torch/rpc/rpc_internal.h"
 #include "torch/rpc/rpc_values.h"
 
 namespace ddp::rpc {
 namespace {
 
 namespace transport = ddp::rpc::transport;
+using detail::decode_message;
+using detail::encode_message;
 
 struct RpcState {
   std::mutex mutex;
@@ -30,7 +35,11 @@ RpcState& state() {
   return *s;
 }
 
-std::shared_ptr<transport::Agent> running_agent(Milliseconds* timeout = nullptr) {
+}  // namespace
+
+namespace detail {
+
+std::shared_ptr<transport::Agent> running_agent(Milliseconds* timeout) {
   auto& s = state();
   std::lock_guard lock(s.mutex);
   if (timeout != nullptr) *timeout = s.timeout;
@@ -65,6 +74,37 @@ RpcErrorKind kind_of(transport::FailureKind kind) {
   return RpcErrorKind::kProtocol;
 }
 
+std::shared_ptr<transport::Agent> agent_if_running() {
+  auto& s = state();
+  std::lock_guard lock(s.mutex);
+  return s.agent;
+}
+
+Function find_function(const std::string& name) {
+  auto& s = state();
+  std::lock_guard lock(s.mutex);
+  auto it = s.functions.find(name);
+  return it == s.functions.end() ? Function() : it->second;
+}
+
+std::pair<std::string, std::string> describe_current_exception() {
+  std::string type = "unknown";
+  if (const std::type_info* info = abi::__cxa_current_exception_type()) {
+    int status = 0;
+    char* demangled = abi::__cxa_demangle(info->name(), nullptr, nullptr, &status);
+    type = status == 0 && demangled != nullptr ? demangled : info->name();
+    std::free(demangled);
+  }
+  std::string what = "(not a std::exception)";
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  return {type, what};
+}
+
 std::exception_ptr error_of(const transport::Failure& failure) {
   if (failure.kind == transport::FailureKind::kTimeout) {
     return std::make_exception_ptr(TimeoutError(failure.message));
@@ -72,6 +112,13 @@ std::exception_ptr error_of(const transport::Failure& failure) {
   return std::make_exception_ptr(
       RpcError(kind_of(failure.kind), failure.message, failure.type_name));
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::error_of;
+using detail::running_agent;
 
 // What runs on the callee: decode, call, encode. A function that throws is reported by the
 // agent (its type and text); arguments it cannot decode are the caller's fault, said so.
@@ -81,7 +128,7 @@ transport::Handler handler_of(const std::string& name, Function function) {
                                                 const transport::CallPromise& reply) {
     c10::IValue args;
     try {
-      args = detail::decode_value(
+      args = decode_message(
           request, fmt::format("rpc: the arguments of '{}' from worker '{}'", name, caller.name));
       if (!args.isTuple()) throw ProtocolError("rpc: the arguments are not a tuple");
     } catch (const std::exception& e) {
@@ -90,7 +137,7 @@ transport::Handler handler_of(const std::string& name, Function function) {
     }
     const auto& elements = args.toTupleRef().elements();
     c10::IValue result = function(std::vector<c10::IValue>(elements.begin(), elements.end()));
-    reply.complete({detail::encode_value(result, fmt::format("rpc: the result of '{}'", name))});
+    reply.complete({encode_message(result, fmt::format("rpc: the result of '{}'", name))});
   };
 }
 
@@ -104,6 +151,11 @@ std::string loopback_or_empty(const std::string& master_addr) {
 
 void register_function(const std::string& name, Function function) {
   if (!function) throw ConfigError("rpc: register_function('" + name + "') without a function");
+  if (name.rfind("__ddp", 0) == 0) {
+    throw ConfigError("rpc: register_function('" + name +
+                      "'): names starting with __ddp are "
+                      "ddp's own (RRefs)");
+  }
   auto& s = state();
   std::lock_guard lock(s.mutex);
   s.functions[name] = function;
@@ -149,6 +201,8 @@ void init_rpc(const std::string& name, RpcOptions options) {
   for (const auto& [function_name, function] : s.functions) {
     agent.functions.emplace_back(function_name, handler_of(function_name, function));
   }
+  for (auto& builtin : detail::rref_functions())
+    agent.functions.push_back(std::move(builtin));
   s.agent = std::make_shared<transport::Agent>(*store, std::move(agent));
   s.store = std::move(store);
   s.timeout = options.timeout;
@@ -167,9 +221,12 @@ void shutdown(bool graceful) {
     throw RpcError(RpcErrorKind::kNotInitialized, "rpc: shutdown() without init_rpc");
   }
   auto forget = [&] {
-    std::lock_guard lock(s.mutex);
-    s.agent.reset();
-    s.store.reset();
+    {
+      std::lock_guard lock(s.mutex);
+      s.agent.reset();
+      s.store.reset();
+    }
+    detail::clear_owned_rrefs();
   };
   try {
     if (graceful) {
@@ -230,8 +287,7 @@ FuturePtr rpc_async(const std::string& to, const std::string& function,
   }
   transport::Bytes payload;
   try {
-    payload =
-        detail::encode_value(c10::ivalue::Tuple::create(std::move(args)),
+    payload = encode_message(c10::ivalue::Tuple::create(std::move(args)),
                              fmt::format("rpc: the arguments of '{}' for '{}'", function, to));
   } catch (...) {
     future->setError(std::current_exception());
@@ -244,7 +300,7 @@ FuturePtr rpc_async(const std::string& to, const std::string& function,
           return;
         }
         try {
-          future->markCompleted(detail::decode_value(
+          future->markCompleted(decode_message(
               reply.payload, fmt::format("rpc: the result of '{}' from '{}'", function, to)));
         } catch (const std::exception& e) {
           future->setError(std::make_exception_ptr(RpcError(RpcErrorKind::kProtocol, e.what())));

@@ -2,8 +2,10 @@
 // rpc_async on tensors and plain values, every failure as RpcError of its kind or TimeoutError,
 // and init_rpc's refusals.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -14,6 +16,7 @@
 
 #include "ddp/tcp_store.h"
 #include "ddp/torch/rpc/rpc.h"
+#include "ddp/torch/rpc/rref.h"
 #include "support/multiprocess.h"
 #include "support/unity_namespace.h"
 
@@ -68,6 +71,29 @@ void register_test_functions() {
   rpc::register_function("whoami", [](const std::vector<c10::IValue>&) {
     return c10::IValue(rpc::get_worker_info().name);
   });
+  rpc::register_function("table", [](const std::vector<c10::IValue>& args) {
+    return c10::IValue(torch::arange(args.at(0).toInt(), torch::kFloat64));
+  });
+  // Takes an RRef and returns the sum of its value, fetched from wherever it lives.
+  rpc::register_function("sum_rref", [](const std::vector<c10::IValue>& args) {
+    return c10::IValue(rpc::RRef::from(args.at(0)).to_here().toTensor().sum().item<double>());
+  });
+  rpc::register_function("owned", [](const std::vector<c10::IValue>&) {
+    return c10::IValue(static_cast<std::int64_t>(rpc::owned_rref_count()));
+  });
+  // Returns an RRef it made itself (owned here): a fork travels back in the result.
+  rpc::register_function("make_rref", [](const std::vector<c10::IValue>&) {
+    return rpc::remote(rpc::get_worker_info().name, "table", {4}).ivalue();
+  });
+}
+
+// Polls `count` until it is `want` (the owner's releases are messages, asynchronous).
+bool eventually(const std::function<std::int64_t()>& count, std::int64_t want) {
+  for (int i = 0; i < 300; ++i) {
+    if (count() == want) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return count() == want;
 }
 
 template <typename E>
@@ -193,6 +219,92 @@ TEST(Rpc, EveryFailureIsItsOwnErrorNamingTheWorkerAndTheFunction) {
     require(after.kind() == rpc::RpcErrorKind::kNotInitialized, after.what());
   });
   EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Rpc, RRefsLiveOnTheirOwnerUntilTheLastForkAnywhereIsReleased) {
+  const int port = test::free_port();
+  auto results = run_ranks(3, [&](int rank) {
+    auto store = store_for(rank, port);
+    register_test_functions();
+    rpc::init_rpc(name_of(rank), options_for(store, rank, 3));
+    auto owned_on_ps = [] { return rpc::rpc_sync("ps", "owned").toInt(); };
+    if (rank == 1) {
+      {
+        rpc::RRef table = rpc::remote("ps", "table", {5});
+        require(table.owner().name == "ps" && !table.is_owner(), "the owner of a remote RRef");
+        require(torch::equal(table.to_here().toTensor(), torch::arange(5, torch::kFloat64)),
+                "to_here");
+        require(table.confirmed_by_owner(), "not confirmed after to_here");
+        // Passed on to a third worker, which fetches it from the owner.
+        require(rpc::rpc_sync("trainer2", "sum_rref", {table.ivalue()}).toDouble() == 10.0,
+                "a forked RRef's value on trainer2");
+        require(owned_on_ps() == 1, "ps owns no value while trainer1 holds an RRef");
+        const auto local =
+            expect_throw<rpc::RpcError>([&] { table.local_value(); }, "local_value off the owner");
+        require(local.kind() == rpc::RpcErrorKind::kRefused, local.what());
+      }
+      require(eventually(owned_on_ps, 0), "ps still owns the value after every fork went");
+
+      // An RRef of this worker's own value, and one that came back in a result.
+      {
+        rpc::RRef mine = rpc::remote("trainer1", "table", {3});
+        require(mine.is_owner() &&
+                    torch::equal(mine.local_value().toTensor(), torch::arange(3, torch::kFloat64)),
+                "an RRef owned here");
+        require(rpc::owned_rref_count() == 1, "trainer1 does not own its value");
+        rpc::RRef back = rpc::RRef::from(rpc::rpc_sync("ps", "make_rref"));
+        require(back.owner().name == "ps" &&
+                    torch::equal(back.to_here().toTensor(), torch::arange(4, torch::kFloat64)),
+                "an RRef returned by a function");
+      }
+      require(eventually([] { return static_cast<std::int64_t>(rpc::owned_rref_count()); }, 0),
+              "trainer1 still owns its value");
+      require(eventually(owned_on_ps, 0), "ps still owns the returned RRef's value");
+
+      // Failures come out of to_here, by name.
+      const auto unknown = expect_throw<rpc::RpcError>(
+          [&] { rpc::remote("ps", "no_such_function").to_here(); }, "remote of nothing");
+      require(unknown.kind() == rpc::RpcErrorKind::kUnknownFunction, unknown.what());
+      const auto thrown = expect_throw<rpc::RpcError>([&] { rpc::remote("ps", "throw").to_here(); },
+                                                      "remote of a throwing function");
+      require(thrown.kind() == rpc::RpcErrorKind::kRemoteException &&
+                  thrown.remote_type() == "std::out_of_range",
+              thrown.what());
+      require(eventually(owned_on_ps, 0), "ps keeps the failed function's value");
+      store->set("rrefs/done", "1");
+    }
+    store->get("rrefs/done", 60s);
+    rpc::shutdown();
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Rpc, AnRRefOfAWorkerThatDiedFailsByNameAndNeverHangs) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = store_for(rank, port);
+    register_test_functions();
+    rpc::init_rpc(name_of(rank), options_for(store, rank, 2));
+    if (rank == 1) {
+      rpc::RRef table = rpc::remote("ps", "table", {5});
+      table.to_here();
+      store->set("dead/ready", "1");
+      store->get("dead/gone", 30s);
+      std::this_thread::sleep_for(200ms);
+      const auto gone =
+          expect_throw<rpc::RpcError>([&] { table.to_here(); }, "to_here of a dead owner");
+      require(gone.kind() == rpc::RpcErrorKind::kWorkerGone &&
+                  std::string(gone.what()).find("'ps'") != std::string::npos,
+              gone.what());
+      rpc::shutdown(/*graceful=*/false);
+      return;
+    }
+    store->get("dead/ready", 30s);
+    store->set("dead/gone", "1");
+    std::this_thread::sleep_for(100ms);  // the store (rank 0's) answers that before it goes
+    ::_exit(0);
+  });
+  EXPECT_TRUE(results[1].ok()) << test::describe(results);
 }
 
 }  // namespace DDP_UNITY_ID

@@ -50,6 +50,12 @@ TEST(RpcValues, DamagedMessagesAreNamed) {
   bytes[4] = 9;
   EXPECT_NE(refusal(bytes).find("version 9"), std::string::npos) << refusal(bytes);
   bytes = good;
+  bytes[8] = 2;
+  EXPECT_NE(refusal(bytes).find("unknown flags 0x2"), std::string::npos) << refusal(bytes);
+  bytes = good;
+  bytes[8] = 1;  // RRefs, which a reader without RRefs cannot take
+  EXPECT_NE(refusal(bytes).find("carries RRefs"), std::string::npos) << refusal(bytes);
+  bytes = good;
   bytes.push_back(0);
   EXPECT_NE(refusal(bytes).find("1 bytes follow"), std::string::npos) << refusal(bytes);
   bytes = good;
@@ -57,7 +63,7 @@ TEST(RpcValues, DamagedMessagesAreNamed) {
   EXPECT_NE(refusal(bytes).find("runs past its end"), std::string::npos) << refusal(bytes);
   bytes = good;
   std::uint64_t length = 8;  // the storage's length: 8 bytes are not four floats
-  std::memcpy(bytes.data() + 20, &length, sizeof length);
+  std::memcpy(bytes.data() + 24, &length, sizeof length);
   bytes.resize(bytes.size() - 8);
   EXPECT_NE(refusal(bytes).find("not the 4 elements"), std::string::npos) << refusal(bytes);
   for (std::size_t n = 0; n < good.size(); ++n) {
