@@ -81,10 +81,16 @@ std::shared_ptr<transport::Agent> agent_if_running() {
 }
 
 Function find_function(const std::string& name) {
-  auto& s = state();
-  std::lock_guard lock(s.mutex);
-  auto it = s.functions.find(name);
-  return it == s.functions.end() ? Function() : it->second;
+  {
+    auto& s = state();
+    std::lock_guard lock(s.mutex);
+    auto it = s.functions.find(name);
+    if (it != s.functions.end()) return it->second;
+  }
+  for (auto& [builtin, function] : module_functions()) {
+    if (builtin == name) return function;
+  }
+  return {};
 }
 
 std::pair<std::string, std::string> describe_current_exception() {
@@ -203,6 +209,9 @@ void init_rpc(const std::string& name, RpcOptions options) {
   }
   for (auto& builtin : detail::rref_functions())
     agent.functions.push_back(std::move(builtin));
+  for (auto& [builtin, function] : detail::module_functions()) {
+    agent.functions.emplace_back(builtin, handler_of(builtin, function));
+  }
   s.agent = std::make_shared<transport::Agent>(*store, std::move(agent));
   s.store = std::move(store);
   s.timeout = options.timeout;
@@ -227,6 +236,7 @@ void shutdown(bool graceful) {
       s.store.reset();
     }
     detail::clear_owned_rrefs();
+    detail::clear_modules();
   };
   try {
     if (graceful) {

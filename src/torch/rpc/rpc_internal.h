@@ -32,6 +32,11 @@ std::vector<std::pair<std::string, transport::Handler>> rref_functions();
 // Forgets every value this worker owns (after the agent stopped).
 void clear_owned_rrefs();
 
+// The built-in functions of RemoteModule (remote_module.cc), installed like the user's but under
+// names starting with "__ddp"; and forgetting the modules built here (at shutdown).
+std::vector<std::pair<std::string, Function>> module_functions();
+void clear_modules();
+
 // Encodes a value for a message to another worker, turning every RRef in it into a fork for that
 // worker (told to the owner before this returns), and decodes one, turning the forks back into
 // RRefs held by this worker.

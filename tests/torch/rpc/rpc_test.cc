@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "ddp/tcp_store.h"
+#include "ddp/torch/rpc/remote_module.h"
 #include "ddp/torch/rpc/rpc.h"
 #include "ddp/torch/rpc/rref.h"
 #include "support/multiprocess.h"
@@ -305,6 +306,53 @@ TEST(Rpc, AnRRefOfAWorkerThatDiedFailsByNameAndNeverHangs) {
     ::_exit(0);
   });
   EXPECT_TRUE(results[1].ok()) << test::describe(results);
+}
+
+TEST(Rpc, ARemoteModuleRunsOnItsWorkerAndItsParametersAreRRefsThere) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = store_for(rank, port);
+    register_test_functions();
+    rpc::register_module(
+        "linear",
+        [](const std::vector<c10::IValue>& args) {
+          torch::manual_seed(args.at(2).toInt());
+          return std::make_shared<torch::nn::LinearImpl>(args.at(0).toInt(), args.at(1).toInt());
+        },
+        [](torch::nn::Module& module, const std::vector<c10::IValue>& args) {
+          return c10::IValue(module.as<torch::nn::LinearImpl>()->forward(args.at(0).toTensor()));
+        });
+    rpc::init_rpc(name_of(rank), options_for(store, rank, 2));
+    if (rank == 1) {
+      // Tells rank 0 (which holds the store) to go on even when a check below fails.
+      struct Done {
+        Store& store;
+        ~Done() { store.set("module/done", "1"); }
+      } done{*store};
+      rpc::RemoteModule linear("ps", "linear", {4, 2, 7});
+      const auto x = torch::randn({3, 4});
+      const auto y = linear.forward({x}).toTensor();
+      const auto params = linear.remote_parameters();
+      require(params.size() == 2 && params[0].owner().name == "ps", "two parameters on ps");
+      const auto weight = params[0].to_here().toTensor();
+      const auto bias = params[1].to_here().toTensor();
+      require(
+          weight.sizes() == torch::IntArrayRef({2, 4}) && bias.sizes() == torch::IntArrayRef({2}),
+          "the parameters' shapes");
+      require(torch::allclose(y, torch::addmm(bias, x, weight.t())), "forward ran elsewhere");
+      torch::manual_seed(7);
+      require(torch::equal(weight, torch::nn::Linear(4, 2)->weight),
+              "the module was not built from the factory's seed");
+      const auto unknown = expect_throw<rpc::RpcError>(
+          [&] { rpc::RemoteModule("ps", "no_such_module"); }, "an unknown module kind");
+      require(
+          std::string(unknown.what()).find("no module kind 'no_such_module'") != std::string::npos,
+          unknown.what());
+    }
+    store->get("module/done", 60s);
+    rpc::shutdown();
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 }  // namespace DDP_UNITY_ID
