@@ -132,18 +132,23 @@ transport::Handler handler_of(const std::string& name, Function function) {
   return [name, function = std::move(function)](const transport::CallerInfo& caller,
                                                 transport::Bytes request,
                                                 const transport::CallPromise& reply) {
-    c10::IValue args;
+    detail::Decoded decoded;
     try {
-      args = decode_message(
-          request, fmt::format("rpc: the arguments of '{}' from worker '{}'", name, caller.name));
-      if (!args.isTuple()) throw ProtocolError("rpc: the arguments are not a tuple");
+      decoded = decode_message(
+          request, fmt::format("rpc: the arguments of '{}' from worker '{}'", name, caller.name),
+          caller.rank);
+      if (!decoded.value.isTuple()) throw ProtocolError("rpc: the arguments are not a tuple");
     } catch (const std::exception& e) {
       reply.fail(transport::FailureKind::kBadArguments, e.what());
       return;
     }
-    const auto& elements = args.toTupleRef().elements();
+    // The function and its result's message run in the caller's autograd context, if any: what
+    // it sends and returns records its part of the distributed backward.
+    detail::AutogradContextScope scope(decoded.autograd_context);
+    const auto& elements = decoded.value.toTupleRef().elements();
     c10::IValue result = function(std::vector<c10::IValue>(elements.begin(), elements.end()));
-    reply.complete({encode_message(result, fmt::format("rpc: the result of '{}'", name))});
+    reply.complete(
+        {encode_message(result, fmt::format("rpc: the result of '{}'", name), caller.rank)});
   };
 }
 
@@ -209,6 +214,8 @@ void init_rpc(const std::string& name, RpcOptions options) {
   }
   for (auto& builtin : detail::rref_functions())
     agent.functions.push_back(std::move(builtin));
+  for (auto& builtin : detail::autograd_functions())
+    agent.functions.push_back(std::move(builtin));
   for (auto& [builtin, function] : detail::module_functions()) {
     agent.functions.emplace_back(builtin, handler_of(builtin, function));
   }
@@ -237,6 +244,7 @@ void shutdown(bool graceful) {
     }
     detail::clear_owned_rrefs();
     detail::clear_modules();
+    detail::clear_autograd_contexts();
   };
   try {
     if (graceful) {
@@ -298,20 +306,23 @@ FuturePtr rpc_async(const std::string& to, const std::string& function,
   transport::Bytes payload;
   try {
     payload = encode_message(c10::ivalue::Tuple::create(std::move(args)),
-                             fmt::format("rpc: the arguments of '{}' for '{}'", function, to));
+                             fmt::format("rpc: the arguments of '{}' for '{}'", function, to),
+                             worker->rank);
   } catch (...) {
     future->setError(std::current_exception());
     return future;
   }
   agent->call(worker->rank, function, std::move(payload), timeout.value_or(default_timeout))
-      .then([future, function, to](const transport::Reply& reply) {
+      .then([future, function, to, from = worker->rank](const transport::Reply& reply) {
         if (!reply.ok()) {
           future->setError(error_of(*reply.failure));
           return;
         }
         try {
-          future->markCompleted(decode_message(
-              reply.payload, fmt::format("rpc: the result of '{}' from '{}'", function, to)));
+          future->markCompleted(
+              decode_message(reply.payload,
+                             fmt::format("rpc: the result of '{}' from '{}'", function, to), from)
+                  .value);
         } catch (const std::exception& e) {
           future->setError(std::make_exception_ptr(RpcError(RpcErrorKind::kProtocol, e.what())));
         }

@@ -179,6 +179,8 @@ RRefImpl& impl_of(const c10::intrusive_ptr<c10::RRefInterface>& any) {
   return *impl;
 }
 
+}  // namespace
+
 // Sending an RRef: a fork for the receiver, which the owner knows before the message leaves.
 c10::IValue fork_for_message(const c10::intrusive_ptr<c10::RRefInterface>& any) {
   RRefImpl& impl = impl_of(any);
@@ -217,10 +219,12 @@ c10::IValue rref_from_marker(const c10::ivalue::Tuple& marker) {
   return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(impl)));
 }
 
+namespace {
+
 // The owner's side of to_here(): the value once it is there, or what the function threw.
 void reply_with_value(const FuturePtr& value, const transport::CallPromise& reply,
-                      const std::string& context) {
-  value->addCallback([reply, context](c10::ivalue::Future& done) {
+                      const std::string& context, int caller) {
+  value->addCallback([reply, context, caller](c10::ivalue::Future& done) {
     if (done.hasError()) {
       try {
         std::rethrow_exception(done.exception_ptr());
@@ -233,7 +237,7 @@ void reply_with_value(const FuturePtr& value, const transport::CallPromise& repl
       return;
     }
     try {
-      reply.complete({encode_message(done.value(), context)});
+      reply.complete({encode_message(done.value(), context, caller)});
     } catch (...) {
       const auto [type, what] = describe_current_exception();
       reply.fail(transport::FailureKind::kRemoteException, what, type);
@@ -250,10 +254,12 @@ std::vector<std::pair<std::string, transport::Handler>> rref_functions() {
     std::string name;
     std::vector<c10::IValue> args;
     RRefId id, fork;
+    std::int64_t autograd_context = 0;
     try {
-      const auto t = tuple_elements(
-          decode_message(request, fmt::format("rpc: remote() from '{}'", caller.name)), 6,
-          "remote()'s request");
+      Decoded decoded =
+          decode_message(request, fmt::format("rpc: remote() from '{}'", caller.name), caller.rank);
+      autograd_context = decoded.autograd_context;
+      const auto t = tuple_elements(decoded.value, 6, "remote()'s request");
       if (!t[0].isString()) throw ProtocolError("rpc: remote()'s function is not a string");
       name = t[0].toStringRef();
       const auto& elements = t[1].toTupleRef().elements();
@@ -275,6 +281,7 @@ std::vector<std::pair<std::string, transport::Handler>> rref_functions() {
     add_fork(id, fork);
     reply.complete({});  // the owner holds the caller's fork: its handle is confirmed
     try {
+      AutogradContextScope scope(autograd_context);
       value->markCompleted(function(args));
     } catch (...) {
       const auto [type, what] = describe_current_exception();
@@ -297,7 +304,8 @@ std::vector<std::pair<std::string, transport::Handler>> rref_functions() {
       reply.fail(transport::FailureKind::kBadArguments, e.what());
       return;
     }
-    reply_with_value(owned_value(id), reply, "rpc: an RRef's value for '" + caller.name + "'");
+    reply_with_value(owned_value(id), reply, "rpc: an RRef's value for '" + caller.name + "'",
+                     caller.rank);
   });
   for (const char* name : {kFork, kRelease}) {
     const bool forking = std::string(name) == kFork;
@@ -328,14 +336,6 @@ void clear_owned_rrefs() {
   auto& o = owned();
   std::lock_guard lock(o.mutex);
   o.values.clear();
-}
-
-transport::Bytes encode_message(const c10::IValue& value, const std::string& context) {
-  return encode_value(value, context, fork_for_message);
-}
-
-c10::IValue decode_message(std::span<const std::uint8_t> bytes, const std::string& source) {
-  return decode_value(bytes, source, rref_from_marker);
 }
 
 }  // namespace detail
@@ -397,7 +397,9 @@ c10::IValue RRef::to_here(std::optional<Milliseconds> timeout) const {
           .wait();
   if (!reply.ok()) std::rethrow_exception(detail::error_of(*reply.failure));
   return detail::decode_message(reply.payload,
-                                "rpc: the value of an RRef from '" + impl().ownerName() + "'");
+                                "rpc: the value of an RRef from '" + impl().ownerName() + "'",
+                                impl().owner_rank())
+      .value;
 }
 
 std::size_t owned_rref_count() {
@@ -424,7 +426,7 @@ RRef remote(const std::string& to, const std::string& function, std::vector<c10:
   auto payload = detail::encode_message(
       c10::ivalue::Tuple::create({function, c10::ivalue::Tuple::create(std::move(args)), id.creator,
                                   id.local, fork.creator, fork.local}),
-      fmt::format("rpc: the arguments of remote '{}' on '{}'", function, to));
+      fmt::format("rpc: the arguments of remote '{}' on '{}'", function, to), worker->rank);
   agent->call(worker->rank, detail::kRemote, std::move(payload), timeout.value_or(default_timeout))
       .then([confirmed](const detail::transport::Reply& reply) {
         if (reply.ok()) {

@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "ddp/tcp_store.h"
+#include "ddp/torch/rpc/dist_autograd.h"
 #include "ddp/torch/rpc/remote_module.h"
 #include "ddp/torch/rpc/rpc.h"
 #include "ddp/torch/rpc/rref.h"
@@ -350,6 +351,76 @@ TEST(Rpc, ARemoteModuleRunsOnItsWorkerAndItsParametersAreRRefsThere) {
           unknown.what());
     }
     store->get("module/done", 60s);
+    rpc::shutdown();
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A parameter of the server's, the same on every process (seeded).
+torch::Tensor server_parameter() {
+  static torch::Tensor c = [] {
+    torch::manual_seed(11);
+    return torch::randn({3}, torch::kFloat64).requires_grad_(true);
+  }();
+  return c;
+}
+
+TEST(Rpc, DistributedBackwardCrossesWorkersAndLeavesGradientsInTheContext) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = store_for(rank, port);
+    register_test_functions();
+    rpc::register_function("scale", [](const std::vector<c10::IValue>& args) {
+      return c10::IValue(args.at(0).toTensor() * server_parameter());
+    });
+    rpc::register_function("server_grad", [](const std::vector<c10::IValue>& args) {
+      for (const auto& [tensor, grad] : rpc::dist_autograd::get_gradients(args.at(0).toInt())) {
+        if (tensor.unsafeGetTensorImpl() == server_parameter().unsafeGetTensorImpl()) {
+          return c10::IValue(grad);
+        }
+      }
+      return c10::IValue();
+    });
+    rpc::register_function("contexts", [](const std::vector<c10::IValue>&) {
+      return c10::IValue(static_cast<std::int64_t>(rpc::dist_autograd::context_count()));
+    });
+    rpc::init_rpc(name_of(rank), options_for(store, rank, 2));
+    if (rank == 1) {
+      struct Done {
+        Store& store;
+        ~Done() { store.set("autograd/done", "1"); }
+      } done{*store};
+      torch::manual_seed(3);
+      const auto w = torch::randn({3}, torch::kFloat64).requires_grad_(true);
+      const auto x = torch::randn({3}, torch::kFloat64);
+      const auto c = server_parameter().detach();
+      std::int64_t id = 0;
+      {
+        rpc::dist_autograd::Context context;
+        id = context.id();
+        const auto y = rpc::rpc_sync("ps", "scale", {w * 2}).toTensor();
+        require(y.requires_grad(), "the result of a call on a sent tensor does not require grad");
+        rpc::dist_autograd::backward(context.id(), {(y * x).sum()});
+        const auto grads = rpc::dist_autograd::get_gradients(context.id());
+        require(
+            grads.size() == 1 && grads[0].first.unsafeGetTensorImpl() == w.unsafeGetTensorImpl(),
+            "the trainer's context holds one gradient, w's");
+        require(torch::allclose(grads[0].second, 2 * x * c), "w's gradient crossed two workers");
+        require(!w.grad().defined(), "the distributed backward wrote .grad");
+        const auto server = rpc::rpc_sync("ps", "server_grad", {context.id()}).toTensor();
+        require(torch::allclose(server, 2 * w.detach() * x), "the server parameter's gradient");
+      }
+      require(eventually([] { return rpc::rpc_sync("ps", "contexts").toInt(); }, 0),
+              "the server kept the context after it ended");
+      require(rpc::dist_autograd::context_count() == 0, "the trainer kept its context");
+      const auto ended = expect_throw<rpc::RpcError>(
+          [&] { rpc::dist_autograd::backward(id, {torch::ones({1}, torch::kFloat64)}); },
+          "a backward of an ended context");
+      require(ended.kind() == rpc::RpcErrorKind::kRefused &&
+                  std::string(ended.what()).find(std::to_string(id)) != std::string::npos,
+              ended.what());
+    }
+    store->get("autograd/done", 60s);
     rpc::shutdown();
   });
   EXPECT_ALL_RANKS_OK(results);
