@@ -257,11 +257,12 @@ c10::IValue record_send(const c10::IValue& value, int to_rank) {
       sent.push_back(tensors[i]);
     }
   }
-  if (sent.empty()) return c10::IValue();
-  const std::int64_t message = g_next_message++;
+  // Even with no tensor that requires grad, the receiver learns the context: what it runs and
+  // returns (a module's output, from parameters of its own) belongs to the same backward.
+  const std::int64_t message = sent.empty() ? 0 : g_next_message++;
   {
     std::lock_guard lock(context->mutex);
-    context->sends[message] = std::move(sent);
+    if (!sent.empty()) context->sends[message] = std::move(sent);
     context->workers.insert(to_rank);
   }
   return c10::ivalue::Tuple::create({context->id, message, indices});
@@ -339,8 +340,9 @@ std::vector<std::pair<std::string, transport::Handler>> autograd_functions() {
     local_pass(context, outputs, grads);
     reply.complete({});
   });
-  out.emplace_back(kReleaseContext, [](const transport::CallerInfo& caller, transport::Bytes request,
-                                const transport::CallPromise& reply) {
+  out.emplace_back(kReleaseContext, [](const transport::CallerInfo& caller,
+                                       transport::Bytes request,
+                                       const transport::CallPromise& reply) {
     const c10::IValue decoded = decode_value(request, "rpc: a release from '" + caller.name + "'");
     if (!decoded.isTuple() || decoded.toTupleRef().elements().empty() ||
         !decoded.toTupleRef().elements()[0].isInt()) {

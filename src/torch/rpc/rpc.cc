@@ -90,6 +90,9 @@ Function find_function(const std::string& name) {
   for (auto& [builtin, function] : module_functions()) {
     if (builtin == name) return function;
   }
+  for (auto& [builtin, function] : optimizer_functions()) {
+    if (builtin == name) return function;
+  }
   return {};
 }
 
@@ -219,6 +222,9 @@ void init_rpc(const std::string& name, RpcOptions options) {
   for (auto& [builtin, function] : detail::module_functions()) {
     agent.functions.emplace_back(builtin, handler_of(builtin, function));
   }
+  for (auto& [builtin, function] : detail::optimizer_functions()) {
+    agent.functions.emplace_back(builtin, handler_of(builtin, function));
+  }
   s.agent = std::make_shared<transport::Agent>(*store, std::move(agent));
   s.store = std::move(store);
   s.timeout = options.timeout;
@@ -245,6 +251,7 @@ void shutdown(bool graceful) {
     detail::clear_owned_rrefs();
     detail::clear_modules();
     detail::clear_autograd_contexts();
+    detail::clear_optimizers();
   };
   try {
     if (graceful) {

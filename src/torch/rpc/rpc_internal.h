@@ -38,6 +38,9 @@ void clear_owned_rrefs();
 // names starting with "__ddp"; and forgetting the modules built here (at shutdown).
 std::vector<std::pair<std::string, Function>> module_functions();
 void clear_modules();
+// The same for DistributedOptimizer (distributed_optimizer.cc).
+std::vector<std::pair<std::string, Function>> optimizer_functions();
+void clear_optimizers();
 
 // The RRef hooks of a message's value (rref.cc): an RRef leaving becomes a fork for the receiver
 // (told to its owner first), a marker arriving becomes a handle holding that fork.

@@ -352,6 +352,18 @@ RRef RRef::from(const c10::IValue& value) {
   return RRef(std::move(any));
 }
 
+RRef RRef::local(c10::IValue value) {
+  auto agent = detail::running_agent();
+  const int self = agent->self().rank;
+  const detail::RRefId id = detail::new_id(self), fork = detail::new_id(self);
+  detail::owned_value(id)->markCompleted(std::move(value));
+  detail::add_fork(id, fork);
+  auto confirmed = detail::new_future();
+  confirmed->markCompleted(c10::IValue());
+  return RRef(c10::intrusive_ptr<c10::RRefInterface>(c10::make_intrusive<detail::RRefImpl>(
+      self, agent->self().name, self, id, fork, std::move(confirmed))));
+}
+
 detail::RRefImpl& RRef::impl() const {
   return static_cast<detail::RRefImpl&>(*impl_);
 }

@@ -16,6 +16,7 @@
 
 #include "ddp/tcp_store.h"
 #include "ddp/torch/rpc/dist_autograd.h"
+#include "ddp/torch/rpc/distributed_optimizer.h"
 #include "ddp/torch/rpc/remote_module.h"
 #include "ddp/torch/rpc/rpc.h"
 #include "ddp/torch/rpc/rref.h"
@@ -421,6 +422,80 @@ TEST(Rpc, DistributedBackwardCrossesWorkersAndLeavesGradientsInTheContext) {
               ended.what());
     }
     store->get("autograd/done", 60s);
+    rpc::shutdown();
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(Rpc, ADistributedOptimizerStepsARemoteModuleAndLocalParametersAsOneProcessWould) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = store_for(rank, port);
+    register_test_functions();
+    rpc::register_module(
+        "linear64",
+        [](const std::vector<c10::IValue>& args) {
+          torch::manual_seed(args.at(2).toInt());
+          auto m = std::make_shared<torch::nn::LinearImpl>(args.at(0).toInt(), args.at(1).toInt());
+          m->to(torch::kFloat64);
+          return m;
+        },
+        [](torch::nn::Module& module, const std::vector<c10::IValue>& args) {
+          return c10::IValue(module.as<torch::nn::LinearImpl>()->forward(args.at(0).toTensor()));
+        });
+    rpc::init_rpc(name_of(rank), options_for(store, rank, 2));
+    if (rank == 1) {
+      struct Done {
+        Store& store;
+        ~Done() { store.set("optim/done", "1"); }
+      } done{*store};
+      rpc::RemoteModule remote_linear("ps", "linear64", {3, 2, 7});
+      torch::manual_seed(5);
+      torch::nn::Linear local(2, 1);
+      local->to(torch::kFloat64);
+      auto params = remote_linear.remote_parameters();
+      for (const auto& p : local->parameters())
+        params.push_back(rpc::RRef::local(p));
+      rpc::DistributedOptimizer optimizer("sgd", {{"lr", 0.1}, {"momentum", 0.9}}, params);
+      torch::manual_seed(9);
+      const auto x = torch::randn({4, 3}, torch::kFloat64);
+      for (int step = 0; step < 3; ++step) {
+        rpc::dist_autograd::Context context;
+        const auto y = remote_linear.forward({x}).toTensor();
+        rpc::dist_autograd::backward(context.id(), {local->forward(y).pow(2).sum()});
+        optimizer.step(context.id());
+      }
+      // The same three steps in one process.
+      torch::manual_seed(7);
+      torch::nn::Linear ref_remote(3, 2);
+      ref_remote->to(torch::kFloat64);
+      torch::manual_seed(5);
+      torch::nn::Linear ref_local(2, 1);
+      ref_local->to(torch::kFloat64);
+      std::vector<torch::Tensor> all = ref_remote->parameters();
+      for (const auto& p : ref_local->parameters())
+        all.push_back(p);
+      torch::optim::SGD ref(all, torch::optim::SGDOptions(0.1).momentum(0.9));
+      for (int step = 0; step < 3; ++step) {
+        ref.zero_grad();
+        ref_local->forward(ref_remote->forward(x)).pow(2).sum().backward();
+        ref.step();
+      }
+      for (std::size_t i = 0; i < 2; ++i) {
+        require(torch::allclose(params[i].to_here().toTensor(), ref_remote->parameters()[i], 1e-12,
+                                1e-12),
+                fmt::format("remote parameter {} after three steps", i));
+        require(torch::allclose(local->parameters()[i], ref_local->parameters()[i], 1e-12, 1e-12),
+                fmt::format("local parameter {} after three steps", i));
+      }
+      const auto bad = expect_throw<ConfigError>(
+          [&] {
+            rpc::DistributedOptimizer("sgd", {{"lr", 0.1}, {"beta1", 0.9}}, params);
+          },
+          "an option SGD does not have");
+      require(std::string(bad.what()).find("'beta1'") != std::string::npos, bad.what());
+    }
+    store->get("optim/done", 60s);
     rpc::shutdown();
   });
   EXPECT_ALL_RANKS_OK(results);

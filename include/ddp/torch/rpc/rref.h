@@ -42,6 +42,9 @@ class RRef {
  public:
   // The RRef an IValue holds (a registered function's argument); RpcError kRefused otherwise.
   static RRef from(const c10::IValue& value);
+  // An RRef of `value` owned by this worker (PyTorch's RRef(value)), e.g. a local parameter for a
+  // DistributedOptimizer.
+  static RRef local(c10::IValue value);
 
   WorkerInfo owner() const;
   bool is_owner() const;
