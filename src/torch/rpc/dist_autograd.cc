@@ -56,6 +56,9 @@ Contexts& contexts() {
 }
 
 std::atomic<std::int64_t> g_next_context{1};
+// One local pass at a time on a worker: a pass borrows its leaves' .grad (see local_pass), and
+// two contexts' passes (two trainers' backwards on the server) may reach the same leaves.
+std::mutex g_pass_mutex;
 std::atomic<std::int64_t> g_next_message{1};
 
 std::shared_ptr<AutogradContext> find_context(std::int64_t id) {
@@ -135,46 +138,49 @@ void local_pass(const std::shared_ptr<AutogradContext>& context,
                 const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& grads) {
   const std::vector<at::Tensor> leaves = reachable_leaves(outputs);
   if (leaves.empty()) return;
-  std::vector<at::Tensor> saved;
-  saved.reserve(leaves.size());
-  for (const auto& leaf : leaves) {
-    saved.push_back(leaf.grad());
-    leaf.mutable_grad().reset();
-  }
-  auto restore = [&] {
-    for (std::size_t i = 0; i < leaves.size(); ++i)
-      leaves[i].mutable_grad() = saved[i];
-  };
-  try {
-    torch::autograd::backward(outputs, grads, /*retain_graph=*/true, /*create_graph=*/false,
-                              leaves);
-  } catch (...) {
-    restore();
-    throw;
-  }
   // (sender, message) -> the gradients of the tensors it sent, by index.
   std::map<std::pair<int, std::int64_t>, std::map<std::int64_t, at::Tensor>> back;
   {
-    std::lock_guard lock(context->mutex);
+    std::lock_guard pass(g_pass_mutex);
+    std::vector<at::Tensor> saved;
+    saved.reserve(leaves.size());
     for (const auto& leaf : leaves) {
-      const at::Tensor& grad = leaf.grad();
-      if (!grad.defined()) continue;
-      auto received = context->received.find(leaf.unsafeGetTensorImpl());
-      if (received != context->received.end()) {
-        auto& slot = back[{received->second.from, received->second.message}];
-        auto& sum = slot[received->second.index];
-        sum = sum.defined() ? sum + grad : grad.detach().clone();
-        continue;
-      }
-      auto& slot = context->gradients[leaf.unsafeGetTensorImpl()];
-      if (slot.second.defined()) {
-        slot.second.add_(grad);
-      } else {
-        slot = {leaf, grad.detach().clone()};
+      saved.push_back(leaf.grad());
+      leaf.mutable_grad().reset();
+    }
+    auto restore = [&] {
+      for (std::size_t i = 0; i < leaves.size(); ++i)
+        leaves[i].mutable_grad() = saved[i];
+    };
+    try {
+      torch::autograd::backward(outputs, grads, /*retain_graph=*/true, /*create_graph=*/false,
+                                leaves);
+    } catch (...) {
+      restore();
+      throw;
+    }
+    {
+      std::lock_guard lock(context->mutex);
+      for (const auto& leaf : leaves) {
+        const at::Tensor& grad = leaf.grad();
+        if (!grad.defined()) continue;
+        auto received = context->received.find(leaf.unsafeGetTensorImpl());
+        if (received != context->received.end()) {
+          auto& slot = back[{received->second.from, received->second.message}];
+          auto& sum = slot[received->second.index];
+          sum = sum.defined() ? sum + grad : grad.detach().clone();
+          continue;
+        }
+        auto& slot = context->gradients[leaf.unsafeGetTensorImpl()];
+        if (slot.second.defined()) {
+          slot.second.add_(grad);
+        } else {
+          slot = {leaf, grad.detach().clone()};
+        }
       }
     }
-  }
-  restore();
+    restore();
+  }  // the pass's lock: sending gradients on waits for other workers' passes
   Milliseconds timeout{0};
   auto agent = running_agent(&timeout);
   std::vector<std::pair<int, transport::CallFuture>> calls;
@@ -234,6 +240,10 @@ void release_context(std::int64_t id, int except) {
 
 std::int64_t current_autograd_context() {
   return t_current;
+}
+
+std::unique_lock<std::mutex> lock_leaf_gradients() {
+  return std::unique_lock(g_pass_mutex);
 }
 
 AutogradContextScope::AutogradContextScope(std::int64_t id) : previous_(t_current) {

@@ -135,6 +135,7 @@ std::vector<std::pair<std::string, Function>> optimizer_functions() {
       grads[tensor.unsafeGetTensorImpl()] = grad;
     }
     std::lock_guard step(o.step_mutex);
+    auto borrowed = lock_leaf_gradients();
     for (auto& p : local->parameters) {
       auto it = grads.find(p.unsafeGetTensorImpl());
       p.mutable_grad() = it == grads.end() ? at::Tensor() : it->second;

@@ -128,6 +128,13 @@ RemoteModule::RemoteModule(const std::string& on, const std::string& module,
   id_ = rpc_sync(on, detail::kCreate, std::move(args)).toInt();
 }
 
+RemoteModule RemoteModule::existing(const std::string& on, std::int64_t id) {
+  RemoteModule module;
+  module.owner_ = on;
+  module.id_ = id;
+  return module;
+}
+
 FuturePtr RemoteModule::forward_async(std::vector<c10::IValue> args) const {
   args.insert(args.begin(), id_);
   return rpc_async(owner_, detail::kForward, std::move(args));

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
@@ -78,6 +79,9 @@ c10::IValue record_send(const c10::IValue& value, int to_rank);
 // gradients go; returns the context's id.
 std::int64_t record_receive(const c10::IValue& record, const c10::IValue& value, int from_rank);
 std::vector<std::pair<std::string, transport::Handler>> autograd_functions();
+// Held by whatever borrows parameters' .grad on this worker (a local backward pass, an optimizer
+// step of a DistributedOptimizer), so that two never borrow it at once.
+std::unique_lock<std::mutex> lock_leaf_gradients();
 void clear_autograd_contexts();
 
 }  // namespace ddp::rpc::detail

@@ -47,6 +47,11 @@ class RemoteModule {
   RemoteModule(const std::string& on, const std::string& module,
                std::vector<c10::IValue> args = {});
 
+  // A handle to a module built already (by another RemoteModule, e.g. on another worker; id()
+  // names it), so that several workers share one module, as PyTorch's passing a RemoteModule.
+  static RemoteModule existing(const std::string& on, std::int64_t id);
+  std::int64_t id() const { return id_; }
+
   c10::IValue forward(std::vector<c10::IValue> args) const;
   FuturePtr forward_async(std::vector<c10::IValue> args) const;
   // An RRef per parameter, in the module's parameters() order, owned by the module's worker.
@@ -54,6 +59,7 @@ class RemoteModule {
   const std::string& owner() const { return owner_; }
 
  private:
+  RemoteModule() = default;
   std::string owner_;
   std::int64_t id_ = 0;
 };
