@@ -126,8 +126,9 @@ if want pytorch; then
   main_stage_only+='|^TrainFashionMnistOptionsTest[.]|^train_fashion_mnist[.]state_dict_crossover$'
   main_stage_only+='|^TrainFashionMnistTest[.](GlobalBatchSize|FsdpAndZero2|ZeroSharded|Resuming'
   main_stage_only+='WithAnother|UnevenInputsUnderJoin|AFullDisk|AnEpochCheckpointOfSgd)'
-  # train-gpt's layouts and flags (tests/programs, from tests/model_parallel) ran in main only.
-  main_stage_only+='|^train_gpt[.]|^TrainGptFlags[.]'
+  # train-gpt's layouts and flags (tests/programs, from tests/model_parallel) ran in main only;
+  # so did train-hybrid against PyTorch's tutorial (the same PyTorch either way).
+  main_stage_only+='|^train_gpt[.]|^TrainGptFlags[.]|^train_hybrid[.]'
   run_ctest "$ddp_build_dir/tests/torch" --output-on-failure --timeout 600 -j "$jobs" -L unit
   for dir in "${pytorch_stage_dirs[@]}"; do
     run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs" \
