@@ -110,7 +110,7 @@ if want pytorch; then
   # both (a cold run took 101).
   pytorch_stage_dirs=(tests/programs tests/system/package tests/system/libtorch_select python)
   cmake --build "$ddp_build_dir" --target "${pytorch_stage_dirs[@]/%//all}" torch_unit_test \
-    train-char-gpt train-gpt ddp-bench ddp-train-bench
+    train-char-gpt train-gpt train-hybrid ddp-bench ddp-train-bench
   # torch_ddp into the PyTorch environment, as the README says (reusing this build), for the
   # tests below and PyTorch's own suite (python/ and tests/python run it from the build folder).
   TORCH_DDP_BUILD_DIR=$PWD/$ddp_build_dir scripts/pytorch-python -m pip install --quiet \

@@ -112,7 +112,8 @@ void collect_tensors(const c10::IValue& v, std::vector<at::Tensor>& out, int dep
 std::vector<at::Tensor> reachable_leaves(const std::vector<at::Tensor>& outputs) {
   std::vector<at::Tensor> leaves;
   std::set<const torch::autograd::Node*> seen;
-  std::vector<std::shared_ptr<torch::autograd::Node>> stack;
+  // shared_ptr in libtorch 1.13, intrusive_ptr in 2.x.
+  std::vector<decltype(torch::autograd::Edge::function)> stack;
   for (const auto& output : outputs) {
     auto edge = torch::autograd::impl::gradient_edge(output);
     if (edge.function) stack.push_back(edge.function);
