@@ -110,7 +110,7 @@ if want pytorch; then
   # both (a cold run took 101).
   pytorch_stage_dirs=(tests/programs tests/system/package tests/system/libtorch_select python)
   cmake --build "$ddp_build_dir" --target "${pytorch_stage_dirs[@]/%//all}" torch_unit_test \
-    train-char-gpt train-gpt ddp-bench ddp-train-bench
+    train-char-gpt train-gpt train-hybrid ddp-bench ddp-train-bench
   # torch_ddp into the PyTorch environment, as the README says (reusing this build), for the
   # tests below and PyTorch's own suite (python/ and tests/python run it from the build folder).
   TORCH_DDP_BUILD_DIR=$PWD/$ddp_build_dir scripts/pytorch-python -m pip install --quiet \
@@ -126,8 +126,9 @@ if want pytorch; then
   main_stage_only+='|^TrainFashionMnistOptionsTest[.]|^train_fashion_mnist[.]state_dict_crossover$'
   main_stage_only+='|^TrainFashionMnistTest[.](GlobalBatchSize|FsdpAndZero2|ZeroSharded|Resuming'
   main_stage_only+='WithAnother|UnevenInputsUnderJoin|AFullDisk|AnEpochCheckpointOfSgd)'
-  # train-gpt's layouts and flags (tests/programs, from tests/model_parallel) ran in main only.
-  main_stage_only+='|^train_gpt[.]|^TrainGptFlags[.]'
+  # train-gpt's layouts and flags (tests/programs, from tests/model_parallel) ran in main only;
+  # so did train-hybrid against PyTorch's tutorial (the same PyTorch either way).
+  main_stage_only+='|^train_gpt[.]|^TrainGptFlags[.]|^train_hybrid[.]'
   run_ctest "$ddp_build_dir/tests/torch" --output-on-failure --timeout 600 -j "$jobs" -L unit
   for dir in "${pytorch_stage_dirs[@]}"; do
     run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs" \

@@ -54,3 +54,9 @@
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 // parallel/pipeline
 #include "ddp/torch/parallel/pipeline/pipeline.h"
+
+#include "ddp/torch/rpc/dist_autograd.h"
+#include "ddp/torch/rpc/distributed_optimizer.h"
+#include "ddp/torch/rpc/remote_module.h"
+#include "ddp/torch/rpc/rpc.h"
+#include "ddp/torch/rpc/rref.h"

@@ -107,6 +107,10 @@ Agent::Agent(Store& store, AgentOptions options)
                                   options_.world_size));
   }
   limits_.max_payload_bytes = options_.max_message_bytes;
+  // Before anyone can find this worker, so that no peer's first call misses them.
+  for (auto& [name, handler] : options_.functions)
+    register_function(name, std::move(handler));
+  options_.functions.clear();
   prefix_ = fmt::format("{}/{}", options_.store_prefix, g_agent_instances++);
   listener_ = net::listen_tcp(options_.bind_host, 0);
 
@@ -478,7 +482,7 @@ void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
         reply.payload = std::move(payload);
       } else {
         const auto kind = name.empty() ? 0 : static_cast<std::uint8_t>(name[0]);
-        if (kind < 1 || kind > static_cast<std::uint8_t>(FailureKind::kCallerError)) {
+        if (kind < 1 || kind > kLastFailureKind) {
           throw ProtocolError(fmt::format("rpc: {} sent a failure of unknown kind {}", peer, kind));
         }
         reply.failure = Failure{static_cast<FailureKind>(kind), name.substr(1),

@@ -61,6 +61,15 @@
 
 namespace ddp::rpc::transport {
 
+struct CallerInfo {
+  int rank = 0;
+  std::string name;
+  net::Deadline deadline;  // the caller's deadline, as far as this worker's clock knows
+};
+
+using Handler =
+    std::function<void(const CallerInfo& caller, Bytes request, const CallPromise& reply)>;
+
 struct AgentOptions {
   std::string name;
   int rank = 0;
@@ -77,16 +86,10 @@ struct AgentOptions {
   // Keys in the store: <prefix>/<instance>/...; the instance counts this process's agents, so a
   // job that starts RPC again after a shut-down (every worker alike) gets fresh keys.
   std::string store_prefix = "rpc";
+  // Registered before the worker is published (register_function works later too, but a peer may
+  // call before it).
+  std::vector<std::pair<std::string, Handler>> functions;
 };
-
-struct CallerInfo {
-  int rank = 0;
-  std::string name;
-  net::Deadline deadline;  // the caller's deadline, as far as this worker's clock knows
-};
-
-using Handler =
-    std::function<void(const CallerInfo& caller, Bytes request, const CallPromise& reply)>;
 
 class Agent {
  public:

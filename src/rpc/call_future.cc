@@ -23,6 +23,8 @@ std::string to_string(FailureKind kind) {
       return "unknown worker";
     case FailureKind::kCallerError:
       return "refused by the caller";
+    case FailureKind::kBadArguments:
+      return "bad arguments";
   }
   return "failure " + std::to_string(static_cast<int>(kind));
 }

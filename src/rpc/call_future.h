@@ -30,7 +30,9 @@ enum class FailureKind : std::uint8_t {
   kProtocol = 6,         // the peer broke the wire protocol
   kUnknownWorker = 7,    // no worker of that name or rank
   kCallerError = 8,      // refused before sending (e.g. a message over the limit)
+  kBadArguments = 9,     // the callee could not decode the arguments
 };
+inline constexpr std::uint8_t kLastFailureKind = 9;
 
 std::string to_string(FailureKind kind);
 

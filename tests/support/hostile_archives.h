@@ -7,6 +7,7 @@
 #include <zlib.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -59,7 +60,12 @@ inline std::string deflated_zeros(std::uint64_t count, std::uint32_t* crc) {
   z.next_out = reinterpret_cast<Bytef*>(block.data());
   z.avail_out = static_cast<uInt>(block.size());
   deflate(&z, Z_FULL_FLUSH);  // byte-aligned, no history needed by what follows
-  block.resize(block.size() - z.avail_out);
+  // Written this way, GCC 12 sees that the size cannot wrap (it warned of a memset of 2^64 bytes
+  // from `block.size() - z.avail_out` in some unity batches).
+  const std::size_t written =
+      static_cast<std::size_t>(z.next_out - reinterpret_cast<Bytef*>(block.data()));
+  if (written > block.size()) std::abort();
+  block.resize(written);
   deflateEnd(&z);
   std::string out;
   uLong c = crc32(0, nullptr, 0);

@@ -36,6 +36,17 @@ c10::IValue read_pytorch_archive(const std::filesystem::path& path,
 void write_pytorch_archive(const std::filesystem::path& path, const c10::IValue& value,
                            bool ordered_dict_at_top);
 
+// Where pickle_value puts each storage it reaches, once per storage, under the key its pickle
+// names it by ("0", "1", ... in the order reached).
+using StorageSink = std::function<void(const std::string& key, const at::Storage& storage)>;
+
+// The pickle of `value` as write_pytorch_archive writes it (same kinds, same opcodes), handing
+// every storage to `sink` instead of a zip archive (what an RPC message carries beside its pickle).
+// Tensors off the CPU are copied to it first. Throws ddp::Error, starting with `context`, for a
+// value of another kind.
+std::string pickle_value(const c10::IValue& value, bool ordered_dict_at_top,
+                         const StorageSink& sink, const std::string& context);
+
 // One storage that a pickle refers to by persistent id ("storage", torch.FloatStorage, key,
 // location, numel).
 struct StorageRequest {

@@ -20,7 +20,7 @@
 namespace ddp::detail {
 namespace {
 
-const char* storage_type_name(at::ScalarType dtype) {
+const char* storage_type_name(at::ScalarType dtype, const std::string& context) {
   switch (dtype) {
     case at::kDouble:
       return "DoubleStorage";
@@ -47,14 +47,15 @@ const char* storage_type_name(at::ScalarType dtype) {
     case at::kComplexDouble:
       return "ComplexDoubleStorage";
     default:
-      throw Error(fmt::format("save_state_dict: tensors of dtype {} cannot be saved",
+      throw Error(fmt::format("{}: tensors of dtype {} cannot be saved", context,
                               c10::toString(dtype)));
   }
 }
 
 class Pickler {
  public:
-  explicit Pickler(caffe2::serialize::PyTorchStreamWriter& zip) : zip_(zip) {}
+  Pickler(const StorageSink& sink, std::string context)
+      : sink_(sink), context_(std::move(context)) {}
 
   std::string finish(const c10::IValue& value, bool ordered_dict_at_top) {
     out_ += "\x80\x02";  // PROTO 2
@@ -111,16 +112,16 @@ class Pickler {
   // size, stride, requires_grad=False, OrderedDict()).
   void tensor(const torch::Tensor& given) {
     if (given.layout() != at::kStrided || given.is_quantized()) {
-      throw Error("save_state_dict: only dense tensors can be saved");
+      throw Error(context_ + ": only dense tensors can be saved");
     }
     const torch::Tensor t = given.is_cpu() ? given.resolve_conj().resolve_neg() : given.cpu();
     const auto dtype = t.scalar_type();
-    const char* type_name = storage_type_name(dtype);
+    const char* type_name = storage_type_name(dtype, context_);
     const auto& storage = t.storage();
     auto [it, fresh] = keys_.try_emplace(storage.unsafeGetStorageImpl(), "");
     if (fresh) {
       it->second = std::to_string(keys_.size() - 1);
-      zip_.writeRecord("data/" + it->second, storage.data_ptr().get(), storage.nbytes());
+      sink_(it->second, storage);
       alive_.push_back(t);  // a copy's storage must outlive the map key that names it
     }
     const auto numel = static_cast<std::int64_t>(storage.nbytes() / t.element_size());
@@ -178,17 +179,23 @@ class Pickler {
       }
       out_ += 'u';  // SETITEMS
     } else {
-      throw Error(fmt::format("save_state_dict: a value of kind {} cannot be saved", v.tagKind()));
+      throw Error(fmt::format("{}: a value of kind {} cannot be saved", context_, v.tagKind()));
     }
   }
 
-  caffe2::serialize::PyTorchStreamWriter& zip_;
+  const StorageSink& sink_;
+  std::string context_;
   std::string out_;
   std::map<const void*, std::string> keys_;
   std::vector<torch::Tensor> alive_;
 };
 
 }  // namespace
+
+std::string pickle_value(const c10::IValue& value, bool ordered_dict_at_top,
+                         const StorageSink& sink, const std::string& context) {
+  return Pickler(sink, context).finish(value, ordered_dict_at_top);
+}
 
 void write_pytorch_archive(const std::filesystem::path& path, const c10::IValue& value,
                            bool ordered_dict_at_top) {
@@ -207,7 +214,12 @@ void write_pytorch_archive(const std::filesystem::path& path, const c10::IValue&
         if (std::fwrite(data, 1, size, file.get()) != size) write_failed = true;
         return size;
       });
-      const std::string pickle = Pickler(zip).finish(value, ordered_dict_at_top);
+      const std::string pickle =
+          pickle_value(value, ordered_dict_at_top,
+                       [&](const std::string& key, const at::Storage& storage) {
+                         zip.writeRecord("data/" + key, storage.data_ptr().get(), storage.nbytes());
+                       },
+                       "save_state_dict");
       zip.writeRecord("data.pkl", pickle.data(), pickle.size());
       zip.writeRecord("byteorder", "little", 6);
       zip.writeEndOfFile();
