@@ -1,7 +1,10 @@
 #include "rpc/worker_directory.h"
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -36,50 +39,86 @@ void check_worker_name(std::string_view name) {
   }
 }
 
+namespace {
+
+WorkerInfo parse_entry(const std::string& entry, int rank, const WorkerInfo& self, int world_size) {
+  std::istringstream in(entry);
+  WorkerInfo w;
+  std::string port, world;
+  auto not_a_worker = [&] {
+    return ConfigError(fmt::format("rpc: rank {}'s entry in the store is not a worker's ('{}')",
+                                   rank, entry.substr(0, 200)));
+  };
+  if (!std::getline(in, w.name) || !std::getline(in, w.host) || !std::getline(in, port) ||
+      !std::getline(in, world)) {
+    throw not_a_worker();
+  }
+  w.rank = rank;
+  int their_world = 0;
+  try {
+    w.port = static_cast<std::uint16_t>(std::stoul(port));
+    their_world = std::stoi(world);
+  } catch (const std::logic_error&) {
+    throw not_a_worker();
+  }
+  if (their_world != world_size) {
+    throw ConfigError(
+        fmt::format("rpc: the workers do not agree on the world: rank {} ('{}') was started for {} "
+                    "workers, rank {} ('{}') for {}; start every worker with the same world size",
+                    self.rank, self.name, world_size, rank, w.name, their_world));
+  }
+  check_worker_name(w.name);
+  return w;
+}
+
+}  // namespace
+
 std::vector<WorkerInfo> exchange_workers(Store& store, const std::string& prefix,
                                          const WorkerInfo& self, int world_size,
                                          Milliseconds timeout) {
   store.set(key_of(prefix, self.rank),
             fmt::format("{}\n{}\n{}\n{}", self.name, self.host, self.port, world_size));
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r)
-    keys.push_back(key_of(prefix, r));
-  store.wait(keys, timeout);
 
+  // Entries are read as they appear, not after all of them: a worker started for another world
+  // (or under a taken name) is refused by everyone at once, and the worker waiting for a rank
+  // that will never come does not sit out its whole deadline first.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<WorkerInfo> workers(static_cast<std::size_t>(world_size));
+  std::vector<bool> read(static_cast<std::size_t>(world_size), false);
   std::map<std::string, int> rank_of_name;
-  for (int r = 0; r < world_size; ++r) {
-    const std::string entry = store.get_string(keys[static_cast<std::size_t>(r)], timeout);
-    std::istringstream in(entry);
-    WorkerInfo& w = workers[static_cast<std::size_t>(r)];
-    std::string port, world;
-    if (!std::getline(in, w.name) || !std::getline(in, w.host) || !std::getline(in, port) ||
-        !std::getline(in, world)) {
-      throw ConfigError(fmt::format("rpc: rank {}'s entry in the store is not a worker's ('{}')", r,
-                                    entry.substr(0, 200)));
-    }
-    w.rank = r;
-    try {
-      w.port = static_cast<std::uint16_t>(std::stoul(port));
-      if (std::stoi(world) != world_size) {
-        throw ConfigError(fmt::format(
-            "rpc: the workers do not agree on the world: rank {} ('{}') was started for {} "
-            "workers, rank {} ('{}') for {}; start every worker with the same world size",
-            self.rank, self.name, world_size, r, w.name, world));
+  int missing = world_size;
+  auto pause = std::chrono::milliseconds(1);
+  while (true) {
+    for (int r = 0; r < world_size; ++r) {
+      if (read[static_cast<std::size_t>(r)]) continue;
+      const std::string key = key_of(prefix, r);
+      if (!store.check(std::span<const std::string>(&key, 1))) continue;
+      WorkerInfo w = parse_entry(store.get_string(key, timeout), r, self, world_size);
+      if (auto [it, fresh] = rank_of_name.emplace(w.name, r); !fresh) {
+        throw ConfigError(
+            fmt::format("rpc: ranks {} and {} are both named '{}': every worker needs "
+                        "a name of its own",
+                        std::min(it->second, r), std::max(it->second, r), w.name));
       }
-    } catch (const std::logic_error&) {
-      throw ConfigError(fmt::format("rpc: rank {}'s entry in the store is not a worker's ('{}')", r,
-                                    entry.substr(0, 200)));
+      workers[static_cast<std::size_t>(r)] = std::move(w);
+      read[static_cast<std::size_t>(r)] = true;
+      --missing;
     }
-    check_worker_name(w.name);
-    if (auto [it, fresh] = rank_of_name.emplace(w.name, r); !fresh) {
-      throw ConfigError(
-          fmt::format("rpc: ranks {} and {} are both named '{}': every worker needs "
-                      "a name of its own",
-                      it->second, r, w.name));
+    if (missing == 0) return workers;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::string absent;
+      for (int r = 0; r < world_size; ++r) {
+        if (!read[static_cast<std::size_t>(r)])
+          absent += (absent.empty() ? "" : ", ") + std::to_string(r);
+      }
+      throw TimeoutError(fmt::format(
+          "rpc: rank {} ('{}') waited {} ms for the workers of a world of {}; rank(s) {} never "
+          "joined: start every worker, or give init_rpc a longer timeout",
+          self.rank, self.name, timeout.count(), world_size, absent));
     }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
-  return workers;
 }
 
 }  // namespace ddp::rpc::transport

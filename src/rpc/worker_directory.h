@@ -1,7 +1,7 @@
 // Who the workers of an RPC instance are (internal; agent.h): each publishes its name, rank,
-// address and world size in the store, then reads everyone's and checks that they agree. Every
-// worker reads the same entries, so every worker throws the same ConfigError for a duplicate name
-// or a world that does not agree, and none goes on alone.
+// address and world size in the store, then reads everyone's as they appear and checks that they
+// agree. Every worker reads the same entries, so each one that sees a duplicate name or a world
+// that does not agree throws ConfigError at once, and none goes on alone.
 #pragma once
 
 #include <cstdint>

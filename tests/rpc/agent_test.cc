@@ -240,14 +240,16 @@ TEST(RpcAgent, AWorkerThatDiesMidCallIsNamedAtOnceNotAtTheDeadline) {
   EXPECT_TRUE(results[1].ok()) << test::describe(results);
 }
 
-TEST(RpcAgent, TheJobsSecretOpensConnectionsAndAWrongOneIsRefused) {
-  for (const bool same : {true, false}) {
+TEST(RpcAgent, TheJobsSecretOpensConnectionsAndAWrongOrMissingOneIsRefused) {
+  // trainer1's secret: the job's, another, or none while the parameter server has one.
+  for (const std::string trainer_secret : {"job secret", "other secret", ""}) {
+    const bool same = trainer_secret == "job secret";
     const int port = test::free_port();
     auto results = run_ranks(
         2,
         [&](int rank) {
           auto store = make_store(rank, port);
-          auto options = options_for(rank, 2, rank == 1 && !same ? "other secret" : "job secret");
+          auto options = options_for(rank, 2, rank == 1 ? trainer_secret : "job secret");
           options.timeout = 4s;
           if (same) {
             Agent agent(*store, options);
@@ -262,7 +264,7 @@ TEST(RpcAgent, TheJobsSecretOpensConnectionsAndAWrongOneIsRefused) {
           } catch (const Error& e) {
             why = e.what();
           }
-          require(!why.empty(), "an agent with another secret started");
+          require(!why.empty(), "an agent with secret '" + trainer_secret + "' started");
           // Which side sees the other's proof first is a race (the other may then see its
           // connection close): one of them must name the secret.
           store->set(fmt::format("why/{}", rank), why);
@@ -275,6 +277,49 @@ TEST(RpcAgent, TheJobsSecretOpensConnectionsAndAWrongOneIsRefused) {
         60s);
     EXPECT_ALL_RANKS_OK(results);
   }
+}
+
+TEST(RpcAgent, AWorldThatDoesNotAgreeIsRefusedOnEveryWorkerAtOnce) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = make_store(rank, port);
+    // The parameter server was started for three workers, trainer1 for two: the first waits for a
+    // rank 2 that will never come, unless it reads trainer1's entry and refuses it at once.
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      Agent agent(*store, options_for(rank, rank == 0 ? 3 : 2));
+    } catch (const ConfigError& e) {
+      require(contains(e.what(), "do not agree on the world") &&
+                  contains(e.what(), rank == 0 ? "for 3 workers, rank 1 ('trainer1') for 2"
+                                               : "for 2 workers, rank 0 ('ps') for 3"),
+              e.what());
+      require(std::chrono::steady_clock::now() - start < 10s,
+              "the disagreement was seen only at the deadline");
+      std::this_thread::sleep_for(200ms);  // rank 0's store serves rank 1 until it has read
+      return;
+    }
+    throw std::runtime_error("a world that does not agree was accepted");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(RpcAgent, AWorkerThatNeverJoinsIsNamedAtTheDeadline) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = make_store(rank, port);
+    auto options = options_for(rank, 3);
+    options.timeout = 1500ms;
+    try {
+      Agent agent(*store, options);
+    } catch (const TimeoutError& e) {
+      require(contains(e.what(), "rank(s) 2 never joined") && contains(e.what(), "1500 ms"),
+              e.what());
+      std::this_thread::sleep_for(200ms);
+      return;
+    }
+    throw std::runtime_error("an agent started without its third worker");
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 TEST(RpcAgent, DuplicateNamesAreRefusedOnEveryWorker) {
