@@ -9,6 +9,7 @@
 //
 //   ddprun --standalone --nproc-per-node 3 train-hybrid --steps 12 [--seed S]
 //          [--init-state-dict FILE] [--data FILE] [--export-state-dict FILE]
+//          [--step-seconds FILE]
 //
 // --init-state-dict: a torch.save of {"embedding.weight": [100, 16], "fc.weight": [8, 16],
 // "fc.bias": [8]}; --data: a torch.save of int64 tensors indices.<t>.<s>, offsets.<t>.<s>,
@@ -17,7 +18,9 @@
 // --export-state-dict writes the init file's keys after the last step, once every trainer's
 // Linear was checked equal. Rank 0's last line:
 //   final loss=<mean over trainers of step 0's loss>-><the same for the last step> param_sum=<sum>
+#include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
@@ -40,7 +43,7 @@ constexpr int kRows = 100, kDim = 16, kClasses = 8;
 struct Options {
   int steps = 12;
   std::uint64_t seed = 0;
-  std::string init, data, export_path;
+  std::string init, data, export_path, step_seconds;
 };
 
 struct Batch {
@@ -227,6 +230,9 @@ int run(const Options& options) {
   for (const auto& p : fc->parameters())
     parameters.push_back(ddp::rpc::RRef::local(p));
   ddp::rpc::DistributedOptimizer optimizer("sgd", {{"lr", 0.05}}, parameters);
+  std::vector<double> step_seconds;  // barrier to barrier (bench/compare/compare_hybrid.py)
+  group->barrier()->wait();
+  auto last = std::chrono::steady_clock::now();
   for (int step = 0; step < options.steps; ++step) {
     const Batch batch = data ? from_file(*data, options.data, trainer, step)
                              : generated(options.seed, trainer, step);
@@ -242,6 +248,18 @@ int run(const Options& options) {
     }
     ddp::rpc::rpc_sync("ps", "report_loss", {trainer, step, loss_value});
     group->barrier()->wait();  // every forward of the next step sees this step's updates
+    const auto now = std::chrono::steady_clock::now();
+    step_seconds.push_back(std::chrono::duration<double>(now - last).count());
+    last = now;
+  }
+  if (!options.step_seconds.empty() && trainer == 0) {
+    std::ofstream out(options.step_seconds);
+    for (const double seconds : step_seconds)
+      out << fmt::format("{:.9f}\n", seconds);
+    if (!out.flush()) {
+      throw ddp::Error(
+          fmt::format("train-hybrid: cannot write the step times to '{}'", options.step_seconds));
+    }
   }
   world.store->set(fmt::format("hybrid/done/{}", rank), "1");
   ddp::rpc::shutdown();  // serves the parameter server's last calls, then ends with everyone
@@ -260,6 +278,9 @@ int main(int argc, char** argv) {
   app.add_option("--data", options.data, "torch.save of every trainer's batches")
       ->check(CLI::ExistingFile);
   app.add_option("--export-state-dict", options.export_path, "where to write the parameters");
+  app.add_option("--step-seconds", options.step_seconds,
+                 "where the first trainer writes each step's wall time, barrier to barrier, one "
+                 "a line (bench/compare/compare_hybrid.py)");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(options);

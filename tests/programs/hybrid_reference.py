@@ -87,6 +87,10 @@ def run_trainer(remote_emb_module, rank, trainers, steps, directory):
     data = torch.load(os.path.join(directory, "data.pt"))
     t = rank - 1
     losses = []
+    import time
+    step_seconds = []  # each step's wall time, barrier to barrier (bench/compare/compare_hybrid.py)
+    dist.barrier()
+    last = time.perf_counter()
     for s in range(steps):
         with dist_autograd.context() as context_id:
             output = model(data[f"indices.{t}.{s}"], data[f"offsets.{t}.{s}"])
@@ -95,7 +99,11 @@ def run_trainer(remote_emb_module, rank, trainers, steps, directory):
             opt.step(context_id)
         losses.append(float(loss))
         dist.barrier()
-    return losses, model.fc.module.weight.detach().clone(), model.fc.module.bias.detach().clone()
+        now = time.perf_counter()
+        step_seconds.append(now - last)
+        last = now
+    return (losses, model.fc.module.weight.detach().clone(), model.fc.module.bias.detach().clone(),
+            step_seconds)
 
 
 def worker(rank, world, steps, directory, port):
@@ -120,8 +128,10 @@ def worker(rank, world, steps, directory, port):
                    for r in range(1, world)]
         results = [f.wait() for f in futures]
         weight = remote_emb_module.module_rref.local_value().weight.detach().clone()
-        for losses, w, b in results[1:]:
+        for losses, w, b, _ in results[1:]:
             assert torch.equal(w, results[0][1]) and torch.equal(b, results[0][2])
+        with open(os.path.join(directory, "pytorch_step_seconds.txt"), "w") as f:
+            f.write("".join(f"{x:.9f}\n" for x in results[0][3]))
         torch.save({"embedding.weight": weight, "fc.weight": results[0][1],
                     "fc.bias": results[0][2]}, os.path.join(directory, "pytorch.pt"))
     rpc.shutdown()
