@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -59,7 +60,8 @@ void send_all_iov(int fd, iovec* iov, int count, net::Deadline deadline, const s
       ++at;
       continue;
     }
-    const ssize_t sent = net::send_iov_nonblocking(fd, iov + at, count - at);
+    // sendmsg takes at most IOV_MAX buffers at a time (a message with many attachments has more).
+    const ssize_t sent = net::send_iov_nonblocking(fd, iov + at, std::min(count - at, IOV_MAX));
     if (sent < 0) {
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) {
@@ -214,6 +216,11 @@ std::string Agent::broken_reason(int rank) const {
 
 CallFuture Agent::call(int to_rank, const std::string& function, Bytes payload,
                        Milliseconds timeout) {
+  return call_attached(to_rank, function, Outgoing{std::move(payload), {}}, timeout);
+}
+
+CallFuture Agent::call_attached(int to_rank, const std::string& function, Outgoing payload,
+                                Milliseconds timeout) {
   CallPromise promise(executor());
   CallFuture future = promise.future();
   const std::string target = who(to_rank);
@@ -228,7 +235,8 @@ CallFuture Agent::call(int to_rank, const std::string& function, Bytes payload,
                  fmt::format("rpc: '{}' on {}: this worker's RPC is shut down", function, target));
     return future;
   }
-  if (payload.size() > options_.max_message_bytes || function.empty() ||
+  const std::size_t payload_bytes = payload.size();
+  if (payload_bytes > options_.max_message_bytes || function.empty() ||
       function.size() > limits_.max_name_bytes) {
     promise.fail(
         FailureKind::kCallerError,
@@ -237,7 +245,7 @@ CallFuture Agent::call(int to_rank, const std::string& function, Bytes payload,
                         ? fmt::format("a function name has 1 to {} bytes", limits_.max_name_bytes)
                         : fmt::format("the arguments are {} bytes, more than the limit "
                                       "of {} (RpcOptions::max_message_bytes)",
-                                      payload.size(), options_.max_message_bytes)));
+                                      payload_bytes, options_.max_message_bytes)));
     return future;
   }
   const net::Deadline deadline = net::deadline_after(timeout);
@@ -252,9 +260,9 @@ CallFuture Agent::call(int to_rank, const std::string& function, Bytes payload,
 
   if (to_rank == options_.rank) {
     CallPromise local(executor());
-    local.future().then(
-        [this, id](const Reply& reply) { complete_call(id, options_.rank, reply); });
-    auto shared = std::make_shared<Bytes>(std::move(payload));
+    local.future().then_take(
+        [this, id](Reply reply) { complete_call(id, options_.rank, std::move(reply)); });
+    auto shared = std::make_shared<Bytes>(std::move(payload).flatten());
     if (!pool_.post([this, deadline, function, shared, local] {
           run_handler(options_.rank, deadline, function, std::move(*shared), local);
         })) {
@@ -279,9 +287,9 @@ CallFuture Agent::call(int to_rank, const std::string& function, Bytes payload,
   FrameHeader header{FrameKind::kRequest, id,
                      static_cast<std::uint32_t>(std::clamp<std::int64_t>(
                          left.count(), 1, std::numeric_limits<std::uint32_t>::max())),
-                     static_cast<std::uint32_t>(function.size()), payload.size()};
+                     static_cast<std::uint32_t>(function.size()), payload_bytes};
   try {
-    send_frame(*connection, header, function, payload, deadline);
+    send_frame(*connection, header, function, payload.bytes, payload.attachments, deadline);
   } catch (const Error& e) {
     // Part of a frame may be on the wire: the stream has lost its place, so the connection goes.
     connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
@@ -290,18 +298,22 @@ CallFuture Agent::call(int to_rank, const std::string& function, Bytes payload,
 }
 
 void Agent::send_frame(Connection& connection, const FrameHeader& header, std::string_view name,
-                       const Bytes& payload, net::Deadline deadline) {
+                       const Bytes& payload, const std::vector<Attachment>& attachments,
+                       net::Deadline deadline) {
   auto bytes = encode_frame_header(header);
-  iovec iov[3] = {{bytes.data(), bytes.size()},
-                  {const_cast<char*>(name.data()), name.size()},
-                  {const_cast<std::uint8_t*>(payload.data()), payload.size()}};
+  std::vector<iovec> iov{{bytes.data(), bytes.size()},
+                         {const_cast<char*>(name.data()), name.size()},
+                         {const_cast<std::uint8_t*>(payload.data()), payload.size()}};
+  for (const auto& a : attachments)
+    iov.push_back({const_cast<std::uint8_t*>(a.data), a.size});
   std::lock_guard lock(connection.send_mutex);
   if (connection.broken)
     throw Error("rpc: the connection to " + who(connection.peer_rank) + " is closed");
-  send_all_iov(connection.socket.fd(), iov, 3, deadline, who(connection.peer_rank));
+  send_all_iov(connection.socket.fd(), iov.data(), static_cast<int>(iov.size()), deadline,
+               who(connection.peer_rank));
 }
 
-void Agent::complete_call(std::uint64_t call_id, int from_rank, const Reply& reply) {
+void Agent::complete_call(std::uint64_t call_id, int from_rank, Reply reply) {
   Pending pending;
   {
     std::lock_guard lock(pending_mutex_);
@@ -314,7 +326,11 @@ void Agent::complete_call(std::uint64_t call_id, int from_rank, const Reply& rep
   }
   pending_cv_.notify_all();
   if (reply.ok()) {
-    pending.promise.complete(reply);
+    if (!reply.attachments.empty()) {  // a call to this worker itself: nothing was sent
+      reply.payload = Outgoing{std::move(reply.payload), std::move(reply.attachments)}.flatten();
+      reply.attachments.clear();
+    }
+    pending.promise.complete(std::move(reply));  // a payload is not copied on its way
     return;
   }
   Failure failure = *reply.failure;
@@ -488,7 +504,7 @@ void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
         reply.failure = Failure{static_cast<FailureKind>(kind), name.substr(1),
                                 std::string(payload.begin(), payload.end())};
       }
-      complete_call(header.call_id, connection->peer_rank, reply);
+      complete_call(header.call_id, connection->peer_rank, std::move(reply));
     }
   } catch (const ProtocolError& e) {
     ++refused_;
@@ -585,7 +601,10 @@ void Agent::send_reply(const std::shared_ptr<Connection>& connection, std::uint6
   std::string name;
   Bytes message;
   const Bytes* payload = &reply.payload;
+  const std::vector<Attachment> none;
+  const std::vector<Attachment>* attachments = &reply.attachments;
   if (!reply.ok()) {
+    attachments = &none;
     name.push_back(static_cast<char>(reply.failure->kind));
     name += reply.failure->type_name.substr(0, limits_.max_name_bytes - 1);
     message.assign(reply.failure->message.begin(), reply.failure->message.end());
@@ -593,8 +612,11 @@ void Agent::send_reply(const std::shared_ptr<Connection>& connection, std::uint6
   }
   header.name_bytes = static_cast<std::uint32_t>(name.size());
   header.payload_bytes = payload->size();
+  for (const auto& a : *attachments)
+    header.payload_bytes += a.size;
   try {
-    send_frame(*connection, header, name, *payload, net::deadline_after(options_.timeout));
+    send_frame(*connection, header, name, *payload, *attachments,
+               net::deadline_after(options_.timeout));
   } catch (const Error& e) {
     connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
   }

@@ -107,6 +107,9 @@ class Agent {
   const WorkerInfo* find_worker(std::string_view name) const;
 
   CallFuture call(int to_rank, const std::string& function, Bytes payload, Milliseconds timeout);
+  // The same with attachments sent from where they lie (call_future.h).
+  CallFuture call_attached(int to_rank, const std::string& function, Outgoing payload,
+                           Milliseconds timeout);
 
   // Runs `task` on the agent's pool (false once stopped).
   bool post(std::function<void()> task) { return pool_.post(std::move(task)); }
@@ -135,7 +138,7 @@ class Agent {
 
   void accept_loop();
   void reap_finished();
-  void complete_call(std::uint64_t call_id, int from_rank, const Reply& reply);
+  void complete_call(std::uint64_t call_id, int from_rank, Reply reply);
   void serve_inbound(std::shared_ptr<Connection> connection);
   void read_frames(const std::shared_ptr<Connection>& connection);
   void connection_failed(Connection& connection, const std::string& reason, FailureKind kind);
@@ -144,7 +147,8 @@ class Agent {
   void run_handler(int caller_rank, net::Deadline deadline, const std::string& function,
                    Bytes payload, const CallPromise& reply);
   void send_frame(Connection& connection, const FrameHeader& header, std::string_view name,
-                  const Bytes& payload, net::Deadline deadline);
+                  const Bytes& payload, const std::vector<Attachment>& attachments,
+                  net::Deadline deadline);
   void send_reply(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
                   const Reply& reply);
   void timer_loop();

@@ -1,6 +1,7 @@
 #include "rpc/call_future.h"
 
 #include <cstdio>
+#include <cstring>
 #include <exception>
 
 namespace ddp::rpc::transport {
@@ -29,6 +30,27 @@ std::string to_string(FailureKind kind) {
   return "failure " + std::to_string(static_cast<int>(kind));
 }
 
+std::size_t Outgoing::size() const {
+  std::size_t total = bytes.size();
+  for (const auto& a : attachments)
+    total += a.size;
+  return total;
+}
+
+Bytes Outgoing::flatten() && {
+  const std::size_t total = size();
+  Bytes out = std::move(bytes);
+  if (attachments.empty()) return out;
+  std::size_t at = out.size();
+  out.resize(total);
+  for (const auto& a : attachments) {
+    if (a.size > 0) std::memcpy(out.data() + at, a.data, a.size);
+    at += a.size;
+  }
+  attachments.clear();
+  return out;
+}
+
 bool CallFuture::done() const {
   std::lock_guard lock(state_->mutex);
   return state_->done;
@@ -49,6 +71,18 @@ void CallFuture::then(std::function<void(const Reply&)> callback) const {
     }
   }
   callback(state_->reply);  // the reply no longer changes once done
+}
+
+Reply CallFuture::take() const {
+  std::unique_lock lock(state_->mutex);
+  state_->cv.wait(lock, [&] { return state_->done; });
+  return std::move(state_->reply);
+}
+
+void CallFuture::then_take(std::function<void(Reply)> callback) const {
+  then([state = state_, callback = std::move(callback)](const Reply&) {
+    callback(std::move(state->reply));
+  });
 }
 
 CallPromise::CallPromise(Executor executor) : state_(std::make_shared<CallFuture::State>()) {

@@ -15,11 +15,51 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ddp::rpc::transport {
 
-using Bytes = std::vector<std::uint8_t>;
+// Leaves the bytes of `Bytes(n)` and `resize(n)` uninitialised: a message is received into them
+// at once, and zeroing a megabyte first costs as much as receiving it (issue 51's echo).
+template <typename T>
+struct UninitialisedAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitialisedAllocator<U>;
+  };
+  UninitialisedAllocator() = default;
+  template <typename U>
+  UninitialisedAllocator(const UninitialisedAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+using Bytes = std::vector<std::uint8_t, UninitialisedAllocator<std::uint8_t>>;
+
+// Bytes that follow a message's own on the wire, sent from where they lie (a tensor's storage)
+// without a copy: the receiver gets one payload, the message's bytes then each attachment's.
+// `keep` holds the memory until the message is sent.
+struct Attachment {
+  const std::uint8_t* data = nullptr;
+  std::size_t size = 0;
+  std::shared_ptr<const void> keep;
+};
+
+// A message to send: its bytes, then its attachments'.
+struct Outgoing {
+  Bytes bytes;
+  std::vector<Attachment> attachments;
+  std::size_t size() const;
+  // All of it in one buffer (for a call to this worker itself, which nothing sends).
+  Bytes flatten() &&;
+};
 
 enum class FailureKind : std::uint8_t {
   kRemoteException = 1,  // the function threw: type_name and message are the callee's
@@ -45,6 +85,7 @@ struct Failure {
 struct Reply {
   Bytes payload;
   std::optional<Failure> failure = std::nullopt;
+  std::vector<Attachment> attachments = {};  // sent after `payload`; empty in a received reply
   bool ok() const { return !failure.has_value(); }
 };
 
@@ -60,6 +101,10 @@ class CallFuture {
   const Reply& wait() const&;
   Reply wait() && { return static_cast<const CallFuture&>(*this).wait(); }
   void then(std::function<void(const Reply&)> callback) const;
+  // For the future's only consumer: wait() or then() that moves the reply (its payload) out of
+  // the future instead of lending it, so that a large payload is decoded where it was received.
+  Reply take() const;
+  void then_take(std::function<void(Reply)> callback) const;
 
  private:
   friend class CallPromise;

@@ -315,7 +315,7 @@ std::vector<std::pair<std::string, transport::Handler>> autograd_functions() {
                                  const transport::CallPromise& reply) {
     c10::IValue decoded;
     try {
-      decoded = decode_value(request, "rpc: gradients from '" + caller.name + "'");
+      decoded = decode_value(std::move(request), "rpc: gradients from '" + caller.name + "'");
       if (!decoded.isTuple() || decoded.toTupleRef().elements().size() != 4) {
         throw ProtocolError("rpc: gradients are not (context, message, indices, tensors)");
       }

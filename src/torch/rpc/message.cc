@@ -7,14 +7,15 @@
 
 namespace ddp::rpc::detail {
 
-transport::Bytes encode_message(const c10::IValue& value, const std::string& context, int to_rank) {
+transport::Outgoing encode_message(const c10::IValue& value, const std::string& context,
+                                   int to_rank) {
   const c10::IValue record = record_send(value, to_rank);
-  return encode_value(c10::ivalue::Tuple::create({record, value}), context, fork_for_message);
+  return encode_value_attached(c10::ivalue::Tuple::create({record, value}), context,
+                               fork_for_message);
 }
 
-Decoded decode_message(std::span<const std::uint8_t> bytes, const std::string& source,
-                       int from_rank) {
-  const c10::IValue outer = decode_value(bytes, source, rref_from_marker);
+Decoded decode_message(transport::Bytes&& bytes, const std::string& source, int from_rank) {
+  const c10::IValue outer = decode_value(std::move(bytes), source, rref_from_marker);
   if (!outer.isTuple() || outer.toTupleRef().elements().size() != 2) {
     throw ProtocolError(fmt::format("{}: not a ddp RPC message (a pair)", source));
   }

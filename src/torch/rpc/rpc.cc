@@ -127,6 +127,19 @@ std::exception_ptr error_of(const transport::Failure& failure) {
 namespace {
 
 using detail::error_of;
+
+// A reply's value, or its failure (or a result this worker cannot decode) thrown as RpcError.
+c10::IValue result_of(transport::Reply reply, const std::string& function, const std::string& to,
+                      int from) {
+  if (!reply.ok()) std::rethrow_exception(error_of(*reply.failure));
+  try {
+    return decode_message(std::move(reply.payload),
+                          fmt::format("rpc: the result of '{}' from '{}'", function, to), from)
+        .value;
+  } catch (const std::exception& e) {
+    throw RpcError(RpcErrorKind::kProtocol, e.what());
+  }
+}
 using detail::running_agent;
 
 // What runs on the callee: decode, call, encode. A function that throws is reported by the
@@ -138,7 +151,8 @@ transport::Handler handler_of(const std::string& name, Function function) {
     detail::Decoded decoded;
     try {
       decoded = decode_message(
-          request, fmt::format("rpc: the arguments of '{}' from worker '{}'", name, caller.name),
+          std::move(request),
+          fmt::format("rpc: the arguments of '{}' from worker '{}'", name, caller.name),
           caller.rank);
       if (!decoded.value.isTuple()) throw ProtocolError("rpc: the arguments are not a tuple");
     } catch (const std::exception& e) {
@@ -150,8 +164,8 @@ transport::Handler handler_of(const std::string& name, Function function) {
     detail::AutogradContextScope scope(decoded.autograd_context);
     const auto& elements = decoded.value.toTupleRef().elements();
     c10::IValue result = function(std::vector<c10::IValue>(elements.begin(), elements.end()));
-    reply.complete(
-        {encode_message(result, fmt::format("rpc: the result of '{}'", name), caller.rank)});
+    reply.complete(detail::reply_of(
+        encode_message(result, fmt::format("rpc: the result of '{}'", name), caller.rank)));
   };
 }
 
@@ -310,7 +324,7 @@ FuturePtr rpc_async(const std::string& to, const std::string& function,
                              function, to, to, names))));
     return future;
   }
-  transport::Bytes payload;
+  transport::Outgoing payload;
   try {
     payload = encode_message(c10::ivalue::Tuple::create(std::move(args)),
                              fmt::format("rpc: the arguments of '{}' for '{}'", function, to),
@@ -319,19 +333,13 @@ FuturePtr rpc_async(const std::string& to, const std::string& function,
     future->setError(std::current_exception());
     return future;
   }
-  agent->call(worker->rank, function, std::move(payload), timeout.value_or(default_timeout))
-      .then([future, function, to, from = worker->rank](const transport::Reply& reply) {
-        if (!reply.ok()) {
-          future->setError(error_of(*reply.failure));
-          return;
-        }
+  agent
+      ->call_attached(worker->rank, function, std::move(payload), timeout.value_or(default_timeout))
+      .then_take([future, function, to, from = worker->rank](transport::Reply reply) {
         try {
-          future->markCompleted(
-              decode_message(reply.payload,
-                             fmt::format("rpc: the result of '{}' from '{}'", function, to), from)
-                  .value);
-        } catch (const std::exception& e) {
-          future->setError(std::make_exception_ptr(RpcError(RpcErrorKind::kProtocol, e.what())));
+          future->markCompleted(result_of(std::move(reply), function, to, from));
+        } catch (...) {
+          future->setError(std::current_exception());
         }
       });
   return future;
@@ -339,9 +347,24 @@ FuturePtr rpc_async(const std::string& to, const std::string& function,
 
 c10::IValue rpc_sync(const std::string& to, const std::string& function,
                      std::vector<c10::IValue> args, std::optional<Milliseconds> timeout) {
-  FuturePtr future = rpc_async(to, function, std::move(args), timeout);
-  future->wait();
-  return future->value();  // rethrows the call's error
+  // The caller waits on the transport's future itself and decodes the reply on its own thread:
+  // one hand-over fewer than rpc_async's (the reader thread, an executor, then the caller).
+  Milliseconds default_timeout{0};
+  const auto agent = running_agent(&default_timeout);
+  const transport::WorkerInfo* worker = agent->find_worker(to);
+  if (worker == nullptr) {
+    FuturePtr future = rpc_async(to, function, std::move(args), timeout);
+    future->wait();
+    return future->value();  // rethrows the unknown worker's error
+  }
+  transport::Outgoing payload = encode_message(
+      c10::ivalue::Tuple::create(std::move(args)),
+      fmt::format("rpc: the arguments of '{}' for '{}'", function, to), worker->rank);
+  return result_of(agent
+                       ->call_attached(worker->rank, function, std::move(payload),
+                                       timeout.value_or(default_timeout))
+                       .take(),
+                   function, to, worker->rank);
 }
 
 }  // namespace ddp::rpc

@@ -51,13 +51,18 @@ c10::IValue rref_from_marker(const c10::ivalue::Tuple& marker);
 // A call's or a reply's value as a message (message.cc): (autograd record, value), where the
 // record (None outside a distributed autograd context, or when no tensor requires grad) names
 // the context, the message and which tensors require grad; RRefs go through the hooks above.
-transport::Bytes encode_message(const c10::IValue& value, const std::string& context, int to_rank);
+// Large tensors travel as attachments, from their own memory (rpc_values.h).
+transport::Outgoing encode_message(const c10::IValue& value, const std::string& context,
+                                   int to_rank);
+inline transport::Reply reply_of(transport::Outgoing message) {
+  return transport::Reply{std::move(message.bytes), std::nullopt, std::move(message.attachments)};
+}
 struct Decoded {
   c10::IValue value;
   std::int64_t autograd_context = 0;  // the sender's context, 0 for none
 };
-Decoded decode_message(std::span<const std::uint8_t> bytes, const std::string& source,
-                       int from_rank);
+// Takes the message: its large tensors stay in the memory it was received into (rpc_values.h).
+Decoded decode_message(transport::Bytes&& bytes, const std::string& source, int from_rank);
 
 // Distributed autograd (dist_autograd.cc): the context current on this thread (0: none), a scope
 // that makes one current, what a message records, and the built-in functions.

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -12,7 +13,14 @@ namespace ddp::rpc::detail {
 namespace {
 
 constexpr std::uint32_t kMagic = 0x56505244;  // "DRPV"
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;
+// Storages start at multiples of this in the message: a tensor left in the message's memory is as
+// aligned as the allocator's (16) allows, and vector loads do not straddle lines.
+constexpr std::size_t kStorageAlignment = 64;
+
+std::size_t aligned(std::size_t offset) {
+  return (offset + kStorageAlignment - 1) / kStorageAlignment * kStorageAlignment;
+}
 // More storages than this in one message is not a value anyone sends (and each costs a length).
 constexpr std::uint32_t kMaxStorages = 1u << 20;
 
@@ -75,16 +83,24 @@ c10::IValue map_value(const c10::IValue& v, const RRefToMarker& rref, const Mark
   return v;
 }
 
+// Appends with memcpy: transport::Bytes' allocator constructs element by element otherwise.
+void append(transport::Bytes& out, const void* data, std::size_t size) {
+  const std::size_t at = out.size();
+  out.resize(at + size);
+  if (size > 0) std::memcpy(out.data() + at, data, size);
+}
+
 template <typename T>
-void put(std::vector<std::uint8_t>& out, T value) {
-  const auto* bytes = reinterpret_cast<const std::uint8_t*>(&value);
-  out.insert(out.end(), bytes, bytes + sizeof value);
+void put(transport::Bytes& out, T value) {
+  append(out, &value, sizeof value);
 }
 
 }  // namespace
 
-std::vector<std::uint8_t> encode_value(const c10::IValue& value, const std::string& context,
-                                       const RRefToMarker& rrefs) {
+namespace {
+
+transport::Outgoing encode(const c10::IValue& value, const std::string& context,
+                           const RRefToMarker& rrefs, bool attach) {
   std::uint32_t flags = 0;
   c10::IValue mapped = value;
   if (rrefs && contains_rref(value, 0)) {
@@ -98,9 +114,9 @@ std::vector<std::uint8_t> encode_value(const c10::IValue& value, const std::stri
       context);
   std::size_t total = 4 + 4 + 4 + 8 + 4 + 8 * storages.size() + pickle.size();
   for (const auto& s : storages)
-    total += s.nbytes();
-  std::vector<std::uint8_t> out;
-  out.reserve(total);
+    total = aligned(total) + s.nbytes();
+  transport::Outgoing message;
+  transport::Bytes& out = message.bytes;
   put(out, kMagic);
   put(out, kVersion);
   put(out, flags);
@@ -108,16 +124,92 @@ std::vector<std::uint8_t> encode_value(const c10::IValue& value, const std::stri
   put(out, static_cast<std::uint32_t>(storages.size()));
   for (const auto& s : storages)
     put(out, static_cast<std::uint64_t>(s.nbytes()));
-  out.insert(out.end(), pickle.begin(), pickle.end());
-  for (const auto& s : storages) {
-    const auto* data = static_cast<const std::uint8_t*>(s.data_ptr().get());
-    if (s.nbytes() > 0) out.insert(out.end(), data, data + s.nbytes());
+  static constexpr std::uint8_t kZeros[kStorageAlignment] = {};
+  std::size_t attached = 0;  // the attachments' bytes so far
+  std::size_t first_attached = storages.size();
+  if (attach) {
+    for (std::size_t i = 0; i < storages.size(); ++i) {
+      if (storages[i].nbytes() >= kAliasedStorageBytes) {
+        first_attached = i;
+        break;
+      }
+    }
   }
-  return out;
+  std::size_t copied = total;
+  if (first_attached < storages.size()) {
+    copied = out.size() + pickle.size();
+    for (std::size_t i = 0; i < first_attached; ++i)
+      copied = aligned(copied) + storages[i].nbytes();
+  }
+  out.reserve(copied + kStorageAlignment);
+  append(out, pickle.data(), pickle.size());
+  for (std::size_t i = 0; i < storages.size(); ++i) {
+    const at::Storage& s = storages[i];
+    const std::size_t at = out.size() + attached;
+    const std::size_t padding = aligned(at) - at;
+    if (i < first_attached) {
+      append(out, kZeros, padding);
+      append(out, s.data_ptr().get(), s.nbytes());
+      continue;
+    }
+    attached += padding + s.nbytes();
+    if (padding > 0) message.attachments.push_back({kZeros, padding, nullptr});
+    if (s.nbytes() > 0) {
+      message.attachments.push_back({static_cast<const std::uint8_t*>(s.data_ptr().get()),
+                                     s.nbytes(), std::make_shared<at::Storage>(s)});
+    }
+  }
+  return message;
 }
+
+}  // namespace
+
+transport::Bytes encode_value(const c10::IValue& value, const std::string& context,
+                              const RRefToMarker& rrefs) {
+  return encode(value, context, rrefs, /*attach=*/false).bytes;
+}
+
+transport::Outgoing encode_value_attached(const c10::IValue& value, const std::string& context,
+                                          const RRefToMarker& rrefs) {
+  return encode(value, context, rrefs, /*attach=*/true);
+}
+
+namespace {
+
+// The storage of `length` bytes at `offset` of the message `owner` holds, left where it is.
+at::Storage aliased_storage(const std::shared_ptr<transport::Bytes>& owner, std::size_t offset,
+                            std::size_t length) {
+  auto* keep = new std::shared_ptr<transport::Bytes>(owner);
+  c10::DataPtr data(
+      owner->data() + offset, keep,
+      [](void* context) { delete static_cast<std::shared_ptr<transport::Bytes>*>(context); },
+      c10::Device(c10::kCPU));
+  return at::Storage(at::Storage::use_byte_size_t(), static_cast<std::int64_t>(length),
+                     std::move(data), /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+c10::IValue decode(std::span<const std::uint8_t> bytes,
+                   const std::shared_ptr<transport::Bytes>& owner, const std::string& source,
+                   const MarkerToRRef& rrefs);
+
+}  // namespace
 
 c10::IValue decode_value(std::span<const std::uint8_t> bytes, const std::string& source,
                          const MarkerToRRef& rrefs) {
+  return decode(bytes, nullptr, source, rrefs);
+}
+
+c10::IValue decode_value(transport::Bytes&& bytes, const std::string& source,
+                         const MarkerToRRef& rrefs) {
+  auto owner = std::make_shared<transport::Bytes>(std::move(bytes));
+  return decode(std::span<const std::uint8_t>(owner->data(), owner->size()), owner, source, rrefs);
+}
+
+namespace {
+
+c10::IValue decode(std::span<const std::uint8_t> bytes,
+                   const std::shared_ptr<transport::Bytes>& owner, const std::string& source,
+                   const MarkerToRRef& rrefs) {
   std::size_t at = 0;
   auto fail = [&](const std::string& what) {
     return ProtocolError(
@@ -155,11 +247,12 @@ c10::IValue decode_value(std::span<const std::uint8_t> bytes, const std::string&
   std::vector<std::size_t> offsets(count);
   std::size_t offset = at + pickle_bytes;
   for (std::uint32_t i = 0; i < count; ++i) {
-    if (lengths[i] > left)
+    const std::size_t padding = aligned(offset) - offset;
+    if (padding > left || lengths[i] > left - padding)
       throw fail(fmt::format("storage {} of {} bytes runs past its end", i, lengths[i]));
-    left -= lengths[i];
-    offsets[i] = offset;
-    offset += lengths[i];
+    left -= padding + lengths[i];
+    offsets[i] = offset + padding;
+    offset += padding + lengths[i];
   }
   if (left != 0) throw fail(fmt::format("{} bytes follow its last storage", left));
   const std::string_view pickle(reinterpret_cast<const char*>(bytes.data() + at), pickle_bytes);
@@ -186,6 +279,9 @@ c10::IValue decode_value(std::span<const std::uint8_t> bytes, const std::string&
                           "says",
                           index, lengths[index], request.numel, c10::toString(request.dtype)));
         }
+        if (owner != nullptr && lengths[index] >= kAliasedStorageBytes) {
+          return aliased_storage(owner, offsets[index], lengths[index]);
+        }
         auto tensor = at::empty({request.numel}, at::TensorOptions().dtype(request.dtype));
         if (lengths[index] > 0) {
           std::memcpy(tensor.data_ptr(), bytes.data() + offsets[index], lengths[index]);
@@ -196,5 +292,7 @@ c10::IValue decode_value(std::span<const std::uint8_t> bytes, const std::string&
   if ((flags & kHasRRefs) != 0) value = map_value(value, {}, rrefs, 0);
   return value;
 }
+
+}  // namespace
 
 }  // namespace ddp::rpc::detail

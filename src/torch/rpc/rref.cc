@@ -237,7 +237,7 @@ void reply_with_value(const FuturePtr& value, const transport::CallPromise& repl
       return;
     }
     try {
-      reply.complete({encode_message(done.value(), context, caller)});
+      reply.complete(reply_of(encode_message(done.value(), context, caller)));
     } catch (...) {
       const auto [type, what] = describe_current_exception();
       reply.fail(transport::FailureKind::kRemoteException, what, type);
@@ -256,8 +256,8 @@ std::vector<std::pair<std::string, transport::Handler>> rref_functions() {
     RRefId id, fork;
     std::int64_t autograd_context = 0;
     try {
-      Decoded decoded =
-          decode_message(request, fmt::format("rpc: remote() from '{}'", caller.name), caller.rank);
+      Decoded decoded = decode_message(
+          std::move(request), fmt::format("rpc: remote() from '{}'", caller.name), caller.rank);
       autograd_context = decoded.autograd_context;
       const auto t = tuple_elements(decoded.value, 6, "remote()'s request");
       if (!t[0].isString()) throw ProtocolError("rpc: remote()'s function is not a string");
@@ -400,15 +400,15 @@ c10::IValue RRef::to_here(std::optional<Milliseconds> timeout) const {
   if (impl().isOwner()) return local_value();
   Milliseconds default_timeout{0};
   auto agent = detail::running_agent(&default_timeout);
-  const transport::Reply reply =
+  transport::Reply reply =
       agent
           ->call(
               impl().owner_rank(), detail::kFetch,
               detail::encode_value(detail::ids_tuple(impl().id(), impl().id()), "rpc: to_here()"),
               timeout.value_or(default_timeout))
-          .wait();
+          .take();
   if (!reply.ok()) std::rethrow_exception(detail::error_of(*reply.failure));
-  return detail::decode_message(reply.payload,
+  return detail::decode_message(std::move(reply.payload),
                                 "rpc: the value of an RRef from '" + impl().ownerName() + "'",
                                 impl().owner_rank())
       .value;
@@ -439,7 +439,9 @@ RRef remote(const std::string& to, const std::string& function, std::vector<c10:
       c10::ivalue::Tuple::create({function, c10::ivalue::Tuple::create(std::move(args)), id.creator,
                                   id.local, fork.creator, fork.local}),
       fmt::format("rpc: the arguments of remote '{}' on '{}'", function, to), worker->rank);
-  agent->call(worker->rank, detail::kRemote, std::move(payload), timeout.value_or(default_timeout))
+  agent
+      ->call_attached(worker->rank, detail::kRemote, std::move(payload),
+                      timeout.value_or(default_timeout))
       .then([confirmed](const detail::transport::Reply& reply) {
         if (reply.ok()) {
           confirmed->markCompleted(c10::IValue());

@@ -159,6 +159,27 @@ TEST(Rpc, SyncAndAsyncCallsCarryTensorsAndValuesToEveryWorker) {
                 echoed[9].toListRef()[1].isNone(),
             "a list");
 
+    // Large tensors travel from their own memory and arrive in the message's (rpc_values.h):
+    // to every worker, this one included, by rpc_sync, rpc_async and remote().
+    const auto large = torch::randn({1 << 18}, torch::kFloat32);  // 1 MiB
+    const auto medium = torch::randn({9000}, torch::kFloat64);    // 72,000 bytes
+    for (int to = 0; to < 3; ++to) {
+      const std::string target = name_of(to);
+      const auto sync = rpc::rpc_sync(target, "echo", {large, 3, medium.narrow(0, 5, 100), large})
+                            .toTupleRef()
+                            .elements();
+      require(torch::equal(sync[0].toTensor(), large) && sync[1].toInt() == 3 &&
+                  torch::equal(sync[2].toTensor(), medium.narrow(0, 5, 100)) &&
+                  torch::equal(sync[3].toTensor(), large),
+              "a large echo on " + target);
+      auto async = rpc::rpc_async(target, "add", {large, large});
+      async->wait();
+      require(torch::equal(async->value().toTensor(), large + large), "a large add on " + target);
+      require(torch::equal(rpc::remote(target, "add", {large, large}).to_here().toTensor(),
+                           large + large),
+              "a large remote() on " + target);
+    }
+
     std::vector<rpc::FuturePtr> futures;
     for (int i = 0; i < 200; ++i) {
       futures.push_back(

@@ -2,8 +2,10 @@
 // every damaged or hostile message is a named error, never a crash or a wrong value.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <random>
+#include <span>
 
 #include <torch/torch.h>
 
@@ -18,7 +20,7 @@ namespace DDP_UNITY_ID {
 using rpc::detail::decode_value;
 using rpc::detail::encode_value;
 
-std::string refusal(const std::vector<std::uint8_t>& bytes) {
+std::string refusal(std::span<const std::uint8_t> bytes) {
   try {
     decode_value(bytes, "msg");
   } catch (const Error& e) {
@@ -38,6 +40,50 @@ TEST(RpcValues, RoundTripsTensorsAndValues) {
   EXPECT_TRUE(torch::equal(back[2].toTensor(), torch::arange(4, torch::kInt32)));
   EXPECT_EQ(back[3].toInt(), 3);
   EXPECT_EQ(back[4].toStringRef(), "s");
+}
+
+TEST(RpcValues, LargeStoragesTravelAsAttachmentsAndStayInTheReceivedMessage) {
+  // Small, large, small, large: from the first large storage on, the message's parts are
+  // attachments (each storage at a multiple of 64, zeros between), and the bytes on the wire are
+  // exactly encode_value's.
+  const auto small = torch::arange(5, torch::kFloat64);
+  const auto large = torch::randn({300, 100}, torch::kFloat32);  // 120,000 bytes
+  const auto later = torch::arange(3, torch::kInt64);
+  const auto big = torch::randn({40000}, torch::kFloat64);  // 320,000 bytes
+  const auto value = c10::ivalue::Tuple::create({small, large, later, big.narrow(0, 10, 7), 4});
+  auto attached = rpc::detail::encode_value_attached(value, "test");
+  EXPECT_GE(attached.attachments.size(), 3u);
+  EXPECT_LT(attached.bytes.size(), 2048u) << "a large storage was copied into the message";
+  for (const auto& a : attached.attachments) {
+    EXPECT_TRUE(a.data != nullptr && a.size > 0);
+  }
+  const auto whole = encode_value(value, "test");
+  auto flat = std::move(attached).flatten();
+  ASSERT_EQ(flat.size(), whole.size());
+  EXPECT_EQ(std::memcmp(flat.data(), whole.data(), whole.size()), 0);
+
+  const auto* first = flat.data();
+  const auto* end = flat.data() + flat.size();
+  c10::IValue decoded = decode_value(std::move(flat), "test");
+  const auto& back = decoded.toTupleRef().elements();
+  const auto in_message = [&](const at::Tensor& t) {
+    const auto* p = static_cast<const std::uint8_t*>(t.data_ptr());
+    return p >= first && p < end;
+  };
+  EXPECT_FALSE(in_message(back[0].toTensor())) << "a small storage was left in the message";
+  EXPECT_TRUE(in_message(back[1].toTensor())) << "a large storage was copied";
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(back[1].toTensor().data_ptr()) % 16, 0u);
+  EXPECT_TRUE(in_message(back[3].toTensor()));
+  EXPECT_TRUE(torch::equal(back[0].toTensor(), small));
+  EXPECT_TRUE(torch::equal(back[1].toTensor(), large));
+  EXPECT_TRUE(torch::equal(back[2].toTensor(), later));
+  EXPECT_TRUE(torch::equal(back[3].toTensor(), big.narrow(0, 10, 7)));
+  // The message lives as long as a tensor in it: the others gone, the last still reads.
+  auto last = back[3].toTensor();
+  decoded = c10::IValue();
+  EXPECT_TRUE(torch::equal(last, big.narrow(0, 10, 7)));
+  last.add_(1);  // writable
+  EXPECT_TRUE(torch::equal(last, big.narrow(0, 10, 7) + 1));
 }
 
 TEST(RpcValues, DamagedMessagesAreNamed) {
