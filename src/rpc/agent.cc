@@ -250,13 +250,17 @@ CallFuture Agent::call_attached(int to_rank, const std::string& function, Outgoi
   }
   const net::Deadline deadline = net::deadline_after(timeout);
   std::uint64_t id = 0;
+  bool earliest = false;
   {
     std::lock_guard lock(pending_mutex_);
     id = next_call_id_++;
-    pending_.emplace(id, Pending{promise, to_rank, function, timeout, {}});
-    pending_[id].deadline_entry = deadlines_.emplace(deadline, id);
+    auto [it, fresh] = pending_.emplace(id, Pending{promise, to_rank, function, timeout, {}});
+    it->second.deadline_entry = deadlines_.emplace(deadline, id);
+    earliest = it->second.deadline_entry == deadlines_.begin();
   }
-  timer_cv_.notify_one();
+  // The timer sleeps until the earliest deadline: only a call that comes before it wakes the
+  // timer (waking it for every call cost a context switch per call).
+  if (earliest) timer_cv_.notify_one();
 
   if (to_rank == options_.rank) {
     CallPromise local(executor());
