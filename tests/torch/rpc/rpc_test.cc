@@ -22,6 +22,7 @@
 #include "ddp/torch/rpc/rref.h"
 #include "support/multiprocess.h"
 #include "support/unity_namespace.h"
+#include "torch/rpc/rpc_internal.h"
 
 namespace ddp {
 namespace {
@@ -216,6 +217,30 @@ TEST(Rpc, EveryFailureIsItsOwnErrorNamingTheWorkerAndTheFunction) {
     const auto unknown = expect_throw<rpc::RpcError>(
         [&] { rpc::rpc_sync(peer, "no_such_function"); }, "an unknown function");
     require(unknown.kind() == rpc::RpcErrorKind::kUnknownFunction, unknown.what());
+
+    // Arguments the callee cannot decode (bytes that are not a ddp RPC value, sent to a
+    // registered function through the transport underneath): kBadArguments, naming the function.
+    {
+      const auto agent = rpc::detail::running_agent();
+      rpc::transport::Reply reply = agent
+                                        ->call(agent->find_worker(peer)->rank, "echo",
+                                               rpc::transport::Bytes{'n', 'o', 't', ' ', 'a'}, 10s)
+                                        .take();
+      require(
+          !reply.ok() && reply.failure->kind == rpc::transport::FailureKind::kBadArguments,
+          "undecodable arguments: " + (reply.ok() ? std::string("ok") : reply.failure->message));
+      const rpc::RpcError error = [&] {
+        try {
+          std::rethrow_exception(rpc::detail::error_of(*reply.failure));
+        } catch (const rpc::RpcError& e) {
+          return e;
+        }
+      }();
+      require(error.kind() == rpc::RpcErrorKind::kBadArguments &&
+                  std::string(error.what()).find("'echo'") != std::string::npos &&
+                  std::string(error.what()).find("magic") != std::string::npos,
+              error.what());
+    }
 
     const auto nobody =
         expect_throw<rpc::RpcError>([&] { rpc::rpc_sync("nobody", "echo"); }, "an unknown worker");
