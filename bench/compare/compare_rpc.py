@@ -7,7 +7,9 @@
 Each round runs, one after the other, rpc-latency under ddprun (bench/micro/rpc_latency.cc, two
 workers) and bench/compare/pytorch_rpc_bench.py under PyTorch 2.x (scripts/pytorch-python, two
 workers by torch.multiprocessing): an empty rpc_sync round trip and a float32 tensor echo, each
-call timed alone, the median over the calls. The table shows, per measurement, the median over
+call timed alone, the median over the calls; and bench/micro/tcp_roundtrip_bound.cc, the same
+round trips over loopback TCP with nothing else (blocking send and recv of one buffer), which no
+RPC on this host can beat. The table shows, per measurement, the median over
 rounds of each side's medians and their ratio (ddp / PyTorch; issue 51's targets: at most 0.1
 for the empty call, 0.5 for the 1 MiB echo). Prints the machine, its load and the date first.
 Exit 0 when every run succeeded, 1 otherwise.
@@ -23,7 +25,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-LINE = re.compile(r"rpc-latency (empty|echo)_us (?:bytes=\d+ )?median=([\d.]+)")
+LINE = re.compile(r"(?:rpc-latency|tcp-bound) (empty|echo)_us (?:bytes=\d+ )?median=([\d.]+)")
 
 
 def run(command, env=None):
@@ -53,10 +55,11 @@ def main():
            os.path.join(bin_dir, "rpc-latency")] + common
     pytorch = [os.path.join(REPO, "scripts", "pytorch-python"),
                os.path.join(HERE, "pytorch_rpc_bench.py")] + common
-    results = {"ddp": [], "pytorch": []}
+    bound = [os.path.join(bin_dir, "tcp_roundtrip_bound")] + common
+    results = {"ddp": [], "pytorch": [], "tcp": []}
     ok = True
     for _ in range(args.rounds):
-        for side, command in (("ddp", ddp), ("pytorch", pytorch)):
+        for side, command in (("ddp", ddp), ("pytorch", pytorch), ("tcp", bound)):
             found = run(command)
             ok = ok and found is not None
             if found:
@@ -65,8 +68,9 @@ def main():
     print(f"{datetime.datetime.now().isoformat(timespec='seconds')}, {os.cpu_count()} CPUs, "
           f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.rounds} rounds, medians of "
           f"{args.calls} empty calls and {args.echo_calls} echoes of {args.echo_bytes} bytes\n")
-    print("| round trip | ddp::rpc (µs) | PyTorch TensorPipe (µs) | ddp / PyTorch | target |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| round trip | ddp::rpc (µs) | PyTorch TensorPipe (µs) | ddp / PyTorch | target "
+          "| raw TCP bound (µs) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for key, label, target in (("empty", "empty rpc_sync", "≤ 0.1"),
                                ("echo", f"{args.echo_bytes} B tensor echo", "≤ 0.5")):
         d = [r[key] for r in results["ddp"]]
@@ -74,7 +78,9 @@ def main():
         dm = statistics.median_low(d) if d else float("nan")
         tm = statistics.median_low(t) if t else float("nan")
         ratio = dm / tm if d and t else float("nan")
-        print(f"| {label} | {dm:.1f} | {tm:.1f} | {ratio:.3f} | {target} |")
+        b = [r[key] for r in results["tcp"]]
+        bm = statistics.median_low(b) if b else float("nan")
+        print(f"| {label} | {dm:.1f} | {tm:.1f} | {ratio:.3f} | {target} | {bm:.1f} |")
     return 0 if ok else 1
 
 

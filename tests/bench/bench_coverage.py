@@ -30,6 +30,10 @@ DATA = "results"  # bench/results/: recorded runs, not programs
 # file -> the driver whose tiny form runs it (the driver's source must name the file); paths below
 # bench/.
 DRIVEN_BY = {
+    # ddp::rpc's round trips beside PyTorch's TensorPipe agent and the raw TCP bound
+    "micro/rpc_latency.cc": "compare/compare_rpc.py",
+    "compare/pytorch_rpc_bench.py": "compare/compare_rpc.py",
+    "micro/tcp_roundtrip_bound.cc": "compare/compare_rpc.py",
     # as ddp-train-bench, with pytorch_ddp_bench.py on PyTorch 1.13 and 2.x
     "compare/ddp_train_bench.cc": "compare/compare_ddp.py",
     "compare/pytorch_ddp_bench.py": "compare/compare_ddp.py",
