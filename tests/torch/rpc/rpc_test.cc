@@ -466,6 +466,13 @@ TEST(Rpc, DistributedBackwardCrossesWorkersAndLeavesGradientsInTheContext) {
       require(ended.kind() == rpc::RpcErrorKind::kRefused &&
                   std::string(ended.what()).find(std::to_string(id)) != std::string::npos,
               ended.what());
+      const std::int64_t never = id + 1000003;  // no worker ever made this context
+      const auto unknown = expect_throw<rpc::RpcError>(
+          [&] { rpc::dist_autograd::backward(never, {torch::ones({1}, torch::kFloat64)}); },
+          "a backward of a context never created");
+      require(unknown.kind() == rpc::RpcErrorKind::kRefused &&
+                  std::string(unknown.what()).find(std::to_string(never)) != std::string::npos,
+              unknown.what());
     }
     store->get("autograd/done", 60s);
     rpc::shutdown();
