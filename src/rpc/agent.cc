@@ -1,6 +1,5 @@
 #include "rpc/agent.h"
 
-#include <cxxabi.h>
 #include <poll.h>
 
 #include <algorithm>
@@ -16,6 +15,7 @@
 #include "auth/hmac.h"
 #include "ddp/error.h"
 #include "net/fd_io.h"
+#include "rpc/current_exception.h"
 
 namespace ddp::rpc::transport {
 namespace {
@@ -38,17 +38,6 @@ std::string random_session(bool secret) {
   }
   std::random_device device;
   return fmt::format("{:08x}{:08x}", device(), device());
-}
-
-// The type of the exception being handled, demangled ("std::runtime_error").
-std::string current_exception_type() {
-  const std::type_info* type = abi::__cxa_current_exception_type();
-  if (type == nullptr) return "unknown";
-  int status = 0;
-  char* demangled = abi::__cxa_demangle(type->name(), nullptr, nullptr, &status);
-  std::string name = status == 0 && demangled != nullptr ? demangled : type->name();
-  std::free(demangled);
-  return name;
 }
 
 // Sends every byte of `iov` or throws: TimeoutError at the deadline, Error when the connection
@@ -585,14 +574,7 @@ void Agent::run_handler(int caller_rank, net::Deadline deadline, const std::stri
     handler(CallerInfo{caller_rank, workers_[static_cast<std::size_t>(caller_rank)].name, deadline},
             std::move(payload), reply);
   } catch (...) {
-    const std::string type = current_exception_type();
-    std::string what = "(not a std::exception)";
-    try {
-      throw;
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
+    const auto [type, what] = describe_current_exception();
     reply.fail(FailureKind::kRemoteException,
                fmt::format("{} threw {}: {}", who(options_.rank), type, what), type);
   }

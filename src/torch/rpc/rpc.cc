@@ -8,7 +8,6 @@
 
 #include <fmt/format.h>
 
-#include <cxxabi.h>
 #include "ddp/job_secret.h"
 
 #include "rpc/agent.h"
@@ -94,24 +93,6 @@ Function find_function(const std::string& name) {
     if (builtin == name) return function;
   }
   return {};
-}
-
-std::pair<std::string, std::string> describe_current_exception() {
-  std::string type = "unknown";
-  if (const std::type_info* info = abi::__cxa_current_exception_type()) {
-    int status = 0;
-    char* demangled = abi::__cxa_demangle(info->name(), nullptr, nullptr, &status);
-    type = status == 0 && demangled != nullptr ? demangled : info->name();
-    std::free(demangled);
-  }
-  std::string what = "(not a std::exception)";
-  try {
-    throw;
-  } catch (const std::exception& e) {
-    what = e.what();
-  } catch (...) {
-  }
-  return {type, what};
 }
 
 std::exception_ptr error_of(const transport::Failure& failure) {

@@ -12,6 +12,7 @@
 
 #include "ddp/torch/rpc/rpc.h"
 #include "rpc/agent.h"
+#include "rpc/current_exception.h"
 
 namespace ddp::rpc::detail {
 
@@ -27,7 +28,7 @@ Function find_function(const std::string& name);
 // The error a failed call completes its future with.
 std::exception_ptr error_of(const transport::Failure& failure);
 // The type (demangled) and text of the exception being handled.
-std::pair<std::string, std::string> describe_current_exception();
+using transport::describe_current_exception;
 
 // The built-in functions of RRefs (rref.cc), installed by init_rpc beside the user's; their names
 // start with "__ddp", which register_function refuses.
