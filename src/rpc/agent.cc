@@ -535,7 +535,10 @@ void Agent::connection_failed(Connection& connection, const std::string& reason,
 void Agent::dispatch(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
                      std::uint32_t timeout_ms, std::string function, Bytes payload) {
   const net::Deadline deadline = net::deadline_after(Milliseconds(timeout_ms));
-  CallPromise reply(executor());
+  // No executor: the reply is sent on the thread that completes it, the pool thread that ran the
+  // handler (a hand-over to another pool thread cost every call a context switch), and a result's
+  // tensors are sent as they were when the handler returned, not as they are later.
+  CallPromise reply{Executor{}};
   reply.future().then(
       [this, connection, call_id](const Reply& r) { send_reply(connection, call_id, r); });
   auto shared = std::make_shared<Bytes>(std::move(payload));

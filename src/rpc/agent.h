@@ -20,7 +20,9 @@
 // Calls: every call has a deadline; a timer fails it with kTimeout when it passes, whatever the
 // callee does. A connection that closes or breaks fails every call waiting on it with
 // kWorkerGone naming the worker, and later calls to that worker fail at once. Requests run on a
-// pool of `threads` threads; a handler completes its reply (from any thread, now or later); an
+// pool of `threads` threads; a handler completes its reply (from any thread, now or later: the
+// reply is sent on the thread that completes it, so complete it from a thread that may block
+// for a send, never from a callback of a connection's reader); an
 // exception out of a handler is sent back as kRemoteException with its type and text; a call of
 // a name the callee never registered is kUnknownFunction naming what it has. A call to oneself
 // runs the handler here, without a connection.
