@@ -15,16 +15,13 @@
 #include "auth/hmac.h"
 #include "ddp/error.h"
 #include "net/fd_io.h"
+#include "rpc/agent_connection.h"
 #include "rpc/current_exception.h"
 
 namespace ddp::rpc::transport {
 namespace {
 
 using namespace std::chrono_literals;
-
-// Inbound connections still in their handshake; more are closed at once, so a flood of strangers
-// costs a descriptor for a moment each, not a thread each.
-constexpr int kMaxHandshakes = 64;
 
 std::atomic<int> g_agent_instances{0};
 
@@ -79,16 +76,6 @@ void send_all_iov(int fd, iovec* iov, int count, net::Deadline deadline, const s
 }
 
 }  // namespace
-
-struct Agent::Connection {
-  net::Socket socket;
-  int peer_rank = -1;
-  bool outbound = false;
-  std::mutex send_mutex;
-  std::thread thread;
-  std::atomic<bool> broken{false};
-  std::atomic<bool> finished{false};
-};
 
 Agent::Agent(Store& store, AgentOptions options)
     : store_(store), options_(std::move(options)), pool_(std::max(1, options_.threads)) {
@@ -374,240 +361,6 @@ void Agent::timer_loop() {
                     "ms",
                     pending.function, who(pending.to_rank), pending.timeout.count()));
     lock.lock();
-  }
-}
-
-void Agent::accept_loop() {
-  while (!stopping_) {
-    if (!listener_.wait_readable(net::deadline_after(100ms))) {
-      reap_finished();
-      continue;
-    }
-    if (stopping_) return;
-    net::Socket socket;
-    try {
-      socket = net::accept_tcp(listener_, net::deadline_after(100ms));
-    } catch (const Error&) {
-      continue;  // the caller gave up, or no descriptor: the listener is still there
-    }
-    std::lock_guard lock(connections_mutex_);
-    if (handshakes_running_ >= kMaxHandshakes) {
-      ++refused_;
-      continue;  // closed as it goes out of scope
-    }
-    ++handshakes_running_;
-    auto connection = std::make_shared<Connection>();
-    connection->socket = std::move(socket);
-    connection->socket.set_no_delay(true);
-    all_connections_.push_back(connection);
-    connection->thread = std::thread([this, connection] {
-      serve_inbound(connection);
-      connection->finished = true;
-    });
-  }
-}
-
-void Agent::reap_finished() {
-  std::vector<std::shared_ptr<Connection>> done;
-  {
-    std::lock_guard lock(connections_mutex_);
-    std::erase_if(all_connections_, [&](const std::shared_ptr<Connection>& c) {
-      // Only the refused: a connection of a worker stays listed until stop().
-      if (!c->finished || c->peer_rank >= 0) return false;
-      done.push_back(c);
-      return true;
-    });
-  }
-  for (auto& c : done) {
-    if (c->thread.joinable()) c->thread.join();
-  }
-}
-
-void Agent::serve_inbound(std::shared_ptr<Connection> connection) {
-  int caller = -1;
-  try {
-    caller = handshake_as_callee(
-        connection->socket, handshake_self_,
-        [this](int r) { return workers_[static_cast<std::size_t>(r)].name; },
-        net::deadline_after(options_.timeout));
-    std::lock_guard lock(connections_mutex_);
-    --handshakes_running_;
-    auto& slot = inbound_[static_cast<std::size_t>(caller)];
-    if (slot) {
-      ++refused_;
-      std::fprintf(stderr, "ddp rpc: %s: a second connection from %s refused\n",
-                   who(options_.rank).c_str(), who(caller).c_str());
-      return;
-    }
-    connection->peer_rank = caller;
-    slot = connection;
-    connections_cv_.notify_all();
-  } catch (const Error& e) {
-    std::lock_guard lock(connections_mutex_);
-    --handshakes_running_;
-    ++refused_;
-    if (!stopping_) {
-      std::fprintf(stderr, "ddp rpc: %s refused a connection from %s: %s\n",
-                   who(options_.rank).c_str(), connection->socket.peer().c_str(), e.what());
-    }
-    return;
-  }
-  read_frames(connection);
-}
-
-void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
-  std::array<std::uint8_t, kFrameHeaderBytes> head{};
-  const std::string peer = who(connection->peer_rank);
-  try {
-    for (;;) {
-      connection->socket.wait_readable(net::Deadline::max());
-      // Once a frame has started, all of it must come within the timeout.
-      const net::Deadline deadline = net::deadline_after(options_.timeout);
-      connection->socket.recv_all(head.data(), head.size(), deadline);
-      const FrameHeader header = decode_frame_header(head.data(), limits_, peer);
-      std::string name(header.name_bytes, '\0');
-      connection->socket.recv_all(name.data(), name.size(), deadline);
-      Bytes payload(header.payload_bytes);
-      connection->socket.recv_all(payload.data(), payload.size(), deadline);
-      if (!connection->outbound) {
-        if (header.kind != FrameKind::kRequest) {
-          throw ProtocolError(
-              fmt::format("rpc: {} sent a reply on the connection that carries "
-                          "its own calls",
-                          peer));
-        }
-        dispatch(connection, header.call_id, header.timeout_ms, std::move(name),
-                 std::move(payload));
-        continue;
-      }
-      if (header.kind == FrameKind::kRequest) {
-        throw ProtocolError(
-            fmt::format("rpc: {} sent a request on the connection that carries "
-                        "this worker's calls",
-                        peer));
-      }
-      Reply reply;
-      if (header.kind == FrameKind::kReply) {
-        reply.payload = std::move(payload);
-      } else {
-        const auto kind = name.empty() ? 0 : static_cast<std::uint8_t>(name[0]);
-        if (kind < 1 || kind > kLastFailureKind) {
-          throw ProtocolError(fmt::format("rpc: {} sent a failure of unknown kind {}", peer, kind));
-        }
-        reply.failure = Failure{static_cast<FailureKind>(kind), name.substr(1),
-                                std::string(payload.begin(), payload.end())};
-      }
-      complete_call(header.call_id, connection->peer_rank, std::move(reply));
-    }
-  } catch (const ProtocolError& e) {
-    ++refused_;
-    if (!stopping_) std::fprintf(stderr, "ddp rpc: %s: %s\n", who(options_.rank).c_str(), e.what());
-    connection_failed(*connection, e.what(), FailureKind::kProtocol);
-  } catch (const Error& e) {
-    connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
-  } catch (const std::bad_alloc&) {
-    connection_failed(*connection, "no memory for a frame of " + peer, FailureKind::kProtocol);
-  }
-}
-
-void Agent::connection_failed(Connection& connection, const std::string& reason, FailureKind kind) {
-  if (connection.broken.exchange(true)) return;
-  net::shutdown_socket(connection.socket.fd(), net::ShutdownHow::kBoth);
-  if (!connection.outbound || connection.peer_rank < 0) return;
-  {
-    std::lock_guard lock(connections_mutex_);
-    auto& slot = broken_[static_cast<std::size_t>(connection.peer_rank)];
-    if (slot.empty()) slot = reason;
-  }
-  std::vector<std::uint64_t> ids;
-  {
-    std::lock_guard lock(pending_mutex_);
-    for (const auto& [id, pending] : pending_) {
-      if (pending.to_rank == connection.peer_rank) ids.push_back(id);
-    }
-  }
-  for (std::uint64_t id : ids) {
-    fail_call(id, stopping_ ? FailureKind::kShutdown : kind,
-              "the connection broke during the call: " + reason);
-  }
-}
-
-void Agent::dispatch(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
-                     std::uint32_t timeout_ms, std::string function, Bytes payload) {
-  const net::Deadline deadline = net::deadline_after(Milliseconds(timeout_ms));
-  // No executor: the reply is sent on the thread that completes it, the pool thread that ran the
-  // handler (a hand-over to another pool thread cost every call a context switch), and a result's
-  // tensors are sent as they were when the handler returned, not as they are later.
-  CallPromise reply{Executor{}};
-  reply.future().then(
-      [this, connection, call_id](const Reply& r) { send_reply(connection, call_id, r); });
-  auto shared = std::make_shared<Bytes>(std::move(payload));
-  const int caller = connection->peer_rank;
-  if (!pool_.post([this, caller, deadline, function = std::move(function), shared, reply] {
-        run_handler(caller, deadline, function, std::move(*shared), reply);
-      })) {
-    reply.fail(FailureKind::kShutdown, who(options_.rank) + " is shutting down");
-  }
-}
-
-void Agent::run_handler(int caller_rank, net::Deadline deadline, const std::string& function,
-                        Bytes payload, const CallPromise& reply) {
-  Handler handler;
-  {
-    std::shared_lock lock(handlers_mutex_);
-    auto it = handlers_.find(function);
-    if (it == handlers_.end()) {
-      std::string known;
-      for (const auto& [name, unused] : handlers_)
-        known += (known.empty() ? "" : ", ") + name;
-      reply.fail(FailureKind::kUnknownFunction,
-                 fmt::format("{} has no function '{}' registered (it has: {}); register it on "
-                             "every worker before calling it",
-                             who(options_.rank), function, known.empty() ? "none" : known));
-      return;
-    }
-    handler = it->second;
-  }
-  if (net::Clock::now() >= deadline) {
-    reply.fail(FailureKind::kTimeout,
-               fmt::format("its deadline passed before it ran on {}", who(options_.rank)));
-    return;
-  }
-  try {
-    handler(CallerInfo{caller_rank, workers_[static_cast<std::size_t>(caller_rank)].name, deadline},
-            std::move(payload), reply);
-  } catch (...) {
-    const auto [type, what] = describe_current_exception();
-    reply.fail(FailureKind::kRemoteException,
-               fmt::format("{} threw {}: {}", who(options_.rank), type, what), type);
-  }
-}
-
-void Agent::send_reply(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
-                       const Reply& reply) {
-  if (connection->broken) return;  // the caller is gone: nobody to answer
-  FrameHeader header{reply.ok() ? FrameKind::kReply : FrameKind::kFailure, call_id, 0, 0, 0};
-  std::string name;
-  Bytes message;
-  const Bytes* payload = &reply.payload;
-  const std::vector<Attachment> none;
-  const std::vector<Attachment>* attachments = &reply.attachments;
-  if (!reply.ok()) {
-    attachments = &none;
-    name.push_back(static_cast<char>(reply.failure->kind));
-    name += reply.failure->type_name.substr(0, limits_.max_name_bytes - 1);
-    message.assign(reply.failure->message.begin(), reply.failure->message.end());
-    payload = &message;
-  }
-  header.name_bytes = static_cast<std::uint32_t>(name.size());
-  header.payload_bytes = payload->size();
-  for (const auto& a : *attachments)
-    header.payload_bytes += a.size;
-  try {
-    send_frame(*connection, header, name, *payload, *attachments,
-               net::deadline_after(options_.timeout));
-  } catch (const Error& e) {
-    connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
   }
 }
 
