@@ -1,6 +1,6 @@
 // Everything of ddp's torch layer in one include: the torch.distributed calls, DDP and its comm
-// hooks, samplers, ZeRO, FSDP, checkpoints, state dicts, and tensor and pipeline parallelism
-// (docs/README.md). Each component's headers are in include/ddp/torch/<component>/, in the
+// hooks, samplers, ZeRO, FSDP, activation checkpointing, checkpoints, state dicts, and tensor and
+// pipeline parallelism (docs/README.md). Each component's headers are in include/ddp/torch/<component>/, in the
 // layer's dependency order (docs/architecture.md, "The torch layer"); a program that wants to
 // compile faster includes only the ones it uses.
 #pragma once
@@ -9,6 +9,8 @@
 #include "ddp/torch/core/output_tensors.h"
 #include "ddp/torch/core/tensor_collectives.h"
 #include "ddp/torch/core/version.h"
+// recompute
+#include "ddp/torch/recompute/activation_checkpoint.h"
 // formats
 #include "ddp/torch/formats/optimizer_mismatch_error.h"
 #include "ddp/torch/formats/optimizer_state_dict.h"
