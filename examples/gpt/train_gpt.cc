@@ -21,11 +21,13 @@
 //
 // Rank 0 prints "step <k> loss <loss>" every --log-every steps, and last
 // "final loss=<loss> param_sum=<sum of every element of every parameter of the whole model>",
-// the same on every layout (the split parameters gathered, each stage counted once).
+// the same on every layout (the split parameters gathered, each stage counted once), with and
+// without --activation-checkpointing (every block recomputed in backward, ddp::checkpoint).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -48,6 +50,7 @@
 #include "ddp/torch/parallel/pipeline/pipeline.h"
 #include "ddp/torch/parallel/tensor/gpt_block.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
+#include "ddp/torch/recompute/activation_checkpoint.h"
 
 namespace {
 
@@ -77,6 +80,7 @@ struct Options {
   bool resume = false;
   int time_after = -1;              // >= 0: time the steps after this many (the median is printed)
   std::int64_t vocab_at_least = 0;  // pads the vocabulary further (benchmarks: a larger head)
+  bool activation_checkpointing = false;  // every block under ddp::checkpoint
 };
 
 // The text to learn, the same on every rank: --data's file; without --data the default file, or a
@@ -152,7 +156,7 @@ double full_parameter_sum(torch::nn::Sequential& stage) {
     if (auto* embeddings = child->as<EmbeddingsImpl>()) {
       add(embeddings->token->gather_full());
       add(embeddings->position.detach());
-    } else if (auto* block = child->as<ddp::GptBlockImpl>()) {
+    } else if (auto* block = ddp::checkpointed_module(child)->as<ddp::GptBlockImpl>()) {
       for (const auto& [name, value] : block->full_named_parameters())
         add(value);
     } else if (auto* head = child->as<HeadImpl>()) {
@@ -237,6 +241,17 @@ void check_options(const Options& o, const std::string& text, std::int64_t vocab
                   scores));
 }
 
+// This process's resident memory now ("VmRSS") or at its peak ("VmHWM") in MiB, from
+// /proc/self/status; 0 where it does not say.
+double resident_mib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  }
+  return 0.0;
+}
+
 // dp x tp x pp, or nullopt where it overflows int64 (--dp 65536 --tp 65536 made "0 ranks" in int).
 std::optional<std::int64_t> layout_ranks(const Options& o) {
   std::int64_t ranks = 1;
@@ -280,6 +295,8 @@ int run(const Options& o) {
     ids.push_back(id_of.at(c));
   const auto corpus = torch::tensor(ids, torch::kInt64);
 
+  // What the process holds before the model (libtorch, the text): the baseline of peak_added_mb.
+  const double before_model_mib = resident_mib("VmRSS");
   // The whole model on every rank (the split layers are cut for this tp rank); the pipeline keeps
   // this rank's stage.
   torch::nn::Sequential model;
@@ -293,6 +310,12 @@ int run(const Options& o) {
     model->push_back(fmt::format("block{}", layer), block);
   }
   model->push_back("head", Head(vocab, o, dtype, tp));
+  if (o.activation_checkpointing) {
+    // Each block keeps its input only; its activations are recomputed in backward (with the
+    // tensor-parallel collectives inside it, on every tp rank alike).
+    model = ddp::apply_activation_checkpointing(
+        model, ddp::checkpoint_children_named({"ddp::GptBlockImpl"}));
+  }
 
   const auto loss_fn = [tp, vocab, size = o.tp](const torch::Tensor& logits,
                                                 const torch::Tensor& target) {
@@ -361,8 +384,13 @@ int run(const Options& o) {
   if (!step_ms.empty()) {
     std::sort(step_ms.begin(), step_ms.end());
     const double median = step_ms[step_ms.size() / 2];
-    ddp::print_main_line(fmt::format("median_step_ms={:.3f} samples_per_s={:.1f}", median,
-                                     static_cast<double>(o.batch_size) * 1000.0 / median));
+    const double peak_mib = resident_mib("VmHWM");
+    auto peaks = torch::tensor({peak_mib, peak_mib - before_model_mib}, torch::kFloat64);
+    ddp::all_reduce(peaks, ddp::ReduceOp::kMax, *world);  // the largest rank's
+    ddp::print_main_line(fmt::format(
+        "median_step_ms={:.3f} samples_per_s={:.1f} peak_rss_mb={:.1f} peak_added_mb={:.1f}",
+        median, static_cast<double>(o.batch_size) * 1000.0 / median, peaks[0].item<double>(),
+        peaks[1].item<double>()));
   }
   auto sum = torch::tensor({full_parameter_sum(pipe.stage_module())}, torch::kFloat64);
   ddp::all_reduce(sum, ddp::ReduceOp::kSum, *mesh.group("pp"));  // one sum per stage
@@ -407,7 +435,8 @@ int main(int argc, char** argv) {
   app.add_option("--lr", o.lr, "AdamW's learning rate")
       ->check(ddp_programs::positive_at_most(10.0));
   app.add_option("--time-after", o.time_after,
-                 "time the steps after this many and print median_step_ms (benchmarks)")
+                 "time the steps after this many and print median_step_ms and the largest "
+                 "rank's peak memory (benchmarks)")
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_option("--vocab-at-least", o.vocab_at_least,
                  "pad the vocabulary to at least this many entries (benchmarks)")
@@ -422,6 +451,8 @@ int main(int argc, char** argv) {
                  "a folder for each rank's part of the model and optimizer (saved at the end)");
   app.add_option("--checkpoint-every", o.checkpoint_every, "also save every N steps")
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
+  app.add_flag("--activation-checkpointing", o.activation_checkpointing,
+               "keep each block's input only and recompute its activations in backward");
   app.add_flag("--resume", o.resume, "continue from --checkpoint (the same tp x pp split)");
   if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "train-gpt")) {
     return *code;

@@ -43,6 +43,8 @@ class CheckpointedChildImpl : public torch::nn::Module {
     torch::nn::Module::train(on);
   }
 
+  std::shared_ptr<torch::nn::Module> module() const { return child_.ptr(); }
+
   void pretty_print(std::ostream& stream) const override {
     stream << "ddp::Checkpointed(";
     child_.ptr()->pretty_print(stream);
@@ -69,14 +71,15 @@ CheckpointPredicate checkpoint_children_named(std::vector<std::string> type_name
 torch::nn::Sequential apply_activation_checkpointing(const torch::nn::Sequential& model,
                                                      const CheckpointPredicate& predicate) {
   torch::nn::Sequential wrapped;
+  const auto names = model->named_children().keys();
   std::size_t index = 0;
   std::size_t chosen = 0;
   for (const auto& child : *model) {
     if (predicate(index, *child.ptr())) {
-      wrapped->push_back(CheckpointedChild(child));
+      wrapped->push_back(std::string(names[index]), CheckpointedChild(child));
       ++chosen;
     } else {
-      wrapped->push_back(child);
+      wrapped->push_back(std::string(names[index]), torch::nn::AnyModule(child));
     }
     ++index;
   }
@@ -89,6 +92,12 @@ torch::nn::Sequential apply_activation_checkpointing(const torch::nn::Sequential
   }
   wrapped->train(model->is_training());
   return wrapped;
+}
+
+std::shared_ptr<torch::nn::Module> checkpointed_module(
+    const std::shared_ptr<torch::nn::Module>& child) {
+  if (const auto* wrapper = child->as<CheckpointedChildImpl>()) return wrapper->module();
+  return child;
 }
 
 }  // namespace ddp

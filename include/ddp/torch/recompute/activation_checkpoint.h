@@ -34,6 +34,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -68,8 +69,7 @@ requires(std::is_convertible_v<const Inputs&, const torch::Tensor&>&&...) &&
   return outputs.front();
 }
 
-// Which children of a Sequential to checkpoint: by index and name ("0", "1", ... as Sequential
-// names them) and the child itself.
+// Which children of a Sequential to checkpoint: by index (0, 1, ...) and the child itself.
 using CheckpointPredicate = std::function<bool(std::size_t index, const torch::nn::Module& child)>;
 
 // Every child.
@@ -80,11 +80,17 @@ CheckpointPredicate checkpoint_children_named(std::vector<std::string> type_name
 
 // A Sequential whose chosen children run under checkpoint() (the role of PyTorch's
 // apply_activation_checkpointing): the children are the same modules, shared with `model`, under
-// the same names, so parameters(), named_parameters() and state dicts are those of `model`.
+// the same names (the Sequential's own and those inside each child), so parameters(),
+// named_parameters() and state dicts are those of `model`.
 // A child checkpointed must take one tensor and return one (Sequential's usual forward); the
 // others are kept as they are. Throws ConfigError when the predicate chooses none.
 torch::nn::Sequential apply_activation_checkpointing(const torch::nn::Sequential& model,
                                                      const CheckpointPredicate& predicate);
+
+// The module that a child of apply_activation_checkpointing's result runs: the original child
+// where it was checkpointed, else `child` itself (e.g. to find a block by its type).
+std::shared_ptr<torch::nn::Module> checkpointed_module(
+    const std::shared_ptr<torch::nn::Module>& child);
 
 }  // namespace ddp
 #pragma GCC visibility pop
