@@ -14,6 +14,7 @@
 #include "torch/api/rank_agreement.h"
 #include "torch/core/host_values.h"
 #include "torch/core/parameter_loads.h"
+#include "torch/core/recomputation.h"
 #include "torch/core/wrapper_phase.h"
 #include "torch/ddp/distributed_data_parallel_internal.h"
 
@@ -64,6 +65,13 @@ std::size_t DistributedDataParallelBase::check_parameters() {
 }
 
 void DistributedDataParallelBase::pre_forward() {
+  if (detail::in_recomputation()) {
+    throw ConfigError(
+        "DistributedDataParallel's forward ran again inside the recomputation of a checkpointed "
+        "function (ddp::checkpoint): its buffers' broadcast and the reducer's bookkeeping belong "
+        "to one forward pass; checkpoint the modules it wraps (apply_activation_checkpointing on "
+        "the model before DDP), not DDP itself");
+  }
   if (!options_.param_dtype) {
     pre_forward_in_full_precision();
     return;

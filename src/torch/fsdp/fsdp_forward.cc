@@ -4,6 +4,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "torch/core/recomputation.h"
 #include "torch/core/wrapper_phase.h"
 #include "torch/fsdp/fsdp_flat_memory.h"
 #include "torch/fsdp/fsdp_unit.h"
@@ -108,6 +109,13 @@ void FullyShardedDataParallelImpl::drop_unfinished_backward() {
 }
 
 void FullyShardedDataParallelImpl::begin_forward(bool tensor_forward) {
+  if (detail::in_recomputation()) {
+    throw ConfigError(
+        "FullyShardedDataParallel's forward ran again inside the recomputation of a "
+        "checkpointed function (ddp::checkpoint): its gathers and gradient bookkeeping belong to "
+        "one forward pass; checkpoint the modules it wraps (apply_activation_checkpointing on "
+        "the model before FSDP), not FSDP itself");
+  }
   drop_unfinished_backward();
   if (!shadowing_ && join_state()) {
     if (!tensor_forward) {

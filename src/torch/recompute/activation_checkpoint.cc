@@ -13,6 +13,7 @@
 
 #include "ddp/error.h"
 #include "torch/core/libtorch_compat.h"
+#include "torch/core/recomputation.h"
 
 namespace ddp {
 namespace {
@@ -199,6 +200,7 @@ class CheckpointNode : public Node {
     libtorch_compat::set_cpu_autocast(autocast_enabled, autocast_dtype);
     TracedRun run;
     try {
+      const detail::RecomputationScope recomputing;
       run = traced_run(function, detached);
     } catch (...) {
       after_backward.restore();
@@ -295,9 +297,21 @@ std::vector<torch::Tensor> checkpoint(const CheckpointedFunction& function,
   for (const auto& x : inputs) {
     detached.push_back(x.detach().requires_grad_(x.requires_grad()));
     state.input_requires_grad.push_back(x.requires_grad());
+    state.input_versions.push_back(x._version());
   }
   TracedRun run = traced_run(function, detached);
   detached.clear();
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    // The recomputation would start from the changed values (an in-place op, or a collective
+    // that reduces its input in place, would apply twice): refused, whatever needs gradients.
+    if (inputs[i]._version() != state.input_versions[i]) {
+      throw ConfigError(fmt::format(
+          "ddp::checkpoint: the checkpointed function modified its input {} in place; its "
+          "recomputation in backward would start from the modified values: clone the input "
+          "inside the function before modifying it",
+          i));
+    }
+  }
 
   const bool any_gradient = std::any_of(inputs.begin(), inputs.end(),
                                         [](const torch::Tensor& x) { return x.requires_grad(); }) ||
@@ -308,10 +322,8 @@ std::vector<torch::Tensor> checkpoint(const CheckpointedFunction& function,
       results.push_back(out.detach());
     return results;
   }
-  for (const auto& x : inputs) {
+  for (const auto& x : inputs)
     state.inputs.push_back(x.detach());  // shares x's version counter: an edit is seen
-    state.input_versions.push_back(x._version());
-  }
   for (const auto& x : inputs) {
     node->add_next_edge(x.requires_grad() ? torch::autograd::impl::gradient_edge(x) : Edge());
   }

@@ -164,6 +164,21 @@ TEST(ActivationCheckpoint, ACapturedActivationAnInPlaceEditAndASecondBackwardAre
   EXPECT_NE(again.find("retain_graph"), std::string::npos) << again;
 }
 
+TEST(ActivationCheckpoint, AFunctionThatModifiesItsInputInPlaceIsNamed) {
+  // An input that needs no gradient (libtorch itself refuses in-place ops on one that does).
+  torch::nn::Linear layer(4, 4);
+  const std::string error = error_of([&] {
+    checkpoint(
+        [&](const torch::Tensor& in) {
+          auto doubled = in;
+          doubled.mul_(2);  // what a collective that reduces its input in place does too
+          return layer->forward(doubled);
+        },
+        torch::randn({2, 4}));
+  });
+  EXPECT_NE(error.find("modified its input 0 in place"), std::string::npos) << error;
+}
+
 TEST(ActivationCheckpoint, APredicateThatChoosesNothingIsNamed) {
   EXPECT_THROW(apply_activation_checkpointing(make_mlp(), checkpoint_children_named({"Nope"})),
                ConfigError);

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -162,6 +163,40 @@ TEST(ActivationCheckpointUnderFsdp, ShardGradOpEqualsTheRunWithout) {
 
 TEST(ActivationCheckpointUnderFsdp, NoShardEqualsTheRunWithout) {
   check_under_fsdp(ShardingStrategy::kNoShard);
+}
+
+// A wrapper inside a checkpointed function: its forward would run again in backward (its
+// broadcasts and gathers out of step with the other ranks' backward). Named on every rank.
+TEST(ActivationCheckpointUnderDdp, CheckpointingTheWrapperItselfIsNamedOnEveryRank) {
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    auto model = make_model(false, torch::kFloat32);
+    DistributedDataParallel<torch::nn::SequentialImpl> ddp_model(model.ptr(), pg);
+    FullyShardedDataParallel fsdp(make_model(false, torch::kFloat32), pg,
+                                  FsdpOptions{.min_num_params = 1});
+    const std::vector<std::pair<std::string, std::function<torch::Tensor(const torch::Tensor&)>>>
+        wrappers{
+            {"DistributedDataParallel",
+             [&](const torch::Tensor& x) { return ddp_model->forward(x); }},
+            {"FullyShardedDataParallel", [&](const torch::Tensor& x) { return fsdp->forward(x); }}};
+    for (const auto& [name, forward] : wrappers) {
+      auto y = checkpoint(forward, torch::randn({4, 8}));
+      try {
+        y.sum().backward();
+      } catch (const std::exception& e) {
+        if (std::string(e.what()).find(name + "'s forward ran again inside the recomputation") !=
+            std::string::npos) {
+          continue;
+        }
+        throw std::runtime_error(
+            fmt::format("rank {}: {}: another error: {}", rank, name, e.what()));
+      }
+      throw std::runtime_error(
+          fmt::format("rank {}: {} inside a checkpoint was not refused", rank, name));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 }  // namespace DDP_UNITY_ID

@@ -24,6 +24,11 @@
 // Errors, each a ddp::ConfigError naming what to do:
 //   - the function captures a tensor that needs a gradient and is not a leaf (an activation made
 //     outside it): pass it as an input instead;
+//   - the function modifies an input in place (an in-place op, or a collective that reduces its
+//     input in place): the recomputation would start from the modified values; clone it first;
+//   - DistributedDataParallel's or FullyShardedDataParallel's forward inside the function: their
+//     broadcasts, gathers and bookkeeping belong to one forward pass; checkpoint the modules they
+//     wrap instead (raised from the backward pass, on every rank);
 //   - the recomputation differs from the forward pass: a different number of outputs, another
 //     shape, dtype or device of one, or other leaves used (say, a branch on a random draw or on
 //     the time); raised from the backward pass.
