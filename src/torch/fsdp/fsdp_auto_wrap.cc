@@ -1,7 +1,11 @@
-// fsdp_auto_wrap: PyTorch's size_based_auto_wrap_policy over Sequential and ModuleList trees.
+// fsdp_auto_wrap: PyTorch's size_based_auto_wrap_policy over Sequential and ModuleList trees; and
+// fsdp_build_sharded, the same policy applied while the model is built, child by child.
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <unordered_set>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -81,6 +85,8 @@ class AutoWrapper {
     return to;
   }
 
+  std::int64_t min_num_params() const { return options_.min_num_params; }
+
   template <typename Module>
   std::shared_ptr<FullyShardedDataParallelImpl> wrap(Module module) {
     auto wrapper =
@@ -102,6 +108,33 @@ FullyShardedDataParallel fsdp_auto_wrap(torch::nn::Sequential module, GroupRef g
   if (module.is_empty()) throw ConfigError("ddp::fsdp_auto_wrap: the Sequential is null");
   AutoWrapper wrapper(std::move(group), std::move(options));
   return FullyShardedDataParallel(wrapper.wrap(wrapper.sequential(*module)));
+}
+
+FullyShardedDataParallel fsdp_build_sharded(
+    std::size_t children, const std::function<torch::nn::AnyModule(std::size_t)>& make_child,
+    GroupRef group, FsdpOptions options, const std::vector<std::string>& names) {
+  if (!names.empty() && names.size() != children) {
+    throw ConfigError(fmt::format(
+        "ddp::fsdp_build_sharded: {} names for {} children; give one name per child, or none",
+        names.size(), children));
+  }
+  AutoWrapper wrapper(std::move(group), std::move(options));
+  torch::nn::Sequential built;
+  for (std::size_t i = 0; i < children; ++i) {
+    torch::nn::AnyModule child = make_child(i);
+    if (child.is_empty()) {
+      throw ConfigError(
+          fmt::format("ddp::fsdp_build_sharded: make_child({}) returned no module", i));
+    }
+    const std::string name = names.empty() ? std::to_string(i) : names[i];
+    // Wrapped before the next child exists: its full parameters go (kFullShard) before more come.
+    if (unwrapped_parameter_count(*child.ptr()) >= wrapper.min_num_params()) {
+      built->push_back(name, torch::nn::AnyModule(wrapper.wrap(child)));
+    } else {
+      built->push_back(name, std::move(child));
+    }
+  }
+  return FullyShardedDataParallel(wrapper.wrap(built.ptr()));
 }
 
 torch::nn::ModuleList fsdp_auto_wrap(torch::nn::ModuleList module, GroupRef group,

@@ -106,11 +106,13 @@ void FullyShardedDataParallelImpl::build() {
           numel = 0;
         }
       }
-      // Trailing children: their own unit if they hold parameters, else they join the last one.
+      // Trailing children: their own unit if they hold parameters, else they join the last one;
+      // with no unit at all (every parameter in nested wrappers: fsdp_build_sharded,
+      // fsdp_auto_wrap), they run outside any, as children between explicit units do.
       if (begin < children) {
-        if (numel > 0 || ranges.empty()) {
+        if (numel > 0) {
           ranges.emplace_back(begin, children);
-        } else {
+        } else if (!ranges.empty()) {
           ranges.back().second = children;
         }
       }

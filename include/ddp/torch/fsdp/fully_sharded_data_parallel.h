@@ -469,5 +469,18 @@ FullyShardedDataParallel fsdp_auto_wrap(torch::nn::Sequential module, GroupRef g
 torch::nn::ModuleList fsdp_auto_wrap(torch::nn::ModuleList module, GroupRef group,
                                      FsdpOptions options);
 
+// Deferred construction, for a model that one rank cannot hold whole: builds a Sequential of
+// `children` children one at a time, make_child(0), make_child(1), ..., and wraps each child that
+// holds at least options.min_num_params parameters in a FullyShardedDataParallel of its own (its
+// parameters sharded, and under kFullShard freed) before the next child is built; the smaller
+// children join the root wrapper's units, as fsdp_auto_wrap's. So no rank holds more than its
+// shards of the children built so far plus one child in full. The model is the one fsdp_auto_wrap
+// makes of the Sequential built whole by the same calls in the same order: with the same seed,
+// the same initial numbers. Children are named "0", "1", ... unless `names` gives one per child.
+// Collective, like the constructor; ConfigError for a null child or a wrong number of names.
+FullyShardedDataParallel fsdp_build_sharded(
+    std::size_t children, const std::function<torch::nn::AnyModule(std::size_t)>& make_child,
+    GroupRef group, FsdpOptions options, const std::vector<std::string>& names = {});
+
 }  // namespace ddp
 #pragma GCC visibility pop
