@@ -9,6 +9,8 @@
 #include <numeric>
 #include <utility>
 
+#include <optional>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -75,6 +77,42 @@ void check_options(const PipelineOptions& options, int stages) {
     throw ConfigError(
         fmt::format("Pipeline: the timeout is negative ({} ms)", options.timeout.count()));
   }
+}
+
+// The one device of a stage's parameters and buffers (the CPU when it has none), checked against
+// what the pp group carries: a host group (ring, mpi) takes CPU and CUDA stages (CUDA tensors
+// staged through host copies), a CUDA group (nccl) only a stage on its own GPU.
+c10::Device stage_device(const torch::nn::Module& stage, const ProcessGroup& group, int rank) {
+  std::optional<c10::Device> device;
+  auto look = [&](const torch::Tensor& t) {
+    if (!device) {
+      device = t.device();
+    } else if (*device != t.device()) {
+      throw ConfigError(fmt::format(
+          "Pipeline: stage {} holds parameters or buffers on {} and on {}; move the stage's "
+          "layers to one device",
+          rank, device->str(), t.device().str()));
+    }
+  };
+  for (const auto& p : stage.parameters())
+    look(p);
+  for (const auto& b : stage.buffers())
+    look(b);
+  const c10::Device where = device.value_or(c10::Device(c10::kCPU));
+  if (!where.is_cpu() && !where.is_cuda()) {
+    throw ConfigError(
+        fmt::format("Pipeline: stage {} is on {}; stages run on the CPU or on a CUDA device", rank,
+                    where.str()));
+  }
+  if (group.memory_space() == MemorySpace::kCuda &&
+      (!where.is_cuda() || where.index() != group.cuda_device())) {
+    throw ConfigError(fmt::format(
+        "Pipeline: stage {} is on {}, but its pp group ({}) carries the memory of cuda:{} only; "
+        "move the stage there, or use a host group (ring, mpi), which stages CUDA tensors "
+        "through host copies",
+        rank, where.str(), group.backend(), group.cuda_device()));
+  }
+  return where;
 }
 
 std::shared_ptr<ProcessGroup> checked_group(std::shared_ptr<ProcessGroup> group) {
@@ -145,6 +183,7 @@ Pipeline::Pipeline(torch::nn::Sequential whole_model, std::shared_ptr<ProcessGro
     for (int k = st.layer_range.first; k < st.layer_range.first + st.layer_range.second; ++k) {
       st.module->push_back(names[static_cast<std::size_t>(k)], *(whole_model->begin() + k));
     }
+    st.device = stage_device(*st.module, *st.group, st.stage());
   } catch (const std::exception& e) {
     local_error = e.what();
   }
@@ -167,6 +206,7 @@ Pipeline::Pipeline(PipelineStageModule stage, std::shared_ptr<ProcessGroup> grou
     check_options(st.options, st.stages());
     st.module = stage.module;
     st.layer_range = {0, static_cast<int>(st.module->size())};
+    st.device = stage_device(*st.module, *st.group, st.stage());
   } catch (const std::exception& e) {
     local_error = e.what();
   }

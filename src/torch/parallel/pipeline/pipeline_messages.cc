@@ -63,7 +63,22 @@ const char* pipeline_message_name(int tag) {
 std::shared_ptr<Work> send_pipeline_tensor(ProcessGroup& group, const torch::Tensor& tensor,
                                            int dst, int tag, int micro_batch,
                                            std::chrono::milliseconds timeout) {
-  const auto data = tensor.detach().contiguous();
+  auto data = tensor.detach().contiguous();
+  if (group.memory_space() == MemorySpace::kCuda) {
+    if (!data.is_cuda() || data.device().index() != group.cuda_device()) {
+      throw ConfigError(fmt::format(
+          "pipeline stage {}: the {} of micro-batch {} is on {}, but the pp group ({}) carries "
+          "the memory of cuda:{} only",
+          group.rank(), pipeline_message_name(tag), micro_batch, data.device().str(),
+          group.backend(), group.cuda_device()));
+    }
+  } else if (data.is_cuda()) {
+    data = data.to(torch::kCPU);  // a host group reads host memory: staged (the copy waits)
+  } else if (!data.is_cpu()) {
+    throw ConfigError(fmt::format(
+        "pipeline stage {}: the {} of micro-batch {} is on {}; stages send CPU or CUDA tensors",
+        group.rank(), pipeline_message_name(tag), micro_batch, data.device().str()));
+  }
   if (data.dim() > kMaxDims) {
     throw ConfigError(fmt::format(
         "pipeline stage {}: the {} of micro-batch {} has {} dimensions; at most {} can be sent "
@@ -81,7 +96,7 @@ std::shared_ptr<Work> send_pipeline_tensor(ProcessGroup& group, const torch::Ten
 }
 
 torch::Tensor recv_pipeline_tensor(ProcessGroup& group, int src, int tag, int micro_batch,
-                                   std::chrono::milliseconds timeout) {
+                                   std::chrono::milliseconds timeout, c10::Device device) {
   const std::string what = fmt::format("the {} of micro-batch {} from stage {}",
                                        pipeline_message_name(tag), micro_batch, src);
   auto header = torch::empty({kHeaderWords}, torch::kInt64);
@@ -108,10 +123,13 @@ torch::Tensor recv_pipeline_tensor(ProcessGroup& group, int src, int tag, int mi
   }
   const auto dims = words[kWordDims];
   std::vector<std::int64_t> shape(words + kWordDims + 1, words + kWordDims + 1 + dims);
-  auto tensor = torch::empty(
-      shape, torch::TensorOptions().dtype(static_cast<torch::ScalarType>(words[kWordDtype])));
+  // Into the stage's device where the group carries it (nccl), else into host memory, then there.
+  const bool direct = group.memory_space() == MemorySpace::kCuda;
+  auto tensor = torch::empty(shape, torch::TensorOptions()
+                                        .dtype(static_cast<torch::ScalarType>(words[kWordDtype]))
+                                        .device(direct ? device : c10::Device(c10::kCPU)));
   receive(group, tensor, src, tag, timeout, what);
-  return tensor;
+  return direct || device.is_cpu() ? tensor : tensor.to(device);
 }
 
 void send_pipeline_failure(ProcessGroup& group, int dst, int tag, int origin,

@@ -32,16 +32,20 @@ class PipelinePeerFailed : public std::runtime_error {
 };
 
 // Posts the header and the data of `tensor` (made contiguous here) to `dst`; returns the data's
-// Work. The buffers stay alive until the sends complete, whatever the caller keeps.
+// Work. The buffers stay alive until the sends complete, whatever the caller keeps. A CUDA tensor
+// goes through a host copy over a host group (ring, mpi); over a CUDA group (nccl) it must be on
+// the group's GPU, and a CPU tensor is a ConfigError there.
 std::shared_ptr<Work> send_pipeline_tensor(ProcessGroup& group, const torch::Tensor& tensor,
                                            int dst, int tag, int micro_batch,
                                            std::chrono::milliseconds timeout);
 
 // Receives the next message from `src` on `tag`: the tensor of `micro_batch` (ConfigError when
 // another micro-batch comes: the stages run different schedules), or PipelinePeerFailed for a
-// failure notice. A CommError (timeout, peer gone) is rethrown with the stage's context.
+// failure notice. A CommError (timeout, peer gone) is rethrown with the stage's context. The
+// tensor is on `device` (the receiving stage's): received there over a CUDA group, else into host
+// memory and then copied there.
 torch::Tensor recv_pipeline_tensor(ProcessGroup& group, int src, int tag, int micro_batch,
-                                   std::chrono::milliseconds timeout);
+                                   std::chrono::milliseconds timeout, c10::Device device);
 
 // Posts a failure notice naming stage `origin` to `dst` on `tag`; never throws (the connection
 // may be the one that failed).

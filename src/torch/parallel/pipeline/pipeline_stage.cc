@@ -90,7 +90,7 @@ void Pipeline::State::forward(Run& run, int micro_batch) {
     kept.input = run.inputs[i];
   } else {
     kept.input = detail::recv_pipeline_tensor(*group, stage() - 1, kPipelineActivationTag,
-                                              micro_batch, options.timeout);
+                                              micro_batch, options.timeout, device);
   }
   const auto begin_ns = trace_clock_ns();
   torch::Tensor output;
@@ -126,7 +126,7 @@ void Pipeline::State::backward(Run& run, int micro_batch) {
   torch::Tensor output_grad;
   if (!last()) {
     output_grad = detail::recv_pipeline_tensor(*group, stage() + 1, kPipelineGradientTag,
-                                               micro_batch, options.timeout);
+                                               micro_batch, options.timeout, device);
   }
   const auto begin_ns = trace_clock_ns();
   if (options.recompute && stage() > 0) {

@@ -30,6 +30,8 @@ struct Pipeline::State {
   PipelineLossFn loss;
   PipelineOptions options;
   torch::nn::Sequential module;
+  // Where this stage's parameters live: activations and gradients arrive there (stage_device()).
+  c10::Device device{c10::kCPU};
   std::pair<int, int> layer_range{0, 0};
   std::vector<PipelineAction> actions;
   PipelineStepStats stats;

@@ -538,6 +538,29 @@ TEST(PipelineErrors, MoreStagesThanLayers) {
       "the model has 1 children but the pp group has 2 stages");
 }
 
+// A stage's device is checked when the pipeline is built (CUDA stages are staged through host
+// copies over a host group; tests/torch/gpu runs them): a device no stage runs on is named on
+// every rank, by the stage that holds it.
+TEST(PipelineErrors, AStageOnADeviceThatIsNeitherTheCpuNorCudaIsNamedOnEveryRank) {
+  expect_every_rank_fails(
+      2,
+      [](int rank, std::shared_ptr<ProcessGroup> pg) {
+        // Module::to(kMeta) is refused by libtorch 1.13: a layer made with a meta parameter.
+        struct MetaLayerImpl : torch::nn::Module {
+          MetaLayerImpl() { register_parameter("weight", torch::empty({4, 4}, torch::kMeta)); }
+          torch::Tensor forward(const torch::Tensor& x) { return x; }
+        };
+        torch::nn::Sequential model(torch::nn::Linear(4, 4));
+        if (rank == 1) {
+          model->push_back(std::make_shared<MetaLayerImpl>());
+        } else {
+          model->push_back(torch::nn::Linear(4, 4));
+        }
+        Pipeline pipe(model, pg, mse, {.schedule = PipelineSchedule::kGPipe, .micro_batches = 2});
+      },
+      "stage 1 is on meta; stages run on the CPU or on a CUDA device");
+}
+
 TEST(PipelineErrors, OneFOneBWithFewerMicroBatchesThanStages) {
   expect_every_rank_fails(
       2,
