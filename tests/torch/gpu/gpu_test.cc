@@ -35,6 +35,8 @@
 #include "ddp/torch/ddp/sync_batch_norm.h"
 #include "ddp/torch/fsdp/fsdp_memory.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/torch/parallel/pipeline/pipeline.h"
+#include "ddp/torch/recompute/activation_checkpoint.h"
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
@@ -750,6 +752,82 @@ TEST(Gpu, CheckpointMapLocationMovesBetweenCudaAndTheCpu) {
       require(torch::equal(on_cuda->parameters()[i].cpu(), saved_on_cpu->parameters()[i]),
               "CPU checkpoint loaded on CUDA differs");
     }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Activation checkpointing on CUDA (issue 52): the RNG of the inputs' device is saved in forward
+// and restored for the recomputation, so dropout on the GPU draws the same masks; five SGD steps
+// in float64 equal the run without checkpointing bit for bit.
+TEST(Gpu, ActivationCheckpointOnCudaWithDropoutEqualsTheRunWithout) {
+  SKIP_WITHOUT_CUDA();
+  const auto results = test::run_ranks(1, [&](int) {
+    const auto train = [](bool checkpointed) {
+      torch::manual_seed(7);
+      torch::nn::Sequential model(torch::nn::Linear(8, 32), torch::nn::Tanh(),
+                                  torch::nn::Dropout(0.3), torch::nn::Linear(32, 4));
+      model->to(kCuda0, torch::kFloat64);
+      auto run =
+          checkpointed ? apply_activation_checkpointing(model, checkpoint_every_child()) : model;
+      torch::optim::SGD sgd(run->parameters(), torch::optim::SGDOptions(0.1));
+      torch::manual_seed(11);
+      for (int step = 0; step < 5; ++step) {
+        auto x = torch::randn({16, 8}, torch::kFloat64).to(kCuda0);
+        auto y = torch::randn({16, 4}, torch::kFloat64).to(kCuda0);
+        sgd.zero_grad();
+        torch::mse_loss(run->forward(x), y).backward();
+        sgd.step();
+      }
+      std::vector<torch::Tensor> params;
+      for (const auto& p : model->parameters())
+        params.push_back(p.detach().cpu());
+      return params;
+    };
+    const auto plain = train(false);
+    const auto checkpointed = train(true);
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+      require(torch::equal(plain[i], checkpointed[i]),
+              fmt::format("parameter {} differs with checkpointing on CUDA", i));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// A pipeline whose two stages run on cuda:0, over the ring (a host group: each activation and
+// gradient is copied to the host to be sent and back to the stage's GPU once received), equals
+// the same pipeline on the CPU to float64 rounding.
+TEST(Gpu, PipelineWithCudaStagesThroughTheRingEqualsTheCpuPipeline) {
+  SKIP_WITHOUT_CUDA();
+  const int port = test::free_port();
+  const auto results = test::run_ranks(2, [&](int rank) {
+    auto pg = test::join_group(rank, 2, port);
+    const auto mse = [](const torch::Tensor& out, const torch::Tensor& target) {
+      return torch::mse_loss(out, target);
+    };
+    const auto train = [&](c10::Device device) {
+      torch::manual_seed(3);
+      torch::nn::Sequential model(torch::nn::Linear(6, 8), torch::nn::Tanh(),
+                                  torch::nn::Linear(8, 8), torch::nn::Linear(8, 2));
+      model->to(device, torch::kFloat64);
+      Pipeline pipe(model, pg, mse, {.schedule = PipelineSchedule::k1F1B, .micro_batches = 2});
+      torch::optim::SGD sgd(pipe.parameters(), torch::optim::SGDOptions(0.1));
+      torch::manual_seed(9);
+      for (int step = 0; step < 3; ++step) {
+        auto x = torch::randn({4, 6}, torch::kFloat64).to(device);
+        auto y = torch::randn({4, 2}, torch::kFloat64).to(device);
+        sgd.zero_grad();
+        pipe.step(x, y);
+        sgd.step();
+      }
+      std::vector<torch::Tensor> params;
+      for (const auto& p : pipe.parameters()) {
+        require(p.device() == device, "a stage's parameter left its device");
+        params.push_back(p.detach().cpu());
+      }
+      return params;
+    };
+    const auto on_cpu = train(c10::Device(c10::kCPU));
+    expect_all_close(train(kCuda0), on_cpu, 1e-10);
   });
   EXPECT_ALL_RANKS_OK(results);
 }
