@@ -1,8 +1,8 @@
 // Everything of ddp's torch layer in one include: the torch.distributed calls, DDP and its comm
 // hooks, samplers, ZeRO, FSDP, activation checkpointing, checkpoints, state dicts, and tensor and
-// pipeline parallelism (docs/README.md). Each component's headers are in include/ddp/torch/<component>/, in the
-// layer's dependency order (docs/architecture.md, "The torch layer"); a program that wants to
-// compile faster includes only the ones it uses.
+// pipeline parallelism (docs/README.md). Each component's headers are in
+// include/ddp/torch/<component>/, in the layer's dependency order (docs/architecture.md, "The
+// torch layer"); a program that wants to compile faster includes only the ones it uses.
 #pragma once
 
 // core
