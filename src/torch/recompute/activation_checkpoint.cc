@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <unordered_set>
@@ -22,8 +23,9 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using NodePtr = libtorch_compat::NodePtr;
 
-// The random number generators a recomputation must replay: the CPU's, and the default one of
-// each CUDA device an input lives on.
+// The random number generators a recomputation must replay: the CPU's, the default one of each
+// CUDA device an input lives on, and those the function noted drawing from
+// (detail::note_generator_draw).
 struct RngStates {
   std::vector<std::pair<at::Generator, torch::Tensor>> saved;
 
@@ -299,7 +301,15 @@ std::vector<torch::Tensor> checkpoint(const CheckpointedFunction& function,
     state.input_requires_grad.push_back(x.requires_grad());
     state.input_versions.push_back(x._version());
   }
-  TracedRun run = traced_run(function, detached);
+  TracedRun run;
+  {
+    // Generators of its own that the function draws from (the tensor-parallel RNG tracker's):
+    // their states before the first draw, replayed with the default ones.
+    detail::GeneratorRecorder recorder;
+    run = traced_run(function, detached);
+    for (const auto& entry : recorder.recorded())
+      state.rng.saved.push_back(entry);
+  }
   detached.clear();
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     // The recomputation would start from the changed values (an in-place op, or a collective

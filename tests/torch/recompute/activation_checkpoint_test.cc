@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ddp/error.h"
+#include "ddp/torch/parallel/tensor/gpt_block.h"
 #include "support/unity_namespace.h"
 
 namespace ddp {
@@ -53,6 +54,37 @@ TEST(ActivationCheckpoint, ParametersAfterFiveStepsWithDropoutAreBitForBitThoseW
   const auto linear_only = train(by_type);
   for (std::size_t i = 0; i < plain.size(); ++i)
     EXPECT_TRUE(torch::equal(plain[i], linear_only[i])) << "parameter " << i;
+}
+
+// GptBlock's dropout draws from the tensor-parallel RNG tracker's generators, not the default one:
+// the recomputation replays them too (without, the masks differ and the gradients are wrong).
+TEST(ActivationCheckpoint, GptBlockDropoutOnTheTensorParallelGeneratorsIsBitForBitTheRunWithout) {
+  const auto train = [](bool checkpointed) {
+    torch::nn::Sequential model(
+        GptBlock(GptBlockOptions{
+            .hidden = 16, .heads = 2, .dropout = 0.3, .seed = 4, .dtype = torch::kFloat64}),
+        GptBlock(GptBlockOptions{
+            .hidden = 16, .heads = 2, .dropout = 0.3, .seed = 8, .dtype = torch::kFloat64}));
+    auto run =
+        checkpointed ? apply_activation_checkpointing(model, checkpoint_every_child()) : model;
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    torch::manual_seed(2);
+    for (int step = 0; step < 3; ++step) {
+      auto x = torch::randn({2, 5, 16}, torch::kFloat64);
+      sgd.zero_grad();
+      run->forward(x).pow(2).mean().backward();
+      sgd.step();
+    }
+    std::vector<torch::Tensor> params;
+    for (const auto& p : model->parameters())
+      params.push_back(p.detach().clone());
+    return params;
+  };
+  const auto plain = train(false);
+  const auto checkpointed = train(true);
+  ASSERT_EQ(plain.size(), checkpointed.size());
+  for (std::size_t i = 0; i < plain.size(); ++i)
+    EXPECT_TRUE(torch::equal(plain[i], checkpointed[i])) << "parameter " << i;
 }
 
 TEST(ActivationCheckpoint, TheWrappedSequentialKeepsTheNamesAndTheModules) {

@@ -8,14 +8,15 @@
 // checkpoint(function, inputs) runs `function` once in the forward pass and returns its outputs;
 // the autograd graph of the result holds one node whose saved tensors are the inputs. The
 // backward pass of that node runs `function` again on the same inputs, with the random number
-// generators (the CPU's, and that of every CUDA device an input lives on) and CPU autocast as they
-// were in the forward pass, so that dropout draws the same masks, and back-propagates through the
-// recomputation. Gradients reach the tensors the function used (inputs, the parameters of the
-// modules it calls, any leaf it captured) through the outer backward pass as they would without
-// checkpointing: parameters' gradients are accumulated by the outer pass, once, so the hooks of
-// DistributedDataParallel, ZeRO and FSDP see them as they would without it, in buckets, with
-// unused parameters found (a parameter the function does not use gets no gradient) and with
-// static_graph. Parameters after a step are bit for bit those of the run without checkpointing.
+// generators (the CPU's, that of every CUDA device an input lives on, and the tensor-parallel RNG
+// tracker's that GptBlock's dropout draws from) and CPU autocast as they were in the forward pass,
+// so that dropout draws the same masks, and back-propagates through the recomputation. Gradients
+// reach the tensors the function used (inputs, the parameters of the modules it calls, any leaf it
+// captured) through the outer backward pass as they would without checkpointing: parameters'
+// gradients are accumulated by the outer pass, once, so the hooks of DistributedDataParallel, ZeRO
+// and FSDP see them as they would without it, in buckets, with unused parameters found (a parameter
+// the function does not use gets no gradient) and with static_graph. Parameters after a step are
+// bit for bit those of the run without checkpointing.
 //
 // Which leaves the function uses is learned in the forward pass, which records the function's
 // graph for a moment (its activations live until the function returns, as they would without

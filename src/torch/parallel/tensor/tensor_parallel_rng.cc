@@ -5,6 +5,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
+#include "torch/core/recomputation.h"
 
 namespace ddp {
 
@@ -38,6 +39,8 @@ torch::Tensor TensorParallelRng::dropout(const torch::Tensor& input, double p, b
   torch::Tensor keep;
   {
     torch::NoGradGuard no_grad;
+    // A checkpointed function's recomputation replays this generator (ddp::checkpoint).
+    detail::note_generator_draw(generator(region));
     keep = torch::empty_like(input).bernoulli_(1.0 - p, generator(region)).div_(1.0 - p);
   }
   return input * keep;
