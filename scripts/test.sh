@@ -69,8 +69,22 @@ build_type=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=
             "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG")
 
 timings=()
-stage_start() { echo "=== test.sh: stage $1 ==="; stage_t0=$SECONDS; }
-stage_end() { timings+=("$1 $((SECONDS - stage_t0)) s"); }
+# Each stage says how much disk it starts with: a linker that runs out of disk dies of SIGBUS
+# ("ld terminated with signal 7 [Bus error]"), which names nothing, as CI's run of stop 59 did.
+stage_start() {
+  echo "=== test.sh: stage $1 ($(df -h --output=avail . | tail -1 | tr -d ' ') free on this disk) ==="
+  stage_t0=$SECONDS
+}
+# Under CI (CI=true, a clean clone thrown away afterwards) a finished stage's build folder goes:
+# the five build folders together take about 10 GiB, the largest 3, and only ccache is reused.
+#   stage_end NAME [BUILD_DIR]
+stage_end() {
+  timings+=("$1 $((SECONDS - stage_t0)) s")
+  if [[ ${CI:-} == true && -n ${2:-} && -d $2 ]]; then
+    echo "test.sh: CI=true, removing $2/ ($(du -sh "$2" | cut -f1)) now that stage $1 is done"
+    rm -rf "$2"
+  fi
+}
 report_timings() {
   local t
   for t in "${timings[@]}"; do echo "test.sh: stage $t"; done
@@ -92,7 +106,7 @@ if want main; then
       --no-build-isolation ./python
   fi
   run_ctest "$ddp_build_dir" --output-on-failure --timeout 600 -j "$jobs" "$@"
-  stage_end main
+  stage_end main "$ddp_build_dir"
 fi
 
 if want pytorch; then
@@ -140,7 +154,7 @@ if want pytorch; then
   # tests/python trains at world 3).
   WORLDS=2 scripts/pytorch-dist-suite.sh ddp torch_ddp "$ddp_build_dir/pytorch-suite-ci" -- \
     --tests-file scripts/pytorch_dist_suite_ci.txt --start-method fork
-  stage_end pytorch
+  stage_end pytorch "$ddp_build_dir"
 fi
 
 # Sanitizer builds: ddp's own code instrumented, libtorch left out (it is not sanitizer-built).
@@ -180,7 +194,7 @@ if want asan; then
     ASAN_OPTIONS="$asan_options:fast_unwind_on_malloc=0" \
     ctest --test-dir build-asan --output-on-failure --timeout 900 -j "$jobs" \
     -L 'unit|multiprocess' -R "$mpi_tests" -E '^mpi[.]conformance[.](blocking[.])?np4$'
-  stage_end asan
+  stage_end asan build-asan
 fi
 
 if want tsan; then
@@ -202,7 +216,7 @@ if want tsan; then
     env "${sanitizer_env[@]}" ctest --test-dir "build-tsan/tests/$dir" --output-on-failure \
       --timeout 900 -j "$jobs" -L 'unit|multiprocess' -E "$tsan_left_out"
   done
-  stage_end tsan
+  stage_end tsan build-tsan
 fi
 
 if want fuzz; then
@@ -210,5 +224,5 @@ if want fuzz; then
   sanitized_build build-fuzz ddp_fuzzers -DDDP_FUZZ=ON -DCMAKE_C_COMPILER=clang \
     -DCMAKE_CXX_COMPILER=clang++
   env "${sanitizer_env[@]}" ctest --test-dir build-fuzz --output-on-failure -j "$jobs" -L fuzz
-  stage_end fuzz
+  stage_end fuzz build-fuzz
 fi
