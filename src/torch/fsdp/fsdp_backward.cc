@@ -113,9 +113,14 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
   // to its shard now (freeing its full flat gradient), and only the newest kReductionsInFlight
   // stay outstanding, so backward holds one unit's full gradient in flight while the next unit
   // computes (waiting only at the end would keep every unit's until then).
+  // kHybridShard's harvest is itself a collective (the replicas' all-reduce, blocking): it must
+  // run at the same point of backward on every rank, never when a reduction happens to have
+  // completed. Otherwise it lands between other groups' collectives (a tensor-parallel layer's
+  // backward all-reduce) in a different order on different ranks, and ranks blocked in one group
+  // wait for ranks blocked in the other (seen: FSDP over dp 4 x tp 2, 1 run in 6).
   outstanding_.push_back(unit);
   for (auto it = outstanding_.begin(); it != outstanding_.end();) {
-    const bool done = units_[*it]->reduction->is_completed();
+    const bool done = !replicate_group_ && units_[*it]->reduction->is_completed();
     if (done || outstanding_.size() > kReductionsInFlight) {
       harvest_reduction(*it);
       it = outstanding_.erase(it);
@@ -138,13 +143,13 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
         // kHybridShard: the shard group's sum, summed over the replicas of this shard.
         if (replicate_group_) all_reduce(u.reduction_output, ReduceOp::kSum, *replicate_group_);
       });
-  // The shard's gradient is fp32 whatever the reduction's dtype: the upcast, then the rest of
-  // the average (a 16-bit sum was pre-divided).
+  // The shard's gradient is in the parameters' dtype whatever the reduction's: the upcast, then
+  // the rest of the average (a 16-bit sum was pre-divided).
   torch::Tensor average = u.reduction_output;
   auto divisor = static_cast<double>(group_->size());
   if (detail::is_16_bit(average.scalar_type())) {
     divisor /= static_cast<double>(gradient_predivide_factor(group_->size()));
-    average = average.to(torch::kFloat);
+    average = average.to(storage_dtype_);
   }
   if (divisor != 1.0) average.div_(divisor);
   // cpu_offload: only the shard's averaged gradient leaves the device, to the host shard's .grad().

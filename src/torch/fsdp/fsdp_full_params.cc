@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -73,43 +74,102 @@ void FullyShardedDataParallelImpl::summon_full_params(const std::function<void()
 }
 
 torch::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double norm_type) {
+  return clip_grad_norm_(max_norm, norm_type, TensorParallelNorm{});
+}
+
+torch::Tensor FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double norm_type,
+                                                            const TensorParallelNorm& tp) {
   if (!(max_norm > 0) || !(norm_type > 0)) {
     throw ConfigError(fmt::format(
         "FullyShardedDataParallel::clip_grad_norm_: max_norm ({}) and norm_type ({}) must be "
         "positive (norm_type may be INFINITY)",
         max_norm, norm_type));
   }
+  if (!tp.split_parameters.empty() && !tp.group) {
+    throw ConfigError(
+        "FullyShardedDataParallel::clip_grad_norm_: TensorParallelNorm::split_parameters given "
+        "without its group (the tensor-parallel group they are split over)");
+  }
+  std::unordered_set<const c10::TensorImpl*> split;
+  for (const auto& p : tp.split_parameters)
+    split.insert(p.unsafeGetTensorImpl());
+  std::size_t split_found = 0;
   torch::NoGradGuard no_grad;
   const bool infinity = std::isinf(norm_type);
+  const auto combine = [infinity](double a, double b) { return infinity ? std::max(a, b) : a + b; };
+  const auto contribution = [&](const torch::Tensor& g) {
+    const auto g64 = g.to(torch::kFloat64);
+    return infinity ? g64.abs().max().item<double>()
+                    : g64.abs().pow(norm_type).sum().item<double>();
+  };
   // Per wrapper: the shards' contribution (sum of |g|^p, or the max), combined over the ranks
   // that hold different shards (its shard group; NO_SHARD's and HYBRID's replicas hold the same
-  // elements and are not counted twice). Float64, so the sum over ranks does not round.
-  double total = 0.0;
+  // elements and are not counted twice), kept apart for the parameters split over tp (whose
+  // parts on the tp ranks are different elements) and the rest (replicated over tp: the same
+  // elements on every tp rank, counted once). Float64, so the sums over ranks do not round.
+  double replicated_total = 0.0, split_total = 0.0;
   std::vector<torch::Tensor> gradients;
   for (auto* wrapper : tree()) {
-    double local = 0.0;
+    double replicated = 0.0, split_local = 0.0;
+    const bool sharded = wrapper->options_.sharding_strategy != ShardingStrategy::kNoShard;
+    const std::int64_t rank = sharded ? wrapper->shard_group_->rank() : 0;
     for (const auto& unit : wrapper->units_) {
       const auto& grad = unit->shard.grad();
+      for (const auto& p : unit->params)
+        split_found += split.count(p.unsafeGetTensorImpl());
       if (!grad.defined()) continue;
       gradients.push_back(grad);
-      const auto g = grad.detach().to(torch::kFloat64);
-      local = infinity ? std::max(local, g.abs().max().item<double>())
-                       : local + g.abs().pow(norm_type).sum().item<double>();
+      const auto g = grad.detach();
+      if (split.empty()) {
+        replicated = combine(replicated, contribution(g));
+        continue;
+      }
+      // The shard holds flat elements [first, first + shard_numel): each parameter's part of it
+      // counts toward its kind (the padding's gradient is zero).
+      const std::int64_t first = rank * unit->shard_numel;
+      for (std::size_t i = 0; i < unit->params.size(); ++i) {
+        const auto lo = std::max(unit->offsets[i], first);
+        const auto hi =
+            std::min(unit->offsets[i] + unit->params[i].numel(), first + unit->shard_numel);
+        if (lo >= hi) continue;
+        const double part = contribution(g.narrow(0, lo - first, hi - lo));
+        if (split.count(unit->params[i].unsafeGetTensorImpl()) != 0) {
+          split_local = combine(split_local, part);
+        } else {
+          replicated = combine(replicated, part);
+        }
+      }
     }
     // On the shards' device: a nccl group reads no host memory.
-    auto combined = torch::tensor({local}, torch::kFloat64).to(wrapper->device_);
-    if (wrapper->options_.sharding_strategy != ShardingStrategy::kNoShard) {
+    auto combined = torch::tensor({replicated, split_local}, torch::kFloat64).to(wrapper->device_);
+    if (sharded) {
       all_reduce(combined, infinity ? ReduceOp::kMax : ReduceOp::kSum, *wrapper->shard_group_);
     }
-    total = infinity ? std::max(total, combined.item<double>()) : total + combined.item<double>();
+    const auto host = combined.cpu();
+    replicated_total = combine(replicated_total, host[0].item<double>());
+    split_total = combine(split_total, host[1].item<double>());
   }
+  if (split_found != split.size()) {
+    throw ConfigError(fmt::format(
+        "FullyShardedDataParallel::clip_grad_norm_: {} of the {} split_parameters are not "
+        "parameters of this wrapper or its nested ones; pass the tensor-parallel parameters of "
+        "the wrapped model (ddp::tensor_parallel_split_parameters of it)",
+        split.size() - split_found, split.size()));
+  }
+  if (tp.group) {
+    // The split parameters' parts summed over tp (collective over it, on every rank alike).
+    auto over_tp = torch::tensor({split_total}, torch::kFloat64).to(device_);
+    all_reduce(over_tp, infinity ? ReduceOp::kMax : ReduceOp::kSum, *tp.group);
+    split_total = over_tp.cpu().item<double>();
+  }
+  const double total = combine(replicated_total, split_total);
   const double norm = infinity ? total : std::pow(total, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1.0) {
     for (auto& grad : gradients)
       grad.mul_(coefficient);
   }
-  return torch::tensor(norm, torch::kFloat);
+  return torch::tensor(norm, torch::TensorOptions(storage_dtype_));
 }
 
 torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::full_state_dict(
@@ -125,7 +185,8 @@ torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallelImpl::ful
     if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
       flats.push_back(unit->shard.detach());
     } else {
-      auto flat = torch::empty({unit->padded}, torch::TensorOptions(torch::kFloat).device(device_));
+      auto flat =
+          torch::empty({unit->padded}, torch::TensorOptions(storage_dtype_).device(device_));
       // cpu_offload's host shard goes to the device first (the group may read device memory
       // only).
       all_gather_into_tensor(flat, unit->shard.detach().to(device_), *shard_group_);

@@ -266,7 +266,7 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
   std::vector<std::optional<ShardState>> states(units.size());
   std::vector<std::pair<std::int64_t, std::int64_t>> held;  // this rank's flat range per unit
   for (const auto* unit : units) {
-    params.push_back(torch::zeros({unit->shard_numel}, torch::kFloat));
+    params.push_back(torch::zeros({unit->shard_numel}, unit->shard.scalar_type()));
     const std::int64_t begin = no_shard ? 0 : rank * unit->shard_numel;
     held.emplace_back(begin, begin + unit->shard_numel);
   }
@@ -286,6 +286,16 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
       };
       torch::Tensor param;
       archive.read(prefix + "param", param);
+      // A checkpoint of the fp32 model loaded into the fp64 one (or back) would round or widen
+      // every value silently.
+      if (param.scalar_type() != params[u].scalar_type()) {
+        throw Error(fmt::format(
+            "FullyShardedDataParallel: the sharded checkpoint {} holds unit {}'s parameters in "
+            "{}, but this model's are {}; convert the model to {} before loading, or load it "
+            "into the model it was saved from",
+            dir.string(), u, c10::toString(param.scalar_type()),
+            c10::toString(params[u].scalar_type()), c10::toString(param.scalar_type())));
+      }
       copy(param, params[u]);
       torch::Tensor step;
       if (!archive.try_read(prefix + "step", step)) continue;
@@ -294,7 +304,7 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
         torch::Tensor saved;
         if (!archive.try_read(prefix + name, saved)) continue;
         auto& mine = states[u]->tensors[name];
-        if (!mine.defined()) mine = torch::zeros({units[u]->shard_numel}, torch::kFloat);
+        if (!mine.defined()) mine = torch::zeros({units[u]->shard_numel}, params[u].scalar_type());
         copy(saved, mine);
       }
     }

@@ -11,6 +11,7 @@
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "torch/api/rank_agreement.h"
 #include "torch/core/libtorch_compat.h"
+#include "torch/core/split_parameters.h"
 #include "torch/fsdp/fsdp_flat_memory.h"
 #include "torch/fsdp/fsdp_unit.h"
 
@@ -180,13 +181,27 @@ void FullyShardedDataParallelImpl::build() {
                 "put the children that share it in one unit",
                 shape_text(p), c, it->second));
           }
-          if (p.scalar_type() != torch::kFloat || !(p.is_cpu() || p.is_cuda()) || p.is_sparse()) {
+          const bool storable =
+              p.scalar_type() == torch::kFloat || p.scalar_type() == torch::kDouble;
+          if (!storable || !(p.is_cpu() || p.is_cuda()) || p.is_sparse()) {
             throw ConfigError(fmt::format(
                 "FullyShardedDataParallel: parameter {} of child {} is {} on {}; it must be a "
-                "dense fp32 tensor on the CPU or a CUDA device (the flat buffers are fp32)",
+                "dense fp32 or fp64 tensor on the CPU or a CUDA device (the flat buffers hold "
+                "the parameters' own dtype; for 16-bit compute keep fp32 parameters and set "
+                "FsdpOptions::mixed_precision)",
                 shape_text(p), c, c10::toString(p.scalar_type()), p.device().str()));
           }
-          if (unit_of.size() == 1) device_ = p.device();
+          if (unit_of.size() == 1) {
+            device_ = p.device();
+            storage_dtype_ = p.scalar_type();
+          }
+          if (p.scalar_type() != storage_dtype_) {
+            throw ConfigError(fmt::format(
+                "FullyShardedDataParallel: parameter {} of child {} is {}, but the first "
+                "parameter is {}; one wrapper flattens one dtype (convert the model with "
+                "->to(dtype), or wrap the parts of each dtype in wrappers of their own)",
+                shape_text(p), c, c10::toString(p.scalar_type()), c10::toString(storage_dtype_)));
+          }
           if (p.device() != device_) {
             throw ConfigError(fmt::format(
                 "FullyShardedDataParallel: parameter {} of child {} is on {}, but the first "
@@ -197,7 +212,14 @@ void FullyShardedDataParallelImpl::build() {
           unit->offsets.push_back(unit->numel);
           unit->params.push_back(p);
           unit->numel += p.numel();
-          description << "  parameter " << shape_text(p) << "\n";
+          description << "  parameter " << shape_text(p);
+          // A tensor-parallel part: FSDP over the dp dimension sees the same part on every rank;
+          // over the tp one, different parts, which the agreement below names.
+          if (const auto split = detail::split_part_of(p)) {
+            description << " (tensor-parallel part " << split->part << " of " << split->parts
+                        << ")";
+          }
+          description << "\n";
         }
       }
       if (unit->params.empty()) {
@@ -219,7 +241,18 @@ void FullyShardedDataParallelImpl::build() {
       throw ConfigError("FullyShardedDataParallel: the module has no parameters to shard");
     }
     // A wrapper whose parameters are all in nested wrappers works where they do.
-    if (units_.empty()) device_ = nested_.front().second->device_;
+    if (units_.empty()) {
+      device_ = nested_.front().second->device_;
+      storage_dtype_ = nested_.front().second->storage_dtype_;
+    }
+    if (storage_dtype_ != torch::kFloat &&
+        (options_.mixed_precision.param_dtype || options_.mixed_precision.reduce_dtype)) {
+      throw ConfigError(fmt::format(
+          "FullyShardedDataParallel: FsdpOptions::mixed_precision with {} parameters; mixed "
+          "precision computes from fp32 shards (convert the model with ->to(torch::kFloat)), or "
+          "leave it unset to compute in {}",
+          c10::toString(storage_dtype_), c10::toString(storage_dtype_)));
+    }
     for (const auto& [path, wrapper] : nested_) {
       if (wrapper->device_ == device_) continue;
       throw ConfigError(fmt::format(
@@ -230,26 +263,34 @@ void FullyShardedDataParallelImpl::build() {
     check_device();
     // The device's type, not its index: ranks on one host each use their own GPU.
     description << "parameters on " << c10::DeviceTypeName(device_.type(), /*lower_case=*/true)
-                << "\n";
+                << " in " << c10::toString(storage_dtype_) << "\n";
     for (const auto& b : wrapped_->buffers())
       description << "buffer " << shape_text(b) << "\n";
   } catch (const std::exception& e) {
     local_error = e.what();
   }
 
-  detail::agree_or_throw(*group_, description.str(), local_error,
-                         {.wrapper = "FullyShardedDataParallel",
-                          .requirement = "Every rank must wrap the same model (children, "
-                                         "parameter shapes and dtypes, buffers) with the same "
-                                         "strategy and units"});
+  const bool tensor_parallel = description.str().find("tensor-parallel part") != std::string::npos;
+  detail::agree_or_throw(
+      *group_, description.str(), local_error,
+      {.wrapper = "FullyShardedDataParallel",
+       .requirement = tensor_parallel
+                          ? "Every rank must wrap the same model (children, parameter shapes and "
+                            "dtypes, buffers) with the same strategy and units; a model split by "
+                            "tensor parallelism is wrapped over the dp dimension of its mesh "
+                            "(mesh.group(\"dp\")), whose ranks hold the same tensor-parallel "
+                            "parts, not over the tp one"
+                          : "Every rank must wrap the same model (children, parameter shapes and "
+                            "dtypes, buffers) with the same strategy and units"});
 
   torch::NoGradGuard no_grad;
   const int rank = shard_group_->rank();
   const bool separate_copy = low_precision_parameters();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
-    // The fp32 values: the gathered parameters themselves, or (param_dtype) their master copy.
-    torch::Tensor master = flat_zeros(unit.padded, torch::kFloat);
+    // The parameters' values (fp32 or fp64): the gathered parameters themselves, or
+    // (param_dtype) their master copy.
+    torch::Tensor master = flat_zeros(unit.padded, storage_dtype_);
     for (std::size_t i = 0; i < unit.params.size(); ++i) {
       master.narrow(0, unit.offsets[i], unit.params[i].numel())
           .copy_(unit.params[i].detach().reshape(-1));

@@ -90,7 +90,7 @@ void FullyShardedDataParallelImpl::check_device() const {
 }
 
 torch::ScalarType FullyShardedDataParallelImpl::compute_dtype() const {
-  return options_.mixed_precision.param_dtype.value_or(torch::kFloat);
+  return options_.mixed_precision.param_dtype.value_or(storage_dtype_);
 }
 
 torch::ScalarType FullyShardedDataParallelImpl::reduce_dtype() const {

@@ -530,15 +530,16 @@ TEST(FullyShardedDataParallel, CpuOffloadOnTheCpuChangesNothingAndNoShardRefuses
   });
 }
 
-// The flat buffers are fp32 on the CPU or a CUDA device (gpu_test.cc runs CUDA, and names
-// parameters on two devices): another dtype is named, with the parameter and child, on every rank.
+// The flat buffers hold fp32 or fp64 on the CPU or a CUDA device (gpu_test.cc runs CUDA, and
+// names parameters on two devices; fsdp_tensor_parallel_test.cc trains fp64): another dtype is
+// named, with the parameter and child, on every rank.
 TEST(FullyShardedDataParallel, ParametersOfAnotherDtypeAreNamedOnEveryRank) {
   expect_build_fails<ConfigError>(
-      "parameter [9, 6] Double of child 0 is Double on cpu; it must be a dense fp32 tensor on the "
-      "CPU or a CUDA device",
+      "parameter [9, 6] Half of child 0 is Half on cpu; it must be a dense fp32 or fp64 tensor on "
+      "the CPU or a CUDA device",
       [](int, auto pg) {
         auto model = make_model();
-        model->to(torch::kFloat64);
+        model->to(torch::kHalf);
         FullyShardedDataParallel(model, pg);
       });
 }

@@ -26,20 +26,20 @@
 //   wrapper's parameters() trains the whole model; full_state_dict() gathers the whole tree
 //   under the unwrapped model's names. fsdp_call<M>(module, args...) calls a module that may or
 //   may not be wrapped (a ModuleList element); fsdp_auto_wrap wraps by parameter count.
-// Units: consecutive children whose parameters are flattened into one fp32 buffer, padded to a
-// multiple of W; rank r owns elements [r·S, (r+1)·S) of it (S = padded/W) as a leaf tensor, its
-// "shard", which is what parameters() returns. Units come from `units` (explicit [begin, end)
-// child ranges) or else from `min_num_params` (PyTorch's size_based_auto_wrap_policy: children
-// are added to a unit until it holds at least min_num_params parameters). Parameter-free children
-// join the neighbouring unit (explicit ranges may leave them between units; a child with
-// parameters outside every unit is a ConfigError).
+// Units: consecutive children whose parameters are flattened into one buffer of their dtype (fp32
+// or fp64, one dtype per wrapper), padded to a multiple of W; rank r owns elements [r·S, (r+1)·S)
+// of it (S = padded/W) as a leaf tensor, its "shard", which is what parameters() returns. Units
+// come from `units` (explicit [begin, end) child ranges) or else from `min_num_params` (PyTorch's
+// size_based_auto_wrap_policy: children are added to a unit until it holds at least min_num_params
+// parameters). Parameter-free children join the neighbouring unit (explicit ranges may leave them
+// between units; a child with parameters outside every unit is a ConfigError).
 //
-// Devices: the parameters (fp32) are on the CPU or on one CUDA device, and the flat buffers,
-// shards and gradients live there (on CUDA, from the device's caching allocator, freed to it
-// between uses as the CPU's mappings are unmapped; the shards and their gradients on the CPU with
-// FsdpOptions::cpu_offload). Over a host group (ring, mpi) the
-// collectives of CUDA buffers are staged through host copies (the tensor API); over nccl they
-// take the device memory, and parameters off the group's GPU are a ConfigError.
+// Devices: the parameters (fp32 or fp64) are on the CPU or on one CUDA device, and the flat
+// buffers, shards and gradients live there (on CUDA, from the device's caching allocator, freed to
+// it between uses as the CPU's mappings are unmapped; the shards and their gradients on the CPU
+// with FsdpOptions::cpu_offload). Over a host group (ring, mpi) the collectives of CUDA buffers are
+// staged through host copies (the tensor API); over nccl they take the device memory, and
+// parameters off the group's GPU are a ConfigError.
 //
 // Strategies (PyTorch's ShardingStrategy):
 // - kFullShard (ZeRO 3): before a unit's forward its full parameters are all-gathered (the next
@@ -66,7 +66,8 @@
 // Construction is collective: every rank passes the same model (children, unit boundaries,
 // parameter shapes and dtypes) and options; one small allgather checks it, and otherwise every
 // rank throws Error naming the first difference. Bad arguments (a null module, bad unit ranges or
-// units for a module that is not a Sequential, a non-fp32 parameter, a parameter shared by two
+// units for a module that is not a Sequential, a parameter that is not fp32 or fp64, parameters
+// of two dtypes in one wrapper, mixed precision over fp64 parameters, a parameter shared by two
 // units or with a nested wrapper or already sharded by another wrapper, a wrapper of a wrapper, a
 // mixed-precision dtype that is not one of those listed at FsdpMixedPrecision) throw ConfigError
 // on every rank.
@@ -164,6 +165,14 @@ struct FsdpOptions {
   bool release_free_heap = true;
 };
 
+// What clip_grad_norm_ needs to know of a tensor-parallel model inside the wrapper: the group its
+// layers are split over and the parameters that are split (each tp rank holds a different part;
+// ddp::tensor_parallel_split_parameters(module) lists those of ddp's tensor-parallel layers).
+struct TensorParallelNorm {
+  std::shared_ptr<ProcessGroup> group;
+  std::vector<torch::Tensor> split_parameters;
+};
+
 // FullyShardedDataParallelImpl::no_sync()'s guard: gradients accumulate unreduced until it is
 // destroyed (movable, not copyable).
 class [[nodiscard]] FsdpNoSyncGuard {
@@ -241,6 +250,13 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // positive p or INFINITY. Use it instead of torch::nn::utils::clip_grad_norm_, which would see
   // only this rank's shards. ConfigError for a max_norm or norm_type that is not positive.
   torch::Tensor clip_grad_norm_(double max_norm, double norm_type = 2.0);
+  // The same over a model whose layers are also split over a tensor-parallel group (FSDP x TP:
+  // this wrapper over a DeviceMesh's dp group, the layers over its tp group): the parameters in
+  // tp.split_parameters are parts of larger ones (each tp rank holds other elements: their
+  // contributions are summed over tp.group too), the others are replicated over tp (counted
+  // once). So every rank clips by the norm of the one-process model's gradient. Collective over
+  // the shard groups and tp.group. ConfigError for a split parameter this tree does not hold.
+  torch::Tensor clip_grad_norm_(double max_norm, double norm_type, const TensorParallelNorm& tp);
 
   // PyTorch's FSDP.summon_full_params(): gathers every unit of this wrapper and the nested ones
   // (collective), runs `body` with the wrapped module's parameters holding their full values
@@ -411,6 +427,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // flat buffers, shards and gradients live. A host group (ring, mpi) stages CUDA buffers'
   // collectives through host copies (the tensor API); nccl takes them as they are.
   torch::Device device_{torch::kCPU};
+  // The dtype of every parameter of this wrapper, so of its flat buffers, shards and their
+  // gradients: torch::kFloat, or torch::kDouble (then without mixed precision).
+  torch::ScalarType storage_dtype_ = torch::kFloat;
   // A zero-filled flat buffer of `numel` elements on device_ (mapped host memory on the CPU).
   torch::Tensor flat_zeros(std::int64_t numel, torch::ScalarType dtype) const;
   // cpu_offload.offload_params on a CUDA device_: the shards and their gradients live on the CPU.
@@ -418,7 +437,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // ConfigError when device_ is a CUDA device this process cannot use, or a group takes CUDA
   // memory (nccl) that device_ is not.
   void check_device() const;
-  bool low_precision_parameters() const { return compute_dtype() != torch::kFloat; }
+  bool low_precision_parameters() const { return compute_dtype() != storage_dtype_; }
   void check_mixed_precision() const;
   // The original dtypes of the buffers buffer_dtype cast (full_state_dict returns those).
   std::vector<std::pair<torch::Tensor, torch::ScalarType>> cast_buffers_;

@@ -15,6 +15,7 @@
 #include "torch/api/rank_agreement.h"
 #include "torch/core/distributed_checks.h"
 #include "torch/core/fingerprint.h"
+#include "torch/core/split_parameters.h"
 #include "torch/parallel/tensor/tensor_parallel_internal.h"
 
 namespace ddp {
@@ -184,6 +185,9 @@ void ColumnParallelLinearImpl::build(const LinearParameters* given) {
                                           .reshape({o.out_features / tp})
                                           .clone());
   }
+  for (const auto& p : {weight, bias})
+    if (p.defined())
+      detail::note_split_parameter(p, {.part = group.rank(), .parts = static_cast<int>(tp)});
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& input) {
@@ -266,6 +270,8 @@ void RowParallelLinearImpl::build(const LinearParameters* given) {
   weight = register_parameter(
       "weight", full.weight.detach().narrow(1, part * group.rank(), part).contiguous().clone());
   if (o.bias) bias = register_parameter("bias", full.bias.detach().clone());
+  detail::note_split_parameter(
+      weight, {.part = group.rank(), .parts = static_cast<int>(tp)});  // the bias is whole
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& input) {
@@ -339,6 +345,7 @@ void VocabParallelEmbeddingImpl::build(const torch::Tensor* given) {
   const auto part = o.num_embeddings / tp;
   torch::NoGradGuard no_grad;
   weight = register_parameter("weight", full.detach().narrow(0, part * group.rank(), part).clone());
+  detail::note_split_parameter(weight, {.part = group.rank(), .parts = static_cast<int>(tp)});
 }
 
 std::int64_t VocabParallelEmbeddingImpl::vocab_start() const {
@@ -372,6 +379,24 @@ torch::Tensor VocabParallelEmbeddingImpl::gather_full() const {
   auto gathered = torch::empty({options_.num_embeddings, options_.embedding_dim}, weight.options());
   all_gather_into_tensor(gathered, weight.detach().contiguous(), *group_);
   return gathered;
+}
+
+std::vector<torch::Tensor> tensor_parallel_split_parameters(const torch::nn::Module& module) {
+  std::vector<torch::Tensor> split;
+  const auto add = [&split](const torch::Tensor& t) {
+    if (t.defined()) split.push_back(t);
+  };
+  for (const auto& m : module.modules()) {
+    if (const auto* column = m->as<ColumnParallelLinearImpl>()) {
+      add(column->weight);
+      add(column->bias);
+    } else if (const auto* row = m->as<RowParallelLinearImpl>()) {
+      add(row->weight);
+    } else if (const auto* vocab = m->as<VocabParallelEmbeddingImpl>()) {
+      add(vocab->weight);
+    }
+  }
+  return split;
 }
 
 }  // namespace ddp

@@ -215,6 +215,13 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
+// The parameters of `module` and its descendants that ddp's tensor-parallel layers split (each
+// tp rank holds a different part): ColumnParallelLinear's weight and bias, RowParallelLinear's
+// weight (its bias is replicated) and VocabParallelEmbedding's weight; in the order of
+// module.modules(). What a norm over the whole model sums over tp (FullyShardedDataParallel's
+// clip_grad_norm_ with TensorParallelNorm).
+std::vector<torch::Tensor> tensor_parallel_split_parameters(const torch::nn::Module& module);
+
 // ---- Vocab-parallel cross-entropy -----------------------------------------------------------
 // Megatron's vocab_parallel_cross_entropy: `logits` [..., V/size] are this rank's part of the
 // vocabulary (a ColumnParallelLinear's split output), `target` [...] int64 ids in [0, V). Returns

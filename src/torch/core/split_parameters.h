@@ -1,0 +1,31 @@
+// Parameters that are one part of a larger tensor split over a group (the tensor-parallel layers'
+// shards), recorded where they are made so that code below those layers can tell. Internal.
+//
+// FullyShardedDataParallel describes each parameter it flattens with its part: wrapped over the
+// tp dimension of a mesh instead of the dp one, the ranks of its group hold different parts of
+// the same split weights, which FSDP's construction-time agreement then names (flattening them
+// as if they were replicas would train a silently wrong model).
+//
+// Keyed by the tensor's TensorImpl and held weakly: a recorded parameter that is freed is
+// forgotten, and a new tensor at its address is not mistaken for it.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+namespace ddp::detail {
+
+struct SplitPart {
+  int part = 0;   // this rank's part: the rank in the group it is split over
+  int parts = 1;  // the group's size
+};
+
+// Records `parameter` as part `part` of `parts` (thread-safe).
+void note_split_parameter(const at::Tensor& parameter, SplitPart part);
+
+// What note_split_parameter recorded of `parameter` (the same TensorImpl, still alive), if
+// anything.
+std::optional<SplitPart> split_part_of(const at::Tensor& parameter);
+
+}  // namespace ddp::detail
