@@ -2,13 +2,15 @@
 """train-gpt (examples/gpt: ddp's DeviceMesh, tensor-parallel layers, Pipeline with a dp group)
 against PyTorch 2.x's own model parallelism on the same GPT
 (bench/compare/pytorch_model_parallel_bench.py: tensor.parallel on a DeviceMesh,
-torch.distributed.pipelining), CPU, world 4, in alternated rounds on this machine. Prints one
-table: per layout the median step time of each and ddp's speed-up.
+torch.distributed.pipelining, FSDP2's fully_shard), CPU, world 4, in alternated rounds on this
+machine. Prints one table: per layout the median step time of each, ddp's speed-up and the
+largest rank's peak resident memory of each (the median over the rounds).
 
   python3 bench/compare/compare_model_parallel.py --build build [--rounds 3] [--steps 20]
 
-Layouts: TP 2 x DP 2 and PP 2 x DP 2 (1F1B, 4 micro-batches); --layouts dp4 adds plain data
-parallelism over the same driver. Both sides: float32, AdamW, one torch thread per rank, the
+Layouts: TP 2 x DP 2, PP 2 x DP 2 (1F1B, 4 micro-batches) and FSDP x TP (FULL_SHARD over dp 2,
+tp 2: train-gpt --fsdp against fully_shard over parallelize_module); --layouts dp4 adds plain
+data parallelism over the same driver. Both sides: float32, AdamW, one torch thread per rank, the
 gradients averaged over dp once per step, the same sizes (--hidden, --heads, --layers,
 --block-size, --batch-size, vocabulary 96).
 """
@@ -25,22 +27,24 @@ LAYOUTS = {
     "tp2xdp2": ["--dp", "2", "--tp", "2"],
     "pp2xdp2": ["--dp", "2", "--pp", "2", "--microbatches", "4", "--schedule", "1f1b"],
     "dp4": ["--dp", "4"],
+    "fsdp-tp2xdp2": ["--dp", "2", "--tp", "2", "--fsdp"],
 }
 VOCAB = 96
 
 
 def median_ms(command, env, timeout):
+    """(median step ms, the largest rank's peak resident MiB) of one run."""
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    match = re.search(r"median_step_ms=([0-9.]+)", done.stdout)
+    match = re.search(r"median_step_ms=([0-9.]+).*peak_rss_mb=([0-9.]+)", done.stdout)
     if done.returncode != 0 or not match:
         sys.exit(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
-    return float(match.group(1))
+    return float(match.group(1)), float(match.group(2))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
-    parser.add_argument("--layouts", default="tp2xdp2,pp2xdp2")
+    parser.add_argument("--layouts", default="tp2xdp2,pp2xdp2,fsdp-tp2xdp2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -70,18 +74,23 @@ def main():
                          os.path.join(HERE, "pytorch_model_parallel_bench.py"), *layout, *sizes,
                          "--steps", str(args.steps), "--warmup", str(args.warmup), "--vocab",
                          str(VOCAB)]
-        ddp_ms, torch_ms = [], []
+        ddp_runs, torch_runs = [], []
         for _ in range(args.rounds):  # alternated: both see the same machine load
-            ddp_ms.append(median_ms(ddp_command, env, args.timeout))
-            torch_ms.append(median_ms(torch_command, env, args.timeout))
-        results[name] = (statistics.median(ddp_ms), statistics.median(torch_ms), ddp_ms, torch_ms)
+            ddp_runs.append(median_ms(ddp_command, env, args.timeout))
+            torch_runs.append(median_ms(torch_command, env, args.timeout))
+        results[name] = (ddp_runs, torch_runs)
 
-    print(f"| layout (world 4) | ddp train-gpt ms/step | PyTorch ms/step | ddp speed-up |")
-    print("|---|---|---|---|")
-    for name, (ddp_median, torch_median, ddp_ms, torch_ms) in results.items():
+    print("| layout (world 4) | ddp train-gpt ms/step | PyTorch ms/step | ddp speed-up | "
+          "peak MiB per rank, ddp / PyTorch |")
+    print("|---|---|---|---|---|")
+    for name, (ddp_runs, torch_runs) in results.items():
+        ddp_ms, torch_ms = [r[0] for r in ddp_runs], [r[0] for r in torch_runs]
+        ddp_median, torch_median = statistics.median(ddp_ms), statistics.median(torch_ms)
+        ddp_peak = statistics.median(r[1] for r in ddp_runs)
+        torch_peak = statistics.median(r[1] for r in torch_runs)
         print(f"| {name} | {ddp_median:.2f} ({', '.join(f'{t:.1f}' for t in ddp_ms)}) | "
               f"{torch_median:.2f} ({', '.join(f'{t:.1f}' for t in torch_ms)}) | "
-              f"{torch_median / ddp_median:.2f}x |")
+              f"{torch_median / ddp_median:.2f}x | {ddp_peak:.0f} / {torch_peak:.0f} |")
 
 
 if __name__ == "__main__":

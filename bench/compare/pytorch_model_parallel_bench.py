@@ -12,10 +12,14 @@ a RowwiseParallel vocabulary-split embedding, a ColwiseParallel head whose shard
 through loss_parallel's cross-entropy). Pipeline parallelism: torch.distributed.pipelining
 (PipelineStage of each rank's layers, ScheduleGPipe or Schedule1F1B). Data parallelism over the
 "dp" dimension: gradients averaged once per step after backward / the schedule (one flat
-allreduce), as train-gpt does. Prints rank 0's `median_step_ms=<ms> samples_per_s=<n>`.
+allreduce), as train-gpt does; or, with --fsdp (train-gpt --fsdp's peer), FSDP2's fully_shard
+over the "dp" dimension of each child (embeddings, every block, the head) and then of the whole
+model, after the tensor-parallel plan (PyTorch's 2-D FSDP x TP). Prints rank 0's
+`median_step_ms=<ms> samples_per_s=<n> peak_rss_mb=<the largest rank's peak resident memory>`.
 """
 import argparse
 import math
+import resource
 import statistics
 import time
 
@@ -102,9 +106,12 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=88)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fsdp", action="store_true", help="fully_shard over dp (pp 1)")
     args = parser.parse_args()
     if args.tp > 1 and args.pp > 1:
         raise SystemExit("this peer runs tp x dp or pp x dp (not all three)")
+    if args.fsdp and args.pp > 1:
+        raise SystemExit("--fsdp runs with --pp 1")
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (args.pp, args.dp, args.tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -150,6 +157,11 @@ def main():
         params = list(mine.parameters())
     else:
         model = nn.Sequential(*children)
+        if args.fsdp:
+            from torch.distributed.fsdp import fully_shard
+            for child in children:
+                fully_shard(child, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
         params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=3e-3)
 
@@ -178,15 +190,18 @@ def main():
                     loss.backward()
             else:
                 loss.backward()
-        average_over(dp_group, params)
+        if not args.fsdp:  # FSDP reduce-scattered over dp in backward
+            average_over(dp_group, params)
         optimizer.step()
         dist.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the largest rank's, as train-gpt prints
     if dist.get_rank() == 0:
-        print(f"median_step_ms={median * 1e3:.3f} samples_per_s={args.batch_size / median:.1f}",
-              flush=True)
+        print(f"median_step_ms={median * 1e3:.3f} samples_per_s={args.batch_size / median:.1f} "
+              f"peak_rss_mb={peak.item():.1f}", flush=True)
     dist.destroy_process_group()
 
 

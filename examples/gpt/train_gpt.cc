@@ -19,10 +19,19 @@
 // would be valid, and exits 1), the sizes together against the machine's memory; the layout
 // against the job's world size once it has joined.
 //
+// With --fsdp the dp replicas do not each hold the model: it is built child by child and each
+// child (the embeddings, every block, the head) is sharded over dp by FullyShardedDataParallel
+// (FULL_SHARD) before the next is built (ddp::fsdp_build_sharded), so no rank ever holds more
+// than its shards plus one child; the tensor-parallel layers inside are split over tp as without
+// it (FSDP x TP, PyTorch's 2-D parallelism). --microbatches then accumulates gradients (no_sync);
+// --pp must be 1. Its --checkpoint is a ShardedTrainState per tp rank (DIR/tp-<r>-of-<T>/), which
+// resumes at any --dp (the same --tp).
+//
 // Rank 0 prints "step <k> loss <loss>" every --log-every steps, and last
 // "final loss=<loss> param_sum=<sum of every element of every parameter of the whole model>",
 // the same on every layout (the split parameters gathered, each stage counted once), with and
-// without --activation-checkpointing (every block recomputed in backward, ddp::checkpoint).
+// without --activation-checkpointing (every block recomputed in backward, ddp::checkpoint) and
+// --fsdp.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -46,11 +55,8 @@
 #include "ddp/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/parallel/mesh/device_mesh.h"
-#include "ddp/torch/parallel/mesh/mesh_train_state.h"
-#include "ddp/torch/parallel/pipeline/pipeline.h"
-#include "ddp/torch/parallel/tensor/gpt_block.h"
-#include "ddp/torch/parallel/tensor/tensor_parallel.h"
-#include "ddp/torch/recompute/activation_checkpoint.h"
+#include "gpt_model.h"
+#include "gpt_trainer.h"
 
 namespace {
 
@@ -81,6 +87,7 @@ struct Options {
   int time_after = -1;              // >= 0: time the steps after this many (the median is printed)
   std::int64_t vocab_at_least = 0;  // pads the vocabulary further (benchmarks: a larger head)
   bool activation_checkpointing = false;  // every block under ddp::checkpoint
+  bool fsdp = false;  // FSDP (FULL_SHARD) over dp, each child built and sharded in turn
 };
 
 // The text to learn, the same on every rank: --data's file; without --data the default file, or a
@@ -100,72 +107,6 @@ std::string read_text(const Options& o) {
     text += words[(state >> 33) % std::size(words)];
   }
   return text;
-}
-
-// Token embedding (split over the vocabulary on tp) plus a learned position embedding.
-struct EmbeddingsImpl : torch::nn::Module {
-  EmbeddingsImpl(std::int64_t vocab, const Options& o, torch::Dtype dtype,
-                 const std::shared_ptr<ddp::ProcessGroup>& tp) {
-    token = register_module(
-        "token",
-        ddp::VocabParallelEmbedding(
-            ddp::VocabParallelEmbeddingOptions{
-                .num_embeddings = vocab, .embedding_dim = o.hidden, .seed = 1000, .dtype = dtype},
-            tp));
-    auto generator = at::detail::createCPUGenerator(1001);
-    position = register_parameter("position", torch::randn({o.block_size, o.hidden}, generator,
-                                                           torch::TensorOptions().dtype(dtype)) *
-                                                  0.02);
-  }
-  torch::Tensor forward(const torch::Tensor& ids) {
-    return token(ids) + position.narrow(0, 0, ids.size(1));
-  }
-  ddp::VocabParallelEmbedding token{nullptr};
-  torch::Tensor position;
-};
-TORCH_MODULE(Embeddings);
-
-// The final LayerNorm and the head, split over the vocabulary (its output is this rank's part).
-struct HeadImpl : torch::nn::Module {
-  HeadImpl(std::int64_t vocab, const Options& o, torch::Dtype dtype,
-           const std::shared_ptr<ddp::ProcessGroup>& tp) {
-    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.hidden})));
-    norm->to(dtype);
-    proj = register_module(
-        "proj", ddp::ColumnParallelLinear(ddp::ColumnParallelLinearOptions{.in_features = o.hidden,
-                                                                           .out_features = vocab,
-                                                                           .bias = false,
-                                                                           .seed = 2000,
-                                                                           .dtype = dtype},
-                                          tp));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return proj(norm(x)); }
-  torch::nn::LayerNorm norm{nullptr};
-  ddp::ColumnParallelLinear proj{nullptr};
-};
-TORCH_MODULE(Head);
-
-// The sum of every element of this stage's parameters, the split ones gathered over tp
-// (collective over tp, in the same order on every tp rank).
-double full_parameter_sum(torch::nn::Sequential& stage) {
-  double sum = 0.0;
-  const auto add = [&](const torch::Tensor& t) {
-    sum += t.to(torch::kFloat64).sum().item<double>();
-  };
-  for (const auto& child : stage->children()) {
-    if (auto* embeddings = child->as<EmbeddingsImpl>()) {
-      add(embeddings->token->gather_full());
-      add(embeddings->position.detach());
-    } else if (auto* block = ddp::checkpointed_module(child)->as<ddp::GptBlockImpl>()) {
-      for (const auto& [name, value] : block->full_named_parameters())
-        add(value);
-    } else if (auto* head = child->as<HeadImpl>()) {
-      for (const auto& p : head->norm->parameters())
-        add(p.detach());
-      add(head->proj->gather_full().weight);
-    }
-  }
-  return sum;
 }
 
 // The vocabulary: one id per distinct character of the text, padded to a multiple of 8 (the same
@@ -209,6 +150,13 @@ void check_options(const Options& o, const std::string& text, std::int64_t vocab
         "--time-after {}: no step after it would be timed, --steps is {} (valid: 0 to {})",
         o.time_after, o.steps, o.steps - 1));
   }
+  if (o.fsdp && o.pp != 1) {
+    throw ddp::ConfigError(fmt::format(
+        "--fsdp with --pp {}: FSDP shards the model over --dp and composes with --tp; a pipeline "
+        "runs several micro-batches' forwards before their backwards, which FSDP's units do not "
+        "take (use --pp 1 with --fsdp, or --pp {} without it)",
+        o.pp, o.pp));
+  }
   if (o.resume && o.checkpoint.empty()) throw ddp::ConfigError("--resume needs --checkpoint DIR");
   if (!o.checkpoint.empty() && std::filesystem::exists(o.checkpoint) &&
       !std::filesystem::is_directory(o.checkpoint)) {
@@ -221,10 +169,15 @@ void check_options(const Options& o, const std::string& text, std::int64_t vocab
   // twice: a vector and a tensor). Optimizer state, gradients and the other activations come on
   // top.
   const double h = static_cast<double>(o.hidden);
-  const double parameters =
+  double parameters =
       (2.0 * static_cast<double>(vocab) * h + static_cast<double>(o.layers) * 12.0 * h * h) /
           static_cast<double>(o.tp) +
       static_cast<double>(o.block_size) * h;
+  // --fsdp: the shards, and one child (the embeddings or the head, or a block) whole.
+  if (o.fsdp) {
+    parameters = parameters / static_cast<double>(o.dp) +
+                 std::max(static_cast<double>(vocab) * h, 12.0 * h * h) / static_cast<double>(o.tp);
+  }
   const double rows = static_cast<double>(o.batch_size / o.dp / o.microbatches);
   const double scores = rows * static_cast<double>(o.heads / o.tp) *
                         static_cast<double>(o.block_size) * static_cast<double>(o.block_size);
@@ -284,7 +237,6 @@ int run(const Options& o) {
 
   const auto dtype = o.dtype == "float64" ? torch::kFloat64 : torch::kFloat32;
   ddp::DeviceMesh mesh({{"pp", o.pp}, {"dp", o.dp}, {"tp", o.tp}}, world);
-  const auto tp = mesh.group("tp");
 
   std::map<char, std::int64_t> id_of;
   for (const char c : chars)
@@ -297,43 +249,23 @@ int run(const Options& o) {
 
   // What the process holds before the model (libtorch, the text): the baseline of peak_added_mb.
   const double before_model_mib = resident_mib("VmRSS");
-  // The whole model on every rank (the split layers are cut for this tp rank); the pipeline keeps
-  // this rank's stage.
-  torch::nn::Sequential model;
-  model->push_back("embeddings", Embeddings(vocab, o, dtype, tp));
-  for (int layer = 0; layer < o.layers; ++layer) {
-    ddp::GptBlock block(ddp::GptBlockOptions{.hidden = o.hidden,
-                                             .heads = o.heads,
-                                             .seed = 100 + 10 * static_cast<std::uint64_t>(layer),
-                                             .dtype = dtype});
-    ddp::parallelize_module(block, tp, ddp::gpt_block_tensor_parallel_plan());
-    model->push_back(fmt::format("block{}", layer), block);
-  }
-  model->push_back("head", Head(vocab, o, dtype, tp));
-  if (o.activation_checkpointing) {
-    // Each block keeps its input only; its activations are recomputed in backward (with the
-    // tensor-parallel collectives inside it, on every tp rank alike).
-    model = ddp::apply_activation_checkpointing(
-        model, ddp::checkpoint_children_named({"ddp::GptBlockImpl"}));
-  }
+  const train_gpt::TrainerConfig config{.shape = {.vocab = vocab,
+                                                  .hidden = o.hidden,
+                                                  .heads = o.heads,
+                                                  .block_size = o.block_size,
+                                                  .layers = o.layers,
+                                                  .dtype = dtype},
+                                        .lr = o.lr,
+                                        .schedule = o.schedule,
+                                        .microbatches = o.microbatches,
+                                        .activation_checkpointing = o.activation_checkpointing,
+                                        .checkpoint = o.checkpoint};
+  auto trainer = o.fsdp ? train_gpt::make_fsdp_trainer(mesh, config)
+                        : train_gpt::make_pipeline_trainer(mesh, config);
 
-  const auto loss_fn = [tp, vocab, size = o.tp](const torch::Tensor& logits,
-                                                const torch::Tensor& target) {
-    return ddp::vocab_parallel_cross_entropy(logits.reshape({-1, vocab / size}),
-                                             target.reshape({-1}), tp)
-        .mean();
-  };
-  ddp::Pipeline pipe(model, mesh.group("pp"), loss_fn,
-                     {.schedule = ddp::pipeline_schedule_from_name(o.schedule),
-                      .micro_batches = o.microbatches,
-                      .dp_group = mesh.group("dp")});
-  torch::optim::AdamW optimizer(pipe.parameters(), torch::optim::AdamWOptions(o.lr));
-
-  // Each rank's part of the model and of AdamW's state (the dp replicas share theirs).
-  ddp::MeshTrainState state(mesh, *pipe.stage_module(), optimizer, {.tag = "train-gpt"});
   ddp::TrainProgress progress;
   if (o.resume) {
-    progress = state.load(o.checkpoint);
+    progress = trainer->load();
     // No step would run, and the final line would report a loss that no step computed. Every
     // rank loaded the same step, so every rank refuses alike.
     if (progress.global_step >= o.steps) {
@@ -362,10 +294,8 @@ int run(const Options& o) {
     const auto offsets = torch::arange(o.block_size + 1, torch::kInt64);
     const auto windows = corpus.index({starts.unsqueeze(1) + offsets});  // [B, T + 1]
     const auto mine = windows.narrow(0, first_row, rows);
-    optimizer.zero_grad();
-    loss = pipe.step(mine.narrow(1, 0, o.block_size).contiguous(),
-                     mine.narrow(1, 1, o.block_size).contiguous());
-    optimizer.step();
+    loss = trainer->step(mine.narrow(1, 0, o.block_size).contiguous(),
+                         mine.narrow(1, 1, o.block_size).contiguous());
     if (timed) {
       ddp::barrier(world);  // the step ends when every rank is done
       step_ms.push_back(
@@ -376,7 +306,7 @@ int run(const Options& o) {
     const bool last = step + 1 == o.steps;
     if (!o.checkpoint.empty() &&
         (last || (o.checkpoint_every > 0 && (step + 1) % o.checkpoint_every == 0))) {
-      state.save(o.checkpoint, progress);
+      trainer->save(progress);
     }
     if ((step + 1) % o.log_every == 0)
       ddp::print_main_line(fmt::format("step {} loss {:.6f}", step + 1, loss));
@@ -392,10 +322,8 @@ int run(const Options& o) {
         median, static_cast<double>(o.batch_size) * 1000.0 / median, peaks[0].item<double>(),
         peaks[1].item<double>()));
   }
-  auto sum = torch::tensor({full_parameter_sum(pipe.stage_module())}, torch::kFloat64);
-  ddp::all_reduce(sum, ddp::ReduceOp::kSum, *mesh.group("pp"));  // one sum per stage
-  ddp::print_main_line(
-      fmt::format("final loss={:.15g} param_sum={:.15g}", loss, sum.item<double>()));
+  const double sum = trainer->parameter_sum();
+  ddp::print_main_line(fmt::format("final loss={:.15g} param_sum={:.15g}", loss, sum));
   return 0;
 }
 
@@ -453,6 +381,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_flag("--activation-checkpointing", o.activation_checkpointing,
                "keep each block's input only and recompute its activations in backward");
+  app.add_flag("--fsdp", o.fsdp,
+               "shard the model over --dp with FSDP (FULL_SHARD), each block built and sharded in "
+               "turn (with --tp; --pp 1)");
   app.add_flag("--resume", o.resume, "continue from --checkpoint (the same tp x pp split)");
   if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "train-gpt")) {
     return *code;

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """train-gpt (examples/gpt) under ddprun in several layouts of data, tensor and pipeline
 parallelism, float64: every layout's last line ("final loss=... param_sum=...") must equal the
-one-process run's to 1e-9 (relative), with and without --activation-checkpointing, the loss
-must fall, and a mesh that does not fit the job
-must be named. Checkpoints (MeshTrainState): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at
-DP 1 x TP 2 x PP 2 for 5 more, end where the uninterrupted runs end; a resume on another split is
-named. Usage: train_gpt_check.py BUILD_BIN_DIR"""
+one-process run's to 1e-9 (relative), with and without --activation-checkpointing and --fsdp,
+the loss must fall, and a mesh that does not fit the job (or --fsdp with --pp) must be named.
+Checkpoints (MeshTrainState): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at DP 1 x TP 2 x PP 2
+for 5 more, end where the uninterrupted runs end; a resume on another split is named. The same
+with --fsdp (ShardedTrainState per tp rank): saved at DP 2 x TP 2, resumed at DP 1 x TP 2; a
+resume without --fsdp, or with another --tp, is named. Usage: train_gpt_check.py BUILD_BIN_DIR"""
 import os
 import re
 import subprocess
@@ -24,6 +25,11 @@ LAYOUTS = [  # dp, tp, pp, schedule, micro-batches, extra flags
     (1, 1, 1, "1f1b", 1, ("--activation-checkpointing",)),
     (2, 2, 1, "gpipe", 2, ("--activation-checkpointing",)),
     (1, 2, 2, "1f1b", 2, ("--activation-checkpointing",)),
+    # FSDP over dp (each child built and sharded in turn), with tp (2-D), micro-batches
+    # accumulated under no_sync, and with recomputation inside the sharded units
+    (2, 1, 1, "1f1b", 1, ("--fsdp",)),
+    (2, 2, 1, "1f1b", 2, ("--fsdp",)),
+    (2, 2, 1, "1f1b", 1, ("--fsdp", "--activation-checkpointing")),
 ]
 
 
@@ -77,6 +83,27 @@ def main():
                     "--resume")
         if other.returncode == 0 or "saved with the model split pp=2, tp=2" not in other.stderr:
             sys.exit(f"a resume on another split was not named:\n{other.stdout}\n{other.stderr}")
+    done = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--fsdp")
+    if done.returncode == 0 or "--fsdp with --pp 2: FSDP shards the model over --dp" not in done.stderr:
+        sys.exit(f"--fsdp with --pp was not named:\n{done.stdout}\n{done.stderr}")
+    with tempfile.TemporaryDirectory() as folder:
+        first = run(bin_dir, 4, "--dp", "2", "--tp", "2", "--fsdp", "--checkpoint", folder, steps=5)
+        if first.returncode != 0 or not os.path.isdir(os.path.join(folder, "tp-1-of-2")):
+            sys.exit(f"the checkpointed --fsdp run failed:\n{first.stdout}\n{first.stderr}")
+        resumed = run(bin_dir, 2, "--dp", "1", "--tp", "2", "--fsdp", "--checkpoint", folder,
+                      "--resume")
+        match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
+        if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
+            sys.exit(f"the resumed --fsdp run failed:\n{resumed.stdout}\n{resumed.stderr}")
+        for want, got, what in zip(reference, map(float, match.groups()), ("loss", "param_sum")):
+            if abs(got - want) > 1e-9 * abs(want):
+                sys.exit(f"--fsdp resumed at dp 1: {what} {got!r} but the uninterrupted run has "
+                         f"{want!r}")
+        for flags, named in ((("--tp", "2"), "was saved with --fsdp"),
+                             (("--dp", "2", "--fsdp"), "has no tp-0-of-1 for tp rank 0 of 1")):
+            other = run(bin_dir, 2, *flags, "--checkpoint", folder, "--resume")
+            if other.returncode == 0 or named not in other.stderr:
+                sys.exit(f"a resume with {flags} was not named:\n{other.stdout}\n{other.stderr}")
     print("ok:", {name: values for name, values in finals.items()})
 
 
