@@ -17,7 +17,9 @@ namespace ddp {
 namespace {
 
 const char* style_name(ParallelStyle style) {
-  return style == ParallelStyle::kColwise ? "colwise" : "rowwise";
+  return style == ParallelStyle::kColwise   ? "colwise"
+         : style == ParallelStyle::kRowwise ? "rowwise"
+                                            : "vocab";
 }
 
 torch::nn::Linear make_linear(std::int64_t in, std::int64_t out, std::uint64_t seed,

@@ -33,11 +33,6 @@
 #pragma GCC visibility push(default)
 namespace ddp {
 
-// How a linear part is split (PyTorch's ColwiseParallel / RowwiseParallel styles).
-enum class ParallelStyle {
-  kColwise,  // ColumnParallelLinear: output features split, input replicated
-  kRowwise,  // RowParallelLinear: input features split, output all-reduced
-};
 // Part name -> style. Parts not named stay replicated (every rank computes them whole).
 using ParallelizePlan = std::vector<std::pair<std::string, ParallelStyle>>;
 

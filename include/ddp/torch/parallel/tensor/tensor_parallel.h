@@ -95,6 +95,14 @@ LinearParameters initial_linear_parameters(std::int64_t in_features, std::int64_
 torch::Tensor initial_embedding_weight(std::int64_t num_embeddings, std::int64_t embedding_dim,
                                        std::uint64_t seed, torch::Dtype dtype = torch::kFloat32);
 
+// How a layer is split (PyTorch's ColwiseParallel / RowwiseParallel styles; a plan's values:
+// parallelize_module of a GptBlock, gpt_block.h, or of any Sequential tree, parallelize.h).
+enum class ParallelStyle {
+  kColwise,  // ColumnParallelLinear: output features split, input replicated
+  kRowwise,  // RowParallelLinear: input features split, output all-reduced
+  kVocab,    // VocabParallelEmbedding: the table's rows (the vocabulary) split
+};
+
 // ---- ColumnParallelLinear -------------------------------------------------------------------
 // Y = X A^T + b with A split by rows (output features): rank r holds rows r of every one of
 // `fused_blocks` equal blocks of A (1: a plain split; 3: a fused q|k|v projection, so that each
