@@ -65,7 +65,8 @@ torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
                                            .heads = shape.heads,
                                            .seed = 100 + 10 * layer,
                                            .dtype = shape.dtype});
-  ddp::parallelize_module(block, tp, ddp::gpt_block_tensor_parallel_plan());
+  // At tp 1 the split layers would be copies of the whole ones (twice the block while it is cut).
+  if (tp->size() > 1) ddp::parallelize_module(block, tp, ddp::gpt_block_tensor_parallel_plan());
   if (!checkpointed) return torch::nn::AnyModule(block);
   // The block keeps its input only; its activations are recomputed in backward (with the
   // tensor-parallel collectives inside it, on every tp rank alike).

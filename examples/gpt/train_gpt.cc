@@ -262,6 +262,8 @@ int run(const Options& o) {
                                         .checkpoint = o.checkpoint};
   auto trainer = o.fsdp ? train_gpt::make_fsdp_trainer(mesh, config)
                         : train_gpt::make_pipeline_trainer(mesh, config);
+  // The peak of building the model (and sharding it, with --fsdp), before any step.
+  const double built_peak_mib = resident_mib("VmHWM");
 
   ddp::TrainProgress progress;
   if (o.resume) {
@@ -315,12 +317,15 @@ int run(const Options& o) {
     std::sort(step_ms.begin(), step_ms.end());
     const double median = step_ms[step_ms.size() / 2];
     const double peak_mib = resident_mib("VmHWM");
-    auto peaks = torch::tensor({peak_mib, peak_mib - before_model_mib}, torch::kFloat64);
+    auto peaks = torch::tensor(
+        {peak_mib, peak_mib - before_model_mib, built_peak_mib - before_model_mib},
+        torch::kFloat64);
     ddp::all_reduce(peaks, ddp::ReduceOp::kMax, *world);  // the largest rank's
     ddp::print_main_line(fmt::format(
-        "median_step_ms={:.3f} samples_per_s={:.1f} peak_rss_mb={:.1f} peak_added_mb={:.1f}",
+        "median_step_ms={:.3f} samples_per_s={:.1f} peak_rss_mb={:.1f} peak_added_mb={:.1f} "
+        "build_added_mb={:.1f}",
         median, static_cast<double>(o.batch_size) * 1000.0 / median, peaks[0].item<double>(),
-        peaks[1].item<double>()));
+        peaks[1].item<double>(), peaks[2].item<double>()));
   }
   const double sum = trainer->parameter_sum();
   ddp::print_main_line(fmt::format("final loss={:.15g} param_sum={:.15g}", loss, sum));

@@ -288,30 +288,60 @@ void FullyShardedDataParallelImpl::build() {
   const bool separate_copy = low_precision_parameters();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
-    // The parameters' values (fp32 or fp64): the gathered parameters themselves, or
-    // (param_dtype) their master copy.
-    torch::Tensor master = flat_zeros(unit.padded, storage_dtype_);
-    for (std::size_t i = 0; i < unit.params.size(); ++i) {
-      master.narrow(0, unit.offsets[i], unit.params[i].numel())
-          .copy_(unit.params[i].detach().reshape(-1));
-    }
-    broadcast(master, 0, *group_);  // every rank starts from rank 0's values, as DDP
-    if (separate_copy) {
-      unit.full = flat_zeros(unit.padded, compute_dtype());
-      unit.full.copy_(master);
+    if (frees_full_parameters() && !separate_copy) {
+      // FULL_SHARD and HYBRID_SHARD free the full parameters at once, so the unit is sharded
+      // straight from its parameters: each is broadcast in place (every rank starts from rank 0's
+      // values, as DDP), the rank's slice is copied out, and the flat buffer is never filled (on
+      // the host its pages are mapped untouched, and released below). So wrapping a child holds
+      // it and its shard only, not a flat copy of it as well (fsdp_build_sharded's peak).
+      for (const auto& p : unit.params) {
+        auto values = p.detach();
+        if (values.is_contiguous()) {
+          broadcast(values, 0, *group_);
+        } else {  // the group takes contiguous memory
+          auto contiguous = values.contiguous();
+          broadcast(contiguous, 0, *group_);
+          values.copy_(contiguous);
+        }
+      }
+      const std::int64_t first = rank * unit.shard_numel;
+      unit.shard = torch::zeros({unit.shard_numel},
+                                torch::TensorOptions(storage_dtype_).device(device_));
+      for (std::size_t i = 0; i < unit.params.size(); ++i) {
+        const auto lo = std::max(unit.offsets[i], first);
+        const auto hi =
+            std::min(unit.offsets[i] + unit.params[i].numel(), first + unit.shard_numel);
+        if (lo >= hi) continue;
+        unit.shard.narrow(0, lo - first, hi - lo)
+            .copy_(unit.params[i].detach().reshape(-1).narrow(0, lo - unit.offsets[i], hi - lo));
+      }
+      unit.full = flat_zeros(unit.padded, storage_dtype_);
     } else {
-      unit.full = master;
-    }
-    if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
-      unit.shard = master;
-    } else if (options_.sharding_strategy == ShardingStrategy::kShardGradOp && !separate_copy &&
-               !offloads_shards()) {
-      // The full buffer stays allocated, so the shard is the rank's own range of it (the
-      // all-gather then runs in place): 4 bytes per parameter / W less than a separate copy,
-      // which is what ZeRO stage 2's 4Ψ + 12Ψ/W counts.
-      unit.shard = unit.full.detach().narrow(0, rank * unit.shard_numel, unit.shard_numel);
-    } else {
-      unit.shard = master.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
+      // The parameters' values (fp32 or fp64): the gathered parameters themselves, or
+      // (param_dtype) their master copy.
+      torch::Tensor master = flat_zeros(unit.padded, storage_dtype_);
+      for (std::size_t i = 0; i < unit.params.size(); ++i) {
+        master.narrow(0, unit.offsets[i], unit.params[i].numel())
+            .copy_(unit.params[i].detach().reshape(-1));
+      }
+      broadcast(master, 0, *group_);  // every rank starts from rank 0's values, as DDP
+      if (separate_copy) {
+        unit.full = flat_zeros(unit.padded, compute_dtype());
+        unit.full.copy_(master);
+      } else {
+        unit.full = master;
+      }
+      if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
+        unit.shard = master;
+      } else if (options_.sharding_strategy == ShardingStrategy::kShardGradOp && !separate_copy &&
+                 !offloads_shards()) {
+        // The full buffer stays allocated, so the shard is the rank's own range of it (the
+        // all-gather then runs in place): 4 bytes per parameter / W less than a separate copy,
+        // which is what ZeRO stage 2's 4Ψ + 12Ψ/W counts.
+        unit.shard = unit.full.detach().narrow(0, rank * unit.shard_numel, unit.shard_numel);
+      } else {
+        unit.shard = master.narrow(0, rank * unit.shard_numel, unit.shard_numel).clone();
+      }
     }
     // cpu_offload: the shard lives in pinned host memory, so that each gather's copy to the device
     // is asynchronous; the optimizer then steps on the CPU.
