@@ -118,16 +118,37 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
   // completed. Otherwise it lands between other groups' collectives (a tensor-parallel layer's
   // backward all-reduce) in a different order on different ranks, and ranks blocked in one group
   // wait for ranks blocked in the other (seen: FSDP over dp 4 x tp 2, 1 run in 6).
-  outstanding_.push_back(unit);
-  for (auto it = outstanding_.begin(); it != outstanding_.end();) {
-    const bool done = !replicate_group_ && units_[*it]->reduction->is_completed();
-    if (done || outstanding_.size() > kReductionsInFlight) {
-      harvest_reduction(*it);
-      it = outstanding_.erase(it);
+  auto& queue = *in_flight_;  // the whole tree's
+  queue.push_back({this, unit});
+  for (auto it = queue.begin(); it != queue.end();) {
+    auto* owner = it->wrapper;
+    const bool done =
+        !owner->replicate_group_ && owner->units_[it->unit]->reduction->is_completed();
+    if (done || queue.size() > kReductionsInFlight) {
+      const std::size_t harvested = it->unit;
+      it = queue.erase(it);
+      owner->harvest_reduction(harvested);
     } else {
       ++it;
     }
   }
+}
+
+void FullyShardedDataParallelImpl::harvest_own_reductions() {
+  auto& queue = *in_flight_;
+  for (auto it = queue.begin(); it != queue.end();) {
+    if (it->wrapper != this) {
+      ++it;
+      continue;
+    }
+    const std::size_t unit = it->unit;
+    it = queue.erase(it);
+    harvest_reduction(unit);
+  }
+}
+
+void FullyShardedDataParallelImpl::forget_own_reductions() {
+  std::erase_if(*in_flight_, [this](const PendingReduction& p) { return p.wrapper == this; });
 }
 
 void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
@@ -185,9 +206,7 @@ void FullyShardedDataParallelImpl::finish_backward() {
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (units_[u]->ready > 0) reduce_gradients(u);
   }
-  for (const auto unit : outstanding_)
-    harvest_reduction(unit);
-  outstanding_.clear();
+  harvest_own_reductions();
   for (auto& unit : units_) {
     unit->ready = 0;
     unit->reduced = false;

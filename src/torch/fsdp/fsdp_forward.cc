@@ -99,7 +99,7 @@ void FullyShardedDataParallelImpl::drop_unfinished_backward() {
     u.grad_version_at_failure = grad.defined() ? grad._version() : 0;
     if (frees_full_parameters()) free_full(unit);
   }
-  outstanding_.clear();
+  forget_own_reductions();
   if (lost_accumulation) {
     throw Error(
         "FullyShardedDataParallel: the last backward failed before it finished, and the gradients "

@@ -305,8 +305,8 @@ void FullyShardedDataParallelImpl::build() {
         }
       }
       const std::int64_t first = rank * unit.shard_numel;
-      unit.shard = torch::zeros({unit.shard_numel},
-                                torch::TensorOptions(storage_dtype_).device(device_));
+      unit.shard =
+          torch::zeros({unit.shard_numel}, torch::TensorOptions(storage_dtype_).device(device_));
       for (std::size_t i = 0; i < unit.params.size(); ++i) {
         const auto lo = std::max(unit.offsets[i], first);
         const auto hi =
@@ -364,6 +364,9 @@ void FullyShardedDataParallelImpl::build() {
     std::replace(name.begin(), name.end(), '.', '_');
     register_module(name, wrapper);
   }
+  // One list of reductions in flight for the whole tree (this wrapper is its outermost so far).
+  for (auto* wrapper : tree())
+    wrapper->in_flight_ = in_flight_;
   auto buffers = wrapped_->buffers();
   if (!buffers.empty()) broadcast_coalesced(*group_, buffers, 0);
   release_free_heap();  // the unwrapped parameters' memory (4 bytes per parameter)

@@ -65,7 +65,10 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
   build();
 }
 
-FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() = default;
+FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() {
+  // The list may be shared with the wrappers around this one, which outlive it.
+  forget_own_reductions();
+}
 
 torch::Tensor FullyShardedDataParallelImpl::flat_zeros(std::int64_t numel,
                                                        torch::ScalarType dtype) const {

@@ -444,7 +444,19 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<std::ptrdiff_t> unit_starting_at_;  // child index -> unit beginning there, or -1
   static constexpr std::size_t kReductionsInFlight = 1;
-  std::vector<std::size_t> outstanding_;  // units whose gradient reduction is in flight
+  // Gradient reductions in flight, in the order they started, shared by the outermost wrapper and
+  // every wrapper nested in it: the limit holds for the whole tree, so a model of many one-unit
+  // wrappers (fsdp_build_sharded, fsdp_auto_wrap) keeps one unit's full gradient in flight, not
+  // every unit's until the end of backward.
+  struct PendingReduction {
+    FullyShardedDataParallelImpl* wrapper;
+    std::size_t unit;
+  };
+  std::shared_ptr<std::vector<PendingReduction>> in_flight_ =
+      std::make_shared<std::vector<PendingReduction>>();
+  // Harvests (finish_backward) or forgets (a dropped backward) this wrapper's entries in it.
+  void harvest_own_reductions();
+  void forget_own_reductions();
   bool finish_queued_ = false;
   std::int64_t all_gather_count_ = 0;
   // Join: the optimizer a joined rank steps, the last input's shape and dtype (the shadow's empty
