@@ -75,28 +75,33 @@ torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
   return *ddp::apply_activation_checkpointing(one, ddp::checkpoint_every_child())->begin();
 }
 
-double full_parameter_sum(torch::nn::Sequential& stage) {
+double child_parameter_sum(std::shared_ptr<torch::nn::Module> child) {
   double sum = 0.0;
   const auto add = [&](const torch::Tensor& t) {
     sum += t.to(torch::kFloat64).sum().item<double>();
   };
-  for (auto child : stage->children()) {
-    if (auto* wrapper = child->as<ddp::FullyShardedDataParallelImpl>()) {
-      child = wrapper->wrapped_module();  // full inside summon_full_params
-    }
-    child = ddp::checkpointed_module(child);
-    if (auto* embeddings = child->as<EmbeddingsImpl>()) {
-      add(embeddings->token->gather_full());
-      add(embeddings->position.detach());
-    } else if (auto* block = child->as<ddp::GptBlockImpl>()) {
-      for (const auto& [name, value] : block->full_named_parameters())
-        add(value);
-    } else if (auto* head = child->as<HeadImpl>()) {
-      for (const auto& p : head->norm->parameters())
-        add(p.detach());
-      add(head->proj->gather_full().weight);
-    }
+  if (auto* wrapper = child->as<ddp::FullyShardedDataParallelImpl>()) {
+    child = wrapper->wrapped_module();  // full inside summon_full_params
   }
+  child = ddp::checkpointed_module(child);
+  if (auto* embeddings = child->as<EmbeddingsImpl>()) {
+    add(embeddings->token->gather_full());
+    add(embeddings->position.detach());
+  } else if (auto* block = child->as<ddp::GptBlockImpl>()) {
+    for (const auto& [name, value] : block->full_named_parameters())
+      add(value);
+  } else if (auto* head = child->as<HeadImpl>()) {
+    for (const auto& p : head->norm->parameters())
+      add(p.detach());
+    add(head->proj->gather_full().weight);
+  }
+  return sum;
+}
+
+double full_parameter_sum(torch::nn::Sequential& stage) {
+  double sum = 0.0;
+  for (const auto& child : stage->children())
+    sum += child_parameter_sum(child);
   return sum;
 }
 

@@ -51,9 +51,11 @@ torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
                                     const std::shared_ptr<ddp::ProcessGroup>& tp,
                                     bool checkpointed);
 
-// The sum of every element of these children's parameters, the split ones gathered over tp
-// (collective over tp, in the same order on every tp rank). Children may be under
-// ddp::checkpoint or FullyShardedDataParallel (then call it inside summon_full_params).
+// The sum of every element of one child's parameters, the split ones gathered over tp
+// (collective over tp, in the same order on every tp rank). The child may be under
+// ddp::checkpoint or FullyShardedDataParallel (then call it inside its summon_full_params).
+double child_parameter_sum(std::shared_ptr<torch::nn::Module> child);
+// The same over every child of a stage.
 double full_parameter_sum(torch::nn::Sequential& stage);
 
 }  // namespace train_gpt

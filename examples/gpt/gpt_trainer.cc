@@ -168,9 +168,16 @@ class FsdpTrainer final : public Trainer {
   }
 
   double parameter_sum() override {
+    // One child gathered at a time (each is a wrapper of its own): the whole model gathered at
+    // once is what no rank of a model larger than one process can hold.
     double sum = 0.0;
-    auto children = model_->module();
-    model_->summon_full_params([&] { sum = full_parameter_sum(children); });
+    for (const auto& child : model_->module()->children()) {
+      auto* wrapper = child->as<ddp::FullyShardedDataParallelImpl>();
+      if (wrapper == nullptr) {
+        throw ddp::Error("train-gpt --fsdp: a child of the model is not sharded on its own");
+      }
+      wrapper->summon_full_params([&] { sum += child_parameter_sum(child); });
+    }
     return sum;
   }
 

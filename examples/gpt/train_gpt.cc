@@ -317,9 +317,9 @@ int run(const Options& o) {
     std::sort(step_ms.begin(), step_ms.end());
     const double median = step_ms[step_ms.size() / 2];
     const double peak_mib = resident_mib("VmHWM");
-    auto peaks = torch::tensor(
-        {peak_mib, peak_mib - before_model_mib, built_peak_mib - before_model_mib},
-        torch::kFloat64);
+    auto peaks =
+        torch::tensor({peak_mib, peak_mib - before_model_mib, built_peak_mib - before_model_mib},
+                      torch::kFloat64);
     ddp::all_reduce(peaks, ddp::ReduceOp::kMax, *world);  // the largest rank's
     ddp::print_main_line(fmt::format(
         "median_step_ms={:.3f} samples_per_s={:.1f} peak_rss_mb={:.1f} peak_added_mb={:.1f} "

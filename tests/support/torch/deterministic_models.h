@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -54,6 +55,19 @@ inline std::pair<torch::Tensor, torch::Tensor> sharded_suite_batch(int rank, int
       torch::tensor(x, torch::kFloat64).view({kShardedGlobalBatch, kShardedIn}).to(torch::kFloat32);
   auto ys = torch::tensor(y, torch::kFloat64).view({kShardedGlobalBatch, 2}).to(torch::kFloat32);
   return {xs.narrow(0, rank * per, per), ys.narrow(0, rank * per, per)};
+}
+
+// The tiny GPTs' batches (tensor_parallel_test.cc, fsdp_tensor_parallel_test.cc): token ids
+// [batch, sequence] below `vocab` of `step` from a fixed stream, and each id's next id as targets.
+inline std::pair<torch::Tensor, torch::Tensor> token_batch(int step, std::int64_t batch,
+                                                           std::int64_t sequence,
+                                                           std::int64_t vocab) {
+  const auto n = batch * (sequence + 1);
+  const auto stream = (torch::arange(n, torch::kInt64) * 7 + step * 5 +
+                       torch::arange(n, torch::kInt64).div(3, "floor")) %
+                      vocab;
+  const auto rows = stream.reshape({batch, sequence + 1});
+  return {rows.narrow(1, 0, sequence).contiguous(), rows.narrow(1, 1, sequence).contiguous()};
 }
 
 }  // namespace ddp::test

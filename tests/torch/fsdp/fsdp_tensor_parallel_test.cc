@@ -181,12 +181,7 @@ GptBlockOptions block_options(int layer) {
 }
 
 std::pair<torch::Tensor, torch::Tensor> batch_of(int step) {
-  const auto n = kBatch * (kSequence + 1);
-  const auto stream = (torch::arange(n, torch::kInt64) * 7 + step * 5 +
-                       torch::arange(n, torch::kInt64).div(3, "floor")) %
-                      kVocab;
-  const auto rows = stream.reshape({kBatch, kSequence + 1});
-  return {rows.narrow(1, 0, kSequence).contiguous(), rows.narrow(1, 1, kSequence).contiguous()};
+  return test::token_batch(step, kBatch, kSequence, kVocab);
 }
 
 // One process: embedding, two GptBlocks, linear head; the same seeds as the split model.

@@ -24,12 +24,15 @@ const char* style_name(ParallelStyle style) {
 
 torch::nn::Linear make_linear(std::int64_t in, std::int64_t out, std::uint64_t seed,
                               torch::Dtype dtype) {
-  torch::nn::Linear linear(torch::nn::LinearOptions(in, out));
-  linear->to(dtype);
+  // Built 1 x 1, then given the seed's values at their size: a Linear built at its size would
+  // allocate and initialise a weight only to drop it (a block of a model larger than one process
+  // is built while the shards of all the others are held: that copy was its peak).
+  torch::nn::Linear linear(torch::nn::LinearOptions(1, 1));
   const auto full = initial_linear_parameters(in, out, true, seed, dtype);
   torch::NoGradGuard no_grad;
-  linear->weight.copy_(full.weight);
-  linear->bias.copy_(full.bias);
+  linear->weight.set_data(full.weight);
+  linear->bias.set_data(full.bias);
+  linear->options.in_features(in).out_features(out);
   return linear;
 }
 

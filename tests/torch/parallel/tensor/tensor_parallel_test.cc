@@ -25,6 +25,7 @@
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
+#include "support/torch/deterministic_models.h"
 #include "support/unity_namespace.h"
 
 namespace ddp {
@@ -296,12 +297,7 @@ GptBlockOptions block_options() {
 
 // Token ids and next-token targets of `step` for the whole batch.
 std::pair<torch::Tensor, torch::Tensor> batch_of(int step) {
-  const auto n = kBatch * (kSequence + 1);
-  const auto stream = (torch::arange(n, torch::kInt64) * 7 + step * 5 +
-                       torch::arange(n, torch::kInt64).div(3, "floor")) %
-                      kVocab;
-  const auto rows = stream.reshape({kBatch, kSequence + 1});
-  return {rows.narrow(1, 0, kSequence).contiguous(), rows.narrow(1, 1, kSequence).contiguous()};
+  return test::token_batch(step, kBatch, kSequence, kVocab);
 }
 
 // One process: embedding, GptBlock, linear head, cross-entropy, all whole.
