@@ -234,9 +234,26 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
         dir.string()));
   }
   auto manifest = load_archive(manifest_path);
+  // What the files record is checked before it is used: a checksummed file can still be one that
+  // save_sharded_checkpoint did not write (hostile, or of another build), and a world size of 0
+  // would read no shard file and load zeros.
+  const auto damaged = [&](const std::filesystem::path& file, const std::string& what) {
+    return Error(
+        fmt::format("FullyShardedDataParallel: {}: {}; the file is damaged or was not written by "
+                    "save_sharded_checkpoint (nothing was loaded)",
+                    file.string(), what));
+  };
   const auto saved_world = read_int(manifest, "world_size");
+  constexpr std::int64_t kMaxWorld = std::int64_t{1} << 20;
+  if (saved_world < 1 || saved_world > kMaxWorld) {
+    throw damaged(manifest_path, fmt::format("it records a world size of {} (valid: 1 to {})",
+                                             saved_world, kMaxWorld));
+  }
   torch::Tensor numels_tensor;
   manifest.read("unit_numels", numels_tensor);
+  if (numels_tensor.scalar_type() != torch::kInt64 || numels_tensor.dim() != 1) {
+    throw damaged(manifest_path, "its unit_numels is not a list of int64 counts");
+  }
   const auto saved_numels =
       std::vector<std::int64_t>(numels_tensor.data_ptr<std::int64_t>(),
                                 numels_tensor.data_ptr<std::int64_t>() + numels_tensor.numel());
@@ -271,13 +288,29 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
     held.emplace_back(begin, begin + unit->shard_numel);
   }
   for (int r = 0; r < saved_world; ++r) {
-    auto archive = load_archive(shard_file(dir, r, static_cast<int>(saved_world)));
+    const auto file = shard_file(dir, r, static_cast<int>(saved_world));
+    auto archive = load_archive(file);
     for (std::size_t u = 0; u < units.size(); ++u) {
       const std::string prefix = fmt::format("unit_{}_", u);
       torch::Tensor range;
       archive.read(prefix + "range", range);
+      if (range.scalar_type() != torch::kInt64 || range.numel() != 2) {
+        throw damaged(file, prefix + "range is not two int64 offsets");
+      }
       const auto saved_begin = range[0].item<std::int64_t>();
       const auto saved_end = range[1].item<std::int64_t>();
+      if (saved_begin < 0 || saved_begin > saved_end || saved_end > units[u]->numel) {
+        throw damaged(file, fmt::format("{}range is [{}, {}), outside unit {}'s {} elements",
+                                        prefix, saved_begin, saved_end, u, units[u]->numel));
+      }
+      // Each saved tensor holds exactly the range's elements.
+      const auto check_length = [&](const std::string& key, const torch::Tensor& t) {
+        if (t.dim() != 1 || t.numel() != saved_end - saved_begin) {
+          throw damaged(file, fmt::format("{} has {} elements in {} dimensions, but its range "
+                                          "holds {}",
+                                          key, t.numel(), t.dim(), saved_end - saved_begin));
+        }
+      };
       const auto lo = std::max(saved_begin, held[u].first);
       const auto hi = std::min(saved_end, held[u].second);
       if (lo >= hi) continue;
@@ -286,6 +319,7 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
       };
       torch::Tensor param;
       archive.read(prefix + "param", param);
+      check_length(prefix + "param", param);
       // A checkpoint of the fp32 model loaded into the fp64 one (or back) would round or widen
       // every value silently.
       if (param.scalar_type() != params[u].scalar_type()) {
@@ -299,10 +333,14 @@ void FullyShardedDataParallelImpl::load_sharded_checkpoint(const std::filesystem
       copy(param, params[u]);
       torch::Tensor step;
       if (!archive.try_read(prefix + "step", step)) continue;
+      if (step.scalar_type() != torch::kInt64 || step.numel() != 1) {
+        throw damaged(file, prefix + "step is not one int64 count");
+      }
       if (!states[u]) states[u] = ShardState{.step = step.item<std::int64_t>(), .tensors = {}};
       for (const char* name : {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}) {
         torch::Tensor saved;
         if (!archive.try_read(prefix + name, saved)) continue;
+        check_length(prefix + name, saved);
         auto& mine = states[u]->tensors[name];
         if (!mine.defined()) mine = torch::zeros({units[u]->shard_numel}, params[u].scalar_type());
         copy(saved, mine);

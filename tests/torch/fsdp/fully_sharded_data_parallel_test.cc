@@ -19,6 +19,7 @@
 #include "ddp/comm_error.h"
 #include "ddp/error.h"
 #include "ddp/torch/api/join.h"
+#include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/formats/state_dict.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
@@ -660,6 +661,68 @@ TEST(FullyShardedDataParallel, ACheckpointThatDoesNotFitIsNamedOnEveryRank) {
                                          model->load_sharded_checkpoint(path, *sgd);
                                        }),
                              "holds Adam state but the optimizer is SGD");
+}
+
+// Files with valid checksums that save_sharded_checkpoint did not write: a shard file whose range
+// runs past its unit, a manifest recording a world size of 0 (which would read no shard file and
+// load zeros). Each is named on every rank, and nothing is loaded.
+TEST(FullyShardedDataParallel, ACheckpointWhoseRecordsDoNotHoldIsNamedAndNothingIsLoaded) {
+  test::TempDir dir;
+  const auto saved = dir.path() / "saved";
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    FullyShardedDataParallel model(make_model(), pg, three_units(ShardingStrategy::kFullShard));
+    auto opt = make_optimizer(Kind::kAdam, model->parameters());
+    losses_of(model, *opt, *pg, 0, 2);
+    model->save_sharded_checkpoint(saved, *opt);
+  }));
+  const auto copy_of_saved = [&](const std::string& name) {
+    const auto to = dir.path() / name;
+    std::filesystem::copy(saved, to, std::filesystem::copy_options::recursive);
+    return to;
+  };
+  const auto long_range = copy_of_saved("long-range");
+  {
+    torch::serialize::OutputArchive archive;
+    archive.write("unit_0_range", torch::tensor({std::int64_t{0}, std::int64_t{1000}}));
+    save_archive_atomically(archive, long_range / "shard-0-of-2.pt");
+  }
+  const auto no_world = copy_of_saved("no-world");
+  {
+    torch::serialize::OutputArchive manifest;
+    manifest.write("world_size", torch::tensor({std::int64_t{0}}));
+    manifest.write("unit_numels",
+                   torch::tensor({std::int64_t{63}, std::int64_t{40}, std::int64_t{10}}));
+    manifest.write("optimizer", c10::IValue(std::string("Adam")));
+    save_archive_atomically(manifest, no_world / "manifest.pt");
+  }
+  for (const auto& [folder, expected] :
+       {std::pair{long_range,
+                  std::string("unit_0_range is [0, 1000), outside unit 0's 63 elements")},
+        std::pair{no_world, std::string("it records a world size of 0 (valid: 1 to")}}) {
+    const int load_port = test::free_port();
+    expect_error_on_every_rank(
+        run_ranks(2,
+                  [&](int rank) {
+                    auto pg = join_group(rank, 2, load_port, 10s);
+                    FullyShardedDataParallel model(make_model(), pg,
+                                                   three_units(ShardingStrategy::kFullShard));
+                    auto opt = make_optimizer(Kind::kAdam, model->parameters());
+                    const auto before = model->parameters()[0].detach().clone();
+                    try {
+                      model->load_sharded_checkpoint(folder, *opt);
+                    } catch (const Error&) {
+                      if (!torch::equal(before, model->parameters()[0])) {
+                        throw std::runtime_error(
+                            "the refused load changed "
+                            "the shards");
+                      }
+                      throw;
+                    }
+                  }),
+        expected);
+  }
 }
 
 }  // namespace DDP_UNITY_ID
