@@ -623,9 +623,8 @@ TEST(FullyShardedDataParallel, ShardedCheckpointSavedAtTwoResumesAtThree) {
   expect_resume_at_another_world_size(2, 3, ShardingStrategy::kShardGradOp);
 }
 
-TEST(FullyShardedDataParallel, ACheckpointThatDoesNotFitIsNamedOnEveryRank) {
-  test::TempDir dir;
-  const auto path = dir.path() / "ckpt";
+// A FULL_SHARD checkpoint of the suite's model after 2 Adam steps at world 2, in `path`.
+void save_two_steps_at_world_two(const std::filesystem::path& path) {
   const int port = test::free_port();
   EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
     auto pg = join_group(rank, 2, port);
@@ -634,6 +633,12 @@ TEST(FullyShardedDataParallel, ACheckpointThatDoesNotFitIsNamedOnEveryRank) {
     losses_of(model, *opt, *pg, 0, 2);
     model->save_sharded_checkpoint(path, *opt);
   }));
+}
+
+TEST(FullyShardedDataParallel, ACheckpointThatDoesNotFitIsNamedOnEveryRank) {
+  test::TempDir dir;
+  const auto path = dir.path() / "ckpt";
+  save_two_steps_at_world_two(path);
   const int port2 = test::free_port();
   const auto results = run_ranks(3, [&](int rank) {
     auto pg = join_group(rank, 3, port2, 10s);
@@ -669,14 +674,7 @@ TEST(FullyShardedDataParallel, ACheckpointThatDoesNotFitIsNamedOnEveryRank) {
 TEST(FullyShardedDataParallel, ACheckpointWhoseRecordsDoNotHoldIsNamedAndNothingIsLoaded) {
   test::TempDir dir;
   const auto saved = dir.path() / "saved";
-  const int port = test::free_port();
-  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
-    auto pg = join_group(rank, 2, port);
-    FullyShardedDataParallel model(make_model(), pg, three_units(ShardingStrategy::kFullShard));
-    auto opt = make_optimizer(Kind::kAdam, model->parameters());
-    losses_of(model, *opt, *pg, 0, 2);
-    model->save_sharded_checkpoint(saved, *opt);
-  }));
+  save_two_steps_at_world_two(saved);
   const auto copy_of_saved = [&](const std::string& name) {
     const auto to = dir.path() / name;
     std::filesystem::copy(saved, to, std::filesystem::copy_options::recursive);
