@@ -15,7 +15,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/rendezvous.h"
+#include "ddp/launch/rendezvous.h"
 
 namespace {
 

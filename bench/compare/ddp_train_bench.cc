@@ -64,7 +64,7 @@
 #include "bench_timing.h"
 #include "common/program_options.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/core/tensor_collectives.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"

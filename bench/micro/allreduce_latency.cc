@@ -20,8 +20,8 @@
 #include <fmt/format.h>
 
 #include "byte_sizes.h"
-#include "ddp/ring_process_group.h"
-#include "ddp/tcp_store.h"
+#include "ddp/comm/ring_process_group.h"
+#include "ddp/store/tcp_store.h"
 #include "forked_ranks.h"
 
 namespace {

@@ -21,7 +21,7 @@
 #include <CLI/CLI.hpp>
 
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
 

@@ -24,7 +24,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_timing.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/ddp/hooks/powersgd_hook.h"
 

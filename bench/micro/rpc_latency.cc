@@ -19,7 +19,7 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
-#include "ddp/launch_environment.h"
+#include "ddp/launch/launch_environment.h"
 #include "ddp/torch/rpc/rpc.h"
 
 namespace {

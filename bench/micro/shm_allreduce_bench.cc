@@ -27,7 +27,7 @@
 
 #include "byte_sizes.h"
 #include "comm/ring/shm/shm_domain.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "forked_ranks.h"
 #include "net/socket.h"
 

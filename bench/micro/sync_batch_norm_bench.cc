@@ -18,8 +18,8 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_timing.h"
-#include "ddp/init.h"
-#include "ddp/tcp_store.h"
+#include "ddp/runtime/init.h"
+#include "ddp/store/tcp_store.h"
 #include "ddp/torch/core/tensor_collectives.h"
 #include "ddp/torch/ddp/sync_batch_norm.h"
 #include "forked_ranks.h"

@@ -1,4 +1,4 @@
-// The cost of one timeline event (include/ddp/trace.h) in isolation, with google-benchmark:
+// The cost of one timeline event (include/ddp/comm/trace.h) in isolation, with google-benchmark:
 // a trace_span with one argument and a trace_complete, with tracing off (the one check) and on
 // (the cap set high enough that nothing is dropped within a run; the events go to a temporary
 // folder that is removed after). Results: docs/observability.md, "Cost of the timeline".
@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <string>
 
-#include "ddp/trace.h"
+#include "ddp/comm/trace.h"
 
 namespace {
 

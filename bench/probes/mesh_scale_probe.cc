@@ -18,8 +18,8 @@
 
 #include <fmt/format.h>
 
-#include "ddp/init.h"
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/runtime/init.h"
 
 namespace {
 

@@ -27,7 +27,7 @@
 
 #include "common/program_options.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/ddp/grad_scaler.h"

@@ -33,8 +33,9 @@
 #include <CLI/CLI.hpp>
 
 #include "common/program_options.h"
+#include "ddp/comm/trace.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/join.h"
 #include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/checkpoint/train_state.h"
@@ -48,7 +49,6 @@
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "ddp/torch/samplers/distributed_sampler.h"
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
-#include "ddp/trace.h"
 #include "idx_reader.h"
 #include "metrics_log.h"
 #include "progress_bar.h"

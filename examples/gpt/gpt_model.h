@@ -12,7 +12,7 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 
 namespace train_gpt {

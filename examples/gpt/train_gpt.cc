@@ -52,7 +52,7 @@
 
 #include "common/program_options.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/parallel/mesh/device_mesh.h"
 #include "gpt_model.h"

@@ -30,10 +30,10 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
-#include "ddp/launch_environment.h"
-#include "ddp/prefix_store.h"
-#include "ddp/rendezvous.h"
-#include "ddp/ring_process_group.h"
+#include "ddp/comm/ring_process_group.h"
+#include "ddp/launch/launch_environment.h"
+#include "ddp/launch/rendezvous.h"
+#include "ddp/store/prefix_store.h"
 #include "ddp/torch.h"
 
 namespace {

@@ -10,7 +10,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 
 namespace torch_ddp {
 

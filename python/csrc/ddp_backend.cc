@@ -8,9 +8,9 @@
 #include <utility>
 
 #include "c10d_store_bridge.h"
+#include "ddp/comm/ring_process_group.h"
 #include "ddp/error.h"
-#include "ddp/job_secret.h"
-#include "ddp/ring_process_group.h"
+#include "ddp/launch/job_secret.h"
 #include "tensor_buffers.h"
 
 namespace torch_ddp {

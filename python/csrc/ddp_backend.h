@@ -23,7 +23,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp_work.h"
 #include "future_completer.h"
 

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include "ddp/work.h"
+#include "ddp/comm/work.h"
 #include "future_completer.h"
 
 namespace torch_ddp {

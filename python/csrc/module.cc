@@ -7,7 +7,7 @@
 #include <chrono>
 #include <string>
 
-#include "ddp/ring_process_group.h"
+#include "ddp/comm/ring_process_group.h"
 #include "ddp_backend.h"
 
 namespace {

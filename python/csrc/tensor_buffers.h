@@ -16,7 +16,7 @@
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Types.hpp>
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 namespace torch_ddp {
 

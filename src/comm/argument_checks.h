@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 namespace ddp::comm {
 

@@ -15,8 +15,8 @@
 
 #include "comm/op_queue.h"
 #include "comm/wire.h"
-#include "ddp/process_group.h"
-#include "ddp/types.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/types.h"
 
 namespace ddp::comm {
 

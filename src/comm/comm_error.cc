@@ -1,4 +1,4 @@
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 
 namespace ddp {
 

@@ -1,11 +1,11 @@
 // make_external_backend_group: the front (group_front.h) over a backend written outside
-// ddp::comm (ddp/external_backend.h). The front stays internal; this file is the one seam
+// ddp::comm (ddp/comm/external_backend.h). The front stays internal; this file is the one seam
 // through which a layer above reaches it.
 #include <fmt/format.h>
 
 #include "comm/group_front.h"
+#include "ddp/comm/external_backend.h"
 #include "ddp/error.h"
-#include "ddp/external_backend.h"
 #include "ddp/timeouts.h"
 #include "settings/settings.h"
 

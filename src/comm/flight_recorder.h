@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "comm/wire.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "net/socket.h"
 
 namespace ddp::comm {

@@ -31,7 +31,7 @@
 
 #include "comm/call.h"
 #include "comm/op_queue.h"
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 namespace ddp::comm {
 

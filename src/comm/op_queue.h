@@ -40,8 +40,8 @@
 
 #include "comm/flight_recorder.h"
 #include "comm/wire.h"
-#include "ddp/process_group.h"
-#include "ddp/work.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/work.h"
 #include "net/socket.h"
 
 namespace ddp::comm {

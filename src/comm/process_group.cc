@@ -1,4 +1,4 @@
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 #include <algorithm>
 #include <cstdint>

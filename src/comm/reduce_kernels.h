@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 namespace ddp::comm {
 

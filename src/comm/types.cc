@@ -1,4 +1,4 @@
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 #include <stdexcept>
 #include <string>

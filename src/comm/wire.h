@@ -12,7 +12,7 @@
 #include <cstring>
 #include <string>
 
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 namespace ddp::comm {
 

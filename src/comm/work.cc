@@ -1,4 +1,4 @@
-#include "ddp/work.h"
+#include "ddp/comm/work.h"
 
 #include <cstdio>
 #include <thread>

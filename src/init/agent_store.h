@@ -7,7 +7,7 @@
 #include <optional>
 #include <string>
 
-#include "ddp/launch_environment.h"
+#include "ddp/launch/launch_environment.h"
 
 namespace ddp::init {
 

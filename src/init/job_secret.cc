@@ -1,4 +1,4 @@
-#include "ddp/job_secret.h"
+#include "ddp/launch/job_secret.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

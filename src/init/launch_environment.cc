@@ -1,4 +1,4 @@
-#include "ddp/launch_environment.h"
+#include "ddp/launch/launch_environment.h"
 
 #include <charconv>
 #include <cstdlib>
@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/job_secret.h"
+#include "ddp/launch/job_secret.h"
 #include "init/agent_store.h"
 #include "settings/settings.h"
 

@@ -1,4 +1,4 @@
-#include "ddp/rendezvous.h"
+#include "ddp/launch/rendezvous.h"
 
 #include <unistd.h>
 
@@ -16,8 +16,8 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
-#include "ddp/prefix_store.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/prefix_store.h"
+#include "ddp/store/tcp_store.h"
 #include "init/agent_store.h"
 #include "init/resolved_rendezvous.h"
 #include "net/socket.h"

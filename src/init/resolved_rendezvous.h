@@ -3,9 +3,8 @@
 // it down, instead of each step parsing the launcher's variables again.
 #pragma once
 
-#include "ddp/init.h"
-#include "ddp/launch_environment.h"
-#include "ddp/rendezvous.h"
+#include "ddp/launch/launch_environment.h"
+#include "ddp/launch/rendezvous.h"
 
 namespace ddp {
 

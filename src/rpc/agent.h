@@ -52,7 +52,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 #include "ddp/timeouts.h"
 #include "net/socket.h"
 #include "rpc/call_future.h"

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 #include "ddp/timeouts.h"
 
 namespace ddp::rpc::transport {

@@ -1,4 +1,4 @@
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -16,12 +16,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ddp/comm/mpi_process_group.h"
+#include "ddp/comm/nccl_process_group.h"
+#include "ddp/comm/ring_process_group.h"
+#include "ddp/comm/trace.h"
 #include "ddp/error.h"
-#include "ddp/mpi_process_group.h"
-#include "ddp/nccl_process_group.h"
-#include "ddp/prefix_store.h"
-#include "ddp/ring_process_group.h"
-#include "ddp/trace.h"
+#include "ddp/store/prefix_store.h"
 #include "init/resolved_rendezvous.h"
 #include "settings/settings.h"
 

@@ -54,7 +54,7 @@ inline constexpr std::size_t kDefaultFlightRecorderEntries = 2000;
 std::size_t flight_recorder_entries(const Lookup& lookup = environment);
 // DDP_DUMP_DIR: where dumps go ("" when unset: the working directory).
 std::string dump_dir(const Lookup& lookup = environment);
-// The timeline (include/ddp/trace.h, docs/observability.md):
+// The timeline (include/ddp/comm/trace.h, docs/observability.md):
 // DDP_TRACE: the folder init_process_group writes each rank's trace into ("" when unset: off).
 std::string trace_dir(const Lookup& lookup = environment);
 // DDP_TRACE_MAX_EVENTS: how many events each rank keeps (default 200000, at least 1).

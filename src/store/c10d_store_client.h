@@ -29,7 +29,7 @@
 #include <memory>
 #include <string>
 
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 
 namespace ddp {
 

@@ -25,7 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 #include "store/protocol.h"
 
 namespace ddp::store {

@@ -1,4 +1,4 @@
-#include "ddp/prefix_store.h"
+#include "ddp/store/prefix_store.h"
 
 #include <fmt/format.h>
 

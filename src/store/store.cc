@@ -1,4 +1,4 @@
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 
 namespace ddp {
 namespace {

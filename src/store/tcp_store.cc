@@ -12,7 +12,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 #include "store/auth.h"
 #include "store/protocol.h"

@@ -16,8 +16,8 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
-#include "ddp/tcp_store_server.h"
+#include "ddp/store/tcp_store.h"
+#include "ddp/store/tcp_store_server.h"
 #include "net/descriptors.h"
 #include "net/socket.h"
 #include "store/fd_limit.h"

@@ -56,7 +56,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/tcp_store_server.h"
+#include "ddp/store/tcp_store_server.h"
 #include "net/socket.h"
 #include "store/server_protocol.h"
 

@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 
@@ -143,10 +143,22 @@ TEST(DdpBench, SendRecvIsCorrectUnderDdprun) {
 TEST(DdpBench, InPlaceAndSharedBufferAllreducesAreCorrectUnderDdprun) {
   for (const char* flag : {"--in-place", "--shared-buffer"}) {
     SCOPED_TRACE(flag);
-    const std::vector<std::string> argv{
-        built_program("ddprun"), "--standalone", "--nproc-per-node", "3",
-        built_program("ddp-bench"), "--op", "allreduce", "--sizes", "8,64K,4M", "--iters", "3",
-        "--warmup", "1", "--check", "--json", flag};
+    const std::vector<std::string> argv{built_program("ddprun"),
+                                        "--standalone",
+                                        "--nproc-per-node",
+                                        "3",
+                                        built_program("ddp-bench"),
+                                        "--op",
+                                        "allreduce",
+                                        "--sizes",
+                                        "8,64K,4M",
+                                        "--iters",
+                                        "3",
+                                        "--warmup",
+                                        "1",
+                                        "--check",
+                                        "--json",
+                                        flag};
     Env env = clean_launch_env();
     env["DDP_TRANSPORT"] = "auto";
     const ExitStatus result = Subprocess::start(argv, env).wait(180s);
@@ -154,10 +166,16 @@ TEST(DdpBench, InPlaceAndSharedBufferAllreducesAreCorrectUnderDdprun) {
     ASSERT_EQ(result.exit_code, 0) << result.output;
     const auto rows = json_rows(result.output);
     ASSERT_EQ(rows.size(), 3u) << result.output;
-    for (const auto& row : rows) EXPECT_EQ(row["wrong"].get<long long>(), 0) << row.dump();
+    for (const auto& row : rows)
+      EXPECT_EQ(row["wrong"].get<long long>(), 0) << row.dump();
   }
-  const std::vector<std::string> argv{built_program("ddprun"), "--standalone", "--nproc-per-node",
-                                      "2", built_program("ddp-bench"), "--sizes", "64K",
+  const std::vector<std::string> argv{built_program("ddprun"),
+                                      "--standalone",
+                                      "--nproc-per-node",
+                                      "2",
+                                      built_program("ddp-bench"),
+                                      "--sizes",
+                                      "64K",
                                       "--shared-buffer"};
   Env env = clean_launch_env();
   env["DDP_TRANSPORT"] = "tcp";

@@ -7,7 +7,7 @@
 #include <numeric>
 
 #include "comm/comm_test_util.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "support/multiprocess.h"
 
 namespace ddp::test {

@@ -16,7 +16,7 @@
 
 #include "comm/file_store.h"
 #include "comm/reduce_kernels.h"
-#include "ddp/ring_process_group.h"
+#include "ddp/comm/ring_process_group.h"
 #include "support/reference_values.h"
 
 namespace ddp::test {

@@ -20,7 +20,7 @@
 #include "comm/comm_test_util.h"
 #include "comm/file_store.h"
 #include "comm/ring/mesh_handshake.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"

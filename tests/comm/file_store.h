@@ -24,7 +24,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 
 namespace ddp::test {
 

@@ -17,7 +17,7 @@
 
 #include "comm/flight_dump_signal.h"
 #include "comm/op_queue.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 #include "settings/settings.h"
 #include "support/temp_dir.h"

@@ -288,10 +288,17 @@ TEST(LazyMesh, ConnectorToAFailedRankFailsAtOnce) {
             pg->alltoall(send.data(), recv.data(), 1, DType::kInt32)->wait();
           }
         } catch (const CommError& e) {
-          // Rank 0 stays alive: its process's exit would reset the connection anyway.
-          if (rank == 0) std::this_thread::sleep_for(12s);
+          // Rank 0 stays alive until rank 3 has failed (or 12 s): its process's exit would reset
+          // the connection anyway.
+          const auto rank3_done = std::filesystem::path(dir.path()) / "rank3_failed";
+          if (rank == 0) {
+            const auto patience = Clock::now() + 12s;
+            while (!std::filesystem::exists(rank3_done) && Clock::now() < patience)
+              std::this_thread::sleep_for(20ms);
+          }
           if (rank != 3) return;
           const auto took = Clock::now() - start;
+          std::ofstream(rank3_done) << "failed\n";
           expect(took < 10s,
                  fmt::format("rank 3 failed after {} ms: {}",
                              std::chrono::duration_cast<std::chrono::milliseconds>(took).count(),

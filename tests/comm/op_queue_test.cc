@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 
 namespace ddp::test {

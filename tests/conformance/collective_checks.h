@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 namespace ddp::conformance {
 

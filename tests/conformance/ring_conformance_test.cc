@@ -4,8 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "conformance/collective_checks.h"
-#include "ddp/ring_process_group.h"
-#include "ddp/tcp_store.h"
+#include "ddp/comm/ring_process_group.h"
+#include "ddp/store/tcp_store.h"
 #include "support/multiprocess.h"
 
 namespace ddp::test {

@@ -8,7 +8,7 @@
 #include <exception>
 #include <string>
 
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 
 int main() {
   try {

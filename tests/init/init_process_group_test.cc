@@ -1,4 +1,4 @@
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

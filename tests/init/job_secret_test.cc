@@ -1,6 +1,6 @@
 // The job's secret: where it comes from (explicit, DDP_SECRET, DDP_SECRET_FILE), what is refused,
 // and that resolve_launch_environment carries it and the store's listen address.
-#include "ddp/job_secret.h"
+#include "ddp/launch/job_secret.h"
 
 #include <fcntl.h>
 #include <gmock/gmock.h>
@@ -15,7 +15,7 @@
 #include <map>
 
 #include "ddp/error.h"
-#include "ddp/launch_environment.h"
+#include "ddp/launch/launch_environment.h"
 #include "support/temp_dir.h"
 
 namespace ddp::test {

@@ -9,7 +9,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
 

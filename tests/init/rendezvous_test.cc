@@ -1,4 +1,4 @@
-#include "ddp/rendezvous.h"
+#include "ddp/launch/rendezvous.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -15,8 +15,8 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/init.h"
-#include "ddp/tcp_store.h"
+#include "ddp/runtime/init.h"
+#include "ddp/store/tcp_store.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 

@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
 

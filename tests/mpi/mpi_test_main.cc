@@ -58,10 +58,10 @@
 #include <fmt/format.h>
 
 #include "conformance/collective_checks.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
+#include "ddp/comm/mpi_process_group.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
-#include "ddp/mpi_process_group.h"
+#include "ddp/runtime/init.h"
 
 namespace {
 

@@ -15,9 +15,9 @@
 
 #include <fmt/format.h>
 
+#include "ddp/comm/nccl_process_group.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
-#include "ddp/nccl_process_group.h"
+#include "ddp/runtime/init.h"
 #include "support/multiprocess.h"
 
 namespace ddp {

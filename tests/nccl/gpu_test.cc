@@ -24,9 +24,9 @@
 
 #include "comm/file_store.h"
 #include "comm/nccl/nccl_library.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
+#include "ddp/comm/nccl_process_group.h"
 #include "ddp/error.h"
-#include "ddp/nccl_process_group.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 

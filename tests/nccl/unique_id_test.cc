@@ -11,9 +11,9 @@
 #include <fmt/format.h>
 
 #include "comm/file_store.h"
-#include "ddp/comm_error.h"
-#include "ddp/prefix_store.h"
-#include "ddp/tcp_store.h"
+#include "ddp/comm/comm_error.h"
+#include "ddp/store/prefix_store.h"
+#include "ddp/store/tcp_store.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 

@@ -15,7 +15,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 #include "rpc/agent.h"
 #include "support/multiprocess.h"

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 #include "store/protocol.h"
 

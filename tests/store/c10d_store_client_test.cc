@@ -14,7 +14,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store_server.h"
+#include "ddp/store/tcp_store_server.h"
 #include "net/socket.h"
 #include "support/subprocess.h"
 

@@ -21,7 +21,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 #include "raw_client.h"
 #include "store/fd_limit.h"

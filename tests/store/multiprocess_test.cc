@@ -12,8 +12,8 @@
 #include <thread>
 
 #include "ddp/error.h"
-#include "ddp/prefix_store.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/prefix_store.h"
+#include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
 

@@ -1,12 +1,12 @@
 // PrefixStore over a real TcpStore: keys are isolated per prefix and map to prefix + "/" + key.
-#include "ddp/prefix_store.h"
+#include "ddp/store/prefix_store.h"
 
 #include <gtest/gtest.h>
 
 #include <thread>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 
 namespace ddp {
 namespace {

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 
 namespace ddp::store {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 #include "raw_client.h"
 #include "store/protocol.h"

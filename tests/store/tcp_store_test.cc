@@ -1,6 +1,6 @@
 // TcpStore and TcpStoreServer through the public API: every operation, blocking and deadlines,
 // concurrency, connection set-up and loss.
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 namespace ddp::test {
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "comm/reduce_kernels.h"
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 namespace ddp::test {
 

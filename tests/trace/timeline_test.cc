@@ -17,10 +17,10 @@
 #include <nlohmann/json.hpp>
 
 #include "ddp-trace/timeline_merge.h"
-#include "ddp/init.h"
+#include "ddp/comm/trace.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/ddp/hooks/comm_hooks.h"
-#include "ddp/trace.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_util.h"

@@ -17,8 +17,8 @@
 #include <string_view>
 #include <vector>
 
+#include "ddp/comm/types.h"
 #include "ddp/error.h"
-#include "ddp/types.h"
 
 namespace ddp::bench {
 
@@ -30,7 +30,7 @@ class UsageError : public ConfigError {
   using ConfigError::ConfigError;
 };
 
-using ddp::Collective;  // the public enum (ddp/types.h)
+using ddp::Collective;  // the public enum (ddp/comm/types.h)
 
 // ddp-bench measures point to point (Collective::kSend, named "sendrecv") as each rank sending
 // to the next and receiving from the previous, both posted, then waited for.

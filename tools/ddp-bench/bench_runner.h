@@ -27,7 +27,7 @@
 
 #include "ddp-bench/bench_options.h"
 #include "ddp-bench/reference.h"
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 namespace ddp::bench {
 

@@ -13,7 +13,7 @@
 #include "ddp-bench/bench_options.h"
 #include "ddp-bench/bench_runner.h"
 #include "ddp-bench/report.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 
 namespace {
 
@@ -65,9 +65,10 @@ int main(int argc, char** argv) {
     if (group->memory_space() != ddp::MemorySpace::kHost) {
       // Its buffers are host memory: a device-memory backend (DDP_BACKEND=nccl) is not measured.
       if (rank == 0) {
-        usage_error(fmt::format("ddp-bench measures host buffers; the {} backend takes CUDA "
-                                "device memory; use the ring or mpi backend",
-                                group->backend()));
+        usage_error(
+            fmt::format("ddp-bench measures host buffers; the {} backend takes CUDA "
+                        "device memory; use the ring or mpi backend",
+                        group->backend()));
       }
       return kUsageExitCode;
     }

@@ -20,7 +20,7 @@
 #include <cstdint>
 
 #include "ddp-bench/bench_options.h"
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 namespace ddp::bench {
 

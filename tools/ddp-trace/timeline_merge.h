@@ -1,5 +1,5 @@
 // ddp-trace merge: joins the ranks' timeline files (DIR/trace_rank<R>.json, written under
-// DDP_TRACE; include/ddp/trace.h) into one Chrome/Perfetto trace on rank 0's clock
+// DDP_TRACE; include/ddp/comm/trace.h) into one Chrome/Perfetto trace on rank 0's clock
 // (docs/observability.md, "Merging the ranks").
 //
 //   auto merged = ddp::trace::merge_timelines(ddp::trace::read_timelines(dir));

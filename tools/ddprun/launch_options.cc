@@ -1,7 +1,7 @@
 #include "ddprun/launch_options.h"
 
-#include "ddp/job_secret.h"
-#include "ddp/rendezvous.h"
+#include "ddp/launch/job_secret.h"
+#include "ddp/launch/rendezvous.h"
 
 #include <sched.h>
 #include <sys/stat.h>

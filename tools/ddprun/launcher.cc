@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "ddp/error.h"
-#include "ddp/job_secret.h"
-#include "ddp/tcp_store.h"
+#include "ddp/launch/job_secret.h"
+#include "ddp/store/tcp_store.h"
 #include "ddprun/env_tuning.h"
 #include "ddprun/line_assembler.h"
 #include "ddprun/restart_round.h"

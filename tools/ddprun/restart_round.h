@@ -58,7 +58,7 @@
 #include <string>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "ddprun/round_membership.h"
 
 namespace ddp::ddprun {

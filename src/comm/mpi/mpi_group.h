@@ -63,9 +63,9 @@
 #include "comm/mpi/mpi_runtime.h"
 #include "comm/reduce_kernels.h"
 #include "comm/wire.h"
+#include "ddp/comm/mpi_process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/error.h"
-#include "ddp/mpi_process_group.h"
-#include "ddp/process_group.h"
 #include "settings/settings.h"
 
 namespace ddp::comm::mpi {

@@ -24,7 +24,7 @@
 #include <cstdint>
 
 #include "comm/wire.h"
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 namespace ddp::comm::mpi {
 

@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 
 #include "comm/mpi/mpi_group.h"  // back_off, shared with the collectives
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 
 namespace ddp::comm::mpi {
 namespace {

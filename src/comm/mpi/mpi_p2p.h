@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "comm/mpi/mpi_runtime.h"
-#include "ddp/comm_error.h"
-#include "ddp/types.h"
-#include "ddp/work.h"
+#include "ddp/comm/comm_error.h"
+#include "ddp/comm/types.h"
+#include "ddp/comm/work.h"
 
 namespace ddp::comm::mpi {
 

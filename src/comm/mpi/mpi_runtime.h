@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "ddp/types.h"
+#include "ddp/comm/types.h"
 
 namespace ddp::comm::mpi {
 

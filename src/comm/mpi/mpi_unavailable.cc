@@ -1,7 +1,7 @@
 // make_mpi_process_group in a build without MPI: callers link either way and learn why at run
 // time.
+#include "ddp/comm/mpi_process_group.h"
 #include "ddp/error.h"
-#include "ddp/mpi_process_group.h"
 
 namespace ddp {
 

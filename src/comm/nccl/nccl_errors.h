@@ -9,7 +9,7 @@
 #include <string>
 
 #include "comm/nccl/nccl_headers.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 
 namespace ddp::comm::nccl {
 

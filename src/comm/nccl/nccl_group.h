@@ -40,8 +40,8 @@
 #include "comm/nccl/cuda_event_pool.h"
 #include "comm/nccl/nccl_comm.h"
 #include "comm/nccl/nccl_library.h"
-#include "ddp/nccl_process_group.h"
-#include "ddp/store.h"
+#include "ddp/comm/nccl_process_group.h"
+#include "ddp/store/store.h"
 
 namespace ddp::comm::nccl {
 

@@ -2,8 +2,8 @@
 // why at run time.
 #include <fmt/format.h>
 
+#include "ddp/comm/nccl_process_group.h"
 #include "ddp/error.h"
-#include "ddp/nccl_process_group.h"
 
 #ifndef DDP_NCCL_OFF_REASON
 #define DDP_NCCL_OFF_REASON "no NCCL headers at configure time"

@@ -18,7 +18,7 @@
 #include <functional>
 #include <string>
 
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 #include "net/socket.h"
 
 namespace ddp::comm::nccl {

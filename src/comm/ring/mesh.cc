@@ -10,7 +10,7 @@
 #include <fmt/format.h>
 
 #include "auth/hmac.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 #include "net/fd_io.h"
 

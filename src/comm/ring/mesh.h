@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "comm/ring/mesh_handshake.h"
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 #include "net/socket.h"
 
 namespace ddp::comm {

@@ -21,7 +21,7 @@
 
 #include "auth/hmac.h"
 #include "comm/ring/mesh_handshake_internal.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 #include "net/descriptors.h"
 #include "net/fd_io.h"

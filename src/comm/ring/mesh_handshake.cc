@@ -14,7 +14,7 @@
 #include "auth/hmac.h"
 #include "comm/ring/mesh_handshake_internal.h"
 #include "comm/wire.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 
 namespace ddp::comm {

@@ -20,7 +20,7 @@
 #include "comm/ring/shm/shm_domain.h"
 #include "comm/ring/tcp_mesh.h"
 #include "comm/ring/topology.h"
-#include "ddp/ring_process_group.h"
+#include "ddp/comm/ring_process_group.h"
 
 namespace ddp::comm {
 

@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 
 namespace ddp::comm {
 

@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "net/fd_io.h"
 
 namespace ddp::comm {

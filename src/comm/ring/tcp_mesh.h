@@ -20,7 +20,7 @@
 #include "comm/ring/tcp_algorithms.h"
 #include "comm/ring/transport.h"
 #include "comm/wire.h"
-#include "ddp/store.h"
+#include "ddp/store/store.h"
 #include "net/socket.h"
 
 namespace ddp::comm {

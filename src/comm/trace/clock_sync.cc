@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <limits>
 
-#include "ddp/process_group.h"
-#include "ddp/trace.h"
-#include "ddp/work.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/trace.h"
+#include "ddp/comm/work.h"
 
 namespace ddp {
 namespace detail {

@@ -1,5 +1,5 @@
 // The trace a rank records, and its JSON text (internal; the format is described in
-// include/ddp/trace.h and docs/observability.md, and read by tools/ddp-trace/merge).
+// include/ddp/comm/trace.h and docs/observability.md, and read by tools/ddp-trace/merge).
 #pragma once
 
 #include <cstddef>

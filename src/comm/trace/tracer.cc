@@ -1,4 +1,4 @@
-// The process's one trace recorder behind include/ddp/trace.h.
+// The process's one trace recorder behind include/ddp/comm/trace.h.
 #include <unistd.h>
 
 #include <cmath>
@@ -14,7 +14,7 @@
 
 #include "comm/json_file.h"
 #include "comm/trace/trace_file.h"
-#include "ddp/trace.h"
+#include "ddp/comm/trace.h"
 
 namespace ddp {
 namespace detail {

@@ -12,9 +12,9 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/work.h"
 #include "ddp/torch/api/distributed.h"
-#include "ddp/work.h"
 #include "torch/core/distributed_checks.h"
 
 namespace ddp::detail {

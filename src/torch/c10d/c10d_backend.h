@@ -1,4 +1,4 @@
-// C10dBackend: ddp's ExternalBackend (ddp/external_backend.h) over a libtorch c10d group
+// C10dBackend: ddp's ExternalBackend (ddp/comm/external_backend.h) over a libtorch c10d group
 // (internal; the public entry is ddp/torch/c10d/c10d_process_group.h).
 //
 // Each collective becomes the c10d call of the same kind on tensors that alias the caller's
@@ -15,7 +15,7 @@
 #include <string>
 #include <thread>
 
-#include "ddp/external_backend.h"
+#include "ddp/comm/external_backend.h"
 #include "ddp/torch/c10d/c10d_process_group.h"
 #include "torch/c10d/libtorch_compat_c10d.h"
 

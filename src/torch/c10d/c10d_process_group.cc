@@ -5,8 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "ddp/comm/external_backend.h"
 #include "ddp/error.h"
-#include "ddp/external_backend.h"
 #include "torch/c10d/c10d_backend.h"
 #include "torch/c10d/libtorch_compat_c10d.h"
 

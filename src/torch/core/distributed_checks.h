@@ -8,9 +8,9 @@
 
 #include <torch/torch.h>
 
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/types.h"
 #include "ddp/error.h"
-#include "ddp/process_group.h"
-#include "ddp/types.h"
 
 namespace ddp::detail {
 

@@ -19,7 +19,7 @@
 
 #include <c10/core/Device.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 namespace ddp::detail {
 

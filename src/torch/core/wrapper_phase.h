@@ -14,7 +14,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 
 namespace ddp::detail {

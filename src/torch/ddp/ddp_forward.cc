@@ -7,10 +7,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ddp/comm/trace.h"
 #include "ddp/error.h"
 #include "ddp/torch/core/tensor_collectives.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
-#include "ddp/trace.h"
 #include "torch/api/rank_agreement.h"
 #include "torch/core/host_values.h"
 #include "torch/core/parameter_loads.h"

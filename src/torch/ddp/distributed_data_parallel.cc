@@ -14,7 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/core/tensor_collectives.h"
 #include "torch/api/rank_agreement.h"

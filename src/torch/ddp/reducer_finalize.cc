@@ -5,10 +5,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ddp/comm/trace.h"
 #include "ddp/error.h"
 #include "ddp/timeouts.h"
 #include "ddp/torch/ddp/reducer.h"
-#include "ddp/trace.h"
 #include "torch/core/device_staging.h"
 #include "torch/core/host_values.h"
 #include "torch/core/sparse_allreduce.h"

@@ -5,9 +5,9 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/core/tensor_collectives.h"
 
 namespace ddp {

@@ -10,8 +10,8 @@
 
 #include <torch/torch.h>
 
+#include "ddp/comm/work.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
-#include "ddp/work.h"
 #include "torch/core/libtorch_compat.h"
 
 namespace ddp {

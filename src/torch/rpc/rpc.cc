@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/job_secret.h"
+#include "ddp/launch/job_secret.h"
 
 #include "rpc/agent.h"
 #include "torch/rpc/rpc_internal.h"

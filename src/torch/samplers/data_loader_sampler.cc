@@ -5,9 +5,9 @@
 #include <fmt/format.h>
 #include <torch/serialize/archive.h>
 
+#include "ddp/comm/process_group.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
-#include "ddp/process_group.h"
+#include "ddp/runtime/init.h"
 
 namespace ddp {
 

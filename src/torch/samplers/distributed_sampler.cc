@@ -7,8 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "ddp/comm/process_group.h"
 #include "ddp/error.h"
-#include "ddp/process_group.h"
 
 namespace ddp {
 namespace {

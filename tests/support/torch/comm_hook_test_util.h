@@ -11,7 +11,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/ddp/hooks/comm_hooks.h"
 #include "support/torch/ddp_test_util.h"

@@ -12,8 +12,8 @@
 
 #include <fmt/format.h>
 
-#include "ddp/init.h"
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/core/tensor_collectives.h"
 
 namespace ddp::test {

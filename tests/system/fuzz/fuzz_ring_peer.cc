@@ -21,8 +21,8 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include "ddp/comm/ring_process_group.h"
 #include "ddp/error.h"
-#include "ddp/ring_process_group.h"
 #include "fuzz_util.h"
 #include "memory_store.h"
 #include "net/socket.h"

@@ -12,7 +12,7 @@
 #include <string>
 
 #include "ddp/error.h"
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "fuzz_util.h"
 #include "net/socket.h"
 

@@ -10,8 +10,8 @@
 #include <fmt/format.h>
 
 #include "comm/comm_test_util.h"
-#include "ddp/ring_process_group.h"
-#include "ddp/tcp_store.h"
+#include "ddp/comm/ring_process_group.h"
+#include "ddp/store/tcp_store.h"
 
 int main(int argc, char** argv) {
   using namespace ddp;

@@ -33,7 +33,8 @@ for variant in "${variants[@]}"; do
   grep -q "ddp: libtorch .* (DDP_LIBTORCH=$libtorch) from $expected" "$work/$variant.log" ||
     { echo "consumer ($variant) did not find $libtorch's libtorch through $expected:"
       cat "$work/$variant.log"; exit 1; }
-  cmake --build "$work/$variant" >> "$work/$variant.log"
+  cmake --build "$work/$variant" >> "$work/$variant.log" 2>&1 ||
+    { echo "consumer ($variant) failed to build:"; cat "$work/$variant.log"; exit 1; }
   "$work/$variant/comm_consumer"
   # A program on the old header paths built (with -Werror) and runs.
   if [[ $variant == torch-package ]]; then "$work/$variant/old_paths_consumer"; fi

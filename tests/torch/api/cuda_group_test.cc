@@ -18,7 +18,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/distributed_objects.h"
 #include "ddp/torch/api/join.h"

@@ -11,9 +11,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"

@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed_objects.h"
 #include "ddp/torch/api/json_codec.h"
 #include "support/multiprocess.h"

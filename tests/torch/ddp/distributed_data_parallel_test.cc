@@ -7,8 +7,8 @@
 #include <functional>
 #include <string>
 
+#include "ddp/comm/ring_process_group.h"
 #include "ddp/error.h"
-#include "ddp/ring_process_group.h"
 #include "support/forwarding_group.h"
 #include "support/multiprocess.h"
 #include "support/resident_memory.h"

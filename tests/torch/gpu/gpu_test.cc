@@ -21,8 +21,8 @@
 #endif
 
 #include "comm/file_store.h"
-#include "ddp/init.h"
-#include "ddp/nccl_process_group.h"
+#include "ddp/comm/nccl_process_group.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/distributed_objects.h"
 #include "ddp/torch/api/join.h"

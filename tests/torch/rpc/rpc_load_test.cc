@@ -23,7 +23,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "ddp/torch/rpc/dist_autograd.h"
 #include "ddp/torch/rpc/rpc.h"
 #include "ddp/torch/rpc/rref.h"

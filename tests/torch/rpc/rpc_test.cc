@@ -14,7 +14,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "ddp/tcp_store.h"
+#include "ddp/store/tcp_store.h"
 #include "ddp/torch/rpc/dist_autograd.h"
 #include "ddp/torch/rpc/distributed_optimizer.h"
 #include "ddp/torch/rpc/remote_module.h"

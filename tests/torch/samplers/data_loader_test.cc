@@ -11,7 +11,7 @@
 #include <torch/torch.h>
 
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/samplers/data_loader_sampler.h"
 #include "support/multiprocess.h"

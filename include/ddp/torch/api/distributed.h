@@ -53,7 +53,7 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
@@ -65,7 +65,7 @@ namespace ddp {
 std::shared_ptr<ProcessGroup> default_process_group_for(const c10::Device& device);
 
 // The group a call runs on: a given one, or (default-constructed) the default group, looked up
-// when the call runs. Under DDP_BACKEND=auto (ddp/init.h) the calls that take one tensor
+// when the call runs. Under DDP_BACKEND=auto (ddp/runtime/init.h) the calls that take one tensor
 // (all_reduce, broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor,
 // all_to_all_single, isend/irecv/send/recv, batch_isend_irecv) send CUDA tensors to the nccl
 // group where there is one; the list forms, the coalesced forms and the object collectives run on

@@ -11,7 +11,7 @@
 // CPU backend is taken. libtorch 1.13 has no backends behind its groups (ProcessGroupGloo derives
 // from c10d::ProcessGroup): pass the group.
 //
-// The group runs behind ddp's one front (ddp/external_backend.h), as ring and mpi do: the same
+// The group runs behind ddp's one front (ddp/comm/external_backend.h), as ring and mpi do: the same
 // argument checks, call record and sequence numbers, queue, poisoning and errors by kind. Each
 // call hands the caller's buffers to c10d as tensors made with torch::from_blob (no copy) and
 // waits for c10d's Work within the call's deadline, which it also passes to c10d as the
@@ -42,7 +42,7 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 namespace c10d {
 class Backend;

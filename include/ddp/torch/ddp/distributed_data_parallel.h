@@ -55,7 +55,7 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/api/join.h"
 #include "ddp/torch/core/output_tensors.h"
 #include "ddp/torch/ddp/ddp_logging_data.h"

@@ -54,7 +54,7 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/ddp/hooks/comm_hooks.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).

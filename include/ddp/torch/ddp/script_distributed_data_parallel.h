@@ -56,7 +56,7 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).

@@ -92,8 +92,8 @@
 
 #include <torch/torch.h>
 
+#include "ddp/comm/process_group.h"
 #include "ddp/error.h"
-#include "ddp/process_group.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/join.h"
 #include "ddp/torch/core/output_tensors.h"

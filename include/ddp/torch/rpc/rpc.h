@@ -37,8 +37,8 @@
 
 #include <ATen/core/ivalue.h>
 
-#include "ddp/rendezvous.h"
-#include "ddp/store.h"
+#include "ddp/launch/rendezvous.h"
+#include "ddp/store/store.h"
 #include "ddp/timeouts.h"
 #include "ddp/torch/rpc/rpc_error.h"
 

@@ -62,7 +62,7 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/join.h"
 #include "ddp/torch/ddp/hooks/comm_hooks.h"

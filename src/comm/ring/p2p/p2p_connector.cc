@@ -10,7 +10,7 @@
 #include <fmt/format.h>
 
 #include "comm/ring/p2p/p2p_engine.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 #include "net/descriptors.h"
 #include "net/fd_io.h"

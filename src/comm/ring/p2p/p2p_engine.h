@@ -46,9 +46,9 @@
 #include <thread>
 #include <vector>
 
-#include "ddp/process_group.h"
-#include "ddp/types.h"
-#include "ddp/work.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/types.h"
+#include "ddp/comm/work.h"
 #include "net/socket.h"
 
 namespace ddp::comm::p2p {

@@ -26,7 +26,7 @@
 
 #include "comm/ring/p2p/p2p_engine.h"
 #include "comm/ring/p2p/p2p_frame.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 
 namespace ddp::comm::p2p {
 

@@ -12,7 +12,7 @@
 #include "comm/ring/shm/segment.h"
 #include "comm/ring/shm/shm_domain.h"
 #include "comm/ring/shm/shm_domain_internal.h"
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 
 namespace ddp::comm::shm {
 

@@ -49,10 +49,10 @@
 #include "comm/ring/shm/shared_buffers.h"
 #include "comm/ring/transport.h"
 #include "comm/wire.h"
-#include "ddp/comm_error.h"
-#include "ddp/process_group.h"
-#include "ddp/store.h"
-#include "ddp/types.h"
+#include "ddp/comm/comm_error.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/types.h"
+#include "ddp/store/store.h"
 #include "net/socket.h"
 
 namespace ddp::comm::shm {

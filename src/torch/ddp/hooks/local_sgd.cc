@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 
 #include "ddp/error.h"
-#include "ddp/init.h"
+#include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/core/tensor_collectives.h"
 

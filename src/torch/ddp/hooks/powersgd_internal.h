@@ -12,7 +12,7 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/ddp/hooks/comm_hooks.h"
 #include "ddp/torch/ddp/hooks/powersgd_hook.h"
 

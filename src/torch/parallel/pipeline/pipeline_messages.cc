@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
 #include "torch/core/distributed_checks.h"

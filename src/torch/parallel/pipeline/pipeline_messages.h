@@ -12,8 +12,8 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
-#include "ddp/work.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/work.h"
 
 namespace ddp::detail {
 

@@ -9,9 +9,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ddp/comm/trace.h"
 #include "ddp/error.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
-#include "ddp/trace.h"
 #include "torch/parallel/pipeline/pipeline_messages.h"
 #include "torch/parallel/pipeline/pipeline_state.h"
 

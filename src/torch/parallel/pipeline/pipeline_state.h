@@ -11,9 +11,9 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
+#include "ddp/comm/work.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
-#include "ddp/work.h"
 
 namespace ddp {
 

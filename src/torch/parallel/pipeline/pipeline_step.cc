@@ -17,12 +17,12 @@
 
 #include <fmt/format.h>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
+#include "ddp/comm/trace.h"
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/distributed_objects.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
-#include "ddp/trace.h"
 #include "torch/core/wrapper_phase.h"
 #include "torch/parallel/pipeline/pipeline_messages.h"
 #include "torch/parallel/pipeline/pipeline_state.h"

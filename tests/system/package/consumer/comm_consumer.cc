@@ -1,4 +1,4 @@
-#include <ddp/launch_environment.h>
+#include <ddp/launch/launch_environment.h>
 
 #include <iostream>
 

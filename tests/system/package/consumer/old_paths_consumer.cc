@@ -1,7 +1,25 @@
-// A program written against the torch layer's headers before they moved into component folders
-// (issue 50): every old path must still compile, without a warning under -Werror, through the
-// forwarding headers at include/ddp/torch/*.h; the umbrella header compiles beside them.
+// A program written against the headers' paths before they moved into folders (issue 50): every
+// old path must still compile, without a warning under -Werror, through the forwarding headers at
+// include/ddp/*.h (the engine's, now in ddp/{store,launch,comm,runtime}) and include/ddp/torch/*.h
+// (the torch layer's components); the umbrella header compiles beside them.
 // clang-format off
+#include "ddp/comm_error.h"
+#include "ddp/external_backend.h"
+#include "ddp/init.h"
+#include "ddp/job_secret.h"
+#include "ddp/launch_environment.h"
+#include "ddp/mpi_process_group.h"
+#include "ddp/nccl_process_group.h"
+#include "ddp/prefix_store.h"
+#include "ddp/process_group.h"
+#include "ddp/rendezvous.h"
+#include "ddp/ring_process_group.h"
+#include "ddp/store.h"
+#include "ddp/tcp_store.h"
+#include "ddp/tcp_store_server.h"
+#include "ddp/trace.h"
+#include "ddp/types.h"
+#include "ddp/work.h"
 #include "ddp/torch/c10d_process_group.h"
 #include "ddp/torch/checkpoint.h"
 #include "ddp/torch/chunked_adam.h"
@@ -43,6 +61,11 @@
 
 int main() {
   ddp::DistributedSampler sampler(10, /*rank=*/0, /*world_size=*/2);
-  std::cout << "old paths: " << sampler.size() << " samples of 10 on rank 0 of 2\n";
-  return sampler.size() == 5 ? 0 : 1;
+  ddp::LaunchOptions options;
+  options.rank = 1;
+  options.world_size = 2;
+  const auto env = ddp::resolve_launch_environment(options);
+  std::cout << "old paths: " << sampler.size() << " samples of 10 on rank 0 of 2; rank " << env.rank
+            << " of " << env.world_size << "\n";
+  return sampler.size() == 5 && env.rank == 1 ? 0 : 1;
 }

@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "support/multiprocess.h"

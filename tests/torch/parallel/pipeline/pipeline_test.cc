@@ -18,13 +18,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "ddp/comm_error.h"
+#include "ddp/comm/comm_error.h"
+#include "ddp/comm/trace.h"
 #include "ddp/error.h"
 #include "ddp/torch/parallel/mesh/device_mesh.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
-#include "ddp/trace.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_util.h"

@@ -35,7 +35,7 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)

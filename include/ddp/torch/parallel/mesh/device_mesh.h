@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/api/distributed.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).

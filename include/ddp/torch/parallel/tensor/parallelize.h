@@ -44,7 +44,7 @@
 
 #include <torch/torch.h>
 
-#include "ddp/process_group.h"
+#include "ddp/comm/process_group.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
