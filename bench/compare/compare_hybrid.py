@@ -17,7 +17,6 @@ Prints the machine, its load and the date first. Exit 0 when every run succeeded
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,12 +25,6 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 REFERENCE = os.path.join(REPO, "tests", "programs", "hybrid_reference.py")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(command, what):
@@ -66,7 +59,7 @@ def main():
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="compare_hybrid_") as d:
             pytorch = [python, REFERENCE, bin_dir, python, "--trainers", str(args.trainers),
-                       "--steps", str(args.steps), "--port", str(free_port()), "--in-child",
+                       "--steps", str(args.steps), "--in-child",
                        "--dir", d]
             if not run(pytorch, "PyTorch's tutorial"):
                 ok = False

@@ -137,6 +137,29 @@ def worker(rank, world, steps, directory, port):
     rpc.shutdown()
 
 
+def free_port():
+    """A port free now, below the kernel's ephemeral range where it can (the range outgoing
+    connections take their local ports from)."""
+    import random
+    import socket
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    for _ in range(100):
+        port = random.randrange(10000, max(10001, ephemeral_low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("bin_dir")
@@ -152,9 +175,22 @@ def main():
         import torch
         import torch.multiprocessing as mp
         make_files(torch, args.seed, args.trainers, args.steps, args.dir)
-        mp.spawn(worker, args=(args.trainers + 1, args.steps, args.dir, args.port),
-                 nprocs=args.trainers + 1, join=True)
-        return 0
+        # Without --port: a port free now, and the tutorial again on another (twice at most) when
+        # it was taken before PyTorch's store listened on it (EADDRINUSE: the store binds seconds
+        # later, after `import torch` in every process, and meanwhile a port of the ephemeral
+        # range can become the local end of another test's connection).
+        for attempt in range(3):
+            port = args.port or free_port()
+            try:
+                mp.spawn(worker, args=(args.trainers + 1, args.steps, args.dir, port),
+                         nprocs=args.trainers + 1, join=True)
+                return 0
+            except Exception as e:  # mp.spawn raises ProcessRaisedException, naming the error
+                if args.port or attempt == 2 or "EADDRINUSE" not in str(e):
+                    raise
+                print(f"port {port} was taken before PyTorch's store listened on it; again on "
+                      "another", file=sys.stderr)
+        return 1
     probe = subprocess.run([args.python, "-c",
                             "import torch.distributed.rpc as r, sys; "
                             "sys.exit(0 if r.is_available() else 1)"],
@@ -162,15 +198,11 @@ def main():
     if probe.returncode != 0:
         print(f"SKIPPED: {args.python}'s torch has no torch.distributed.rpc")
         return 77
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="hybrid_") as d:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         done = subprocess.run([args.python, os.path.abspath(__file__), args.bin_dir, args.python,
                                "--trainers", str(args.trainers), "--steps", str(args.steps),
-                               "--seed", str(args.seed), "--port", str(port), "--in-child",
+                               "--seed", str(args.seed), "--in-child",
                                "--dir", d], capture_output=True, text=True, timeout=600, env=env)
         if done.returncode != 0:
             sys.exit(f"FAILED: PyTorch's tutorial code:\n{done.stdout}\n{done.stderr[-4000:]}")

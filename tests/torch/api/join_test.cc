@@ -15,6 +15,7 @@
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/test_paths.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/torch/deterministic_models.h"
@@ -172,8 +173,8 @@ TEST(Join, SameNumbersAsPyTorchDdpWithJoinOnGloo) {
   test::TempDir dir;
   for (const bool divide : {true, false}) {
     auto reference =
-        test::Subprocess::start({python, DDP_JOIN_REFERENCE_SCRIPT, "3", "3", divide ? "1" : "0",
-                                 std::to_string(test::free_port())},
+        test::Subprocess::start({python, test::paths::join_reference_script, "3", "3",
+                                 divide ? "1" : "0", std::to_string(test::free_port())},
                                 {{"OMP_NUM_THREADS", "1"}});
     const auto done = reference.wait(180s);
     ASSERT_EQ(done.exit_code, 0) << done.output;

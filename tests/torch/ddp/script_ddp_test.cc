@@ -27,6 +27,7 @@
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/test_paths.h"
 #include "support/torch/ddp_test_models.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/unity_namespace.h"
@@ -45,7 +46,7 @@ using test::run_ranks;
 
 // Python with torch, by the name the tests use for it.
 std::string python_of(const std::string& exporter) {
-  return exporter == "pytorch2" ? DDP_PYTORCH_PYTHON : "/usr/bin/python3";
+  return exporter == "pytorch2" ? test::paths::pytorch_python : "/usr/bin/python3";
 }
 
 struct Exported {
@@ -68,7 +69,8 @@ Exported export_model(const std::string& exporter, const std::string& how, const
   }
   const std::string path = dir.file(fmt::format("{}-{}-{}.pt", model, exporter, how));
   std::vector<std::string> command{
-      python, DDP_TORCHSCRIPT_EXPORT_SCRIPT, "--model", model, "--how", how, "--out", path};
+      python, test::paths::torchscript_export_script, "--model", model, "--how", how, "--out",
+      path};
   command.insert(command.end(), extra.begin(), extra.end());
   auto run = test::Subprocess::start(command, {{"OMP_NUM_THREADS", "1"}});
   const auto done = run.wait(180s);

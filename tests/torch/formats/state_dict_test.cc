@@ -4,9 +4,10 @@
 // dicts, or do not fit, fail with named errors and change nothing.
 //
 // The Python side is state_dict_reference.py, run with the Python of this build's libtorch
-// (DDP_STATE_DICT_PYTHON: Debian's /usr/bin/python3 with torch 1.13, or PyTorch 2.x's
-// scripts/pytorch-python) and, in one test, with the other one (DDP_STATE_DICT_OTHER_PYTHON).
-// Tests that need a Python skip, saying which, where it cannot import torch.
+// (test::paths::state_dict_python: Debian's /usr/bin/python3 with torch 1.13, or PyTorch 2.x's
+// scripts/pytorch-python) and, in one test, with the other one
+// (test::paths::state_dict_other_python). Tests that need a Python skip, saying which, where it
+// cannot import torch.
 #include <filesystem>
 #include <fstream>
 
@@ -18,6 +19,7 @@
 #include "ddp/torch/formats/state_dict.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/test_paths.h"
 #include "support/unity_namespace.h"
 
 namespace ddp {
@@ -120,9 +122,9 @@ std::string python_missing(const std::string& python) {
 // The reference's one run: checks what save_for_python wrote, then writes what
 // load_from_python reads. Returns its failure ("" when it passed).
 std::string run_reference(const std::string& python, const fs::path& dir) {
-  auto run =
-      test::Subprocess::start({python, DDP_STATE_DICT_REFERENCE_SCRIPT, "exchange", dir.string()},
-                              {{"OMP_NUM_THREADS", "1"}});
+  auto run = test::Subprocess::start(
+      {python, test::paths::state_dict_reference_script, "exchange", dir.string()},
+      {{"OMP_NUM_THREADS", "1"}});
   const auto done = run.wait(120s);
   return done.exit_code == 0 ? "" : python + " exchange:\n" + done.output;
 }
@@ -186,7 +188,7 @@ void save_for_python(const fs::path& dir) {
 // One test, so one run of the reference (CTest runs each test in a process of its own, and
 // importing PyTorch 2.x takes seconds).
 TEST(StateDictWithPython, BothDirectionsNamesAndFilesThatAreNotStateDicts) {
-  const std::string python = DDP_STATE_DICT_PYTHON;
+  const std::string python = test::paths::state_dict_python;
   if (const auto missing = python_missing(python); !missing.empty()) GTEST_SKIP() << missing;
   test::TempDir dir("ddp-state-dict-test");
   save_for_python(dir.path());
@@ -252,7 +254,7 @@ TEST(StateDictWithPython, BothDirectionsNamesAndFilesThatAreNotStateDicts) {
 // --- with the other Python (PyTorch 2.x beside Debian's 1.13 and the reverse) ---
 
 TEST(StateDictWithOtherPython, BothDirections) {
-  const std::string python = DDP_STATE_DICT_OTHER_PYTHON;
+  const std::string python = test::paths::state_dict_other_python;
   if (const auto missing = python_missing(python); !missing.empty()) GTEST_SKIP() << missing;
   test::TempDir dir("ddp-state-dict-other");
   save_for_python(dir.path());

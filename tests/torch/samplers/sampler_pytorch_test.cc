@@ -15,6 +15,7 @@
 
 #include "ddp/torch/samplers/distributed_sampler.h"
 #include "support/subprocess.h"
+#include "support/test_paths.h"
 
 namespace ddp::test {
 namespace {
@@ -54,7 +55,7 @@ TEST(SamplerPyTorchTest, MatchesPyTorchIndexForIndex) {
       cases.push_back({7, 1, shuffle, 5, 0, drop_last});
     }
   }
-  std::vector<std::string> argv{python, DDP_SAMPLER_REFERENCE_SCRIPT};
+  std::vector<std::string> argv{python, paths::sampler_reference_script};
   for (const auto& c : cases)
     argv.push_back(c.key());
   auto reference = Subprocess::start(argv, {{"OMP_NUM_THREADS", "1"}});

@@ -27,6 +27,7 @@
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/test_paths.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/torch/deterministic_models.h"
 #include "support/unity_namespace.h"
@@ -711,7 +712,7 @@ TEST(ZeroRedundancyOptimizer, SameParametersAsPyTorchsZeroRedundancyOptimizerOnG
   }
   constexpr int kWorld = 3;
   auto reference = test::Subprocess::start(
-      {python, DDP_ZERO_REFERENCE_SCRIPT, std::to_string(kWorld), std::to_string(kSteps),
+      {python, test::paths::zero_reference_script, std::to_string(kWorld), std::to_string(kSteps),
        "sgd,adam,adamw", std::to_string(test::free_port())},
       {{"OMP_NUM_THREADS", "1"}});
   const auto done = reference.wait(180s);

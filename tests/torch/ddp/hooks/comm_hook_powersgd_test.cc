@@ -16,6 +16,7 @@
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/test_paths.h"
 #include "support/torch/comm_hook_test_util.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/unity_namespace.h"
@@ -444,7 +445,7 @@ TEST(PowerSgd, RanksWithDifferentHooksFailWithANamedError) {
 // reproduces PyTorch's seeding (numpy RandomState(random_seed).randint(1e9) -> torch.manual_seed
 // -> randn), so this also checks that.
 void check_against_pytorch(int world, int r, bool batch) {
-  const std::string python = DDP_PYTORCH_PYTHON;
+  const std::string python = test::paths::pytorch_python;
   auto probe = test::Subprocess::start(
       {python, "-c",
        "import numpy, torch, torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as h; "
@@ -474,7 +475,7 @@ void check_against_pytorch(int world, int r, bool batch) {
   for (const auto& shape : shapes)
     shape_text.push_back(fmt::format("{}", fmt::join(shape, "x")));
   auto reference = test::Subprocess::start(
-      {python, DDP_POWERSGD_REFERENCE_SCRIPT, dir.path().string(), std::to_string(world),
+      {python, test::paths::powersgd_reference_script, dir.path().string(), std::to_string(world),
        std::to_string(steps), std::to_string(test::free_port()), std::to_string(r),
        std::to_string(start_iter), batch ? "1" : "0",
        fmt::format("{}", fmt::join(shape_text, ","))},
