@@ -124,6 +124,7 @@ def main():
     p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"])
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--limit-train", type=int, default=0)
+    p.add_argument("--limit-test", type=int, default=0, help="evaluate on the first N (0 = all)")
     p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
     p.add_argument("--init-from-state-dict", help="a model state dict (C++ or Python) to start from")
     p.add_argument("--init-optimizer-state", help="an optimizer state dict to start from")
@@ -135,7 +136,7 @@ def main():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(args.seed)
 
-    test = load_split(args.data_dir, "t10k", 0)
+    test = load_split(args.data_dir, "t10k", args.limit_test)
     model = Net(args.model)
     if args.evaluate:
         model.load_state_dict(load(args.evaluate, "model"))

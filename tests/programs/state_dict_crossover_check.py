@@ -8,7 +8,7 @@ From one initial model (written by PyTorch), on the same data, order and hyper-p
 The two test accuracies must agree within 0.3 points, and PyTorch's evaluation of the exported
 model must equal what train-fashion-mnist printed for it.
 
-usage: state_dict_crossover_check.py BIN_DIR PYTHON [--limit-train N]
+usage: state_dict_crossover_check.py BIN_DIR PYTHON [--limit-train N] [--limit-test N]
 Exit 77 (skipped) where the dataset or PYTHON's torch is missing.
 """
 
@@ -43,7 +43,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("bin_dir")
     p.add_argument("python")
-    p.add_argument("--limit-train", type=int, default=4000)
+    # Small enough for CI (both sides evaluate after every epoch); the three accuracies have come
+    # out equal to the last digit, so the 0.3-point bound below is not what a small set tests.
+    p.add_argument("--limit-train", type=int, default=2000)
+    p.add_argument("--limit-test", type=int, default=2000)
     args = p.parse_args()
     if not os.path.isfile(os.path.join(DATA, "train-images-idx3-ubyte.gz")):
         print(f"SKIPPED: no Fashion-MNIST in {DATA} (apt install dataset-fashion-mnist)")
@@ -53,7 +56,8 @@ def main():
         print(f"SKIPPED: {args.python} cannot import torch: {probe.stderr.strip()[-300:]}")
         return 77
     job = os.path.join(os.path.abspath(args.bin_dir), "train-fashion-mnist")
-    common = ["--epochs", "2", "--limit-train", str(args.limit_train)]
+    limit_test = ["--limit-test", str(args.limit_test)]
+    common = ["--epochs", "2", "--limit-train", str(args.limit_train)] + limit_test
     twin = [args.python, TWIN] + common
     with tempfile.TemporaryDirectory(prefix="crossover_") as d:
         run(twin + ["--stop-after-epoch", "0", "--export-state-dict", "init.pt"], d)
@@ -65,10 +69,11 @@ def main():
                                            "--init-from-state-dict", "epoch1.pt",
                                            "--init-optimizer-state", "optim1.pt",
                                            "--export-state-dict", "epoch2.pt"], d)
-        crossed = run([args.python, TWIN, "--evaluate", "epoch2.pt"], d)
+        crossed = run([args.python, TWIN, "--evaluate", "epoch2.pt"] + limit_test, d)
     print(f"C++ alone: {cpp_only:.4f}; PyTorch epoch 1 + C++ epoch 2: {cpp_epoch2:.4f} (C++'s "
           f"evaluation), {crossed:.4f} (PyTorch's evaluation of the exported model)")
-    if abs(crossed - cpp_epoch2) > 0.0005:
+    # Five test images of slack for the two libtorch's kernels rounding differently.
+    if abs(crossed - cpp_epoch2) > 5.5 / args.limit_test:
         sys.exit(f"FAILED: PyTorch evaluates the exported model at {crossed:.4f}, C++ at "
                  f"{cpp_epoch2:.4f}: the state dict did not carry the model")
     if abs(crossed - cpp_only) > 0.003:
