@@ -44,6 +44,7 @@
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
 // checkpoint
 #include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/checkpoint/train_state.h"
 // fsdp
 #include "ddp/torch/fsdp/fsdp_memory.h"

@@ -30,13 +30,27 @@ std::unique_ptr<ByteSource> ByteSource::open(const std::filesystem::path& path) 
                                                       : "not a regular file"));
   }
   return std::unique_ptr<ByteSource>(
-      new ByteSource(fd, static_cast<std::uint64_t>(st.st_size), path.string()));
+      new ByteSource(fd, 0, static_cast<std::uint64_t>(st.st_size), path.string()));
+}
+
+std::unique_ptr<ByteSource> ByteSource::open_range(const std::filesystem::path& path,
+                                                   std::uint64_t offset, std::uint64_t length) {
+  std::unique_ptr<ByteSource> whole = open(path);
+  if (offset > whole->size_ || length > whole->size_ - offset) {
+    throw FormatError(FormatError::Kind::kDamaged,
+                      fmt::format("{}: the range of {} bytes at byte {} reaches past the end of "
+                                  "the {}-byte file (truncated?)",
+                                  path.string(), length, offset, whole->size_));
+  }
+  whole->base_ = offset;
+  whole->size_ = length;
+  return whole;
 }
 
 ByteSource::ByteSource(std::string bytes) : memory_(std::move(bytes)), size_(memory_.size()) {}
 
-ByteSource::ByteSource(int fd, std::uint64_t size, std::string path)
-    : fd_(fd), size_(size), path_(std::move(path)) {}
+ByteSource::ByteSource(int fd, std::uint64_t base, std::uint64_t size, std::string path)
+    : fd_(fd), base_(base), size_(size), path_(std::move(path)) {}
 
 ByteSource::~ByteSource() {
   if (fd_ >= 0) ::close(fd_);
@@ -55,7 +69,7 @@ void ByteSource::read(std::uint64_t offset, void* out, std::size_t n) const {
   }
   auto* to = static_cast<char*>(out);
   while (n > 0) {
-    const ssize_t got = ::pread(fd_, to, n, static_cast<off_t>(offset));
+    const ssize_t got = ::pread(fd_, to, n, static_cast<off_t>(base_ + offset));
     if (got < 0) {
       if (errno == EINTR) continue;
       throw ConfigError(

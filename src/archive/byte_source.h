@@ -17,6 +17,12 @@ class ByteSource {
  public:
   // Throws ConfigError: missing, unreadable, a directory, not a regular file.
   static std::unique_ptr<ByteSource> open(const std::filesystem::path& path);
+  // The `length` bytes of the file at `path` from `offset`, read as if they were the whole file
+  // (what a container of several archives, such as PyTorch's distributed checkpoint data files,
+  // holds). Throws ConfigError as open does, and FormatError (kDamaged) where the range reaches
+  // past the file's end (a truncated file).
+  static std::unique_ptr<ByteSource> open_range(const std::filesystem::path& path,
+                                                std::uint64_t offset, std::uint64_t length);
   explicit ByteSource(std::string bytes);
   ~ByteSource();
   ByteSource(const ByteSource&) = delete;
@@ -28,10 +34,11 @@ class ByteSource {
   std::vector<unsigned char> read(std::uint64_t offset, std::size_t n) const;
 
  private:
-  ByteSource(int fd, std::uint64_t size, std::string path);
+  ByteSource(int fd, std::uint64_t base, std::uint64_t size, std::string path);
 
   int fd_ = -1;
   std::string memory_;
+  std::uint64_t base_ = 0;  // where the bytes start in the file (open_range)
   std::uint64_t size_ = 0;
   std::string path_;
 };

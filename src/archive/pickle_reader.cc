@@ -167,6 +167,23 @@ class PickleParser {
     push(add_container(Kind::kCall, {callable, args}));
   }
 
+  void new_object(std::size_t at) {
+    const NodeId args = pop();
+    const NodeId cls = pop();
+    if (node(cls).kind != Kind::kGlobal || node(args).kind != Kind::kTuple) {
+      damaged("NEWOBJ of something other than a global and a tuple at byte {}", at);
+    }
+    const std::string& name = tree_.strings_[node(cls).text];
+    if (!options_.allow_object || !options_.allow_object(name)) {
+      // An opcode's refusal, not a global's: the class was allowed as a name.
+      throw FormatError(FormatError::Kind::kUnsafe,
+                        fmt::format("the pickle opcode 0x81 (NEWOBJ) at byte {}: it builds an "
+                                    "object of the class '{}'",
+                                    at, name));
+    }
+    push(add_container(Kind::kObject, {cls, args}));
+  }
+
   void push_long(std::string_view bytes) {  // little-endian two's complement
     if (bytes.size() > 8) damaged("an integer of {} bytes at byte {}", bytes.size(), pos_);
     std::uint64_t v = 0;
@@ -372,20 +389,23 @@ class PickleParser {
       case 'b': {  // BUILD: the state is kept on the object, for the caller to use or drop
         const NodeId state = pop();
         const NodeId object = top();
-        if (node(object).kind != Kind::kDict && node(object).kind != Kind::kCall) {
-          damaged("BUILD on something other than a dict or a call at byte {}", at);
+        if (node(object).kind != Kind::kDict && node(object).kind != Kind::kCall &&
+            node(object).kind != Kind::kObject) {
+          damaged("BUILD on something other than a dict, a call or an object at byte {}", at);
         }
         node(object).state = state;
         break;
       }
+      case 0x81:  // NEWOBJ: cls.__new__(cls, *args), of a class the caller allows
+        new_object(at);
+        break;
       case 'i':
       case 'o':
-      case 0x81:
       case 0x92:
       case 0x82:
       case 0x83:
       case 0x84:
-        // INST, OBJ, NEWOBJ, NEWOBJ_EX, EXT1/2/4: build objects of classes the pickle names.
+        // INST, OBJ, NEWOBJ_EX, EXT1/2/4: build objects of classes the pickle names.
         throw FormatError(FormatError::Kind::kUnsafe,
                           fmt::format("the pickle opcode 0x{:02x} at byte {}: it builds an object "
                                       "of a pickled class",
@@ -428,9 +448,13 @@ void PickleTree::check_shape(const PickleLimits& limits) const {
   color[root_] = kGray;
   while (!frames.empty()) {
     Frame& f = frames.back();
-    const auto& items = nodes_[f.id].items;
-    if (f.next < items.size()) {
-      const NodeId child = items[f.next++];
+    const PickleNode& n = nodes_[f.id];
+    const auto& items = n.items;
+    // The children: the items, then BUILD's state (what an object's fields are).
+    const std::size_t children = items.size() + (n.state != kNoNode ? 1 : 0);
+    if (f.next < children) {
+      const NodeId child = f.next < items.size() ? items[f.next] : n.state;
+      ++f.next;
       if (color[child] == kGray) {
         throw FormatError(FormatError::Kind::kDamaged,
                           "the pickle holds a container that contains itself");
@@ -448,7 +472,8 @@ void PickleTree::check_shape(const PickleLimits& limits) const {
     }
     std::uint32_t d = 1;
     std::uint64_t count = 1;
-    for (const NodeId child : items) {
+    for (std::size_t i = 0; i < children; ++i) {
+      const NodeId child = i < items.size() ? items[i] : n.state;
       d = std::max(d, depth[child] + 1);
       count += unfolded[child];
       if (count > max_unfolded) {

@@ -2,8 +2,9 @@
 // tree that the caller interprets. It runs nothing: a global is only a name, checked against the
 // caller's allowlist as it is read; REDUCE of an allowed global is recorded as a call for the
 // caller to carry out (collections.OrderedDict() alone becomes a dict here, since SETITEMS fill
-// it); the opcodes that build objects of a class (INST, OBJ, NEWOBJ, NEWOBJ_EX, EXT*) are
-// refused.
+// it); NEWOBJ of a class the caller allows as an object (PickleOptions::allow_object, none by
+// default) is recorded as an object for the caller to interpret, with BUILD's state; the other
+// opcodes that build objects of a class (INST, OBJ, NEWOBJ_EX, EXT*) are refused.
 //
 // It holds as a server must against hostile bytes:
 //   - linear time and memory in the pickle's length: every opcode adds at most one node, and a
@@ -44,6 +45,7 @@ struct PickleNode {
     kGlobal,        // strings[text]: "module.name", an allowed name
     kCall,          // items: {the global, the argument tuple} (REDUCE)
     kPersistentId,  // items: {the pid} (BINPERSID)
+    kObject,        // items: {the class, a global; the argument tuple} (NEWOBJ); state: BUILD's
   };
   Kind kind = Kind::kNone;
   bool boolean = false;
@@ -72,7 +74,8 @@ class PickleTree {
   const std::string& text(const PickleNode& n) const { return strings_[n.text]; }
   std::size_t size() const { return nodes_.size(); }
 
-  // Throws FormatError (kTooLarge, kDamaged) where the value under root is deeper than
+  // Throws FormatError (kTooLarge, kDamaged) where the value under root (a node's items and its
+  // BUILD state) is deeper than
   // max_depth, holds itself, or unfolds to more than max(max_unfolded, 4 x size()) values: the
   // exact check, which read_pickle's running one (as each node is built) cannot be once a
   // container is filled after something holds it. Iterative: safe on any tree the reader built.
@@ -89,6 +92,10 @@ struct PickleOptions {
   // Whether a global ("collections.OrderedDict", "torch._utils._rebuild_tensor_v2") may be
   // named; anything else is a FormatError of kind kUnsafe that carries its name.
   std::function<bool(std::string_view)> allow_global;
+  // Of the allowed globals, the classes NEWOBJ may build an object of (a dataclass pickled by
+  // Python's default protocol: NEWOBJ with no arguments, then BUILD with its fields). Unset:
+  // NEWOBJ is refused (kUnsafe), as for every reader of state dicts.
+  std::function<bool(std::string_view)> allow_object;
   PickleLimits limits;
 };
 

@@ -49,6 +49,11 @@ ZipReader ZipReader::open(const std::filesystem::path& path, ZipLimits limits) {
   return ZipReader(ByteSource::open(path), limits);
 }
 
+ZipReader ZipReader::open_range(const std::filesystem::path& path, std::uint64_t offset,
+                                std::uint64_t length, ZipLimits limits) {
+  return ZipReader(ByteSource::open_range(path, offset, length), limits);
+}
+
 ZipReader ZipReader::from_bytes(std::string bytes, ZipLimits limits) {
   return ZipReader(std::make_unique<ByteSource>(std::move(bytes)), limits);
 }

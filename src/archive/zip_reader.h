@@ -56,6 +56,10 @@ class ZipReader {
   // not a zip archive this reader accepts (message without the file's name).
   static ZipReader open(const std::filesystem::path& path, ZipLimits limits = {});
   static ZipReader from_bytes(std::string bytes, ZipLimits limits = {});
+  // The archive that fills [offset, offset + length) of the file at `path` (its offsets count
+  // from `offset`): ByteSource::open_range.
+  static ZipReader open_range(const std::filesystem::path& path, std::uint64_t offset,
+                              std::uint64_t length, ZipLimits limits = {});
 
   ZipReader(ZipReader&&) noexcept;
   ZipReader& operator=(ZipReader&&) noexcept;

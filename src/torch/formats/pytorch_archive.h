@@ -30,6 +30,14 @@ struct PytorchArchiveReadOptions {
 c10::IValue read_pytorch_archive(const std::filesystem::path& path,
                                  const PytorchArchiveReadOptions& options = {});
 
+// The archive that fills [offset, offset + length) of the file at `path` (one of the items of a
+// distributed checkpoint's data file), read as read_pytorch_archive reads a file; `source` names
+// it in errors ("ckpt/__0_0.distcp at byte 1577"). A range past the file's end is a
+// StateDictFormatError (truncated).
+c10::IValue read_pytorch_archive_range(const std::filesystem::path& path, std::uint64_t offset,
+                                       std::uint64_t length, const std::string& source,
+                                       const PytorchArchiveReadOptions& options = {});
+
 // Writes `value` to `path` through PATH.tmp renamed over it. `ordered_dict_at_top`: the top-level
 // dict is pickled as a collections.OrderedDict (as Python's state_dict() is), others as dicts.
 // Throws ConfigError on I/O failures, ddp::Error for a value of another kind.

@@ -7,6 +7,7 @@
 // before the pickle is read, so each kind of wrong file gets its own error.
 #include <array>
 #include <fstream>
+#include <functional>
 #include <optional>
 
 #include <c10/core/CPUAllocator.h>
@@ -45,20 +46,14 @@ void check_leading_bytes(const std::filesystem::path& path) {
       path.string()));
 }
 
-}  // namespace
-
-c10::IValue read_pytorch_archive(const std::filesystem::path& path,
-                                 const PytorchArchiveReadOptions& options) {
-  const std::string source = path.string();
-  std::error_code ignored;
-  if (std::filesystem::is_directory(path, ignored)) {
-    throw ConfigError(fmt::format("{}: a directory, not a state dict file", source));
-  }
-  check_leading_bytes(path);
+// The value of an opened archive; `source` names it in errors.
+c10::IValue read_opened_archive(const std::function<archive::ZipReader()>& open,
+                                const std::string& source,
+                                const PytorchArchiveReadOptions& options) {
   std::optional<archive::ZipReader> opened;
   std::string prefix;
   try {
-    opened.emplace(archive::ZipReader::open(path));
+    opened.emplace(open());
     prefix = archive::pytorch_record_prefix(*opened);
   } catch (const archive::FormatError& e) {
     throw StateDictFormatError(fmt::format(
@@ -117,6 +112,26 @@ c10::IValue read_pytorch_archive(const std::filesystem::path& path,
     throw StateDictFormatError(
         fmt::format("{}: a damaged PyTorch zip archive: {}", source, e.what()));
   }
+}
+
+}  // namespace
+
+c10::IValue read_pytorch_archive(const std::filesystem::path& path,
+                                 const PytorchArchiveReadOptions& options) {
+  const std::string source = path.string();
+  std::error_code ignored;
+  if (std::filesystem::is_directory(path, ignored)) {
+    throw ConfigError(fmt::format("{}: a directory, not a state dict file", source));
+  }
+  check_leading_bytes(path);
+  return read_opened_archive([&] { return archive::ZipReader::open(path); }, source, options);
+}
+
+c10::IValue read_pytorch_archive_range(const std::filesystem::path& path, std::uint64_t offset,
+                                       std::uint64_t length, const std::string& source,
+                                       const PytorchArchiveReadOptions& options) {
+  return read_opened_archive([&] { return archive::ZipReader::open_range(path, offset, length); },
+                             source, options);
 }
 
 }  // namespace ddp::detail

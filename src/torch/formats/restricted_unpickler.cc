@@ -119,6 +119,8 @@ class TreeConverter {
       case Kind::kGlobal:
       case Kind::kPersistentId:
         fail("a storage or a global is used as a value");
+      case Kind::kObject:  // not allowed by read_pickle's options here: a state dict holds none
+        fail("an object of a pickled class");
     }
     values_[id] = v;
     return v;

@@ -1,0 +1,327 @@
+// DcpReader (ddp/torch/checkpoint/distributed_checkpoint.h): `.metadata` through the archive
+// layer's parser (archive/dcp_metadata.h, torch-free and fuzzed), each item through the
+// PyTorch-archive reader over its byte range (torch/formats/pytorch_archive.h).
+#include "ddp/torch/checkpoint/distributed_checkpoint.h"
+
+#include <fstream>
+#include <iterator>
+#include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "archive/dcp_metadata.h"
+#include "torch/formats/pytorch_archive.h"
+
+namespace ddp {
+namespace {
+
+// A `.metadata` holds ~300 bytes an entry: this is about a million entries.
+constexpr std::uintmax_t kMaxMetadataBytes = std::uintmax_t{256} << 20;
+
+at::ScalarType scalar_type(const std::string& name) {
+  static const std::map<std::string, at::ScalarType, std::less<>> types = {
+      {"float32", at::kFloat},
+      {"float64", at::kDouble},
+      {"float16", at::kHalf},
+      {"bfloat16", at::kBFloat16},
+      {"int64", at::kLong},
+      {"int32", at::kInt},
+      {"int16", at::kShort},
+      {"int8", at::kChar},
+      {"uint8", at::kByte},
+      {"bool", at::kBool},
+      {"complex64", at::kComplexFloat},
+      {"complex128", at::kComplexDouble},
+  };  // float8: not in every libtorch ddp builds against (1.13 has none); refused by name
+  const auto it = types.find(name);
+  if (it == types.end()) {
+    throw StateDictFormatError(fmt::format("the dtype torch.{} is not one ddp reads", name));
+  }
+  return it->second;
+}
+
+std::string read_metadata_bytes(const std::filesystem::path& file) {
+  std::error_code error;
+  const auto bytes = std::filesystem::file_size(file, error);
+  if (error) {
+    throw ConfigError(fmt::format(
+        "{}: cannot read the checkpoint's metadata ({}): is this a folder dcp.save wrote?",
+        file.string(), error.message()));
+  }
+  if (bytes > kMaxMetadataBytes) {
+    throw StateDictFormatError(
+        fmt::format("{}: {} bytes, over the {} a checkpoint's metadata "
+                    "may take here",
+                    file.string(), bytes, kMaxMetadataBytes));
+  }
+  std::ifstream in(file, std::ios::binary);
+  std::string contents(static_cast<std::size_t>(bytes), '\0');
+  if (!in.read(contents.data(), static_cast<std::streamsize>(bytes))) {
+    throw ConfigError(fmt::format("{}: cannot read the checkpoint's metadata", file.string()));
+  }
+  return contents;
+}
+
+DcpStorageInfo storage_info(const archive::DcpStorage& s) {
+  return {s.file, s.offset, s.length};
+}
+
+}  // namespace
+
+DcpReader::DcpReader(std::filesystem::path folder) : folder_(std::move(folder)) {
+  std::error_code error;
+  if (!std::filesystem::is_directory(folder_, error)) {
+    throw ConfigError(
+        fmt::format("{}: not a folder; a distributed checkpoint is the folder "
+                    "dcp.save wrote (.metadata and __<rank>_<n>.distcp files)",
+                    folder_.string()));
+  }
+  const std::filesystem::path file = folder_ / ".metadata";
+  archive::DcpMetadata parsed;
+  try {
+    parsed = archive::parse_dcp_metadata(read_metadata_bytes(file));
+  } catch (const archive::FormatError& e) {
+    if (e.kind() == archive::FormatError::Kind::kUnsafe) {
+      throw UnsafePickleError(
+          fmt::format("{}: refused {}, which DCP's metadata never holds: reading it could run "
+                      "code from the file",
+                      file.string(), e.what()),
+          e.global_name());
+    }
+    throw StateDictFormatError(fmt::format("{}: {}", file.string(), e.what()));
+  }
+  info_.version = parsed.version;
+  info_.order = std::move(parsed.order);
+  for (auto& [name, keys] : parsed.paths) {
+    std::vector<DcpPathKey> path;
+    for (auto& key : keys)
+      path.push_back({std::move(key.name), key.index});
+    info_.paths.emplace(name, std::move(path));
+  }
+  for (auto& [name, entry] : parsed.tensors) {
+    DcpTensorInfo tensor;
+    try {
+      tensor.dtype = scalar_type(entry.dtype);
+    } catch (const StateDictFormatError& e) {
+      throw StateDictFormatError(
+          fmt::format("{}: the entry '{}': {}", file.string(), name, e.what()));
+    }
+    tensor.shape = std::move(entry.shape);
+    for (auto& chunk : entry.chunks) {
+      tensor.chunks.push_back(
+          {std::move(chunk.offsets), std::move(chunk.sizes), storage_info(chunk.storage)});
+    }
+    info_.tensors.emplace(name, std::move(tensor));
+  }
+  for (const auto& [name, storage] : parsed.values)
+    info_.values.emplace(name, storage_info(storage));
+}
+
+namespace {
+
+// One item's archive, read and checked; `what` names it ("the chunk of 'w' at [0, 4]").
+c10::IValue read_item(const std::filesystem::path& folder, const DcpStorageInfo& storage,
+                      const std::string& what) {
+  const std::filesystem::path file = folder / storage.file;
+  const std::string source = fmt::format("{} ({} at byte {})", what, file.string(), storage.offset);
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(file, error)) {
+    throw ConfigError(
+        fmt::format("{}: the data file is missing (a checkpoint copied in part?)", source));
+  }
+  return detail::read_pytorch_archive_range(file, storage.offset, storage.length, source);
+}
+
+at::Tensor read_chunk(const std::filesystem::path& folder, const std::string& name,
+                      const DcpTensorInfo& tensor, const DcpChunkInfo& chunk) {
+  const std::string what =
+      fmt::format("the chunk of '{}' at [{}]", name, fmt::join(chunk.offsets, ", "));
+  const c10::IValue value = read_item(folder, chunk.storage, what);
+  if (!value.isTensor()) {
+    throw StateDictFormatError(
+        fmt::format("{} in {}: holds a {}, not a tensor", what, folder.string(), value.tagKind()));
+  }
+  at::Tensor t = value.toTensor();
+  if (t.scalar_type() != tensor.dtype || t.sizes() != at::IntArrayRef(chunk.sizes)) {
+    throw StateDictFormatError(
+        fmt::format("{} in {}: holds a {} tensor of [{}]; the metadata records {} [{}]", what,
+                    folder.string(), c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "),
+                    c10::toString(tensor.dtype), fmt::join(chunk.sizes, ", ")));
+  }
+  return t;
+}
+
+const DcpTensorInfo& find_tensor(const DcpCheckpointInfo& info, const std::filesystem::path& folder,
+                                 const std::string& name) {
+  const auto it = info.tensors.find(name);
+  if (it != info.tensors.end()) return it->second;
+  const bool value = info.values.contains(name);
+  throw ConfigError(fmt::format("{}: the checkpoint has no tensor '{}'{}", folder.string(), name,
+                                value ? " (it is a non-tensor value: read_value)" : ""));
+}
+
+}  // namespace
+
+at::Tensor DcpReader::read(const std::string& name) const {
+  const DcpTensorInfo& tensor = find_tensor(info_, folder_, name);
+  return read(name, std::vector<std::int64_t>(tensor.shape.size(), 0), tensor.shape);
+}
+
+at::Tensor DcpReader::read(const std::string& name, const std::vector<std::int64_t>& offsets,
+                           const std::vector<std::int64_t>& sizes) const {
+  const DcpTensorInfo& tensor = find_tensor(info_, folder_, name);
+  const std::size_t dims = tensor.shape.size();
+  bool inside = offsets.size() == dims && sizes.size() == dims;
+  for (std::size_t d = 0; inside && d < dims; ++d) {
+    inside = offsets[d] >= 0 && sizes[d] >= 0 && offsets[d] <= tensor.shape[d] &&
+             sizes[d] <= tensor.shape[d] - offsets[d];
+  }
+  if (!inside) {
+    throw ConfigError(fmt::format(
+        "{}: the region at [{}] of [{}] is not inside '{}', of shape [{}]", folder_.string(),
+        fmt::join(offsets, ", "), fmt::join(sizes, ", "), name, fmt::join(tensor.shape, ", ")));
+  }
+  at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(tensor.dtype));
+  std::int64_t copied = 0;
+  for (const DcpChunkInfo& chunk : tensor.chunks) {
+    // The overlap of the chunk and the region, per dimension.
+    std::vector<std::int64_t> lo(dims), hi(dims);
+    bool overlaps = true;
+    for (std::size_t d = 0; d < dims && overlaps; ++d) {
+      lo[d] = std::max(offsets[d], chunk.offsets[d]);
+      hi[d] = std::min(offsets[d] + sizes[d], chunk.offsets[d] + chunk.sizes[d]);
+      overlaps = lo[d] < hi[d];
+    }
+    if (!overlaps) continue;
+    at::Tensor from = read_chunk(folder_, name, tensor, chunk);
+    at::Tensor to = out;
+    std::int64_t elements = 1;
+    for (std::size_t d = 0; d < dims; ++d) {
+      const auto dim = static_cast<std::int64_t>(d);
+      from = from.narrow(dim, lo[d] - chunk.offsets[d], hi[d] - lo[d]);
+      to = to.narrow(dim, lo[d] - offsets[d], hi[d] - lo[d]);
+      elements *= hi[d] - lo[d];
+    }
+    to.copy_(from);
+    copied += elements;
+  }
+  // The metadata's chunks tile the tensor (checked when it was read), so this holds; it is
+  // checked again because an element left out would be silently uninitialised.
+  if (copied != out.numel()) {
+    throw StateDictFormatError(
+        fmt::format("{}: the chunks of '{}' gave {} of the region's {} "
+                    "elements",
+                    folder_.string(), name, copied, out.numel()));
+  }
+  return out;
+}
+
+c10::IValue DcpReader::read_value(const std::string& name) const {
+  const auto it = info_.values.find(name);
+  if (it == info_.values.end()) {
+    throw ConfigError(fmt::format("{}: the checkpoint has no value '{}'{}", folder_.string(), name,
+                                  info_.tensors.contains(name) ? " (it is a tensor: read)" : ""));
+  }
+  return read_item(folder_, it->second, fmt::format("the value '{}'", name));
+}
+
+std::uint64_t DcpReader::verify() const {
+  std::uint64_t bytes = 0;
+  for (const auto& [name, tensor] : info_.tensors) {
+    for (const DcpChunkInfo& chunk : tensor.chunks) {
+      read_chunk(folder_, name, tensor, chunk);
+      bytes += chunk.storage.length;
+    }
+  }
+  for (const auto& [name, storage] : info_.values) {
+    read_value(name);
+    bytes += storage.length;
+  }
+  return bytes;
+}
+
+namespace {
+
+c10::IValue path_key(const DcpPathKey& key) {
+  return key.index >= 0 ? c10::IValue(key.index) : c10::IValue(key.name);
+}
+
+c10::IValue empty_container(const DcpPathKey& next) {
+  if (next.index >= 0) return c10::impl::GenericList(c10::AnyType::get());
+  return c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
+}
+
+void extend_list(c10::impl::GenericList& list, std::int64_t index) {
+  while (static_cast<std::int64_t>(list.size()) <= index)
+    list.push_back(c10::IValue());
+}
+
+// PyTorch's torch.distributed.checkpoint._traverse.set_element: `value` at `path` under `root`,
+// creating each level on the way (a dict where the next key is a name, a list where it is a
+// position).
+void set_element(c10::IValue root, const std::vector<DcpPathKey>& path, c10::IValue value,
+                 const std::string& name) {
+  auto fail = [&] {
+    throw StateDictFormatError(fmt::format(
+        "the entry '{}': its path in the saved state dict crosses another entry's value or "
+        "uses a name as a list's position",
+        name));
+  };
+  c10::IValue current = std::move(root);
+  for (std::size_t i = 1; i < path.size(); ++i) {
+    const DcpPathKey& previous = path[i - 1];
+    if (current.isGenericDict()) {
+      auto dict = current.toGenericDict();
+      const c10::IValue key = path_key(previous);
+      if (!dict.contains(key)) dict.insert(key, empty_container(path[i]));
+      current = dict.at(key);
+    } else if (current.isList() && previous.index >= 0) {
+      auto list = current.toList();
+      extend_list(list, previous.index);
+      if (list.get(static_cast<std::size_t>(previous.index)).isNone()) {
+        list.set(static_cast<std::size_t>(previous.index), empty_container(path[i]));
+      }
+      current = list.get(static_cast<std::size_t>(previous.index));
+    } else {
+      fail();
+    }
+  }
+  const DcpPathKey& last = path.back();
+  if (current.isGenericDict()) {
+    current.toGenericDict().insert_or_assign(path_key(last), std::move(value));
+  } else if (current.isList() && last.index >= 0) {
+    auto list = current.toList();
+    extend_list(list, last.index);
+    list.set(static_cast<std::size_t>(last.index), std::move(value));
+  } else {
+    fail();
+  }
+}
+
+}  // namespace
+
+c10::IValue DcpReader::read_state_dict() const {
+  c10::impl::GenericDict root(c10::AnyType::get(), c10::AnyType::get());
+  for (const std::string& name : info_.order) {
+    c10::IValue value = info_.tensors.contains(name) ? c10::IValue(read(name)) : read_value(name);
+    const auto path = info_.paths.find(name);
+    if (path == info_.paths.end()) {
+      root.insert_or_assign(name, std::move(value));
+      continue;
+    }
+    try {
+      set_element(root, path->second, std::move(value), name);
+    } catch (const StateDictFormatError& e) {
+      throw StateDictFormatError(fmt::format("{}: {}", folder_.string(), e.what()));
+    }
+  }
+  return root;
+}
+
+void dcp_to_torch_save(const std::filesystem::path& folder, const std::filesystem::path& file) {
+  const DcpReader checkpoint(folder);
+  detail::write_pytorch_archive(file, checkpoint.read_state_dict(), /*ordered_dict_at_top=*/false);
+}
+
+}  // namespace ddp
