@@ -76,6 +76,8 @@ def main():
     with tempfile.TemporaryDirectory(prefix="dcp_crossing_") as d:
         run([python, MAKE, d])
         folder = os.path.join(d, "sharded_w4")
+        if "DIR is required" not in run([tool, "inspect"], expect=2).stderr:
+            sys.exit("FAILED: ddp-checkpoint inspect without DIR did not name what is missing")
         verified = run([tool, "verify", folder]).stdout.strip().splitlines()[-1]
         if not verified.startswith("verified: 5 tensors in 14 chunks, 3 values, "):
             sys.exit(f"FAILED: ddp-checkpoint verify printed '{verified}'")

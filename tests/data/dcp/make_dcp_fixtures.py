@@ -114,6 +114,12 @@ HOSTILE = {
     "sparse": (set_layout, "not a strided"),
     "dtype": (set_dtype, "the metadata records Double"),
     "evil_global": (lambda m: setattr(m, "planner_data", {"grid": (os.system,)}), "system"),
+    # Valid metadata that the torch layer refuses: a dtype libtorch 1.13 lacks, and an entry
+    # whose path in the nested state dict runs through another entry's tensor.
+    "float8": (lambda m: setattr(m.state_dict_metadata["grid"].properties, "dtype",
+                                 torch.float8_e4m3fn), "float8_e4m3fn"),
+    "crossing_paths": (lambda m: m.planner_data.__setitem__("nested.scale", ("grid", "scale")),
+                       "crosses another entry"),
 }
 
 

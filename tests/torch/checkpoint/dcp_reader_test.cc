@@ -179,6 +179,31 @@ TEST(DcpReader, AChunkOfAnotherDtypeThanTheMetadataIsNamed) {
           HasSubstr("holds a Float tensor of [3, 4]"), HasSubstr("the metadata records Double"))));
 }
 
+TEST(DcpReader, NamesAValueItLacksAndAFolderWithoutMetadata) {
+  const DcpReader checkpoint(fixture());
+  EXPECT_THAT([&] { checkpoint.read_value("epoch"); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("has no value 'epoch'")));
+  EXPECT_THAT([&] { checkpoint.read_value("grid"); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("(it is a tensor: read)")));
+  TempDir dir("ddp-dcp-test");
+  EXPECT_THAT(
+      [&] { DcpReader{dir.path()}; },
+      ::testing::ThrowsMessage<ConfigError>(HasSubstr("cannot read the checkpoint's metadata")));
+}
+
+TEST(DcpReader, ADtypeThisLibtorchLacksAndCrossingPathsAreNamed) {
+  TempDir dir("ddp-dcp-test");
+  EXPECT_THAT([&] { DcpReader{copy_fixture(dir, "float8")}; },
+              ::testing::ThrowsMessage<StateDictFormatError>(
+                  AllOf(HasSubstr("'grid'"), HasSubstr("torch.float8_e4m3fn is not one ddp "
+                                                       "reads"))));
+  TempDir dir2("ddp-dcp-test");
+  const DcpReader crossing(copy_fixture(dir2, "crossing_paths"));
+  EXPECT_THAT([&] { crossing.read_state_dict(); },
+              ::testing::ThrowsMessage<StateDictFormatError>(
+                  AllOf(HasSubstr("'nested.scale'"), HasSubstr("crosses another entry"))));
+}
+
 TEST(DcpReader, HostileMetadataIsRefusedBeforeAnyDataIsRead) {
   TempDir dir("ddp-dcp-test");
   EXPECT_THAT([&] { DcpReader{copy_fixture(dir, "evil_global")}; },
