@@ -45,6 +45,7 @@
 // checkpoint
 #include "ddp/torch/checkpoint/checkpoint.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "ddp/torch/checkpoint/train_state.h"
 // fsdp
 #include "ddp/torch/fsdp/fsdp_memory.h"

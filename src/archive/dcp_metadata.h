@@ -13,6 +13,7 @@
 //   - dtypes the torch layer knows, the strided layout only, no storage transforms (the
 //     extensions PyTorch may record: compression and the like, refused by name).
 // Format versions: what PyTorch 2.x writes ("1.0.0", or none for the early 2.x releases).
+// Writing: encode_dcp_metadata (archive/dcp_metadata_writer.cc).
 #pragma once
 
 #include <cstdint>
@@ -75,5 +76,15 @@ struct DcpMetadataLimits {
 // overlapping or leaving a hole, a storage record missing or for nothing, a bad file name),
 // kUnsupported (another layout, a storage transform, an unknown dtype), kTooLarge (limits).
 DcpMetadata parse_dcp_metadata(std::string_view bytes, const DcpMetadataLimits& limits = {});
+
+// The bytes of the `.metadata` file that describes `metadata`, pickled as PyTorch 2.x's dcp.save
+// pickles its Metadata (the same classes, field names and state forms; TensorProperties in the
+// five-field form every 2.x release reads; storage_meta None), so that dcp.load and
+// parse_dcp_metadata read it. Entries are written in `metadata.order`, which must name every
+// tensor and value once; a version "" is written as "1.0.0"; an entry without a path gets
+// its name as its one-step path, as dcp.save records. Nothing else is checked here: a writer
+// parses the result (parse_dcp_metadata) before it commits it. Throws FormatError kDamaged when
+// `order` does not match the entries.
+std::string encode_dcp_metadata(const DcpMetadata& metadata);
 
 }  // namespace ddp::archive

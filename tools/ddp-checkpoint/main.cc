@@ -1,5 +1,5 @@
-// ddp-checkpoint: what a distributed checkpoint (PyTorch's DCP folder) holds, and whether every
-// byte of it reads back (docs/checkpoints.md).
+// ddp-checkpoint: what a distributed checkpoint (PyTorch's DCP folder) holds, whether every byte
+// of it reads back, and conversions to and from one torch.save file (docs/checkpoints.md).
 //
 //   ddp-checkpoint inspect DIR   the format version, then a line per entry: a tensor's name,
 //                                dtype, shape, chunks and bytes; a value's name and bytes
@@ -9,9 +9,13 @@
 //                                the one torch.save file PyTorch's dcp_to_torch_save writes for
 //                                DIR (the nested state dict, tensors whole); last line
 //                                "wrote FILE: E entries, B bytes"
+//   ddp-checkpoint torch-to-dcp FILE DIR
+//                                the folder PyTorch's torch_save_to_dcp writes for the torch.save
+//                                file FILE (its dict flattened, one process); last line
+//                                "wrote DIR: E entries, B bytes"
 //
-// Exit status: 0; 1 for a checkpoint that cannot be read (the message names the file, the entry
-// and what is wrong); 2 for a usage error.
+// Exit status: 0; 1 for a checkpoint or file that cannot be read or written (the message names
+// the file, the entry and what is wrong); 2 for a usage error.
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -24,6 +28,7 @@
 #include <CLI/CLI.hpp>
 
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 
 namespace {
 
@@ -71,7 +76,8 @@ void verify(const ddp::DcpReader& checkpoint) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Reads PyTorch's distributed checkpoint folders (torch.distributed.checkpoint)"};
+  CLI::App app{
+      "Reads and writes PyTorch's distributed checkpoint folders (torch.distributed.checkpoint)"};
   app.require_subcommand(1);
   std::string folder;
   CLI::App* inspect_command = app.add_subcommand("inspect", "what the checkpoint holds");
@@ -83,6 +89,10 @@ int main(int argc, char** argv) {
       app.add_subcommand("dcp-to-torch", "write the checkpoint as one torch.save file");
   to_torch_command->add_option("DIR", folder, "the checkpoint's folder")->required();
   to_torch_command->add_option("FILE", file, "the file to write")->required();
+  CLI::App* to_dcp_command = app.add_subcommand(
+      "torch-to-dcp", "write a torch.save file's state dict as a distributed checkpoint");
+  to_dcp_command->add_option("FILE", file, "the torch.save file to read")->required();
+  to_dcp_command->add_option("DIR", folder, "the checkpoint folder to write")->required();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -94,6 +104,18 @@ int main(int argc, char** argv) {
       const ddp::DcpReader checkpoint(folder);
       fmt::print("wrote {}: {} entries, {} bytes\n", file, checkpoint.info().order.size(),
                  std::filesystem::file_size(file));
+      return 0;
+    }
+    if (*to_dcp_command) {
+      const ddp::DcpCheckpointInfo info = ddp::torch_save_to_dcp(file, folder);
+      std::uint64_t bytes = 0;
+      for (const auto& [name, tensor] : info.tensors) {
+        for (const auto& chunk : tensor.chunks)
+          bytes += chunk.storage.length;
+      }
+      for (const auto& [name, value] : info.values)
+        bytes += value.length;
+      fmt::print("wrote {}: {} entries, {} bytes\n", folder, info.order.size(), bytes);
       return 0;
     }
     const ddp::DcpReader checkpoint(folder);

@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 
 #include "archive/dcp_metadata.h"
+#include "torch/checkpoint/dcp_info.h"
 #include "torch/formats/pytorch_archive.h"
 
 namespace ddp {
@@ -18,28 +19,6 @@ namespace {
 
 // A `.metadata` holds ~300 bytes an entry: this is about a million entries.
 constexpr std::uintmax_t kMaxMetadataBytes = std::uintmax_t{256} << 20;
-
-at::ScalarType scalar_type(const std::string& name) {
-  static const std::map<std::string, at::ScalarType, std::less<>> types = {
-      {"float32", at::kFloat},
-      {"float64", at::kDouble},
-      {"float16", at::kHalf},
-      {"bfloat16", at::kBFloat16},
-      {"int64", at::kLong},
-      {"int32", at::kInt},
-      {"int16", at::kShort},
-      {"int8", at::kChar},
-      {"uint8", at::kByte},
-      {"bool", at::kBool},
-      {"complex64", at::kComplexFloat},
-      {"complex128", at::kComplexDouble},
-  };  // float8: not in every libtorch ddp builds against (1.13 has none); refused by name
-  const auto it = types.find(name);
-  if (it == types.end()) {
-    throw StateDictFormatError(fmt::format("the dtype torch.{} is not one ddp reads", name));
-  }
-  return it->second;
-}
 
 std::string read_metadata_bytes(const std::filesystem::path& file) {
   std::error_code error;
@@ -61,10 +40,6 @@ std::string read_metadata_bytes(const std::filesystem::path& file) {
     throw ConfigError(fmt::format("{}: cannot read the checkpoint's metadata", file.string()));
   }
   return contents;
-}
-
-DcpStorageInfo storage_info(const archive::DcpStorage& s) {
-  return {s.file, s.offset, s.length};
 }
 
 }  // namespace
@@ -91,31 +66,7 @@ DcpReader::DcpReader(std::filesystem::path folder) : folder_(std::move(folder)) 
     }
     throw StateDictFormatError(fmt::format("{}: {}", file.string(), e.what()));
   }
-  info_.version = parsed.version;
-  info_.order = std::move(parsed.order);
-  for (auto& [name, keys] : parsed.paths) {
-    std::vector<DcpPathKey> path;
-    for (auto& key : keys)
-      path.push_back({std::move(key.name), key.index});
-    info_.paths.emplace(name, std::move(path));
-  }
-  for (auto& [name, entry] : parsed.tensors) {
-    DcpTensorInfo tensor;
-    try {
-      tensor.dtype = scalar_type(entry.dtype);
-    } catch (const StateDictFormatError& e) {
-      throw StateDictFormatError(
-          fmt::format("{}: the entry '{}': {}", file.string(), name, e.what()));
-    }
-    tensor.shape = std::move(entry.shape);
-    for (auto& chunk : entry.chunks) {
-      tensor.chunks.push_back(
-          {std::move(chunk.offsets), std::move(chunk.sizes), storage_info(chunk.storage)});
-    }
-    info_.tensors.emplace(name, std::move(tensor));
-  }
-  for (const auto& [name, storage] : parsed.values)
-    info_.values.emplace(name, storage_info(storage));
+  info_ = detail::dcp_checkpoint_info(std::move(parsed), file.string());
 }
 
 namespace {

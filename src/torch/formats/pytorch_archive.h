@@ -8,6 +8,8 @@
 // collections.OrderedDict into a GenericDict (insertion order kept) and drops its `_metadata`.
 #pragma once
 
+#include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -43,6 +45,14 @@ c10::IValue read_pytorch_archive_range(const std::filesystem::path& path, std::u
 // Throws ConfigError on I/O failures, ddp::Error for a value of another kind.
 void write_pytorch_archive(const std::filesystem::path& path, const c10::IValue& value,
                            bool ordered_dict_at_top);
+
+// Appends the archive of `value` (as write_pytorch_archive writes it) to `file` at its position
+// (an item of a distributed checkpoint's data file) and returns its length in bytes; `name`
+// names the file in errors. Throws ConfigError when a write fails, ddp::Error, starting with
+// `context`, for a value of another kind. The caller flushes.
+std::uint64_t append_pytorch_archive(std::FILE* file, const std::string& name,
+                                     const c10::IValue& value, bool ordered_dict_at_top,
+                                     const std::string& context);
 
 // Where pickle_value puts each storage it reaches, once per storage, under the key its pickle
 // names it by ("0", "1", ... in the order reached).

@@ -4,7 +4,6 @@
 // tensors' memory, so a save costs one pass over the bytes as torch::save does. libtorch's
 // torch::pickle_save is not used: it builds the whole archive in memory first, and its dicts are
 // not Python's OrderedDict.
-#include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +13,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <fmt/format.h>
 
+#include "archive/pickle_writer.h"
 #include "ddp/torch/formats/state_dict.h"
 #include "torch/formats/pytorch_archive.h"
 
@@ -47,8 +47,8 @@ const char* storage_type_name(at::ScalarType dtype, const std::string& context) 
     case at::kComplexDouble:
       return "ComplexDoubleStorage";
     default:
-      throw Error(fmt::format("{}: tensors of dtype {} cannot be saved", context,
-                              c10::toString(dtype)));
+      throw Error(
+          fmt::format("{}: tensors of dtype {} cannot be saved", context, c10::toString(dtype)));
   }
 }
 
@@ -58,54 +58,16 @@ class Pickler {
       : sink_(sink), context_(std::move(context)) {}
 
   std::string finish(const c10::IValue& value, bool ordered_dict_at_top) {
-    out_ += "\x80\x02";  // PROTO 2
     write(value, ordered_dict_at_top);
-    out_ += '.';  // STOP
-    return std::move(out_);
+    return out_.finish();
   }
 
  private:
-  void u32(std::uint32_t v) {
-    for (int i = 0; i < 4; ++i)
-      out_ += static_cast<char>((v >> (8 * i)) & 0xff);
-  }
-  void string(const std::string& s) {
-    out_ += 'X';  // BINUNICODE
-    u32(static_cast<std::uint32_t>(s.size()));
-    out_ += s;
-  }
-  void integer(std::int64_t v) {
-    if (v >= 0 && v < 256) {
-      out_ += 'K';
-      out_ += static_cast<char>(v);
-    } else if (v >= 0 && v < 65536) {
-      out_ += 'M';
-      out_ += static_cast<char>(v & 0xff);
-      out_ += static_cast<char>(v >> 8);
-    } else if (v >= INT32_MIN && v <= INT32_MAX) {
-      out_ += 'J';
-      u32(static_cast<std::uint32_t>(static_cast<std::int32_t>(v)));
-    } else {
-      out_ += "\x8a\x08";  // LONG1, 8 bytes little-endian two's complement
-      const auto bits = static_cast<std::uint64_t>(v);
-      for (int i = 0; i < 8; ++i)
-        out_ += static_cast<char>((bits >> (8 * i)) & 0xff);
-    }
-  }
-  void floating(double v) {
-    out_ += 'G';  // BINFLOAT, big-endian
-    const auto bits = std::bit_cast<std::uint64_t>(v);
-    for (int i = 7; i >= 0; --i)
-      out_ += static_cast<char>((bits >> (8 * i)) & 0xff);
-  }
-  void global(const char* module, const char* name) {
-    out_ += fmt::format("c{}\n{}\n", module, name);
-  }
   void ints_tuple(c10::IntArrayRef values) {
-    out_ += '(';
+    out_.mark();
     for (const auto v : values)
-      integer(v);
-    out_ += 't';
+      out_.integer(v);
+    out_.tuple();
   }
 
   // As Python's Tensor.__reduce_ex__ writes a plain tensor: _rebuild_tensor_v2(storage, offset,
@@ -125,59 +87,65 @@ class Pickler {
       alive_.push_back(t);  // a copy's storage must outlive the map key that names it
     }
     const auto numel = static_cast<std::int64_t>(storage.nbytes() / t.element_size());
-    global("torch._utils", "_rebuild_tensor_v2");
-    out_ += "((";
-    string("storage");
-    global("torch", type_name);
-    string(it->second);
-    string("cpu");
-    integer(numel);
-    out_ += "tQ";  // TUPLE, BINPERSID
-    integer(t.storage_offset());
+    out_.global("torch._utils", "_rebuild_tensor_v2");
+    out_.mark();
+    out_.mark();
+    out_.string("storage");
+    out_.global("torch", type_name);
+    out_.string(it->second);
+    out_.string("cpu");
+    out_.integer(numel);
+    out_.tuple();
+    out_.binpersid();
+    out_.integer(t.storage_offset());
     ints_tuple(t.sizes());
     ints_tuple(t.strides());
-    out_ += '\x89';  // requires_grad False
-    global("collections", "OrderedDict");
-    out_ += ")R";  // backward hooks: OrderedDict()
-    out_ += "tR";
+    out_.boolean(false);  // requires_grad
+    out_.global("collections", "OrderedDict");
+    out_.empty_tuple();
+    out_.reduce();  // backward hooks: OrderedDict()
+    out_.tuple();
+    out_.reduce();
   }
 
   void write(const c10::IValue& v, bool ordered_dict = false) {
     if (v.isNone()) {
-      out_ += 'N';
+      out_.none();
     } else if (v.isBool()) {
-      out_ += v.toBool() ? '\x88' : '\x89';
+      out_.boolean(v.toBool());
     } else if (v.isInt()) {
-      integer(v.toInt());
+      out_.integer(v.toInt());
     } else if (v.isDouble()) {
-      floating(v.toDouble());
+      out_.floating(v.toDouble());
     } else if (v.isString()) {
-      string(v.toStringRef());
+      out_.string(v.toStringRef());
     } else if (v.isTensor()) {
       tensor(v.toTensor());
     } else if (v.isTuple()) {
-      out_ += '(';
+      out_.mark();
       for (const auto& e : v.toTupleRef().elements())
         write(e);
-      out_ += 't';
+      out_.tuple();
     } else if (v.isList()) {
-      out_ += "](";
+      out_.empty_list();
+      out_.mark();
       for (const auto& e : v.toListRef())
         write(e);
-      out_ += 'e';  // APPENDS
+      out_.appends();
     } else if (v.isGenericDict()) {
       if (ordered_dict) {
-        global("collections", "OrderedDict");
-        out_ += ")R";
+        out_.global("collections", "OrderedDict");
+        out_.empty_tuple();
+        out_.reduce();
       } else {
-        out_ += '}';
+        out_.empty_dict();
       }
-      out_ += '(';
+      out_.mark();
       for (const auto& entry : v.toGenericDict()) {
         write(entry.key());
         write(entry.value());
       }
-      out_ += 'u';  // SETITEMS
+      out_.setitems();
     } else {
       throw Error(fmt::format("{}: a value of kind {} cannot be saved", context_, v.tagKind()));
     }
@@ -185,7 +153,7 @@ class Pickler {
 
   const StorageSink& sink_;
   std::string context_;
-  std::string out_;
+  archive::PickleWriter out_;
   std::map<const void*, std::string> keys_;
   std::vector<torch::Tensor> alive_;
 };
@@ -195,6 +163,37 @@ class Pickler {
 std::string pickle_value(const c10::IValue& value, bool ordered_dict_at_top,
                          const StorageSink& sink, const std::string& context) {
   return Pickler(sink, context).finish(value, ordered_dict_at_top);
+}
+
+std::uint64_t append_pytorch_archive(std::FILE* file, const std::string& name,
+                                     const c10::IValue& value, bool ordered_dict_at_top,
+                                     const std::string& context) {
+  std::uint64_t written = 0;
+  bool write_failed = false;
+  int write_errno = 0;
+  {
+    caffe2::serialize::PyTorchStreamWriter zip([&](const void* data, std::size_t size) {
+      if (!write_failed && std::fwrite(data, 1, size, file) != size) {
+        write_failed = true;
+        write_errno = errno;
+      }
+      written += size;
+      return size;
+    });
+    const std::string pickle = pickle_value(
+        value, ordered_dict_at_top,
+        [&](const std::string& key, const at::Storage& storage) {
+          zip.writeRecord("data/" + key, storage.data_ptr().get(), storage.nbytes());
+        },
+        context);
+    zip.writeRecord("data.pkl", pickle.data(), pickle.size());
+    zip.writeRecord("byteorder", "little", 6);
+    zip.writeEndOfFile();
+  }
+  if (write_failed) {
+    throw ConfigError(fmt::format("{}: write failed: {}", name, std::strerror(write_errno)));
+  }
+  return written;
 }
 
 void write_pytorch_archive(const std::filesystem::path& path, const c10::IValue& value,
@@ -207,25 +206,10 @@ void write_pytorch_archive(const std::filesystem::path& path, const c10::IValue&
         fmt::format("{}: cannot open to write: {}", temporary.string(), std::strerror(errno)));
   }
   std::setvbuf(file.get(), nullptr, _IOFBF, 1 << 20);
-  bool write_failed = false;
   try {
-    {
-      caffe2::serialize::PyTorchStreamWriter zip([&](const void* data, std::size_t size) {
-        if (std::fwrite(data, 1, size, file.get()) != size) write_failed = true;
-        return size;
-      });
-      const std::string pickle =
-          pickle_value(value, ordered_dict_at_top,
-                       [&](const std::string& key, const at::Storage& storage) {
-                         zip.writeRecord("data/" + key, storage.data_ptr().get(), storage.nbytes());
-                       },
-                       "save_state_dict");
-      zip.writeRecord("data.pkl", pickle.data(), pickle.size());
-      zip.writeRecord("byteorder", "little", 6);
-      zip.writeEndOfFile();
-    }
-    if (std::fflush(file.get()) != 0) write_failed = true;
-    if (write_failed) {
+    append_pytorch_archive(file.get(), temporary.string(), value, ordered_dict_at_top,
+                           "save_state_dict");
+    if (std::fflush(file.get()) != 0) {
       throw ConfigError(
           fmt::format("{}: write failed: {}", temporary.string(), std::strerror(errno)));
     }

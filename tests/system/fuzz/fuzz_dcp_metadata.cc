@@ -1,10 +1,13 @@
 // libFuzzer harness: the distributed checkpoint's metadata reader (src/archive/dcp_metadata.h) on
 // any bytes. It must return metadata whose every chunk lies inside its tensor with a storage
 // record in a plain file name, or throw archive::FormatError; nothing else, in bounded time and
-// memory (seeds: PyTorch 2.15's metadata and its hostile variants, tests/data/dcp).
+// memory (seeds: PyTorch 2.15's metadata and its hostile variants, tests/data/dcp). What it
+// accepts must also survive the writer: encode_dcp_metadata of it parses back to the same
+// entries, and encoding that gives the same bytes (what ddp writes, ddp reads).
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <string_view>
 
 #include "archive/dcp_metadata.h"
@@ -36,6 +39,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           fail("a data file name outside the folder");
         }
       }
+    }
+    std::string written;
+    try {
+      written = ddp::archive::encode_dcp_metadata(metadata);
+    } catch (const ddp::archive::FormatError&) {
+      fail("metadata the reader accepted could not be written");
+    }
+    ddp::archive::DcpMetadata again;
+    try {
+      again = ddp::archive::parse_dcp_metadata(written);
+    } catch (const ddp::archive::FormatError&) {
+      fail("metadata ddp wrote was refused by its reader");
+    }
+    if (again.order != metadata.order || again.tensors.size() != metadata.tensors.size() ||
+        again.values.size() != metadata.values.size()) {
+      fail("metadata written and read back lost entries");
+    }
+    if (ddp::archive::encode_dcp_metadata(again) != written) {
+      fail("metadata written twice gave different bytes");
     }
   } catch (const ddp::archive::FormatError&) {
   }

@@ -21,8 +21,8 @@
 //
 // Versions: what PyTorch 2.x's `dcp.save` writes (tested: 2.15, format version "1.0.0") with
 // the default FileSystemWriter; storage transforms (compression extensions) and sparse layouts
-// are refused by name. Writing the format is not implemented yet (docs/checkpoints.md); a whole
-// checkpoint converts to one torch.save file (dcp_to_torch_save, `ddp-checkpoint dcp-to-torch`).
+// are refused by name. Writing: distributed_checkpoint_save.h; a whole checkpoint converts to
+// one torch.save file (dcp_to_torch_save, `ddp-checkpoint dcp-to-torch`).
 //
 // Errors: ConfigError (the folder or a file missing or unreadable; a name the checkpoint lacks; a
 // region outside its tensor), StateDictFormatError (what the files hold contradicts the format or

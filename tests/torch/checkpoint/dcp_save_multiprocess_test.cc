@@ -1,0 +1,199 @@
+// save_dcp (ddp/torch/checkpoint/distributed_checkpoint_save.h) at world 3, in real processes:
+// row and column shards of uneven sizes, a replicated tensor, a shard two ranks both hold (as
+// HYBRID_SHARD's replicas: written once), values on every rank and on one, read back whole and
+// at world 2's layout by DcpReader and by PyTorch 2.x's dcp.load at worlds 2 (DTensors split
+// another way) and 1. A plan the ranks disagree on, and a rank that fails to write, fail the
+// save on every rank, naming the rank, with the previous checkpoint left as it was.
+#include <chrono>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ddp/error.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
+#include "support/multiprocess.h"
+#include "support/subprocess.h"
+#include "support/temp_dir.h"
+#include "support/test_paths.h"
+#include "support/torch/ddp_test_util.h"
+#include "support/unity_namespace.h"
+
+namespace ddp {
+namespace {
+namespace DDP_UNITY_ID {
+
+using namespace std::chrono_literals;
+using test::join_group;
+using test::run_ranks;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr int kWorld = 3;
+
+// The whole tensors, in closed form (pytorch_dcp_load.py computes the same).
+at::Tensor rows() {
+  return torch::arange(40, torch::kFloat64).reshape({10, 4});
+}
+at::Tensor cols() {
+  return torch::arange(21, torch::kFloat32).reshape({3, 7});
+}
+at::Tensor emb() {
+  return torch::arange(10, torch::kInt64).reshape({5, 2});
+}
+at::Tensor hybrid() {
+  return torch::arange(4, torch::kFloat32) * 10;
+}
+
+// Rank `rank`'s part, as FSDP (rows: 4, 3, 3), tensor parallelism (cols: 3, 2, 2) and
+// HYBRID_SHARD (hybrid: ranks 0 and 2 hold the first half, rank 1 the second) would hold it.
+DcpStateDict part_of(int rank) {
+  const std::vector<std::int64_t> row_start = {0, 4, 7, 10}, col_start = {0, 3, 5, 7};
+  DcpStateDict state;
+  state.add_shard("rows", rows().slice(0, row_start[rank], row_start[rank + 1]),
+                  {row_start[rank], 0}, {10, 4});
+  state.add_shard("cols", cols().slice(1, col_start[rank], col_start[rank + 1]),
+                  {0, col_start[rank]}, {3, 7});
+  state.add_tensor("emb", emb());
+  const std::int64_t half = rank == 1 ? 2 : 0;
+  state.add_shard("hybrid", hybrid().slice(0, half, half + 2), {half}, {4});
+  state.add_value("step", 42);
+  if (rank == 1) state.add_value("only_on_rank1", std::string("one"));
+  return state;
+}
+
+std::set<std::string> files_in(const std::filesystem::path& folder) {
+  std::set<std::string> names;
+  for (const auto& f : std::filesystem::directory_iterator(folder))
+    names.insert(f.path().filename().string());
+  return names;
+}
+
+// Saves part_of(rank) at world 3 into `folder`; every rank checks the description it returns.
+void save_at_world_three(const std::filesystem::path& folder) {
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(kWorld, [&](int rank) {
+    auto pg = join_group(rank, kWorld, port);
+    const DcpCheckpointInfo info = save_dcp(part_of(rank), folder, {.group = pg});
+    EXPECT_EQ(info.order,
+              (std::vector<std::string>{"rows", "cols", "emb", "hybrid", "step", "only_on_rank1"}));
+    EXPECT_EQ(info.tensors.at("rows").chunks.size(), 3u);
+    EXPECT_EQ(info.tensors.at("emb").chunks.size(), 1u);     // replicated: written once
+    EXPECT_EQ(info.tensors.at("hybrid").chunks.size(), 2u);  // replicas: once each
+  }));
+}
+
+TEST(DcpSaveMultiprocess, SavedAtThreeReadsBackWholeAndAtWorldTwosLayout) {
+  test::TempDir dir("ddp-dcp-save-mp");
+  const auto folder = dir.path() / "ckpt";
+  save_at_world_three(folder);
+  // Every rank holds shards, so every rank wrote a data file; none other is there.
+  EXPECT_EQ(files_in(folder),
+            (std::set<std::string>{".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}));
+  auto results = run_ranks(1, [&](int) {
+    const DcpReader checkpoint(folder);
+    EXPECT_TRUE(torch::equal(checkpoint.read("rows"), rows()));
+    EXPECT_TRUE(torch::equal(checkpoint.read("cols"), cols()));
+    EXPECT_TRUE(torch::equal(checkpoint.read("emb"), emb()));
+    EXPECT_TRUE(torch::equal(checkpoint.read("hybrid"), hybrid()));
+    // World 2's halves of rows (5 + 5 across the saved 4 + 3 + 3) and of cols by rows.
+    EXPECT_TRUE(torch::equal(checkpoint.read("rows", {5, 0}, {5, 4}), rows().slice(0, 5, 10)));
+    EXPECT_TRUE(torch::equal(checkpoint.read("cols", {1, 0}, {2, 7}), cols().slice(0, 1, 3)));
+    EXPECT_EQ(checkpoint.read_value("step").toInt(), 42);
+    EXPECT_EQ(checkpoint.read_value("only_on_rank1").toStringRef(), "one");
+    checkpoint.verify();
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DcpSaveMultiprocess, PyTorchLoadsWhatDdpSavedAtWorldThreeAtWorldsTwoAndOne) {
+  const std::string python = test::paths::pytorch_python;
+  auto probe = test::Subprocess::start(
+      {python, "-c",
+       "import torch, torch.distributed.checkpoint, torch.distributed.tensor; "
+       "assert int(torch.__version__.split('.')[0]) >= 2"});
+  const auto probed = probe.wait(60s);
+  if (probed.exit_code != 0) {
+    GTEST_SKIP() << "PyTorch 2.x with torch.distributed.tensor is not available through "
+                    "scripts/pytorch-python (run scripts/install-deps.sh): "
+                 << probed.output;
+  }
+  test::TempDir dir("ddp-dcp-save-pytorch");
+  const auto folder = dir.path() / "ckpt";
+  save_at_world_three(folder);
+  auto load = test::Subprocess::start(
+      {python, test::paths::pytorch_dcp_load_script, folder.string(), dir.path().string()});
+  const auto loaded = load.wait(240s);
+  EXPECT_EQ(loaded.exit_code, 0) << loaded.output;
+  EXPECT_THAT(loaded.output, HasSubstr("pytorch loaded ddp's checkpoint at worlds 2 and 1"));
+}
+
+TEST(DcpSaveMultiprocess, ARankThatDisagreesFailsTheSaveOnEveryRankBeforeAnythingIsWritten) {
+  test::TempDir dir("ddp-dcp-save-mp");
+  const auto folder = dir.path() / "ckpt";
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(kWorld, [&](int rank) {
+    auto pg = join_group(rank, kWorld, port);
+    DcpStateDict state;
+    // Rank 1 holds the replicated tensor in float64, the others in float32.
+    state.add_tensor("w", torch::ones({2, 2}, rank == 1 ? torch::kFloat64 : torch::kFloat32));
+    try {
+      save_dcp(state, folder, {.group = pg});
+      ADD_FAILURE() << "rank " << rank << ": the save succeeded";
+    } catch (const ConfigError& e) {
+      EXPECT_THAT(std::string(e.what()),
+                  AllOf(HasSubstr("'w' is float32 [2, 2] on rank 0 and float64 [2, 2] on rank 1"),
+                        HasSubstr("nothing was written")));
+    }
+    // Shards that overlap (ranks 0 and 1 both claim row 2): refused alike.
+    DcpStateDict overlapping;
+    const std::int64_t start = rank == 0 ? 0 : rank == 1 ? 2 : 4;
+    const std::int64_t count = rank == 0 ? 3 : 2;
+    overlapping.add_shard("v", torch::ones({count}), {start}, {6});
+    try {
+      save_dcp(overlapping, folder, {.group = pg});
+      ADD_FAILURE() << "rank " << rank << ": overlapping shards were saved";
+    } catch (const ConfigError& e) {
+      EXPECT_THAT(std::string(e.what()),
+                  AllOf(HasSubstr("do not make a checkpoint"), HasSubstr("'v'")));
+    }
+  }));
+  EXPECT_TRUE(files_in(folder).empty());
+}
+
+TEST(DcpSaveMultiprocess, ARankThatFailsToWriteFailsTheSaveEverywhereAndThePreviousStays) {
+  test::TempDir dir("ddp-dcp-save-mp");
+  const auto folder = dir.path() / "ckpt";
+  save_at_world_three(folder);
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(kWorld, [&](int rank) {
+    auto pg = join_group(rank, kWorld, port);
+    DcpStateDict state;
+    state.add_shard("rows", torch::zeros({1, 4}, torch::kFloat64), {rank, 0}, {3, 4});
+    // Only rank 2 holds a value torch.save cannot hold: its write fails.
+    if (rank == 2) state.add_value("device", c10::IValue(c10::Device(c10::kCPU)));
+    try {
+      save_dcp(state, folder, {.group = pg});
+      ADD_FAILURE() << "rank " << rank << ": the save succeeded";
+    } catch (const ConfigError& e) {
+      EXPECT_THAT(std::string(e.what()),
+                  AllOf(HasSubstr("not committed"), HasSubstr("rank 2:"), HasSubstr("'device'"),
+                        HasSubstr("previous checkpoint")));
+    }
+  }));
+  // The first save's files, and none of the failed one's.
+  EXPECT_EQ(files_in(folder),
+            (std::set<std::string>{".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}));
+  auto results =
+      run_ranks(1, [&](int) { EXPECT_TRUE(torch::equal(DcpReader(folder).read("rows"), rows())); });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+}  // namespace DDP_UNITY_ID
+}  // namespace
+}  // namespace ddp

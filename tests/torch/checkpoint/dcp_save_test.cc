@@ -1,0 +1,232 @@
+// save_dcp (ddp/torch/checkpoint/distributed_checkpoint_save.h) in one process: what it writes
+// reads back through DcpReader (every dtype, views saved compactly, nested dicts with PyTorch's
+// names and paths), a failed save leaves the folder's previous checkpoint as it was and a later one
+// replaces it, and every misuse is a named error. Saves at several ranks and against PyTorch's
+// dcp.load: tests/torch/checkpoint/dcp_save_multiprocess_test.cc.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ddp/torch/checkpoint/distributed_checkpoint.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
+#include "support/temp_dir.h"
+#include "support/unity_namespace.h"
+
+namespace ddp::test {
+namespace {
+namespace DDP_UNITY_ID {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+std::set<std::string> files_in(const std::filesystem::path& folder) {
+  std::set<std::string> names;
+  for (const auto& f : std::filesystem::directory_iterator(folder))
+    names.insert(f.path().filename().string());
+  return names;
+}
+
+c10::impl::GenericDict new_dict() {
+  return c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(DcpSave, EveryDtypeAndViewReadsBackAsSaved) {
+  TempDir dir("ddp-dcp-save");
+  const std::vector<at::ScalarType> dtypes = {
+      at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong,         at::kInt,
+      at::kShort, at::kChar,   at::kByte, at::kBool,     at::kComplexFloat, at::kComplexDouble};
+  DcpStateDict state;
+  std::map<std::string, at::Tensor> saved;
+  for (const auto dtype : dtypes) {
+    const std::string name = std::string("t_") + c10::toString(dtype);
+    saved[name] = (torch::arange(12, torch::kDouble).reshape({3, 4}) % 7).to(dtype);
+    state.add_tensor(name, saved[name]);
+  }
+  // Views: a transposed tensor, and a narrow slice of a large one (its storage is not saved).
+  const at::Tensor big = torch::arange(100000, torch::kFloat32);
+  saved["slice"] = big.narrow(0, 500, 6);
+  saved["transposed"] = torch::arange(6, torch::kFloat32).reshape({2, 3}).t();
+  saved["scalar"] = torch::tensor(2.5, torch::kDouble);
+  for (const char* name : {"slice", "transposed", "scalar"})
+    state.add_tensor(name, saved[name]);
+  state.add_value("step", 1234567890123);
+  state.add_value("name", std::string("run-7"));
+
+  const DcpCheckpointInfo info = save_dcp(state, dir.path() / "ckpt");
+  EXPECT_EQ(info.version, "1.0.0");
+  EXPECT_EQ(info.tensors.size(), saved.size());
+  EXPECT_LT(info.tensors.at("slice").chunks.at(0).storage.length, 4096u)
+      << "the slice was saved with its whole storage";
+  EXPECT_EQ(files_in(dir.path() / "ckpt"), (std::set<std::string>{".metadata", "__0_0.distcp"}));
+
+  const DcpReader checkpoint(dir.path() / "ckpt");
+  for (const auto& [name, tensor] : saved) {
+    const at::Tensor back = checkpoint.read(name);
+    EXPECT_EQ(back.scalar_type(), tensor.scalar_type()) << name;
+    EXPECT_TRUE(torch::equal(back, tensor)) << name;
+  }
+  EXPECT_EQ(checkpoint.read_value("step").toInt(), 1234567890123);
+  EXPECT_EQ(checkpoint.read_value("name").toStringRef(), "run-7");
+  EXPECT_EQ(checkpoint.verify(), [&] {
+    std::uint64_t bytes = 0;
+    for (const auto& [n, t] : info.tensors)
+      bytes += t.chunks.at(0).storage.length;
+    for (const auto& [n, v] : info.values)
+      bytes += v.length;
+    return bytes;
+  }());
+}
+
+TEST(DcpSave, NestedStateDictsFlattenAsPyTorchNamesThemAndComeBackWhole) {
+  TempDir dir("ddp-dcp-save");
+  auto model = new_dict();
+  model.insert("weight", torch::arange(6, torch::kFloat32).reshape({2, 3}));
+  auto moments = new_dict();
+  moments.insert("exp_avg", torch::ones({2, 3}));
+  moments.insert("step", torch::tensor(3.0));
+  auto optim_state = new_dict();
+  optim_state.insert(int64_t{0}, moments);  // an integer key: "0" in the name
+  auto group = new_dict();
+  group.insert("lr", 0.5);
+  c10::impl::GenericList groups(c10::AnyType::get());
+  groups.push_back(group);  // a list holding a dict is descended into
+  auto optim = new_dict();
+  optim.insert("state", optim_state);
+  optim.insert("param_groups", groups);
+  c10::impl::GenericList plain(c10::AnyType::get());
+  plain.push_back(1);
+  plain.push_back(2);  // a list of plain values is one value
+  auto root = new_dict();
+  root.insert("model", model);
+  root.insert("optim", optim);
+  root.insert("lrs", plain);
+
+  const DcpStateDict state = DcpStateDict::flatten(root);
+  std::vector<std::string> names;
+  for (const auto& e : state.entries())
+    names.push_back(e.name);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"model.weight", "optim.state.0.exp_avg", "optim.state.0.step",
+                                      "optim.param_groups.0.lr", "lrs"}));
+  const auto& lr_path = state.entries()[3].path;
+  ASSERT_EQ(lr_path.size(), 4u);
+  EXPECT_EQ(lr_path[2].index, 0);  // a list position, not a name
+
+  save_dcp(state, dir.path() / "ckpt");
+  const c10::IValue back = DcpReader(dir.path() / "ckpt").read_state_dict();
+  const auto top = back.toGenericDict();
+  EXPECT_TRUE(torch::equal(top.at("model").toGenericDict().at("weight").toTensor(),
+                           model.at("weight").toTensor()));
+  const auto state0 = top.at("optim").toGenericDict().at("state").toGenericDict().at("0");
+  EXPECT_TRUE(torch::equal(state0.toGenericDict().at("exp_avg").toTensor(), torch::ones({2, 3})));
+  const auto groups_back = top.at("optim").toGenericDict().at("param_groups").toList();
+  ASSERT_EQ(groups_back.size(), 1u);
+  EXPECT_EQ(groups_back.get(0).toGenericDict().at("lr").toDouble(), 0.5);
+  EXPECT_EQ(top.at("lrs").toList().size(), 2u);
+}
+
+TEST(DcpSave, AFailedSaveLeavesThePreviousCheckpointAndALaterOneReplacesIt) {
+  TempDir dir("ddp-dcp-save");
+  const auto folder = dir.path() / "ckpt";
+  DcpStateDict first;
+  first.add_tensor("w", torch::full({4}, 1.0));
+  first.add_value("step", 1);
+  save_dcp(first, folder);
+
+  // A value torch.save cannot hold fails the write: nothing is committed, the failed save's file
+  // is gone, and the first checkpoint reads as it was.
+  DcpStateDict broken;
+  broken.add_tensor("w", torch::full({4}, 2.0));
+  broken.add_value("device", c10::IValue(c10::Device(c10::kCPU)));
+  EXPECT_THAT(error_of([&] { save_dcp(broken, folder); }),
+              AllOf(HasSubstr("not committed"), HasSubstr("rank 0"), HasSubstr("'device'"),
+                    HasSubstr("previous checkpoint")));
+  EXPECT_EQ(files_in(folder), (std::set<std::string>{".metadata", "__0_0.distcp"}));
+  EXPECT_TRUE(torch::equal(DcpReader(folder).read("w"), torch::full({4}, 1.0)));
+
+  // A later save writes new files (generation 1), commits, then removes the first's.
+  DcpStateDict second;
+  second.add_tensor("w", torch::full({4}, 3.0));
+  second.add_value("step", 2);
+  save_dcp(second, folder);
+  EXPECT_EQ(files_in(folder), (std::set<std::string>{".metadata", "__0_1.distcp"}));
+  const DcpReader checkpoint(folder);
+  EXPECT_TRUE(torch::equal(checkpoint.read("w"), torch::full({4}, 3.0)));
+  EXPECT_EQ(checkpoint.read_value("step").toInt(), 2);
+}
+
+TEST(DcpSave, ShardsThatDoNotCoverTheirTensorAreRefusedBeforeAnythingIsWritten) {
+  TempDir dir("ddp-dcp-save");
+  DcpStateDict state;
+  state.add_shard("w", torch::ones({2, 3}), {0, 0}, {4, 3});  // alone: rows 2..3 are missing
+  EXPECT_THAT(error_of([&] { save_dcp(state, dir.path() / "ckpt"); }),
+              AllOf(HasSubstr("do not make a checkpoint"), HasSubstr("'w'"),
+                    HasSubstr("nothing was written")));
+  EXPECT_TRUE(files_in(dir.path() / "ckpt").empty());
+}
+
+TEST(DcpSave, MisusesAreNamedErrors) {
+  DcpStateDict state;
+  state.add_tensor("w", torch::ones({2}));
+  EXPECT_THAT(error_of([&] { state.add_value("w", 1); }), HasSubstr("'w' is added twice"));
+  EXPECT_THAT(error_of([&] { state.add_tensor("", torch::ones({1})); }),
+              HasSubstr("non-empty name"));
+  EXPECT_THAT(error_of([&] { state.add_tensor("u", at::Tensor()); }), HasSubstr("undefined"));
+  EXPECT_THAT(error_of([&] {
+                state.add_tensor("s", torch::ones({2, 2}).to_sparse());
+              }),
+              HasSubstr("not a dense strided tensor"));
+  EXPECT_THAT(error_of([&] { state.add_value("t", torch::ones({1})); }),
+              HasSubstr("add_tensor or add_shard"));
+  EXPECT_THAT(error_of([&] { state.add_shard("x", torch::ones({3}), {2}, {4}); }),
+              AllOf(HasSubstr("'x'"), HasSubstr("not inside its global shape [4]")));
+  EXPECT_THAT(error_of([&] {
+                state.add_shard("y", torch::ones({3}), {0, 0}, {4});
+              }),
+              HasSubstr("not inside"));
+
+  EXPECT_THAT(error_of([] { DcpStateDict::flatten(c10::IValue(3)); }), HasSubstr("not a dict"));
+  auto bad_key = new_dict();
+  bad_key.insert(1.5, torch::ones({1}));
+  EXPECT_THAT(error_of([&] { DcpStateDict::flatten(bad_key); }),
+              HasSubstr("only strings and integers"));
+  auto clash = new_dict();
+  auto inner = new_dict();
+  inner.insert("b", torch::ones({1}));
+  clash.insert("a.b", torch::ones({1}));
+  clash.insert("a", inner);
+  EXPECT_THAT(error_of([&] { DcpStateDict::flatten(clash); }),
+              HasSubstr("two entries flatten to 'a.b'"));
+
+  TempDir dir("ddp-dcp-save");
+  std::ofstream(dir.path() / "file") << "x";
+  EXPECT_THAT(error_of([&] { save_dcp(state, dir.path() / "file" / "ckpt"); }),
+              AllOf(HasSubstr("cannot use the folder"), HasSubstr("nothing was written")));
+}
+
+TEST(DcpSave, TorchSaveToDcpRefusesAFileThatIsNotAStateDict) {
+  TempDir dir("ddp-dcp-save");
+  EXPECT_THAT(error_of([&] { torch_save_to_dcp(dir.path() / "missing.pt", dir.path() / "c"); }),
+              HasSubstr("missing.pt"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "c"));
+}
+
+}  // namespace DDP_UNITY_ID
+}  // namespace
+}  // namespace ddp::test
