@@ -30,6 +30,9 @@ DATA = "results"  # bench/results/: recorded runs, not programs
 # file -> the driver whose tiny form runs it (the driver's source must name the file); paths below
 # bench/.
 DRIVEN_BY = {
+    # ddp's distributed checkpoint beside PyTorch's dcp
+    "compare/dcp_bench.cc": "compare/compare_dcp.py",
+    "compare/pytorch_dcp_bench.py": "compare/compare_dcp.py",
     # ddp::rpc's round trips beside PyTorch's TensorPipe agent and the raw TCP bound
     "micro/rpc_latency.cc": "compare/compare_rpc.py",
     "compare/pytorch_rpc_bench.py": "compare/compare_rpc.py",

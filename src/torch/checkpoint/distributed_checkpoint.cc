@@ -3,6 +3,7 @@
 // PyTorch-archive reader over its byte range (torch/formats/pytorch_archive.h).
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <utility>
@@ -67,6 +68,44 @@ DcpReader::DcpReader(std::filesystem::path folder) : folder_(std::move(folder)) 
     throw StateDictFormatError(fmt::format("{}: {}", file.string(), e.what()));
   }
   info_ = detail::dcp_checkpoint_info(std::move(parsed), file.string());
+  for (const auto& [name, tensor] : info_.tensors) {
+    if (tensor.shape.empty()) continue;  // a scalar: one chunk
+    ChunkIndex& index = chunk_index_[name];
+    index.by_first_offset.resize(tensor.chunks.size());
+    for (std::size_t i = 0; i < tensor.chunks.size(); ++i) {
+      index.by_first_offset[i] = i;
+      index.longest = std::max(index.longest, tensor.chunks[i].sizes[0]);
+    }
+    std::stable_sort(index.by_first_offset.begin(), index.by_first_offset.end(),
+                     [&](std::size_t a, std::size_t b) {
+                       return tensor.chunks[a].offsets[0] < tensor.chunks[b].offsets[0];
+                     });
+  }
+}
+
+std::vector<std::size_t> DcpReader::chunks_in_rows(const std::string& name,
+                                                   const DcpTensorInfo& tensor, std::int64_t begin,
+                                                   std::int64_t end) const {
+  std::vector<std::size_t> found;
+  const auto it = chunk_index_.find(name);
+  if (it == chunk_index_.end()) {  // a scalar
+    for (std::size_t i = 0; i < tensor.chunks.size(); ++i)
+      found.push_back(i);
+    return found;
+  }
+  const ChunkIndex& index = it->second;
+  // Chunks may be empty (size 0) in the first dimension: those overlap nothing, and are skipped
+  // by the caller's per-dimension check; they are still candidates here when they start inside.
+  const std::int64_t from = begin - index.longest;
+  auto first = std::upper_bound(
+      index.by_first_offset.begin(), index.by_first_offset.end(), from,
+      [&](std::int64_t value, std::size_t i) { return value < tensor.chunks[i].offsets[0]; });
+  for (auto i = first; i != index.by_first_offset.end() && tensor.chunks[*i].offsets[0] < end;
+       ++i) {
+    found.push_back(*i);
+  }
+  std::sort(found.begin(), found.end());  // the order saved, as a scan would visit them
+  return found;
 }
 
 namespace {
@@ -133,9 +172,22 @@ at::Tensor DcpReader::read(const std::string& name, const std::vector<std::int64
         "{}: the region at [{}] of [{}] is not inside '{}', of shape [{}]", folder_.string(),
         fmt::join(offsets, ", "), fmt::join(sizes, ", "), name, fmt::join(tensor.shape, ", ")));
   }
+  // A region that is one saved chunk exactly (a load at the layout of the save): the chunk's
+  // tensor, read once, is the answer; no second buffer and no copy.
+  const std::vector<std::size_t> candidates =
+      dims == 0 ? chunks_in_rows(name, tensor, 0, 1)
+                : chunks_in_rows(name, tensor, offsets[0],
+                                 offsets[0] + std::max<std::int64_t>(sizes[0], 1));
+  for (const std::size_t i : candidates) {
+    const DcpChunkInfo& chunk = tensor.chunks[i];
+    if (chunk.offsets == offsets && chunk.sizes == sizes) {
+      return read_chunk(folder_, name, tensor, chunk);
+    }
+  }
   at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(tensor.dtype));
   std::int64_t copied = 0;
-  for (const DcpChunkInfo& chunk : tensor.chunks) {
+  for (const std::size_t i : candidates) {
+    const DcpChunkInfo& chunk = tensor.chunks[i];
     // The overlap of the chunk and the region, per dimension.
     std::vector<std::int64_t> lo(dims), hi(dims);
     bool overlaps = true;

@@ -6,16 +6,21 @@
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <regex>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -29,7 +34,7 @@
 #include "torch/formats/pytorch_archive.h"
 
 namespace ddp {
-namespace {
+namespace dcp_save {  // named: DcpAsyncSave::State holds its types
 
 using json = nlohmann::json;
 using Kind = DcpStateDict::Entry::Kind;
@@ -420,11 +425,75 @@ void remove_unnamed_data_files(const std::filesystem::path& folder,
   }
 }
 
+// Rank 0's claim on the folder for one save: `.dcp-save.lock`, made with O_EXCL, removed when the
+// save ends. Two jobs saving into one folder would pick the same data file names and overwrite
+// each other's; the second is refused instead, naming the first. A lock left by a process of this
+// host that no longer runs (killed mid-save) is taken over; one from another host is named.
+class FolderLock {
+ public:
+  explicit FolderLock(const std::filesystem::path& folder) : path_(folder / ".dcp-save.lock") {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (fd >= 0) {
+        const std::string owner = fmt::format("pid={} host={}\n", ::getpid(), host_name());
+        const bool written =
+            ::write(fd, owner.data(), owner.size()) == static_cast<ssize_t>(owner.size());
+        ::close(fd);
+        if (!written) {
+          ::unlink(path_.c_str());
+          throw ConfigError(fmt::format("cannot write {}", path_.string()));
+        }
+        return;
+      }
+      if (errno != EEXIST) {
+        throw ConfigError(
+            fmt::format("cannot create {}: {}", path_.string(), system_error_text(errno)));
+      }
+      const std::string owner = read_owner();
+      if (attempt == 0 && owner_is_gone(owner)) {
+        ::unlink(path_.c_str());  // its process died mid-save on this host
+        continue;
+      }
+      throw ConfigError(fmt::format(
+          "another save is writing this folder ({}: {}); two jobs saving into one folder would "
+          "overwrite each other's files. Save into another folder, or remove {} if that save is "
+          "gone",
+          path_.string(), owner.empty() ? "owner unknown" : owner, path_.string()));
+    }
+  }
+  FolderLock(const FolderLock&) = delete;
+  FolderLock& operator=(const FolderLock&) = delete;
+  ~FolderLock() { ::unlink(path_.c_str()); }
+
+ private:
+  static std::string host_name() {
+    char name[256] = {};
+    ::gethostname(name, sizeof(name) - 1);
+    return name;
+  }
+  std::string read_owner() const {
+    std::ifstream in(path_);
+    std::string line;
+    std::getline(in, line);
+    return line.substr(0, 200);
+  }
+  static bool owner_is_gone(const std::string& owner) {
+    std::smatch match;
+    static const std::regex pattern(R"(pid=(\d+) host=(\S+))");
+    if (!std::regex_match(owner, match, pattern) || match[2].str() != host_name()) return false;
+    const long pid = std::stol(match[1].str());
+    return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+  }
+
+  std::filesystem::path path_;
+};
+
 // ---- The exchange --------------------------------------------------------------------------
 
 // The group the save runs over, or this process alone.
 class Participants {
  public:
+  Participants() = default;  // this process alone
   explicit Participants(const DcpSaveOptions& options) {
     if (!options.no_dist) {
       group_ = options.group ? options.group : default_process_group();
@@ -453,19 +522,43 @@ std::string what_of(const std::exception& e) {
   return e.what();
 }
 
-}  // namespace
+}  // namespace dcp_save
+
+using namespace dcp_save;
 
 // ---- DcpStateDict --------------------------------------------------------------------------
 
 void DcpStateDict::add(Entry entry) {
   if (entry.name.empty()) throw ConfigError("DcpStateDict: an entry needs a non-empty name");
-  for (const Entry& e : entries_) {
-    if (e.name == entry.name) {
-      throw ConfigError(fmt::format("DcpStateDict: the entry '{}' is added twice", entry.name));
-    }
+  if (!names_.insert(entry.name).second) {
+    throw ConfigError(fmt::format("DcpStateDict: the entry '{}' is added twice", entry.name));
   }
   if (entry.path.empty()) entry.path.push_back({entry.name, -1});
   entries_.push_back(std::move(entry));
+}
+
+void DcpStateDict::add_entry(Entry entry) {
+  switch (entry.kind) {
+    case Kind::kTensor:
+    case Kind::kShard: {
+      at::Tensor tensor = entry.tensor;
+      std::vector<std::int64_t> offsets = entry.offsets, global_shape = entry.global_shape;
+      if (entry.kind == Kind::kShard) {
+        DcpStateDict checker;
+        checker.add_shard(entry.name, tensor, std::move(offsets), std::move(global_shape));
+      } else {
+        check_tensor(tensor, entry.name);
+      }
+      break;
+    }
+    case Kind::kValue:
+      if (entry.value.isTensor()) {
+        throw ConfigError(fmt::format(
+            "DcpStateDict: '{}' is a tensor: add it with add_tensor or add_shard", entry.name));
+      }
+      break;
+  }
+  add(std::move(entry));
 }
 
 void DcpStateDict::add_tensor(const std::string& name, const at::Tensor& tensor) {
@@ -581,7 +674,7 @@ DcpStateDict DcpStateDict::flatten(const c10::IValue& nested) {
       entry.kind = Kind::kValue;
       entry.value = value;
     }
-    out.entries_.push_back(std::move(entry));
+    out.add(std::move(entry));
   };
   visit(nested);
   return out;
@@ -589,18 +682,31 @@ DcpStateDict DcpStateDict::flatten(const c10::IValue& nested) {
 
 // ---- save_dcp ------------------------------------------------------------------------------
 
-DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::path& folder,
-                           const DcpSaveOptions& options) {
-  const Participants participants(options);
-  const int rank = participants.rank();
+namespace dcp_save {
 
-  // 1. Plan. Rank 0 picks the data files' generation; every rank reports what it holds, or why
-  // it cannot take part (the folder cannot be made, a dtype the format cannot hold).
+// A save the ranks have planned: what each writes, and where this rank's part goes.
+struct PlannedSave {
+  Participants participants;
+  std::filesystem::path folder;
+  GlobalPlan plan;
+  std::filesystem::path data_file;
+  std::shared_ptr<FolderLock> lock;  // rank 0's, for the save's whole life
+};
+
+// 1. Plan (collective). Rank 0 picks the data files' generation; every rank reports what it
+// holds, or why it cannot take part (the folder cannot be made, a dtype the format cannot hold).
+PlannedSave plan_save(const DcpStateDict& state, const std::filesystem::path& folder,
+                      const DcpSaveOptions& options) {
+  PlannedSave save{Participants(options), folder, {}, {}, {}};
+  const int rank = save.participants.rank();
   std::string plan_error;
   std::uint64_t generation = 0;
   try {
     std::filesystem::create_directories(folder);
-    if (rank == 0) generation = next_generation(folder);
+    if (rank == 0) {
+      save.lock = std::make_shared<FolderLock>(folder);
+      generation = next_generation(folder);
+    }
   } catch (const std::exception& e) {
     plan_error = fmt::format("cannot use the folder {}: {}", folder.string(), what_of(e));
   }
@@ -610,37 +716,47 @@ DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::pat
   } catch (const std::exception& e) {
     mine = local_plan(state, what_of(e), generation);
   }
-  const std::vector<std::string> plans = participants.all_gather(mine);
-  GlobalPlan plan;
+  const std::vector<std::string> plans = save.participants.all_gather(mine);
   try {
-    plan = global_plan(plans, folder);
+    save.plan = global_plan(plans, folder);
   } catch (const json::exception& e) {  // a rank's plan not as this code writes it
     refuse_plan(folder, fmt::format("a rank's plan is not readable: {}", e.what()));
   }
   try {
-    checked_metadata(metadata_of(plan, {}));
+    checked_metadata(metadata_of(save.plan, {}));
   } catch (const archive::FormatError& e) {
     refuse_plan(folder, fmt::format("the ranks' entries do not make a checkpoint: {}", e.what()));
   }
+  save.data_file = folder / fmt::format("__{}_{}.distcp", rank, save.plan.generation);
+  return save;
+}
 
-  // 2. Write this rank's items.
-  const std::filesystem::path data_file =
-      folder / fmt::format("__{}_{}.distcp", rank, plan.generation);
+// 2. Write this rank's items (local: no collective, so it may run on another thread). The report
+// for finish_save: where each item went, or why the part could not be written. Never throws.
+std::string write_part(const DcpStateDict& state, const PlannedSave& save) {
   json result;
   try {
     json items = json::array();
-    for (const auto& [index, where] : write_items(state, plan, rank, data_file)) {
+    for (const auto& [index, where] :
+         write_items(state, save.plan, save.participants.rank(), save.data_file)) {
       items.push_back({index, where.file, where.offset, where.length});
     }
     result["items"] = std::move(items);
   } catch (const std::exception& e) {
     result["err"] = what_of(e);
+  } catch (...) {
+    result["err"] = "an exception that is not a std::exception";
   }
-  const std::vector<std::string> results = participants.all_gather(result.dump());
+  return result.dump();
+}
 
-  // 3. Finish: rank 0 commits the metadata; every rank learns the outcome from it.
+// 3. Finish (collective): rank 0 commits the metadata if every rank wrote its part; every rank
+// learns the outcome from it.
+DcpCheckpointInfo finish_save(const PlannedSave& save, const std::string& report) {
+  const std::filesystem::path& folder = save.folder;
+  const std::vector<std::string> results = save.participants.all_gather(report);
   std::vector<std::string> failures;
-  std::vector<archive::DcpStorage> storage(plan.items.size());
+  std::vector<archive::DcpStorage> storage(save.plan.items.size());
   for (std::size_t r = 0; r < results.size(); ++r) {
     const json written = json::parse(results[r], nullptr, /*allow_exceptions=*/false);
     if (!written.is_object() || (!written.contains("err") && !written.contains("items"))) {
@@ -657,9 +773,9 @@ DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::pat
     }
   }
   std::string outcome;
-  if (rank == 0 && failures.empty()) {
+  if (save.participants.rank() == 0 && failures.empty()) {
     try {
-      const archive::DcpMetadata metadata = metadata_of(plan, storage);
+      const archive::DcpMetadata metadata = metadata_of(save.plan, storage);
       const std::string bytes = checked_metadata(metadata);
       write_metadata(folder, bytes);
       outcome = "ok" + bytes;  // committed: from here on no rank removes its part
@@ -676,7 +792,7 @@ DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::pat
   // Outcomes: "ok" and the metadata committed; "cx" committed, then a failure (the folder's
   // sync); "no" not committed.
   if (!failures.empty()) outcome = fmt::format("no{}", fmt::join(failures, "; "));
-  outcome = participants.from_rank0(outcome);
+  outcome = save.participants.from_rank0(outcome);
   if (outcome.starts_with("cx")) {
     throw ConfigError(fmt::format(
         "save_dcp({}): the checkpoint's metadata was written and renamed into place, but then "
@@ -686,7 +802,7 @@ DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::pat
   }
   if (!outcome.starts_with("ok")) {
     std::error_code ignored;
-    std::filesystem::remove(data_file, ignored);  // this save's part, which nothing names
+    std::filesystem::remove(save.data_file, ignored);  // this save's part, which nothing names
     throw ConfigError(fmt::format(
         "save_dcp({}): the checkpoint was not committed: {}; the folder's previous checkpoint, "
         "if it had one, is as it was",
@@ -694,6 +810,143 @@ DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::pat
   }
   return detail::dcp_checkpoint_info(archive::parse_dcp_metadata(outcome.substr(2)),
                                      (folder / ".metadata").string());
+}
+
+// This rank's entries copied for a background writer: tensors into compact host copies (pinned
+// where they live on a GPU, so the copy runs at the link's speed), values deep-copied, so that
+// training may change the originals as soon as save_dcp_async returns.
+DcpStateDict host_copy(const DcpStateDict& state) {
+  DcpStateDict copy;
+  for (const DcpStateDict::Entry& e : state.entries()) {
+    DcpStateDict::Entry entry = e;
+    if (e.kind == Kind::kValue) {
+      entry.value = e.value.deepcopy();
+    } else {
+      const at::Tensor source = e.tensor.detach();
+      at::Tensor host = at::empty(source.sizes(), source.options()
+                                                      .device(at::kCPU)
+                                                      .pinned_memory(source.is_cuda())
+                                                      .memory_format(at::MemoryFormat::Contiguous));
+      host.copy_(source);
+      entry.tensor = host;
+    }
+    copy.add_entry(std::move(entry));
+  }
+  return copy;
+}
+
+}  // namespace dcp_save
+
+// One save whose part this rank writes in the background.
+struct DcpAsyncSave::State {
+  PlannedSave save;
+  DcpStateDict copy;
+  std::thread writer;
+  std::string report;  // set by the writer before it ends
+  std::mutex mutex;    // serialises wait()
+  bool finished = false;
+  std::optional<DcpCheckpointInfo> info;
+  std::string failure;  // the save's failure, thrown by every wait()
+
+  pid_t owner = ::getpid();  // a process forked while this save is pending does not own it
+
+  ~State() {
+    if (::getpid() != owner) {
+      // In a forked child: the writer thread is the parent's (it does not run here) and so are
+      // the files. Nothing is joined or removed; the thread object is left, not destroyed.
+      if (writer.joinable()) (void)new std::thread(std::move(writer));
+      (void)new std::shared_ptr<FolderLock>(std::move(save.lock));
+      return;
+    }
+    if (writer.joinable()) writer.join();
+    if (!finished) {
+      std::error_code ignored;
+      std::filesystem::remove(save.data_file, ignored);
+      std::fprintf(stderr,
+                   "ddp: save_dcp_async(%s) was never finished (wait() or a later save was not "
+                   "called): its metadata was not written and the folder's previous checkpoint "
+                   "is as it was\n",
+                   save.folder.c_str());
+    }
+  }
+};
+
+namespace {
+
+// The save started by save_dcp_async and not yet finished, in this process: the next save (or
+// the process's exit) finishes it first. Held here, not only by the handle, so that a handle
+// dropped without wait() cannot leave the ranks' collectives out of step.
+std::mutex pending_mutex;
+std::shared_ptr<DcpAsyncSave::State> pending_save;
+
+void finish_pending_save() {
+  std::shared_ptr<DcpAsyncSave::State> previous;
+  {
+    std::lock_guard lock(pending_mutex);
+    previous = std::move(pending_save);
+  }
+  // A save pending in the process this one was forked from is that process's to finish.
+  if (previous && previous->owner == ::getpid()) DcpAsyncSave(previous).wait();
+}
+
+}  // namespace
+
+DcpAsyncSave::DcpAsyncSave(std::shared_ptr<State> state) : state_(std::move(state)) {}
+DcpAsyncSave::DcpAsyncSave(DcpAsyncSave&&) noexcept = default;
+DcpAsyncSave& DcpAsyncSave::operator=(DcpAsyncSave&&) noexcept = default;
+DcpAsyncSave::~DcpAsyncSave() = default;
+
+const std::filesystem::path& DcpAsyncSave::folder() const {
+  return state_->save.folder;
+}
+
+DcpCheckpointInfo DcpAsyncSave::wait() {
+  State& s = *state_;
+  if (::getpid() != s.owner) {
+    throw ConfigError(fmt::format(
+        "save_dcp_async({}): this save belongs to process {}, from which this one was forked; "
+        "only that process can finish it",
+        s.save.folder.string(), s.owner));
+  }
+  std::lock_guard lock(s.mutex);
+  if (!s.finished) {
+    if (s.writer.joinable()) s.writer.join();
+    s.finished = true;
+    {
+      std::lock_guard pending(pending_mutex);
+      if (pending_save == state_) pending_save.reset();
+    }
+    s.copy = DcpStateDict();  // the host copy is written: give its memory back
+    try {
+      s.info = finish_save(s.save, s.report);
+    } catch (const std::exception& e) {
+      s.failure = e.what();
+    }
+    s.save.lock.reset();  // the folder is free for the next save, whoever holds this handle
+  }
+  if (!s.info) throw ConfigError(s.failure);
+  return *s.info;
+}
+
+DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::path& folder,
+                           const DcpSaveOptions& options) {
+  finish_pending_save();
+  const PlannedSave save = plan_save(state, folder, options);
+  return finish_save(save, write_part(state, save));
+}
+
+DcpAsyncSave save_dcp_async(const DcpStateDict& state, const std::filesystem::path& folder,
+                            const DcpSaveOptions& options) {
+  finish_pending_save();
+  auto s = std::make_shared<DcpAsyncSave::State>();
+  s->save = plan_save(state, folder, options);
+  s->copy = host_copy(state);
+  s->writer = std::thread([raw = s.get()] { raw->report = write_part(raw->copy, raw->save); });
+  {
+    std::lock_guard lock(pending_mutex);
+    pending_save = s;
+  }
+  return DcpAsyncSave(std::move(s));
 }
 
 DcpCheckpointInfo torch_save_to_dcp(const std::filesystem::path& file,

@@ -194,6 +194,38 @@ TEST(DcpSaveMultiprocess, ARankThatFailsToWriteFailsTheSaveEverywhereAndThePrevi
   EXPECT_ALL_RANKS_OK(results);
 }
 
+TEST(DcpSaveMultiprocess, AnAsyncSaveAtThreeWritesInTheBackgroundAndCommitsAtWait) {
+  test::TempDir dir("ddp-dcp-save-mp");
+  const auto folder = dir.path() / "ckpt";
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(kWorld, [&](int rank) {
+    auto pg = join_group(rank, kWorld, port);
+    DcpStateDict state = part_of(rank);
+    DcpAsyncSave pending = save_dcp_async(state, folder, {.group = pg});
+    for (const auto& entry : state.entries()) {
+      if (entry.tensor.defined()) entry.tensor.zero_();  // training goes on
+    }
+    const DcpCheckpointInfo info = pending.wait();
+    EXPECT_EQ(info.tensors.at("hybrid").chunks.size(), 2u);
+    // A second async save into the same folder, finished by the sync save after it.
+    DcpAsyncSave second = save_dcp_async(part_of(rank), folder, {.group = pg});
+    DcpStateDict other;
+    other.add_tensor("x", torch::ones({2}));
+    save_dcp(other, dir.path() / "other", {.group = pg});
+    EXPECT_EQ(second.wait().order.size(), 6u);
+  }));
+  auto results = run_ranks(1, [&](int) {
+    const DcpReader checkpoint(folder);
+    EXPECT_TRUE(torch::equal(checkpoint.read("rows"), rows()));
+    EXPECT_TRUE(torch::equal(checkpoint.read("hybrid"), hybrid()));
+    EXPECT_EQ(checkpoint.read_value("only_on_rank1").toStringRef(), "one");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+  // The second save's files replaced the first's.
+  EXPECT_EQ(files_in(folder),
+            (std::set<std::string>{".metadata", "__0_1.distcp", "__1_1.distcp", "__2_1.distcp"}));
+}
+
 }  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -3,9 +3,13 @@
 // names and paths), a failed save leaves the folder's previous checkpoint as it was and a later one
 // replaces it, and every misuse is a named error. Saves at several ranks and against PyTorch's
 // dcp.load: tests/torch/checkpoint/dcp_save_multiprocess_test.cc.
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -15,6 +19,7 @@
 
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
+#include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "support/unity_namespace.h"
 
@@ -225,6 +230,128 @@ TEST(DcpSave, TorchSaveToDcpRefusesAFileThatIsNotAStateDict) {
   EXPECT_THAT(error_of([&] { torch_save_to_dcp(dir.path() / "missing.pt", dir.path() / "c"); }),
               HasSubstr("missing.pt"));
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "c"));
+}
+
+TEST(DcpSaveAsync, ReturnsWithACopySoTrainingMayChangeTheTensorsAndCommitsAtWait) {
+  TempDir dir("ddp-dcp-async");
+  const auto folder = dir.path() / "ckpt";
+  at::Tensor weight = torch::arange(1 << 16, torch::kFloat32);
+  const at::Tensor saved = weight.clone();
+  auto group = new_dict();
+  group.insert("lr", 0.25);
+  DcpStateDict state;
+  state.add_tensor("weight", weight);
+  state.add_shard("rows", weight.view({256, 256}).slice(0, 0, 256), {0, 0}, {256, 256});
+  state.add_value("group", group);
+  DcpAsyncSave pending = save_dcp_async(state, folder);
+  weight.mul_(-1);  // the next optimizer step, while the writer runs
+  group.insert_or_assign("lr", 9.0);
+  // Nothing is committed before wait(): a reader still sees no checkpoint here.
+  EXPECT_FALSE(std::filesystem::exists(folder / ".metadata"));
+  const DcpCheckpointInfo info = pending.wait();
+  EXPECT_EQ(info.tensors.size(), 2u);
+  EXPECT_EQ(pending.wait().order, info.order);  // again: the same answer
+  const DcpReader checkpoint(folder);
+  EXPECT_TRUE(torch::equal(checkpoint.read("weight"), saved));
+  EXPECT_TRUE(torch::equal(checkpoint.read("rows"), saved.view({256, 256})));
+  EXPECT_EQ(checkpoint.read_value("group").toGenericDict().at("lr").toDouble(), 0.25);
+}
+
+TEST(DcpSaveAsync, TheNextSaveFinishesThePendingOneFirst) {
+  TempDir dir("ddp-dcp-async");
+  DcpStateDict first;
+  first.add_tensor("w", torch::full({3}, 1.0));
+  DcpAsyncSave a = save_dcp_async(first, dir.path() / "a");
+  DcpStateDict second;
+  second.add_tensor("w", torch::full({3}, 2.0));
+  DcpAsyncSave b = save_dcp_async(second, dir.path() / "b");  // commits a first
+  EXPECT_TRUE(torch::equal(DcpReader(dir.path() / "a").read("w"), torch::full({3}, 1.0)));
+  b.wait();
+  EXPECT_TRUE(torch::equal(DcpReader(dir.path() / "b").read("w"), torch::full({3}, 2.0)));
+  EXPECT_EQ(a.wait().order, std::vector<std::string>{"w"});
+}
+
+TEST(DcpSaveAsync, AFailedBackgroundWriteIsThrownAtWaitOrAtTheNextSaveNeverLost) {
+  TempDir dir("ddp-dcp-async");
+  DcpStateDict broken;
+  broken.add_tensor("w", torch::ones({2}));
+  broken.add_value("device", c10::IValue(c10::Device(c10::kCPU)));
+  {
+    DcpAsyncSave pending = save_dcp_async(broken, dir.path() / "one");
+    EXPECT_THAT(error_of([&] { pending.wait(); }),
+                AllOf(HasSubstr("not committed"), HasSubstr("'device'")));
+    EXPECT_THAT(error_of([&] { pending.wait(); }), HasSubstr("not committed"));  // again
+  }
+  // A handle dropped without wait(): the next save finishes it, throws its failure, and does not
+  // start; the save after that runs.
+  { DcpAsyncSave dropped = save_dcp_async(broken, dir.path() / "two"); }
+  DcpStateDict good;
+  good.add_tensor("w", torch::ones({2}));
+  EXPECT_THAT(error_of([&] { save_dcp(good, dir.path() / "three"); }),
+              AllOf(HasSubstr("two"), HasSubstr("not committed")));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "three"));
+  save_dcp(good, dir.path() / "three");
+  EXPECT_TRUE(torch::equal(DcpReader(dir.path() / "three").read("w"), torch::ones({2})));
+  EXPECT_EQ(files_in(dir.path() / "two"), std::set<std::string>{});  // its part removed
+}
+
+TEST(DcpSaveAsync, APlanThatIsWrongIsRefusedAtTheCallNotInTheBackground) {
+  TempDir dir("ddp-dcp-async");
+  DcpStateDict state;
+  state.add_shard("w", torch::ones({2}), {0}, {4});
+  EXPECT_THAT(error_of([&] { save_dcp_async(state, dir.path() / "ckpt"); }),
+              HasSubstr("do not make a checkpoint"));
+  DcpStateDict fine;
+  fine.add_tensor("w", torch::ones({2}));
+  save_dcp(fine, dir.path() / "ckpt");  // nothing was left pending
+}
+
+TEST(DcpSave, ASecondJobSavingIntoTheSameFolderIsRefusedNamingTheFirst) {
+  TempDir dir("ddp-dcp-save");
+  const auto folder = dir.path() / "ckpt";
+  DcpStateDict state;
+  state.add_tensor("w", torch::ones({2}));
+  // A save in progress (here: an asynchronous one not yet finished) holds the folder.
+  DcpAsyncSave pending = save_dcp_async(state, folder);
+  EXPECT_TRUE(std::filesystem::exists(folder / ".dcp-save.lock"));
+  // Another job: a process of its own (forked from this one, whose pending save is not its).
+  const pid_t first = ::getpid();
+  auto other = run_ranks(1, [&](int) {
+    try {
+      save_dcp(state, folder);
+      ADD_FAILURE() << "a second save into the same folder ran";
+    } catch (const ConfigError& e) {
+      EXPECT_THAT(std::string(e.what()),
+                  AllOf(HasSubstr("another save is writing this folder"),
+                        HasSubstr(fmt::format("pid={}", first)), HasSubstr("nothing was written")));
+    }
+  });
+  EXPECT_ALL_RANKS_OK(other);
+  pending.wait();
+  EXPECT_FALSE(std::filesystem::exists(folder / ".dcp-save.lock"));
+  EXPECT_TRUE(torch::equal(DcpReader(folder).read("w"), torch::ones({2})));
+}
+
+TEST(DcpSave, ALockLeftByAProcessThatDiedMidSaveIsTakenOver) {
+  TempDir dir("ddp-dcp-save");
+  const auto folder = dir.path() / "ckpt";
+  std::filesystem::create_directories(folder);
+  // A pid that runs no process (a child that has exited and been reaped), on this host.
+  const pid_t gone = ::fork();
+  if (gone == 0) ::_exit(0);
+  ASSERT_GT(gone, 0);
+  ASSERT_EQ(::waitpid(gone, nullptr, 0), gone);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::ofstream(folder / ".dcp-save.lock") << "pid=" << gone << " host=" << host << "\n";
+  DcpStateDict state;
+  state.add_tensor("w", torch::ones({2}));
+  save_dcp(state, folder);
+  EXPECT_FALSE(std::filesystem::exists(folder / ".dcp-save.lock"));
+  // One from another host is not taken over: it is named.
+  std::ofstream(folder / ".dcp-save.lock") << "pid=1 host=elsewhere-node-7\n";
+  EXPECT_THAT(error_of([&] { save_dcp(state, folder); }),
+              AllOf(HasSubstr("pid=1 host=elsewhere-node-7"), HasSubstr("remove")));
 }
 
 }  // namespace DDP_UNITY_ID

@@ -10,7 +10,9 @@
 //
 // Resharding: read(name, offsets, sizes) assembles any region from the saved chunks that overlap
 // it, so a checkpoint saved at one world size or split loads at another; each overlapping chunk
-// is read once for the call.
+// is read once for the call, one at a time (a read holds at most one chunk beyond the region),
+// and a region that is exactly one chunk is that chunk's tensor, not a copy. The overlapping
+// chunks are found through an index by first offset: O(log C) and the candidates, not O(C).
 //
 // Security and integrity, as every reader of PyTorch's files in ddp: nothing from the files runs
 // (`.metadata` is read by the restricted pickle reader, which knows DCP's dataclasses and
@@ -107,8 +109,20 @@ class DcpReader {
   c10::IValue read_state_dict() const;
 
  private:
+  // The chunks of a tensor that may overlap [begin, end) of its first dimension, in the order
+  // saved: found in O(log C) plus the candidates (chunk_index_), not by a scan of all C chunks.
+  std::vector<std::size_t> chunks_in_rows(const std::string& name, const DcpTensorInfo& tensor,
+                                          std::int64_t begin, std::int64_t end) const;
+
   std::filesystem::path folder_;
   DcpCheckpointInfo info_;
+  // Per tensor: its chunks' indices sorted by their first offset, and the longest chunk's extent
+  // in that dimension (a chunk overlapping [b, e) starts in (b - longest, e)).
+  struct ChunkIndex {
+    std::vector<std::size_t> by_first_offset;
+    std::int64_t longest = 0;
+  };
+  std::map<std::string, ChunkIndex> chunk_index_;
 };
 
 // What PyTorch's torch.distributed.checkpoint.format_utils.dcp_to_torch_save writes for `folder`:

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -84,11 +85,15 @@ class DcpStateDict {
   // of another kind, two entries of the same name ("a.b" as a key and as a path).
   static DcpStateDict flatten(const c10::IValue& nested);
 
+  // An entry as entries() lists it (a copy of another state dict's), checked as add_* check it.
+  void add_entry(Entry entry);
+
   const std::vector<Entry>& entries() const { return entries_; }
 
  private:
   void add(Entry entry);
   std::vector<Entry> entries_;
+  std::set<std::string> names_;
 };
 
 struct DcpSaveOptions {
@@ -103,6 +108,39 @@ struct DcpSaveOptions {
 // checkpoint's description as DcpReader(folder).info() would read it.
 DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::path& folder,
                            const DcpSaveOptions& options = {});
+
+// A save whose data this rank writes in the background (save_dcp_async).
+class DcpAsyncSave {
+ public:
+  struct State;  // internal
+  explicit DcpAsyncSave(std::shared_ptr<State> state);
+  DcpAsyncSave(DcpAsyncSave&&) noexcept;
+  DcpAsyncSave& operator=(DcpAsyncSave&&) noexcept;
+  ~DcpAsyncSave();
+
+  // Waits for this rank's writer, then finishes the save with the other ranks: a collective
+  // every rank of the group makes (or makes through its next save, which calls it). Returns the
+  // checkpoint's description, or throws the save's failure (any rank's), as save_dcp does; later
+  // calls return or throw the same.
+  DcpCheckpointInfo wait();
+  const std::filesystem::path& folder() const;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// save_dcp with the writing off the training loop: returns once the ranks have agreed on the
+// plan (refused, as save_dcp refuses it, before anything is copied) and this rank's tensors are
+// copied to host memory (pinned where they live on a GPU) and its values deep-copied; a
+// background thread writes the data file while training goes on (and changes the originals),
+// and the metadata is committed at wait(). A save (sync or async) started while an earlier
+// async save is unfinished first finishes that one, on every rank in the same order: its
+// failure is thrown there and the new save does not start, so a failed background write is
+// reported at wait() or at the next save, never lost. A handle dropped without wait() leaves
+// the save pending until the next save (or the process's exit, which writes no metadata and
+// says so on stderr). One pending save per process.
+DcpAsyncSave save_dcp_async(const DcpStateDict& state, const std::filesystem::path& folder,
+                            const DcpSaveOptions& options = {});
 
 // What PyTorch's torch.distributed.checkpoint.format_utils.torch_save_to_dcp writes for `file`:
 // the torch.save file's dict, flattened (DcpStateDict::flatten), saved by this process alone.
