@@ -20,6 +20,7 @@
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "support/multiprocess.h"
+#include "support/error_of.h"
 #include "support/temp_dir.h"
 #include "support/unity_namespace.h"
 
@@ -39,16 +40,6 @@ std::set<std::string> files_in(const std::filesystem::path& folder) {
 
 c10::impl::GenericDict new_dict() {
   return c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
-}
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 TEST(DcpSave, EveryDtypeAndViewReadsBackAsSaved) {

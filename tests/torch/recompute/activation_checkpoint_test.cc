@@ -9,11 +9,14 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/parallel/tensor/gpt_block.h"
+#include "support/error_of.h"
 #include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
 namespace DDP_UNITY_ID {
+
+using test::error_of;
 
 torch::nn::Sequential make_mlp() {
   torch::manual_seed(7);
@@ -140,16 +143,6 @@ TEST(ActivationCheckpoint, WithoutGradientModeTheFunctionJustRuns) {
   auto y =
       checkpoint([&](const torch::Tensor& in) { return layer->forward(in); }, torch::randn({2, 4}));
   EXPECT_FALSE(y.requires_grad());
-}
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(nothing thrown)";
 }
 
 TEST(ActivationCheckpoint, ARecomputationThatDiffersFromItsForwardIsNamed) {
