@@ -106,12 +106,15 @@ def main():
     rows = [("save (sync)", f"save@{w}", "save_ms", "<= 1.0x"),
             ("async save: stall", f"save@{w}", "async_stall_ms", ""),
             ("async save: to the commit", f"save@{w}", "async_total_ms", ""),
-            ("copy bound (clone of the rank's tensors)", f"save@{w}", "copy_ms", ""),
+            ("copy bound (the rank's tensors into touched buffers)", f"save@{w}", "copy_ms", ""),
             (f"load at world {w} (same layout)", f"load@{w}", "load_ms", "<= 1.0x")]
     rows += [(f"load at world {r} (resharding)", f"load@{r}", "load_ms", "") for r in reshard]
     for label, what, key, target in rows:
         d, p = m("ddp", what, key), m("pytorch", what, key)
         print(f"| {label} | {d:.1f} | {p:.1f} | {d / p if p else float('nan'):.2f}x | {target} |")
+    print(f"disk bound (each rank's bytes written and synced, all ranks at once): "
+          f"{m('ddp', f'save@{w}', 'raw_write_ms'):.1f} ms; ddp's sync save at "
+          f"{m('ddp', f'save@{w}', 'raw_write_ms') / m('ddp', f'save@{w}', 'save_ms'):.0%} of it")
     same = m("ddp", f"load@{w}", "load_ms")
     sync = m("ddp", f"save@{w}", "save_ms")
     print(f"ddp async stall / ddp sync save: {m('ddp', f'save@{w}', 'async_stall_ms') / sync:.3f} "

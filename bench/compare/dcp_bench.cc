@@ -8,16 +8,23 @@
 //   ddprun --nproc-per-node 3 dcp-bench --phase load --dir /tmp/ckpt --params 268435456
 //
 // --params is the model's parameter count (float32); the checkpoint holds three times it (Adam).
-// save: --rounds synchronous saves into --dir, then as many asynchronous ones (the time
-// save_dcp_async keeps the caller: the stall; and to its wait()'s end), and the copy bound (a
-// host copy of the rank's tensors, what an asynchronous save cannot avoid). load: the rank's rows
-// of every tensor at this world size (the same layout as the save, or another: resharding) read
+// save: --rounds synchronous saves into --dir, then (after one unmeasured, as a training loop's
+// saves after its first) as many asynchronous ones (the time save_dcp_async keeps the caller:
+// the stall; and to its wait()'s end), and the copy bound (a host copy of the rank's tensors,
+// what an asynchronous save cannot avoid, into buffers already touched) and the disk bound
+// (the rank's bytes written to a file of its own and synced, every rank at once). load: the rank's
+// rows of every tensor at this world size (the same layout as the save, or another: resharding)
+// read
 // --rounds times; the peak memory a load adds beyond the tensors it returns (VmHWM, reset before
 // each round) and the largest saved chunk, the bound. Times are the slowest rank's per
 // round, medians over the rounds. Rank 0's last line:
 //   dcp-bench phase=save world=4 bytes=B save_ms=S async_stall_ms=A async_total_ms=T copy_ms=C
+//             raw_write_ms=W
 //   dcp-bench phase=load world=3 bytes=B load_ms=L peak_added_mb=P largest_chunk_mb=K
 #include <malloc.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #include <algorithm>
 #include <cstdint>
@@ -132,6 +139,9 @@ int main(int argc, char** argv) {
         ddp::barrier();
         sync.push_back(max_over_ranks(milliseconds([&] { ddp::save_dcp(state, dir); })));
       }
+      // One unmeasured asynchronous save first: a training loop's saves after its first reuse
+      // the host copy's buffers (pytorch_dcp_bench.py does the same).
+      ddp::save_dcp_async(state, dir).wait();
       for (int r = 0; r < rounds; ++r) {
         ddp::barrier();
         ddp::DcpAsyncSave pending{nullptr};
@@ -143,14 +153,39 @@ int main(int argc, char** argv) {
         stall.push_back(max_over_ranks(stalled));
         total.push_back(max_over_ranks(whole));
       }
+      // The copy bound: the rank's tensors copied into host buffers already touched (as an
+      // asynchronous save's after its first).
+      std::vector<at::Tensor> copies;
+      for (const auto& e : state.entries()) {
+        if (e.tensor.defined()) copies.push_back(e.tensor.clone());
+      }
       for (int r = 0; r < rounds; ++r) {
         ddp::barrier();
-        std::vector<at::Tensor> copies;
         copy.push_back(max_over_ranks(milliseconds([&] {
+          std::size_t i = 0;
           for (const auto& e : state.entries()) {
-            if (e.tensor.defined()) copies.push_back(e.tensor.clone());
+            if (e.tensor.defined()) copies[i++].copy_(e.tensor);
           }
         })));
+      }
+      copies.clear();
+      // The disk bound: the rank's bytes written to one file of its own and synced, every rank
+      // at once, with nothing else (what any save of these bytes costs here).
+      std::vector<double> raw;
+      const auto raw_file = std::filesystem::path(dir) / fmt::format("raw_write_{}.bin", rank);
+      for (int r = 0; r < rounds; ++r) {
+        ddp::barrier();
+        raw.push_back(max_over_ranks(milliseconds([&] {
+          std::FILE* out = std::fopen(raw_file.c_str(), "wb");
+          if (out == nullptr) throw ddp::Error("dcp-bench: cannot write " + raw_file.string());
+          for (const auto& e : state.entries()) {
+            if (e.tensor.defined()) std::fwrite(e.tensor.data_ptr(), 1, e.tensor.nbytes(), out);
+          }
+          std::fflush(out);
+          ::fsync(::fileno(out));
+          std::fclose(out);
+        })));
+        std::filesystem::remove(raw_file);
       }
       const double all_bytes = over_ranks(static_cast<double>(bytes), ddp::ReduceOp::kSum);
       if (rank == 0) {

@@ -4,6 +4,7 @@
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <utility>
@@ -112,7 +113,8 @@ namespace {
 
 // One item's archive, read and checked; `what` names it ("the chunk of 'w' at [0, 4]").
 c10::IValue read_item(const std::filesystem::path& folder, const DcpStorageInfo& storage,
-                      const std::string& what) {
+                      const std::string& what,
+                      const detail::PytorchArchiveReadOptions& options = {}) {
   const std::filesystem::path file = folder / storage.file;
   const std::string source = fmt::format("{} ({} at byte {})", what, file.string(), storage.offset);
   std::error_code error;
@@ -120,14 +122,20 @@ c10::IValue read_item(const std::filesystem::path& folder, const DcpStorageInfo&
     throw ConfigError(
         fmt::format("{}: the data file is missing (a checkpoint copied in part?)", source));
   }
-  return detail::read_pytorch_archive_range(file, storage.offset, storage.length, source);
+  return detail::read_pytorch_archive_range(file, storage.offset, storage.length, source, options);
 }
 
+// The chunk's tensor; with `into`, its storage is read straight into those bytes (the chunk's
+// size exactly), which the returned tensor views.
 at::Tensor read_chunk(const std::filesystem::path& folder, const std::string& name,
-                      const DcpTensorInfo& tensor, const DcpChunkInfo& chunk) {
+                      const DcpTensorInfo& tensor, const DcpChunkInfo& chunk,
+                      void* into = nullptr, std::uint64_t into_bytes = 0) {
   const std::string what =
       fmt::format("the chunk of '{}' at [{}]", name, fmt::join(chunk.offsets, ", "));
-  const c10::IValue value = read_item(folder, chunk.storage, what);
+  detail::PytorchArchiveReadOptions options;
+  options.into = into;
+  options.into_bytes = into_bytes;
+  const c10::IValue value = read_item(folder, chunk.storage, what, options);
   if (!value.isTensor()) {
     throw StateDictFormatError(
         fmt::format("{} in {}: holds a {}, not a tensor", what, folder.string(), value.tagKind()));
@@ -186,8 +194,34 @@ at::Tensor DcpReader::read(const std::string& name, const std::vector<std::int64
   }
   at::Tensor out = at::empty(sizes, at::TensorOptions().dtype(tensor.dtype));
   std::int64_t copied = 0;
+  const auto element = static_cast<std::int64_t>(c10::elementSize(tensor.dtype));
+  std::int64_t row_elements = 1;  // of the region, below its first dimension
+  for (std::size_t d = 1; d < dims; ++d)
+    row_elements *= sizes[d];
   for (const std::size_t i : candidates) {
     const DcpChunkInfo& chunk = tensor.chunks[i];
+    // A chunk inside the region that spans its rows whole (every dimension but the first as the
+    // region's) is a contiguous run of the region's memory: read straight there, no copy.
+    bool direct = dims > 0 && chunk.offsets[0] >= offsets[0] &&
+                  chunk.offsets[0] + chunk.sizes[0] <= offsets[0] + sizes[0] && chunk.sizes[0] > 0;
+    for (std::size_t d = 1; direct && d < dims; ++d) {
+      direct = chunk.offsets[d] == offsets[d] && chunk.sizes[d] == sizes[d];
+    }
+    if (direct && row_elements > 0) {
+      char* place = static_cast<char*>(out.data_ptr()) +
+                    (chunk.offsets[0] - offsets[0]) * row_elements * element;
+      const std::int64_t count = chunk.sizes[0] * row_elements;
+      at::Tensor read = read_chunk(folder_, name, tensor, chunk, place,
+                                   static_cast<std::uint64_t>(count * element));
+      if (!read.is_contiguous() || read.storage_offset() != 0) {
+        // Saved with other strides (a transposed tensor whose storage was compact): its bytes
+        // are in `place` in that order; put them in row-major order.
+        const at::Tensor ordered = read.clone(at::MemoryFormat::Contiguous);
+        std::memcpy(place, ordered.data_ptr(), static_cast<std::size_t>(count * element));
+      }
+      copied += count;
+      continue;
+    }
     // The overlap of the chunk and the region, per dimension.
     std::vector<std::int64_t> lo(dims), hi(dims);
     bool overlaps = true;

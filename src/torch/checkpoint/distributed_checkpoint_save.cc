@@ -413,13 +413,22 @@ void write_metadata(const std::filesystem::path& folder, const std::string& byte
   }
 }
 
-// After the commit: the data files no longer named (earlier saves'), by their pattern only.
-void remove_unnamed_data_files(const std::filesystem::path& folder,
-                               const std::set<std::string>& named) {
+// After the commit, on every rank at once: this rank's data files of earlier saves (another
+// generation), and on rank 0 also those of ranks the job no longer has. Each rank unlinks its own,
+// in parallel (an earlier save's 768 MiB file took 0.13 s to unlink on this machine's ext4 with
+// discard, which rank 0 alone did for every rank before). By their pattern only: nothing else in
+// the folder is touched.
+void remove_earlier_data_files(const std::filesystem::path& folder, int rank, int world,
+                               std::uint64_t generation) {
   std::error_code ignored;
   for (const auto& file : std::filesystem::directory_iterator(folder, ignored)) {
+    std::smatch match;
     const std::string name = file.path().filename().string();
-    if (std::regex_match(name, data_file_pattern()) && !named.contains(name)) {
+    if (!std::regex_match(name, match, data_file_pattern())) continue;
+    const auto owner = std::stoull(match[1].str());
+    const bool mine = owner == static_cast<std::uint64_t>(rank) ||
+                      (rank == 0 && owner >= static_cast<std::uint64_t>(world));
+    if (mine && std::stoull(match[2].str()) != generation) {
       std::filesystem::remove(file.path(), ignored);
     }
   }
@@ -500,6 +509,7 @@ class Participants {
     }
   }
   int rank() const { return group_ ? group_->rank() : 0; }
+  int size() const { return group_ ? group_->size() : 1; }
   std::vector<std::string> all_gather(const std::string& mine) const {
     if (!group_) return {mine};
     std::vector<std::string> all;
@@ -781,10 +791,6 @@ DcpCheckpointInfo finish_save(const PlannedSave& save, const std::string& report
       outcome = "ok" + bytes;  // committed: from here on no rank removes its part
       // The rename lives in the folder's entries: until they are on disk a crash may forget it.
       sync_path(folder, O_RDONLY | O_DIRECTORY);
-      std::set<std::string> named;
-      for (const archive::DcpStorage& s : storage)
-        named.insert(s.file);
-      remove_unnamed_data_files(folder, named);
     } catch (const std::exception& e) {
       outcome = (outcome.empty() ? "no" : "cx") + ("rank 0: " + what_of(e));
     }
@@ -808,6 +814,8 @@ DcpCheckpointInfo finish_save(const PlannedSave& save, const std::string& report
         "if it had one, is as it was",
         folder.string(), outcome.substr(2)));
   }
+  remove_earlier_data_files(folder, save.participants.rank(), save.participants.size(),
+                            save.plan.generation);
   return detail::dcp_checkpoint_info(archive::parse_dcp_metadata(outcome.substr(2)),
                                      (folder / ".metadata").string());
 }
@@ -815,7 +823,46 @@ DcpCheckpointInfo finish_save(const PlannedSave& save, const std::string& report
 // This rank's entries copied for a background writer: tensors into compact host copies (pinned
 // where they live on a GPU, so the copy runs at the link's speed), values deep-copied, so that
 // training may change the originals as soon as save_dcp_async returns.
+// The host copies of the last finished asynchronous save, kept for the next one: a training
+// loop saves the same tensors again and again, and memory the process has already touched is
+// copied into at the speed of memory, where fresh pages cost a page fault each (measured at world
+// 4, 768 MiB a rank: a stall of 1.7 s with fresh memory against a copy of 0.16 s into touched
+// memory). Buffers the next save cannot use are dropped then.
+std::mutex recycled_mutex;
+std::vector<at::Tensor> recycled_buffers;
+
+void recycle(DcpStateDict& copy) {
+  std::vector<at::Tensor> buffers;
+  for (const DcpStateDict::Entry& e : copy.entries()) {
+    if (e.tensor.defined()) buffers.push_back(e.tensor);
+  }
+  copy = DcpStateDict();
+  std::lock_guard lock(recycled_mutex);
+  recycled_buffers = std::move(buffers);
+}
+
 DcpStateDict host_copy(const DcpStateDict& state) {
+  std::vector<at::Tensor> pool;
+  {
+    std::lock_guard lock(recycled_mutex);
+    pool = std::move(recycled_buffers);
+    recycled_buffers.clear();
+  }
+  // Recycled buffers by shape and dtype (and pinned-ness), taken in order.
+  auto take = [&](const at::Tensor& source) -> at::Tensor {
+    for (auto it = pool.begin(); it != pool.end(); ++it) {
+      if (it->sizes() == source.sizes() && it->scalar_type() == source.scalar_type() &&
+          it->is_pinned() == source.is_cuda()) {
+        at::Tensor buffer = std::move(*it);
+        pool.erase(it);
+        return buffer;
+      }
+    }
+    return at::empty(source.sizes(), source.options()
+                                         .device(at::kCPU)
+                                         .pinned_memory(source.is_cuda())
+                                         .memory_format(at::MemoryFormat::Contiguous));
+  };
   DcpStateDict copy;
   for (const DcpStateDict::Entry& e : state.entries()) {
     DcpStateDict::Entry entry = e;
@@ -823,16 +870,13 @@ DcpStateDict host_copy(const DcpStateDict& state) {
       entry.value = e.value.deepcopy();
     } else {
       const at::Tensor source = e.tensor.detach();
-      at::Tensor host = at::empty(source.sizes(), source.options()
-                                                      .device(at::kCPU)
-                                                      .pinned_memory(source.is_cuda())
-                                                      .memory_format(at::MemoryFormat::Contiguous));
+      at::Tensor host = take(source);
       host.copy_(source);
       entry.tensor = host;
     }
     copy.add_entry(std::move(entry));
   }
-  return copy;
+  return copy;  // what the pool held and this save did not use is freed here
 }
 
 }  // namespace dcp_save
@@ -916,7 +960,7 @@ DcpCheckpointInfo DcpAsyncSave::wait() {
       std::lock_guard pending(pending_mutex);
       if (pending_save == state_) pending_save.reset();
     }
-    s.copy = DcpStateDict();  // the host copy is written: give its memory back
+    recycle(s.copy);  // written: its buffers serve the next save's copy
     try {
       s.info = finish_save(s.save, s.report);
     } catch (const std::exception& e) {

@@ -23,6 +23,12 @@ struct PytorchArchiveReadOptions {
   // Every record's CRC-32 is verified; false only for state_dict_bench, which measures what the
   // check costs against skipping it.
   bool verify_crc = true;
+  // Where the archive's storage is read, instead of fresh memory: `into_bytes` bytes the caller
+  // owns and keeps alive while the value lives (its tensors view them). The archive must hold
+  // exactly one storage of exactly that size (a distributed checkpoint's chunk, read straight into
+  // its place in the destination tensor); anything else is a StateDictFormatError.
+  void* into = nullptr;
+  std::uint64_t into_bytes = 0;
 };
 
 // Reads the archive at `path` (with the zip reader's checks, archive/zip_reader.h, and the

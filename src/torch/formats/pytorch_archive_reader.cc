@@ -81,6 +81,7 @@ c10::IValue read_opened_archive(const std::function<archive::ZipReader()>& open,
       }
     }
     const std::string pickle = zip.read_string(*pickle_entry, kMaxPickleBytes);
+    bool into_used = false;
     const StorageLoader load_storage = [&](const StorageRequest& request) {
       const archive::ZipEntry* entry = record("data/" + request.key);
       if (entry == nullptr) {
@@ -96,7 +97,18 @@ c10::IValue read_opened_archive(const std::function<archive::ZipReader()>& open,
             "{}: storage '{}' holds {} bytes; its {} elements of {} need {}", source, request.key,
             entry->size, request.numel, c10::toString(request.dtype), want));
       }
-      at::DataPtr bytes = c10::GetCPUAllocator()->allocate(static_cast<std::size_t>(entry->size));
+      at::DataPtr bytes;
+      if (options.into != nullptr) {
+        if (into_used || entry->size != options.into_bytes) {
+          throw StateDictFormatError(fmt::format(
+              "{}: storage '{}' holds {} bytes where one storage of {} was expected", source,
+              request.key, entry->size, options.into_bytes));
+        }
+        into_used = true;
+        bytes = at::DataPtr(options.into, at::kCPU);  // not owned: the caller's memory
+      } else {
+        bytes = c10::GetCPUAllocator()->allocate(static_cast<std::size_t>(entry->size));
+      }
       if (options.verify_crc) {
         zip.read(*entry, bytes.get());
       } else {
@@ -106,6 +118,10 @@ c10::IValue read_opened_archive(const std::function<archive::ZipReader()>& open,
                          std::move(bytes), /*allocator=*/nullptr, /*resizable=*/false);
     };
     c10::IValue value = unpickle_restricted(pickle, load_storage, source);
+    if (options.into != nullptr && !into_used) {
+      throw StateDictFormatError(fmt::format(
+          "{}: holds no storage where one of {} bytes was expected", source, options.into_bytes));
+    }
     if (options.verify_crc) zip.verify_unread();
     return value;
   } catch (const archive::FormatError& e) {
