@@ -95,7 +95,10 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
 
     def m(side, what, key):
-        return statistics.median(results[(side, what, key)])
+        values = results.get((side, what, key))
+        if not values:
+            sys.exit(f"compare_dcp: the {side} run of {what} printed no {key}")
+        return statistics.median(values)
 
     w = args.world
     gib = m("ddp", f"save@{w}", "bytes") / (1 << 30)

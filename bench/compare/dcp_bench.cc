@@ -10,14 +10,13 @@
 // --params is the model's parameter count (float32); the checkpoint holds three times it (Adam).
 // save: --rounds synchronous saves into --dir, then (after one unmeasured, as a training loop's
 // saves after its first) as many asynchronous ones (the time save_dcp_async keeps the caller:
-// the stall; and to its wait()'s end), and the copy bound (a host copy of the rank's tensors,
-// what an asynchronous save cannot avoid, into buffers already touched) and the disk bound
-// (the rank's bytes written to a file of its own and synced, every rank at once). load: the rank's
-// rows of every tensor at this world size (the same layout as the save, or another: resharding)
-// read
-// --rounds times; the peak memory a load adds beyond the tensors it returns (VmHWM, reset before
-// each round) and the largest saved chunk, the bound. Times are the slowest rank's per
-// round, medians over the rounds. Rank 0's last line:
+// the stall; and to its wait()'s end), the copy bound (a host copy of the rank's tensors into
+// buffers already touched: what an asynchronous save cannot avoid) and the disk bound (the
+// rank's bytes written to a file of its own and synced, every rank at once).
+// load: the rank's rows of every tensor at this world size (the save's layout, or another:
+// resharding), read --rounds times; the peak memory a load adds beyond the tensors it returns
+// (VmHWM, reset before each round) and the largest saved chunk, the bound.
+// Times are the slowest rank's per round, medians over the rounds. Rank 0's last line:
 //   dcp-bench phase=save world=4 bytes=B save_ms=S async_stall_ms=A async_total_ms=T copy_ms=C
 //             raw_write_ms=W
 //   dcp-bench phase=load world=3 bytes=B load_ms=L peak_added_mb=P largest_chunk_mb=K
@@ -191,8 +190,9 @@ int main(int argc, char** argv) {
       if (rank == 0) {
         fmt::print(
             "dcp-bench phase=save world={} bytes={:.0f} save_ms={:.1f} async_stall_ms={:.1f} "
-            "async_total_ms={:.1f} copy_ms={:.1f}\n",
-            world, all_bytes, median(sync), median(stall), median(total), median(copy));
+            "async_total_ms={:.1f} copy_ms={:.1f} raw_write_ms={:.1f}\n",
+            world, all_bytes, median(sync), median(stall), median(total), median(copy),
+            median(raw));
       }
     } else {
       const ddp::DcpReader checkpoint(dir);
