@@ -33,6 +33,8 @@ import xml.etree.ElementTree as ET
 GPU_LABEL = "gpu"
 NO_DEVICE = "no CUDA device"
 LOG_TAIL_CHARS = 4000
+FAILED_TESTS_SHOWN = 5
+FAILED_TAIL_LINES = 30
 ERROR_LINE = re.compile(r"ddp-train-bench: |pytorch_ddp_bench: |[A-Za-z]*Error: |error: |"
                         r"FAILED|what\(\): |CMake Error|ninja: build stopped")
 RESULT_LINE = re.compile(r"step_ms=([0-9.]+) samples_per_s=([0-9.]+)")
@@ -104,9 +106,27 @@ def summary_line(results, prefix):
     return "\n".join(parts)
 
 
+def failure_tails(results, prefix, max_tests=FAILED_TESTS_SHOWN, lines=FAILED_TAIL_LINES):
+    """The end of each failed test's output, for the last lines of a log: CI shows a run's tail,
+    and ctest prints a failed test's output long before its summary (a flake's cause was lost
+    that way). At most `max_tests` tests, `lines` lines each."""
+    failed = [r for r in results if r["status"] == "failed"]
+    parts = []
+    for r in failed[:max_tests]:
+        tail = r["message"].rstrip().splitlines()[-lines:]
+        parts.append(f"{prefix}: {r['name']} failed after {r['seconds']:.1f} s; the end of its "
+                     f"output:\n" + "\n".join("  | " + t for t in tail))
+    if len(failed) > max_tests:
+        parts.append(f"{prefix}: and {len(failed) - max_tests} more failed tests (see above)")
+    return "\n".join(parts)
+
+
 def ctest_summary(args):
     names = gpu_test_names(args.test_dir)
     results = junit_results(args.junit, names)
+    tails = failure_tails(junit_results(args.junit), args.prefix)
+    if tails:
+        print(tails, flush=True)
     line = summary_line(results, args.prefix)
     if line:
         print(line, flush=True)
@@ -363,6 +383,12 @@ no CUDA device (libcudart.so.13: cudaGetDeviceCount error 35)
         assert line == "test.sh: 1 GPU tests not run: no CUDA device", line
         assert summary_line([by_name["G.Runs"]], "t") == "t: all 1 GPU tests ran"
         assert summary_line([], "t") is None
+        tails = failure_tails(junit_results(junit), "t")
+        assert tails == "t: G.Fails failed after 0.2 s; the end of its output:\n" \
+                        "  | x.cc:3: Failure bytes differ", tails
+        assert failure_tails([by_name["G.Runs"]], "t") == ""
+        many = [dict(by_name["G.Fails"], name=f"F{i}") for i in range(3)]
+        assert failure_tails(many, "t", max_tests=2).endswith("t: and 1 more failed tests (see above)")
 
         state = os.path.join(tmp, "state")
         os.makedirs(state)

@@ -50,7 +50,12 @@ def world_two(rank, folder, workdir):
         local = state[name].to_local()
         assert local.numel() > 0, name
     dist.barrier()
-    dist.destroy_process_group()
+    # Leave without gloo's teardown: PyTorch 2.15's gloo now and then aborts a rank in or after
+    # destroy_process_group ("terminate called without an active exception", SIGABRT), under
+    # load, after every result was checked and printed; seen in CI's runs of this script's
+    # caller. Every collective is done (the barrier above); stdout is flushed first.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main():
