@@ -4,7 +4,6 @@
 // zip_directory.cc reads and checks all but the data.
 #include "archive/zip_reader.h"
 
-#include <libdeflate.h>
 #include <sched.h>
 #include <zlib.h>
 
@@ -15,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "archive/byte_source.h"
+#include "archive/crc32.h"
 #include "archive/zip_format.h"
 
 namespace ddp::archive {
@@ -88,7 +88,7 @@ void ZipReader::stream(const ZipEntry& entry, Sink&& sink, bool verify) const {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kPiece, entry.size - done));
       unsigned char* at = sink.place(n, piece.data());
       source_->read(entry.data_offset + done, at, n);
-      if (verify) crc = libdeflate_crc32(crc, at, n);
+      if (verify) crc = archive::crc32(at, n, crc);
       sink.took(at, n);
       done += n;
     }
@@ -131,7 +131,7 @@ void ZipReader::stream(const ZipEntry& entry, Sink&& sink, bool verify) const {
                             entry.name, entry.size));
       }
       if (made > 0) {
-        if (verify) crc = libdeflate_crc32(crc, at, made);
+        if (verify) crc = archive::crc32(at, made, crc);
         sink.took(at, made);
         produced += made;
       } else if (status == Z_BUF_ERROR && z.avail_in > 0) {
@@ -216,7 +216,7 @@ void ZipReader::read_into(const ZipEntry& entry, unsigned char* out, bool verify
       for (std::uint64_t at = begin(p); at < begin(p + 1);) {
         const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kPiece, begin(p + 1) - at));
         source_->read(entry.data_offset + at, out + at, n);
-        if (verify) crc = libdeflate_crc32(crc, out + at, n);
+        if (verify) crc = archive::crc32(out + at, n, crc);
         at += n;
       }
       crcs[p] = crc;

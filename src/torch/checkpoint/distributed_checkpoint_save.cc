@@ -27,6 +27,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "archive/crc32.h"
 #include "archive/dcp_metadata.h"
 #include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed_objects.h"
@@ -341,6 +342,86 @@ at::Tensor compact_cpu(const at::Tensor& tensor) {
                        t.storage().nbytes() == static_cast<std::size_t>(t.numel()) *
                                                    static_cast<std::size_t>(t.element_size());
   return compact ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// The CRC-32 of what an entry holds: a tensor's bytes in row-major order (dtype and shape are
+// already equal across the ranks: the plan checked them), a value's pickle (as torch.save writes
+// it, so equal values pickle alike).
+std::uint32_t content_crc(const DcpStateDict::Entry& entry) {
+  if (entry.kind == Kind::kValue) {
+    std::uint32_t crc = 0;
+    const std::string pickle = detail::pickle_value(
+        entry.value, /*ordered_dict_at_top=*/false,
+        [&crc](const std::string&, const at::Storage& storage) {
+          crc = archive::crc32(storage.data(), storage.nbytes(), crc);
+        },
+        fmt::format("save_dcp: the entry '{}'", entry.name));
+    return archive::crc32(pickle.data(), pickle.size(), crc);
+  }
+  at::Tensor t = entry.tensor.detach();
+  if (!t.is_cpu()) t = t.cpu();
+  t = t.contiguous();
+  return archive::crc32(t.data_ptr(), static_cast<std::size_t>(t.numel()) *
+                                          static_cast<std::size_t>(t.element_size()));
+}
+
+// The CRC-32 of every item this rank holds together with another rank, by item index: the
+// replicas finish_save compares before it commits.
+std::vector<std::pair<std::size_t, std::uint32_t>> replica_crcs(const DcpStateDict& state,
+                                                                const GlobalPlan& plan, int rank) {
+  std::vector<std::pair<std::size_t, std::uint32_t>> crcs;
+  for (std::size_t i = 0; i < plan.items.size(); ++i) {
+    const Item& item = plan.items[i];
+    if (item.holders.size() < 2) continue;
+    for (const auto& [holder, index] : item.holders) {
+      if (holder == rank) crcs.emplace_back(i, content_crc(state.entries()[index]));
+    }
+  }
+  return crcs;
+}
+
+// The items whose replicas differ, from every rank's CRC-32s (rank, item, crc): one line each
+// naming which ranks hold which bytes, at most `shown` of them.
+std::string differing_replicas(const GlobalPlan& plan,
+                               const std::vector<std::map<std::size_t, std::uint32_t>>& crcs,
+                               std::size_t shown = 3) {
+  std::vector<std::string> lines;
+  std::size_t differing = 0;
+  for (std::size_t i = 0; i < plan.items.size(); ++i) {
+    const Item& item = plan.items[i];
+    std::map<std::uint32_t, std::vector<int>> ranks_by_crc;
+    for (const auto& [holder, index] : item.holders) {
+      const auto& reported = crcs[static_cast<std::size_t>(holder)];
+      const auto it = reported.find(i);
+      if (it != reported.end()) ranks_by_crc[it->second].push_back(holder);
+    }
+    if (ranks_by_crc.size() < 2) continue;
+    if (++differing > shown) continue;
+    std::vector<std::pair<std::vector<int>, std::uint32_t>> groups;
+    for (const auto& [crc, ranks] : ranks_by_crc)
+      groups.emplace_back(ranks, crc);
+    std::sort(groups.begin(), groups.end());
+    std::vector<std::string> parts;
+    for (const auto& [ranks, crc] : groups) {
+      parts.push_back(fmt::format("rank{} {} (CRC-32 {:08x})", ranks.size() > 1 ? "s" : "",
+                                  fmt::join(ranks, ", "), crc));
+    }
+    const std::string what =
+        item.value ? fmt::format("the value '{}'", item.name)
+        : item.sizes == plan.entries.at(item.name).shape
+            ? fmt::format("the tensor '{}'", item.name)
+            : fmt::format("the chunk [{}] at [{}] of '{}'", fmt::join(item.sizes, ", "),
+                          fmt::join(item.offsets, ", "), item.name);
+    lines.push_back(fmt::format("{} differs across the ranks that hold it: {}", what,
+                                fmt::join(parts, " against ")));
+  }
+  if (differing == 0) return "";
+  if (differing > shown) lines.push_back(fmt::format("and {} more", differing - shown));
+  return fmt::format(
+      "{}; a tensor or value added on several ranks is written once and must be equal on each "
+      "(save per-rank state under per-rank names; DcpSaveOptions::check_replicas = false writes "
+      "one rank's copy unchecked)",
+      fmt::join(lines, "; "));
 }
 
 // This rank's items into its data file; the storage of each, by item index.
@@ -701,13 +782,14 @@ struct PlannedSave {
   GlobalPlan plan;
   std::filesystem::path data_file;
   std::shared_ptr<FolderLock> lock;  // rank 0's, for the save's whole life
+  bool check_replicas = true;
 };
 
 // 1. Plan (collective). Rank 0 picks the data files' generation; every rank reports what it
 // holds, or why it cannot take part (the folder cannot be made, a dtype the format cannot hold).
 PlannedSave plan_save(const DcpStateDict& state, const std::filesystem::path& folder,
                       const DcpSaveOptions& options) {
-  PlannedSave save{Participants(options), folder, {}, {}, {}};
+  PlannedSave save{Participants(options), folder, {}, {}, {}, options.check_replicas};
   const int rank = save.participants.rank();
   std::string plan_error;
   std::uint64_t generation = 0;
@@ -752,6 +834,9 @@ std::string write_part(const DcpStateDict& state, const PlannedSave& save) {
       items.push_back({index, where.file, where.offset, where.length});
     }
     result["items"] = std::move(items);
+    if (save.check_replicas) {
+      result["crc"] = replica_crcs(state, save.plan, save.participants.rank());
+    }
   } catch (const std::exception& e) {
     result["err"] = what_of(e);
   } catch (...) {
@@ -767,6 +852,7 @@ DcpCheckpointInfo finish_save(const PlannedSave& save, const std::string& report
   const std::vector<std::string> results = save.participants.all_gather(report);
   std::vector<std::string> failures;
   std::vector<archive::DcpStorage> storage(save.plan.items.size());
+  std::vector<std::map<std::size_t, std::uint32_t>> crcs(results.size());
   for (std::size_t r = 0; r < results.size(); ++r) {
     const json written = json::parse(results[r], nullptr, /*allow_exceptions=*/false);
     if (!written.is_object() || (!written.contains("err") && !written.contains("items"))) {
@@ -781,6 +867,13 @@ DcpCheckpointInfo finish_save(const PlannedSave& save, const std::string& report
       storage.at(item[0].get<std::size_t>()) = {
           item[1].get<std::string>(), item[2].get<std::uint64_t>(), item[3].get<std::uint64_t>()};
     }
+    if (written.contains("crc")) {
+      for (const json& item : written["crc"])
+        crcs[r][item[0].get<std::size_t>()] = item[1].get<std::uint32_t>();
+    }
+  }
+  if (const std::string differing = differing_replicas(save.plan, crcs); !differing.empty()) {
+    failures.insert(failures.begin(), differing);
   }
   std::string outcome;
   if (save.participants.rank() == 0 && failures.empty()) {

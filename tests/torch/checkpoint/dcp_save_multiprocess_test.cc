@@ -2,8 +2,9 @@
 // row and column shards of uneven sizes, a replicated tensor, a shard two ranks both hold (as
 // HYBRID_SHARD's replicas: written once), values on every rank and on one, read back whole and
 // at world 2's layout by DcpReader and by PyTorch 2.x's dcp.load at worlds 2 (DTensors split
-// another way) and 1. A plan the ranks disagree on, and a rank that fails to write, fail the
-// save on every rank, naming the rank, with the previous checkpoint left as it was.
+// another way) and 1. A plan the ranks disagree on, a rank that fails to write, and replicas
+// whose bytes differ fail the save on every rank, naming the rank, with the previous checkpoint
+// left as it was.
 #include <chrono>
 #include <filesystem>
 #include <set>
@@ -191,6 +192,63 @@ TEST(DcpSaveMultiprocess, ARankThatFailsToWriteFailsTheSaveEverywhereAndThePrevi
             (std::set<std::string>{".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}));
   auto results =
       run_ranks(1, [&](int) { EXPECT_TRUE(torch::equal(DcpReader(folder).read("rows"), rows())); });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+TEST(DcpSaveMultiprocess, ReplicasThatDifferAreRefusedOnEveryRankAndThePreviousStays) {
+  test::TempDir dir("ddp-dcp-save-mp");
+  const auto folder = dir.path() / "ckpt";
+  save_at_world_three(folder);
+  const int port = test::free_port();
+  // What a rank whose replicas drifted holds: rank 2's emb and its half of hybrid (shared with
+  // rank 0), rank 1's step.
+  auto drifted = [](int rank) {
+    DcpStateDict state;
+    state.add_tensor("emb", rank == 2 ? emb() + 1 : emb());
+    const std::int64_t half = rank == 1 ? 2 : 0;
+    at::Tensor mine = hybrid().slice(0, half, half + 2).clone();
+    if (rank == 2) mine[1] = -1;  // one element of one replica
+    state.add_shard("hybrid", mine, {half}, {4});
+    state.add_value("step", rank == 1 ? 43 : 42);
+    return state;
+  };
+  EXPECT_ALL_RANKS_OK(run_ranks(kWorld, [&](int rank) {
+    auto pg = join_group(rank, kWorld, port);
+    for (const bool async : {false, true}) {
+      try {
+        if (async) {
+          save_dcp_async(drifted(rank), folder, {.group = pg}).wait();
+        } else {
+          save_dcp(drifted(rank), folder, {.group = pg});
+        }
+        ADD_FAILURE() << "rank " << rank << ": replicas that differ were saved (async " << async
+                      << ")";
+      } catch (const ConfigError& e) {
+        EXPECT_THAT(
+            std::string(e.what()),
+            AllOf(HasSubstr("not committed"),
+                  HasSubstr("the tensor 'emb' differs across the ranks that hold it: ranks 0, 1 "
+                            "(CRC-32 "),
+                  HasSubstr(") against rank 2 (CRC-32 "),
+                  HasSubstr("the chunk [2] at [0] of 'hybrid' differs across the ranks that hold "
+                            "it: rank 0 (CRC-32 "),
+                  HasSubstr("the value 'step' differs across the ranks that hold it: ranks 0, 2"),
+                  HasSubstr("check_replicas"), HasSubstr("previous checkpoint")));
+      }
+    }
+    // Unchecked, the plan's writer's copy is written (dcp.save's behaviour).
+    const DcpCheckpointInfo info =
+        save_dcp(drifted(rank), dir.path() / "unchecked", {.group = pg, .check_replicas = false});
+    EXPECT_EQ(info.tensors.at("emb").chunks.size(), 1u);
+  }));
+  // The first save is what the folder holds.
+  EXPECT_EQ(files_in(folder),
+            (std::set<std::string>{".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}));
+  auto results = run_ranks(1, [&](int) {
+    EXPECT_TRUE(torch::equal(DcpReader(folder).read("emb"), emb()));
+    EXPECT_EQ(DcpReader(folder).read_value("step").toInt(), 42);
+    EXPECT_EQ(DcpReader(dir.path() / "unchecked").read("emb").sizes(), emb().sizes());
+  });
   EXPECT_ALL_RANKS_OK(results);
 }
 
