@@ -143,8 +143,28 @@ std::vector<RankResult> run_ranks(int world_size, const std::function<void(int r
       ::close(fds[0]);
       install_crash_report(fds[1]);
       int code = 0;
+      // GoogleTest records an EXPECT_* or ASSERT_* that fails in this child in the child's copy
+      // of the test's result, which the parent never sees: the failures it adds are this rank's
+      // failure, reported as an exception's message would be.
+      const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+      const ::testing::TestResult* result = test != nullptr ? test->result() : nullptr;
+      const int parts_before = result != nullptr ? result->total_part_count() : 0;
       try {
         fn(rank);
+        if (result != nullptr) {
+          std::string failures;
+          for (int i = parts_before; i < result->total_part_count(); ++i) {
+            const ::testing::TestPartResult& part = result->GetTestPartResult(i);
+            if (!part.failed()) continue;
+            failures += failures.empty() ? "" : "\n";
+            failures += std::string(part.file_name() != nullptr ? part.file_name() : "?") + ":" +
+                        std::to_string(part.line_number()) + ": " + part.summary();
+          }
+          if (!failures.empty()) {
+            write_all(fds[1], "expectations failed in this rank:\n" + failures);
+            code = 1;
+          }
+        }
       } catch (const std::exception& e) {
         write_all(fds[1], e.what());
         code = 1;

@@ -4,7 +4,8 @@
 //   EXPECT_ALL_RANKS_OK(results);
 //
 // Each child runs fn(rank); returning means success, an exception means failure and its message
-// travels back to the parent. A child still running at the deadline is killed with SIGKILL and
+// travels back to the parent, and so does an EXPECT_* or ASSERT_* that fails inside fn (GoogleTest
+// records it in the child only: run_ranks reports it as the rank's failure, file:line and text). A child still running at the deadline is killed with SIGKILL and
 // reported as timed out, so a test can never hang. Call it before the test has started threads
 // of its own (fork copies only the calling thread).
 #pragma once

@@ -92,5 +92,23 @@ TEST(RunRanks, AnExceptionIsReportedWithItsMessageAndNoBacktrace) {
   EXPECT_EQ(results[0].error, "the reason");
 }
 
+TEST(RunRanks, AnExpectationThatFailsInARankIsThatRanksFailure) {
+  // GoogleTest records a failure in the process where it happens: without run_ranks' report the
+  // parent would see rank 1 return and call it a pass.
+  const auto results = run_ranks(2, [](int rank) {
+    EXPECT_EQ(rank, 0) << "only rank 0 passes";
+    EXPECT_TRUE(true);
+  });
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_TRUE(results[0].ok()) << describe(results);
+  EXPECT_EQ(results[1].exit_code, 1);
+  EXPECT_THAT(results[1].error, HasSubstr("expectations failed in this rank:\n"));
+  EXPECT_THAT(results[1].error, HasSubstr("multiprocess_test.cc:"));
+  EXPECT_THAT(results[1].error, HasSubstr("only rank 0 passes"));
+  // An ASSERT_* returns from the function: the same.
+  const auto asserted = run_ranks(1, [](int) { ASSERT_TRUE(false) << "asserted"; });
+  EXPECT_THAT(asserted[0].error, HasSubstr("asserted"));
+}
+
 }  // namespace
 }  // namespace ddp::test
