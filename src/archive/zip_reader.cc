@@ -8,6 +8,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <thread>
 
@@ -174,11 +175,24 @@ namespace {
 
 // Sinks for ZipReader::stream: place(n, scratch) says where the next n bytes go, took(at, n)
 // that they are there.
-struct IntoBuffer {
+// The record's bytes [begin, end) into out: a piece wholly inside goes there directly, any other
+// through the scratch piece, from which its part inside (if any) is copied.
+struct IntoWindow {
   unsigned char* out;
-  std::uint64_t filled = 0;
-  unsigned char* place(std::size_t, unsigned char*) { return out + filled; }
-  void took(const unsigned char*, std::size_t n) { filled += n; }
+  std::uint64_t begin, end;
+  std::uint64_t filled = 0;  // bytes of the record seen so far
+  bool direct = false;       // whether the last place() was in `out`
+  unsigned char* place(std::size_t n, unsigned char* scratch) {
+    direct = filled >= begin && filled + n <= end;
+    return direct ? out + (filled - begin) : scratch;
+  }
+  void took(const unsigned char* at, std::size_t n) {
+    if (!direct) {
+      const std::uint64_t lo = std::max(filled, begin), hi = std::min(filled + n, end);
+      if (lo < hi) std::memcpy(out + (lo - begin), at + (lo - filled), hi - lo);
+    }
+    filled += n;
+  }
 };
 struct Discard {
   unsigned char* place(std::size_t, unsigned char* scratch) { return scratch; }
@@ -188,24 +202,37 @@ struct Discard {
 }  // namespace
 
 void ZipReader::read(const ZipEntry& entry, void* out) const {
-  read_into(entry, static_cast<unsigned char*>(out), /*verify=*/true);
+  read_into(entry, static_cast<unsigned char*>(out), /*verify=*/true, 0, entry.size);
 }
 
 void ZipReader::read_unverified(const ZipEntry& entry, void* out) const {
-  read_into(entry, static_cast<unsigned char*>(out), /*verify=*/false);
+  read_into(entry, static_cast<unsigned char*>(out), /*verify=*/false, 0, entry.size);
 }
 
-void ZipReader::read_into(const ZipEntry& entry, unsigned char* out, bool verify) const {
+void ZipReader::read_window(const ZipEntry& entry, std::uint64_t begin, std::uint64_t length,
+                            void* out) const {
+  if (begin > entry.size || length > entry.size - begin) {
+    throw Error(
+        fmt::format("ZipReader::read_window: bytes [{}, {} + {}) are not inside record "
+                    "'{}' of {} bytes",
+                    begin, begin, length, entry.name, entry.size));
+  }
+  read_into(entry, static_cast<unsigned char*>(out), /*verify=*/true, begin, length);
+}
+
+void ZipReader::read_into(const ZipEntry& entry, unsigned char* out, bool verify,
+                          std::uint64_t begin, std::uint64_t length) const {
+  const std::uint64_t end = begin + length;
   const unsigned threads = static_cast<unsigned>(
       std::min<std::uint64_t>({kMaxReadThreads, usable_cpus(), entry.size / kPart}));
   if (entry.method != 0 || entry.size < kParallelBytes || threads < 2) {
-    stream(entry, IntoBuffer{out}, verify);
+    stream(entry, IntoWindow{out, begin, end}, verify);
     return;
   }
   const std::size_t index = index_of(entry);
-  // Part p covers [begin(p), begin(p + 1)), each a whole number of pieces but the last.
+  // Part p covers [part_begin(p), part_begin(p + 1)), each a whole number of pieces but the last.
   const std::uint64_t pieces = (entry.size + kPiece - 1) / kPiece;
-  auto begin = [&](unsigned p) {
+  auto part_begin = [&](unsigned p) {
     return std::min<std::uint64_t>(entry.size, pieces * p / threads * kPiece);
   };
   std::vector<std::uint32_t> crcs(threads, 0);
@@ -213,10 +240,19 @@ void ZipReader::read_into(const ZipEntry& entry, unsigned char* out, bool verify
   auto read_part = [&](unsigned p) {
     try {
       std::uint32_t crc = 0;
-      for (std::uint64_t at = begin(p); at < begin(p + 1);) {
-        const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kPiece, begin(p + 1) - at));
-        source_->read(entry.data_offset + at, out + at, n);
-        if (verify) crc = archive::crc32(out + at, n, crc);
+      std::vector<unsigned char> scratch;  // for pieces not wholly inside the window
+      for (std::uint64_t at = part_begin(p); at < part_begin(p + 1);) {
+        const auto n =
+            static_cast<std::size_t>(std::min<std::uint64_t>(kPiece, part_begin(p + 1) - at));
+        const bool inside = at >= begin && at + n <= end;
+        if (!inside && scratch.empty()) scratch.resize(kPiece);
+        unsigned char* place = inside ? out + (at - begin) : scratch.data();
+        source_->read(entry.data_offset + at, place, n);
+        if (verify) crc = archive::crc32(place, n, crc);
+        if (!inside) {
+          const std::uint64_t lo = std::max(at, begin), hi = std::min(at + n, end);
+          if (lo < hi) std::memcpy(out + (lo - begin), place + (lo - at), hi - lo);
+        }
         at += n;
       }
       crcs[p] = crc;
@@ -235,7 +271,8 @@ void ZipReader::read_into(const ZipEntry& entry, unsigned char* out, bool verify
   if (verify) {
     uLong crc = crcs[0];
     for (unsigned p = 1; p < threads; ++p)
-      crc = crc32_combine64(crc, crcs[p], static_cast<z_off64_t>(begin(p + 1) - begin(p)));
+      crc =
+          crc32_combine64(crc, crcs[p], static_cast<z_off64_t>(part_begin(p + 1) - part_begin(p)));
     check_crc(entry, static_cast<std::uint32_t>(crc));
   }
   read_[index] = true;

@@ -74,6 +74,12 @@ class ZipReader {
   void read(const ZipEntry& entry, void* out) const;
   // The same without the CRC-32 (sizes still checked): only to measure what the check costs.
   void read_unverified(const ZipEntry& entry, void* out) const;
+  // Reads the whole record and verifies it as read() does, but keeps only its bytes [begin,
+  // begin + length) (in `out`, `length` bytes): the rest passes through one piece of scratch
+  // memory, so reading part of a large record costs no more memory than that part. A window past
+  // the record's end is an Error (a caller's bug).
+  void read_window(const ZipEntry& entry, std::uint64_t begin, std::uint64_t length,
+                   void* out) const;
   // The same into a string; a record over `max_bytes` is a FormatError (kTooLarge) before it is
   // read.
   std::string read_string(const ZipEntry& entry, std::uint64_t max_bytes) const;
@@ -88,7 +94,10 @@ class ZipReader {
   void read_central_directory();
   template <class Sink>
   void stream(const ZipEntry& entry, Sink&& sink, bool verify = true) const;
-  void read_into(const ZipEntry& entry, unsigned char* out, bool verify) const;
+  // The record's bytes [begin, begin + length) into `out`; all of it read and (if `verify`)
+  // checked.
+  void read_into(const ZipEntry& entry, unsigned char* out, bool verify, std::uint64_t begin,
+                 std::uint64_t length) const;
   std::size_t index_of(const ZipEntry& entry) const;
   void check_crc(const ZipEntry& entry, std::uint32_t crc) const;
 

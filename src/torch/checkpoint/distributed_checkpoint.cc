@@ -126,15 +126,17 @@ c10::IValue read_item(const std::filesystem::path& folder, const DcpStorageInfo&
 }
 
 // The chunk's tensor; with `into`, its storage is read straight into those bytes (the chunk's
-// size exactly), which the returned tensor views.
+// size exactly), which the returned tensor views, or only its bytes [into_offset, into_offset +
+// into_bytes) are (the returned tensor then views no data: its dtype, sizes and strides only).
 at::Tensor read_chunk(const std::filesystem::path& folder, const std::string& name,
-                      const DcpTensorInfo& tensor, const DcpChunkInfo& chunk,
-                      void* into = nullptr, std::uint64_t into_bytes = 0) {
+                      const DcpTensorInfo& tensor, const DcpChunkInfo& chunk, void* into = nullptr,
+                      std::uint64_t into_bytes = 0, std::uint64_t into_offset = 0) {
   const std::string what =
       fmt::format("the chunk of '{}' at [{}]", name, fmt::join(chunk.offsets, ", "));
   detail::PytorchArchiveReadOptions options;
   options.into = into;
   options.into_bytes = into_bytes;
+  options.into_offset = into_offset;
   const c10::IValue value = read_item(folder, chunk.storage, what, options);
   if (!value.isTensor()) {
     throw StateDictFormatError(
@@ -198,39 +200,14 @@ at::Tensor DcpReader::read(const std::string& name, const std::vector<std::int64
   std::int64_t row_elements = 1;  // of the region, below its first dimension
   for (std::size_t d = 1; d < dims; ++d)
     row_elements *= sizes[d];
-  for (const std::size_t i : candidates) {
-    const DcpChunkInfo& chunk = tensor.chunks[i];
-    // A chunk inside the region that spans its rows whole (every dimension but the first as the
-    // region's) is a contiguous run of the region's memory: read straight there, no copy.
-    bool direct = dims > 0 && chunk.offsets[0] >= offsets[0] &&
-                  chunk.offsets[0] + chunk.sizes[0] <= offsets[0] + sizes[0] && chunk.sizes[0] > 0;
-    for (std::size_t d = 1; direct && d < dims; ++d) {
-      direct = chunk.offsets[d] == offsets[d] && chunk.sizes[d] == sizes[d];
-    }
-    if (direct && row_elements > 0) {
-      char* place = static_cast<char*>(out.data_ptr()) +
-                    (chunk.offsets[0] - offsets[0]) * row_elements * element;
-      const std::int64_t count = chunk.sizes[0] * row_elements;
-      at::Tensor read = read_chunk(folder_, name, tensor, chunk, place,
-                                   static_cast<std::uint64_t>(count * element));
-      if (!read.is_contiguous() || read.storage_offset() != 0) {
-        // Saved with other strides (a transposed tensor whose storage was compact): its bytes
-        // are in `place` in that order; put them in row-major order.
-        const at::Tensor ordered = read.clone(at::MemoryFormat::Contiguous);
-        std::memcpy(place, ordered.data_ptr(), static_cast<std::size_t>(count * element));
-      }
-      copied += count;
-      continue;
-    }
-    // The overlap of the chunk and the region, per dimension.
+  // The overlap of a chunk and the region, through the chunk read whole: the general case.
+  auto copy_overlap = [&](const DcpChunkInfo& chunk) {
     std::vector<std::int64_t> lo(dims), hi(dims);
-    bool overlaps = true;
-    for (std::size_t d = 0; d < dims && overlaps; ++d) {
+    for (std::size_t d = 0; d < dims; ++d) {
       lo[d] = std::max(offsets[d], chunk.offsets[d]);
       hi[d] = std::min(offsets[d] + sizes[d], chunk.offsets[d] + chunk.sizes[d]);
-      overlaps = lo[d] < hi[d];
+      if (lo[d] >= hi[d]) return;
     }
-    if (!overlaps) continue;
     at::Tensor from = read_chunk(folder_, name, tensor, chunk);
     at::Tensor to = out;
     std::int64_t elements = 1;
@@ -242,6 +219,46 @@ at::Tensor DcpReader::read(const std::string& name, const std::vector<std::int64
     }
     to.copy_(from);
     copied += elements;
+  };
+  for (const std::size_t i : candidates) {
+    const DcpChunkInfo& chunk = tensor.chunks[i];
+    // A chunk whose rows are the region's rows whole (every dimension but the first as the
+    // region's): the rows they share are one contiguous run in the chunk's storage and in the
+    // region's memory, read straight into place (resharding FSDP's row shards). A chunk wholly
+    // inside is read into place as it is; of one partly inside, the whole record is still read
+    // and verified, the rest passing through scratch memory, so no chunk-sized buffer is made.
+    bool rows_whole = dims > 0 && row_elements > 0;
+    for (std::size_t d = 1; rows_whole && d < dims; ++d) {
+      rows_whole = chunk.offsets[d] == offsets[d] && chunk.sizes[d] == sizes[d];
+    }
+    if (!rows_whole) {
+      copy_overlap(chunk);
+      continue;
+    }
+    const std::int64_t lo = std::max(offsets[0], chunk.offsets[0]);
+    const std::int64_t hi = std::min(offsets[0] + sizes[0], chunk.offsets[0] + chunk.sizes[0]);
+    if (lo >= hi) continue;
+    const std::int64_t row_bytes = row_elements * element;
+    char* place = static_cast<char*>(out.data_ptr()) + (lo - offsets[0]) * row_bytes;
+    const std::int64_t count = (hi - lo) * row_elements;
+    const bool whole = lo == chunk.offsets[0] && hi == chunk.offsets[0] + chunk.sizes[0];
+    at::Tensor read =
+        read_chunk(folder_, name, tensor, chunk, place, static_cast<std::uint64_t>(count * element),
+                   static_cast<std::uint64_t>((lo - chunk.offsets[0]) * row_bytes));
+    if (!read.is_contiguous() || read.storage_offset() != 0) {
+      // Saved with other strides (a transposed tensor whose storage was compact): the bytes in
+      // `place` are in that order. Whole, they are the chunk's: put them in row-major order; a
+      // part is no run of rows (nor is a chunk whose storage held more than it, which the archive
+      // read as a window and left without data): read the chunk whole instead.
+      if (whole && read.storage().data() != nullptr) {
+        const at::Tensor ordered = read.clone(at::MemoryFormat::Contiguous);
+        std::memcpy(place, ordered.data_ptr(), static_cast<std::size_t>(count * element));
+      } else {
+        copy_overlap(chunk);
+        continue;
+      }
+    }
+    copied += count;
   }
   // The metadata's chunks tile the tensor (checked when it was read), so this holds; it is
   // checked again because an element left out would be silently uninitialised.

@@ -26,9 +26,15 @@ struct PytorchArchiveReadOptions {
   // Where the archive's storage is read, instead of fresh memory: `into_bytes` bytes the caller
   // owns and keeps alive while the value lives (its tensors view them). The archive must hold
   // exactly one storage of exactly that size (a distributed checkpoint's chunk, read straight into
-  // its place in the destination tensor); anything else is a StateDictFormatError.
+  // its place in the destination tensor), or of at least into_offset + into_bytes (below);
+  // anything else is a StateDictFormatError.
   void* into = nullptr;
   std::uint64_t into_bytes = 0;
+  // With `into`: the storage's bytes [into_offset, into_offset + into_bytes) only, when that is
+  // not all of it (a part of a saved chunk, resharding): the whole record is still read and its
+  // CRC-32 verified, the rest through scratch memory (ZipReader::read_window). The value's tensor
+  // then views no data (a null pointer): only its dtype, sizes and strides may be used.
+  std::uint64_t into_offset = 0;
 };
 
 // Reads the archive at `path` (with the zip reader's checks, archive/zip_reader.h, and the

@@ -99,12 +99,21 @@ c10::IValue read_opened_archive(const std::function<archive::ZipReader()>& open,
       }
       at::DataPtr bytes;
       if (options.into != nullptr) {
-        if (into_used || entry->size != options.into_bytes) {
+        const bool whole = options.into_offset == 0 && entry->size == options.into_bytes;
+        if (into_used || entry->size < options.into_offset ||
+            entry->size - options.into_offset < options.into_bytes) {
           throw StateDictFormatError(fmt::format(
-              "{}: storage '{}' holds {} bytes where one storage of {} was expected", source,
-              request.key, entry->size, options.into_bytes));
+              "{}: storage '{}' holds {} bytes where one storage of at least {} was expected",
+              source, request.key, entry->size, options.into_offset + options.into_bytes));
         }
         into_used = true;
+        if (!whole) {
+          // A window of the storage: read into the caller's bytes; the tensor views no data.
+          zip.read_window(*entry, options.into_offset, options.into_bytes, options.into);
+          return at::Storage(at::Storage::use_byte_size_t(), static_cast<std::size_t>(want),
+                             at::DataPtr(nullptr, at::kCPU), /*allocator=*/nullptr,
+                             /*resizable=*/false);
+        }
         bytes = at::DataPtr(options.into, at::kCPU);  // not owned: the caller's memory
       } else {
         bytes = c10::GetCPUAllocator()->allocate(static_cast<std::size_t>(entry->size));
