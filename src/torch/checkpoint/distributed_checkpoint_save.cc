@@ -68,6 +68,24 @@ void check_tensor(const at::Tensor& tensor, const std::string& name) {
   detail::dcp_dtype_name(tensor.scalar_type());  // throws, naming the dtype
 }
 
+// A shard's tensor, and its place inside its global shape.
+void check_shard(const std::string& name, const at::Tensor& local,
+                 const std::vector<std::int64_t>& offsets,
+                 const std::vector<std::int64_t>& global_shape) {
+  check_tensor(local, name);
+  const auto dims = static_cast<std::size_t>(local.dim());
+  bool inside = offsets.size() == dims && global_shape.size() == dims;
+  for (std::size_t d = 0; inside && d < dims; ++d) {
+    inside = offsets[d] >= 0 && global_shape[d] >= 0 && offsets[d] <= global_shape[d] &&
+             local.size(static_cast<std::int64_t>(d)) <= global_shape[d] - offsets[d];
+  }
+  if (!inside) {
+    throw ConfigError(fmt::format(
+        "DcpStateDict: the shard of '{}' at [{}] of [{}] is not inside its global shape [{}]", name,
+        fmt::join(offsets, ", "), fmt::join(local.sizes(), ", "), fmt::join(global_shape, ", ")));
+  }
+}
+
 // ---- The plan ------------------------------------------------------------------------------
 
 // One item a rank may write: a chunk of a tensor, or a value.
@@ -615,8 +633,6 @@ std::string what_of(const std::exception& e) {
 
 }  // namespace dcp_save
 
-using namespace dcp_save;
-
 // ---- DcpStateDict --------------------------------------------------------------------------
 
 void DcpStateDict::add(Entry entry) {
@@ -630,19 +646,15 @@ void DcpStateDict::add(Entry entry) {
 
 void DcpStateDict::add_entry(Entry entry) {
   switch (entry.kind) {
-    case Kind::kTensor:
-    case Kind::kShard: {
-      at::Tensor tensor = entry.tensor;
-      std::vector<std::int64_t> offsets = entry.offsets, global_shape = entry.global_shape;
-      if (entry.kind == Kind::kShard) {
-        DcpStateDict checker;
-        checker.add_shard(entry.name, tensor, std::move(offsets), std::move(global_shape));
+    case Entry::Kind::kTensor:
+    case Entry::Kind::kShard:
+      if (entry.kind == Entry::Kind::kShard) {
+        dcp_save::check_shard(entry.name, entry.tensor, entry.offsets, entry.global_shape);
       } else {
-        check_tensor(tensor, entry.name);
+        dcp_save::check_tensor(entry.tensor, entry.name);
       }
       break;
-    }
-    case Kind::kValue:
+    case Entry::Kind::kValue:
       if (entry.value.isTensor()) {
         throw ConfigError(fmt::format(
             "DcpStateDict: '{}' is a tensor: add it with add_tensor or add_shard", entry.name));
@@ -653,9 +665,9 @@ void DcpStateDict::add_entry(Entry entry) {
 }
 
 void DcpStateDict::add_tensor(const std::string& name, const at::Tensor& tensor) {
-  check_tensor(tensor, name);
+  dcp_save::check_tensor(tensor, name);
   Entry entry;
-  entry.kind = Kind::kTensor;
+  entry.kind = Entry::Kind::kTensor;
   entry.name = name;
   entry.tensor = tensor;
   add(std::move(entry));
@@ -664,20 +676,9 @@ void DcpStateDict::add_tensor(const std::string& name, const at::Tensor& tensor)
 void DcpStateDict::add_shard(const std::string& name, const at::Tensor& local,
                              std::vector<std::int64_t> offsets,
                              std::vector<std::int64_t> global_shape) {
-  check_tensor(local, name);
-  const auto dims = static_cast<std::size_t>(local.dim());
-  bool inside = offsets.size() == dims && global_shape.size() == dims;
-  for (std::size_t d = 0; inside && d < dims; ++d) {
-    inside = offsets[d] >= 0 && global_shape[d] >= 0 && offsets[d] <= global_shape[d] &&
-             local.size(static_cast<std::int64_t>(d)) <= global_shape[d] - offsets[d];
-  }
-  if (!inside) {
-    throw ConfigError(fmt::format(
-        "DcpStateDict: the shard of '{}' at [{}] of [{}] is not inside its global shape [{}]", name,
-        fmt::join(offsets, ", "), fmt::join(local.sizes(), ", "), fmt::join(global_shape, ", ")));
-  }
+  dcp_save::check_shard(name, local, offsets, global_shape);
   Entry entry;
-  entry.kind = Kind::kShard;
+  entry.kind = Entry::Kind::kShard;
   entry.name = name;
   entry.tensor = local;
   entry.offsets = std::move(offsets);
@@ -691,7 +692,7 @@ void DcpStateDict::add_value(const std::string& name, const c10::IValue& value) 
         fmt::format("DcpStateDict: '{}' is a tensor: add it with add_tensor or add_shard", name));
   }
   Entry entry;
-  entry.kind = Kind::kValue;
+  entry.kind = Entry::Kind::kValue;
   entry.name = name;
   entry.value = value;
   add(std::move(entry));
@@ -717,7 +718,7 @@ std::string key_text(const c10::IValue& key, const std::vector<DcpPathKey>& path
   throw ConfigError(fmt::format(
       "DcpStateDict::flatten: a dict under '{}' has a key of kind {}: only strings and integers "
       "name entries",
-      path_text(path), key.tagKind()));
+      dcp_save::path_text(path), key.tagKind()));
 }
 
 }  // namespace
@@ -749,7 +750,7 @@ DcpStateDict DcpStateDict::flatten(const c10::IValue& nested) {
       return;
     }
     Entry entry;
-    entry.name = path_text(path);
+    entry.name = dcp_save::path_text(path);
     entry.path = path;
     if (!seen.insert(entry.name).second) {
       throw ConfigError(fmt::format(
@@ -758,11 +759,11 @@ DcpStateDict DcpStateDict::flatten(const c10::IValue& nested) {
           entry.name));
     }
     if (value.isTensor()) {
-      check_tensor(value.toTensor(), entry.name);
-      entry.kind = Kind::kTensor;
+      dcp_save::check_tensor(value.toTensor(), entry.name);
+      entry.kind = Entry::Kind::kTensor;
       entry.tensor = value.toTensor();
     } else {
-      entry.kind = Kind::kValue;
+      entry.kind = Entry::Kind::kValue;
       entry.value = value;
     }
     out.add(std::move(entry));
@@ -976,7 +977,7 @@ DcpStateDict host_copy(const DcpStateDict& state) {
 
 // One save whose part this rank writes in the background.
 struct DcpAsyncSave::State {
-  PlannedSave save;
+  dcp_save::PlannedSave save;
   DcpStateDict copy;
   std::thread writer;
   std::string report;  // set by the writer before it ends
@@ -992,7 +993,7 @@ struct DcpAsyncSave::State {
       // In a forked child: the writer thread is the parent's (it does not run here) and so are
       // the files. Nothing is joined or removed; the thread object is left, not destroyed.
       if (writer.joinable()) (void)new std::thread(std::move(writer));
-      (void)new std::shared_ptr<FolderLock>(std::move(save.lock));
+      (void)new std::shared_ptr<dcp_save::FolderLock>(std::move(save.lock));
       return;
     }
     if (writer.joinable()) writer.join();
@@ -1053,9 +1054,9 @@ DcpCheckpointInfo DcpAsyncSave::wait() {
       std::lock_guard pending(pending_mutex);
       if (pending_save == state_) pending_save.reset();
     }
-    recycle(s.copy);  // written: its buffers serve the next save's copy
+    dcp_save::recycle(s.copy);  // written: its buffers serve the next save's copy
     try {
-      s.info = finish_save(s.save, s.report);
+      s.info = dcp_save::finish_save(s.save, s.report);
     } catch (const std::exception& e) {
       s.failure = e.what();
     }
@@ -1068,17 +1069,18 @@ DcpCheckpointInfo DcpAsyncSave::wait() {
 DcpCheckpointInfo save_dcp(const DcpStateDict& state, const std::filesystem::path& folder,
                            const DcpSaveOptions& options) {
   finish_pending_save();
-  const PlannedSave save = plan_save(state, folder, options);
-  return finish_save(save, write_part(state, save));
+  const dcp_save::PlannedSave save = dcp_save::plan_save(state, folder, options);
+  return dcp_save::finish_save(save, dcp_save::write_part(state, save));
 }
 
 DcpAsyncSave save_dcp_async(const DcpStateDict& state, const std::filesystem::path& folder,
                             const DcpSaveOptions& options) {
   finish_pending_save();
   auto s = std::make_shared<DcpAsyncSave::State>();
-  s->save = plan_save(state, folder, options);
-  s->copy = host_copy(state);
-  s->writer = std::thread([raw = s.get()] { raw->report = write_part(raw->copy, raw->save); });
+  s->save = dcp_save::plan_save(state, folder, options);
+  s->copy = dcp_save::host_copy(state);
+  s->writer =
+      std::thread([raw = s.get()] { raw->report = dcp_save::write_part(raw->copy, raw->save); });
   {
     std::lock_guard lock(pending_mutex);
     pending_save = s;
