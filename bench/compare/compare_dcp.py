@@ -5,6 +5,8 @@ The same model on both sides: --params float32 parameters in 8 layers with their
 moments (three times --params in all), sharded by rows over the saving world (FSDP's layout,
 DTensor Shard(0)), plus a step value. Each round runs, alternating the two sides:
   save at --world (sync, async: the stall and the total, and the copy bound);
+  save of a replicated model at --world (DDP's layout, --params / world parameters on every
+  rank; ddp with and without its replica check);
   load at --world (the same layout), and at each of --reshard-worlds (resharding);
 every side reading its own checkpoint (the crossings are tested in CI, not timed here).
 The table gives medians over the rounds, the ratios and the issue's targets:
@@ -81,7 +83,7 @@ def main():
                 shutil.rmtree(folder, ignore_errors=True)
                 common = ["--dir", folder, "--params", str(args.params), "--rounds", "1"]
                 for phase, world in [("save", args.world), ("load", args.world)] + \
-                        [("load", w) for w in reshard]:
+                        [("load", w) for w in reshard] + [("replicas", args.world)]:
                     if side == "ddp":
                         command = [os.path.join(bin_dir, "ddprun"), "--standalone",
                                    "--nproc-per-node", str(world),
@@ -112,12 +114,18 @@ def main():
             ("copy bound (the rank's tensors into touched buffers)", f"save@{w}", "copy_ms", ""),
             (f"load at world {w} (same layout)", f"load@{w}", "load_ms", "<= 1.0x")]
     rows += [(f"load at world {r} (resharding)", f"load@{r}", "load_ms", "") for r in reshard]
+    rows += [(f"save of a replicated model (DDP's layout: {m('ddp', f'replicas@{w}', 'bytes') / (1 << 20):.1f} MiB on each rank; ddp compares the replicas)",
+              f"replicas@{w}", "save_ms", "")]
     for label, what, key, target in rows:
         d, p = m("ddp", what, key), m("pytorch", what, key)
         print(f"| {label} | {d:.1f} | {p:.1f} | {d / p if p else float('nan'):.2f}x | {target} |")
     raw = m("ddp", f"save@{w}", "raw_write_ms")
     print(f"raw write of the same bytes (each rank one file, synced, all ranks at once): "
           f"{raw:.1f} ms; ddp's sync save / raw write = {m('ddp', f'save@{w}', 'save_ms') / raw:.2f}")
+    checked = m("ddp", f"replicas@{w}", "save_ms")
+    print(f"ddp replica check: replicated save {checked:.1f} ms checked, "
+          f"{m('ddp', f'replicas@{w}', 'unchecked_save_ms'):.1f} ms with check_replicas = false "
+          f"({checked / m('ddp', f'replicas@{w}', 'unchecked_save_ms'):.2f}x)")
     same = m("ddp", f"load@{w}", "load_ms")
     sync = m("ddp", f"save@{w}", "save_ms")
     print(f"ddp async stall / ddp sync save: {m('ddp', f'save@{w}', 'async_stall_ms') / sync:.3f} "

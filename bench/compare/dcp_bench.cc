@@ -6,6 +6,7 @@
 //
 //   ddprun --nproc-per-node 4 dcp-bench --phase save --dir /tmp/ckpt --params 268435456
 //   ddprun --nproc-per-node 3 dcp-bench --phase load --dir /tmp/ckpt --params 268435456
+//   ddprun --nproc-per-node 4 dcp-bench --phase replicas --dir /tmp/ckpt2 --params 268435456
 //
 // --params is the model's parameter count (float32); the checkpoint holds three times it (Adam).
 // save: --rounds synchronous saves into --dir, then (after one unmeasured, as a training loop's
@@ -13,12 +14,17 @@
 // the stall; and to its wait()'s end), the copy bound (a host copy of the rank's tensors into
 // buffers already touched: what an asynchronous save cannot avoid) and the disk bound (the
 // rank's bytes written to a file of its own and synced, every rank at once).
+// replicas: a model DDP replicates (every rank holds every tensor whole: --params / world
+// parameters and their moments, the bytes a rank holds in the sharded save), saved --rounds times
+// with the replicas compared across ranks (DcpSaveOptions::check_replicas, the default) and as
+// many without, alternated: what the check costs.
 // load: the rank's rows of every tensor at this world size (the save's layout, or another:
 // resharding), read --rounds times; the peak memory a load adds beyond the tensors it returns
 // (VmHWM, reset before each round) and the largest saved chunk, the bound.
 // Times are the slowest rank's per round, medians over the rounds. Rank 0's last line:
 //   dcp-bench phase=save world=4 bytes=B save_ms=S async_stall_ms=A async_total_ms=T copy_ms=C
 //             raw_write_ms=W
+//   dcp-bench phase=replicas world=4 bytes=B save_ms=S unchecked_save_ms=U
 //   dcp-bench phase=load world=3 bytes=B load_ms=L peak_added_mb=P largest_chunk_mb=K
 #include <malloc.h>
 #include <unistd.h>
@@ -103,9 +109,9 @@ int main(int argc, char** argv) {
   std::string phase, dir;
   std::int64_t params = 1 << 20;
   int rounds = 3;
-  app.add_option("--phase", phase, "save or load")
+  app.add_option("--phase", phase, "save, replicas or load")
       ->required()
-      ->check(CLI::IsMember({"save", "load"}));
+      ->check(CLI::IsMember({"save", "replicas", "load"}));
   app.add_option("--dir", dir, "the checkpoint folder")->required();
   app.add_option("--params", params, "the model's float32 parameters")
       ->check(CLI::Range(8, 1 << 30));
@@ -120,7 +126,34 @@ int main(int argc, char** argv) {
     const Shapes shapes = shapes_for(params);
     std::uint64_t bytes = 0;
 
-    if (phase == "save") {
+    if (phase == "replicas") {
+      // DDP's layout: every rank holds every tensor whole, so every rank checks its copies
+      // against the others' (check_replicas) and each tensor is written once.
+      ddp::DcpStateDict state;
+      const Shapes replicated = shapes_for(std::max<std::int64_t>(params / world, 8));
+      for (std::size_t layer = 0; layer < replicated.layers.size(); ++layer) {
+        for (int kind = 0; kind < 3; ++kind) {
+          at::Tensor whole = at::full(replicated.layers[layer],
+                                      static_cast<double>(layer * 3 + kind), torch::kFloat32);
+          bytes += whole.nbytes();
+          state.add_tensor(entry_name(static_cast<int>(layer), kind), whole);
+        }
+      }
+      state.add_value("step", 1000);
+      std::vector<double> checked, unchecked;
+      for (int r = 0; r < rounds; ++r) {  // alternated: both see the same machine load
+        ddp::barrier();
+        checked.push_back(max_over_ranks(milliseconds([&] { ddp::save_dcp(state, dir); })));
+        ddp::barrier();
+        unchecked.push_back(max_over_ranks(
+            milliseconds([&] { ddp::save_dcp(state, dir, {.check_replicas = false}); })));
+      }
+      if (rank == 0) {
+        fmt::print(
+            "dcp-bench phase=replicas world={} bytes={} save_ms={:.1f} unchecked_save_ms={:.1f}\n",
+            world, bytes, median(checked), median(unchecked));
+      }
+    } else if (phase == "save") {
       ddp::DcpStateDict state;
       for (std::size_t layer = 0; layer < shapes.layers.size(); ++layer) {
         const auto& shape = shapes.layers[layer];

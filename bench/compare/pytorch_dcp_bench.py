@@ -7,6 +7,9 @@ bench/compare/compare_dcp.py; the same phases, measured the same way, the same l
     dcp.save (sync) R times, dcp.async_save R times after an unmeasured one (the stall: until it
     returns; the total: to its future's result), and the copy bound (a clone of the rank's
     tensors)
+  pytorch_dcp_bench.py --phase replicas --world 4 --dir D --params N [--rounds R]
+    dcp.save (sync) R times of a replicated model (DDP's: every rank holds every tensor whole,
+    N / world parameters with their moments, the bytes a rank holds in the sharded save)
   pytorch_dcp_bench.py --phase load --world 3 --dir D --params N [--rounds R]
     dcp.load of every tensor into DTensors sharded over this world (resharding when it differs
     from the save's), the peak memory it adds beyond its destination tensors (VmHWM)
@@ -89,7 +92,21 @@ def run(rank, args, store_dir):
         state["step"] = 1000
         return state
 
-    if args.phase == "save":
+    if args.phase == "replicas":
+        state = {name_of(layer, kind): torch.full(shape, float(layer * 3 + kind))
+                 for layer, shape in enumerate(shapes_for(args.params // args.world))
+                 for kind in range(3)}
+        state["step"] = 1000
+        sync = []
+        for _ in range(args.rounds):
+            dist.barrier()
+            ms, _ = timed(lambda: dcp.save(state, checkpoint_id=args.dir))
+            sync.append(max_over_ranks(ms))
+        all_bytes = sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor))
+        if rank == 0:
+            print(f"pytorch-dcp-bench phase=replicas world={args.world} bytes={all_bytes:.0f} "
+                  f"save_ms={statistics.median(sync):.1f}", flush=True)
+    elif args.phase == "save":
         state = state_dict(fill=True)
         local_bytes = sum(v.to_local().nbytes for v in state.values() if hasattr(v, "to_local"))
         sync, stall, total, copy = [], [], [], []
@@ -159,7 +176,7 @@ def run(rank, args, store_dir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=("save", "load"), required=True)
+    parser.add_argument("--phase", choices=("save", "replicas", "load"), required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--params", type=int, default=1 << 20)
