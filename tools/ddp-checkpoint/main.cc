@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <set>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -32,8 +33,8 @@
 
 namespace {
 
-void inspect(const ddp::DcpReader& checkpoint) {
-  const ddp::DcpCheckpointInfo& info = checkpoint.info();
+// The bytes of every chunk and value of a checkpoint, and the data files they lie in.
+std::pair<std::uint64_t, std::set<std::string>> stored_bytes(const ddp::DcpCheckpointInfo& info) {
   std::uint64_t bytes = 0;
   std::set<std::string> files;
   for (const auto& [name, tensor] : info.tensors) {
@@ -46,6 +47,12 @@ void inspect(const ddp::DcpReader& checkpoint) {
     bytes += value.length;
     files.insert(value.file);
   }
+  return {bytes, files};
+}
+
+void inspect(const ddp::DcpReader& checkpoint) {
+  const ddp::DcpCheckpointInfo& info = checkpoint.info();
+  const auto [bytes, files] = stored_bytes(info);
   fmt::print("{}: DCP format {}, {} tensors, {} values, {} data files, {} bytes\n",
              checkpoint.folder().string(), info.version.empty() ? "(unrecorded)" : info.version,
              info.tensors.size(), info.values.size(), files.size(), bytes);
@@ -108,14 +115,8 @@ int main(int argc, char** argv) {
     }
     if (*to_dcp_command) {
       const ddp::DcpCheckpointInfo info = ddp::torch_save_to_dcp(file, folder);
-      std::uint64_t bytes = 0;
-      for (const auto& [name, tensor] : info.tensors) {
-        for (const auto& chunk : tensor.chunks)
-          bytes += chunk.storage.length;
-      }
-      for (const auto& [name, value] : info.values)
-        bytes += value.length;
-      fmt::print("wrote {}: {} entries, {} bytes\n", folder, info.order.size(), bytes);
+      fmt::print("wrote {}: {} entries, {} bytes\n", folder, info.order.size(),
+                 stored_bytes(info).first);
       return 0;
     }
     const ddp::DcpReader checkpoint(folder);
