@@ -44,6 +44,7 @@
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
 // checkpoint
 #include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/checkpoint/dcp_model_state.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "ddp/torch/checkpoint/train_state.h"

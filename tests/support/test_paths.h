@@ -17,6 +17,7 @@ extern const char* const torchscript_export_script;  // tests/torch/ddp/export_t
 extern const char* const zero_reference_script;      // tests/torch/zero/pytorch_zero_reference.py
 extern const char* const powersgd_reference_script;  // .../hooks/pytorch_powersgd_reference.py
 extern const char* const pytorch_dcp_load_script;    // tests/torch/checkpoint/pytorch_dcp_load.py
+extern const char* const pytorch_dcp_model_state_script;  // .../pytorch_dcp_model_state.py
 extern const char* const state_dict_python;          // the Python of this build's libtorch
 extern const char* const state_dict_other_python;    // the other libtorch's Python
 extern const char* const state_dict_reference_script;  // .../formats/state_dict_reference.py

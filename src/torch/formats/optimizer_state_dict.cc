@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "torch/core/libtorch_compat.h"
+#include "torch/formats/optimizer_state_value.h"
 #include "torch/formats/optimizer_values.h"
 #include "torch/formats/pytorch_archive.h"
 
@@ -19,24 +20,24 @@ using c10::IValue;
 using GenericDict = c10::impl::GenericDict;
 using GenericList = c10::impl::GenericList;
 
-enum class Kind { kSgd, kAdam, kAdamW };
+enum class OptimizerKind { kSgd, kAdam, kAdamW };
 
-const char* kind_name(Kind kind) {
+const char* kind_name(OptimizerKind kind) {
   switch (kind) {
-    case Kind::kSgd:
+    case OptimizerKind::kSgd:
       return "SGD";
-    case Kind::kAdam:
+    case OptimizerKind::kAdam:
       return "Adam";
-    case Kind::kAdamW:
+    case OptimizerKind::kAdamW:
       return "AdamW";
   }
   return "?";
 }
 
-Kind kind_of(const torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return Kind::kSgd;
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return Kind::kAdamW;
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return Kind::kAdam;
+OptimizerKind kind_of(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return OptimizerKind::kSgd;
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return OptimizerKind::kAdamW;
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return OptimizerKind::kAdam;
   throw ConfigError(
       "optimizer state dict: only torch::optim SGD, Adam and AdamW map to Python's layout");
 }
@@ -47,9 +48,9 @@ GenericDict any_dict() {
 
 // The hyper-parameters of one group as Python's optimizer writes them (without "params"), with
 // Python's flags at the values libtorch's optimizers implement.
-GenericDict group_options(Kind kind, const torch::optim::OptimizerOptions& options) {
+GenericDict group_options(OptimizerKind kind, const torch::optim::OptimizerOptions& options) {
   GenericDict g = any_dict();
-  if (kind == Kind::kSgd) {
+  if (kind == OptimizerKind::kSgd) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
     g.insert("lr", o.lr());
     g.insert("momentum", o.momentum());
@@ -69,7 +70,7 @@ GenericDict group_options(Kind kind, const torch::optim::OptimizerOptions& optio
     g.insert("weight_decay", o.weight_decay());
     g.insert("amsgrad", o.amsgrad());
   };
-  if (kind == Kind::kAdam) {
+  if (kind == OptimizerKind::kAdam) {
     adam_like(static_cast<const torch::optim::AdamOptions&>(options));
   } else {
     adam_like(static_cast<const torch::optim::AdamWOptions&>(options));
@@ -80,7 +81,7 @@ GenericDict group_options(Kind kind, const torch::optim::OptimizerOptions& optio
   g.insert("differentiable", false);
   g.insert("fused", IValue());
   // PyTorch 2.x (2.6 and later) tells Adam from AdamW by this flag.
-  g.insert("decoupled_weight_decay", kind == Kind::kAdamW);
+  g.insert("decoupled_weight_decay", kind == OptimizerKind::kAdamW);
   return g;
 }
 
@@ -139,19 +140,19 @@ bool flag(const GenericDict& d, const char* key, bool otherwise) {
 
 // The optimizer a file's groups describe: "momentum" is SGD's, "betas" Adam's and AdamW's, which
 // only PyTorch 2.x's decoupled_weight_decay tells apart.
-std::string stored_kind(const GenericDict& group, Kind wanted, bool* fits) {
+std::string stored_kind(const GenericDict& group, OptimizerKind wanted, bool* fits) {
   if (group.contains("momentum") && !group.contains("betas")) {
-    *fits = wanted == Kind::kSgd;
+    *fits = wanted == OptimizerKind::kSgd;
     return flag(group, "maximize", false) ? "SGD with maximize=True" : "SGD";
   }
   if (group.contains("betas")) {
     std::string name = "Adam or AdamW";
-    bool match = wanted != Kind::kSgd;
+    bool match = wanted != OptimizerKind::kSgd;
     if (const auto it = group.find("decoupled_weight_decay");
         it != group.end() && it->value().isBool()) {
       const bool adamw = it->value().toBool();
       name = adamw ? "AdamW" : "Adam";
-      match = wanted == (adamw ? Kind::kAdamW : Kind::kAdam);
+      match = wanted == (adamw ? OptimizerKind::kAdamW : OptimizerKind::kAdam);
     }
     if (flag(group, "maximize", false)) {
       name += " with maximize=True";
@@ -195,9 +196,10 @@ torch::Tensor state_tensor(const GenericDict& s, const char* key, const torch::T
 
 }  // namespace
 
-void save_optimizer_state_dict(const torch::optim::Optimizer& optimizer,
-                               const std::filesystem::path& path) {
-  const Kind kind = kind_of(optimizer);
+namespace detail {
+
+c10::IValue optimizer_state_value(const torch::optim::Optimizer& optimizer) {
+  const OptimizerKind kind = kind_of(optimizer);
   GenericDict state = any_dict();
   GenericList groups(c10::AnyType::get());
   std::int64_t index = 0;
@@ -220,14 +222,12 @@ void save_optimizer_state_dict(const torch::optim::Optimizer& optimizer,
   GenericDict top = any_dict();
   top.insert("state", state);
   top.insert("param_groups", groups);
-  detail::write_pytorch_archive(path, top, /*ordered_dict_at_top=*/false);
+  return top;
 }
 
-void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
-                               const std::filesystem::path& path) {
-  const std::string source = path.string();
-  const Kind kind = kind_of(optimizer);
-  const IValue file = detail::read_pytorch_archive(path);
+void load_optimizer_state_value(torch::optim::Optimizer& optimizer, const c10::IValue& file,
+                                const std::string& source) {
+  const OptimizerKind kind = kind_of(optimizer);
   if (!file.isGenericDict()) {
     format_error(source, fmt::format("the file holds a {}, expected a dict", file.tagKind()));
   }
@@ -297,7 +297,7 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
     GroupUpdate u;
     u.lr = checked("lr", detail::ValueRange::kNonNegative);
     u.weight_decay = checked("weight_decay", detail::ValueRange::kNonNegative);
-    if (kind == Kind::kSgd) {
+    if (kind == OptimizerKind::kSgd) {
       u.momentum = checked("momentum", detail::ValueRange::kNonNegative);
       u.dampening = checked("dampening", detail::ValueRange::kFinite);
       u.nesterov = flag(g, "nesterov", false);
@@ -337,7 +337,7 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
       format_error(source, fmt::format("state[{}] is not a dict", index));
     }
     const GenericDict s = entry.value().toGenericDict();
-    if (kind == Kind::kSgd) {
+    if (kind == OptimizerKind::kSgd) {
       const auto it = s.find("momentum_buffer");
       if (it == s.end() || it->value().isNone()) continue;  // 1.13 writes None without momentum
       auto st = std::make_unique<torch::optim::SGDParamState>();
@@ -355,7 +355,7 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
         st->max_exp_avg_sq(state_tensor(s, "max_exp_avg_sq", param, index, source));
       }
     };
-    if (kind == Kind::kAdam) {
+    if (kind == OptimizerKind::kAdam) {
       auto st = std::make_unique<torch::optim::AdamParamState>();
       fill(st);
       states.emplace_back(param, std::move(st));
@@ -370,14 +370,14 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const auto& u = updates[i];
     auto& options = groups[i].options();
-    if (kind == Kind::kSgd) {
+    if (kind == OptimizerKind::kSgd) {
       auto& o = static_cast<torch::optim::SGDOptions&>(options);
       o.lr(u.lr)
           .momentum(u.momentum)
           .dampening(u.dampening)
           .weight_decay(u.weight_decay)
           .nesterov(u.nesterov);
-    } else if (kind == Kind::kAdam) {
+    } else if (kind == OptimizerKind::kAdam) {
       auto& o = static_cast<torch::optim::AdamOptions&>(options);
       o.lr(u.lr)
           .betas({u.beta1, u.beta2})
@@ -399,6 +399,19 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
   for (auto& [param, st] : states) {
     optimizer.state()[libtorch_compat::optimizer_state_key(param)] = std::move(st);
   }
+}
+
+}  // namespace detail
+
+void save_optimizer_state_dict(const torch::optim::Optimizer& optimizer,
+                               const std::filesystem::path& path) {
+  detail::write_pytorch_archive(path, detail::optimizer_state_value(optimizer),
+                                /*ordered_dict_at_top=*/false);
+}
+
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer,
+                               const std::filesystem::path& path) {
+  detail::load_optimizer_state_value(optimizer, detail::read_pytorch_archive(path), path.string());
 }
 
 }  // namespace ddp

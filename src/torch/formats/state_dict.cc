@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 
 #include "torch/formats/pytorch_archive.h"
+#include "torch/formats/state_dict_check.h"
 
 namespace ddp {
 namespace {
@@ -100,10 +101,12 @@ StateDict read_state_dict(const std::filesystem::path& path) {
   return tensors;
 }
 
-StateDictLoadReport load_state_dict(const StateDict& target, const StateDict& source,
-                                    StateDictLoadOptions options, const std::string& source_name) {
+namespace detail {
+
+StateDictLoadReport check_state_dict(const StateDict& target, const StateDict& source,
+                                     StateDictLoadOptions options, const std::string& source_name,
+                                     std::vector<std::pair<torch::Tensor, torch::Tensor>>* copies) {
   StateDictLoadReport report;
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
   for (const auto& item : target) {
     const torch::Tensor* found = source.find(item.key());
     if (found == nullptr) {
@@ -115,7 +118,7 @@ StateDictLoadReport load_state_dict(const StateDict& target, const StateDict& so
                                               describe(item.value())));
     } else {
       report.loaded.push_back(item.key());
-      copies.emplace_back(item.value(), *found);
+      if (copies != nullptr) copies->emplace_back(item.value(), *found);
     }
   }
   for (const auto& item : source) {
@@ -135,6 +138,16 @@ StateDictLoadReport load_state_dict(const StateDict& target, const StateDict& so
     message += " Nothing was loaded.";
     throw StateDictMismatchError(message, std::move(report));
   }
+  return report;
+}
+
+}  // namespace detail
+
+StateDictLoadReport load_state_dict(const StateDict& target, const StateDict& source,
+                                    StateDictLoadOptions options, const std::string& source_name) {
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
+  StateDictLoadReport report =
+      detail::check_state_dict(target, source, options, source_name, &copies);
   // Every check passed: from here on nothing can fail half-way (same shapes and dtypes).
   torch::NoGradGuard no_grad;
   for (auto& [to, from] : copies)

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
+#include "ddp/torch/checkpoint/dcp_model_state.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "support/multiprocess.h"
@@ -162,6 +163,66 @@ TEST(DcpReaderOfPyTorch, AChunkSavedTransposedReadsInPartAndWhole) {
     EXPECT_TRUE(torch::equal(checkpoint.read("w", {0, 0}, {4, 3}), w));
     EXPECT_TRUE(
         torch::equal(checkpoint.read("w", {3, 1}, {1, 2}), w.slice(0, 3, 4).slice(1, 1, 3)));
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// dcp_model_state's layout is get_state_dict's: PyTorch resumes a model and its Adam state that
+// C++ saved (and checks them against reference files C++ wrote), takes a step, saves with
+// dcp.save, and C++ resumes that, equal to PyTorch's own reference files.
+TEST(DcpModelStateOfPyTorch, APythonJobAndACppJobResumeFromEachOthersCheckpoints) {
+  if (const std::string missing = pytorch_dcp_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  test::TempDir dir("ddp-dcp-model-pytorch");
+  auto mlp = [] {
+    return torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(),
+                                 torch::nn::Linear(8, 2));
+  };
+  const at::Tensor batch = torch::arange(12, torch::kFloat32).reshape({3, 4}) / 10;
+  auto results = run_ranks(1, [&](int) {
+    torch::manual_seed(3);
+    auto model = mlp();
+    torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.01));
+    for (int step = 0; step < 2; ++step) {
+      optimizer.zero_grad();
+      model->forward(batch).square().sum().backward();
+      optimizer.step();
+    }
+    save_dcp(dcp_model_state(*model, &optimizer), dir.path() / "cpp");
+    std::filesystem::create_directories(dir.path() / "cpp_refs");
+    save_state_dict(*model, dir.path() / "cpp_refs" / "model.pt");
+    save_optimizer_state_dict(optimizer, dir.path() / "cpp_refs" / "optim.pt");
+  });
+  ASSERT_TRUE(results[0].ok()) << test::describe(results);
+  auto python = test::Subprocess::start(
+      {test::paths::pytorch_python, test::paths::pytorch_dcp_model_state_script,
+       (dir.path() / "cpp").string(), (dir.path() / "cpp_refs").string(),
+       (dir.path() / "py").string(), (dir.path() / "py_refs").string()});
+  const auto ran = python.wait(240s);
+  ASSERT_EQ(ran.exit_code, 0) << ran.output;
+  EXPECT_THAT(ran.output,
+              HasSubstr("pytorch resumed ddp's model and optimizer, and saved its own"));
+  results = run_ranks(1, [&](int) {
+    auto model = mlp();
+    torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.5));
+    EXPECT_TRUE(load_dcp_model_state(dir.path() / "py", *model, &optimizer).complete());
+    auto reference = mlp();
+    load_state_dict(*reference, dir.path() / "py_refs" / "model.pt");
+    const auto got = model->parameters(), want = reference->parameters();
+    for (std::size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(torch::equal(got[i], want[i])) << i;
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(0.5));
+    load_optimizer_state_dict(reference_optimizer, dir.path() / "py_refs" / "optim.pt");
+    // The next step from each is the same: Adam's moments and step count came across.
+    for (auto* pair : {&optimizer, &reference_optimizer}) {
+      auto& net = pair == &optimizer ? model : reference;
+      pair->zero_grad();
+      net->forward(batch).square().sum().backward();
+      pair->step();
+    }
+    const auto after = model->parameters(), reference_after = reference->parameters();
+    for (std::size_t i = 0; i < after.size(); ++i)
+      EXPECT_TRUE(torch::equal(after[i], reference_after[i])) << i;
+    EXPECT_DOUBLE_EQ(optimizer.param_groups()[0].options().get_lr(), 0.01);
   });
   EXPECT_ALL_RANKS_OK(results);
 }

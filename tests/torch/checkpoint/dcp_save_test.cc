@@ -19,8 +19,8 @@
 
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
-#include "support/multiprocess.h"
 #include "support/error_of.h"
+#include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "support/unity_namespace.h"
 

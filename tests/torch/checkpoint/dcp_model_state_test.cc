@@ -1,0 +1,119 @@
+// dcp_model_state / load_dcp_model_state (ddp/torch/checkpoint/dcp_model_state.h): a model and
+// its Adam state saved as a distributed checkpoint in get_state_dict's layout come back exactly
+// (the next step equals the uninterrupted run's bit for bit); a model or optimizer that does not
+// fit is refused by name with nothing changed. PyTorch's side of the crossing is in
+// dcp_save_multiprocess_test.cc.
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ddp/error.h"
+#include "ddp/torch/checkpoint/dcp_model_state.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint.h"
+#include "support/temp_dir.h"
+#include "support/unity_namespace.h"
+
+namespace ddp {
+namespace {
+namespace DDP_UNITY_ID {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+torch::nn::Sequential mlp(std::int64_t hidden = 8) {
+  return torch::nn::Sequential(torch::nn::Linear(4, hidden), torch::nn::ReLU(),
+                               torch::nn::Linear(hidden, 2));
+}
+
+void adam_step(torch::nn::Sequential& model, torch::optim::Optimizer& optimizer) {
+  const at::Tensor batch = torch::arange(12, torch::kFloat32).reshape({3, 4}) / 10;
+  optimizer.zero_grad();
+  model->forward(batch).square().sum().backward();
+  optimizer.step();
+}
+
+bool same_parameters(torch::nn::Sequential& a, torch::nn::Sequential& b) {
+  const auto pa = a->parameters(), pb = b->parameters();
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    if (!torch::equal(pa[i], pb[i])) return false;
+  }
+  return pa.size() == pb.size();
+}
+
+TEST(DcpModelState, AModelAndItsAdamStateComeBackAndTheNextStepIsTheSame) {
+  test::TempDir dir("ddp-dcp-model");
+  torch::manual_seed(1);
+  auto model = mlp();
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.01));
+  adam_step(model, optimizer);
+  adam_step(model, optimizer);
+  const DcpCheckpointInfo info = save_dcp(dcp_model_state(*model, &optimizer), dir.path() / "c");
+  // get_state_dict's names: the model's under "model.", the state by parameter name.
+  EXPECT_TRUE(info.tensors.contains("model.0.weight"));
+  EXPECT_TRUE(info.tensors.contains("optim.state.2.bias.exp_avg_sq"));
+  EXPECT_TRUE(info.tensors.contains("optim.state.0.weight.step"));
+  EXPECT_TRUE(info.values.contains("optim.param_groups.0.lr"));
+  EXPECT_EQ(
+      DcpReader(dir.path() / "c").read_value("optim.param_groups.0.params").toListRef().size(), 4u);
+
+  torch::manual_seed(2);  // another initialisation, which the load replaces
+  auto resumed = mlp();
+  torch::optim::Adam resumed_optimizer(resumed->parameters(), torch::optim::AdamOptions(0.5));
+  const StateDictLoadReport report =
+      load_dcp_model_state(dir.path() / "c", *resumed, &resumed_optimizer);
+  EXPECT_TRUE(report.complete());
+  EXPECT_EQ(report.loaded.size(), 4u);
+  EXPECT_TRUE(same_parameters(model, resumed));
+  EXPECT_DOUBLE_EQ(resumed_optimizer.param_groups()[0].options().get_lr(), 0.01);
+  adam_step(model, optimizer);
+  adam_step(resumed, resumed_optimizer);
+  EXPECT_TRUE(same_parameters(model, resumed));  // Adam's moments and step came back too
+}
+
+TEST(DcpModelState, AModelOrOptimizerThatDoesNotFitIsRefusedAndNothingChanges) {
+  test::TempDir dir("ddp-dcp-model");
+  torch::manual_seed(1);
+  auto model = mlp();
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.01));
+  adam_step(model, optimizer);
+  save_dcp(dcp_model_state(*model, &optimizer), dir.path() / "c");
+
+  // Another width: the tensors that differ are named; neither the model nor its optimizer moves.
+  auto wider = mlp(9);
+  torch::optim::Adam wider_optimizer(wider->parameters(), torch::optim::AdamOptions(0.5));
+  const at::Tensor before = wider->parameters()[0].clone();
+  try {
+    load_dcp_model_state(dir.path() / "c", *wider, &wider_optimizer);
+    ADD_FAILURE() << "a model of another width was loaded";
+  } catch (const StateDictMismatchError& e) {
+    EXPECT_THAT(std::string(e.what()),
+                AllOf(HasSubstr("mismatched: 0.weight: "), HasSubstr("Nothing was loaded")));
+  }
+  EXPECT_TRUE(torch::equal(wider->parameters()[0], before));
+  EXPECT_DOUBLE_EQ(wider_optimizer.param_groups()[0].options().get_lr(), 0.5);
+
+  // SGD into Adam's state: the optimizer's mismatch, and the model not loaded either.
+  auto same_shape = mlp();
+  const at::Tensor untouched = same_shape->parameters()[0].clone();
+  torch::optim::SGD sgd(same_shape->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  EXPECT_THROW(load_dcp_model_state(dir.path() / "c", *same_shape, &sgd), OptimizerMismatchError);
+  EXPECT_TRUE(torch::equal(same_shape->parameters()[0], untouched));
+
+  // Without the optimizer the model alone loads; a checkpoint without one cannot fill one.
+  EXPECT_TRUE(load_dcp_model_state(dir.path() / "c", *same_shape).complete());
+  EXPECT_TRUE(same_parameters(model, same_shape));
+  save_dcp(dcp_model_state(*model), dir.path() / "model_only");
+  EXPECT_THAT([&] { load_dcp_model_state(dir.path() / "model_only", *same_shape, &optimizer); },
+              ::testing::ThrowsMessage<StateDictFormatError>(HasSubstr("has no 'optim' entries")));
+
+  // An optimizer over a tensor the model does not hold cannot be named.
+  at::Tensor stray = torch::zeros({3}, torch::requires_grad());
+  torch::optim::SGD stray_optimizer(std::vector<at::Tensor>{stray}, 0.1);
+  EXPECT_THAT([&] { dcp_model_state(*model, &stray_optimizer); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("is not one of the model's")));
+}
+
+}  // namespace DDP_UNITY_ID
+}  // namespace
+}  // namespace ddp
