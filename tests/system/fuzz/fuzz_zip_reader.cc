@@ -1,9 +1,12 @@
 // libFuzzer harness: the zip reader (src/archive/zip_reader.h) and what ddp's state-dict reader
 // does with it, without torch: the archive's folder, data.pkl through the restricted pickle
 // reader, every storage the pickle names read (when its record's declared size fits what the
-// pickle asks, as the torch layer requires before allocating), and the CRC-32 of the records
-// nobody read. Any outcome but a result or a FormatError is a finding; so are time or memory
-// beyond libFuzzer's limits (a zip bomb, an overlap, a size that lies).
+// pickle asks, as the torch layer requires before allocating) whole and through a window (the
+// same bytes, or a finding), and the CRC-32 of the records nobody read. Any outcome but a result or
+// a FormatError is a finding; so are time or memory beyond libFuzzer's limits (a zip bomb, an
+// overlap, a size that lies).
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -42,6 +45,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       std::vector<char> bytes(static_cast<std::size_t>(entry->size));
       zip.read(*entry, bytes.data());
+      // A window of the record (what a resharding load reads) holds the same bytes as the whole
+      // read: a window placed by the input's own size, so the fuzzer moves it.
+      const std::uint64_t begin = entry->size == 0 ? 0 : size % (entry->size + 1);
+      const std::uint64_t length = (entry->size - begin) / 2 + (size & 1) * (entry->size > begin);
+      std::vector<char> window(static_cast<std::size_t>(length));
+      zip.read_window(*entry, begin, length, window.data());
+      if (!std::equal(window.begin(), window.end(),
+                      bytes.begin() + static_cast<std::ptrdiff_t>(begin))) {
+        std::fprintf(stderr, "fuzz_zip_reader: a window of '%s' differs from the whole read\n",
+                     entry->name.c_str());
+        std::abort();
+      }
     });
     zip.verify_unread();
   } catch (const ddp::archive::FormatError&) {
