@@ -114,6 +114,56 @@ TEST(DcpModelState, AModelOrOptimizerThatDoesNotFitIsRefusedAndNothingChanges) {
               ::testing::ThrowsMessage<ConfigError>(HasSubstr("is not one of the model's")));
 }
 
+TEST(DcpModelState, CheckpointsOfAnotherShapeAreNamedErrors) {
+  test::TempDir dir("ddp-dcp-model");
+  auto model = mlp();
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.01));
+  auto refused = [&](const std::string& folder) -> std::string {
+    try {
+      load_dcp_model_state(dir.path() / folder, *model, &optimizer);
+    } catch (const StateDictFormatError& e) {
+      return e.what();
+    }
+    return "(loaded)";
+  };
+  // No "model" entries: a checkpoint of something else.
+  DcpStateDict other;
+  other.add_tensor("weights", torch::ones({2}));
+  save_dcp(other, dir.path() / "other");
+  EXPECT_THAT(refused("other"), HasSubstr("has no 'model' entries"));
+  // "model" a value, and a model entry that is not a tensor.
+  DcpStateDict value;
+  value.add_value("model", 3);
+  save_dcp(value, dir.path() / "value");
+  EXPECT_THAT(refused("value"), HasSubstr("'model' is a Int, not a dict"));
+  auto nested = [](const c10::IValue& model_entry, const c10::IValue& optim) {
+    c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
+    c10::impl::GenericDict m(c10::StringType::get(), c10::AnyType::get());
+    m.insert("0.weight", model_entry);
+    top.insert("model", m);
+    if (!optim.isNone()) top.insert("optim", optim);
+    return DcpStateDict::flatten(top);
+  };
+  save_dcp(nested(std::string("text"), c10::IValue()), dir.path() / "text");
+  EXPECT_THAT(refused("text"), HasSubstr("'model.0.weight' is a String, not a tensor"));
+  // An optimizer state for a parameter this optimizer does not hold (the state of "0.weight"
+  // saved under the name "9.weight").
+  adam_step(model, optimizer);
+  DcpStateDict saved = dcp_model_state(*model, &optimizer);
+  DcpStateDict mixed;
+  for (auto entry : saved.entries()) {
+    const std::string prefix = "optim.state.0.weight.";
+    if (entry.name.rfind(prefix, 0) == 0) {
+      entry.name = "optim.state.9.weight." + entry.name.substr(prefix.size());
+      entry.path[2].name = "9.weight";
+    }
+    mixed.add_entry(entry);
+  }
+  save_dcp(mixed, dir.path() / "renamed");
+  EXPECT_THAT(refused("renamed"),
+              HasSubstr("names the parameter '9.weight', which the optimizer does not hold"));
+}
+
 }  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp
