@@ -12,9 +12,11 @@
 #include "archive/dcp_metadata.h"
 #include "archive/pickle_reader.h"
 #include "support/test_paths.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::archive {
 namespace {
+namespace DDP_UNITY_ID {
 
 using Offsets = std::vector<std::int64_t>;
 
@@ -241,5 +243,6 @@ TEST(DcpMetadataWriting, AnOrderThatDoesNotMatchTheEntriesIsRefused) {
 
 }  // namespace writing
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::archive

@@ -9,9 +9,11 @@
 #include "archive/pickle_reader.h"
 #include "support/hostile_archives.h"
 #include "support/resident_memory.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::archive {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::string_literals;
 using Kind = PickleNode::Kind;
@@ -176,5 +178,6 @@ TEST(PickleReader, TruncatedAndDamagedPicklesAreRefusedByName) {
   }
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::archive

@@ -14,9 +14,11 @@
 #include "support/hostile_archives.h"
 #include "support/resident_memory.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::archive {
 namespace {
+namespace DDP_UNITY_ID {
 
 using test::make_zip;
 using test::ZipRecord;
@@ -323,5 +325,6 @@ TEST(ZipReader, EncryptedAndOtherMethodsAreUnsupportedByName) {
   EXPECT_TRUE(says(error_of([&] { ZipReader::from_bytes(bzip2); }), "method 12"));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::archive

@@ -9,9 +9,11 @@
 #include "comm/comm_test_util.h"
 #include "comm/wire.h"
 #include "net/socket.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -315,5 +317,6 @@ TEST(RingGroup, HandshakeChecksMagicGroupAndRank) {
       << wrong_rank;
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

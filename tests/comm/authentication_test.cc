@@ -21,9 +21,11 @@
 #include "comm/wire.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
@@ -427,5 +429,6 @@ TEST(DataPlaneAttack, SecretOnOneSideOnlyFailsClearly) {
   expect_setup_error(kSecret, "", "refused this rank", "has no secret but this rank has one");
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -9,9 +9,11 @@
 #include "comm/comm_test_util.h"
 #include "ddp/store/tcp_store.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -508,5 +510,6 @@ TEST_P(RingGroup, BootstrapsOverTcpStore) {
 INSTANTIATE_TEST_SUITE_P(Transports, RingGroup, ::testing::Values(Mode::kTcp, Mode::kShm),
                          [](const auto& info) { return mode_name(info.param); });
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

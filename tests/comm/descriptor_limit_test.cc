@@ -24,9 +24,11 @@
 #include "net/socket.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -195,5 +197,6 @@ TEST(DescriptorLimit, AnAcceptorOutOfDescriptorsFailsNamingTheLimitNotAtItsDeadl
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

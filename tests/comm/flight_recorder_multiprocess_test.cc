@@ -16,9 +16,11 @@
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using nlohmann::json;
@@ -154,5 +156,6 @@ TEST_P(FlightRecorderJob, SigUsr1DumpsALiveGroupThatGoesOnWorking) {
 INSTANTIATE_TEST_SUITE_P(Transports, FlightRecorderJob, ::testing::Values(Mode::kTcp, Mode::kShm),
                          [](const auto& info) { return mode_name(info.param); });
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -21,9 +21,11 @@
 #include "ddp/error.h"
 #include "settings/settings.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using comm::FlightChannel;
@@ -402,5 +404,6 @@ TEST(FlightRecorderSettings, EntriesDefaultOffAndBadValues) {
   EXPECT_THROW(settings::wait_warning(lookup({{"DDP_WAIT_WARN_SECONDS", "soon"}})), ConfigError);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

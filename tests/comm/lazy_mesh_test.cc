@@ -27,9 +27,11 @@
 #include "comm/wire.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -657,5 +659,6 @@ TEST(LazyPointToPoint, PeerKilledWithTheKnockUnreadIsNamedAtOnce) {
   });
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -14,9 +14,11 @@
 
 #include "ddp/comm/comm_error.h"
 #include "ddp/error.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using comm::OpQueue;
@@ -260,5 +262,6 @@ TEST(OpQueue, StopRunsWhatIsQueuedFirst) {
     EXPECT_TRUE(w->wait_for(0ms)) << "operation " << w->id << " left incomplete";
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

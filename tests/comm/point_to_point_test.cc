@@ -20,9 +20,11 @@
 
 #include "comm/comm_test_util.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -642,5 +644,6 @@ TEST_P(PointToPointRules, MessagesBufferedBeforeTheExitedSendersResetAreStillRec
 INSTANTIATE_TEST_SUITE_P(Transports, PointToPointRules, ::testing::Values(Mode::kTcp, Mode::kShm),
                          [](const auto& info) { return mode_name(info.param); });
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -13,9 +13,11 @@
 
 #include "comm/comm_test_util.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -300,5 +302,6 @@ TEST(RecvAnySourceRules, BadArgumentsAreConfigErrors) {
   EXPECT_ALL_RANKS_OK(single);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -11,9 +11,11 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+#include "support/unity_namespace.h"
 
 namespace ddp::comm {
 namespace {
+namespace DDP_UNITY_ID {
 
 const DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
                             DType::kInt8,    DType::kUInt8,   DType::kInt32,   DType::kInt64};
@@ -317,5 +319,6 @@ TEST(Kernels, DivideHandlesEveryType) {
   }
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::comm

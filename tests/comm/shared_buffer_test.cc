@@ -21,9 +21,11 @@
 #include "comm/ring/shm/shared_buffers.h"
 #include "ddp/error.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -433,5 +435,6 @@ TEST(SharedBuffers, PeerKilledBeforeAZeroCopyAllreduceIsNamedWithinSeconds) {
   EXPECT_EQ(results[2].signal, SIGKILL) << describe(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -12,9 +12,11 @@
 #include "comm/comm_test_util.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -64,5 +66,6 @@ TEST_P(WaitWarning, ALongWaitNamesTheOperationAndThePeerOnceAndTheCallStillCompl
 INSTANTIATE_TEST_SUITE_P(Transports, WaitWarning, ::testing::Values(Mode::kTcp, Mode::kShm),
                          [](const auto& info) { return mode_name(info.param); });
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

@@ -7,9 +7,11 @@
 
 #include "ddp/error.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
@@ -128,5 +130,6 @@ TEST(InitProcessGroup, JobOfOneWithoutLauncher) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

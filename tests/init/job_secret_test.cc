@@ -17,9 +17,11 @@
 #include "ddp/error.h"
 #include "ddp/launch/launch_environment.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -186,5 +188,6 @@ TEST(JobSecret, LaunchEnvironmentCarriesTheSecretAndTheStoreAddress) {
   EXPECT_EQ(resolve_launch_environment({}, lookup_in({})).secret, "");
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

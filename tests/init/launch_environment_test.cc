@@ -7,9 +7,11 @@
 
 #include "ddp/error.h"
 #include "init/agent_store.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::HasSubstr;
 using Env = std::map<std::string, std::string>;
@@ -265,5 +267,6 @@ TEST(LaunchEnvironment, ReadsTheRealProcessEnvironment) {
   EXPECT_EQ(process_environment("DDP_TEST_VARIABLE"), std::nullopt);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -12,9 +12,12 @@
 #include "ddp/runtime/init.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/test_paths.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::built_program;
@@ -210,7 +213,7 @@ TEST(MpiBackendWithoutMpirun, UnderMpirunStillRuns) {
   auto env = clean_environment();
   env["DDP_BACKEND"] = "mpi";
   auto job = Subprocess::start(
-      {"sh", DDP_RUN_UNDER_MPIRUN, DDP_MPIEXEC, "2", "--", built_program("init_allreduce_worker")},
+      {"sh", test::paths::run_under_mpirun, DDP_MPIEXEC, "2", "--", built_program("init_allreduce_worker")},
       env);
   const auto result = job.wait(120s);
   ASSERT_FALSE(result.timed_out) << result.output;
@@ -220,5 +223,6 @@ TEST(MpiBackendWithoutMpirun, UnderMpirunStillRuns) {
   EXPECT_THAT(result.output, HasSubstr("rank 1 of 2: sum 3 ok"));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

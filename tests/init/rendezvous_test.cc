@@ -14,9 +14,11 @@
 #include "ddp/error.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::run_ranks;
@@ -230,5 +232,6 @@ TEST(ResolveTimeout, PrecedenceAndBadValues) {
   EXPECT_THROW(resolve_timeout(0ms, env(std::nullopt)), ConfigError);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

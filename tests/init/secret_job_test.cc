@@ -19,9 +19,11 @@
 #include "ddp/store/tcp_store.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::test {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -187,5 +189,6 @@ TEST(SecretJob, ConflictingSecretVariablesAreAConfigError) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::test

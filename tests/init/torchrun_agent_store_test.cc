@@ -13,9 +13,11 @@
 #include "ddp/store/tcp_store.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::built_program;
@@ -175,5 +177,8 @@ TEST(TorchrunAgentStore, UnreachableStoreIsANamedErrorWithinTheTimeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp
+
+#undef SKIP_WITHOUT_TORCHRUN

@@ -13,9 +13,11 @@
 #include <unistd.h>
 
 #include "ddprun/launcher.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::ddprun {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::HasSubstr;
 
@@ -376,7 +378,6 @@ TEST(ParseCommandLine, SecretFileIsCheckedAndMadeAbsolute) {
   std::filesystem::remove_all(dir);
 }
 
-}  // namespace
 TEST(ParseCommandLine, NnodesMinMaxMakesAnElasticJob) {
   const LaunchOptions elastic =
       parse({"--nnodes", "1:4", "--node-rank", "0", "--master-port", "4000", "/bin/true"});
@@ -414,4 +415,6 @@ TEST(ParseCommandLine, BadNnodesAndElasticNodeRanksAreNamed) {
               HasSubstr("--rdzv-last-call"));
 }
 
+}  // namespace DDP_UNITY_ID
+}  // namespace
 }  // namespace ddp::ddprun

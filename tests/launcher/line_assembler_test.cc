@@ -1,9 +1,11 @@
 #include "ddprun/line_assembler.h"
 
 #include <gtest/gtest.h>
+#include "support/unity_namespace.h"
 
 namespace ddp::ddprun {
 namespace {
+namespace DDP_UNITY_ID {
 
 TEST(LineAssembler, PrefixesEveryCompleteLine) {
   LineAssembler lines("[3] ");
@@ -89,5 +91,6 @@ TEST(LineAssembler, VerbatimModeGivesBackExactlyTheBytesFedIn) {
   EXPECT_FALSE(lines.has_partial_line());
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::ddprun

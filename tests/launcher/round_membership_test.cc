@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::ddprun {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::HasSubstr;
 using Members = std::vector<RoundMember>;
@@ -61,5 +63,6 @@ TEST(RoundMembership, MalformedValuesAreNamedStoreErrors) {
   EXPECT_EQ(parse_member("3:2"), (RoundMember{3, 2}));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::ddprun

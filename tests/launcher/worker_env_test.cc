@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include "support/unity_namespace.h"
 
 namespace ddp::ddprun {
 namespace {
+namespace DDP_UNITY_ID {
 
 LaunchOptions two_nodes_of_four() {
   LaunchOptions options;
@@ -176,5 +178,6 @@ TEST(WorkerEnvironment, SecretFileReachesTheWorkersAsAPathOnly) {
   EXPECT_FALSE(untouched.contains("DDP_SECRET_FILE"));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::ddprun

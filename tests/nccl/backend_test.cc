@@ -19,9 +19,11 @@
 #include "ddp/error.h"
 #include "ddp/runtime/init.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
@@ -131,5 +133,6 @@ TEST(NcclBackend, ListedExactlyWhenBuilt) {
   }
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -14,9 +14,11 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "support/unity_namespace.h"
 
 namespace ddp::comm::nccl {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using Status = CompletionWatcher::Status;
@@ -208,5 +210,6 @@ TEST(CompletionWatcherDeathTest, TheBackendsAnswerToALateCallEndsTheProcessNamin
       "broadcast #15 failed on the device: the communicator reported an error");
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::comm::nccl

@@ -11,9 +11,11 @@
 #include <set>
 #include <thread>
 #include <vector>
+#include "support/unity_namespace.h"
 
 namespace ddp::comm::nccl {
 namespace {
+namespace DDP_UNITY_ID {
 
 std::atomic<std::uintptr_t> events_made{0};
 std::atomic<bool> creates_fail{false};
@@ -129,5 +131,6 @@ TEST(CudaEventPool, ThreadsNeverShareAnEventAndThePoolMakesOnlyWhatWasHeldAtOnce
   EXPECT_EQ(pool->idle(), pool->created());
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::comm::nccl

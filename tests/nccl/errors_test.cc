@@ -4,9 +4,11 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include "support/unity_namespace.h"
 
 namespace ddp::comm::nccl {
 namespace {
+namespace DDP_UNITY_ID {
 
 using ::testing::HasSubstr;
 
@@ -62,5 +64,6 @@ TEST(NcclErrors, MessagesKeepTheLibrarysWordsAndSayWhatToDo) {
               HasSubstr("CUDA_VISIBLE_DEVICES"));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::comm::nccl

@@ -9,9 +9,11 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include "support/unity_namespace.h"
 
 namespace ddp::comm::nccl {
 namespace {
+namespace DDP_UNITY_ID {
 
 using Clock = std::chrono::steady_clock;
 
@@ -59,5 +61,6 @@ TEST(PollPacer, SleepsWithAOneMicrosecondTimerSlackOnlyInItsOwnThread) {
   EXPECT_EQ(::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), before) << "another thread's slack changed";
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::comm::nccl

@@ -16,9 +16,11 @@
 #include "ddp/store/tcp_store.h"
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::comm::nccl {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -152,5 +154,6 @@ TEST(NcclUniqueId, AMalformedValueIsRefusedByName) {
   }
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::comm::nccl

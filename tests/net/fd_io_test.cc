@@ -11,9 +11,11 @@
 
 #include "ddp/error.h"
 #include "net/socket.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::net {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -201,5 +203,6 @@ TEST(FdIo, UnsentBytesIsZeroWhenIdleAndFailsOnABadDescriptor) {
   EXPECT_EQ(errno, EBADF);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::net

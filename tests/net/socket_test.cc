@@ -12,9 +12,11 @@
 
 #include "ddp/error.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::net {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -201,5 +203,8 @@ TEST(Socket, AcceptOutOfDescriptorsNamesTheLimit) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::net
+
+#undef SKIP_UNDER_SANITIZERS

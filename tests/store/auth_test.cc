@@ -14,9 +14,11 @@
 #include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 #include "store/protocol.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::store {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using testing::HasSubstr;
@@ -137,5 +139,6 @@ TEST_F(AuthTest, RawClientSkippingAuthenticationCannotSendRequests) {
   EXPECT_FALSE(good.check(std::vector<std::string>{"k"}));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::store

@@ -17,9 +17,11 @@
 #include "ddp/store/tcp_store_server.h"
 #include "net/socket.h"
 #include "support/subprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::Subprocess;
@@ -281,5 +283,6 @@ TEST(C10dStoreClient, OversizedKeysAndValuesAreRefusedBeforeSending) {
   EXPECT_THROW(store.set("k", std::string(kC10dMaxValueBytes + 1, 'v')), ConfigError);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

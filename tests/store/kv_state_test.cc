@@ -11,9 +11,11 @@
 #include <vector>
 
 #include "store/server_protocol.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::store {
 namespace {
+namespace DDP_UNITY_ID {
 
 using testing::ElementsAre;
 using testing::HasSubstr;
@@ -205,5 +207,6 @@ TEST(ServerProtocol, ASetOverTheMemoryLimitIsRefusedNamingIt) {
   EXPECT_TRUE(protocol.state().contains("small"));
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::store

@@ -27,9 +27,11 @@
 #include "store/fd_limit.h"
 #include "store/protocol.h"
 #include "support/multiprocess.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::store {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using test::Frame;
@@ -351,5 +353,6 @@ TEST(StoreFdExhaustion, ElevenHundredIdleConnectionsDoNotStarveTheHostOrItsClien
   EXPECT_ALL_RANKS_OK(results);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::store

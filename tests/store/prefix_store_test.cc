@@ -7,9 +7,11 @@
 
 #include "ddp/error.h"
 #include "ddp/store/tcp_store.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -86,5 +88,6 @@ TEST(PrefixStore, NullBaseIsAConfigError) {
   EXPECT_THROW(PrefixStore("p", nullptr), ConfigError);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

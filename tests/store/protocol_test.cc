@@ -15,9 +15,11 @@
 #include "ddp/error.h"
 #include "ddp/store/tcp_store.h"
 #include "net/socket.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::store {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using net::Clock;
@@ -296,5 +298,6 @@ TEST(Printable, EscapesControlBytesAndCutsLongText) {
   EXPECT_EQ(printable(std::string(300, 'x'), 10), std::string(10, 'x') + "...");
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::store

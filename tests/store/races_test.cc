@@ -16,9 +16,11 @@
 #include "net/socket.h"
 #include "raw_client.h"
 #include "store/protocol.h"
+#include "support/unity_namespace.h"
 
 namespace ddp::store {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 
@@ -119,5 +121,6 @@ TEST_F(StoreRaceTest, AHalfClosedClientStillReceivesItsReplies) {
   EXPECT_EQ(reader_.get_string("half"), "42");
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp::store

@@ -17,9 +17,11 @@
 #include "ddp/error.h"
 #include "net/socket.h"
 #include "store/protocol.h"
+#include "support/unity_namespace.h"
 
 namespace ddp {
 namespace {
+namespace DDP_UNITY_ID {
 
 using namespace std::chrono_literals;
 using net::Clock;
@@ -456,5 +458,6 @@ TEST(TcpStoreWorkers, MissingWorkersAreATimeoutErrorSayingHowManyCame) {
   EXPECT_THROW(TcpStore("127.0.0.1", 0, options), ConfigError);
 }
 
+}  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp

@@ -22,6 +22,7 @@ extern const char* const state_dict_python;          // the Python of this build
 extern const char* const state_dict_other_python;    // the other libtorch's Python
 extern const char* const state_dict_reference_script;  // .../formats/state_dict_reference.py
 extern const char* const sampler_reference_script;     // .../samplers/pytorch_sampler_reference.py
+extern const char* const run_under_mpirun;  // tests/mpi/run_under_mpirun.sh
 extern const char* const dcp_fixtures;  // tests/data/dcp: PyTorch-written distributed checkpoints
 
 }  // namespace ddp::test::paths
