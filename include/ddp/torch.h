@@ -57,6 +57,7 @@
 // parallel/tensor
 #include "ddp/torch/parallel/tensor/gpt_block.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
+#include "ddp/torch/parallel/tensor/tensor_parallel_dcp_layout.h"
 // parallel/pipeline
 #include "ddp/torch/parallel/pipeline/pipeline.h"
 

@@ -1,9 +1,13 @@
-// dcp_model_state / load_dcp_model_state (ddp/torch/checkpoint/dcp_model_state.h): the model's
-// state dict and the optimizer's, keyed by parameter name as PyTorch's get_state_dict keys them,
-// through the optimizer state dict's value form (index-keyed, as Python's optimizer.state_dict()).
+// dcp_model_state (ddp/torch/checkpoint/dcp_model_state.h): the model's state dict and the
+// optimizer's, keyed by parameter name as PyTorch's get_state_dict keys them, through the
+// optimizer state dict's value form (index-keyed, as Python's optimizer.state_dict()), flattened
+// as dcp.save flattens it; then the split tensors become parts. The load is
+// dcp_model_state_load.cc.
 #include "ddp/torch/checkpoint/dcp_model_state.h"
 
+#include <functional>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -13,8 +17,8 @@
 #include <fmt/format.h>
 
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
+#include "torch/checkpoint/dcp_model_layout.h"
 #include "torch/formats/optimizer_state_value.h"
-#include "torch/formats/state_dict_check.h"
 
 namespace ddp {
 namespace {
@@ -25,29 +29,6 @@ using GenericList = c10::impl::GenericList;
 
 GenericDict string_dict() {
   return GenericDict(c10::StringType::get(), c10::AnyType::get());
-}
-
-// Each optimizer parameter's name in the model, in the optimizer's order (its index in Python's
-// optimizer.state_dict()). ConfigError for a parameter the model does not hold.
-std::vector<std::string> parameter_names(const torch::nn::Module& model,
-                                         const torch::optim::Optimizer& optimizer) {
-  std::unordered_map<const c10::TensorImpl*, std::string> names;
-  for (const auto& item : state_dict(model))
-    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  std::vector<std::string> out;
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) {
-      const auto it = names.find(p.unsafeGetTensorImpl());
-      if (it == names.end()) {
-        throw ConfigError(fmt::format(
-            "dcp_model_state: the optimizer's parameter {} (of shape [{}]) is not one of the "
-            "model's: build the optimizer over model->parameters() of the module passed here",
-            out.size(), fmt::join(p.sizes(), ", ")));
-      }
-      out.push_back(it->second);
-    }
-  }
-  return out;
 }
 
 // {"state": {index: s}, "param_groups": [{..., "params": [index]}]} with indices replaced by
@@ -92,92 +73,150 @@ GenericDict rekeyed(const GenericDict& optim, const Rename& rename, const std::s
   return out;
 }
 
+// PyTorch's _flatten_optim_state_dict (flatten_optimizer_state_dict=True): "state.<name>.<key>"
+// and "param_groups.<name>.<option>" for every parameter of every group.
+GenericDict per_parameter(const GenericDict& optim, const std::vector<std::string>& names) {
+  GenericDict out = string_dict();
+  auto name_of = [&](const IValue& index) {
+    return names.at(static_cast<std::size_t>(index.toInt()));
+  };
+  for (const auto& entry : optim.at("state").toGenericDict()) {
+    for (const auto& key : entry.value().toGenericDict())
+      out.insert(fmt::format("state.{}.{}", name_of(entry.key()), key.key().toStringRef()),
+                 key.value());
+  }
+  for (const IValue& group : optim.at("param_groups").toListRef()) {
+    const GenericDict options = group.toGenericDict();
+    for (const IValue& index : options.at("params").toListRef()) {
+      for (const auto& option : options) {
+        if (option.key() == IValue("params")) continue;
+        out.insert(fmt::format("param_groups.{}.{}", name_of(index), option.key().toStringRef()),
+                   option.value());
+      }
+    }
+  }
+  return out;
+}
+
+// The spec of a flattened entry, if it is a part: "model.<name>" with a spec, or
+// "optim.state.<name>.<key>" of a parameter with a spec and of the parameter's shape.
+const DcpShardSpec* spec_of(const DcpStateDict::Entry& entry, const DcpModelLayout& layout,
+                            const StateDict& target) {
+  const std::string& name = entry.name;
+  std::string parameter;
+  if (name.starts_with("model.")) {
+    parameter = name.substr(6);
+  } else if (name.starts_with("optim.state.")) {
+    const auto dot = name.rfind('.');
+    parameter = name.substr(12, dot - 12);
+  } else {
+    return nullptr;
+  }
+  const auto spec = layout.shards.find(parameter);
+  const torch::Tensor* held = target.find(parameter);
+  if (spec == layout.shards.end() || held == nullptr) return nullptr;
+  return entry.tensor.sizes() == held->sizes() ? &spec->second : nullptr;
+}
+
 }  // namespace
 
+namespace detail {
+
+std::vector<std::string> optimizer_parameter_names(const torch::nn::Module& model,
+                                                   const torch::optim::Optimizer& optimizer,
+                                                   const std::string& who) {
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : state_dict(model))
+    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  std::vector<std::string> out;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto it = names.find(p.unsafeGetTensorImpl());
+      if (it == names.end()) {
+        throw ConfigError(fmt::format(
+            "{}: the optimizer's parameter {} (of shape [{}]) is not one of the model's: build "
+            "the optimizer over model->parameters() of the module passed here",
+            who, out.size(), fmt::join(p.sizes(), ", ")));
+      }
+      out.push_back(it->second);
+    }
+  }
+  return out;
+}
+
+std::vector<std::int64_t> shard_view(const DcpShardSpec& spec, const at::Tensor& tensor) {
+  return spec.local_view.empty() ? tensor.sizes().vec() : spec.local_view;
+}
+
+void check_layout(const DcpModelLayout& layout, const StateDict& target, const std::string& who) {
+  for (const auto& [name, spec] : layout.shards) {
+    const torch::Tensor* tensor = target.find(name);
+    if (tensor == nullptr) {
+      throw ConfigError(fmt::format(
+          "{}: the layout splits '{}', which the model has no parameter or buffer of", who, name));
+    }
+    const auto view = shard_view(spec, *tensor);
+    const std::int64_t count =
+        std::accumulate(view.begin(), view.end(), std::int64_t{1}, std::multiplies<>());
+    bool fits = count == tensor->numel() && view.size() == spec.offsets.size() &&
+                view.size() == spec.global_shape.size();
+    for (std::size_t d = 0; fits && d < view.size(); ++d) {
+      fits =
+          spec.offsets[d] >= 0 && view[d] >= 0 && spec.offsets[d] + view[d] <= spec.global_shape[d];
+    }
+    if (!fits) {
+      throw ConfigError(fmt::format(
+          "{}: the layout's part of '{}' does not fit: the tensor [{}] viewed as [{}] at offsets "
+          "[{}] of a tensor [{}] (the view must hold the tensor's elements, and the region lie "
+          "inside the global shape)",
+          who, name, fmt::join(tensor->sizes(), ", "), fmt::join(view, ", "),
+          fmt::join(spec.offsets, ", "), fmt::join(spec.global_shape, ", ")));
+    }
+  }
+}
+
+}  // namespace detail
+
 DcpStateDict dcp_model_state(const torch::nn::Module& model,
-                             const torch::optim::Optimizer* optimizer) {
+                             const torch::optim::Optimizer* optimizer,
+                             const DcpModelLayout& layout) {
+  const StateDict target = state_dict(model);
+  detail::check_layout(layout, target, "dcp_model_state");
   GenericDict top = string_dict();
   GenericDict model_entries = string_dict();
-  for (const auto& item : state_dict(model))
+  for (const auto& item : target)
     model_entries.insert(item.key(), item.value());
   top.insert("model", model_entries);
   if (optimizer != nullptr) {
-    const std::vector<std::string> names = parameter_names(model, *optimizer);
+    const std::vector<std::string> names =
+        detail::optimizer_parameter_names(model, *optimizer, "dcp_model_state");
     const IValue by_index = detail::optimizer_state_value(*optimizer);
-    top.insert("optim", rekeyed(
-                            by_index.toGenericDict(),
-                            [&](const IValue& index) {
-                              return IValue(names.at(static_cast<std::size_t>(index.toInt())));
-                            },
-                            "dcp_model_state"));
-  }
-  return DcpStateDict::flatten(top);
-}
-
-StateDictLoadReport load_dcp_model_state(const std::filesystem::path& folder,
-                                         torch::nn::Module& model,
-                                         torch::optim::Optimizer* optimizer,
-                                         StateDictLoadOptions options) {
-  const std::string source = folder.string();
-  const IValue nested = DcpReader(folder).read_state_dict();
-  const GenericDict top = nested.toGenericDict();
-  auto part = [&](const char* key) -> std::optional<GenericDict> {
-    const auto it = top.find(key);
-    if (it == top.end()) return std::nullopt;
-    if (!it->value().isGenericDict()) {
-      throw StateDictFormatError(fmt::format("{}: '{}' is a {}, not a dict of entries", source, key,
-                                             it->value().tagKind()));
+    if (layout.per_parameter_groups) {
+      top.insert("optim", per_parameter(by_index.toGenericDict(), names));
+    } else {
+      top.insert("optim", rekeyed(
+                              by_index.toGenericDict(),
+                              [&](const IValue& index) {
+                                return IValue(names.at(static_cast<std::size_t>(index.toInt())));
+                              },
+                              "dcp_model_state"));
     }
-    return it->value().toGenericDict();
-  };
-  const auto model_part = part("model");
-  if (!model_part) {
-    throw StateDictFormatError(fmt::format(
-        "{}: the checkpoint has no 'model' entries (saved from get_state_dict's model dict as "
-        "{{\"model\": ..., \"optim\": ...}}, or by dcp_model_state)",
-        source));
   }
-  StateDict saved;
-  for (const auto& entry : *model_part) {
-    if (!entry.key().isString()) continue;
-    if (!entry.value().isTensor()) {
-      throw StateDictFormatError(fmt::format("{}: 'model.{}' is a {}, not a tensor", source,
-                                             entry.key().toStringRef(), entry.value().tagKind()));
+  DcpStateDict flat = DcpStateDict::flatten(top);
+  if (layout.shards.empty()) return flat;
+  DcpStateDict out;
+  for (DcpStateDict::Entry entry : flat.entries()) {
+    const DcpShardSpec* spec =
+        entry.kind == DcpStateDict::Entry::Kind::kTensor ? spec_of(entry, layout, target) : nullptr;
+    if (spec != nullptr) {
+      entry.kind = DcpStateDict::Entry::Kind::kShard;
+      entry.tensor = entry.tensor.reshape(detail::shard_view(*spec, entry.tensor));
+      entry.offsets = spec->offsets;
+      entry.global_shape = spec->global_shape;
     }
-    saved.insert(entry.key().toStringRef(), entry.value().toTensor());
+    out.add_entry(std::move(entry));
   }
-  const StateDict target = state_dict(model);
-  // Everything checked before anything changes: the model's names, shapes and dtypes here, the
-  // optimizer's state in its load (itself all or nothing), then the model's copy, which cannot
-  // fail once checked.
-  detail::check_state_dict(target, saved, options, source);
-  if (optimizer != nullptr) {
-    const auto optim_part = part("optim");
-    if (!optim_part) {
-      throw StateDictFormatError(fmt::format(
-          "{}: the checkpoint has no 'optim' entries (it was saved without the optimizer)",
-          source));
-    }
-    const std::vector<std::string> names = parameter_names(model, *optimizer);
-    std::map<std::string, std::int64_t> index_of;
-    for (std::size_t i = 0; i < names.size(); ++i)
-      index_of.emplace(names[i], static_cast<std::int64_t>(i));
-    const GenericDict by_index = rekeyed(
-        *optim_part,
-        [&](const IValue& name) {
-          const auto it = name.isString() ? index_of.find(name.toStringRef()) : index_of.end();
-          if (it == index_of.end()) {
-            throw StateDictFormatError(fmt::format(
-                "{}: the optimizer's state names the parameter {}, which the optimizer does not "
-                "hold",
-                source, name.isString() ? "'" + name.toStringRef() + "'" : name.tagKind()));
-          }
-          return IValue(it->second);
-        },
-        source);
-    detail::load_optimizer_state_value(*optimizer, by_index, source);
-  }
-  return load_state_dict(target, saved, options, source);
+  return out;
 }
 
 }  // namespace ddp

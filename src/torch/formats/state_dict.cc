@@ -30,17 +30,20 @@ std::string dotted(const std::string& prefix, const std::string& name) {
 }  // namespace
 
 // Python's Module.state_dict() walks the modules depth first, each module's parameters, then its
-// buffers, then its children; named_modules() visits them in that order.
+// buffers, then its children; named_modules() visits them in that order. The module itself is
+// taken apart (named_modules' include_self needs it held by a shared_ptr, which a module built
+// on the stack is not).
 StateDict state_dict(const torch::nn::Module& module) {
   StateDict all;
-  for (const auto& item : module.named_modules()) {
-    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
-      all.insert(dotted(item.key(), p.key()), p.value());
-    }
-    for (const auto& b : item.value()->named_buffers(/*recurse=*/false)) {
-      all.insert(dotted(item.key(), b.key()), b.value());
-    }
-  }
+  auto add = [&all](const torch::nn::Module& m, const std::string& prefix) {
+    for (const auto& p : m.named_parameters(/*recurse=*/false))
+      all.insert(dotted(prefix, p.key()), p.value());
+    for (const auto& b : m.named_buffers(/*recurse=*/false))
+      all.insert(dotted(prefix, b.key()), b.value());
+  };
+  add(module, "");
+  for (const auto& item : module.named_modules("", /*include_self=*/false))
+    add(*item.value(), item.key());
   return all;
 }
 

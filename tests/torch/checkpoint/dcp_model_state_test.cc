@@ -164,6 +164,115 @@ TEST(DcpModelState, CheckpointsOfAnotherShapeAreNamedErrors) {
               HasSubstr("names the parameter '9.weight', which the optimizer does not hold"));
 }
 
+// A pipeline's two stages of mlp(): the children named as in the whole model ("0", "2").
+torch::nn::Sequential stage(torch::nn::Sequential whole, std::size_t first, std::size_t last) {
+  torch::nn::Sequential part;
+  for (std::size_t i = first; i < last; ++i) {
+    part->push_back(std::to_string(i), *(whole->begin() + static_cast<std::ptrdiff_t>(i)));
+  }
+  return part;
+}
+
+TEST(DcpModelState, PipelineStagesLoadTheirPartsWithPerParameterGroupsAndStepAsTheWholeDoes) {
+  test::TempDir dir("ddp-dcp-model");
+  torch::manual_seed(1);
+  auto model = mlp();
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(0.01));
+  adam_step(model, optimizer);
+  const DcpModelLayout per_parameter{.per_parameter_groups = true};
+  const DcpCheckpointInfo info =
+      save_dcp(dcp_model_state(*model, &optimizer, per_parameter), dir.path() / "c");
+  // PyTorch's flatten_optimizer_state_dict names: options per parameter, no "params" lists.
+  EXPECT_TRUE(info.values.contains("optim.param_groups.2.bias.lr"));
+  EXPECT_FALSE(info.values.contains("optim.param_groups.0.params"));
+  EXPECT_TRUE(info.tensors.contains("optim.state.0.weight.exp_avg"));
+
+  // Two stages of a fresh model, each loading its part (the other stage's entries are not
+  // unexpected), then stepping with the whole model's gradients: the same parameters.
+  torch::manual_seed(2);
+  auto fresh = mlp();
+  auto first = stage(fresh, 0, 2), second = stage(fresh, 2, 3);
+  torch::optim::AdamW first_optimizer(first->parameters(), torch::optim::AdamWOptions(0.5));
+  torch::optim::AdamW second_optimizer(second->parameters(), torch::optim::AdamWOptions(0.5));
+  const DcpModelLayout part{.part_of_model = true, .per_parameter_groups = true};
+  const auto report = load_dcp_model_state(dir.path() / "c", *first, &first_optimizer, {}, part);
+  EXPECT_TRUE(report.complete());
+  EXPECT_EQ(report.loaded, (std::vector<std::string>{"0.weight", "0.bias"}));
+  load_dcp_model_state(dir.path() / "c", *second, &second_optimizer, {}, part);
+  EXPECT_DOUBLE_EQ(second_optimizer.param_groups()[0].options().get_lr(), 0.01);
+  EXPECT_TRUE(same_parameters(model, fresh));
+  adam_step(model, optimizer);
+  adam_step(fresh, first_optimizer);  // the stage's optimizers step what the whole model's
+  second_optimizer.step();            // gradients say (fresh's backward filled both stages')
+  EXPECT_TRUE(same_parameters(model, fresh));
+
+  // The per-group layout loads into a stage too; without part_of_model a stage is missing
+  // entries, and the whole model's others are unexpected.
+  save_dcp(dcp_model_state(*model, &optimizer), dir.path() / "groups");
+  auto again = stage(mlp(), 2, 3);
+  torch::optim::AdamW again_optimizer(again->parameters(), torch::optim::AdamWOptions(0.5));
+  load_dcp_model_state(dir.path() / "groups", *again, &again_optimizer, {}, part);
+  EXPECT_TRUE(torch::equal(again[0]->as<torch::nn::Linear>()->weight,
+                           model[2]->as<torch::nn::Linear>()->weight));
+  EXPECT_THAT([&] { load_dcp_model_state(dir.path() / "groups", *again, &again_optimizer); },
+              ::testing::ThrowsMessage<StateDictMismatchError>(HasSubstr("unexpected")));
+}
+
+TEST(DcpModelState, APartReadsItsRegionOfTheWholeTensorAndAnotherSplitIsNamed) {
+  test::TempDir dir("ddp-dcp-model");
+  torch::manual_seed(1);
+  auto model = mlp();  // 0.weight [8, 4]
+  save_dcp(dcp_model_state(*model), dir.path() / "c");
+  // Rows 4..7 of 0.weight and of 0.bias (a column-parallel split at tp 2, rank 1), viewed as
+  // [2, 2, 4] blocks of a [2, 4, 4] tensor to check views: the saved tensor is [8, 4] there.
+  torch::nn::Linear half(4, 4);
+  torch::nn::Sequential part;
+  part->push_back("0", half);
+  DcpModelLayout layout{.part_of_model = true};
+  layout.shards["0.weight"] = {.offsets = {4, 0}, .global_shape = {8, 4}};
+  layout.shards["0.bias"] = {.offsets = {4}, .global_shape = {8}};
+  EXPECT_TRUE(load_dcp_model_state(dir.path() / "c", *part, nullptr, {}, layout).complete());
+  const auto& whole = model[0]->as<torch::nn::Linear>();
+  EXPECT_TRUE(torch::equal(half->weight, whole->weight.slice(0, 4, 8)));
+  EXPECT_TRUE(torch::equal(half->bias, whole->bias.slice(0, 4, 8)));
+
+  // A part saved by a process alone leaves the rest of its tensor unsaved: refused by name
+  // (tensor_parallel_dcp_test.cc saves parts from every rank of a split).
+  DcpModelLayout fused;
+  fused.shards["0.weight"] = {
+      .local_view = {2, 2, 4}, .offsets = {0, 2, 0}, .global_shape = {2, 4, 4}};
+  EXPECT_THAT([&] { save_dcp(dcp_model_state(*part, nullptr, fused), dir.path() / "f"); },
+              ::testing::ThrowsMessage<Error>(
+                  HasSubstr("'model.0.weight' of shape [2, 4, 4] leave part of it unsaved")));
+
+  // Another split of the whole tensor than the checkpoint's: named, with both shapes.
+  DcpModelLayout other = layout;
+  other.shards["0.weight"] = {.offsets = {0, 0}, .global_shape = {4, 4}};
+  EXPECT_THAT([&] { load_dcp_model_state(dir.path() / "c", *part, nullptr, {}, other); },
+              ::testing::ThrowsMessage<StateDictMismatchError>(
+                  AllOf(HasSubstr("'model.0.weight' is [8, 4] in the checkpoint"),
+                        HasSubstr("belongs to a tensor [4, 4]"))));
+  // Not strict: the split that does not fit is reported mismatched, the bias loads.
+  const auto report =
+      load_dcp_model_state(dir.path() / "c", *part, nullptr, {.strict = false}, other);
+  EXPECT_EQ(report.mismatched, (std::vector<std::string>{"0.weight"}));
+  EXPECT_EQ(report.loaded, (std::vector<std::string>{"0.bias"}));
+  EXPECT_TRUE(report.missing.empty());
+
+  // Specs that cannot describe their tensor, and a name the model lacks: refused before anything.
+  DcpModelLayout bad;
+  bad.shards["0.weight"] = {.local_view = {3, 4}, .offsets = {0, 0}, .global_shape = {8, 4}};
+  EXPECT_THAT([&] { dcp_model_state(*part, nullptr, bad); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("part of '0.weight' does not fit")));
+  bad.shards["0.weight"] = {.offsets = {6, 0}, .global_shape = {8, 4}};
+  EXPECT_THAT([&] { load_dcp_model_state(dir.path() / "c", *part, nullptr, {}, bad); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("does not fit")));
+  DcpModelLayout stray;
+  stray.shards["9.weight"] = {.offsets = {0}, .global_shape = {1}};
+  EXPECT_THAT([&] { dcp_model_state(*part, nullptr, stray); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("splits '9.weight'")));
+}
+
 }  // namespace DDP_UNITY_ID
 }  // namespace
 }  // namespace ddp
