@@ -8,9 +8,13 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
+#include "ddp/torch/checkpoint/dcp_model_state.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "ddp/torch/parallel/mesh/mesh_train_state.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
+#include "ddp/torch/parallel/tensor/tensor_parallel_dcp_layout.h"
 
 namespace train_gpt {
 
@@ -29,6 +33,7 @@ torch::Tensor vocabulary_loss(const torch::Tensor& logits, const torch::Tensor& 
 // Names what a checkpoint folder holds when it is the other trainer's, so that a resume with
 // another --fsdp setting is refused by name rather than as a missing file.
 std::string saved_layout(const fs::path& dir) {
+  if (fs::exists(dir / ".metadata")) return "without --fsdp (a distributed checkpoint, DCP)";
   if (fs::exists(dir / "mesh.pt")) return "without --fsdp (a pipeline's MeshTrainState)";
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
@@ -73,7 +78,12 @@ class PipelineTrainer final : public Trainer {
     return loss;
   }
 
+  // A checkpoint is a DCP folder: the model and AdamW's state under their names in the whole
+  // model (each tp rank's part of a split tensor a region of it, every stage its own entries),
+  // and the step. It resumes at any dp x tp x pp. A folder of an earlier train-gpt, a
+  // MeshTrainState (mesh.pt), still resumes on the split it was saved with.
   ddp::TrainProgress load() override {
+    if (fs::exists(config_.checkpoint / ".metadata")) return load_dcp();
     const auto other = saved_layout(config_.checkpoint);
     if (!fs::exists(config_.checkpoint / "mesh.pt") && !other.empty()) {
       throw ddp::ConfigError(
@@ -84,7 +94,10 @@ class PipelineTrainer final : public Trainer {
   }
 
   void save(const ddp::TrainProgress& progress) override {
-    state_->save(config_.checkpoint, progress);
+    ddp::DcpStateDict state = ddp::dcp_model_state(*pipe_->stage_module(), &*optimizer_, layout());
+    state.add_value(kTagEntry, std::string(kTag));
+    state.add_value(kStepEntry, progress.global_step);
+    ddp::save_dcp(state, config_.checkpoint);
   }
 
   double parameter_sum() override {
@@ -99,6 +112,52 @@ class PipelineTrainer final : public Trainer {
   std::optional<torch::optim::AdamW> optimizer_;
   std::optional<ddp::MeshTrainState> state_;
   std::shared_ptr<ddp::ProcessGroup> pp_;
+
+  static constexpr const char* kTag = "train-gpt";
+  static constexpr const char* kTagEntry = "train_gpt.tag";
+  static constexpr const char* kStepEntry = "train_gpt.global_step";
+
+  // This rank's stage: its tensor-parallel parts, part of the whole model, its AdamW options per
+  // parameter (the stages hold different parameters).
+  ddp::DcpModelLayout layout() {
+    ddp::DcpModelLayout l = ddp::tensor_parallel_dcp_layout(*pipe_->stage_module());
+    l.part_of_model = true;
+    l.per_parameter_groups = true;
+    return l;
+  }
+
+  ddp::TrainProgress load_dcp() {
+    const ddp::DcpReader checkpoint(config_.checkpoint);
+    const auto& values = checkpoint.info().values;
+    if (!values.contains(kTagEntry) || !values.contains(kStepEntry) ||
+        !checkpoint.read_value(kTagEntry).isString() ||
+        checkpoint.read_value(kTagEntry).toStringRef() != kTag) {
+      throw ddp::ConfigError(fmt::format(
+          "--resume: '{}' is a distributed checkpoint, but not one train-gpt saved (no '{}' "
+          "entry naming it)",
+          config_.checkpoint.string(), kTagEntry));
+    }
+    // Each stage loads its own entries; together they must be all of the checkpoint's, or it
+    // was saved from another model (more --layers, say), which no stage alone would notice.
+    std::int64_t saved = 0;
+    for (const auto& name : checkpoint.info().order)
+      saved += name.starts_with("model.") ? 1 : 0;
+    auto held = torch::tensor(
+        {static_cast<std::int64_t>(ddp::state_dict(*pipe_->stage_module()).size())}, torch::kInt64);
+    ddp::all_reduce(held, ddp::ReduceOp::kSum, *pp_);
+    if (held.item<std::int64_t>() != saved) {
+      throw ddp::ConfigError(fmt::format(
+          "--resume: '{}' holds {} model tensors, this model {}: it was saved from another "
+          "model (resume with the --layers, --hidden, --heads and --vocab-at-least it was saved "
+          "with)",
+          config_.checkpoint.string(), saved, held.item<std::int64_t>()));
+    }
+    ddp::load_dcp_model_state(config_.checkpoint, *pipe_->stage_module(), &*optimizer_, {},
+                              layout());
+    ddp::TrainProgress progress;
+    progress.global_step = checkpoint.read_value(kStepEntry).toInt();
+    return progress;
+  }
 };
 
 class FsdpTrainer final : public Trainer {

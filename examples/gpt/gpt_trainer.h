@@ -1,7 +1,8 @@
 // train-gpt's two ways to train the model of gpt_model.h on a DeviceMesh of pp x dp x tp ranks:
 // - the pipeline: every dp replica builds its stages whole; ddp::Pipeline runs --microbatches
-//   through the pp stages (GPipe or 1F1B) and averages the gradients over dp; MeshTrainState
-//   checkpoints (DIR/mesh.pt and one part per rank).
+//   through the pp stages (GPipe or 1F1B) and averages the gradients over dp; checkpoints in
+//   PyTorch's distributed checkpoint format (DCP), which resume at any dp x tp x pp (a
+//   MeshTrainState folder, DIR/mesh.pt, of an earlier train-gpt resumes on its own split).
 // - FSDP (--fsdp, pp = 1): the model is built child by child, each child sharded over dp
 //   (FULL_SHARD) before the next is built (fsdp_build_sharded); micro-batches accumulate
 //   gradients under no_sync; ShardedTrainState checkpoints one folder per tp rank

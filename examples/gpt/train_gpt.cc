@@ -27,6 +27,11 @@
 // --pp must be 1. Its --checkpoint is a ShardedTrainState per tp rank (DIR/tp-<r>-of-<T>/), which
 // resumes at any --dp (the same --tp).
 //
+// Without --fsdp, --checkpoint DIR is a distributed checkpoint in PyTorch's format (DCP: the
+// model and AdamW's state under the whole model's names, each tp rank's part of a split tensor a
+// region of it, and the step), which --resume continues at any --dp, --tp and --pp; a
+// MeshTrainState folder of an earlier train-gpt (DIR/mesh.pt) still resumes on its own split.
+//
 // Rank 0 prints "step <k> loss <loss>" every --log-every steps, and last
 // "final loss=<loss> param_sum=<sum of every element of every parameter of the whole model>",
 // the same on every layout (the split parameters gathered, each stage counted once), with and
@@ -81,7 +86,7 @@ struct Options {
   std::int64_t hidden = 32, heads = 4, block_size = 16, batch_size = 8;
   double lr = 3e-3;
   int threads = 1;
-  std::string checkpoint;  // a folder: MeshTrainState, saved every checkpoint_every steps and last
+  std::string checkpoint;  // a folder (DCP), saved every checkpoint_every steps and last
   int checkpoint_every = 0;
   bool resume = false;
   int time_after = -1;              // >= 0: time the steps after this many (the median is printed)
@@ -381,7 +386,8 @@ int main(int argc, char** argv) {
       ->check(size);
   app.add_option("--threads", o.threads, "torch threads per rank")->check(ddp_programs::kThreads);
   app.add_option("--checkpoint", o.checkpoint,
-                 "a folder for each rank's part of the model and optimizer (saved at the end)");
+                 "a folder for the model and optimizer, in PyTorch's distributed checkpoint format "
+                 "(with --fsdp: a ShardedTrainState per tp rank); saved at the end");
   app.add_option("--checkpoint-every", o.checkpoint_every, "also save every N steps")
       ->check(CLI::Range(0, std::numeric_limits<int>::max()));
   app.add_flag("--activation-checkpointing", o.activation_checkpointing,
@@ -389,7 +395,9 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp", o.fsdp,
                "shard the model over --dp with FSDP (FULL_SHARD), each block built and sharded in "
                "turn (with --tp; --pp 1)");
-  app.add_flag("--resume", o.resume, "continue from --checkpoint (the same tp x pp split)");
+  app.add_flag(
+      "--resume", o.resume,
+      "continue from --checkpoint, at any --dp x --tp x --pp (with --fsdp: the same --tp)");
   if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "train-gpt")) {
     return *code;
   }

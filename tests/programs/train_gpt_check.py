@@ -3,12 +3,14 @@
 parallelism, float64: every layout's last line ("final loss=... param_sum=...") must equal the
 one-process run's to 1e-9 (relative), with and without --activation-checkpointing and --fsdp,
 the loss must fall, and a mesh that does not fit the job (or --fsdp with --pp) must be named.
-Checkpoints (MeshTrainState): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at DP 1 x TP 2 x PP 2
-for 5 more, end where the uninterrupted runs end; a resume on another split is named. The same
-with --fsdp (ShardedTrainState per tp rank): saved at DP 2 x TP 2, resumed at DP 1 x TP 2; a
+Checkpoints (PyTorch's DCP format): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at DP 1 x TP 2 x
+PP 2, DP 1 x TP 2 x PP 1, DP 4 x TP 1 x PP 2 and in one process for 5 more, and 5 steps at DP 4 x
+TP 1 x PP 2 resumed at DP 2 x TP 2 x PP 2, end where the uninterrupted runs end; a resume of
+another model (fewer --layers) is named. With --fsdp (ShardedTrainState per tp rank): saved at DP 2 x TP 2, resumed at DP 1 x TP 2; a
 resume without --fsdp, or with another --tp, is named. Usage: train_gpt_check.py BUILD_BIN_DIR"""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,10 @@ def run(bin_dir, ranks, *args, steps=10):
     return subprocess.run(command, capture_output=True, text=True, timeout=240)
 
 
+def layout(dp, tp, pp):
+    return ("--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--microbatches", "2")
+
+
 def main():
     bin_dir = sys.argv[1]
     finals = {}
@@ -66,23 +72,35 @@ def main():
     done = run(bin_dir, 2, "--dp", "3")
     if done.returncode == 0 or "--dp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2" not in done.stderr:
         sys.exit(f"a mesh that does not fit was not named:\n{done.stdout}\n{done.stderr}")
-    with tempfile.TemporaryDirectory() as folder:
-        first = run(bin_dir, 8, "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2",
-                    "--checkpoint", folder, steps=5)
-        if first.returncode != 0 or not os.path.exists(os.path.join(folder, "mesh.pt")):
-            sys.exit(f"the checkpointed run failed:\n{first.stdout}\n{first.stderr}")
-        resumed = run(bin_dir, 4, "--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "2",
-                      "--checkpoint", folder, "--resume")
-        match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
-        if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
-            sys.exit(f"the resumed run failed:\n{resumed.stdout}\n{resumed.stderr}")
-        for want, got, what in zip(reference, map(float, match.groups()), ("loss", "param_sum")):
-            if abs(got - want) > 1e-9 * abs(want):
-                sys.exit(f"resumed at dp 1: {what} {got!r} but the uninterrupted run has {want!r}")
-        other = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--checkpoint", folder,
-                    "--resume")
-        if other.returncode == 0 or "saved with the model split pp=2, tp=2" not in other.stderr:
-            sys.exit(f"a resume on another split was not named:\n{other.stdout}\n{other.stderr}")
+    with tempfile.TemporaryDirectory() as scratch:
+        # Saved at one layout, resumed at others (each from its own copy: a resume saves too).
+        for saved_at, resumed_at in (((2, 2, 2), ((1, 2, 2), (1, 2, 1), (4, 1, 2), (1, 1, 1))),
+                                     ((4, 1, 2), ((2, 2, 2),))):
+            folder = os.path.join(scratch, "dp{}tp{}pp{}".format(*saved_at))
+            first = run(bin_dir, saved_at[0] * saved_at[1] * saved_at[2], *layout(*saved_at),
+                        "--checkpoint", folder, steps=5)
+            if first.returncode != 0 or not os.path.exists(os.path.join(folder, ".metadata")):
+                sys.exit(f"the checkpointed run at {saved_at} failed:\n{first.stdout}\n"
+                         f"{first.stderr}")
+            for dp, tp, pp in resumed_at:
+                copy = f"{folder}-to-dp{dp}tp{tp}pp{pp}"
+                shutil.copytree(folder, copy)
+                resumed = run(bin_dir, dp * tp * pp, *layout(dp, tp, pp), "--checkpoint", copy,
+                              "--resume")
+                match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
+                if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
+                    sys.exit(f"saved at {saved_at}, resumed at {(dp, tp, pp)}: failed:\n"
+                             f"{resumed.stdout}\n{resumed.stderr}")
+                for want, got, what in zip(reference, map(float, match.groups()),
+                                           ("loss", "param_sum")):
+                    if abs(got - want) > 1e-9 * abs(want):
+                        sys.exit(f"saved at {saved_at}, resumed at {(dp, tp, pp)}: {what} {got!r} "
+                                 f"but the uninterrupted run has {want!r}")
+        folder = os.path.join(scratch, "dp2tp2pp2")
+        other = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--layers", "3",
+                    "--checkpoint", folder, "--resume")
+        if other.returncode == 0 or "holds 53 model tensors, this model 41" not in other.stderr:
+            sys.exit(f"a resume of another model was not named:\n{other.stdout}\n{other.stderr}")
     done = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--fsdp")
     if done.returncode == 0 or "--fsdp with --pp 2: FSDP shards the model over --dp" not in done.stderr:
         sys.exit(f"--fsdp with --pp was not named:\n{done.stdout}\n{done.stderr}")
