@@ -62,6 +62,18 @@ run_ctest() {
   return "$rc"
 }
 
+# A folder whose CTestTestfile.cmake lists the test folders given (relative to BUILD), for one
+# ctest run over them: a run per folder waits for each folder's longest test with a core idle.
+#   tests_of BUILD FOLDER... (prints the folder's path)
+tests_of() {
+  local build=$1 dir
+  shift
+  dir=$build/stage-tests
+  mkdir -p "$dir"
+  printf 'subdirs("%s")\n' "${@/#/$PWD/$build/}" > "$dir/CTestTestfile.cmake"
+  echo "$dir"
+}
+
 # Every stage builds RelWithDebInfo with line tables only (-g1): backtraces and sanitizer reports
 # keep file:line, and the objects are a quarter of -g's size, so compiles and links are faster
 # (a libtorch test: 17 MB against 4.5 MB). For a debugger session build without test.sh.
@@ -143,11 +155,11 @@ if want pytorch; then
   # train-gpt's layouts and flags (tests/programs, from tests/model_parallel) ran in main only;
   # so did train-hybrid against PyTorch's tutorial (the same PyTorch either way).
   main_stage_only+='|^train_gpt[.]|^TrainGptFlags[.]|^train_hybrid[.]'
-  run_ctest "$ddp_build_dir/tests/torch" --output-on-failure --timeout 600 -j "$jobs" -L unit
-  for dir in "${pytorch_stage_dirs[@]}"; do
-    run_ctest "$ddp_build_dir/$dir" --output-on-failure --timeout 600 -j "$jobs" \
-      -E "$main_stage_only"
-  done
+  # Every test of these folders carries a label; tests/torch's multi-process suite, not built
+  # here, stands for itself as one unlabelled *_NOT_BUILT test, which the label filter leaves out.
+  stage_tests=$(tests_of "$ddp_build_dir" tests/torch "${pytorch_stage_dirs[@]}")
+  run_ctest "$stage_tests" --output-on-failure --timeout 600 -j "$jobs" \
+    -L '^(unit|multiprocess|slow)$' -E "$main_stage_only"
   # PyTorch's own distributed test suite, a fixed subset, on gloo and on ddp at world 2: every
   # test that passes on gloo must pass on ddp but for the listed ones (docs/pytorch-backend.md;
   # about two minutes; WORLDS="2 3" scripts/pytorch-dist-suite.sh adds world 3 by hand, and
@@ -212,10 +224,8 @@ if want tsan; then
   tsan_dirs=(net store comm shm init nccl rpc)
   tsan_targets=("${tsan_dirs[@]/#/tests/}")
   sanitized_build build-tsan "${tsan_targets[*]/%//all}" -DDDP_SANITIZE=thread
-  for dir in "${tsan_dirs[@]}"; do
-    env "${sanitizer_env[@]}" ctest --test-dir "build-tsan/tests/$dir" --output-on-failure \
-      --timeout 900 -j "$jobs" -L 'unit|multiprocess' -E "$tsan_left_out"
-  done
+  env "${sanitizer_env[@]}" ctest --test-dir "$(tests_of build-tsan "${tsan_targets[@]}")" \
+    --output-on-failure --timeout 900 -j "$jobs" -L 'unit|multiprocess' -E "$tsan_left_out"
   stage_end tsan build-tsan
 fi
 
