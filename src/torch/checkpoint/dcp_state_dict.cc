@@ -1,6 +1,8 @@
 // DcpStateDict (ddp/torch/checkpoint/distributed_checkpoint_save.h): a rank's entries, checked as
-// they are added (a dtype the format holds, a shard inside its global shape, one entry per name),
+// they are added (a dtype the format holds, a shard inside its global shape, one entry per name
+// but for several shards of one tensor),
 // and flatten's naming of a nested state dict as PyTorch's flatten_state_dict names it.
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,12 +59,49 @@ void check_shard(const std::string& name, const at::Tensor& local,
 
 }  // namespace dcp_save
 
+namespace {
+
+bool same_path(const std::vector<DcpPathKey>& a, const std::vector<DcpPathKey>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const DcpPathKey& x, const DcpPathKey& y) {
+                      return x.name == y.name && x.index == y.index;
+                    });
+}
+
+}  // namespace
+
 void DcpStateDict::add(Entry entry) {
   if (entry.name.empty()) throw ConfigError("DcpStateDict: an entry needs a non-empty name");
-  if (!names_.insert(entry.name).second) {
-    throw ConfigError(fmt::format("DcpStateDict: the entry '{}' is added twice", entry.name));
-  }
   if (entry.path.empty()) entry.path.push_back({entry.name, -1});
+  auto [it, fresh] = names_.try_emplace(entry.name);
+  if (!fresh) {
+    // Several chunks of one tensor on one rank (an FSDP flat shard that starts and ends inside
+    // rows): shards of the same tensor, at different offsets. Anything else is a mistake.
+    const Entry& first = entries_[it->second.front()];
+    if (entry.kind != Entry::Kind::kShard || first.kind != Entry::Kind::kShard) {
+      throw ConfigError(
+          fmt::format("DcpStateDict: the entry '{}' is added twice (only shards "
+                      "of one tensor may share a name)",
+                      entry.name));
+    }
+    if (entry.global_shape != first.global_shape ||
+        entry.tensor.scalar_type() != first.tensor.scalar_type() ||
+        !same_path(entry.path, first.path)) {
+      throw ConfigError(fmt::format(
+          "DcpStateDict: the shards of '{}' disagree: {} of [{}] at '{}', and {} of [{}] at '{}'",
+          entry.name, c10::toString(first.tensor.scalar_type()),
+          fmt::join(first.global_shape, ", "), dcp_save::path_text(first.path),
+          c10::toString(entry.tensor.scalar_type()), fmt::join(entry.global_shape, ", "),
+          dcp_save::path_text(entry.path)));
+    }
+    for (const std::size_t i : it->second) {
+      if (entries_[i].offsets == entry.offsets) {
+        throw ConfigError(fmt::format("DcpStateDict: the shard of '{}' at [{}] is added twice",
+                                      entry.name, fmt::join(entry.offsets, ", ")));
+      }
+    }
+  }
+  it->second.push_back(entries_.size());
   entries_.push_back(std::move(entry));
 }
 

@@ -177,6 +177,42 @@ TEST(DcpSave, ShardsThatDoNotCoverTheirTensorAreRefusedBeforeAnythingIsWritten) 
   EXPECT_TRUE(files_in(dir.path() / "ckpt").empty());
 }
 
+// An FSDP flat shard that starts and ends inside rows is three chunks of its tensor: the end of
+// a row, whole rows, the start of a row. One rank may add them all under one name.
+TEST(DcpSave, ARankSavesSeveralChunksOfOneTensorAndTheyReadBackWhole) {
+  TempDir dir("ddp-dcp-save");
+  const at::Tensor whole = torch::arange(20, torch::kFloat32).reshape({4, 5});
+  DcpStateDict state;
+  state.add_shard("w", whole.narrow(0, 0, 1).narrow(1, 0, 2), {0, 0}, {4, 5});
+  state.add_shard("w", whole.narrow(0, 0, 1).narrow(1, 2, 3), {0, 2}, {4, 5});
+  state.add_shard("w", whole.narrow(0, 1, 2), {1, 0}, {4, 5});
+  state.add_shard("w", whole.narrow(0, 3, 1), {3, 0}, {4, 5});
+  const DcpCheckpointInfo info = save_dcp(state, dir.path() / "ckpt");
+  ASSERT_EQ(info.tensors.at("w").chunks.size(), 4u);
+  const DcpReader checkpoint(dir.path() / "ckpt");
+  EXPECT_TRUE(torch::equal(checkpoint.read("w"), whole));
+
+  // The same chunk twice, and chunks that disagree on their tensor, are named; overlapping
+  // chunks do not make a checkpoint.
+  EXPECT_THAT(error_of([&] {
+                state.add_shard("w", torch::ones({1, 2}), {0, 0}, {4, 5});
+              }),
+              HasSubstr("the shard of 'w' at [0, 0] is added twice"));
+  EXPECT_THAT(error_of([&] {
+                state.add_shard("w", torch::ones({1, 2}), {0, 1}, {4, 6});
+              }),
+              AllOf(HasSubstr("the shards of 'w' disagree"), HasSubstr("[4, 6]")));
+  EXPECT_THAT(error_of([&] {
+                state.add_shard("w", torch::ones({1, 2}, torch::kDouble), {0, 1}, {4, 5});
+              }),
+              AllOf(HasSubstr("the shards of 'w' disagree"), HasSubstr("Double")));
+  EXPECT_THAT(error_of([&] { state.add_tensor("w", whole); }),
+              HasSubstr("only shards of one tensor may share a name"));
+  state.add_shard("w", torch::ones({1, 2}), {0, 1}, {4, 5});  // over two chunks already added
+  EXPECT_THAT(error_of([&] { save_dcp(state, dir.path() / "ckpt2"); }),
+              AllOf(HasSubstr("'w'"), HasSubstr("nothing was written")));
+}
+
 TEST(DcpSave, MisusesAreNamedErrors) {
   DcpStateDict state;
   state.add_tensor("w", torch::ones({2}));

@@ -42,8 +42,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -74,7 +74,8 @@ class DcpStateDict {
   void add_tensor(const std::string& name, const at::Tensor& tensor);
   // This rank's part [offsets, offsets + local.sizes()) of the tensor `name`, of shape
   // `global_shape` (an FSDP or tensor-parallel shard). The ranks' parts must tile the tensor;
-  // equal parts on several ranks are one chunk, written once.
+  // equal parts on several ranks are one chunk, written once. A rank may add several parts of
+  // one tensor (at different offsets, of one dtype and global shape): each is a chunk.
   void add_shard(const std::string& name, const at::Tensor& local,
                  std::vector<std::int64_t> offsets, std::vector<std::int64_t> global_shape);
   // A non-tensor entry: a value torch.save holds (None, bool, int, float, str, and tuples,
@@ -96,7 +97,7 @@ class DcpStateDict {
  private:
   void add(Entry entry);
   std::vector<Entry> entries_;
-  std::set<std::string> names_;
+  std::map<std::string, std::vector<std::size_t>> names_;  // name -> its entries' indices
 };
 
 struct DcpSaveOptions {

@@ -96,7 +96,9 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/join.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "ddp/torch/core/output_tensors.h"
+#include "ddp/torch/formats/state_dict.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
@@ -303,6 +305,28 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   void load_sharded_checkpoint(const std::filesystem::path& dir,
                                torch::optim::Optimizer& optimizer);
 
+  // PyTorch's distributed checkpoint (DCP): this rank's part of the whole tree's model and, if
+  // given, its optimizer (built over parameters(): SGD, Adam or AdamW), for save_dcp
+  // (checkpoint/distributed_checkpoint_save.h), in dcp_model_state's layout
+  // (checkpoint/dcp_model_state.h): "model.<name>" under the wrapped model's own names,
+  // "optim.state.<name>.<key>" and "optim.param_groups.<name>.<option>" per parameter. Each rank
+  // adds the elements it owns of each parameter (padding left out) as chunks of it: a flat shard
+  // that starts or ends inside a row is up to 2 * dims - 1 chunks. So the checkpoint loads here
+  // at any world size, strategy or wrapping, into a replicated model (load_dcp_model_state), and
+  // into PyTorch (dcp.load of get_state_dict's dicts). Not collective; save_dcp is.
+  DcpStateDict dcp_state(const torch::optim::Optimizer* optimizer = nullptr) const;
+  // Loads a checkpoint of that layout, saved from any layout (FSDP at any world size, a
+  // replicated or tensor-parallel model, PyTorch): each rank reads only the rows that hold its
+  // shards' elements. Not collective. Everything is read and checked before the shards, buffers
+  // or optimizer change: StateDictMismatchError (strict, the default) naming the missing,
+  // unexpected and mismatched (shape, dtype) entries; OptimizerMismatchError and
+  // StateDictFormatError as load_dcp_model_state throws them; ConfigError for an optimizer over
+  // other parameters. A kShardGradOp or kNoShard model's gathered parameters follow at the next
+  // forward (kNoShard's at once).
+  StateDictLoadReport load_dcp_state(const std::filesystem::path& folder,
+                                     torch::optim::Optimizer* optimizer = nullptr,
+                                     StateDictLoadOptions options = {});
+
   struct UnitInfo {
     std::size_t begin = 0, end = 0;  // children [begin, end)
     std::int64_t numel = 0;          // parameters in the unit
@@ -398,6 +422,10 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // The units of this wrapper, then of each nested one (recursively): what a sharded checkpoint
   // holds. ConfigError when a nested wrapper has another strategy or group.
   std::vector<Unit*> checkpoint_units() const;
+  // Every parameter of the tree's units under its model name, with the part of it this rank
+  // owns, and the buffers (fsdp_dcp_state.cc).
+  struct DcpSlots;
+  void collect_dcp_slots(const std::string& prefix, DcpSlots& out) const;
   // This rank's DIR/shard-<rank>-of-<W>.pt (fsdp_sharded_checkpoint.cc).
   void write_shard_file(const std::filesystem::path& dir,
                         const torch::optim::Optimizer& optimizer) const;

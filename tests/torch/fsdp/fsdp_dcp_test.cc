@@ -1,0 +1,198 @@
+// FullyShardedDataParallel in PyTorch's distributed checkpoint format (dcp_state,
+// load_dcp_state): saved at one world size and strategy, it loads at another, into a plain
+// model and its optimizer (load_dcp_model_state), and what a plain model saves loads into FSDP;
+// the training that follows ends where an uninterrupted run ends. Real ranks (run_ranks). The
+// model is the FSDP suite's (113 parameters in three units whose shards start and end inside
+// rows, so a rank saves several chunks of a weight).
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ddp/error.h"
+#include "ddp/torch/checkpoint/dcp_model_state.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
+#include "ddp/torch/formats/state_dict.h"
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "support/error_of.h"
+#include "support/multiprocess.h"
+#include "support/temp_dir.h"
+#include "support/torch/ddp_test_util.h"
+#include "support/torch/deterministic_models.h"
+#include "support/unity_namespace.h"
+
+namespace ddp {
+namespace {
+namespace DDP_UNITY_ID {
+
+using test::join_group;
+using test::run_ranks;
+
+constexpr int kSaveAt = 3, kSteps = 6;
+
+FsdpOptions three_units(ShardingStrategy strategy) {
+  return {.sharding_strategy = strategy, .min_num_params = 30};
+}
+
+std::unique_ptr<torch::optim::Adam> adam(std::vector<torch::Tensor> params) {
+  return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(0.01));
+}
+
+// Steps [from, to) of the suite's batches, split over the group's ranks.
+template <class Model>
+void train(Model& model, torch::optim::Optimizer& opt, int rank, int world, int from, int to) {
+  for (int step = from; step < to; ++step) {
+    auto [x, y] = test::sharded_suite_batch(rank, world, step);
+    opt.zero_grad();
+    torch::mse_loss(model->forward(x), y).backward();
+    opt.step();
+  }
+}
+
+void expect_state_equal(const StateDict& got, const StateDict& want, const std::string& what,
+                        double tolerance) {
+  if (got.size() != want.size()) {
+    throw std::runtime_error(
+        fmt::format("{}: {} entries, expected {}", what, got.size(), want.size()));
+  }
+  for (const auto& item : want) {
+    const auto* g = got.find(item.key());
+    if (g == nullptr) throw std::runtime_error(fmt::format("{}: no '{}'", what, item.key()));
+    test::expect_close(*g, item.value(), what + " " + item.key(), tolerance, tolerance);
+  }
+}
+
+// FULL_SHARD at world 3 saves after 3 Adam steps. At world 2, SHARD_GRAD_OP loads it and so does
+// a plain model with its Adam: both hold exactly the saved parameters, and after 3 more steps
+// both end where 6 uninterrupted steps end (float32, 1e-5). The plain model saves its own
+// checkpoint, which FSDP loads back bit for bit.
+TEST(FsdpDcp, SavedAtThreeLoadsAtTwoIntoFsdpAndAPlainModelAndTrainingEndsAlike) {
+  test::TempDir dir;
+  const auto path = dir.path() / "fsdp";
+  const int port_save = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(kSaveAt, [&](int rank) {
+    auto pg = join_group(rank, kSaveAt, port_save);
+    FullyShardedDataParallel model(test::sharded_suite_model(), pg,
+                                   three_units(ShardingStrategy::kFullShard));
+    auto opt = adam(model->parameters());
+    train(model, *opt, rank, kSaveAt, 0, kSaveAt);
+    const DcpStateDict state = model->dcp_state(opt.get());
+    // A shard that starts inside a row is several chunks of that weight.
+    int chunks = 0;
+    for (const auto& entry : state.entries())
+      chunks += entry.name == "model.0.weight" ? 1 : 0;
+    if (rank == 1 && chunks < 2) {
+      throw std::runtime_error(fmt::format("rank 1 holds {} chunks of 0.weight", chunks));
+    }
+    save_dcp(state, path);
+  }));
+  const DcpCheckpointInfo info = DcpReader(path).info();
+  EXPECT_EQ(info.tensors.at("model.0.weight").shape,
+            (std::vector<std::int64_t>{9, test::kShardedIn}));
+  EXPECT_TRUE(info.tensors.contains("optim.state.4.bias.exp_avg_sq"));
+  EXPECT_TRUE(info.values.contains("optim.param_groups.2.weight.lr"));
+
+  const int port_load = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port_load);
+    // Uninterrupted, at world 2.
+    FullyShardedDataParallel straight(test::sharded_suite_model(), pg,
+                                      three_units(ShardingStrategy::kFullShard));
+    auto straight_opt = adam(straight->parameters());
+    train(straight, *straight_opt, rank, 2, 0, kSaveAt);
+    const StateDict at_save = straight->full_state_dict(0);
+    train(straight, *straight_opt, rank, 2, kSaveAt, kSteps);
+    const StateDict at_end = straight->full_state_dict(0);
+
+    FullyShardedDataParallel resumed(test::sharded_suite_model(), pg,
+                                     three_units(ShardingStrategy::kShardGradOp));
+    // The initial values differ from the checkpoint's, so a part left unread would show.
+    for (auto& p : resumed->parameters())
+      p.detach().fill_(0.5);
+    auto resumed_opt = adam(resumed->parameters());
+    const StateDictLoadReport report = resumed->load_dcp_state(path, resumed_opt.get());
+    if (!report.complete() || report.loaded.size() != 6) {
+      throw std::runtime_error(fmt::format("the load loaded {} entries", report.loaded.size()));
+    }
+    const StateDict loaded = resumed->full_state_dict(0);
+    if (rank == 0) expect_state_equal(loaded, at_save, "FSDP loaded at world 2", 1e-5);
+    train(resumed, *resumed_opt, rank, 2, kSaveAt, kSteps);
+    const StateDict resumed_end = resumed->full_state_dict(0);
+    if (rank == 0) expect_state_equal(resumed_end, at_end, "FSDP resumed at world 2", 1e-5);
+
+    // A plain model and its Adam, on each rank alone (the whole batch): the saved values exactly,
+    // then the same end.
+    auto plain = test::sharded_suite_model();
+    auto plain_opt = adam(plain->parameters());
+    load_dcp_model_state(path, *plain, plain_opt.get());
+    if (rank == 0) {
+      const StateDict plain_loaded = state_dict(*plain);
+      for (const auto& item : loaded) {
+        if (!torch::equal(*plain_loaded.find(item.key()), item.value())) {
+          throw std::runtime_error("the plain model's " + item.key() + " is not FSDP's");
+        }
+      }
+    }
+    train(plain, *plain_opt, 0, 1, kSaveAt, kSteps);
+    if (rank == 0) expect_state_equal(state_dict(*plain), at_end, "plain model resumed", 1e-5);
+
+    // The plain model's checkpoint (one process, every tensor whole) loads into FSDP exactly.
+    const auto plain_path = dir.path() / fmt::format("plain-{}", rank);
+    save_dcp(dcp_model_state(*plain, plain_opt.get()), plain_path, {.no_dist = true});
+    FullyShardedDataParallel back(test::sharded_suite_model(), pg,
+                                  three_units(ShardingStrategy::kFullShard));
+    auto back_opt = adam(back->parameters());
+    back->load_dcp_state(plain_path, back_opt.get());
+    const StateDict back_state = back->full_state_dict(0);
+    if (rank == 0) expect_state_equal(back_state, state_dict(*plain), "plain into FSDP", 0.0);
+    // And its optimizer state: the next step from either ends alike.
+    train(back, *back_opt, rank, 2, kSteps, kSteps + 1);
+    train(plain, *plain_opt, 0, 1, kSteps, kSteps + 1);
+    const StateDict back_next = back->full_state_dict(0);
+    if (rank == 0) expect_state_equal(back_next, state_dict(*plain), "next step", 1e-5);
+  }));
+}
+
+// A checkpoint of another model is named with both shapes, and nothing changes; so is an
+// optimizer over other parameters, and a checkpoint without the optimizer's state.
+TEST(FsdpDcp, ACheckpointOfAnotherModelIsNamedAndNothingChanges) {
+  test::TempDir dir;
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    const auto other = dir.path() / fmt::format("other-{}", rank);
+    auto wider = test::sharded_suite_model(1);
+    save_dcp(dcp_model_state(*wider), other, {.no_dist = true});
+
+    FullyShardedDataParallel model(test::sharded_suite_model(), pg,
+                                   three_units(ShardingStrategy::kFullShard));
+    auto opt = adam(model->parameters());
+    const StateDict before = model->full_state_dict(0);
+    const std::string mismatch = test::error_of([&] { model->load_dcp_state(other); });
+    if (mismatch.find("2.weight") == std::string::npos ||
+        mismatch.find("[5, 9]") == std::string::npos ||
+        mismatch.find("[4, 9]") == std::string::npos) {
+      throw std::runtime_error("the mismatch was named as: " + mismatch);
+    }
+    const std::string no_optimizer =
+        test::error_of([&] { model->load_dcp_state(other, opt.get(), {.strict = false}); });
+    if (no_optimizer.find("no 'optim' entries") == std::string::npos) {
+      throw std::runtime_error("a checkpoint without the optimizer was named as: " + no_optimizer);
+    }
+    auto stranger = adam(test::sharded_suite_model()->parameters());
+    const std::string foreign = test::error_of([&] { model->dcp_state(stranger.get()); });
+    if (foreign.find("not one of this FullyShardedDataParallel's shards") == std::string::npos) {
+      throw std::runtime_error("an optimizer over other parameters was named as: " + foreign);
+    }
+    const StateDict after = model->full_state_dict(0);
+    if (rank == 0) expect_state_equal(after, before, "after the refused loads", 0.0);
+  }));
+}
+
+}  // namespace DDP_UNITY_ID
+}  // namespace
+}  // namespace ddp
