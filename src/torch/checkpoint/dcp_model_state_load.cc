@@ -38,8 +38,14 @@ std::optional<std::pair<std::string, std::string>> name_and_key(const std::strin
 
 class Loader {
  public:
-  Loader(const std::filesystem::path& folder, const DcpModelLayout& layout)
-      : reader_(folder), info_(reader_.info()), layout_(layout), source_(folder.string()) {}
+  // `state_of`: the parameters whose optimizer state is read (null: every parameter's).
+  Loader(const std::filesystem::path& folder, const DcpModelLayout& layout,
+         const std::set<std::string>* state_of)
+      : reader_(folder),
+        info_(reader_.info()),
+        layout_(layout),
+        state_of_(state_of),
+        source_(folder.string()) {}
 
   // The model's entries as the checkpoint holds them, for check_state_dict: this rank's parts
   // read as regions; an entry the model lacks as an empty placeholder (unexpected, unless the
@@ -107,6 +113,7 @@ class Loader {
             "{}: the optimizer's state names the parameter '{}', which the optimizer does not hold",
             source_, entry->first));
       }
+      if (state_of_ != nullptr && !state_of_->contains(entry->first)) continue;
       auto [slot, fresh] = per_parameter.try_emplace(
           it->second, GenericDict(c10::StringType::get(), c10::AnyType::get()));
       IValue value;
@@ -233,6 +240,7 @@ class Loader {
   DcpReader reader_;
   const DcpCheckpointInfo& info_;
   const DcpModelLayout& layout_;
+  const std::set<std::string>* state_of_;
   std::string source_;
 };
 
@@ -243,9 +251,18 @@ StateDictLoadReport load_dcp_model_state(const std::filesystem::path& folder,
                                          torch::optim::Optimizer* optimizer,
                                          StateDictLoadOptions options,
                                          const DcpModelLayout& layout) {
+  return detail::load_dcp_model_state_of(folder, model, optimizer, options, layout, nullptr);
+}
+
+StateDictLoadReport detail::load_dcp_model_state_of(const std::filesystem::path& folder,
+                                                    torch::nn::Module& model,
+                                                    torch::optim::Optimizer* optimizer,
+                                                    StateDictLoadOptions options,
+                                                    const DcpModelLayout& layout,
+                                                    const std::set<std::string>* state_of) {
   const StateDict target = state_dict(model);
   detail::check_layout(layout, target, "load_dcp_model_state");
-  Loader loader(folder, layout);
+  Loader loader(folder, layout, state_of);
   const StateDict saved = loader.model_entries(target, options);
   // Everything checked before anything changes: the model's names, shapes and dtypes here, the
   // optimizer's state in its load (itself all or nothing), then the model's copy, which cannot

@@ -1,14 +1,19 @@
 // ZeroRedundancyOptimizer: state dicts: the full optimizer state consolidated on one rank, and
-// save and load (each rank loads the state of the parameters it owns).
+// save and load (each rank loads the state of the parameters it owns); PyTorch's distributed
+// checkpoint, in which each rank writes the state it owns.
+#include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed_objects.h"
+#include "ddp/torch/checkpoint/dcp_model_state.h"
 #include "ddp/torch/zero/zero_redundancy_optimizer.h"
 #include "torch/api/rank_agreement.h"
+#include "torch/checkpoint/dcp_model_layout.h"
 #include "torch/core/libtorch_compat.h"
 #include "torch/formats/optimizer_values.h"
 #include "torch/zero/optimizer_state_tensors.h"
@@ -122,17 +127,53 @@ void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
       }
     }
   }
+  adopt_full_state(*full);
+}
+
+void ZeroRedundancyOptimizer::adopt_full_state(torch::optim::Optimizer& full) {
   for (std::size_t g = 0; g < param_groups_.size(); ++g) {
-    param_groups_[g].set_options(full->param_groups()[g].options().clone());
-    local_->param_groups()[g].set_options(full->param_groups()[g].options().clone());
+    param_groups_[g].set_options(full.param_groups()[g].options().clone());
+    local_->param_groups()[g].set_options(full.param_groups()[g].options().clone());
   }
   local_->state().clear();
   for (const std::size_t i : shard_order_[static_cast<std::size_t>(group_->rank())]) {
     const auto key = optimizer_state_key(params_[i]);
-    auto it = full->state().find(key);
-    if (it != full->state().end()) local_->state()[key] = std::move(it->second);
+    auto it = full.state().find(key);
+    if (it != full.state().end()) local_->state()[key] = std::move(it->second);
   }
   consolidated_.reset();
+}
+
+DcpStateDict ZeroRedundancyOptimizer::dcp_state(const torch::nn::Module& model) const {
+  // A fresh optimizer of the local kind over every parameter, with the current options, holding
+  // copies of the states of the parameters this rank owns (their tensors shared, not copied):
+  // what dcp_model_state lays out, the other parameters without state.
+  auto full = make_optimizer(-1);
+  for (const std::size_t i : shard_order_[static_cast<std::size_t>(group_->rank())]) {
+    const auto key = optimizer_state_key(params_[i]);
+    const auto it = local_->state().find(key);
+    if (it != local_->state().end()) full->state()[key] = it->second->clone();
+  }
+  return dcp_model_state(model, full.get());
+}
+
+StateDictLoadReport ZeroRedundancyOptimizer::load_dcp_state(const std::filesystem::path& folder,
+                                                            torch::nn::Module& model,
+                                                            StateDictLoadOptions options) {
+  // The model, and a full optimizer's groups and the state of the parameters this rank owns (the
+  // only state entries it reads), are checked and loaded together (nothing changes on error);
+  // then this rank keeps that state, which cannot fail.
+  auto full = make_optimizer(-1);
+  // Names in params_'s order (this optimizer's groups list every parameter in that order).
+  const std::vector<std::string> names =
+      detail::optimizer_parameter_names(model, *this, "ZeroRedundancyOptimizer::load_dcp_state");
+  std::set<std::string> owned;
+  for (const std::size_t i : shard_order_[static_cast<std::size_t>(group_->rank())])
+    owned.insert(names.at(i));
+  StateDictLoadReport report =
+      detail::load_dcp_model_state_of(folder, model, full.get(), options, {}, &owned);
+  adopt_full_state(*full);
+  return report;
 }
 
 }  // namespace ddp

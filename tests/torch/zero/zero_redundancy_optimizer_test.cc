@@ -20,6 +20,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/join.h"
 #include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/checkpoint/dcp_model_state.h"
 #include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/formats/optimizer_state_dict.h"
 #include "ddp/torch/formats/state_dict.h"
@@ -604,6 +605,65 @@ TEST(ZeroRedundancyOptimizer, ConsolidatedStateResumesAtTheSameWorldSize) {
 TEST(ZeroRedundancyOptimizer, ConsolidatedStateResumesAtAnotherWorldSize) {
   check_resume(4, 2);
   check_resume(2, 3);
+}
+
+// PyTorch's distributed checkpoint: ZeRO at world 3 saves, each rank adding the state of the
+// parameters it owns only; ZeRO at world 2, and a plain model with its Adam, load it, and the
+// steps after end where 20 uninterrupted steps of DDP + Adam end (1e-5).
+TEST(ZeroRedundancyOptimizer, DistributedCheckpointHoldsEachRanksOwnStateAndResumesAtTwo) {
+  test::TempDir dir;
+  const auto path = dir.path() / "dcp";
+  const auto reference_file = (dir.path() / "reference.pt").string();
+  int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(3, [&](int rank) {
+    auto pg = join_group(rank, 3, port);
+    auto net = make_model();
+    DistributedDataParallel model(net, pg);
+    ZeroRedundancyOptimizer zero(net->parameters(), factory(Kind::kAdam), pg);
+    train_steps(model, zero, rank, 3, 0, kSteps / 2);
+    const DcpStateDict state = zero.dcp_state(*net);
+    std::size_t owned = 0, added = 0;
+    for (std::size_t i = 0; i < net->parameters().size(); ++i)
+      owned += zero.owner_of(i) == rank ? 1 : 0;
+    for (const auto& entry : state.entries())
+      added += entry.name.starts_with("optim.state.") && entry.name.ends_with(".exp_avg") ? 1 : 0;
+    if (added != owned) {
+      throw std::runtime_error(
+          fmt::format("rank {} added the state of {} parameters, owns {}", rank, added, owned));
+    }
+    save_dcp(state, path);
+
+    auto net_full = make_model();
+    DistributedDataParallel ddp_full(net_full, pg);
+    auto full = factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(net_full->parameters())});
+    train_steps(ddp_full, *full, rank, 3, 0, kSteps);
+    if (rank == 0) torch::save(net_full, reference_file);
+  }));
+
+  port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    auto reference = make_model();
+    torch::load(reference, reference_file);
+    const auto want = snapshot(reference);
+    auto expect_reference = [&](const torch::nn::Sequential& got, const std::string& what) {
+      const auto params = snapshot(got);
+      for (std::size_t i = 0; i < want.size(); ++i)
+        test::expect_close(params[i], want[i], fmt::format("{}: parameter {}", what, i));
+    };
+    auto net = make_model();
+    DistributedDataParallel model(net, pg);
+    ZeroRedundancyOptimizer zero(net->parameters(), factory(Kind::kAdam), pg);
+    if (!zero.load_dcp_state(path, *net).complete()) throw std::runtime_error("incomplete load");
+    train_steps(model, zero, rank, 2, kSteps / 2, kSteps);
+    expect_reference(net, "ZeRO resumed at world 2");
+
+    auto plain = make_model();
+    auto adam = factory(Kind::kAdam)({torch::optim::OptimizerParamGroup(plain->parameters())});
+    load_dcp_model_state(path, *plain, adam.get());
+    train_steps(plain, *adam, 0, 1, kSteps / 2, kSteps);
+    expect_reference(plain, "a plain Adam resumed");
+  }));
 }
 
 std::string archive_bytes(const torch::optim::Optimizer& opt) {

@@ -55,6 +55,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -65,8 +66,10 @@
 #include "ddp/comm/process_group.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/join.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "ddp/torch/ddp/hooks/comm_hooks.h"
 #include "ddp/torch/formats/optimizer_wrapper.h"
+#include "ddp/torch/formats/state_dict.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
 #pragma GCC visibility push(default)
@@ -151,6 +154,20 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer,
   // Loads a full optimizer archive (see above); not collective, call it on every rank.
   void load(torch::serialize::InputArchive& archive) override;
 
+  // PyTorch's distributed checkpoint (DCP) of `model` (the module DDP wraps, holding every
+  // parameter of this optimizer) and this optimizer, in dcp_model_state's layout
+  // (checkpoint/dcp_model_state.h): every rank adds the model (replicated: written once) and the
+  // state of the parameters it owns, so no rank gathers another's state and each writes its own.
+  // Not collective; save_dcp is. The checkpoint loads as any dcp_model_state checkpoint does
+  // (a plain optimizer, PyTorch's get_state_dict, ZeRO at another world size).
+  DcpStateDict dcp_state(const torch::nn::Module& model) const;
+  // Loads `model` and this optimizer from such a checkpoint, or from any checkpoint of that
+  // layout (a plain optimizer's, PyTorch's, ZeRO's at any world size): the model, the groups'
+  // options, and the state of the parameters this rank owns (the only state it reads). Not
+  // collective. Errors as load_dcp_model_state's; nothing changes on error.
+  StateDictLoadReport load_dcp_state(const std::filesystem::path& folder, torch::nn::Module& model,
+                                     StateDictLoadOptions options = {});
+
   ProcessGroup& process_group() const { return *group_; }
   const ZeroOptions& options() const { return options_; }
   // The local optimizer over this rank's shard.
@@ -202,6 +219,9 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer,
   // A fresh optimizer of the local kind over `rank`'s shard (every rank when rank < 0), with the
   // current group options.
   std::unique_ptr<torch::optim::Optimizer> make_optimizer(int rank) const;
+  // Takes `full`'s group options and (moved out of it) the state of the parameters this rank
+  // owns: the end of a load, once `full` (make_optimizer(-1)) holds the checked state.
+  void adopt_full_state(torch::optim::Optimizer& full);
 
   GroupRef group_ref_;
   ProcessGroup* group_ = nullptr;
