@@ -161,7 +161,11 @@ DcpStateDict FullyShardedDataParallelImpl::dcp_state(
   };
   for (const auto& p : slots.parameters)
     add_parts("model." + p.name, p, p.unit->shard.detach());
-  for (std::size_t b = 0; b < slots.buffers.size(); ++b) {
+  // Buffers from rank 0 only: they may differ across ranks (a BatchNorm's running statistics
+  // drift on each rank's batches after construction's broadcast), and rank 0's are the model's
+  // as full_state_dict(0) returns it; a copy from every rank would be refused as replicas that
+  // differ.
+  for (std::size_t b = 0; group_->rank() == 0 && b < slots.buffers.size(); ++b) {
     const auto& [name, buffer] = slots.buffers[b];
     out.add_tensor("model." + name, buffer.detach().to(slots.buffer_dtypes[b]));
   }

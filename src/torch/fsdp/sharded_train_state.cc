@@ -1,5 +1,6 @@
 // ShardedTrainState (train_state.h): a training state of a FullyShardedDataParallel model as a
-// folder of numbered sharded checkpoints and a pointer to the newest complete one.
+// folder of numbered checkpoints (each PyTorch's distributed checkpoint of the model and its
+// optimizer, beside the progress) and a pointer to the newest complete one.
 #include <cctype>
 #include <cstdint>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/checkpoint/checkpoint.h"
+#include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "ddp/torch/checkpoint/train_state.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "torch/api/rank_agreement.h"
@@ -111,8 +113,13 @@ void ShardedTrainState::save(const std::filesystem::path& dir, const TrainProgre
   const std::string name = checkpoint_name(number.item<std::int64_t>());
   const auto folder = dir / name;
 
-  // Collective; throws on every rank when any rank could not write its file.
-  model_.save_sharded_checkpoint(folder, optimizer_);
+  // The model and its optimizer as PyTorch's distributed checkpoint, under the model's own names:
+  // it loads at any world size, strategy or wrapping (and in PyTorch). Collective over the
+  // model's group (not owned here: the aliasing pointer has no owner); throws on every rank when
+  // any rank could not write.
+  DcpSaveOptions save_options;
+  save_options.group = std::shared_ptr<ProcessGroup>(std::shared_ptr<ProcessGroup>(), &group);
+  save_dcp(model_.dcp_state(&optimizer_), folder, save_options);
 
   if (leader) {
     try {
@@ -170,9 +177,14 @@ TrainProgress ShardedTrainState::load(const std::filesystem::path& dir) {
     }
     buffers.emplace_back(buffer, saved);
   }
-  // Checks the units and the optimizer kind before it changes the shards (nothing changed on
-  // error); then the rest, which can no longer fail.
-  model_.load_sharded_checkpoint(folder, optimizer_);
+  // Checks the model's entries and the optimizer's state before it changes the shards (nothing
+  // changed on error); then the rest, which can no longer fail. A folder without DCP's .metadata
+  // was saved before checkpoints were DCP (ddp's own sharded format): it still loads.
+  if (std::filesystem::exists(folder / ".metadata")) {
+    model_.load_dcp_state(folder, &optimizer_);
+  } else {
+    model_.load_sharded_checkpoint(folder, optimizer_);
+  }
   {
     torch::NoGradGuard no_grad;
     for (auto& [mine, saved] : buffers)

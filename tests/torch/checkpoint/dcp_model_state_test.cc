@@ -3,7 +3,11 @@
 // (the next step equals the uninterrupted run's bit for bit); a model or optimizer that does not
 // fit is refused by name with nothing changed. PyTorch's side of the crossing is in
 // dcp_save_multiprocess_test.cc.
+#include <filesystem>
+#include <functional>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -112,6 +116,86 @@ TEST(DcpModelState, AModelOrOptimizerThatDoesNotFitIsRefusedAndNothingChanges) {
   torch::optim::SGD stray_optimizer(std::vector<at::Tensor>{stray}, 0.1);
   EXPECT_THAT([&] { dcp_model_state(*model, &stray_optimizer); },
               ::testing::ThrowsMessage<ConfigError>(HasSubstr("is not one of the model's")));
+}
+
+// A checkpoint whose optimizer groups do not fit this optimizer's: each is a StateDictFormatError
+// naming what is wrong, and neither the model nor the optimizer changes.
+TEST(DcpModelState, OptimizerGroupsThatDoNotFitAreNamedAndNothingChanges) {
+  test::TempDir dir("ddp-dcp-model");
+  torch::manual_seed(1);
+  auto model = mlp();
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.01));
+  adam_step(model, optimizer);
+  using Edited = std::optional<c10::IValue>;
+  // The checkpoint with `edit` applied to its values (nullopt drops the entry).
+  int saves = 0;
+  auto saved_with = [&](bool per_parameter,
+                        const std::function<Edited(const DcpStateDict::Entry&)>& edit) {
+    DcpModelLayout layout;
+    layout.per_parameter_groups = per_parameter;
+    DcpStateDict edited;
+    const DcpStateDict original = dcp_model_state(*model, &optimizer, layout);
+    for (DcpStateDict::Entry entry : original.entries()) {
+      if (entry.kind == DcpStateDict::Entry::Kind::kValue) {
+        const Edited value = edit(entry);
+        if (!value) continue;
+        entry.value = *value;
+      }
+      edited.add_entry(std::move(entry));
+    }
+    const auto path = dir.path() / std::to_string(saves++);
+    save_dcp(edited, path);
+    return path;
+  };
+  auto names = [](std::vector<std::string> list) {
+    c10::List<std::string> out;
+    for (const auto& name : list)
+      out.push_back(name);
+    return c10::IValue(out);
+  };
+  auto fresh = mlp();
+  torch::optim::Adam fresh_optimizer(fresh->parameters(), torch::optim::AdamOptions(0.5));
+  const at::Tensor before = fresh->parameters()[0].clone();
+  auto expect_refused = [&](const std::filesystem::path& path, const std::string& words) {
+    EXPECT_THAT([&] { load_dcp_model_state(path, *fresh, &fresh_optimizer); },
+                ::testing::ThrowsMessage<StateDictFormatError>(HasSubstr(words)));
+    EXPECT_TRUE(torch::equal(fresh->parameters()[0], before));
+    EXPECT_DOUBLE_EQ(fresh_optimizer.param_groups()[0].options().get_lr(), 0.5);
+    EXPECT_TRUE(fresh_optimizer.state().empty());
+  };
+  const auto keep = [](const DcpStateDict::Entry& e) { return Edited(e.value); };
+
+  expect_refused(saved_with(false,
+                            [&](const DcpStateDict::Entry& e) {
+                              return Edited(e.name == "optim.param_groups.0.params"
+                                                ? names({"0.weight", "0.bias", "2.weight"})
+                                                : e.value);
+                            }),
+                 "holds '2.bias', which the checkpoint's group 0 does not list");
+  expect_refused(saved_with(false,
+                            [&](const DcpStateDict::Entry& e) {
+                              return Edited(e.name == "optim.param_groups.0.params"
+                                                ? names({"0.weight", "0.bias", "2.weight", "2.bias",
+                                                         "4.weight"})
+                                                : e.value);
+                            }),
+                 "the checkpoint's parameter group 0 lists 5 parameters, the optimizer's 4");
+  expect_refused(saved_with(false,
+                            [&](const DcpStateDict::Entry& e) {
+                              return e.name == "optim.param_groups.0.params" ? Edited(e.value)
+                                                                             : std::nullopt;
+                            }),
+                 "has no optimizer options under 'optim.param_groups.0.*'");
+  expect_refused(saved_with(true,
+                            [&](const DcpStateDict::Entry& e) {
+                              return e.name == "optim.param_groups.2.bias.lr" ? std::nullopt
+                                                                              : Edited(e.value);
+                            }),
+                 "has no options for the parameter '2.bias'");
+  // The unedited per-parameter checkpoint loads.
+  load_dcp_model_state(saved_with(true, keep), *fresh, &fresh_optimizer);
+  EXPECT_TRUE(same_parameters(model, fresh));
+  EXPECT_DOUBLE_EQ(fresh_optimizer.param_groups()[0].options().get_lr(), 0.01);
 }
 
 TEST(DcpModelState, CheckpointsOfAnotherShapeAreNamedErrors) {

@@ -23,6 +23,7 @@
 #include "support/multiprocess.h"
 #include "support/temp_dir.h"
 #include "support/unity_namespace.h"
+#include "torch/checkpoint/dcp_flat_range.h"
 
 namespace ddp::test {
 namespace {
@@ -211,6 +212,50 @@ TEST(DcpSave, ARankSavesSeveralChunksOfOneTensorAndTheyReadBackWhole) {
   state.add_shard("w", torch::ones({1, 2}), {0, 1}, {4, 5});  // over two chunks already added
   EXPECT_THAT(error_of([&] { save_dcp(state, dir.path() / "ckpt2"); }),
               AllOf(HasSubstr("'w'"), HasSubstr("nothing was written")));
+}
+
+// A flat range of a row-major tensor as checkpoint boxes (FSDP's shards): for every range of a
+// [3, 4, 5] tensor, the boxes follow each other in flat order, each one the elements its offsets
+// and sizes name, at most 2 * dims - 1 of them; read back from a checkpoint saved in other
+// chunks, each range is the tensor's flat elements.
+TEST(DcpFlatRange, EveryRangeIsTheFewestBoxesAndReadsBackFromOtherChunks) {
+  const std::vector<std::int64_t> shape = {3, 4, 5};
+  const at::Tensor whole = torch::arange(60, torch::kFloat32).reshape(shape);
+  for (std::int64_t begin = 0; begin <= 60; ++begin) {
+    for (std::int64_t end = begin; end <= 60; ++end) {
+      const auto boxes = ddp::detail::dcp_flat_boxes(shape, begin, end);
+      ASSERT_LE(boxes.size(), 5u) << begin << ".." << end;
+      std::int64_t at = begin;
+      for (const auto& box : boxes) {
+        ASSERT_EQ(box.flat_begin, at) << begin << ".." << end;
+        at::Tensor region = whole;
+        for (std::size_t d = 0; d < shape.size(); ++d)
+          region = region.narrow(static_cast<std::int64_t>(d), box.offsets[d], box.sizes[d]);
+        ASSERT_EQ(region.numel(), box.numel);
+        ASSERT_TRUE(torch::equal(
+            region.reshape(-1),
+            torch::arange(box.flat_begin, box.flat_begin + box.numel, torch::kFloat32)))
+            << begin << ".." << end;
+        at += box.numel;
+      }
+      ASSERT_EQ(at, end) << begin << ".." << end;
+    }
+  }
+  EXPECT_EQ(ddp::detail::dcp_flat_boxes({}, 0, 1).size(), 1u);  // a 0-dim tensor's one element
+
+  TempDir dir("ddp-dcp-save");
+  DcpStateDict state;
+  state.add_shard("w", whole.narrow(0, 0, 2), {0, 0, 0}, shape);
+  state.add_shard("w", whole.narrow(0, 2, 1).narrow(1, 0, 3), {2, 0, 0}, shape);
+  state.add_shard("w", whole.narrow(0, 2, 1).narrow(1, 3, 1), {2, 3, 0}, shape);
+  save_dcp(state, dir.path() / "ckpt");
+  const DcpReader checkpoint(dir.path() / "ckpt");
+  for (const auto& [begin, end] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+           {0, 60}, {7, 8}, {13, 47}, {39, 60}, {40, 41}, {59, 60}, {21, 21}}) {
+    EXPECT_TRUE(torch::equal(ddp::detail::read_dcp_flat_range(checkpoint, "w", shape, begin, end),
+                             whole.reshape(-1).narrow(0, begin, end - begin)))
+        << begin << ".." << end;
+  }
 }
 
 TEST(DcpSave, MisusesAreNamedErrors) {

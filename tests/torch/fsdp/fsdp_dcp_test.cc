@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "ddp/error.h"
+#include "ddp/torch/api/distributed.h"
 #include "ddp/torch/checkpoint/dcp_model_state.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
@@ -154,6 +155,57 @@ TEST(FsdpDcp, SavedAtThreeLoadsAtTwoIntoFsdpAndAPlainModelAndTrainingEndsAlike) 
     train(plain, *plain_opt, 0, 1, kSteps, kSteps + 1);
     const StateDict back_next = back->full_state_dict(0);
     if (rank == 0) expect_state_equal(back_next, state_dict(*plain), "next step", 1e-5);
+  }));
+}
+
+// HYBRID_SHARD at world 4 (sharded over {0, 1} and {2, 3}, replicated over {0, 2} and {1, 3}):
+// the replicas' equal chunks are written once (after the replica check), and FULL_SHARD at world
+// 2 loads exactly the model the saving ranks held.
+TEST(FsdpDcp, HybridShardWritesEachShardOnceAndLoadsAtAnotherWorld) {
+  test::TempDir dir;
+  const auto path = dir.path() / "hybrid";
+  const auto expected = dir.path() / "expected.pt";
+  const int port_save = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(4, [&](int rank) {
+    auto pg = join_group(rank, 4, port_save);
+    FsdpOptions options = three_units(ShardingStrategy::kHybridShard);
+    options.shard_group = split_group({{0, 1}, {2, 3}}, pg);
+    options.replicate_group = split_group({{0, 2}, {1, 3}}, pg);
+    FullyShardedDataParallel model(test::sharded_suite_model(), pg, options);
+    auto opt = adam(model->parameters());
+    train(model, *opt, rank, 4, 0, 2);
+    save_dcp(model->dcp_state(opt.get()), path);
+    const StateDict saved = model->full_state_dict(0);
+    if (rank != 0) return;
+    torch::serialize::OutputArchive archive;
+    for (const auto& item : saved)
+      archive.write(item.key(), item.value());
+    archive.save_to(expected.string());
+  }));
+  const DcpTensorInfo weight = DcpReader(path).info().tensors.at("model.0.weight");
+  std::int64_t elements = 0;
+  for (const auto& chunk : weight.chunks)
+    elements += c10::multiply_integers(chunk.sizes);
+  EXPECT_EQ(elements, 9 * test::kShardedIn) << "a replica's chunk was written twice";
+
+  const int port_load = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port_load);
+    FullyShardedDataParallel model(test::sharded_suite_model(), pg,
+                                   three_units(ShardingStrategy::kFullShard));
+    auto opt = adam(model->parameters());
+    model->load_dcp_state(path, opt.get());
+    const StateDict loaded = model->full_state_dict(0);
+    if (rank != 0) return;
+    torch::serialize::InputArchive archive;
+    archive.load_from(expected.string());
+    StateDict want;
+    for (const auto& item : loaded) {
+      torch::Tensor t;
+      archive.read(item.key(), t);
+      want.insert(item.key(), t);
+    }
+    expect_state_equal(loaded, want, "HYBRID_SHARD's checkpoint loaded at world 2", 0.0);
   }));
 }
 

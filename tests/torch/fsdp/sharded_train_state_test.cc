@@ -92,7 +92,9 @@ TEST(ShardedTrainState, SavedAtTwoLoadsAtThreeAndResumesAtTwoWhereTheUninterrupt
     archive.save_to(expected.string());
   }));
   ASSERT_TRUE(std::filesystem::exists(ckpt / "latest.pt"));
-  ASSERT_TRUE(std::filesystem::exists(ckpt / "ckpt-1" / "manifest.pt"));
+  // PyTorch's distributed checkpoint of the model and its optimizer, beside the progress.
+  ASSERT_TRUE(std::filesystem::exists(ckpt / "ckpt-1" / ".metadata"));
+  ASSERT_TRUE(std::filesystem::exists(ckpt / "ckpt-1" / "train_state.pt"));
 
   // At world 3 and at world 2 (BatchNorm normalises each rank's own batch, so only a resume at
   // the saving world size can end bit for bit where the uninterrupted run ended).
@@ -152,7 +154,7 @@ TEST(ShardedTrainState, ANewerSaveReplacesTheOlderAndARankDyingMidSaveLeavesIt) 
   EXPECT_NE(results[0].exit_code, 0) << "rank 0's save returned although rank 1 never saved";
   EXPECT_TRUE(std::filesystem::exists(ckpt / "ckpt-2"));
   EXPECT_FALSE(std::filesystem::exists(ckpt / "ckpt-1")) << "the older checkpoint was kept";
-  EXPECT_FALSE(std::filesystem::exists(ckpt / "ckpt-3" / "manifest.pt"));
+  EXPECT_FALSE(std::filesystem::exists(ckpt / "ckpt-3" / ".metadata"));
 
   const int port1 = test::free_port();
   EXPECT_ALL_RANKS_OK(run_ranks(1, [&](int rank) {
@@ -178,6 +180,24 @@ TEST(ShardedTrainState, BadFoldersAreNamedAndChangeNothing) {
     ShardedTrainState state(*model, opt, {.tag = "net"});
     train(model, opt, rank, 1, 0, 2);
     state.save(ckpt, {.global_step = 2});
+
+    // A checkpoint folder of ddp's earlier sharded format (written by units, no .metadata) still
+    // loads: the same shards come back.
+    {
+      const auto folder = ckpt / "ckpt-1";
+      std::vector<std::filesystem::path> dcp_files;
+      for (const auto& entry : std::filesystem::directory_iterator(folder)) {
+        const auto name = entry.path().filename().string();
+        if (name == ".metadata" || name.ends_with(".distcp")) dcp_files.push_back(entry.path());
+      }
+      for (const auto& file : dcp_files)
+        std::filesystem::remove(file);
+      model->save_sharded_checkpoint(folder, opt);
+      const auto saved = model->parameters()[0].detach().clone();
+      model->parameters()[0].detach().add_(1.0);
+      if (state.load(ckpt).global_step != 2) throw std::runtime_error("the earlier format: step");
+      test::expect_close(model->parameters()[0], saved, "the earlier format's shard", 0, 0);
+    }
 
     const auto expect_unchanged_after = [&](const std::function<void()>& load,
                                             const std::string& needle, const std::string& what) {

@@ -98,22 +98,24 @@ class TrainState {
 
 class FullyShardedDataParallelImpl;
 
-// ShardedTrainState: TrainState for a FullyShardedDataParallel model (kFullShard, kShardGradOp,
-// kNoShard), whose parameters and optimizer state no single rank holds. A checkpoint is a folder:
+// ShardedTrainState: TrainState for a FullyShardedDataParallel model (any strategy), whose
+// parameters and optimizer state no single rank holds. A checkpoint is a folder:
 //
 //   ddp::ShardedTrainState state(*fsdp, optimizer, {.tag = "cnn"});   // fsdp: the wrapper's impl
 //   if (resume) progress = state.load(dir);          // every rank; any world size
 //   ...; state.save(dir, progress, world_size);      // every rank (collective)
 //
-// save writes DIR/ckpt-<n>/ (FullyShardedDataParallel::save_sharded_checkpoint: each rank's
-// shards and their optimizer state, and a manifest), then rank 0 adds DIR/ckpt-<n>/train_state.pt
+// save writes DIR/ckpt-<n>/ (PyTorch's distributed checkpoint of the model and its optimizer,
+// FullyShardedDataParallel::dcp_state: each rank's elements of each parameter and their optimizer
+// state, under the model's own names), then rank 0 adds DIR/ckpt-<n>/train_state.pt
 // (the progress, the generators as TrainState stores them, and rank 0's buffers), then points
 // DIR/latest.pt at ckpt-<n> (atomically) and removes the older ckpt-* folders. A save that fails
 // or is killed part-way therefore leaves the previous checkpoint as the one load finds; `n` counts
 // up from the previous save's. Errors while writing on any rank are thrown on every rank.
 //
 // load reads DIR/latest.pt, checks train_state.pt (format, tag, generators, each buffer's name
-// and shape) and the sharded checkpoint (units, optimizer kind) before it changes anything, then
+// and shape) and the checkpoint (every parameter's name, shape and dtype, the optimizer's kind and
+// state; a folder saved in ddp's earlier sharded format by units) before it changes anything, then
 // sets the shards, the optimizer state, the buffers and the generators. Not collective: each rank
 // reads what it needs. Errors: ConfigError when DIR holds no latest.pt; Error naming the file and
 // what is wrong otherwise (damaged, another model or optimizer, a latest.pt naming anything but a

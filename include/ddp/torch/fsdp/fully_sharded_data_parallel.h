@@ -311,9 +311,12 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // (checkpoint/dcp_model_state.h): "model.<name>" under the wrapped model's own names,
   // "optim.state.<name>.<key>" and "optim.param_groups.<name>.<option>" per parameter. Each rank
   // adds the elements it owns of each parameter (padding left out) as chunks of it: a flat shard
-  // that starts or ends inside a row is up to 2 * dims - 1 chunks. So the checkpoint loads here
-  // at any world size, strategy or wrapping, into a replicated model (load_dcp_model_state), and
-  // into PyTorch (dcp.load of get_state_dict's dicts). Not collective; save_dcp is.
+  // that starts or ends inside a row is up to 2 * dims - 1 chunks; rank 0 adds the buffers
+  // (theirs are full_state_dict(0)'s: a BatchNorm's statistics may differ across ranks). So the
+  // checkpoint loads here at any world size, strategy or wrapping, into a replicated model
+  // (load_dcp_model_state), and into PyTorch (dcp.load of get_state_dict's dicts, with
+  // StateDictOptions(flatten_optimizer_state_dict=True) for the options' layout). Not
+  // collective; save_dcp is.
   DcpStateDict dcp_state(const torch::optim::Optimizer* optimizer = nullptr) const;
   // Loads a checkpoint of that layout, saved from any layout (FSDP at any world size, a
   // replicated or tensor-parallel model, PyTorch): each rank reads only the rows that hold its
