@@ -136,6 +136,15 @@ bool per_element(const std::string& key, const IValue& value, std::int64_t shard
          value.toTensor().numel() == shard_numel;
 }
 
+// The same per-unit optimizer value: tensors of one shape, dtype and contents, or equal values.
+bool same_entry(const IValue& a, const IValue& b) {
+  if (a.isTensor() != b.isTensor()) return false;
+  if (!a.isTensor()) return a.tagKind() == b.tagKind() && a == b;
+  const torch::Tensor& x = a.toTensor();
+  const torch::Tensor& y = b.toTensor();
+  return x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && torch::equal(x, y);
+}
+
 }  // namespace
 
 DcpStateDict FullyShardedDataParallelImpl::dcp_state(
@@ -297,7 +306,7 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
           source));
     }
     // The value form with one entry per shard: each per-element state tensor joined from its
-    // parameters' ranges; a per-shard value (Adam's step) from the unit's first parameter.
+    // parameters' ranges; a per-shard value (Adam's step), which all of them must hold alike.
     GenericDict state(c10::AnyType::get(), c10::AnyType::get());
     GenericList groups(c10::AnyType::get());
     for (std::size_t i = 0; i < shard_of.size(); ++i) {
@@ -322,11 +331,31 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
           }
         }
         const std::string first = fmt::format("optim.state.{}.{}", parameters.front()->name, key);
-        const bool scalar = key == "step" || info.values.contains(first) ||
-                            info.tensors.at(first).shape != parameters.front()->shape;
+        // Per element when any parameter's entry has the parameter's shape (then all must).
+        const auto per_element_entry = [&](const DcpSlots::Parameter* p) {
+          const std::string name = fmt::format("optim.state.{}.{}", p->name, key);
+          return !info.values.contains(name) && info.tensors.at(name).shape == p->shape;
+        };
+        const bool scalar =
+            key == "step" || std::none_of(parameters.begin(), parameters.end(), per_element_entry);
         if (scalar) {
-          keys.insert(key, info.values.contains(first) ? reader.read_value(first)
-                                                       : IValue(reader.read(first)));
+          // One value for the unit (Adam's step): every parameter must hold the same, or the
+          // checkpoint's parameters of this unit were not trained as one, and any pick is wrong.
+          const auto read_entry = [&](const std::string& name) {
+            return info.values.contains(name) ? reader.read_value(name) : IValue(reader.read(name));
+          };
+          const IValue value = read_entry(first);
+          for (std::size_t k = 1; k < parameters.size(); ++k) {
+            const std::string other = fmt::format("optim.state.{}.{}", parameters[k]->name, key);
+            if (!same_entry(value, read_entry(other))) {
+              throw StateDictFormatError(fmt::format(
+                  "{}: '{}' and '{}' differ, but FullyShardedDataParallel keeps one optimizer "
+                  "state '{}' for the parameters of a unit: save them from one optimizer state "
+                  "(they differ when the parameters were stepped apart)",
+                  source, first, other, key));
+            }
+          }
+          keys.insert(key, value);
           continue;
         }
         torch::Tensor flat =

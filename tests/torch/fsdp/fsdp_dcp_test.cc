@@ -5,6 +5,8 @@
 // model is the FSDP suite's (113 parameters in three units whose shards start and end inside
 // rows, so a rank saves several chunks of a weight).
 #include <filesystem>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -242,6 +244,124 @@ TEST(FsdpDcp, ACheckpointOfAnotherModelIsNamedAndNothingChanges) {
     }
     const StateDict after = model->full_state_dict(0);
     if (rank == 0) expect_state_equal(after, before, "after the refused loads", 0.0);
+  }));
+}
+
+// A copy of `from` with each entry passed through `edit`, which may change it or drop it
+// (nullopt).
+DcpStateDict edited(
+    const DcpStateDict& from,
+    const std::function<std::optional<DcpStateDict::Entry>(DcpStateDict::Entry)>& edit) {
+  DcpStateDict out;
+  for (const auto& entry : from.entries()) {
+    if (auto kept = edit(entry)) out.add_entry(std::move(*kept));
+  }
+  return out;
+}
+
+// Hand-made checkpoints that do not fit a unit of FSDP (its first unit holds 0.weight and
+// 0.bias): each is named, and neither the model nor the optimizer changes. The unedited
+// checkpoint loads, so each refusal comes from its edit.
+TEST(FsdpDcp, AHandMadeCheckpointThatDoesNotFitAUnitIsNamedAndNothingChanges) {
+  test::TempDir dir;
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    auto plain = test::sharded_suite_model();
+    auto plain_opt = adam(plain->parameters());
+    train(plain, *plain_opt, 0, 1, 0, 1);
+    const DcpStateDict whole = dcp_model_state(*plain, plain_opt.get());
+    int saved = 0;
+    const auto save = [&](const DcpStateDict& state) {
+      const auto folder = dir.path() / fmt::format("case-{}-{}", saved++, rank);
+      save_dcp(state, folder, {.no_dist = true});
+      return folder;
+    };
+    const auto drop = [](const std::function<bool(const std::string&)>& dropped) {
+      return [dropped](DcpStateDict::Entry e) -> std::optional<DcpStateDict::Entry> {
+        if (dropped(e.name)) return std::nullopt;
+        return e;
+      };
+    };
+    const auto replace = [](const std::string& name, DcpStateDict::Entry with) {
+      return [name, with](DcpStateDict::Entry e) -> std::optional<DcpStateDict::Entry> {
+        return e.name == name ? with : e;
+      };
+    };
+    const auto entry_of = [&](const std::string& name) {
+      for (const auto& e : whole.entries())
+        if (e.name == name) return e;
+      throw std::runtime_error("the plain model's checkpoint has no " + name);
+    };
+    DcpStateDict::Entry bias_as_value = entry_of("model.0.bias");
+    bias_as_value.kind = DcpStateDict::Entry::Kind::kValue;
+    bias_as_value.tensor = torch::Tensor();
+    bias_as_value.value = c10::IValue(std::int64_t{3});
+    DcpStateDict::Entry short_bias_state = entry_of("optim.state.0.bias.exp_avg");
+    short_bias_state.tensor = torch::zeros({3});
+    DcpStateDict::Entry short_weight_state = entry_of("optim.state.0.weight.exp_avg");
+    short_weight_state.tensor = torch::zeros({9});
+    DcpStateDict::Entry other_step = entry_of("optim.state.0.bias.step");
+    if (other_step.kind == DcpStateDict::Entry::Kind::kValue) {
+      other_step.value = c10::IValue(other_step.value.toInt() + 1);
+    } else {
+      other_step.tensor = other_step.tensor + 1;
+    }
+
+    struct Case {
+      const char* what;
+      std::filesystem::path folder;
+      std::vector<std::string> named;
+    };
+    const std::vector<Case> cases = {
+        {"a parameter saved as a value",
+         save(edited(whole, replace("model.0.bias", bias_as_value))),
+         {"'model.0.bias' is a Int, not a tensor"}},
+        {"no model entries",
+         save(edited(whole, drop([](const std::string& n) { return n.starts_with("model."); }))),
+         {"no 'model' entries"}},
+        {"state of one parameter of a unit only",
+         save(edited(whole,
+                     drop([](const std::string& n) { return n == "optim.state.0.bias.exp_avg"; }))),
+         {"'exp_avg' of some of the parameters", "but not of '0.bias'"}},
+        {"a per-element state of another shape",
+         save(edited(whole, replace("optim.state.0.bias.exp_avg", short_bias_state))),
+         {"'optim.state.0.bias.exp_avg' is not a tensor of the parameter's shape [9]"}},
+        {"the unit's first parameter's state of another shape",
+         save(edited(whole, replace("optim.state.0.weight.exp_avg", short_weight_state))),
+         {fmt::format("'optim.state.0.weight.exp_avg' is not a tensor of the parameter's "
+                      "shape [9, {}]",
+                      test::kShardedIn)}},
+        {"steps that differ within a unit",
+         save(edited(whole, replace("optim.state.0.bias.step", other_step))),
+         {"'optim.state.0.weight.step' and 'optim.state.0.bias.step' differ"}},
+        {"no options",
+         save(edited(whole, drop([](const std::string& n) {
+                       return n.starts_with("optim.param_groups.");
+                     }))),
+         {"no optimizer options for the parameter"}},
+    };
+
+    FullyShardedDataParallel model(test::sharded_suite_model(), pg,
+                                   three_units(ShardingStrategy::kFullShard));
+    auto opt = adam(model->parameters());
+    const StateDict before = model->full_state_dict(0);
+    for (const auto& c : cases) {
+      const std::string error = test::error_of([&] { model->load_dcp_state(c.folder, opt.get()); });
+      for (const auto& part : c.named) {
+        if (error.find(part) == std::string::npos) {
+          throw std::runtime_error(
+              fmt::format("{}: expected \"{}\" in the error, got: {}", c.what, part, error));
+        }
+      }
+      if (!opt->state().empty()) throw std::runtime_error(std::string(c.what) + ": Adam changed");
+    }
+    const StateDict after = model->full_state_dict(0);
+    if (rank == 0) expect_state_equal(after, before, "after the refused loads", 0.0);
+    model->load_dcp_state(save(whole), opt.get());
+    if (opt->state().empty()) throw std::runtime_error("the unedited checkpoint loaded no state");
+    const StateDict loaded = model->full_state_dict(0);
+    if (rank == 0) expect_state_equal(loaded, state_dict(*plain), "the unedited checkpoint", 0.0);
   }));
 }
 
