@@ -121,7 +121,9 @@ std::string expect_refused(const std::string& address, const std::vector<std::ui
 class SecretJob : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
 
 TEST_P(SecretJob, CollectivesAreCorrect) {
-  const auto [world, mode] = GetParam();
+  // Not a structured binding: clang before 16 (the sanitizer stages) cannot capture one.
+  const int world = std::get<0>(GetParam());
+  const Mode mode = std::get<1>(GetParam());
   TempDir dir;
   auto results = run_ranks(world, [&](int rank) {
     RingOptions options = apply_mode(mode, rank, world);

@@ -23,6 +23,7 @@
 #include "ddp/comm/comm_error.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
+#include "support/sanitizers.h"
 #include "support/temp_dir.h"
 #include "support/unity_namespace.h"
 
@@ -135,7 +136,7 @@ TEST(DescriptorLimit, ASoftLimitTooLowForTheGroupIsRaisedToTheHardOne) {
 // log says it once (before, accept_until slept and retried until its deadline, then asked whether
 // every rank created the group).
 TEST(DescriptorLimit, AnAcceptorOutOfDescriptorsFailsNamingTheLimitNotAtItsDeadline) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DDP_TEST_UNDER_ASAN || DDP_TEST_UNDER_TSAN
   GTEST_SKIP() << "not under a sanitizer: its own checks open a pipe, which a process with no "
                   "free descriptor cannot (false reports)";
 #endif

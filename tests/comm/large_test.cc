@@ -8,6 +8,7 @@
 
 #include "comm/comm_test_util.h"
 #include "support/multiprocess.h"
+#include "support/sanitizers.h"
 
 namespace ddp::test {
 namespace {
@@ -24,7 +25,7 @@ TEST_P(LargeAllreduce, SixtyFourMiBFloat32SumAndAvg) {
       size,
       [&](int rank) {
         RingOptions options = apply_mode(mode, rank, size, {.timeout = 60s});
-#if defined(__SANITIZE_THREAD__)
+#if DDP_TEST_UNDER_TSAN
         options.chunk_bytes /= 16;
         options.shm_slot_bytes = (1u << 20) / 16;
         constexpr std::size_t kBytes = 4u << 20;

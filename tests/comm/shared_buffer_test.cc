@@ -21,6 +21,7 @@
 #include "comm/ring/shm/shared_buffers.h"
 #include "ddp/error.h"
 #include "support/multiprocess.h"
+#include "support/sanitizers.h"
 #include "support/unity_namespace.h"
 
 namespace ddp::test {
@@ -348,7 +349,7 @@ TEST(SharedBuffers, OneRankWithSharedBuffersOffOrOtherSizesOrTcpGetNone) {
 // Rank 1 out of descriptors (RLIMIT_NOFILE at its lowest free one): for its own copy, or (one
 // more) for opening a peer's. Null everywhere, rank 1 saying why, the others naming rank 1.
 TEST(SharedBuffers, RankOutOfDescriptorsForItsCopyOrAPeersFallsBackWithEveryRank) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DDP_TEST_UNDER_ASAN || DDP_TEST_UNDER_TSAN
   GTEST_SKIP() << "not under a sanitizer: its own memory checks open a pipe, which a process "
                   "with no free descriptor cannot (false reports)";
 #endif

@@ -16,7 +16,9 @@ using namespace std::chrono_literals;
 class RingConformance : public ::testing::TestWithParam<std::tuple<int, Transport>> {};
 
 TEST_P(RingConformance, AllChecks) {
-  const auto [size, transport] = GetParam();
+  // Not a structured binding: clang before 16 (the sanitizer stages) cannot capture one.
+  const int size = std::get<0>(GetParam());
+  const Transport transport = std::get<1>(GetParam());
   const int port = free_port();
   const auto results = run_ranks(
       size,

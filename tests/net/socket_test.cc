@@ -12,6 +12,7 @@
 
 #include "ddp/error.h"
 #include "support/multiprocess.h"
+#include "support/sanitizers.h"
 #include "support/unity_namespace.h"
 
 namespace ddp::net {
@@ -148,7 +149,7 @@ void expect_names_the_limit(const std::string& what, const char* call) {
 
 // The tests that use up this process's descriptors: a sanitizer's own checks open a pipe, which a
 // process with no free descriptor cannot, and report falsely.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DDP_TEST_UNDER_ASAN || DDP_TEST_UNDER_TSAN
 #define SKIP_UNDER_SANITIZERS()                                                                 \
   GTEST_SKIP() << "not under a sanitizer: its own checks open a pipe, which a process with no " \
                   "free descriptor cannot (false reports)"

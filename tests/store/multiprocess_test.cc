@@ -16,6 +16,7 @@
 #include "ddp/store/tcp_store.h"
 #include "net/socket.h"
 #include "support/multiprocess.h"
+#include "support/sanitizers.h"
 
 namespace ddp {
 namespace {
@@ -117,7 +118,7 @@ TEST(TcpStoreProcesses, ServerProcessKilledGivesClientsAStoreError) {
 // with no free descriptor cannot, and report falsely (UBSan: "invalid vptr" at the virtual calls
 // of the exception that names EMFILE; tests/net/socket_test.cc skips its like).
 TEST(TcpStoreProcesses, ServerOutOfFileDescriptorsKeepsServingAndRecovers) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DDP_TEST_UNDER_ASAN || DDP_TEST_UNDER_TSAN
   GTEST_SKIP() << "not under a sanitizer: its own checks open a pipe, which a process with no "
                   "free descriptor cannot (false reports)";
 #endif

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "net/socket.h"
+#include "support/sanitizers.h"
 
 namespace ddp::test {
 namespace {
@@ -87,7 +88,8 @@ void report_registers_and_stack(int fd, const siginfo_t* info, const void* conte
   ::backtrace_symbols_fd(code, found, fd);
 }
 
-void report_crash(int signal_number, siginfo_t* info, void* context) {
+// Unused under a sanitizer, which reports crashes itself (install_crash_report).
+[[maybe_unused]] void report_crash(int signal_number, siginfo_t* info, void* context) {
   void* frames[64];
   const int count = ::backtrace(frames, 64);
   char head[96];
@@ -113,7 +115,7 @@ void report_crash(int signal_number, siginfo_t* info, void* context) {
 }
 
 void install_crash_report(int error_fd) {
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !DDP_TEST_UNDER_ASAN && !DDP_TEST_UNDER_TSAN
   crash_report_fd = error_fd;
   void* warm_up[1];
   ::backtrace(warm_up, 1);  // loads libgcc now: the handler must not be the first caller

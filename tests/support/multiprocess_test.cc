@@ -2,6 +2,7 @@
 // with its signal and its frames, so a crash on a machine one cannot log in to (the GPU machine
 // of scripts/gpu-check.sh) still says where it happened.
 #include "support/multiprocess.h"
+#include "support/sanitizers.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -15,7 +16,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DDP_TEST_UNDER_ASAN || DDP_TEST_UNDER_TSAN
 #define SKIP_UNDER_SANITIZERS() GTEST_SKIP() << "the sanitizers report crashes themselves"
 #else
 #define SKIP_UNDER_SANITIZERS() (void)0

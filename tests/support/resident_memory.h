@@ -8,21 +8,13 @@
 #include <functional>
 #include <string>
 
+#include "support/sanitizers.h"
+
 namespace ddp::test {
 
 // Bounds on memory are for the plain build; AddressSanitizer's redzones, shadow and quarantine
 // multiply what the same work holds, so a bound is scaled by this under it.
-#if defined(__SANITIZE_ADDRESS__)
-inline constexpr double kSanitizerMemoryFactor = 4.0;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-inline constexpr double kSanitizerMemoryFactor = 4.0;
-#else
-inline constexpr double kSanitizerMemoryFactor = 1.0;
-#endif
-#else
-inline constexpr double kSanitizerMemoryFactor = 1.0;
-#endif
+inline constexpr double kSanitizerMemoryFactor = DDP_TEST_UNDER_ASAN ? 4.0 : 1.0;
 
 // A "Field:   N kB" line of /proc/self/status in MiB, or -1 where the kernel gives none.
 inline double status_mib(const std::string& field) {
