@@ -19,6 +19,8 @@
 #include "ddp/torch/checkpoint/dcp_model_state.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
+#include "ddp/torch/formats/state_dict.h"
+#include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
@@ -225,6 +227,93 @@ TEST(DcpModelStateOfPyTorch, APythonJobAndACppJobResumeFromEachOthersCheckpoints
     EXPECT_DOUBLE_EQ(optimizer.param_groups()[0].options().get_lr(), 0.01);
   });
   EXPECT_ALL_RANKS_OK(results);
+}
+
+// FullyShardedDataParallel's dcp_state at world 2 (two units of two parameters each, shards that
+// end inside a weight) crosses to PyTorch, which loads it into a plain model and Adam through
+// get_state_dict with flatten_optimizer_state_dict (FSDP's optimizer options are per parameter),
+// equal to what ddp's plain loader reads from the same folder; and what PyTorch then saves in
+// get_state_dict's default layout (options per group) loads into FSDP at world 2, equal to
+// PyTorch's reference files, and the next step from each is the same.
+TEST(DcpModelStateOfPyTorch, FsdpAtWorldTwoAndAPythonJobResumeFromEachOthersCheckpoints) {
+  if (const std::string missing = pytorch_dcp_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  test::TempDir dir("ddp-dcp-fsdp-pytorch");
+  auto mlp = [] {
+    return torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(),
+                                 torch::nn::Linear(8, 2));
+  };
+  const FsdpOptions two_units{.sharding_strategy = ShardingStrategy::kFullShard,
+                              .min_num_params = 30};
+  // Every rank steps on the same batch: the averaged gradient is each rank's, so FSDP's step is
+  // a plain model's (to the rounding of Adam's kernels over a shard against the whole tensor).
+  const at::Tensor batch = torch::arange(12, torch::kFloat32).reshape({3, 4}) / 10;
+  const int port_save = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port_save);
+    torch::manual_seed(3);
+    FullyShardedDataParallel model(mlp(), pg, two_units);
+    torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.01));
+    for (int step = 0; step < 2; ++step) {
+      optimizer.zero_grad();
+      model->forward(batch).square().sum().backward();
+      optimizer.step();
+    }
+    save_dcp(model->dcp_state(&optimizer), dir.path() / "cpp");
+  }));
+  auto results = run_ranks(1, [&](int) {
+    auto model = mlp();
+    torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.5));
+    if (!load_dcp_model_state(dir.path() / "cpp", *model, &optimizer).complete())
+      throw std::runtime_error("ddp's plain loader did not load all of FSDP's checkpoint");
+    std::filesystem::create_directories(dir.path() / "cpp_refs");
+    save_state_dict(*model, dir.path() / "cpp_refs" / "model.pt");
+    save_optimizer_state_dict(optimizer, dir.path() / "cpp_refs" / "optim.pt");
+  });
+  ASSERT_TRUE(results[0].ok()) << test::describe(results);
+  auto python = test::Subprocess::start(
+      {test::paths::pytorch_python, test::paths::pytorch_dcp_model_state_script,
+       (dir.path() / "cpp").string(), (dir.path() / "cpp_refs").string(),
+       (dir.path() / "py").string(), (dir.path() / "py_refs").string(), "flattened"});
+  const auto ran = python.wait(240s);
+  ASSERT_EQ(ran.exit_code, 0) << ran.output;
+  EXPECT_THAT(ran.output,
+              HasSubstr("pytorch resumed ddp's model and optimizer, and saved its own"));
+
+  const int port_load = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port_load);
+    torch::manual_seed(11);  // not the saved values: a part left unread would show
+    FullyShardedDataParallel model(mlp(), pg, two_units);
+    torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.5));
+    if (!model->load_dcp_state(dir.path() / "py", &optimizer).complete())
+      throw std::runtime_error("FSDP did not load all of PyTorch's checkpoint");
+    if (optimizer.param_groups()[0].options().get_lr() != 0.01)
+      throw std::runtime_error("the learning rate did not come across");
+    auto reference = mlp();
+    load_state_dict(*reference, dir.path() / "py_refs" / "model.pt");
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(0.5));
+    load_optimizer_state_dict(reference_optimizer, dir.path() / "py_refs" / "optim.pt");
+    const StateDict loaded = model->full_state_dict(0);
+    if (rank == 0) {
+      for (const auto& item : state_dict(*reference))
+        if (!torch::equal(*loaded.find(item.key()), item.value()))
+          throw std::runtime_error("FSDP loaded another " + item.key() + " than PyTorch saved");
+    }
+    // The next step from each is the same: Adam's moments and step count came across.
+    optimizer.zero_grad();
+    model->forward(batch).square().sum().backward();
+    optimizer.step();
+    reference_optimizer.zero_grad();
+    reference->forward(batch).square().sum().backward();
+    reference_optimizer.step();
+    const StateDict after = model->full_state_dict(0);
+    if (rank == 0) {
+      for (const auto& item : state_dict(*reference))
+        if (!torch::allclose(*after.find(item.key()), item.value(), 1e-6, 1e-7))
+          throw std::runtime_error("after one more step, FSDP's " + item.key() +
+                                   " differs from the plain model's");
+    }
+  }));
 }
 
 TEST(DcpSaveMultiprocess, ARankThatDisagreesFailsTheSaveOnEveryRankBeforeAnythingIsWritten) {

@@ -4,7 +4,10 @@ set_state_dict, must equal the reference files the C++ job wrote beside it (save
 save_optimizer_state_dict); then one more Adam step here, saved with dcp.save of get_state_dict's
 dicts and the same kind of reference files, for the C++ side to load.
 
-Usage: pytorch_dcp_model_state.py CPP_FOLDER CPP_REFS PY_FOLDER PY_REFS
+Usage: pytorch_dcp_model_state.py CPP_FOLDER CPP_REFS PY_FOLDER PY_REFS [flattened]
+"flattened": CPP_FOLDER holds the optimizer's options per parameter, as FullyShardedDataParallel's
+dcp_state saves them (and PyTorch's StateDictOptions(flatten_optimizer_state_dict=True) loads
+them); PY_FOLDER is saved in get_state_dict's default layout either way.
 Prints "pytorch resumed ddp's model and optimizer, and saved its own" and exits 0; a mismatch
 raises.
 """
@@ -14,7 +17,8 @@ import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 
 
 def model_and_optimizer():
@@ -34,11 +38,14 @@ def same_optimizer_state(got, want):
 
 def main():
     cpp_folder, cpp_refs, py_folder, py_refs = sys.argv[1:5]
+    flattened = sys.argv[5:6] == ["flattened"]
+    options = StateDictOptions(flatten_optimizer_state_dict=flattened)
     torch.manual_seed(7)  # another initialisation than the saved one: the load must replace it
     model, optimizer = model_and_optimizer()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=cpp_folder, no_dist=True)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=options)
     want_model = torch.load(os.path.join(cpp_refs, "model.pt"), weights_only=True)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, want_model[name]), name
