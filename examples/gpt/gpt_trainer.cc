@@ -1,5 +1,6 @@
 #include "gpt_trainer.h"
 
+#include <functional>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -30,10 +31,36 @@ torch::Tensor vocabulary_loss(const torch::Tensor& logits, const torch::Tensor& 
       .mean();
 }
 
-// Names what a checkpoint folder holds when it is the other trainer's, so that a resume with
+// Both trainers' checkpoint: a DCP folder of the whole model under its names (each split tensor
+// whole, each FSDP shard a flat range of it), AdamW's state per parameter, and these two values.
+// The names are the same with and without --fsdp: each resumes the other's at any layout.
+constexpr const char* kTag = "train-gpt";
+constexpr const char* kTagEntry = "train_gpt.tag";
+constexpr const char* kStepEntry = "train_gpt.global_step";
+
+// The step of the DCP folder `folder` that train-gpt saved (ConfigError naming the folder for one
+// it did not); `load` reads the model and optimizer from it.
+ddp::TrainProgress load_train_gpt_dcp(const fs::path& folder,
+                                      const std::function<void(const ddp::DcpReader&)>& load) {
+  const ddp::DcpReader checkpoint(folder);
+  const auto& values = checkpoint.info().values;
+  if (!values.contains(kTagEntry) || !values.contains(kStepEntry) ||
+      !checkpoint.read_value(kTagEntry).isString() ||
+      checkpoint.read_value(kTagEntry).toStringRef() != kTag) {
+    throw ddp::ConfigError(fmt::format(
+        "--resume: '{}' is a distributed checkpoint, but not one train-gpt saved (no '{}' "
+        "entry naming it)",
+        folder.string(), kTagEntry));
+  }
+  load(checkpoint);
+  ddp::TrainProgress progress;
+  progress.global_step = checkpoint.read_value(kStepEntry).toInt();
+  return progress;
+}
+
+// Names what a checkpoint folder holds when it is an earlier layout's, so that a resume with
 // another --fsdp setting is refused by name rather than as a missing file.
 std::string saved_layout(const fs::path& dir) {
-  if (fs::exists(dir / ".metadata")) return "without --fsdp (a distributed checkpoint, DCP)";
   if (fs::exists(dir / "mesh.pt")) return "without --fsdp (a pipeline's MeshTrainState)";
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
@@ -83,7 +110,10 @@ class PipelineTrainer final : public Trainer {
   // and the step. It resumes at any dp x tp x pp. A folder of an earlier train-gpt, a
   // MeshTrainState (mesh.pt), still resumes on the split it was saved with.
   ddp::TrainProgress load() override {
-    if (fs::exists(config_.checkpoint / ".metadata")) return load_dcp();
+    if (fs::exists(config_.checkpoint / ".metadata")) {
+      return load_train_gpt_dcp(config_.checkpoint,
+                                [&](const ddp::DcpReader& checkpoint) { load_dcp(checkpoint); });
+    }
     const auto other = saved_layout(config_.checkpoint);
     if (!fs::exists(config_.checkpoint / "mesh.pt") && !other.empty()) {
       throw ddp::ConfigError(
@@ -113,10 +143,6 @@ class PipelineTrainer final : public Trainer {
   std::optional<ddp::MeshTrainState> state_;
   std::shared_ptr<ddp::ProcessGroup> pp_;
 
-  static constexpr const char* kTag = "train-gpt";
-  static constexpr const char* kTagEntry = "train_gpt.tag";
-  static constexpr const char* kStepEntry = "train_gpt.global_step";
-
   // This rank's stage: its tensor-parallel parts, part of the whole model, its AdamW options per
   // parameter (the stages hold different parameters).
   ddp::DcpModelLayout layout() {
@@ -126,17 +152,7 @@ class PipelineTrainer final : public Trainer {
     return l;
   }
 
-  ddp::TrainProgress load_dcp() {
-    const ddp::DcpReader checkpoint(config_.checkpoint);
-    const auto& values = checkpoint.info().values;
-    if (!values.contains(kTagEntry) || !values.contains(kStepEntry) ||
-        !checkpoint.read_value(kTagEntry).isString() ||
-        checkpoint.read_value(kTagEntry).toStringRef() != kTag) {
-      throw ddp::ConfigError(fmt::format(
-          "--resume: '{}' is a distributed checkpoint, but not one train-gpt saved (no '{}' "
-          "entry naming it)",
-          config_.checkpoint.string(), kTagEntry));
-    }
+  void load_dcp(const ddp::DcpReader& checkpoint) {
     // Each stage loads its own entries; together they must be all of the checkpoint's, or it
     // was saved from another model (more --layers, say), which no stage alone would notice.
     std::int64_t saved = 0;
@@ -154,9 +170,6 @@ class PipelineTrainer final : public Trainer {
     }
     ddp::load_dcp_model_state(config_.checkpoint, *pipe_->stage_module(), &*optimizer_, {},
                               layout());
-    ddp::TrainProgress progress;
-    progress.global_step = checkpoint.read_value(kStepEntry).toInt();
-    return progress;
   }
 };
 
@@ -207,12 +220,21 @@ class FsdpTrainer final : public Trainer {
     return mean.item<double>() / dp_->size();
   }
 
+  // The DCP folder both trainers write (so it resumes at any dp x tp, with or without --fsdp);
+  // a folder of an earlier train-gpt --fsdp (a ShardedTrainState per tp rank) still resumes at
+  // the --tp it was saved with.
   ddp::TrainProgress load() override {
+    if (fs::exists(config_.checkpoint / ".metadata")) {
+      return load_train_gpt_dcp(config_.checkpoint, [&](const ddp::DcpReader&) {
+        model_->load_dcp_state(config_.checkpoint, &optimizer_, {}, layout());
+      });
+    }
     if (!fs::exists(dir_)) {
       const auto other = saved_layout(config_.checkpoint);
       throw ddp::ConfigError(fmt::format(
-          "--resume --fsdp: '{}' has no {} for tp rank {} of {}{}", config_.checkpoint.string(),
-          dir_.filename().string(), tp_->rank(), tp_->size(),
+          "--resume --fsdp: '{}' has no checkpoint train-gpt saved (no .metadata, and no {} for "
+          "tp rank {} of {}){}",
+          config_.checkpoint.string(), dir_.filename().string(), tp_->rank(), tp_->size(),
           other.empty() ? std::string(" (nothing was saved there)")
                         : fmt::format("; it was saved {} (resume with the --tp and --fsdp it was "
                                       "saved with; --dp may differ)",
@@ -222,8 +244,10 @@ class FsdpTrainer final : public Trainer {
   }
 
   void save(const ddp::TrainProgress& progress) override {
-    fs::create_directories(dir_);
-    state_.save(dir_, progress, dp_->size());
+    ddp::DcpStateDict state = model_->dcp_state(&optimizer_, layout());
+    state.add_value(kTagEntry, std::string(kTag));
+    state.add_value(kStepEntry, progress.global_step);
+    ddp::save_dcp(state, config_.checkpoint);
   }
 
   double parameter_sum() override {
@@ -247,6 +271,20 @@ class FsdpTrainer final : public Trainer {
   torch::optim::AdamW optimizer_;
   ddp::ShardedTrainState state_;
   fs::path dir_;
+
+  // Each split parameter's place in the whole model's tensor, under the names dcp_state gives
+  // the parameters (the wrapped model's: each child's name, then the name inside it).
+  ddp::DcpModelLayout layout() const {
+    ddp::DcpModelLayout out;
+    for (const auto& child : model_->wrapped_module()->named_children()) {
+      const auto* wrapper = child.value()->as<ddp::FullyShardedDataParallelImpl>();
+      const torch::nn::Module& inner =
+          wrapper != nullptr ? *wrapper->wrapped_module() : *child.value();
+      for (const auto& [name, spec] : ddp::tensor_parallel_dcp_layout(inner).shards)
+        out.shards.emplace(child.key() + "." + name, spec);
+    }
+    return out;
+  }
 };
 
 }  // namespace

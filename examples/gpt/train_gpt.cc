@@ -24,8 +24,8 @@
 // (FULL_SHARD) before the next is built (ddp::fsdp_build_sharded), so no rank ever holds more
 // than its shards plus one child; the tensor-parallel layers inside are split over tp as without
 // it (FSDP x TP, PyTorch's 2-D parallelism). --microbatches then accumulates gradients (no_sync);
-// --pp must be 1. Its --checkpoint is a ShardedTrainState per tp rank (DIR/tp-<r>-of-<T>/), which
-// resumes at any --dp (the same --tp).
+// --pp must be 1. Its --checkpoint is the same DCP folder as without --fsdp (each rank's flat
+// shards placed in the whole tensors), so either resumes the other's at any --dp x --tp.
 //
 // Without --fsdp, --checkpoint DIR is a distributed checkpoint in PyTorch's format (DCP: the
 // model and AdamW's state under the whole model's names, each tp rank's part of a split tensor a
@@ -395,9 +395,8 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp", o.fsdp,
                "shard the model over --dp with FSDP (FULL_SHARD), each block built and sharded in "
                "turn (with --tp; --pp 1)");
-  app.add_flag(
-      "--resume", o.resume,
-      "continue from --checkpoint, at any --dp x --tp x --pp (with --fsdp: the same --tp)");
+  app.add_flag("--resume", o.resume,
+               "continue from --checkpoint, at any --dp x --tp x --pp, with or without --fsdp");
   if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "train-gpt")) {
     return *code;
   }

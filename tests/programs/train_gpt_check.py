@@ -6,8 +6,9 @@ the loss must fall, and a mesh that does not fit the job (or --fsdp with --pp) m
 Checkpoints (PyTorch's DCP format): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at DP 1 x TP 2 x
 PP 2, DP 1 x TP 2 x PP 1, DP 4 x TP 1 x PP 2 and in one process for 5 more, and 5 steps at DP 4 x
 TP 1 x PP 2 resumed at DP 2 x TP 2 x PP 2, end where the uninterrupted runs end; a resume of
-another model (fewer --layers) is named. With --fsdp (ShardedTrainState per tp rank): saved at DP 2 x TP 2, resumed at DP 1 x TP 2; a
-resume without --fsdp, or with another --tp, is named. Usage: train_gpt_check.py BUILD_BIN_DIR"""
+another model (fewer --layers) is named. With --fsdp (the same DCP folder): saved at DP 2 x TP 2,
+resumed at DP 1 x TP 2 and DP 2 x TP 1 with --fsdp and at DP 1 x TP 2 x PP 2 without; a pipeline's
+checkpoint resumed with --fsdp at another tp. Usage: train_gpt_check.py BUILD_BIN_DIR"""
 import os
 import re
 import shutil
@@ -97,6 +98,18 @@ def main():
                         sys.exit(f"saved at {saved_at}, resumed at {(dp, tp, pp)}: {what} {got!r} "
                                  f"but the uninterrupted run has {want!r}")
         folder = os.path.join(scratch, "dp2tp2pp2")
+        # The pipeline's checkpoint resumes under --fsdp at another layout.
+        copy = os.path.join(scratch, "dp2tp2pp2-to-fsdp")
+        shutil.copytree(folder, copy)
+        resumed = run(bin_dir, 2, "--dp", "2", "--fsdp", "--checkpoint", copy, "--resume")
+        match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
+        if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
+            sys.exit(f"saved at (2, 2, 2), resumed with --fsdp at dp 2: failed:\n"
+                     f"{resumed.stdout}\n{resumed.stderr}")
+        for want, got, what in zip(reference, map(float, match.groups()), ("loss", "param_sum")):
+            if abs(got - want) > 1e-9 * abs(want):
+                sys.exit(f"saved at (2, 2, 2), resumed with --fsdp at dp 2: {what} {got!r} but "
+                         f"the uninterrupted run has {want!r}")
         other = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--layers", "3",
                     "--checkpoint", folder, "--resume")
         if other.returncode == 0 or "holds 53 model tensors, this model 41" not in other.stderr:
@@ -104,24 +117,31 @@ def main():
     done = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--fsdp")
     if done.returncode == 0 or "--fsdp with --pp 2: FSDP shards the model over --dp" not in done.stderr:
         sys.exit(f"--fsdp with --pp was not named:\n{done.stdout}\n{done.stderr}")
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as scratch:
+        # --fsdp saves the same DCP folder as the pipeline: it resumes at another dp and tp, and
+        # without --fsdp (each resume from its own copy: a resume saves too).
+        folder = os.path.join(scratch, "fsdp-dp2tp2")
         first = run(bin_dir, 4, "--dp", "2", "--tp", "2", "--fsdp", "--checkpoint", folder, steps=5)
-        if first.returncode != 0 or not os.path.isdir(os.path.join(folder, "tp-1-of-2")):
+        if first.returncode != 0 or not os.path.exists(os.path.join(folder, ".metadata")):
             sys.exit(f"the checkpointed --fsdp run failed:\n{first.stdout}\n{first.stderr}")
-        resumed = run(bin_dir, 2, "--dp", "1", "--tp", "2", "--fsdp", "--checkpoint", folder,
-                      "--resume")
-        match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
-        if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
-            sys.exit(f"the resumed --fsdp run failed:\n{resumed.stdout}\n{resumed.stderr}")
-        for want, got, what in zip(reference, map(float, match.groups()), ("loss", "param_sum")):
-            if abs(got - want) > 1e-9 * abs(want):
-                sys.exit(f"--fsdp resumed at dp 1: {what} {got!r} but the uninterrupted run has "
-                         f"{want!r}")
-        for flags, named in ((("--tp", "2"), "was saved with --fsdp"),
-                             (("--dp", "2", "--fsdp"), "has no tp-0-of-1 for tp rank 0 of 1")):
-            other = run(bin_dir, 2, *flags, "--checkpoint", folder, "--resume")
-            if other.returncode == 0 or named not in other.stderr:
-                sys.exit(f"a resume with {flags} was not named:\n{other.stdout}\n{other.stderr}")
+        for flags in (("--dp", "1", "--tp", "2", "--fsdp"), ("--dp", "2", "--tp", "1", "--fsdp"),
+                      ("--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "2")):
+            copy = f"{folder}-to-{'-'.join(f.strip('-') for f in flags)}"
+            shutil.copytree(folder, copy)
+            world = 1
+            for name, value in zip(flags, flags[1:]):
+                if name in ("--dp", "--tp", "--pp"):
+                    world *= int(value)
+            resumed = run(bin_dir, world, *flags, "--checkpoint", copy, "--resume")
+            match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
+            if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
+                sys.exit(f"--fsdp saved at dp 2 x tp 2, resumed with {flags}: failed:\n"
+                         f"{resumed.stdout}\n{resumed.stderr}")
+            for want, got, what in zip(reference, map(float, match.groups()),
+                                       ("loss", "param_sum")):
+                if abs(got - want) > 1e-9 * abs(want):
+                    sys.exit(f"--fsdp saved at dp 2 x tp 2, resumed with {flags}: {what} {got!r} "
+                             f"but the uninterrupted run has {want!r}")
     print("ok:", {name: values for name, values in finals.items()})
 
 

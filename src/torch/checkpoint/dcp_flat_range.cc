@@ -77,7 +77,7 @@ std::vector<DcpFlatBox> dcp_flat_boxes(const std::vector<std::int64_t>& shape, s
 
 at::Tensor read_dcp_flat_range(const DcpReader& reader, const std::string& name,
                                const std::vector<std::int64_t>& shape, std::int64_t begin,
-                               std::int64_t end) {
+                               std::int64_t end, const std::vector<std::int64_t>& origin) {
   if (shape.empty()) return reader.read(name).reshape({1}).narrow(0, begin, end - begin);
   const std::int64_t row = product(shape.begin() + 1, shape.end());
   if (begin >= end || row == 0) {
@@ -85,8 +85,9 @@ at::Tensor read_dcp_flat_range(const DcpReader& reader, const std::string& name,
   }
   const std::int64_t first = begin / row;
   const std::int64_t rows = (end - 1) / row + 1 - first;
-  std::vector<std::int64_t> offsets(shape.size(), 0);
-  offsets[0] = first;
+  std::vector<std::int64_t> offsets =
+      origin.empty() ? std::vector<std::int64_t>(shape.size(), 0) : origin;
+  offsets[0] += first;
   std::vector<std::int64_t> sizes = shape;
   sizes[0] = rows;
   return reader.read(name, offsets, sizes)

@@ -19,6 +19,7 @@
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
 #include "torch/checkpoint/dcp_flat_range.h"
+#include "torch/checkpoint/dcp_model_layout.h"
 #include "torch/formats/optimizer_state_value.h"
 #include "torch/formats/state_dict_check.h"
 #include "torch/fsdp/fsdp_unit.h"
@@ -34,6 +35,10 @@ struct FullyShardedDataParallelImpl::DcpSlots {
     std::int64_t shard_begin = 0;  // the unit's flat element this rank's shard starts at
     // The parameter's flat elements this rank owns: [begin, end) of the parameter.
     std::int64_t begin = 0, end = 0;
+    // Where the parameter lies in the checkpoint's tensor: viewed as `view`, the region at
+    // `origin` of a tensor of shape `global` (all three the parameter's own shape and zeros
+    // unless a layout splits it across tensor-parallel ranks).
+    std::vector<std::int64_t> view, origin, global;
   };
   std::vector<Parameter> parameters;
   // Buffers, in the dtype full_state_dict returns them in.
@@ -84,6 +89,9 @@ void FullyShardedDataParallelImpl::collect_dcp_slots(const std::string& prefix,
     const std::int64_t numel = unit->params[i].numel();
     p.begin = std::clamp<std::int64_t>(p.shard_begin - p.offset, 0, numel);
     p.end = std::clamp<std::int64_t>(p.shard_begin + unit->shard_numel - p.offset, 0, numel);
+    p.view = p.shape;
+    p.origin.assign(p.shape.size(), 0);
+    p.global = p.shape;
     out.parameters.push_back(std::move(p));
   }
   for (std::size_t n = 0; n < nested_.size(); ++n)
@@ -96,6 +104,28 @@ void FullyShardedDataParallelImpl::collect_dcp_slots(const std::string& prefix,
     out.buffers.emplace_back(prefix + item.key(), item.value());
     out.buffer_dtypes.push_back(it == original_dtype.end() ? item.value().scalar_type()
                                                            : it->second);
+  }
+}
+
+void FullyShardedDataParallelImpl::collect_dcp_slots(const DcpModelLayout& layout,
+                                                     const std::string& who, DcpSlots& out) const {
+  collect_dcp_slots("", out);
+  if (layout.shards.empty()) return;
+  // Checked as dcp_model_state checks a layout, against meta tensors of the parameters' shapes.
+  StateDict parameters;
+  for (const auto& p : out.parameters) {
+    parameters.insert(
+        p.name,
+        torch::empty(p.shape,
+                     torch::TensorOptions(p.unit->shard.scalar_type()).device(torch::kMeta)));
+  }
+  detail::check_layout(layout, parameters, who);
+  for (auto& p : out.parameters) {
+    const auto spec = layout.shards.find(p.name);
+    if (spec == layout.shards.end()) continue;
+    p.view = detail::shard_view(spec->second, *parameters.find(p.name));
+    p.origin = spec->second.offsets;
+    p.global = spec->second.global_shape;
   }
 }
 
@@ -147,25 +177,31 @@ bool same_entry(const IValue& a, const IValue& b) {
 
 }  // namespace
 
-DcpStateDict FullyShardedDataParallelImpl::dcp_state(
-    const torch::optim::Optimizer* optimizer) const {
+DcpStateDict FullyShardedDataParallelImpl::dcp_state(const torch::optim::Optimizer* optimizer,
+                                                     const DcpModelLayout& layout) const {
   torch::NoGradGuard no_grad;
   DcpSlots slots;
-  collect_dcp_slots("", slots);
+  collect_dcp_slots(layout, "FullyShardedDataParallel::dcp_state", slots);
   DcpStateDict out;
-  // The parameter's elements this rank owns, as chunks of the tensor `name` of its shape, from
-  // `flat` (the unit's shard, or a state tensor of its shape).
+  // The parameter's elements this rank owns, as chunks of the tensor `name` (of the parameter's
+  // shape, or the layout's global one), from `flat` (the unit's shard, or a state tensor of its
+  // shape): cut in the parameter's view, placed at its origin.
   auto add_parts = [&](const std::string& name, const DcpSlots::Parameter& p,
                        const torch::Tensor& flat) {
-    if (c10::multiply_integers(p.shape) == 0) {  // nothing to own: every rank holds it whole
-      out.add_tensor(name, torch::empty(p.shape, flat.options()));
+    if (c10::multiply_integers(p.shape) == 0) {
+      // Nothing to own: every rank holds it whole (a split part of no elements adds nothing).
+      if (c10::multiply_integers(p.global) == 0)
+        out.add_tensor(name, torch::empty(p.global, flat.options()));
       return;
     }
-    for (const auto& box : detail::dcp_flat_boxes(p.shape, p.begin, p.end)) {
+    for (const auto& box : detail::dcp_flat_boxes(p.view, p.begin, p.end)) {
+      std::vector<std::int64_t> offsets = box.offsets;
+      for (std::size_t d = 0; d < offsets.size(); ++d)
+        offsets[d] += p.origin[d];
       out.add_shard(
           name,
           flat.narrow(0, p.offset + box.flat_begin - p.shard_begin, box.numel).view(box.sizes),
-          box.offsets, p.shape);
+          offsets, p.global);
     }
   };
   for (const auto& p : slots.parameters)
@@ -226,11 +262,11 @@ DcpStateDict FullyShardedDataParallelImpl::dcp_state(
 
 StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
     const std::filesystem::path& folder, torch::optim::Optimizer* optimizer,
-    StateDictLoadOptions options) {
+    StateDictLoadOptions options, const DcpModelLayout& layout) {
   torch::NoGradGuard no_grad;
   const std::string who = "FullyShardedDataParallel::load_dcp_state";
   DcpSlots slots;
-  collect_dcp_slots("", slots);
+  collect_dcp_slots(layout, who, slots);
   slots.index_units();
   const auto& units = slots.units;
   const auto& parameters_of = slots.parameters_of;
@@ -247,7 +283,7 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
   };
   StateDict target;
   for (const auto& p : slots.parameters)
-    target.insert(p.name, meta(p.shape, p.unit->shard.scalar_type()));
+    target.insert(p.name, meta(p.global, p.unit->shard.scalar_type()));
   for (std::size_t b = 0; b < slots.buffers.size(); ++b)
     target.insert(slots.buffers[b].first,
                   meta(slots.buffers[b].second.sizes().vec(), slots.buffer_dtypes[b]));
@@ -279,7 +315,7 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
                        const torch::Tensor& flat) {
     if (p.begin >= p.end) return;
     flat.narrow(0, p.offset + p.begin - p.shard_begin, p.end - p.begin)
-        .copy_(detail::read_dcp_flat_range(reader, name, p.shape, p.begin, p.end));
+        .copy_(detail::read_dcp_flat_range(reader, name, p.view, p.begin, p.end, p.origin));
   };
   for (const auto& p : slots.parameters)
     if (loading.contains(p.name)) read_into("model." + p.name, p, shards.at(p.unit));
@@ -334,7 +370,7 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
         // Per element when any parameter's entry has the parameter's shape (then all must).
         const auto per_element_entry = [&](const DcpSlots::Parameter* p) {
           const std::string name = fmt::format("optim.state.{}.{}", p->name, key);
-          return !info.values.contains(name) && info.tensors.at(name).shape == p->shape;
+          return !info.values.contains(name) && info.tensors.at(name).shape == p->global;
         };
         const bool scalar =
             key == "step" || std::none_of(parameters.begin(), parameters.end(), per_element_entry);
@@ -362,13 +398,13 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
             torch::zeros({unit->shard_numel}, torch::TensorOptions(info.tensors.at(first).dtype));
         for (const auto* p : parameters) {
           const std::string name = fmt::format("optim.state.{}.{}", p->name, key);
-          if (info.values.contains(name) || info.tensors.at(name).shape != p->shape) {
+          if (info.values.contains(name) || info.tensors.at(name).shape != p->global) {
             StateDictLoadReport mismatch;
             mismatch.mismatched.push_back(p->name);
             throw StateDictMismatchError(
                 fmt::format("{}: '{}' is not a tensor of the parameter's shape [{}] in the "
                             "checkpoint",
-                            source, name, fmt::join(p->shape, ", ")),
+                            source, name, fmt::join(p->global, ", ")),
                 mismatch);
           }
           read_into(name, *p, flat);

@@ -212,7 +212,8 @@ TEST(FsdpDcp, HybridShardWritesEachShardOnceAndLoadsAtAnotherWorld) {
 }
 
 // A checkpoint of another model is named with both shapes, and nothing changes; so is an
-// optimizer over other parameters, and a checkpoint without the optimizer's state.
+// optimizer over other parameters, a checkpoint without the optimizer's state, and a
+// tensor-parallel layout that does not fit the model.
 TEST(FsdpDcp, ACheckpointOfAnotherModelIsNamedAndNothingChanges) {
   test::TempDir dir;
   const int port = test::free_port();
@@ -241,6 +242,22 @@ TEST(FsdpDcp, ACheckpointOfAnotherModelIsNamedAndNothingChanges) {
     const std::string foreign = test::error_of([&] { model->dcp_state(stranger.get()); });
     if (foreign.find("not one of this FullyShardedDataParallel's shards") == std::string::npos) {
       throw std::runtime_error("an optimizer over other parameters was named as: " + foreign);
+    }
+    // A tensor-parallel layout whose part does not fit its parameter, or names none, is named
+    // before anything is read or cut.
+    DcpModelLayout too_small;
+    too_small.shards["2.weight"] = {.offsets = {0, 0}, .global_shape = {2, 9}};
+    const std::string outside = test::error_of([&] { model->dcp_state(opt.get(), too_small); });
+    if (outside.find("the layout's part of '2.weight' does not fit") == std::string::npos) {
+      throw std::runtime_error("a part outside its global shape was named as: " + outside);
+    }
+    DcpModelLayout unknown;
+    unknown.shards["9.weight"] = {.offsets = {0, 0}, .global_shape = {4, 9}};
+    const std::string missing =
+        test::error_of([&] { model->load_dcp_state(other, opt.get(), {}, unknown); });
+    if (missing.find("the layout splits '9.weight', which the model has no parameter") ==
+        std::string::npos) {
+      throw std::runtime_error("a layout of no parameter was named as: " + missing);
     }
     const StateDict after = model->full_state_dict(0);
     if (rank == 0) expect_state_equal(after, before, "after the refused loads", 0.0);

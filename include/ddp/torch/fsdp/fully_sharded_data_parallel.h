@@ -96,6 +96,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/join.h"
+#include "ddp/torch/checkpoint/dcp_model_state.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "ddp/torch/core/output_tensors.h"
 #include "ddp/torch/formats/state_dict.h"
@@ -317,7 +318,14 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // (load_dcp_model_state), and into PyTorch (dcp.load of get_state_dict's dicts, with
   // StateDictOptions(flatten_optimizer_state_dict=True) for the options' layout). Not
   // collective; save_dcp is.
-  DcpStateDict dcp_state(const torch::optim::Optimizer* optimizer = nullptr) const;
+  // FSDP over the dp dimension of a mesh whose tp dimension splits layers: `layout` says where
+  // each split parameter (by its name in the wrapped model) lies in the whole model's tensor
+  // (parallel/tensor/tensor_parallel_dcp_layout.h for ddp's layers, under each nested wrapper's
+  // name); its flat range is then cut in the local view and placed at the spec's offsets, so the
+  // checkpoint holds whole tensors and loads at any dp x tp. Only `layout.shards` is used.
+  // ConfigError for a spec that does not fit its parameter.
+  DcpStateDict dcp_state(const torch::optim::Optimizer* optimizer = nullptr,
+                         const DcpModelLayout& layout = {}) const;
   // Loads a checkpoint of that layout, saved from any layout (FSDP at any world size, a
   // replicated or tensor-parallel model, PyTorch): each rank reads only the rows that hold its
   // shards' elements. Not collective. Everything is read and checked before the shards, buffers
@@ -325,10 +333,13 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // unexpected and mismatched (shape, dtype) entries; OptimizerMismatchError and
   // StateDictFormatError as load_dcp_model_state throws them; ConfigError for an optimizer over
   // other parameters. A kShardGradOp or kNoShard model's gathered parameters follow at the next
-  // forward (kNoShard's at once).
+  // forward (kNoShard's at once). With a layout (as dcp_state's), each split parameter reads its
+  // flat range of the region of the saved tensor the spec names; shapes are checked against the
+  // specs' global shapes.
   StateDictLoadReport load_dcp_state(const std::filesystem::path& folder,
                                      torch::optim::Optimizer* optimizer = nullptr,
-                                     StateDictLoadOptions options = {});
+                                     StateDictLoadOptions options = {},
+                                     const DcpModelLayout& layout = {});
 
   struct UnitInfo {
     std::size_t begin = 0, end = 0;  // children [begin, end)
@@ -429,6 +440,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // owns, and the buffers (fsdp_dcp_state.cc).
   struct DcpSlots;
   void collect_dcp_slots(const std::string& prefix, DcpSlots& out) const;
+  // The slots of the whole tree with `layout`'s specs applied (fsdp_dcp_state.cc).
+  void collect_dcp_slots(const DcpModelLayout& layout, const std::string& who, DcpSlots& out) const;
   // This rank's DIR/shard-<rank>-of-<W>.pt (fsdp_sharded_checkpoint.cc).
   void write_shard_file(const std::filesystem::path& dir,
                         const torch::optim::Optimizer& optimizer) const;
