@@ -47,6 +47,18 @@ def layout(dp, tp, pp):
     return ("--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--microbatches", "2")
 
 
+def expect_resumed(bin_dir, ranks, args, folder, reference, what):
+    """Resumes from `folder` with `args` at `ranks` ranks: the run must say it resumed at step 5
+    and end where the uninterrupted run (`reference`: loss, param_sum) ends, to 1e-9."""
+    resumed = run(bin_dir, ranks, *args, "--checkpoint", folder, "--resume")
+    match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
+    if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
+        sys.exit(f"{what}: failed:\n{resumed.stdout}\n{resumed.stderr}")
+    for want, got, name in zip(reference, map(float, match.groups()), ("loss", "param_sum")):
+        if abs(got - want) > 1e-9 * abs(want):
+            sys.exit(f"{what}: {name} {got!r} but the uninterrupted run has {want!r}")
+
+
 def main():
     bin_dir = sys.argv[1]
     finals = {}
@@ -86,30 +98,14 @@ def main():
             for dp, tp, pp in resumed_at:
                 copy = f"{folder}-to-dp{dp}tp{tp}pp{pp}"
                 shutil.copytree(folder, copy)
-                resumed = run(bin_dir, dp * tp * pp, *layout(dp, tp, pp), "--checkpoint", copy,
-                              "--resume")
-                match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
-                if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
-                    sys.exit(f"saved at {saved_at}, resumed at {(dp, tp, pp)}: failed:\n"
-                             f"{resumed.stdout}\n{resumed.stderr}")
-                for want, got, what in zip(reference, map(float, match.groups()),
-                                           ("loss", "param_sum")):
-                    if abs(got - want) > 1e-9 * abs(want):
-                        sys.exit(f"saved at {saved_at}, resumed at {(dp, tp, pp)}: {what} {got!r} "
-                                 f"but the uninterrupted run has {want!r}")
+                expect_resumed(bin_dir, dp * tp * pp, layout(dp, tp, pp), copy, reference,
+                               f"saved at {saved_at}, resumed at {(dp, tp, pp)}")
         folder = os.path.join(scratch, "dp2tp2pp2")
         # The pipeline's checkpoint resumes under --fsdp at another layout.
         copy = os.path.join(scratch, "dp2tp2pp2-to-fsdp")
         shutil.copytree(folder, copy)
-        resumed = run(bin_dir, 2, "--dp", "2", "--fsdp", "--checkpoint", copy, "--resume")
-        match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
-        if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
-            sys.exit(f"saved at (2, 2, 2), resumed with --fsdp at dp 2: failed:\n"
-                     f"{resumed.stdout}\n{resumed.stderr}")
-        for want, got, what in zip(reference, map(float, match.groups()), ("loss", "param_sum")):
-            if abs(got - want) > 1e-9 * abs(want):
-                sys.exit(f"saved at (2, 2, 2), resumed with --fsdp at dp 2: {what} {got!r} but "
-                         f"the uninterrupted run has {want!r}")
+        expect_resumed(bin_dir, 2, ("--dp", "2", "--fsdp"), copy, reference,
+                       "saved at (2, 2, 2), resumed with --fsdp at dp 2")
         other = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--layers", "3",
                     "--checkpoint", folder, "--resume")
         if other.returncode == 0 or "holds 53 model tensors, this model 41" not in other.stderr:
@@ -132,16 +128,8 @@ def main():
             for name, value in zip(flags, flags[1:]):
                 if name in ("--dp", "--tp", "--pp"):
                     world *= int(value)
-            resumed = run(bin_dir, world, *flags, "--checkpoint", copy, "--resume")
-            match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
-            if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
-                sys.exit(f"--fsdp saved at dp 2 x tp 2, resumed with {flags}: failed:\n"
-                         f"{resumed.stdout}\n{resumed.stderr}")
-            for want, got, what in zip(reference, map(float, match.groups()),
-                                       ("loss", "param_sum")):
-                if abs(got - want) > 1e-9 * abs(want):
-                    sys.exit(f"--fsdp saved at dp 2 x tp 2, resumed with {flags}: {what} {got!r} "
-                             f"but the uninterrupted run has {want!r}")
+            expect_resumed(bin_dir, world, flags, copy, reference,
+                           f"--fsdp saved at dp 2 x tp 2, resumed with {flags}")
     print("ok:", {name: values for name, values in finals.items()})
 
 

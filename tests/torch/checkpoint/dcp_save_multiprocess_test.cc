@@ -172,6 +172,28 @@ TEST(DcpReaderOfPyTorch, AChunkSavedTransposedReadsInPartAndWhole) {
 // dcp_model_state's layout is get_state_dict's: PyTorch resumes a model and its Adam state that
 // C++ saved (and checks them against reference files C++ wrote), takes a step, saves with
 // dcp.save, and C++ resumes that, equal to PyTorch's own reference files.
+// C++'s reference files of a model and its optimizer (save_state_dict, save_optimizer_state_dict)
+// in DIR/cpp_refs, then pytorch_dcp_model_state.py over DIR's cpp, cpp_refs, py and py_refs
+// (with "flattened" when the options are saved per parameter): it must say it resumed and saved.
+void pytorch_resumes_and_saves(const std::filesystem::path& dir, torch::nn::Module& model,
+                               const torch::optim::Optimizer& optimizer, bool flattened) {
+  std::filesystem::create_directories(dir / "cpp_refs");
+  save_state_dict(model, dir / "cpp_refs" / "model.pt");
+  save_optimizer_state_dict(optimizer, dir / "cpp_refs" / "optim.pt");
+  std::vector<std::string> command = {
+      test::paths::pytorch_python, test::paths::pytorch_dcp_model_state_script,
+      (dir / "cpp").string(),      (dir / "cpp_refs").string(),
+      (dir / "py").string(),       (dir / "py_refs").string()};
+  if (flattened) command.push_back("flattened");
+  auto python = test::Subprocess::start(command);
+  const auto ran = python.wait(240s);
+  if (ran.exit_code != 0 ||
+      ran.output.find("pytorch resumed ddp's model and optimizer, and saved its own") ==
+          std::string::npos) {
+    throw std::runtime_error("PyTorch's side failed: " + ran.output);
+  }
+}
+
 TEST(DcpModelStateOfPyTorch, APythonJobAndACppJobResumeFromEachOthersCheckpoints) {
   if (const std::string missing = pytorch_dcp_missing(); !missing.empty()) GTEST_SKIP() << missing;
   test::TempDir dir("ddp-dcp-model-pytorch");
@@ -190,19 +212,9 @@ TEST(DcpModelStateOfPyTorch, APythonJobAndACppJobResumeFromEachOthersCheckpoints
       optimizer.step();
     }
     save_dcp(dcp_model_state(*model, &optimizer), dir.path() / "cpp");
-    std::filesystem::create_directories(dir.path() / "cpp_refs");
-    save_state_dict(*model, dir.path() / "cpp_refs" / "model.pt");
-    save_optimizer_state_dict(optimizer, dir.path() / "cpp_refs" / "optim.pt");
+    pytorch_resumes_and_saves(dir.path(), *model, optimizer, false);
   });
   ASSERT_TRUE(results[0].ok()) << test::describe(results);
-  auto python = test::Subprocess::start(
-      {test::paths::pytorch_python, test::paths::pytorch_dcp_model_state_script,
-       (dir.path() / "cpp").string(), (dir.path() / "cpp_refs").string(),
-       (dir.path() / "py").string(), (dir.path() / "py_refs").string()});
-  const auto ran = python.wait(240s);
-  ASSERT_EQ(ran.exit_code, 0) << ran.output;
-  EXPECT_THAT(ran.output,
-              HasSubstr("pytorch resumed ddp's model and optimizer, and saved its own"));
   results = run_ranks(1, [&](int) {
     auto model = mlp();
     torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.5));
@@ -265,19 +277,9 @@ TEST(DcpModelStateOfPyTorch, FsdpAtWorldTwoAndAPythonJobResumeFromEachOthersChec
     torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.5));
     if (!load_dcp_model_state(dir.path() / "cpp", *model, &optimizer).complete())
       throw std::runtime_error("ddp's plain loader did not load all of FSDP's checkpoint");
-    std::filesystem::create_directories(dir.path() / "cpp_refs");
-    save_state_dict(*model, dir.path() / "cpp_refs" / "model.pt");
-    save_optimizer_state_dict(optimizer, dir.path() / "cpp_refs" / "optim.pt");
+    pytorch_resumes_and_saves(dir.path(), *model, optimizer, true);
   });
   ASSERT_TRUE(results[0].ok()) << test::describe(results);
-  auto python = test::Subprocess::start(
-      {test::paths::pytorch_python, test::paths::pytorch_dcp_model_state_script,
-       (dir.path() / "cpp").string(), (dir.path() / "cpp_refs").string(),
-       (dir.path() / "py").string(), (dir.path() / "py_refs").string(), "flattened"});
-  const auto ran = python.wait(240s);
-  ASSERT_EQ(ran.exit_code, 0) << ran.output;
-  EXPECT_THAT(ran.output,
-              HasSubstr("pytorch resumed ddp's model and optimizer, and saved its own"));
 
   const int port_load = test::free_port();
   EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
