@@ -1,6 +1,8 @@
 // Flat ranges of a tensor as a checkpoint's boxes, and read back (dcp_flat_range.h).
 #include "torch/checkpoint/dcp_flat_range.h"
 
+#include "torch/checkpoint/dcp_model_layout.h"
+
 #include <functional>
 #include <numeric>
 
@@ -77,7 +79,7 @@ std::vector<DcpFlatBox> dcp_flat_boxes(const std::vector<std::int64_t>& shape, s
 
 at::Tensor read_dcp_flat_range(const DcpReader& reader, const std::string& name,
                                const std::vector<std::int64_t>& shape, std::int64_t begin,
-                               std::int64_t end, const std::vector<std::int64_t>& origin) {
+                               std::int64_t end, const DcpShardSpec* place) {
   if (shape.empty()) return reader.read(name).reshape({1}).narrow(0, begin, end - begin);
   const std::int64_t row = product(shape.begin() + 1, shape.end());
   if (begin >= end || row == 0) {
@@ -86,13 +88,13 @@ at::Tensor read_dcp_flat_range(const DcpReader& reader, const std::string& name,
   const std::int64_t first = begin / row;
   const std::int64_t rows = (end - 1) / row + 1 - first;
   std::vector<std::int64_t> offsets =
-      origin.empty() ? std::vector<std::int64_t>(shape.size(), 0) : origin;
+      place == nullptr ? std::vector<std::int64_t>(shape.size(), 0) : place->offsets;
   offsets[0] += first;
   std::vector<std::int64_t> sizes = shape;
   sizes[0] = rows;
-  return reader.read(name, offsets, sizes)
-      .reshape({-1})
-      .narrow(0, begin - first * row, end - begin);
+  const at::Tensor read = place == nullptr ? reader.read(name, offsets, sizes)
+                                           : read_spec_region(reader, name, *place, offsets, sizes);
+  return read.reshape({-1}).narrow(0, begin - first * row, end - begin);
 }
 
 }  // namespace ddp::detail

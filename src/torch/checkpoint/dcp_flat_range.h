@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include "ddp/torch/checkpoint/dcp_model_state.h"
 #include "ddp/torch/checkpoint/distributed_checkpoint.h"
 
 namespace ddp::detail {
@@ -27,13 +28,13 @@ struct DcpFlatBox {
 std::vector<DcpFlatBox> dcp_flat_boxes(const std::vector<std::int64_t>& shape, std::int64_t begin,
                                        std::int64_t end);
 
-// The flat elements [begin, end) of a tensor of `shape` that is the region at `origin` of the
-// checkpoint's tensor `name` (empty origin: at zeros, `shape` being the saved tensor's, as the
-// metadata records it; else a tensor-parallel part, DcpShardSpec's local view and offsets), as a
+// The flat elements [begin, end) of a tensor of `shape` that is the checkpoint's tensor `name`
+// (`place` null: `shape` is the saved tensor's, as the metadata records it) or the region at
+// place->offsets of place's global tensor (a tensor-parallel part, `shape` its local view), as a
 // 1-D tensor: read as one region, the rows of the first dimension that hold them (the reader reads
 // only the chunks those rows overlap), then narrowed.
 at::Tensor read_dcp_flat_range(const DcpReader& reader, const std::string& name,
                                const std::vector<std::int64_t>& shape, std::int64_t begin,
-                               std::int64_t end, const std::vector<std::int64_t>& origin = {});
+                               std::int64_t end, const DcpShardSpec* place = nullptr);
 
 }  // namespace ddp::detail

@@ -172,6 +172,20 @@ void check_layout(const DcpModelLayout& layout, const StateDict& target, const s
           who, name, fmt::join(tensor->sizes(), ", "), fmt::join(view, ", "),
           fmt::join(spec.offsets, ", "), fmt::join(spec.global_shape, ", ")));
     }
+    if (!spec.saved_shape.empty()) {
+      const auto& g = spec.global_shape;
+      std::vector<std::int64_t> merged;
+      if (g.size() >= 2) {
+        merged.push_back(g[0] * g[1]);
+        merged.insert(merged.end(), g.begin() + 2, g.end());
+      }
+      if (merged.empty() || spec.saved_shape != merged) {
+        throw ConfigError(fmt::format(
+            "{}: the layout saves '{}' as [{}], which is not its global shape [{}] with the first "
+            "two dimensions merged (the one other shape a part may be saved as)",
+            who, name, fmt::join(spec.saved_shape, ", "), fmt::join(g, ", ")));
+      }
+    }
   }
 }
 
@@ -208,13 +222,20 @@ DcpStateDict dcp_model_state(const torch::nn::Module& model,
   for (DcpStateDict::Entry entry : flat.entries()) {
     const DcpShardSpec* spec =
         entry.kind == DcpStateDict::Entry::Kind::kTensor ? spec_of(entry, layout, target) : nullptr;
-    if (spec != nullptr) {
-      entry.kind = DcpStateDict::Entry::Kind::kShard;
-      entry.tensor = entry.tensor.reshape(detail::shard_view(*spec, entry.tensor));
-      entry.offsets = spec->offsets;
-      entry.global_shape = spec->global_shape;
+    if (spec == nullptr) {
+      out.add_entry(std::move(entry));
+      continue;
     }
-    out.add_entry(std::move(entry));
+    // The part in the view, as the regions of the tensor the checkpoint records.
+    const at::Tensor part = entry.tensor.reshape(detail::shard_view(*spec, entry.tensor));
+    entry.kind = DcpStateDict::Entry::Kind::kShard;
+    entry.global_shape = detail::saved_shape_of(*spec);
+    for (const auto& region : detail::saved_regions(*spec, spec->offsets, part.sizes().vec())) {
+      DcpStateDict::Entry chunk = entry;
+      chunk.tensor = region.index < 0 ? part.reshape(region.sizes) : part.select(0, region.index);
+      chunk.offsets = region.offsets;
+      out.add_entry(std::move(chunk));
+    }
   }
   return out;
 }

@@ -152,14 +152,16 @@ class Loader {
     const auto spec = layout_.shards.find(key);
     const DcpTensorInfo& saved = info_.tensors.at(name);
     if (spec == layout_.shards.end()) return reader_.read(name);
-    if (optimizer_state && saved.shape.size() != spec->second.global_shape.size()) {
+    if (optimizer_state && saved.shape.size() != spec->second.global_shape.size() &&
+        saved.shape.size() != detail::saved_shape_of(spec->second).size()) {
       return reader_.read(name);  // a scalar (step) saved whole beside a split parameter
     }
-    if (saved.shape != spec->second.global_shape) {
+    if (!detail::records_spec(spec->second, saved.shape)) {
       const std::string message = fmt::format(
           "{}: '{}' is [{}] in the checkpoint, but this rank's part of it belongs to a tensor "
           "[{}] (saved from another model, or with another split of it)",
-          source_, name, fmt::join(saved.shape, ", "), fmt::join(spec->second.global_shape, ", "));
+          source_, name, fmt::join(saved.shape, ", "),
+          fmt::join(detail::saved_shape_of(spec->second), ", "));
       if (options.strict || optimizer_state) {
         StateDictLoadReport report;
         report.mismatched.push_back(key);
@@ -168,7 +170,8 @@ class Loader {
       mismatched.push_back(key);
       return std::nullopt;
     }
-    return reader_.read(name, spec->second.offsets, detail::shard_view(spec->second, held))
+    return detail::read_spec_region(reader_, name, spec->second, spec->second.offsets,
+                                    detail::shard_view(spec->second, held))
         .reshape(held.sizes());
   }
 

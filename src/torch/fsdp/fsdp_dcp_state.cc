@@ -35,10 +35,10 @@ struct FullyShardedDataParallelImpl::DcpSlots {
     std::int64_t shard_begin = 0;  // the unit's flat element this rank's shard starts at
     // The parameter's flat elements this rank owns: [begin, end) of the parameter.
     std::int64_t begin = 0, end = 0;
-    // Where the parameter lies in the checkpoint's tensor: viewed as `view`, the region at
-    // `origin` of a tensor of shape `global` (all three the parameter's own shape and zeros
-    // unless a layout splits it across tensor-parallel ranks).
-    std::vector<std::int64_t> view, origin, global;
+    // Where the parameter lies in the checkpoint's tensor: viewed as place.local_view, the region
+    // at place.offsets of a tensor of place.global_shape (the parameter's own shape and zeros
+    // unless a layout splits it across tensor-parallel ranks), saved as place.saved_shape if set.
+    DcpShardSpec place;
   };
   std::vector<Parameter> parameters;
   // Buffers, in the dtype full_state_dict returns them in.
@@ -89,9 +89,9 @@ void FullyShardedDataParallelImpl::collect_dcp_slots(const std::string& prefix,
     const std::int64_t numel = unit->params[i].numel();
     p.begin = std::clamp<std::int64_t>(p.shard_begin - p.offset, 0, numel);
     p.end = std::clamp<std::int64_t>(p.shard_begin + unit->shard_numel - p.offset, 0, numel);
-    p.view = p.shape;
-    p.origin.assign(p.shape.size(), 0);
-    p.global = p.shape;
+    p.place.local_view = p.shape;
+    p.place.offsets.assign(p.shape.size(), 0);
+    p.place.global_shape = p.shape;
     out.parameters.push_back(std::move(p));
   }
   for (std::size_t n = 0; n < nested_.size(); ++n)
@@ -123,9 +123,8 @@ void FullyShardedDataParallelImpl::collect_dcp_slots(const DcpModelLayout& layou
   for (auto& p : out.parameters) {
     const auto spec = layout.shards.find(p.name);
     if (spec == layout.shards.end()) continue;
-    p.view = detail::shard_view(spec->second, *parameters.find(p.name));
-    p.origin = spec->second.offsets;
-    p.global = spec->second.global_shape;
+    p.place = spec->second;
+    p.place.local_view = detail::shard_view(spec->second, *parameters.find(p.name));
   }
 }
 
@@ -190,18 +189,21 @@ DcpStateDict FullyShardedDataParallelImpl::dcp_state(const torch::optim::Optimiz
                        const torch::Tensor& flat) {
     if (c10::multiply_integers(p.shape) == 0) {
       // Nothing to own: every rank holds it whole (a split part of no elements adds nothing).
-      if (c10::multiply_integers(p.global) == 0)
-        out.add_tensor(name, torch::empty(p.global, flat.options()));
+      if (c10::multiply_integers(p.place.global_shape) == 0)
+        out.add_tensor(name, torch::empty(detail::saved_shape_of(p.place), flat.options()));
       return;
     }
-    for (const auto& box : detail::dcp_flat_boxes(p.view, p.begin, p.end)) {
+    for (const auto& box : detail::dcp_flat_boxes(p.place.local_view, p.begin, p.end)) {
       std::vector<std::int64_t> offsets = box.offsets;
       for (std::size_t d = 0; d < offsets.size(); ++d)
-        offsets[d] += p.origin[d];
-      out.add_shard(
-          name,
-          flat.narrow(0, p.offset + box.flat_begin - p.shard_begin, box.numel).view(box.sizes),
-          offsets, p.global);
+        offsets[d] += p.place.offsets[d];
+      const torch::Tensor part =
+          flat.narrow(0, p.offset + box.flat_begin - p.shard_begin, box.numel).view(box.sizes);
+      for (const auto& region : detail::saved_regions(p.place, offsets, box.sizes)) {
+        out.add_shard(name,
+                      region.index < 0 ? part.reshape(region.sizes) : part.select(0, region.index),
+                      region.offsets, detail::saved_shape_of(p.place));
+      }
     }
   };
   for (const auto& p : slots.parameters)
@@ -282,8 +284,14 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
     return torch::empty(shape, torch::TensorOptions(dtype).device(torch::kMeta));
   };
   StateDict target;
-  for (const auto& p : slots.parameters)
-    target.insert(p.name, meta(p.global, p.unit->shard.scalar_type()));
+  for (const auto& p : slots.parameters) {
+    // The shape the checkpoint records for a split part's tensor, where it is one of the two.
+    const auto it = info.tensors.find("model." + p.name);
+    const bool recorded =
+        it != info.tensors.end() && detail::records_spec(p.place, it->second.shape);
+    target.insert(p.name, meta(recorded ? it->second.shape : detail::saved_shape_of(p.place),
+                               p.unit->shard.scalar_type()));
+  }
   for (std::size_t b = 0; b < slots.buffers.size(); ++b)
     target.insert(slots.buffers[b].first,
                   meta(slots.buffers[b].second.sizes().vec(), slots.buffer_dtypes[b]));
@@ -315,7 +323,8 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
                        const torch::Tensor& flat) {
     if (p.begin >= p.end) return;
     flat.narrow(0, p.offset + p.begin - p.shard_begin, p.end - p.begin)
-        .copy_(detail::read_dcp_flat_range(reader, name, p.view, p.begin, p.end, p.origin));
+        .copy_(detail::read_dcp_flat_range(reader, name, p.place.local_view, p.begin, p.end,
+                                           &p.place));
   };
   for (const auto& p : slots.parameters)
     if (loading.contains(p.name)) read_into("model." + p.name, p, shards.at(p.unit));
@@ -370,7 +379,8 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
         // Per element when any parameter's entry has the parameter's shape (then all must).
         const auto per_element_entry = [&](const DcpSlots::Parameter* p) {
           const std::string name = fmt::format("optim.state.{}.{}", p->name, key);
-          return !info.values.contains(name) && info.tensors.at(name).shape == p->global;
+          return !info.values.contains(name) &&
+                 detail::records_spec(p->place, info.tensors.at(name).shape);
         };
         const bool scalar =
             key == "step" || std::none_of(parameters.begin(), parameters.end(), per_element_entry);
@@ -398,13 +408,14 @@ StateDictLoadReport FullyShardedDataParallelImpl::load_dcp_state(
             torch::zeros({unit->shard_numel}, torch::TensorOptions(info.tensors.at(first).dtype));
         for (const auto* p : parameters) {
           const std::string name = fmt::format("optim.state.{}.{}", p->name, key);
-          if (info.values.contains(name) || info.tensors.at(name).shape != p->global) {
+          if (info.values.contains(name) ||
+              !detail::records_spec(p->place, info.tensors.at(name).shape)) {
             StateDictLoadReport mismatch;
             mismatch.mismatched.push_back(p->name);
             throw StateDictMismatchError(
                 fmt::format("{}: '{}' is not a tensor of the parameter's shape [{}] in the "
                             "checkpoint",
-                            source, name, fmt::join(p->global, ", ")),
+                            source, name, fmt::join(detail::saved_shape_of(p->place), ", ")),
                 mismatch);
           }
           read_into(name, *p, flat);

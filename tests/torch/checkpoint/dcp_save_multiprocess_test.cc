@@ -21,6 +21,8 @@
 #include "ddp/torch/checkpoint/distributed_checkpoint_save.h"
 #include "ddp/torch/formats/state_dict.h"
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/torch/parallel/tensor/tensor_parallel.h"
+#include "ddp/torch/parallel/tensor/tensor_parallel_dcp_layout.h"
 #include "support/multiprocess.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
@@ -176,7 +178,8 @@ TEST(DcpReaderOfPyTorch, AChunkSavedTransposedReadsInPartAndWhole) {
 // in DIR/cpp_refs, then pytorch_dcp_model_state.py over DIR's cpp, cpp_refs, py and py_refs
 // (with "flattened" when the options are saved per parameter): it must say it resumed and saved.
 void pytorch_resumes_and_saves(const std::filesystem::path& dir, torch::nn::Module& model,
-                               const torch::optim::Optimizer& optimizer, bool flattened) {
+                               const torch::optim::Optimizer& optimizer, bool flattened,
+                               bool qkv = false) {
   std::filesystem::create_directories(dir / "cpp_refs");
   save_state_dict(model, dir / "cpp_refs" / "model.pt");
   save_optimizer_state_dict(optimizer, dir / "cpp_refs" / "optim.pt");
@@ -185,6 +188,7 @@ void pytorch_resumes_and_saves(const std::filesystem::path& dir, torch::nn::Modu
       (dir / "cpp").string(),      (dir / "cpp_refs").string(),
       (dir / "py").string(),       (dir / "py_refs").string()};
   if (flattened) command.push_back("flattened");
+  if (qkv) command.push_back("qkv");
   auto python = test::Subprocess::start(command);
   const auto ran = python.wait(240s);
   if (ran.exit_code != 0 ||
@@ -466,6 +470,119 @@ TEST(DcpSaveMultiprocess, AnAsyncSaveAtThreeWritesInTheBackgroundAndCommitsAtWai
   // The second save's files replaced the first's.
   EXPECT_EQ(files_in(folder),
             (std::set<std::string>{".metadata", "__0_1.distcp", "__1_1.distcp", "__2_1.distcp"}));
+}
+
+// A fused q|k|v split across tensor-parallel ranks is one nn.Linear(in, 3h) to PyTorch: ddp's
+// column-parallel layer with fused_blocks 3 at tp 2 saves it as [12, 6] (each rank's rows of each
+// block a chunk); ddp's plain loader reads it into a torch::nn::Linear that computes what the
+// split model computed; PyTorch loads it into its own nn.Linear through get_state_dict, equal to
+// that and to the same output, takes a step and saves; the split model loads that at tp 2, each
+// rank its rows of each block, and the next step from each is the same.
+struct FusedQkvModel : torch::nn::Module {
+  explicit FusedQkvModel(const std::shared_ptr<ProcessGroup>& tp) {
+    qkv = register_module(
+        "qkv", ColumnParallelLinear(ColumnParallelLinearOptions{.in_features = 6,
+                                                                .out_features = 12,
+                                                                .gather_output = true,
+                                                                .fused_blocks = 3,
+                                                                .seed = 5,
+                                                                .dtype = torch::kFloat64},
+                                    tp));
+    head = register_module("head", torch::nn::Linear(12, 2));
+    head->to(torch::kFloat64);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(qkv(x).tanh()); }
+  ColumnParallelLinear qkv{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+struct PlainQkvModel : torch::nn::Module {
+  PlainQkvModel() {
+    qkv = register_module("qkv", torch::nn::Linear(6, 12));
+    head = register_module("head", torch::nn::Linear(12, 2));
+    to(torch::kFloat64);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(qkv(x).tanh()); }
+  torch::nn::Linear qkv{nullptr}, head{nullptr};
+};
+
+TEST(DcpModelStateOfPyTorch,
+     AFusedQkvSplitAtTpTwoAndAPythonNnLinearResumeFromEachOthersCheckpoints) {
+  if (const std::string missing = pytorch_dcp_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  test::TempDir dir("ddp-dcp-qkv-pytorch");
+  const at::Tensor batch = torch::arange(18, torch::kFloat64).reshape({3, 6}) / 10;
+  auto step = [&](torch::nn::Module& model, auto& forward, torch::optim::Optimizer& optimizer) {
+    optimizer.zero_grad();
+    forward(model).square().sum().backward();
+    optimizer.step();
+  };
+  const int port_save = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto tp = join_group(rank, 2, port_save);
+    torch::manual_seed(3);  // the head, replicated: the same on both ranks
+    FusedQkvModel model(tp);
+    torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(0.01));
+    auto forward = [&](torch::nn::Module&) { return model.forward(batch); };
+    for (int i = 0; i < 2; ++i)
+      step(model, forward, optimizer);
+    save_dcp(dcp_model_state(model, &optimizer, tensor_parallel_dcp_layout(model)),
+             dir.path() / "cpp", {.group = tp});
+    const torch::Tensor computed = model.forward(batch).detach();  // collective: every rank
+    if (rank == 0) {
+      StateDict output;
+      output.insert("output", computed);
+      std::filesystem::create_directories(dir.path() / "cpp_refs");
+      save_state_dict(output, dir.path() / "cpp_refs" / "output.pt");
+    }
+  }));
+  auto results = run_ranks(1, [&](int) {
+    const DcpReader saved(dir.path() / "cpp");
+    if (saved.info().tensors.at("model.qkv.weight").shape != std::vector<std::int64_t>{12, 6})
+      throw std::runtime_error("the fused q|k|v was not saved as nn.Linear's [12, 6]");
+    PlainQkvModel model;
+    torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(0.5));
+    if (!load_dcp_model_state(dir.path() / "cpp", model, &optimizer).complete())
+      throw std::runtime_error("ddp's plain loader did not load all of the split checkpoint");
+    const StateDict output = read_state_dict(dir.path() / "cpp_refs" / "output.pt");
+    if (!torch::allclose(model.forward(batch), *output.find("output"), 0, 1e-12))
+      throw std::runtime_error("the plain nn.Linear computes another output than the split model");
+    pytorch_resumes_and_saves(dir.path(), model, optimizer, false, /*qkv=*/true);
+  });
+  ASSERT_TRUE(results[0].ok()) << test::describe(results);
+
+  const int port_load = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto tp = join_group(rank, 2, port_load);
+    torch::manual_seed(11);  // not the saved values: a part left unread would show
+    FusedQkvModel model(tp);
+    torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(0.5));
+    if (!load_dcp_model_state(dir.path() / "py", model, &optimizer, {},
+                              tensor_parallel_dcp_layout(model))
+             .complete()) {
+      throw std::runtime_error("the split model did not load all of PyTorch's checkpoint");
+    }
+    PlainQkvModel reference;
+    load_state_dict(reference, dir.path() / "py_refs" / "model.pt");
+    torch::optim::Adam reference_optimizer(reference.parameters(), torch::optim::AdamOptions(0.5));
+    load_optimizer_state_dict(reference_optimizer, dir.path() / "py_refs" / "optim.pt");
+    // This rank's rows of each of the three blocks.
+    auto mine = [&](const torch::Tensor& whole) {
+      return whole.reshape({3, 4, -1}).narrow(1, 2 * rank, 2).reshape({6, -1}).squeeze(-1);
+    };
+    if (!torch::equal(model.qkv->weight, mine(reference.qkv->weight)) ||
+        !torch::equal(model.qkv->bias, mine(reference.qkv->bias)) ||
+        !torch::equal(model.head->weight, reference.head->weight)) {
+      throw std::runtime_error("the split model loaded other values than PyTorch saved");
+    }
+    auto forward = [&](torch::nn::Module&) { return model.forward(batch); };
+    auto reference_forward = [&](torch::nn::Module&) { return reference.forward(batch); };
+    step(model, forward, optimizer);
+    step(reference, reference_forward, reference_optimizer);
+    if (!torch::allclose(model.qkv->weight, mine(reference.qkv->weight), 0, 1e-12) ||
+        !torch::allclose(model.head->weight, reference.head->weight, 0, 1e-12)) {
+      throw std::runtime_error("after one more step, the split model differs from the plain one");
+    }
+  }));
 }
 
 }  // namespace DDP_UNITY_ID

@@ -53,11 +53,16 @@ namespace ddp {
 // `local_view` (a reshape of it; empty: its own shape), it is the region at `offsets` of a tensor
 // of shape `global_shape`. E.g. a column-parallel weight [out / tp, in] of tp rank r: global
 // {out, in}, offsets {r * out / tp, 0}; a fused q|k|v one [3 * h / tp, in]: local_view
-// {3, h / tp, in}, global {3, h, in}, offsets {0, r * h / tp, 0}.
+// {3, h / tp, in}, global {3, h, in}, offsets {0, r * h / tp, 0}, saved {3 * h, in}.
 struct DcpShardSpec {
   std::vector<std::int64_t> local_view;
   std::vector<std::int64_t> offsets;
   std::vector<std::int64_t> global_shape;
+  // The shape the checkpoint records, where it is not global_shape (empty): global_shape with
+  // its first two dimensions merged, as PyTorch's nn.Linear holds a fused q|k|v ([3 * h, in]).
+  // The part is then saved as one chunk per index of its first dimension (each rank's rows of
+  // each block); a load also reads a checkpoint that recorded global_shape itself.
+  std::vector<std::int64_t> saved_shape;
 };
 
 struct DcpModelLayout {

@@ -26,6 +26,18 @@ DcpShardSpec part_of(std::vector<std::int64_t> global, std::size_t dim, std::int
   return spec;
 }
 
+// A fused weight or bias [blocks, rows, ...] split along its rows, saved as PyTorch's nn.Linear
+// holds it: [blocks * rows, ...].
+DcpShardSpec fused_part_of(std::vector<std::int64_t> global, std::int64_t rank,
+                           std::int64_t parts) {
+  std::vector<std::int64_t> view = global;
+  view[1] /= parts;
+  DcpShardSpec spec = part_of(global, 1, rank, parts, std::move(view));
+  spec.saved_shape = {global[0] * global[1]};
+  spec.saved_shape.insert(spec.saved_shape.end(), global.begin() + 2, global.end());
+  return spec;
+}
+
 // The specs of `m`'s own parameters, if it is one of ddp's split layers, under `prefix`.
 void add_specs(const torch::nn::Module& m, const std::string& prefix, DcpModelLayout& layout) {
   if (const auto* column = m.as<ColumnParallelLinearImpl>()) {
@@ -37,23 +49,21 @@ void add_specs(const torch::nn::Module& m, const std::string& prefix, DcpModelLa
       if (column->bias.defined())
         layout.shards.emplace(join(prefix, "bias"), part_of({rows}, 0, r, tp));
     } else {
-      layout.shards.emplace(join(prefix, "weight"), part_of({f, rows, o.in_features}, 1, r, tp,
-                                                            {f, rows / tp, o.in_features}));
+      layout.shards.emplace(join(prefix, "weight"), fused_part_of({f, rows, o.in_features}, r, tp));
       if (column->bias.defined())
-        layout.shards.emplace(join(prefix, "bias"), part_of({f, rows}, 1, r, tp, {f, rows / tp}));
+        layout.shards.emplace(join(prefix, "bias"), fused_part_of({f, rows}, r, tp));
     }
   } else if (m.as<GptBlockImpl>() != nullptr) {
-    // A GptBlock not split (tp 1) saves its fused q|k|v as the split one does, [3, h, in], so
-    // that checkpoints cross between tp 1 and any other tp.
+    // A GptBlock not split (tp 1) holds its fused q|k|v as one nn.Linear, which is how the
+    // split one saves it ([3 * h, in]); its spec (one part of one) lets a checkpoint that
+    // recorded [3, h, in] (before ddp saved the merged shape) load too.
     for (const auto& child : m.named_children()) {
       const auto* linear = child.value()->as<torch::nn::LinearImpl>();
       if (child.key() != "attn_qkv" || linear == nullptr) continue;
       const std::int64_t rows = linear->weight.size(0) / 3, in = linear->weight.size(1);
-      layout.shards.emplace(join(prefix, "attn_qkv.weight"),
-                            part_of({3, rows, in}, 1, 0, 1, {3, rows, in}));
+      layout.shards.emplace(join(prefix, "attn_qkv.weight"), fused_part_of({3, rows, in}, 0, 1));
       if (linear->bias.defined())
-        layout.shards.emplace(join(prefix, "attn_qkv.bias"),
-                              part_of({3, rows}, 1, 0, 1, {3, rows}));
+        layout.shards.emplace(join(prefix, "attn_qkv.bias"), fused_part_of({3, rows}, 0, 1));
     }
   } else if (const auto* row = m.as<RowParallelLinearImpl>()) {
     const auto& o = row->options();

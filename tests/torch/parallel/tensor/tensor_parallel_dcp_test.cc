@@ -3,8 +3,9 @@
 // embedding, a fused q|k|v column-parallel layer gathering its output, a column-parallel one
 // feeding a row-parallel one with its replicated bias, a replicated LayerNorm) and its AdamW state
 // saved at tp 2 load at tp 4 and tp 1, and saving them again writes the same tensors; the next step
-// at every tp ends where tp 2's does. A model whose split differs (q|k|v not fused) is refused
-// naming the tensor and both shapes.
+// at every tp ends where tp 2's does. The fused q|k|v is saved as the nn.Linear PyTorch holds it
+// ([3h, in]), so a model whose q|k|v is not fused reads the same tensor; a checkpoint saved before
+// that ([3, h, in]) still loads, and where that shape does not fit, the error names both.
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -130,10 +131,12 @@ TEST(TensorParallelDcp, SavedAtTpTwoLoadsAtTpFourAndOneAndTheNextStepEndsAlike) 
   at_tp(1, d / "tp2", d / "tp1", d / "tp1_step");
   auto results = run_ranks(1, [&](int) {
     const DcpReader saved(d / "tp2");
-    // The fused q|k|v weight is saved as its 3 blocks (what any tp size saves), rows split.
+    // The fused q|k|v weight is saved as one [3h, in] tensor (PyTorch's nn.Linear), each rank's
+    // rows of each of the 3 blocks a chunk.
     EXPECT_EQ(saved.info().tensors.at("model.qkv.weight").shape,
-              (std::vector<std::int64_t>{3, 4, 6}));
-    EXPECT_EQ(saved.info().tensors.at("optim.state.qkv.weight.exp_avg").chunks.size(), 2u);
+              (std::vector<std::int64_t>{12, 6}));
+    EXPECT_EQ(saved.info().tensors.at("model.qkv.bias").shape, (std::vector<std::int64_t>{12}));
+    EXPECT_EQ(saved.info().tensors.at("optim.state.qkv.weight.exp_avg").chunks.size(), 6u);
     EXPECT_EQ(saved.info().tensors.at("model.proj.bias").chunks.size(), 1u);  // replicated
     // Loaded at tp 4 and 1 and saved again: the same tensors to the bit.
     expect_same_tensors(d / "tp2", d / "tp4", 0);
@@ -144,8 +147,40 @@ TEST(TensorParallelDcp, SavedAtTpTwoLoadsAtTpFourAndOneAndTheNextStepEndsAlike) 
   });
   EXPECT_ALL_RANKS_OK(results);
 
-  // A model whose q|k|v is not fused splits that weight another way: named, nothing loaded.
-  const int port = test::free_port();
+  // A model whose q|k|v is not fused holds the same [12, 6] tensor split into plain row
+  // ranges: at tp 2, each rank reads its rows of it.
+  int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto tp = join_group(rank, 2, port);
+    TpModel unfused(tp, /*fused_blocks=*/1);
+    torch::optim::AdamW optimizer(unfused.parameters(), torch::optim::AdamWOptions(0.5));
+    load_dcp_model_state(d / "tp2", unfused, &optimizer, {}, tensor_parallel_dcp_layout(unfused));
+    const DcpReader saved(d / "tp2");
+    EXPECT_TRUE(
+        torch::equal(unfused.qkv->weight, saved.read("model.qkv.weight").narrow(0, 6 * rank, 6)));
+  }));
+
+  // A checkpoint that recorded the fused q|k|v as [3, h, in] (ddp's layout before it saved
+  // nn.Linear's) loads at tp 4 as the new one does; a model whose q|k|v is not fused cannot tell
+  // which rows of that tensor are which: named, nothing loaded.
+  port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(2, [&](int rank) {
+    auto tp = join_group(rank, 2, port);
+    TpModel model(tp);
+    torch::optim::AdamW optimizer(model.parameters(), torch::optim::AdamWOptions(0.05));
+    DcpModelLayout layout = tensor_parallel_dcp_layout(model);
+    load_dcp_model_state(d / "tp2", model, &optimizer, {}, layout);
+    for (auto& [name, spec] : layout.shards)
+      spec.saved_shape.clear();
+    save_dcp(dcp_model_state(model, &optimizer, layout), d / "tp2_blocks", {.group = tp});
+  }));
+  at_tp(4, d / "tp2_blocks", d / "tp4_from_blocks", d / "tp4_from_blocks_step");
+  EXPECT_ALL_RANKS_OK(run_ranks(1, [&](int) {
+    EXPECT_EQ(DcpReader(d / "tp2_blocks").info().tensors.at("model.qkv.weight").shape,
+              (std::vector<std::int64_t>{3, 4, 6}));
+    expect_same_tensors(d / "tp4", d / "tp4_from_blocks", 0);
+  }));
+  port = test::free_port();
   EXPECT_ALL_RANKS_OK(run_ranks(1, [&](int rank) {
     auto tp = join_group(rank, 1, port);
     TpModel unfused(tp, /*fused_blocks=*/1);
@@ -153,13 +188,28 @@ TEST(TensorParallelDcp, SavedAtTpTwoLoadsAtTpFourAndOneAndTheNextStepEndsAlike) 
     const at::Tensor before = unfused.qkv->weight.clone();
     EXPECT_THAT(
         [&] {
-          load_dcp_model_state(d / "tp2", unfused, &optimizer, {},
+          load_dcp_model_state(d / "tp2_blocks", unfused, &optimizer, {},
                                tensor_parallel_dcp_layout(unfused));
         },
         ::testing::ThrowsMessage<StateDictMismatchError>(
             AllOf(HasSubstr("'model.qkv.weight' is [3, 4, 6] in the checkpoint"),
                   HasSubstr("belongs to a tensor [12, 6]"))));
     EXPECT_TRUE(torch::equal(unfused.qkv->weight, before));
+  }));
+}
+
+// A layout may save a part only as its global shape or with the first two dimensions merged.
+TEST(TensorParallelDcp, ASavedShapeThatIsNoMergeOfTheGlobalShapeIsRefused) {
+  const int port = test::free_port();
+  EXPECT_ALL_RANKS_OK(run_ranks(1, [&](int rank) {
+    auto tp = join_group(rank, 1, port);
+    TpModel model(tp);
+    DcpModelLayout layout = tensor_parallel_dcp_layout(model);
+    layout.shards.at("qkv.weight").saved_shape = {4, 18};
+    EXPECT_THAT([&] { dcp_model_state(model, nullptr, layout); },
+                ::testing::ThrowsMessage<ConfigError>(AllOf(
+                    HasSubstr("saves 'qkv.weight' as [4, 18]"),
+                    HasSubstr("global shape [3, 4, 6] with the first two dimensions merged"))));
   }));
 }
 

@@ -9,9 +9,10 @@
 //
 // ColumnParallelLinear: weight [out / tp, in] at rows r * out / tp of [out, in], its bias alike;
 // with fused_blocks f (a fused q|k|v) the weight is viewed as [f, out / (f * tp), in], rank r's
-// rows of each block, in a tensor [f, out / f, in] (which is what any tp size saves, so the
-// layers of one fused_blocks load each other's checkpoints at any tp; a GptBlock that is not
-// split, at tp 1, saves its attn_qkv the same way). RowParallelLinear: weight
+// rows of each block, in a tensor [f, out / f, in] saved as [out, in] (DcpShardSpec::saved_shape:
+// what PyTorch's nn.Linear holds, and what any tp size saves, one chunk per block and rank; a
+// GptBlock that is not split, at tp 1, saves its attn_qkv the same way; a checkpoint that recorded
+// [f, out / f, in] loads too). RowParallelLinear: weight
 // [out, in / tp] at columns r * in / tp (its bias is whole). VocabParallelEmbedding: weight
 // [V / tp, D] at rows r * V / tp. Names are `module`'s state_dict names.
 #pragma once
