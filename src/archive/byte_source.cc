@@ -63,6 +63,7 @@ void ByteSource::read(std::uint64_t offset, void* out, std::size_t n) const {
                                   "{}-byte file",
                                   n, offset, size_));
   }
+  if (n == 0) return;  // `out` may be null then (an empty vector's data), which memcpy forbids
   if (fd_ < 0) {
     std::memcpy(out, memory_.data() + offset, n);
     return;

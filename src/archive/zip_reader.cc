@@ -8,11 +8,13 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "archive/byte_source.h"
 #include "archive/crc32.h"
@@ -194,6 +196,78 @@ struct IntoWindow {
     filled += n;
   }
 };
+// The elements of a ZipArrayWindow's region: its runs (the region's part of a row of the array,
+// with trailing dimensions the region and the destination hold whole merged in), visited in the
+// record's order by an odometer over the dimensions before the last, each copied out of the
+// scratch pieces as they pass.
+class IntoArray {
+ public:
+  explicit IntoArray(const ZipArrayWindow& w)
+      : shape_(w.shape),
+        begin_(w.begin),
+        count_(w.count),
+        out_strides_(w.out_strides),
+        out_(w.out) {
+    while (shape_.size() >= 2 && count_.back() == shape_.back() &&
+           out_strides_[out_strides_.size() - 2] == count_.back() * out_strides_.back()) {
+      const std::uint64_t last = shape_.back();
+      shape_.pop_back();
+      begin_.pop_back();
+      count_.pop_back();
+      out_strides_.pop_back();
+      shape_.back() *= last;
+      begin_.back() *= last;
+      count_.back() *= last;
+      out_strides_.back() = w.element_bytes;
+    }
+    record_strides_.assign(shape_.size(), w.element_bytes);
+    for (std::size_t d = shape_.size() - 1; d > 0; --d)
+      record_strides_[d - 1] = record_strides_[d] * shape_[d];
+    run_bytes_ = count_.back() * w.element_bytes;
+    index_.assign(shape_.size(), 0);
+    done_ = std::any_of(count_.begin(), count_.end(), [](std::uint64_t c) { return c == 0; });
+    locate();
+  }
+  unsigned char* place(std::size_t, unsigned char* scratch) { return scratch; }
+  void took(const unsigned char* at, std::size_t n) {
+    const std::uint64_t end = filled_ + n;
+    while (!done_ && run_begin_ < end) {
+      const std::uint64_t lo = std::max(run_begin_, filled_);
+      const std::uint64_t hi = std::min(run_begin_ + run_bytes_, end);
+      if (lo < hi) std::memcpy(run_out_ + (lo - run_begin_), at + (lo - filled_), hi - lo);
+      if (run_begin_ + run_bytes_ > end) break;  // the run goes on in the next piece
+      advance();
+    }
+    filled_ = end;
+  }
+
+ private:
+  void locate() {
+    run_begin_ = 0;
+    run_out_ = out_;
+    for (std::size_t d = 0; d < shape_.size(); ++d) {
+      run_begin_ += (begin_[d] + index_[d]) * record_strides_[d];
+      run_out_ += index_[d] * out_strides_[d];
+    }
+  }
+  void advance() {
+    for (std::size_t d = shape_.size() - 1; d-- > 0;) {
+      if (++index_[d] < count_[d]) {
+        locate();
+        return;
+      }
+      index_[d] = 0;
+    }
+    done_ = true;
+  }
+
+  std::vector<std::uint64_t> shape_, begin_, count_, out_strides_, record_strides_, index_;
+  unsigned char* out_;
+  std::uint64_t run_bytes_ = 0, run_begin_ = 0, filled_ = 0;
+  unsigned char* run_out_ = nullptr;
+  bool done_ = false;
+};
+
 struct Discard {
   unsigned char* place(std::size_t, unsigned char* scratch) { return scratch; }
   void took(const unsigned char*, std::size_t) {}
@@ -218,6 +292,28 @@ void ZipReader::read_window(const ZipEntry& entry, std::uint64_t begin, std::uin
                     begin, begin, length, entry.name, entry.size));
   }
   read_into(entry, static_cast<unsigned char*>(out), /*verify=*/true, begin, length);
+}
+
+void ZipReader::read_array_window(const ZipEntry& entry, const ZipArrayWindow& window) const {
+  const std::size_t dims = window.shape.size();
+  bool fits = dims > 0 && window.element_bytes > 0 && window.begin.size() == dims &&
+              window.count.size() == dims && window.out_strides.size() == dims &&
+              window.out_strides.back() == window.element_bytes;
+  std::uint64_t bytes = window.element_bytes;
+  for (std::size_t d = 0; fits && d < dims; ++d) {
+    fits = window.begin[d] <= window.shape[d] &&
+           window.count[d] <= window.shape[d] - window.begin[d] &&
+           (window.shape[d] == 0 || bytes <= UINT64_MAX / window.shape[d]);
+    bytes *= window.shape[d];
+  }
+  if (!fits || bytes != entry.size) {
+    throw Error(fmt::format(
+        "ZipReader::read_array_window: the window does not describe record '{}' of {} bytes "
+        "(an array of [{}] elements of {} bytes, a region at [{}] of [{}])",
+        entry.name, entry.size, fmt::join(window.shape, ", "), window.element_bytes,
+        fmt::join(window.begin, ", "), fmt::join(window.count, ", ")));
+  }
+  stream(entry, IntoArray(window));
 }
 
 void ZipReader::read_into(const ZipEntry& entry, unsigned char* out, bool verify,

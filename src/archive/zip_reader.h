@@ -50,6 +50,17 @@ struct ZipEntry {
   std::uint64_t data_offset = 0;  // from the local header
 };
 
+// A region of a record that is a row-major array (a tensor's storage): which elements are kept,
+// and where. Element (i_0, ..., i_{n-1}) of the region (i_d < count[d]) goes to out + sum(i_d *
+// out_strides[d]); out_strides' last is element_bytes (the region's rows are contiguous there).
+struct ZipArrayWindow {
+  std::vector<std::uint64_t> shape;  // the record's array, in elements; the product fills it
+  std::uint64_t element_bytes = 1;
+  std::vector<std::uint64_t> begin, count;
+  unsigned char* out = nullptr;
+  std::vector<std::uint64_t> out_strides;  // in bytes
+};
+
 class ZipReader {
  public:
   // Throws ConfigError where the file cannot be opened or read, FormatError where its bytes are
@@ -80,6 +91,12 @@ class ZipReader {
   // the record's end is an Error (a caller's bug).
   void read_window(const ZipEntry& entry, std::uint64_t begin, std::uint64_t length,
                    void* out) const;
+  // Reads the whole record and verifies it as read() does, but keeps only the elements of a
+  // region of it (a column split of a matrix: the overlap's part of each row), through one piece
+  // of scratch memory. A window that does not describe the record (its shape's bytes are not the
+  // record's size, a region outside the shape, strides of another count) is an Error (a caller's
+  // bug).
+  void read_array_window(const ZipEntry& entry, const ZipArrayWindow& window) const;
   // The same into a string; a record over `max_bytes` is a FormatError (kTooLarge) before it is
   // read.
   std::string read_string(const ZipEntry& entry, std::uint64_t max_bytes) const;

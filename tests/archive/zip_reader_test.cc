@@ -298,6 +298,83 @@ TEST(ZipReader, AWindowKeepsItsBytesAndTheWholeRecordIsStillVerified) {
                    "fails its CRC-32 check"));
 }
 
+TEST(ZipReader, AnArrayWindowKeepsItsRegionsElementsWhereverTheyGo) {
+  // A record that is a [5, 300, 70] array of 4-byte elements (about 410 KiB: several 64 KiB
+  // pieces, so runs cross them), stored and deflated; regions that split the last dimension, the
+  // middle one, whole trailing dimensions (merged into longer runs), one element, none; the
+  // destination with room around each row (its strides not the region's), checked element by
+  // element, and its gaps untouched.
+  const std::vector<std::uint64_t> shape = {5, 300, 70};
+  std::string data(5 * 300 * 70 * 4, '\0');
+  for (std::size_t i = 0; i < data.size(); ++i)
+    data[i] = static_cast<char>((i * 2654435761u) >> 13);
+  test::TempDir dir("ddp-zip-array-window");
+  const auto path = dir.path() / "array.zip";
+  std::ofstream(path, std::ios::binary) << make_zip(
+      {{.name = "a/stored", .data = data}, {.name = "a/deflated", .data = data, .deflate = true}});
+  const auto reader = ZipReader::open(path);
+  struct Region {
+    std::vector<std::uint64_t> begin, count;
+  };
+  for (const std::string name : {"a/stored", "a/deflated"}) {
+    for (const Region& r : {Region{{0, 0, 35}, {5, 300, 35}}, Region{{1, 17, 3}, {3, 250, 60}},
+                            Region{{2, 100, 0}, {2, 150, 70}}, Region{{0, 0, 0}, {5, 300, 70}},
+                            Region{{4, 299, 69}, {1, 1, 1}}, Region{{1, 2, 3}, {0, 4, 5}}}) {
+      // Destination planes padded by one row, and rows by 3 elements where the region splits them
+      // (nothing is contiguous by luck); whole rows are not padded, so they merge into runs.
+      const std::uint64_t pad = r.count[2] == 70 ? 0 : 3;
+      const std::uint64_t row = (r.count[2] + pad) * 4, plane = (r.count[1] + 1) * row;
+      std::string out(std::max<std::uint64_t>(r.count[0] * plane, 1), '\x5a');
+      reader.read_array_window(*reader.find(name),
+                               {.shape = shape,
+                                .element_bytes = 4,
+                                .begin = r.begin,
+                                .count = r.count,
+                                .out = reinterpret_cast<unsigned char*>(out.data()),
+                                .out_strides = {plane, row, 4}});
+      std::string want(out.size(), '\x5a');
+      for (std::uint64_t i = 0; i < r.count[0]; ++i)
+        for (std::uint64_t j = 0; j < r.count[1]; ++j)
+          for (std::uint64_t k = 0; k < r.count[2]; ++k)
+            want.replace(
+                i * plane + j * row + k * 4, 4,
+                data.substr((((r.begin[0] + i) * 300 + r.begin[1] + j) * 70 + r.begin[2] + k) * 4,
+                            4));
+      EXPECT_TRUE(out == want) << name << " at " << r.begin[0] << "," << r.begin[1] << ","
+                               << r.begin[2];
+    }
+    // A window that does not describe the record is the caller's bug.
+    std::string out(64, '\0');
+    auto window = [&](std::vector<std::uint64_t> array, std::vector<std::uint64_t> begin) {
+      return ZipArrayWindow{.shape = std::move(array),
+                            .element_bytes = 4,
+                            .begin = std::move(begin),
+                            .count = {1, 1, 1},
+                            .out = reinterpret_cast<unsigned char*>(out.data()),
+                            .out_strides = {4, 4, 4}};
+    };
+    EXPECT_THROW(reader.read_array_window(*reader.find(name), window({5, 300, 69}, {0, 0, 0})),
+                 Error);
+    EXPECT_THROW(reader.read_array_window(*reader.find(name), window(shape, {0, 0, 70})), Error);
+  }
+  // A damaged byte outside the region fails the record's CRC-32.
+  std::string bad = make_zip({{.name = "a/stored", .data = data}});
+  bad[bad.find(data.substr(0, 64)) + data.size() - 1] ^= 0x08;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bad;
+  const auto damaged = ZipReader::open(path);
+  std::string out(4, '\0');
+  EXPECT_TRUE(says(error_of([&] {
+                     damaged.read_array_window(*damaged.find("a/stored"),
+                                               {.shape = shape,
+                                                .element_bytes = 4,
+                                                .begin = {0, 0, 0},
+                                                .count = {1, 1, 1},
+                                                .out = reinterpret_cast<unsigned char*>(out.data()),
+                                                .out_strides = {4, 4, 4}});
+                   }),
+                   "fails its CRC-32 check"));
+}
+
 TEST(ZipReader, AFileThatShrinksWhileReadIsAnErrorNotAShortRecord) {
   test::TempDir dir("ddp-zip-shrink");
   const auto path = dir.path() / "a.zip";

@@ -13,6 +13,7 @@
 #include <fmt/ranges.h>
 
 #include "archive/dcp_metadata.h"
+#include "archive/zip_reader.h"
 #include "torch/checkpoint/dcp_info.h"
 #include "torch/formats/pytorch_archive.h"
 
@@ -127,16 +128,21 @@ c10::IValue read_item(const std::filesystem::path& folder, const DcpStorageInfo&
 
 // The chunk's tensor; with `into`, its storage is read straight into those bytes (the chunk's
 // size exactly), which the returned tensor views, or only its bytes [into_offset, into_offset +
-// into_bytes) are (the returned tensor then views no data: its dtype, sizes and strides only).
+// into_bytes) are (the returned tensor then views no data: its dtype, sizes and strides only);
+// with `window`, only that region of its storage read as the chunk's array is kept, where the
+// window places it (PytorchArchiveReadOptions::array_window: the tensor views no data, unless the
+// storage was not that array and was read whole).
 at::Tensor read_chunk(const std::filesystem::path& folder, const std::string& name,
                       const DcpTensorInfo& tensor, const DcpChunkInfo& chunk, void* into = nullptr,
-                      std::uint64_t into_bytes = 0, std::uint64_t into_offset = 0) {
+                      std::uint64_t into_bytes = 0, std::uint64_t into_offset = 0,
+                      const archive::ZipArrayWindow* window = nullptr) {
   const std::string what =
       fmt::format("the chunk of '{}' at [{}]", name, fmt::join(chunk.offsets, ", "));
   detail::PytorchArchiveReadOptions options;
   options.into = into;
   options.into_bytes = into_bytes;
   options.into_offset = into_offset;
+  options.array_window = window;
   const c10::IValue value = read_item(folder, chunk.storage, what, options);
   if (!value.isTensor()) {
     throw StateDictFormatError(
@@ -220,6 +226,48 @@ at::Tensor DcpReader::read(const std::string& name, const std::vector<std::int64
     to.copy_(from);
     copied += elements;
   };
+  // The overlap of a chunk split along another dimension than the region's rows (a column
+  // split, resharding tensor parallelism's row-parallel weights) read as a window of the chunk's
+  // array: the overlap's part of each of its rows goes straight into place, the rest through
+  // scratch memory (all of the record read and verified), so no chunk-sized buffer is made.
+  auto read_overlap = [&](const DcpChunkInfo& chunk) {
+    archive::ZipArrayWindow window;
+    window.element_bytes = static_cast<std::uint64_t>(element);
+    std::int64_t elements = 1;
+    auto* place = static_cast<unsigned char*>(out.data_ptr());
+    for (std::size_t d = 0; d < dims; ++d) {
+      const std::int64_t lo = std::max(offsets[d], chunk.offsets[d]);
+      const std::int64_t hi = std::min(offsets[d] + sizes[d], chunk.offsets[d] + chunk.sizes[d]);
+      if (lo >= hi) return;
+      const auto dim = static_cast<std::int64_t>(d);
+      window.shape.push_back(static_cast<std::uint64_t>(chunk.sizes[d]));
+      window.begin.push_back(static_cast<std::uint64_t>(lo - chunk.offsets[d]));
+      window.count.push_back(static_cast<std::uint64_t>(hi - lo));
+      window.out_strides.push_back(static_cast<std::uint64_t>(out.stride(dim) * element));
+      place += (lo - offsets[d]) * out.stride(dim) * element;
+      elements *= hi - lo;
+    }
+    window.out = place;
+    const at::Tensor read = read_chunk(folder_, name, tensor, chunk, nullptr, 0, 0, &window);
+    if (read.storage().data() != nullptr) {
+      // The chunk's storage held more than its elements, so it was read whole: take the overlap.
+      at::Tensor from = read, to = out;
+      for (std::size_t d = 0; d < dims; ++d) {
+        const auto dim = static_cast<std::int64_t>(d);
+        const std::int64_t lo = std::max(offsets[d], chunk.offsets[d]);
+        const std::int64_t hi = std::min(offsets[d] + sizes[d], chunk.offsets[d] + chunk.sizes[d]);
+        from = from.narrow(dim, lo - chunk.offsets[d], hi - lo);
+        to = to.narrow(dim, lo - offsets[d], hi - lo);
+      }
+      to.copy_(from);
+    } else if (!read.is_contiguous() || read.storage_offset() != 0) {
+      // Saved with other strides (a transposed tensor whose storage was compact): the bytes put
+      // in place were in that order; read the chunk whole instead, over them.
+      copy_overlap(chunk);
+      return;
+    }
+    copied += elements;
+  };
   for (const std::size_t i : candidates) {
     const DcpChunkInfo& chunk = tensor.chunks[i];
     // A chunk whose rows are the region's rows whole (every dimension but the first as the
@@ -232,7 +280,11 @@ at::Tensor DcpReader::read(const std::string& name, const std::vector<std::int64
       rows_whole = chunk.offsets[d] == offsets[d] && chunk.sizes[d] == sizes[d];
     }
     if (!rows_whole) {
-      copy_overlap(chunk);
+      if (dims > 0) {
+        read_overlap(chunk);
+      } else {
+        copy_overlap(chunk);  // a scalar: its one element
+      }
       continue;
     }
     const std::int64_t lo = std::max(offsets[0], chunk.offsets[0]);

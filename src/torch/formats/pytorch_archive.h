@@ -17,6 +17,10 @@
 
 #include <torch/torch.h>
 
+namespace ddp::archive {
+struct ZipArrayWindow;  // archive/zip_reader.h
+}  // namespace ddp::archive
+
 namespace ddp::detail {
 
 struct PytorchArchiveReadOptions {
@@ -35,6 +39,12 @@ struct PytorchArchiveReadOptions {
   // CRC-32 verified, the rest through scratch memory (ZipReader::read_window). The value's tensor
   // then views no data (a null pointer): only its dtype, sizes and strides may be used.
   std::uint64_t into_offset = 0;
+  // Instead of `into`: the archive's one storage, where it holds exactly the window's array, read
+  // as that row-major array keeping only the window's region, at the window's `out` and strides
+  // (ZipReader::read_array_window: all of the record read and verified); the value's tensor then
+  // views no data. A storage of another size is read into fresh memory as without options (the
+  // tensor views it: the caller takes the region from that).
+  const archive::ZipArrayWindow* array_window = nullptr;
 };
 
 // Reads the archive at `path` (with the zip reader's checks, archive/zip_reader.h, and the

@@ -98,6 +98,23 @@ c10::IValue read_opened_archive(const std::function<archive::ZipReader()>& open,
             entry->size, request.numel, c10::toString(request.dtype), want));
       }
       at::DataPtr bytes;
+      if (options.array_window != nullptr) {
+        if (into_used) {
+          throw StateDictFormatError(fmt::format(
+              "{}: holds a second storage '{}' where one was expected", source, request.key));
+        }
+        into_used = true;
+        const archive::ZipArrayWindow& window = *options.array_window;
+        std::uint64_t array_bytes = window.element_bytes;
+        for (const std::uint64_t n : window.shape)
+          array_bytes = n != 0 && array_bytes > UINT64_MAX / n ? 0 : array_bytes * n;
+        if (entry->size == array_bytes) {
+          zip.read_array_window(*entry, window);
+          return at::Storage(at::Storage::use_byte_size_t(), static_cast<std::size_t>(want),
+                             at::DataPtr(nullptr, at::kCPU), /*allocator=*/nullptr,
+                             /*resizable=*/false);
+        }
+      }
       if (options.into != nullptr) {
         const bool whole = options.into_offset == 0 && entry->size == options.into_bytes;
         if (into_used || entry->size < options.into_offset ||
@@ -127,7 +144,7 @@ c10::IValue read_opened_archive(const std::function<archive::ZipReader()>& open,
                          std::move(bytes), /*allocator=*/nullptr, /*resizable=*/false);
     };
     c10::IValue value = unpickle_restricted(pickle, load_storage, source);
-    if (options.into != nullptr && !into_used) {
+    if ((options.into != nullptr || options.array_window != nullptr) && !into_used) {
       throw StateDictFormatError(fmt::format(
           "{}: holds no storage where one of {} bytes was expected", source, options.into_bytes));
     }

@@ -2,9 +2,9 @@
 // does with it, without torch: the archive's folder, data.pkl through the restricted pickle
 // reader, every storage the pickle names read (when its record's declared size fits what the
 // pickle asks, as the torch layer requires before allocating) whole and through a window (the
-// same bytes, or a finding), and the CRC-32 of the records nobody read. Any outcome but a result or
-// a FormatError is a finding; so are time or memory beyond libFuzzer's limits (a zip bomb, an
-// overlap, a size that lies).
+// same bytes, or a finding) and as an array window (a region of it as rows and columns), and the
+// CRC-32 of the records nobody read. Any outcome but a result or a FormatError is a finding; so
+// are time or memory beyond libFuzzer's limits (a zip bomb, an overlap, a size that lies).
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -56,6 +56,30 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         std::fprintf(stderr, "fuzz_zip_reader: a window of '%s' differs from the whole read\n",
                      entry->name.c_str());
         std::abort();
+      }
+      // The record as a [rows, cols] array of bytes, a region of it kept in a destination whose
+      // rows are one byte longer (a column split's read): each byte kept is the whole read's.
+      std::uint64_t cols = 1 + size % 8;
+      if (entry->size % cols != 0) cols = 1;
+      const std::uint64_t rows = entry->size / cols;
+      const std::uint64_t row0 = size % (rows + 1), col0 = (size / 8) % (cols + 1);
+      const std::uint64_t row_count = (rows - row0 + 1) / 2, col_count = cols - col0;
+      std::vector<unsigned char> kept(static_cast<std::size_t>(row_count * (col_count + 1)) + 1);
+      zip.read_array_window(*entry, {.shape = {rows, cols},
+                                     .element_bytes = 1,
+                                     .begin = {row0, col0},
+                                     .count = {row_count, col_count},
+                                     .out = kept.data(),
+                                     .out_strides = {col_count + 1, 1}});
+      for (std::uint64_t r = 0; r < row_count; ++r) {
+        for (std::uint64_t c = 0; c < col_count; ++c) {
+          if (kept[r * (col_count + 1) + c] !=
+              static_cast<unsigned char>(bytes[(row0 + r) * cols + col0 + c])) {
+            std::fprintf(stderr, "fuzz_zip_reader: an array window of '%s' differs\n",
+                         entry->name.c_str());
+            std::abort();
+          }
+        }
       }
     });
     zip.verify_unread();

@@ -223,6 +223,10 @@ write("fuzz_zip_reader", "size_lies", zip_archive([
     ("archive/data.pkl", small_pickle, 0, None, None),
     ("archive/data/0", bytes(4096), 8, None, 40)]))
 write("fuzz_zip_reader", "hostile_pickle", torch_archive(hostile_pickles["dup_bomb"], []))
+# One byte, then an end-of-central-directory record whose empty directory is at byte 5: once
+# a read of 0 bytes into no buffer (undefined behaviour, found by this harness).
+write("fuzz_zip_reader", "empty_directory",
+      b"hPK\x05\x06" + bytes(12) + b"\x01\x00\x00\x00\x05\x00\x00\x00[\x00\x06")
 
 # --- RPC (src/rpc): the first byte picks raw (even: handshake, then frames) or frames after a
 # real handshake (odd); handshake.h and frame.h give the layouts ---

@@ -171,6 +171,64 @@ TEST(DcpReaderOfPyTorch, AChunkSavedTransposedReadsInPartAndWhole) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// A writer other than dcp.save may leave a chunk's whole storage behind it: torch.save of a view
+// (PyTorch's dcp.save clones such a view first). The folder is made with PyTorch's own classes,
+// and its dcp.load reads it. DcpReader reads each chunk whole, in rows (the window read finds the
+// storage offset and falls back to the chunk read whole), and in columns (the array window finds
+// the storage larger than the chunk and takes the overlap from the chunk read whole), for a view
+// that is contiguous and one that is not.
+TEST(DcpReaderOfPyTorch, AChunkWhoseStorageIsLargerThanItReadsInRowsColumnsAndWhole) {
+  if (const std::string missing = pytorch_dcp_missing(); !missing.empty()) GTEST_SKIP() << missing;
+  test::TempDir dir("ddp-dcp-views");
+  const auto folder = dir.path() / "ckpt";
+  auto save = test::Subprocess::start(
+      {test::paths::pytorch_python, "-c",
+       "import io, os, pickle, sys, torch\n"
+       "import torch.distributed.checkpoint as dcp\n"
+       "from torch.distributed.checkpoint.metadata import (Metadata, TensorStorageMetadata,\n"
+       "    TensorProperties, ChunkStorageMetadata, MetadataIndex)\n"
+       "from torch.distributed.checkpoint.filesystem import _StorageInfo\n"
+       "folder = sys.argv[1]\n"
+       "os.makedirs(folder)\n"
+       "big = torch.arange(30, dtype=torch.float32).reshape(6, 5)\n"
+       "views = {'rows': big[1:5], 'block': big[1:5, 1:4]}\n"
+       "data, md, storage = io.BytesIO(), {}, {}\n"
+       "for name, v in views.items():\n"
+       "    start = data.tell()\n"
+       "    torch.save(v, data)\n"
+       "    md[name] = TensorStorageMetadata(properties=TensorProperties(dtype=v.dtype),\n"
+       "        size=v.size(), chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]),\n"
+       "        sizes=v.size())])\n"
+       "    storage[MetadataIndex(name, torch.Size([0, 0]))] = _StorageInfo('__0_0.distcp',\n"
+       "        start, data.tell() - start)\n"
+       "open(os.path.join(folder, '__0_0.distcp'), 'wb').write(data.getvalue())\n"
+       "with open(os.path.join(folder, '.metadata'), 'wb') as f:\n"
+       "    pickle.dump(Metadata(state_dict_metadata=md, storage_data=storage), f)\n"
+       "out = {'rows': torch.zeros(4, 5), 'block': torch.zeros(4, 3)}\n"
+       "dcp.load(out, checkpoint_id=folder, no_dist=True)\n"
+       "assert all(torch.equal(out[k], v) for k, v in views.items())\n",
+       folder.string()});
+  const auto saved = save.wait(120s);
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  auto results = run_ranks(1, [&](int) {
+    const at::Tensor big = torch::arange(30, torch::kFloat32).reshape({6, 5});
+    const DcpReader checkpoint(folder);
+    for (const auto& [name, view] : {std::pair{"rows", big.slice(0, 1, 5)},
+                                     std::pair{"block", big.slice(0, 1, 5).slice(1, 1, 4)}}) {
+      EXPECT_TRUE(torch::equal(checkpoint.read(name), view)) << name;
+      EXPECT_TRUE(
+          torch::equal(checkpoint.read(name, {1, 0}, {2, view.size(1)}), view.slice(0, 1, 3)))
+          << name;
+      EXPECT_TRUE(torch::equal(checkpoint.read(name, {0, 1}, {4, 2}), view.slice(1, 1, 3))) << name;
+      EXPECT_TRUE(
+          torch::equal(checkpoint.read(name, {2, 2}, {2, 1}), view.slice(0, 2, 4).slice(1, 2, 3)))
+          << name;
+    }
+    checkpoint.verify();
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // dcp_model_state's layout is get_state_dict's: PyTorch resumes a model and its Adam state that
 // C++ saved (and checks them against reference files C++ wrote), takes a step, saves with
 // dcp.save, and C++ resumes that, equal to PyTorch's own reference files.
