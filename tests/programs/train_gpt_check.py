@@ -8,13 +8,23 @@ PP 2, DP 1 x TP 2 x PP 1, DP 4 x TP 1 x PP 2 and in one process for 5 more, and 
 TP 1 x PP 2 resumed at DP 2 x TP 2 x PP 2, end where the uninterrupted runs end; a resume of
 another model (fewer --layers) is named. With --fsdp (the same DCP folder): saved at DP 2 x TP 2,
 resumed at DP 1 x TP 2 and DP 2 x TP 1 with --fsdp and at DP 1 x TP 2 x PP 2 without; a pipeline's
-checkpoint resumed with --fsdp at another tp. Usage: train_gpt_check.py BUILD_BIN_DIR"""
+checkpoint resumed with --fsdp at another tp. A folder of the --fsdp layout before that (one
+ShardedTrainState per tp rank, tests/data/train_gpt) resumes at its own --tp and any --dp, and
+another --tp or no --fsdp is named. Usage: train_gpt_check.py BUILD_BIN_DIR"""
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Saved by train-gpt at a1e0f46 (before --fsdp saved DCP): tests/data/train_gpt/README.md.
+OLD_FSDP = os.path.join(REPO, "tests", "data", "train_gpt",
+                        "fsdp-sharded-train-state-dp2-tp2-step3.tar.gz")
+OLD_SHAPE = ("--layers", "1", "--hidden", "16", "--heads", "2", "--block-size", "8",
+             "--batch-size", "4")
 
 LAYOUTS = [  # dp, tp, pp, schedule, micro-batches, extra flags
     (1, 1, 1, "1f1b", 1, ()),
@@ -47,12 +57,12 @@ def layout(dp, tp, pp):
     return ("--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--microbatches", "2")
 
 
-def expect_resumed(bin_dir, ranks, args, folder, reference, what):
-    """Resumes from `folder` with `args` at `ranks` ranks: the run must say it resumed at step 5
-    and end where the uninterrupted run (`reference`: loss, param_sum) ends, to 1e-9."""
-    resumed = run(bin_dir, ranks, *args, "--checkpoint", folder, "--resume")
+def expect_resumed(bin_dir, ranks, args, folder, reference, what, at_step=5, steps=10):
+    """Resumes from `folder` with `args` at `ranks` ranks: the run must say it resumed at step
+    `at_step` and end where the uninterrupted run (`reference`: loss, param_sum) ends, to 1e-9."""
+    resumed = run(bin_dir, ranks, *args, "--checkpoint", folder, "--resume", steps=steps)
     match = re.search(r"final loss=(\S+) param_sum=(\S+)", resumed.stdout)
-    if resumed.returncode != 0 or "at step 5" not in resumed.stdout or not match:
+    if resumed.returncode != 0 or f"at step {at_step}" not in resumed.stdout or not match:
         sys.exit(f"{what}: failed:\n{resumed.stdout}\n{resumed.stderr}")
     for want, got, name in zip(reference, map(float, match.groups()), ("loss", "param_sum")):
         if abs(got - want) > 1e-9 * abs(want):
@@ -130,7 +140,43 @@ def main():
                     world *= int(value)
             expect_resumed(bin_dir, world, flags, copy, reference,
                            f"--fsdp saved at dp 2 x tp 2, resumed with {flags}")
+    check_old_fsdp_folder(bin_dir)
     print("ok:", {name: values for name, values in finals.items()})
+
+
+def check_old_fsdp_folder(bin_dir):
+    """The fixture (3 steps at dp 2 x tp 2, one ShardedTrainState per tp rank) resumes at tp 2 and
+    dp 1 or 2 to where 6 uninterrupted steps end; at tp 1, or without --fsdp, it is named."""
+    if not os.path.exists("/usr/share/common-licenses/GPL-3"):
+        print("skipped the old --fsdp folder: it was trained on /usr/share/common-licenses/GPL-3, "
+              "which this machine lacks")
+        return
+    done = run(bin_dir, 1, *OLD_SHAPE, steps=6)
+    match = re.search(r"final loss=(\S+) param_sum=(\S+)", done.stdout)
+    if done.returncode != 0 or not match:
+        sys.exit(f"the small model's uninterrupted run failed:\n{done.stdout}\n{done.stderr}")
+    reference = tuple(map(float, match.groups()))
+    with tempfile.TemporaryDirectory() as scratch:
+        def fresh(name):
+            target = os.path.join(scratch, name)
+            with tarfile.open(OLD_FSDP) as archive:
+                if hasattr(tarfile, "data_filter"):
+                    archive.extractall(target, filter="data")
+                else:
+                    archive.extractall(target)
+            return os.path.join(target, "oldfsdp")
+        for dp in (1, 2):
+            expect_resumed(bin_dir, dp * 2, OLD_SHAPE + ("--dp", str(dp), "--tp", "2", "--fsdp"),
+                           fresh(f"dp{dp}"), reference,
+                           f"the old --fsdp folder resumed at dp {dp} x tp 2", at_step=3, steps=6)
+        for flags, words in ((("--tp", "1", "--fsdp"), "resume with the --tp and --fsdp it was saved "
+                              "with"),
+                             (("--tp", "2"), "was saved with --fsdp (ShardedTrainState folders")):
+            other = run(bin_dir, 2 if "2" in flags else 1, *OLD_SHAPE, *flags, "--checkpoint",
+                        fresh("-".join(flags)), "--resume", steps=6)
+            if other.returncode == 0 or words not in other.stderr:
+                sys.exit(f"the old --fsdp folder resumed with {flags} was not named:\n"
+                         f"{other.stdout}\n{other.stderr}")
 
 
 if __name__ == "__main__":
