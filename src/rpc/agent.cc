@@ -80,6 +80,14 @@ void send_all_iov(int fd, iovec* iov, int count, net::Deadline deadline, const s
 Agent::Agent(Store& store, AgentOptions options)
     : store_(store), options_(std::move(options)), pool_(std::max(1, options_.threads)) {
   check_worker_name(options_.name);
+  if (options_.spin_before_sleep < std::chrono::microseconds(0) ||
+      options_.spin_before_sleep > std::chrono::microseconds(10'000)) {
+    throw ConfigError(fmt::format(
+        "rpc: spin_before_sleep of {} us is outside 0 to 10000 us (0: a waiting thread sleeps at "
+        "once; the default, {} us, suits calls between workers of one host)",
+        options_.spin_before_sleep.count(), kDefaultSpinBeforeSleep.count()));
+  }
+  set_spin_before_sleep(options_.spin_before_sleep);
   if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size) {
     throw ConfigError(fmt::format("rpc: rank {} is not in a world of {} workers", options_.rank,
                                   options_.world_size));

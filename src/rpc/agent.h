@@ -85,6 +85,8 @@ struct AgentOptions {
   Milliseconds timeout = kDefaultTimeout;
   std::uint64_t max_message_bytes = std::uint64_t{1} << 30;
   int threads = 16;
+  // call_future.h's spin_before_sleep, set for the process while this agent runs.
+  std::chrono::microseconds spin_before_sleep = kDefaultSpinBeforeSleep;
   // Keys in the store: <prefix>/<instance>/...; the instance counts this process's agents, so a
   // job that starts RPC again after a shut-down (every worker alike) gets fresh keys.
   std::string store_prefix = "rpc";

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <thread>
 
 namespace ddp::rpc::transport {
 
@@ -56,7 +57,33 @@ bool CallFuture::done() const {
   return state_->done;
 }
 
+namespace {
+std::atomic<std::int64_t> spin_micros{kDefaultSpinBeforeSleep.count()};
+}  // namespace
+
+void set_spin_before_sleep(std::chrono::microseconds spin) {
+  spin_micros.store(spin.count(), std::memory_order_relaxed);
+}
+
+std::chrono::microseconds spin_before_sleep() {
+  return std::chrono::microseconds(spin_micros.load(std::memory_order_relaxed));
+}
+
+// Until the call is complete or spin_before_sleep() passed, giving the core to any thread that
+// wants it (the reader that completes the call may be one of them) between looks.
+void CallFuture::spin_until_ready() const {
+  if (state_->ready.load(std::memory_order_acquire)) return;
+  const auto spin = spin_before_sleep();
+  if (spin.count() <= 0) return;
+  const auto until = std::chrono::steady_clock::now() + spin;
+  while (!state_->ready.load(std::memory_order_acquire) &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::yield();
+  }
+}
+
 const Reply& CallFuture::wait() const& {
+  spin_until_ready();
   std::unique_lock lock(state_->mutex);
   state_->cv.wait(lock, [&] { return state_->done; });
   return state_->reply;
@@ -74,6 +101,7 @@ void CallFuture::then(std::function<void(const Reply&)> callback) const {
 }
 
 Reply CallFuture::take() const {
+  spin_until_ready();
   std::unique_lock lock(state_->mutex);
   state_->cv.wait(lock, [&] { return state_->done; });
   return std::move(state_->reply);
@@ -96,6 +124,7 @@ bool CallPromise::complete(Reply reply) const {
     if (state_->done) return false;
     state_->reply = std::move(reply);
     state_->done = true;
+    state_->ready.store(true, std::memory_order_release);
     callbacks.swap(state_->callbacks);
   }
   state_->cv.notify_all();

@@ -8,6 +8,8 @@
 // callback that blocks would stall); added after completion, at once on the adding thread.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -91,13 +93,22 @@ struct Reply {
 
 using Executor = std::function<void(std::function<void()>)>;
 
+// How long a thread that waits for a call, or for work in the agent's pool, first yields its core
+// in a loop before it sleeps (process-wide; the agent sets it from AgentOptions): a round trip on
+// one host takes tens of microseconds, and a thread woken from sleep adds 10-20 of them (issue
+// 51's empty call). Zero: sleep at once.
+inline constexpr std::chrono::microseconds kDefaultSpinBeforeSleep{100};
+void set_spin_before_sleep(std::chrono::microseconds spin);
+std::chrono::microseconds spin_before_sleep();
+
 class CallFuture {
  public:
   CallFuture() = default;
   bool valid() const { return state_ != nullptr; }
   bool done() const;
   // Blocks until the call completes; the reply stays readable as long as the future lives. On a
-  // temporary (`agent.call(...).wait()`) a copy, which outlives it.
+  // temporary (`agent.call(...).wait()`) a copy, which outlives it. The waiter first yields its
+  // core in a loop for up to spin_before_sleep(), then sleeps.
   const Reply& wait() const&;
   Reply wait() && { return static_cast<const CallFuture&>(*this).wait(); }
   void then(std::function<void(const Reply&)> callback) const;
@@ -109,6 +120,7 @@ class CallFuture {
  private:
   friend class CallPromise;
   struct State;
+  void spin_until_ready() const;
   explicit CallFuture(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
 };
@@ -132,6 +144,8 @@ struct CallFuture::State {
   std::mutex mutex;
   std::condition_variable cv;
   bool done = false;
+  // `done` as a waiter may read it without the mutex, while it spins before sleeping.
+  std::atomic<bool> ready{false};
   Reply reply;
   std::vector<std::function<void(const Reply&)>> callbacks;
   Executor executor;

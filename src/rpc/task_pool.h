@@ -1,11 +1,13 @@
 // A fixed set of threads running queued tasks in order of arrival (internal; agent.h): where the
 // agent runs handlers and the callbacks of completed calls, so the threads reading connections
-// never run user code. stop() lets the queued tasks finish, then joins.
+// never run user code. stop() lets the queued tasks finish, then joins. A thread that ran a task
+// looks for the next for spin_before_sleep() (call_future.h) before it sleeps.
 //
 // A task that blocks holds its thread: handlers that wait on calls of their own should be few or
 // return at once and complete their reply from a callback (docs/rpc.md).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -13,6 +15,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "rpc/call_future.h"  // spin_before_sleep
 
 namespace ddp::rpc::transport {
 
@@ -38,6 +42,10 @@ class TaskPool {
   std::deque<std::function<void()>> queue_;
   std::size_t running_ = 0;
   bool stopping_ = false;
+  // queue_.size() and stopping_, for a thread that looks for work without the mutex.
+  std::atomic<std::size_t> queued_{0};
+  std::atomic<bool> stopping_flag_{false};
+  std::atomic<int> spinning_{0};  // threads in (or about to decide on) the look before sleeping
   std::vector<std::thread> threads_;
 };
 

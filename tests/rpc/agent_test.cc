@@ -208,6 +208,57 @@ TEST(RpcAgent, ThousandsOfConcurrentCallsNoneLostOrDoubled) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// A waiting thread spins before it sleeps for AgentOptions::spin_before_sleep (call_future.h); at 0
+// it sleeps at once and calls still complete, one by one and a thousand in flight (frames that
+// arrive together and straddle the reader's buffer); a spin outside 0 to 10 ms is refused by name
+// before the agent starts.
+TEST(RpcAgent, NoSpinBeforeSleepStillServesEveryCallAndASpinOutOfRangeIsRefused) {
+  for (const auto spin : {std::chrono::microseconds(-1), std::chrono::microseconds(10'001)}) {
+    auto store = make_store(0, test::free_port());
+    AgentOptions options = options_for(0, 1);
+    options.spin_before_sleep = spin;
+    try {
+      Agent agent(*store, std::move(options));
+      ADD_FAILURE() << "a spin of " << spin.count() << " us was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_TRUE(contains(e.what(), "spin_before_sleep of " + std::to_string(spin.count()) +
+                                         " us is outside 0 to 10000 us"))
+          << e.what();
+    }
+  }
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = make_store(rank, port);
+    AgentOptions options = options_for(rank, 2);
+    options.spin_before_sleep = std::chrono::microseconds(0);
+    Agent agent(*store, std::move(options));
+    require(spin_before_sleep() == std::chrono::microseconds(0), "the agent did not set the spin");
+    register_echo(agent);
+    store->set(fmt::format("ready/{}", rank), "1");
+    const std::vector<std::string> ready = {"ready/0", "ready/1"};
+    store->wait(ready, 30s);
+    if (rank == 1) {
+      for (int i = 0; i < 50; ++i) {
+        const Reply reply = agent.call(0, "echo", bytes_of(std::to_string(i)), 30s).take();
+        require(reply.ok() && text_of(reply.payload) == "trainer1:" + std::to_string(i),
+                "call " + std::to_string(i) + " came back wrong");
+      }
+      std::vector<CallFuture> futures;
+      for (int i = 0; i < 1000; ++i)
+        futures.push_back(
+            agent.call(0, "echo", bytes_of(std::string(40, 'a') + std::to_string(i)), 30s));
+      for (int i = 0; i < 1000; ++i) {
+        const Reply& reply = futures[static_cast<std::size_t>(i)].wait();
+        require(reply.ok() && text_of(reply.payload) ==
+                                  "trainer1:" + std::string(40, 'a') + std::to_string(i),
+                "call " + std::to_string(i) + " in flight came back wrong");
+      }
+    }
+    agent.shutdown(30s);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 TEST(RpcAgent, AWorkerThatDiesMidCallIsNamedAtOnceNotAtTheDeadline) {
   const int port = test::free_port();
   auto results = run_ranks(3, [&](int rank) {

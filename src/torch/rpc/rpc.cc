@@ -206,6 +206,7 @@ void init_rpc(const std::string& name, RpcOptions options) {
   agent.secret = secret;
   agent.timeout = options.timeout;
   agent.threads = options.threads;
+  agent.spin_before_sleep = options.spin_before_sleep;
   agent.max_message_bytes = options.max_message_bytes;
   for (const auto& [function_name, function] : s.functions) {
     agent.functions.emplace_back(function_name, handler_of(function_name, function));

@@ -66,6 +66,11 @@ struct RpcOptions {
   std::string bind_host;
   int threads = 16;
   std::uint64_t max_message_bytes = std::uint64_t{1} << 30;
+  // How long a thread waiting for a reply (rpc_sync, wait()), or a callee's pool thread that has
+  // just run a call, yields its core in a loop before it sleeps, 0 to 10,000 us: on one host a
+  // round trip is tens of microseconds and each wake-up from sleep adds 10-20 (docs/rpc.md). 0
+  // saves that CPU where cores are scarcer than latency matters.
+  std::chrono::microseconds spin_before_sleep{100};
 };
 
 struct WorkerInfo {
