@@ -130,6 +130,15 @@ std::string pytorch_dcp_missing() {
          probed.output;
 }
 
+// Whether PyTorch's Python ran `code` (with `folder` as sys.argv[1]) and exited 0; says why not.
+::testing::AssertionResult pytorch_ran(const std::string& code,
+                                       const std::filesystem::path& folder) {
+  auto python = test::Subprocess::start({test::paths::pytorch_python, "-c", code, folder.string()});
+  const auto ran = python.wait(120s);
+  if (ran.exit_code == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "exit " << ran.exit_code << ": " << ran.output;
+}
+
 TEST(DcpSaveMultiprocess, PyTorchLoadsWhatDdpSavedAtWorldThreeAtWorldsTwoAndOne) {
   if (const std::string missing = pytorch_dcp_missing(); !missing.empty()) GTEST_SKIP() << missing;
   const std::string python = test::paths::pytorch_python;
@@ -150,15 +159,12 @@ TEST(DcpReaderOfPyTorch, AChunkSavedTransposedReadsInPartAndWhole) {
   if (const std::string missing = pytorch_dcp_missing(); !missing.empty()) GTEST_SKIP() << missing;
   test::TempDir dir("ddp-dcp-transposed");
   const auto folder = dir.path() / "ckpt";
-  auto save =
-      test::Subprocess::start({test::paths::pytorch_python, "-c",
-                               "import sys, torch, torch.distributed.checkpoint as dcp\n"
-                               "w = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()\n"
-                               "assert not w.is_contiguous()\n"
-                               "dcp.save({'w': w}, checkpoint_id=sys.argv[1], no_dist=True)\n",
-                               folder.string()});
-  const auto saved = save.wait(120s);
-  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  ASSERT_TRUE(
+      pytorch_ran("import sys, torch, torch.distributed.checkpoint as dcp\n"
+                  "w = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()\n"
+                  "assert not w.is_contiguous()\n"
+                  "dcp.save({'w': w}, checkpoint_id=sys.argv[1], no_dist=True)\n",
+                  folder));
   auto results = run_ranks(1, [&](int) {
     const at::Tensor w = torch::arange(12, torch::kFloat32).reshape({3, 4}).t();
     const DcpReader checkpoint(folder);
@@ -181,35 +187,32 @@ TEST(DcpReaderOfPyTorch, AChunkWhoseStorageIsLargerThanItReadsInRowsColumnsAndWh
   if (const std::string missing = pytorch_dcp_missing(); !missing.empty()) GTEST_SKIP() << missing;
   test::TempDir dir("ddp-dcp-views");
   const auto folder = dir.path() / "ckpt";
-  auto save = test::Subprocess::start(
-      {test::paths::pytorch_python, "-c",
-       "import io, os, pickle, sys, torch\n"
-       "import torch.distributed.checkpoint as dcp\n"
-       "from torch.distributed.checkpoint.metadata import (Metadata, TensorStorageMetadata,\n"
-       "    TensorProperties, ChunkStorageMetadata, MetadataIndex)\n"
-       "from torch.distributed.checkpoint.filesystem import _StorageInfo\n"
-       "folder = sys.argv[1]\n"
-       "os.makedirs(folder)\n"
-       "big = torch.arange(30, dtype=torch.float32).reshape(6, 5)\n"
-       "views = {'rows': big[1:5], 'block': big[1:5, 1:4]}\n"
-       "data, md, storage = io.BytesIO(), {}, {}\n"
-       "for name, v in views.items():\n"
-       "    start = data.tell()\n"
-       "    torch.save(v, data)\n"
-       "    md[name] = TensorStorageMetadata(properties=TensorProperties(dtype=v.dtype),\n"
-       "        size=v.size(), chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]),\n"
-       "        sizes=v.size())])\n"
-       "    storage[MetadataIndex(name, torch.Size([0, 0]))] = _StorageInfo('__0_0.distcp',\n"
-       "        start, data.tell() - start)\n"
-       "open(os.path.join(folder, '__0_0.distcp'), 'wb').write(data.getvalue())\n"
-       "with open(os.path.join(folder, '.metadata'), 'wb') as f:\n"
-       "    pickle.dump(Metadata(state_dict_metadata=md, storage_data=storage), f)\n"
-       "out = {'rows': torch.zeros(4, 5), 'block': torch.zeros(4, 3)}\n"
-       "dcp.load(out, checkpoint_id=folder, no_dist=True)\n"
-       "assert all(torch.equal(out[k], v) for k, v in views.items())\n",
-       folder.string()});
-  const auto saved = save.wait(120s);
-  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  ASSERT_TRUE(pytorch_ran(
+      "import io, os, pickle, sys, torch\n"
+      "import torch.distributed.checkpoint as dcp\n"
+      "from torch.distributed.checkpoint.metadata import (Metadata, TensorStorageMetadata,\n"
+      "    TensorProperties, ChunkStorageMetadata, MetadataIndex)\n"
+      "from torch.distributed.checkpoint.filesystem import _StorageInfo\n"
+      "folder = sys.argv[1]\n"
+      "os.makedirs(folder)\n"
+      "big = torch.arange(30, dtype=torch.float32).reshape(6, 5)\n"
+      "views = {'rows': big[1:5], 'block': big[1:5, 1:4]}\n"
+      "data, md, storage = io.BytesIO(), {}, {}\n"
+      "for name, v in views.items():\n"
+      "    start = data.tell()\n"
+      "    torch.save(v, data)\n"
+      "    md[name] = TensorStorageMetadata(properties=TensorProperties(dtype=v.dtype),\n"
+      "        size=v.size(), chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]),\n"
+      "        sizes=v.size())])\n"
+      "    storage[MetadataIndex(name, torch.Size([0, 0]))] = _StorageInfo('__0_0.distcp',\n"
+      "        start, data.tell() - start)\n"
+      "open(os.path.join(folder, '__0_0.distcp'), 'wb').write(data.getvalue())\n"
+      "with open(os.path.join(folder, '.metadata'), 'wb') as f:\n"
+      "    pickle.dump(Metadata(state_dict_metadata=md, storage_data=storage), f)\n"
+      "out = {'rows': torch.zeros(4, 5), 'block': torch.zeros(4, 3)}\n"
+      "dcp.load(out, checkpoint_id=folder, no_dist=True)\n"
+      "assert all(torch.equal(out[k], v) for k, v in views.items())\n",
+      folder));
   auto results = run_ranks(1, [&](int) {
     const at::Tensor big = torch::arange(30, torch::kFloat32).reshape({6, 5});
     const DcpReader checkpoint(folder);
