@@ -1,13 +1,15 @@
 // tcp_roundtrip_bound: what loopback TCP alone allows an RPC round trip on this machine.
 //
-//   tcp_roundtrip_bound [--calls N] [--echo-calls M] [--echo-bytes B] [--warmup W]
+//   tcp_roundtrip_bound [--calls N] [--echo-calls M] [--echo-bytes B] [--warmup W] [--spin]
 //
 // Two forked processes, one loopback TCP connection (TCP_NODELAY), one thread each, blocking
 // send and recv of one reused buffer: N round trips of 1 byte each way, then M of B bytes each
 // way, each timed alone. Nothing else: no framing, no threads handing work over, no serialisation,
-// no allocation. Every RPC round trip on this host costs at least this, so
-// bench/compare/compare_rpc.py shows it beside ddp::rpc and PyTorch's TensorPipe agent. Prints, as
-// rpc-latency does:
+// no allocation. bench/compare/compare_rpc.py shows it beside ddp::rpc and PyTorch's TensorPipe
+// agent. With --spin, each side never sleeps in recv: it tries a non-blocking recv and yields its
+// core between tries, so no wake-up from sleep is on the path (what ddp::rpc's waiting threads do
+// for a while, docs/rpc.md): the floor for a round trip that spins; without it, the round trip of
+// two threads that sleep. Prints, as rpc-latency does (tcp-bound-spin with --spin):
 //   tcp-bound empty_us median=.. p10=.. p90=.. calls=N
 //   tcp-bound echo_us bytes=B median=.. p10=.. p90=.. calls=M
 #include <arpa/inet.h>
@@ -16,6 +18,8 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,10 +37,17 @@ void check(bool ok, const char* what) {
   if (!ok) throw std::runtime_error(std::string(what) + ": " + std::strerror(errno));
 }
 
+bool spin = false;  // --spin: receive without sleeping
+
 void move_all(int fd, std::uint8_t* bytes, std::size_t size, bool sending) {
   while (size > 0) {
-    const ssize_t n = sending ? ::send(fd, bytes, size, MSG_NOSIGNAL) : ::recv(fd, bytes, size, 0);
+    const ssize_t n = sending ? ::send(fd, bytes, size, MSG_NOSIGNAL)
+                              : ::recv(fd, bytes, size, spin ? MSG_DONTWAIT : 0);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && !sending && spin && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      ::sched_yield();
+      continue;
+    }
     check(n > 0, sending ? "send" : "recv (the peer closed)");
     bytes += n;
     size -= static_cast<std::size_t>(n);
@@ -53,8 +64,9 @@ void print(const char* what, const std::string& bytes, std::vector<double> micro
   auto at = [&](double q) {
     return micros[static_cast<std::size_t>(q * static_cast<double>(micros.size() - 1))];
   };
-  std::printf("tcp-bound %s %smedian=%.1f p10=%.1f p90=%.1f calls=%zu\n", what, bytes.c_str(),
-              at(0.5), at(0.1), at(0.9), micros.size());
+  std::printf("%s %s %smedian=%.1f p10=%.1f p90=%.1f calls=%zu\n",
+              spin ? "tcp-bound-spin" : "tcp-bound", what, bytes.c_str(), at(0.5), at(0.1), at(0.9),
+              micros.size());
 }
 
 }  // namespace
@@ -69,6 +81,7 @@ int main(int argc, char** argv) {
   app.add_option("--echo-bytes", echo_bytes, "bytes each way")->check(CLI::Range(1, 1 << 30));
   app.add_option("--warmup", warmup, "untimed round trips of each kind first")
       ->check(CLI::Range(0, 100000000));
+  app.add_flag("--spin", spin, "never sleep in recv: try without blocking and yield between tries");
   CLI11_PARSE(app, argc, argv);
   try {
     const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
