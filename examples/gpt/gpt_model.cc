@@ -54,8 +54,8 @@ std::vector<std::string> gpt_child_names(int layers) {
 }
 
 torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
-                                    const std::shared_ptr<ddp::ProcessGroup>& tp,
-                                    bool checkpointed) {
+                                    const std::shared_ptr<ddp::ProcessGroup>& tp, bool checkpointed,
+                                    const ddp::MoeGroups& moe) {
   if (index == 0) return torch::nn::AnyModule(Embeddings(shape, tp));
   if (index == static_cast<std::size_t>(shape.layers) + 1) {
     return torch::nn::AnyModule(Head(shape, tp));
@@ -64,9 +64,17 @@ torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
   ddp::GptBlock block(ddp::GptBlockOptions{.hidden = shape.hidden,
                                            .heads = shape.heads,
                                            .seed = 100 + 10 * layer,
-                                           .dtype = shape.dtype});
+                                           .dtype = shape.dtype,
+                                           .moe_experts = shape.moe_experts,
+                                           .moe_top_k = shape.top_k,
+                                           .moe_capacity_factor = shape.capacity_factor,
+                                           .moe_aux_weight = shape.aux_weight},
+                      moe);
   // At tp 1 the split layers would be copies of the whole ones (twice the block while it is cut).
-  if (tp->size() > 1) ddp::parallelize_module(block, tp, ddp::gpt_block_tensor_parallel_plan());
+  // The experts stay whole on every tp rank.
+  auto plan = ddp::gpt_block_tensor_parallel_plan();
+  if (shape.moe_experts > 0) plan.resize(2);  // attn_qkv, attn_proj
+  if (tp->size() > 1) ddp::parallelize_module(block, tp, plan);
   if (!checkpointed) return torch::nn::AnyModule(block);
   // The block keeps its input only; its activations are recomputed in backward (with the
   // tensor-parallel collectives inside it, on every tp rank alike).

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include "ddp/comm/process_group.h"
+#include "ddp/torch/parallel/expert/mixture_of_experts.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 
 namespace train_gpt {
@@ -22,6 +23,10 @@ struct GptShape {
   std::int64_t hidden = 0, heads = 0, block_size = 0;
   int layers = 0;
   torch::Dtype dtype = torch::kFloat32;
+  // A mixture of experts in every block's place of the MLP when moe_experts > 0 (GptBlockOptions'
+  // moe fields), over the groups make_gpt_child is given.
+  std::int64_t moe_experts = 0, top_k = 1;
+  double capacity_factor = 0.0, aux_weight = 0.0;
 };
 
 // Token embedding (split over the vocabulary on tp) plus a learned position embedding.
@@ -45,11 +50,12 @@ TORCH_MODULE(Head);
 // The model's children in order: "embeddings", "block0" ... "block<layers-1>", "head".
 std::vector<std::string> gpt_child_names(int layers);
 
-// Child `index` of the model (collective over tp: the split layers agree on their shapes). A
-// block is parallelised over tp, and with `checkpointed` runs under ddp::checkpoint.
+// Child `index` of the model (collective over tp: the split layers agree on their shapes; and
+// over `moe`'s groups for a block with experts). A block is parallelised over tp (its attention
+// only, with experts), and with `checkpointed` runs under ddp::checkpoint.
 torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
-                                    const std::shared_ptr<ddp::ProcessGroup>& tp,
-                                    bool checkpointed);
+                                    const std::shared_ptr<ddp::ProcessGroup>& tp, bool checkpointed,
+                                    const ddp::MoeGroups& moe = {});
 
 // The sum of every element of one child's parameters, the split ones gathered over tp
 // (collective over tp, in the same order on every tp rank). The child may be under

@@ -80,9 +80,12 @@ class PipelineTrainer final : public Trainer {
     const auto tp = mesh.group("tp");
     torch::nn::Sequential model;
     const auto names = gpt_child_names(config.shape.layers);
+    const bool experts = config.shape.moe_experts > 0;
+    const ddp::MoeGroups moe =
+        experts ? ddp::MoeGroups{.ep = mesh.group("ep"), .tokens = config.data} : ddp::MoeGroups{};
     for (std::size_t i = 0; i < names.size(); ++i)
       model->push_back(names[i],
-                       make_gpt_child(i, config.shape, tp, config.activation_checkpointing));
+                       make_gpt_child(i, config.shape, tp, config.activation_checkpointing, moe));
     pipe_.emplace(
         model, mesh.group("pp"),
         [tp, vocab = config.shape.vocab](const torch::Tensor& logits, const torch::Tensor& target) {
@@ -90,7 +93,8 @@ class PipelineTrainer final : public Trainer {
         },
         ddp::PipelineOptions{.schedule = ddp::pipeline_schedule_from_name(config.schedule),
                              .micro_batches = config.microbatches,
-                             .dp_group = mesh.group("dp")});
+                             .dp_group = experts ? config.data : mesh.group("dp"),
+                             .expert_dp_group = experts ? mesh.group("dp") : nullptr});
     optimizer_.emplace(pipe_->parameters(), torch::optim::AdamWOptions(config.lr));
     // Each rank's part of the model and of AdamW's state (the dp replicas share theirs).
     state_.emplace(mesh, *pipe_->stage_module(), *optimizer_,

@@ -30,6 +30,9 @@ struct TrainerConfig {
   int microbatches = 1;
   bool activation_checkpointing = false;
   std::filesystem::path checkpoint;  // empty: no checkpoints
+  // With experts (shape.moe_experts > 0, the pipeline only): the mesh has an "ep" dimension, and
+  // `data` is the group of the dp x ep ranks that split the batch's rows.
+  std::shared_ptr<ddp::ProcessGroup> data;
 };
 
 class Trainer {

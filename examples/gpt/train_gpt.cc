@@ -32,6 +32,14 @@
 // region of it, and the step), which --resume continues at any --dp, --tp and --pp; a
 // MeshTrainState folder of an earlier train-gpt (DIR/mesh.pt) still resumes on its own split.
 //
+// With --moe-experts E every block's MLP is a mixture of E experts (ddp::MoeLayer: a top --top-k
+// router, --capacity-factor, the load-balancing loss with weight --moe-aux-weight), the experts
+// split over --ep ranks: the mesh is pp x dp x ep x tp, the batch's rows split over the dp x ep
+// ranks, the experts' gradients averaged over dp and the rest over dp x ep; the experts stay whole
+// on every tp rank, the attention is split over tp. Every such layout drops the tokens one process
+// drops, and ends at its numbers with --microbatches 1 (a micro-batch routes its own tokens: with
+// more, the micro-batches of a layout hold other rows than one process's).
+//
 // Rank 0 prints "step <k> loss <loss>" every --log-every steps, and last
 // "final loss=<loss> param_sum=<sum of every element of every parameter of the whole model>",
 // the same on every layout (the split parameters gathered, each stage counted once), with and
@@ -92,7 +100,12 @@ struct Options {
   int time_after = -1;              // >= 0: time the steps after this many (the median is printed)
   std::int64_t vocab_at_least = 0;  // pads the vocabulary further (benchmarks: a larger head)
   bool activation_checkpointing = false;  // every block under ddp::checkpoint
-  bool fsdp = false;  // FSDP (FULL_SHARD) over dp, each child built and sharded in turn
+  bool fsdp = false;             // FSDP (FULL_SHARD) over dp, each child built and sharded in turn
+  std::int64_t moe_experts = 0;  // > 0: every block's MLP a mixture of this many experts
+  std::int64_t top_k = 1;
+  int ep = 1;  // the experts split over this many ranks
+  double capacity_factor = 0.0;
+  double moe_aux_weight = 0.01;
 };
 
 // The text to learn, the same on every rank: --data's file; without --data the default file, or a
@@ -120,14 +133,51 @@ std::int64_t padded_vocabulary(std::int64_t chars, const Options& o) {
   return (std::max(chars, o.vocab_at_least) + 7) / 8 * 8;
 }
 
+// The mixture-of-experts flags: each needs --moe-experts, which --ep and --top-k must fit; what
+// does not compose with experts yet is named.
+void check_experts(const Options& o) {
+  if (o.moe_experts == 0) {
+    if (o.ep != 1 || o.top_k != 1 || o.capacity_factor != 0.0) {
+      throw ddp::ConfigError(
+          "--ep, --top-k and --capacity-factor need --moe-experts E (a mixture of E experts in "
+          "place of each block's MLP)");
+    }
+    return;
+  }
+  if (o.top_k > o.moe_experts) {
+    throw ddp::ConfigError(fmt::format(
+        "--top-k {} must be at most --moe-experts {} (a token goes to k different experts)",
+        o.top_k, o.moe_experts));
+  }
+  if (o.moe_experts % o.ep != 0) {
+    throw ddp::ConfigError(fmt::format(
+        "--moe-experts {} is not divisible by --ep {}: each ep rank holds the same number of "
+        "experts (use a multiple of {} experts)",
+        o.moe_experts, o.ep, o.ep));
+  }
+  if (o.fsdp) {
+    throw ddp::ConfigError(
+        "--moe-experts with --fsdp: FSDP over experts split along --ep is not built yet; train "
+        "the experts without --fsdp");
+  }
+  if (!o.checkpoint.empty()) {
+    throw ddp::ConfigError(
+        "--moe-experts with --checkpoint: the experts' place in a distributed checkpoint is not "
+        "built yet; train without --checkpoint");
+  }
+}
+
 // Refuses, naming the flags, what the layout cannot run: the flags that must divide one another,
 // a block the text cannot fill, and sizes that cannot fit in the machine's memory.
 void check_options(const Options& o, const std::string& text, std::int64_t vocab) {
-  if (o.batch_size % o.dp != 0 || (o.batch_size / o.dp) % o.microbatches != 0) {
+  const std::int64_t data_ranks = std::int64_t{o.dp} * o.ep;
+  if (o.batch_size % data_ranks != 0 || (o.batch_size / data_ranks) % o.microbatches != 0) {
     throw ddp::ConfigError(fmt::format(
-        "--batch-size {} must split into --dp {} replicas of --microbatches {} equal micro-batches",
-        o.batch_size, o.dp, o.microbatches));
+        "--batch-size {} must split into --dp {} x --ep {} replicas of --microbatches {} equal "
+        "micro-batches",
+        o.batch_size, o.dp, o.ep, o.microbatches));
   }
+  check_experts(o);
   if (o.hidden % o.heads != 0) {
     throw ddp::ConfigError(
         fmt::format("--hidden {} must be a multiple of --heads {}", o.hidden, o.heads));
@@ -178,6 +228,11 @@ void check_options(const Options& o, const std::string& text, std::int64_t vocab
       (2.0 * static_cast<double>(vocab) * h + static_cast<double>(o.layers) * 12.0 * h * h) /
           static_cast<double>(o.tp) +
       static_cast<double>(o.block_size) * h;
+  // Experts: each ep rank holds E / ep MLPs of 8 h^2, whole on every tp rank.
+  if (o.moe_experts > 0) {
+    parameters +=
+        static_cast<double>(o.layers) * 8.0 * h * h * static_cast<double>(o.moe_experts / o.ep);
+  }
   // --fsdp: the shards, and one child (the embeddings or the head, or a block) whole.
   if (o.fsdp) {
     parameters = parameters / static_cast<double>(o.dp) +
@@ -210,10 +265,11 @@ double resident_mib(const std::string& field) {
   return 0.0;
 }
 
-// dp x tp x pp, or nullopt where it overflows int64 (--dp 65536 --tp 65536 made "0 ranks" in int).
+// dp x ep x tp x pp, or nullopt where it overflows int64 (--dp 65536 --tp 65536 made "0 ranks" in
+// int).
 std::optional<std::int64_t> layout_ranks(const Options& o) {
   std::int64_t ranks = 1;
-  for (const int size : {o.dp, o.tp, o.pp}) {
+  for (const int size : {o.dp, o.ep, o.tp, o.pp}) {
     if (__builtin_mul_overflow(ranks, size, &ranks)) return std::nullopt;
   }
   return ranks;
@@ -228,9 +284,9 @@ int run(const Options& o) {
   if (ranks != world->size()) {
     const std::string product = ranks ? fmt::format("{}", *ranks) : "more than 2^63";
     throw ddp::ConfigError(fmt::format(
-        "--dp {} x --tp {} x --pp {} = {} ranks, but the job has {}: their product must be the "
+        "--dp {} x{} --tp {} x --pp {} = {} ranks, but the job has {}: their product must be the "
         "job's world size{}",
-        o.dp, o.tp, o.pp, product, world->size(),
+        o.dp, o.ep > 1 ? fmt::format(" --ep {} x", o.ep) : "", o.tp, o.pp, product, world->size(),
         ranks && *ranks <= std::numeric_limits<int>::max()
             ? fmt::format(" (or launch that many: ddprun --nproc-per-node {})", *ranks)
             : ""));
@@ -241,7 +297,17 @@ int run(const Options& o) {
   check_options(o, text, vocab);
 
   const auto dtype = o.dtype == "float64" ? torch::kFloat64 : torch::kFloat32;
-  ddp::DeviceMesh mesh({{"pp", o.pp}, {"dp", o.dp}, {"tp", o.tp}}, world);
+  // With experts: ep beside dp, and the group of the dp x ep ranks that split the batch (the
+  // data mesh lays the same ranks out with dp and ep merged, its rank order the batch's).
+  const bool experts = o.moe_experts > 0;
+  const ddp::DeviceMesh mesh =
+      experts ? ddp::DeviceMesh({{"pp", o.pp}, {"dp", o.dp}, {"ep", o.ep}, {"tp", o.tp}}, world)
+              : ddp::DeviceMesh({{"pp", o.pp}, {"dp", o.dp}, {"tp", o.tp}}, world);
+  std::shared_ptr<ddp::ProcessGroup> data_group;
+  if (experts) {
+    data_group =
+        ddp::DeviceMesh({{"pp", o.pp}, {"data", o.dp * o.ep}, {"tp", o.tp}}, world).group("data");
+  }
 
   std::map<char, std::int64_t> id_of;
   for (const char c : chars)
@@ -259,12 +325,17 @@ int run(const Options& o) {
                                                   .heads = o.heads,
                                                   .block_size = o.block_size,
                                                   .layers = o.layers,
-                                                  .dtype = dtype},
+                                                  .dtype = dtype,
+                                                  .moe_experts = o.moe_experts,
+                                                  .top_k = o.top_k,
+                                                  .capacity_factor = o.capacity_factor,
+                                                  .aux_weight = o.moe_aux_weight / o.microbatches},
                                         .lr = o.lr,
                                         .schedule = o.schedule,
                                         .microbatches = o.microbatches,
                                         .activation_checkpointing = o.activation_checkpointing,
-                                        .checkpoint = o.checkpoint};
+                                        .checkpoint = o.checkpoint,
+                                        .data = data_group};
   auto trainer = o.fsdp ? train_gpt::make_fsdp_trainer(mesh, config)
                         : train_gpt::make_pipeline_trainer(mesh, config);
   // The peak of building the model (and sharding it, with --fsdp), before any step.
@@ -285,8 +356,11 @@ int run(const Options& o) {
         fmt::format("resuming from {} at step {}", o.checkpoint, progress.global_step));
   }
 
-  const std::int64_t rows = o.batch_size / o.dp;
-  const std::int64_t first_row = rows * mesh.coordinate("dp");
+  // This rank's rows: its place among the dp (x ep) ranks.
+  const std::int64_t rows = o.batch_size / o.dp / o.ep;
+  const std::int64_t first_row =
+      rows *
+      (experts ? mesh.coordinate("dp") * o.ep + mesh.coordinate("ep") : mesh.coordinate("dp"));
   double loss = 0.0;
   std::vector<double> step_ms;
   for (int step = static_cast<int>(progress.global_step); step < o.steps; ++step) {
@@ -395,6 +469,20 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp", o.fsdp,
                "shard the model over --dp with FSDP (FULL_SHARD), each block built and sharded in "
                "turn (with --tp; --pp 1)");
+  app.add_option("--moe-experts", o.moe_experts,
+                 "a mixture of this many experts in place of each block's MLP (0: the MLP)")
+      ->check(CLI::Range(std::int64_t{0}, kMaxSize));
+  app.add_option("--top-k", o.top_k, "experts per token (with --moe-experts)")
+      ->check(CLI::Range(std::int64_t{1}, kMaxSize));
+  app.add_option("--ep", o.ep,
+                 "ranks the experts are split over (dp x ep x tp x pp = the world size)")
+      ->check(positive_int);
+  app.add_option("--capacity-factor", o.capacity_factor,
+                 "each expert takes at most ceil(factor x tokens x k / E) of a step's tokens, the "
+                 "rest dropped (0: no limit)")
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--moe-aux-weight", o.moe_aux_weight, "the load-balancing loss's weight")
+      ->check(CLI::Range(0.0, 1e6));
   app.add_flag("--resume", o.resume,
                "continue from --checkpoint, at any --dp x --tp x --pp, with or without --fsdp");
   if (const auto code = ddp_programs::parse_command_line(app, argc, argv, "train-gpt")) {

@@ -54,6 +54,8 @@
 // parallel/mesh
 #include "ddp/torch/parallel/mesh/device_mesh.h"
 #include "ddp/torch/parallel/mesh/mesh_train_state.h"
+// parallel/expert
+#include "ddp/torch/parallel/expert/mixture_of_experts.h"
 // parallel/tensor
 #include "ddp/torch/parallel/tensor/gpt_block.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"

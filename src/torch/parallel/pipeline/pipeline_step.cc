@@ -12,6 +12,7 @@
 // later step.
 #include <exception>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/api/distributed_objects.h"
+#include "ddp/torch/parallel/expert/mixture_of_experts.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
 #include "torch/core/wrapper_phase.h"
 #include "torch/parallel/pipeline/pipeline_messages.h"
@@ -36,18 +38,34 @@ void Pipeline::State::average_over_replicas(double& loss) {
   // A parameter without a gradient keeps none, as in one process (the optimizer skips it); the
   // replicas run the same stage, so they agree on which ones (if they did not, the coalesced
   // call's sizes would differ, which the group's mismatch check names).
+  // The experts of a mixture of experts differ along ep: averaged over their own replicas.
+  std::set<const void*> experts;
+  std::vector<torch::Tensor> expert_grads;
+  for (const auto& m : module->modules()) {
+    const auto* moe = m->as<MoeLayerImpl>();
+    if (moe && moe->ep_group() && moe->ep_group()->size() > 1) {
+      for (const auto& p : moe->expert_parameters())
+        experts.insert(p.unsafeGetTensorImpl());
+    }
+  }
   for (auto& p : module->parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
+    if (!p.grad().defined()) continue;
+    (experts.contains(p.unsafeGetTensorImpl()) ? expert_grads : grads).push_back(p.grad());
   }
   // One allreduce per dtype (the coalesced form takes one dtype).
-  std::map<torch::ScalarType, std::vector<torch::Tensor>> by_dtype;
-  for (const auto& g : grads)
-    by_dtype[g.scalar_type()].push_back(g);
-  for (auto& [dtype, tensors] : by_dtype) {
-    all_reduce_coalesced(tensors, ReduceOp::kSum, dp);
-    for (auto& t : tensors)
-      t.div_(dp.size());
-  }
+  const auto average = [](const std::vector<torch::Tensor>& tensors, ProcessGroup& group) {
+    std::map<torch::ScalarType, std::vector<torch::Tensor>> by_dtype;
+    for (const auto& g : tensors)
+      by_dtype[g.scalar_type()].push_back(g);
+    for (auto& [dtype, same] : by_dtype) {
+      all_reduce_coalesced(same, ReduceOp::kSum, group);
+      for (auto& t : same)
+        t.div_(group.size());
+    }
+  };
+  average(grads, dp);
+  if (options.expert_dp_group && !expert_grads.empty())
+    average(expert_grads, *options.expert_dp_group);
   auto mean = torch::tensor({loss}, torch::kFloat64);
   all_reduce(mean, ReduceOp::kSum, dp);
   loss = mean.item<double>() / dp.size();

@@ -47,6 +47,13 @@ std::string plan_problem(const ParallelizePlan& plan, const GptBlockOptions& opt
                                                            {"mlp_proj", ParallelStyle::kRowwise}};
   std::map<std::string, ParallelStyle> given;
   for (const auto& [name, style] : plan) {
+    if (options.moe_experts > 0 && (name == "mlp_fc" || name == "mlp_proj")) {
+      return fmt::format(
+          "parallelize_module: the plan names \"{}\", but the block has a mixture of experts in "
+          "place of its MLP (moe_experts {}), which stays whole on every tp rank; split the "
+          "attention only (attn_qkv colwise, attn_proj rowwise)",
+          name, options.moe_experts);
+    }
     if (!only_style.contains(name)) {
       return fmt::format(
           "parallelize_module: the plan names \"{}\", which is not a part of "
@@ -96,7 +103,7 @@ const std::vector<std::string>& GptBlockImpl::linear_part_names() {
   return names;
 }
 
-GptBlockImpl::GptBlockImpl(GptBlockOptions options) : options_(options) {
+GptBlockImpl::GptBlockImpl(GptBlockOptions options, MoeGroups moe_groups) : options_(options) {
   auto& o = options_;
   if (o.mlp_hidden == 0) o.mlp_hidden = 4 * o.hidden;
   if (o.hidden < 1 || o.heads < 1 || o.mlp_hidden < 1) {
@@ -119,15 +126,26 @@ GptBlockImpl::GptBlockImpl(GptBlockOptions options) : options_(options) {
   auto qkv = register_module("attn_qkv", make_linear(o.hidden, 3 * o.hidden, o.seed, o.dtype));
   auto proj = register_module("attn_proj", make_linear(o.hidden, o.hidden, o.seed + 1, o.dtype));
   ln_2_ = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.hidden})));
-  auto fc = register_module("mlp_fc", make_linear(o.hidden, o.mlp_hidden, o.seed + 2, o.dtype));
-  auto fc_proj =
-      register_module("mlp_proj", make_linear(o.mlp_hidden, o.hidden, o.seed + 3, o.dtype));
+  if (o.moe_experts > 0) {
+    moe_ = register_module("moe", MoeLayer(MoeOptions{.hidden = o.hidden,
+                                                      .ffn_hidden = o.mlp_hidden,
+                                                      .experts = o.moe_experts,
+                                                      .top_k = o.moe_top_k,
+                                                      .capacity_factor = o.moe_capacity_factor,
+                                                      .aux_loss_weight = o.moe_aux_weight,
+                                                      .seed = o.seed + 2,
+                                                      .dtype = o.dtype},
+                                           std::move(moe_groups)));
+  } else {
+    mlp_fc_ = torch::nn::AnyModule(
+        register_module("mlp_fc", make_linear(o.hidden, o.mlp_hidden, o.seed + 2, o.dtype)));
+    mlp_proj_ = torch::nn::AnyModule(
+        register_module("mlp_proj", make_linear(o.mlp_hidden, o.hidden, o.seed + 3, o.dtype)));
+  }
   ln_1_->to(o.dtype);
   ln_2_->to(o.dtype);
   attn_qkv_ = torch::nn::AnyModule(qkv);
   attn_proj_ = torch::nn::AnyModule(proj);
-  mlp_fc_ = torch::nn::AnyModule(fc);
-  mlp_proj_ = torch::nn::AnyModule(fc_proj);
   rng_ = std::make_shared<TensorParallelRng>(o.seed, 0);
 }
 
@@ -165,7 +183,8 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
                              .reshape({batch, sequence, local_heads * head_dim});
   auto h = x + rng_->dropout(attn_proj_.forward(heads_out), p, is_training(), Region::kReplicated);
 
-  const auto mlp = mlp_proj_.forward(torch::gelu(mlp_fc_.forward(ln_2_(h))));
+  const auto mlp =
+      moe_ ? moe_(ln_2_(h)) : mlp_proj_.forward(torch::gelu(mlp_fc_.forward(ln_2_(h))));
   return h + rng_->dropout(mlp, p, is_training(), Region::kReplicated);
 }
 
@@ -179,6 +198,10 @@ std::vector<std::pair<std::string, torch::Tensor>> GptBlockImpl::full_named_para
       full = column->gather_full();
     } else if (const auto row = std::dynamic_pointer_cast<RowParallelLinearImpl>(module)) {
       full = row->gather_full();
+    } else if (const auto moe = std::dynamic_pointer_cast<MoeLayerImpl>(module)) {
+      for (auto& [part, value] : moe->full_named_parameters())
+        out.emplace_back(name + "." + part, std::move(value));
+      continue;
     } else {
       for (const auto& param : module->named_parameters())
         out.emplace_back(name + "." + param.key(), param.value().detach().clone());
@@ -206,8 +229,9 @@ void GptBlockImpl::parallelize(std::shared_ptr<ProcessGroup> tp_group, const Par
   // them builds a layer the others do not.
   detail::agree_on_layer(
       group, "parallelize_module",
-      fmt::format("GptBlock hidden={} heads={} mlp_hidden={} plan: {}", options_.hidden,
-                  options_.heads, options_.mlp_hidden, fmt::join(plan_text, ", ")),
+      fmt::format("GptBlock hidden={} heads={} mlp_hidden={} moe_experts={} plan: {}",
+                  options_.hidden, options_.heads, options_.mlp_hidden, options_.moe_experts,
+                  fmt::join(plan_text, ", ")),
       error);
 
   for (const auto& [name, style] : plan) {

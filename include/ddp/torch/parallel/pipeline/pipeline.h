@@ -105,6 +105,12 @@ struct PipelineOptions {
   // gradients and loss as one pipeline on the whole batch. Construction checks, over this group,
   // that every replica holds the same stage (ConfigError naming the difference). Null: none.
   std::shared_ptr<ProcessGroup> dp_group;
+  // Expert parallelism (mixture_of_experts.h): the stage's MoeLayers split over an ep group of
+  // more than one rank hold other experts along ep, though their tokens split over dp_group (the
+  // dp x ep ranks): their expert parameters' gradients average over this group instead (the ranks
+  // holding the same experts: the mesh's "dp"), or not at all when it is null (no replicas). The
+  // other parameters, and the loss, average over dp_group.
+  std::shared_ptr<ProcessGroup> expert_dp_group;
 };
 
 // A stage's own layers, for the constructor that does not split a whole model.

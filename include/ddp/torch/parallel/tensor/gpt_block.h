@@ -27,6 +27,7 @@
 #include <torch/torch.h>
 
 #include "ddp/comm/process_group.h"
+#include "ddp/torch/parallel/expert/mixture_of_experts.h"
 #include "ddp/torch/parallel/tensor/tensor_parallel.h"
 
 // Exported by ddp's shared libraries, which hide the rest (src/CMakeLists.txt).
@@ -43,6 +44,14 @@ struct GptBlockOptions {
   double dropout = 0.0;
   std::uint64_t seed = 0;  // the four linear layers draw from seed, seed+1, seed+2, seed+3
   torch::Dtype dtype = torch::kFloat32;
+  // A mixture of experts in place of the MLP (mixture_of_experts.h) when moe_experts > 0: a
+  // MoeLayer "moe" of that many experts of mlp_hidden each, drawn from seed + 2, over the groups
+  // given to the constructor; its auxiliary loss enters backward with weight moe_aux_weight. It
+  // stays whole on every tp rank (a plan may split the attention only).
+  std::int64_t moe_experts = 0;
+  std::int64_t moe_top_k = 1;
+  double moe_capacity_factor = 0.0;
+  double moe_aux_weight = 0.0;
 };
 
 class GptBlockImpl : public torch::nn::Module {
@@ -50,7 +59,8 @@ class GptBlockImpl : public torch::nn::Module {
   // The parts, by name (the keys of a plan, and of named_parameters: "attn_qkv.weight", ...).
   static const std::vector<std::string>& linear_part_names();  // attn_qkv attn_proj mlp_fc mlp_proj
 
-  explicit GptBlockImpl(GptBlockOptions options);
+  // Collective over moe_groups' ep and tokens groups when options.moe_experts > 0.
+  explicit GptBlockImpl(GptBlockOptions options, MoeGroups moe_groups = {});
   // x: [batch, sequence, hidden] -> the same shape.
   torch::Tensor forward(const torch::Tensor& x);
 
@@ -59,6 +69,8 @@ class GptBlockImpl : public torch::nn::Module {
   std::vector<std::pair<std::string, torch::Tensor>> full_named_parameters() const;
 
   const GptBlockOptions& options() const { return options_; }
+  // The mixture of experts in place of the MLP (null without one).
+  const MoeLayer& moe() const { return moe_; }
   // The tp group (nullptr until parallelised) and the dropout generator.
   const std::shared_ptr<ProcessGroup>& tp_group() const { return tp_group_; }
   TensorParallelRng& rng() { return *rng_; }
@@ -73,6 +85,7 @@ class GptBlockImpl : public torch::nn::Module {
   GptBlockOptions options_;
   torch::nn::LayerNorm ln_1_{nullptr}, ln_2_{nullptr};
   torch::nn::AnyModule attn_qkv_, attn_proj_, mlp_fc_, mlp_proj_;
+  MoeLayer moe_{nullptr};
   std::shared_ptr<ProcessGroup> tp_group_;
   std::shared_ptr<TensorParallelRng> rng_;
 };
