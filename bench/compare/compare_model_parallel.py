@@ -9,7 +9,9 @@ largest rank's peak resident memory of each (the median over the rounds).
   python3 bench/compare/compare_model_parallel.py --build build [--rounds 3] [--steps 20]
 
 Layouts: TP 2 x DP 2, PP 2 x DP 2 (1F1B, 4 micro-batches) and FSDP x TP (FULL_SHARD over dp 2,
-tp 2: train-gpt --fsdp against fully_shard over parallelize_module); --layouts dp4 adds plain
+tp 2: train-gpt --fsdp against fully_shard over parallelize_module); --layouts
+pp2xdp2-interleaved adds PP 2 x DP 2 with the interleaved schedule (2 chunks per rank, 4
+micro-batches, against ScheduleInterleaved1F1B), dp4 plain
 data parallelism over the same driver. Both sides: float32, AdamW, one torch thread per rank, the
 gradients averaged over dp once per step, the same sizes (--hidden, --heads, --layers,
 --block-size, --batch-size, vocabulary 96).
@@ -26,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))  # bench/compare/ -> the repositor
 LAYOUTS = {
     "tp2xdp2": ["--dp", "2", "--tp", "2"],
     "pp2xdp2": ["--dp", "2", "--pp", "2", "--microbatches", "4", "--schedule", "1f1b"],
+    "pp2xdp2-interleaved": ["--dp", "2", "--pp", "2", "--microbatches", "4", "--schedule",
+                            "interleaved", "--virtual-stages", "2"],
     "dp4": ["--dp", "4"],
     "fsdp-tp2xdp2": ["--dp", "2", "--tp", "2", "--fsdp"],
 }

@@ -10,7 +10,8 @@ Tensor parallelism: torch.distributed.tensor.parallel.parallelize_module on a De
 (ColwiseParallel q, k, v and MLP up-projection, RowwiseParallel attention and MLP down-projection,
 a RowwiseParallel vocabulary-split embedding, a ColwiseParallel head whose sharded logits go
 through loss_parallel's cross-entropy). Pipeline parallelism: torch.distributed.pipelining
-(PipelineStage of each rank's layers, ScheduleGPipe or Schedule1F1B). Data parallelism over the
+(PipelineStage of each rank's layers, ScheduleGPipe or Schedule1F1B; with --schedule interleaved,
+--virtual-stages stages per rank under ScheduleInterleaved1F1B). Data parallelism over the
 "dp" dimension: gradients averaged once per step after backward / the schedule (one flat
 allreduce), as train-gpt does; or, with --fsdp (train-gpt --fsdp's peer), FSDP2's fully_shard
 over the "dp" dimension of each child (embeddings, every block, the head) and then of the whole
@@ -98,7 +99,9 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="stages per rank of the interleaved schedule")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
@@ -147,7 +150,27 @@ def main():
 
     rows = args.batch_size // args.dp
     dp_group = mesh.get_group("dp")
-    if args.pp > 1:
+    if args.pp > 1 and args.schedule == "interleaved":
+        # train-gpt's chunks: the blocks split evenly over pp x v stages, the embeddings joining
+        # the first and the head the last; rank r holds stages r, r + pp, ...
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+        chunks = args.pp * args.virtual_stages
+        per = args.layers // chunks
+        blocks = children[1:-1]
+        parts = [blocks[c * per: (c + 1) * per] for c in range(chunks)]
+        parts[0] = [children[0]] + parts[0]
+        parts[-1] = parts[-1] + [children[-1]]
+        rank_in_pp = mesh.get_local_rank("pp")
+        stages, params = [], []
+        for index in range(rank_in_pp, chunks, args.pp):
+            module = nn.Sequential(*parts[index])
+            stages.append(PipelineStage(module, index, chunks, torch.device("cpu"),
+                                        group=mesh.get_group("pp")))
+            params += list(module.parameters())
+        schedule = ScheduleInterleaved1F1B(stages, args.microbatches, loss_fn=loss_fn)
+        stage = type("Ends", (), {"is_first": rank_in_pp == 0,
+                                  "is_last": rank_in_pp == args.pp - 1})()
+    elif args.pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         stage_index = mesh.get_local_rank("pp")
         per = math.ceil(len(children) / args.pp)

@@ -72,6 +72,18 @@ std::string saved_layout(const fs::path& dir) {
   return {};
 }
 
+// The interleaved schedule's chunks: the blocks split evenly over pp x virtual_stages chunks, the
+// embeddings joining the first and the head the last (Megatron's layout); empty (an even split of
+// the children) for the other schedules.
+std::vector<int> interleaved_balance(const TrainerConfig& config, int stages) {
+  if (config.schedule != "interleaved") return {};
+  const int chunks = stages * config.virtual_stages;
+  std::vector<int> balance(static_cast<std::size_t>(chunks), config.shape.layers / chunks);
+  balance.front() += 1;
+  balance.back() += 1;
+  return balance;
+}
+
 class PipelineTrainer final : public Trainer {
  public:
   PipelineTrainer(const ddp::DeviceMesh& mesh, const TrainerConfig& config) : config_(config) {
@@ -93,6 +105,8 @@ class PipelineTrainer final : public Trainer {
         },
         ddp::PipelineOptions{.schedule = ddp::pipeline_schedule_from_name(config.schedule),
                              .micro_batches = config.microbatches,
+                             .virtual_stages = config.virtual_stages,
+                             .balance = interleaved_balance(config, mesh.size("pp")),
                              .dp_group = experts ? config.data : mesh.group("dp"),
                              .expert_dp_group = experts ? mesh.group("dp") : nullptr});
     optimizer_.emplace(pipe_->parameters(), torch::optim::AdamWOptions(config.lr));

@@ -27,6 +27,7 @@ struct TrainerConfig {
   GptShape shape;
   double lr = 3e-3;
   std::string schedule = "1f1b";  // the pipeline's
+  int virtual_stages = 1;         // chunks per pipeline rank ("interleaved")
   int microbatches = 1;
   bool activation_checkpointing = false;
   std::filesystem::path checkpoint;  // empty: no checkpoints

@@ -8,7 +8,8 @@
 // position embedding, --layers GptBlocks parallelised by Megatron's plan (attention heads and the
 // MLP split over tp), a final LayerNorm and a column-parallel head over the vocabulary, trained
 // with vocab-parallel cross-entropy. The Sequential of those children is split into --pp pipeline
-// stages (GPipe or 1F1B over --microbatches micro-batches), and the pipeline is replicated over dp
+// stages (GPipe or 1F1B over --microbatches micro-batches, or the interleaved 1F1B schedule over
+// --virtual-stages chunks per rank), and the pipeline is replicated over dp
 // (PipelineOptions::dp_group: each replica takes its rows of the batch, gradients averaged once
 // per step). Every layout of the same run trains the same model on the same batches: the weights
 // come from fixed seeds, the vocabulary is padded to a multiple of 8, and each step's batch is
@@ -84,6 +85,7 @@ struct Options {
   int dp = 1, tp = 1, pp = 1;
   int microbatches = 1;
   std::string schedule = "1f1b";
+  int virtual_stages = 1;  // model chunks per pipeline rank (--schedule interleaved)
   int steps = 20;
   int log_every = 5;
   std::uint64_t seed = 1;
@@ -167,6 +169,38 @@ void check_experts(const Options& o) {
   }
 }
 
+// The interleaved schedule's chunks: --layers blocks in --pp x --virtual-stages equal chunks (the
+// embeddings join the first, the head the last), micro-batches in groups of --pp.
+void check_schedule(const Options& o) {
+  if (o.schedule != "interleaved") {
+    if (o.virtual_stages != 1) {
+      throw ddp::ConfigError(fmt::format(
+          "--virtual-stages {} needs --schedule interleaved (the {} schedule runs one chunk of "
+          "the model per pipeline rank)",
+          o.virtual_stages, o.schedule));
+    }
+    return;
+  }
+  if (o.pp < 2) {
+    throw ddp::ConfigError(
+        "--schedule interleaved needs --pp 2 or more (it passes each micro-batch around the "
+        "pipeline's ranks --virtual-stages times)");
+  }
+  const std::int64_t chunks = std::int64_t{o.pp} * o.virtual_stages;
+  if (o.layers % chunks != 0) {
+    throw ddp::ConfigError(fmt::format(
+        "--layers {} does not divide into --pp {} x --virtual-stages {} = {} equal chunks of "
+        "blocks: use a multiple of {} layers or another --virtual-stages",
+        o.layers, o.pp, o.virtual_stages, chunks, chunks));
+  }
+  if (o.microbatches % o.pp != 0) {
+    throw ddp::ConfigError(fmt::format(
+        "--schedule interleaved runs micro-batches in groups of --pp: --microbatches {} is not a "
+        "multiple of --pp {}",
+        o.microbatches, o.pp));
+  }
+}
+
 // Refuses, naming the flags, what the layout cannot run: the flags that must divide one another,
 // a block the text cannot fill, and sizes that cannot fit in the machine's memory.
 void check_options(const Options& o, const std::string& text, std::int64_t vocab) {
@@ -178,6 +212,7 @@ void check_options(const Options& o, const std::string& text, std::int64_t vocab
         o.batch_size, o.dp, o.ep, o.microbatches));
   }
   check_experts(o);
+  check_schedule(o);
   if (o.hidden % o.heads != 0) {
     throw ddp::ConfigError(
         fmt::format("--hidden {} must be a multiple of --heads {}", o.hidden, o.heads));
@@ -332,6 +367,7 @@ int run(const Options& o) {
                                                   .aux_weight = o.moe_aux_weight / o.microbatches},
                                         .lr = o.lr,
                                         .schedule = o.schedule,
+                                        .virtual_stages = o.virtual_stages,
                                         .microbatches = o.microbatches,
                                         .activation_checkpointing = o.activation_checkpointing,
                                         .checkpoint = o.checkpoint,
@@ -427,8 +463,12 @@ int main(int argc, char** argv) {
   app.add_option("--pp", o.pp, "pipeline stages")->check(positive_int);
   app.add_option("--microbatches", o.microbatches, "micro-batches per step and replica")
       ->check(positive_int);
-  app.add_option("--schedule", o.schedule, "gpipe or 1f1b")
-      ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--schedule", o.schedule,
+                 "gpipe, 1f1b or interleaved (--virtual-stages chunks per pipeline rank)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}));
+  app.add_option("--virtual-stages", o.virtual_stages,
+                 "model chunks per pipeline rank (--schedule interleaved; divides --layers / --pp)")
+      ->check(positive_int);
   app.add_option("--steps", o.steps,
                  "optimizer steps (in all: a resumed run counts from the start)")
       ->check(positive_int);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """train-gpt (examples/gpt) under ddprun in several layouts of data, tensor and pipeline
 parallelism, float64: every layout's last line ("final loss=... param_sum=...") must equal the
-one-process run's to 1e-9 (relative), with and without --activation-checkpointing and --fsdp,
+one-process run's to 1e-9 (relative), with and without --activation-checkpointing and --fsdp, and
+with the interleaved schedule (its flags that do not fit named),
 the loss must fall, and a mesh that does not fit the job (or --fsdp with --pp) must be named.
 Checkpoints (PyTorch's DCP format): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at DP 1 x TP 2 x
 PP 2, DP 1 x TP 2 x PP 1, DP 4 x TP 1 x PP 2 and in one process for 5 more, and 5 steps at DP 4 x
@@ -43,6 +44,11 @@ LAYOUTS = [  # dp, tp, pp, schedule, micro-batches, extra flags
     (2, 1, 1, "1f1b", 1, ("--fsdp",)),
     (2, 2, 1, "1f1b", 2, ("--fsdp",)),
     (2, 2, 1, "1f1b", 1, ("--fsdp", "--activation-checkpointing")),
+    # the interleaved schedule: two chunks of the model per pipeline rank, with dp, tp and
+    # recomputation
+    (1, 1, 2, "interleaved", 2, ("--virtual-stages", "2")),
+    (2, 1, 2, "interleaved", 2, ("--virtual-stages", "2")),
+    (1, 2, 2, "interleaved", 4, ("--virtual-stages", "2", "--activation-checkpointing")),
 ]
 
 
@@ -120,6 +126,16 @@ def main():
                     "--checkpoint", folder, "--resume")
         if other.returncode == 0 or "holds 53 model tensors, this model 41" not in other.stderr:
             sys.exit(f"a resume of another model was not named:\n{other.stdout}\n{other.stderr}")
+    for flags, needle in (
+            (("--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3"),
+             "--layers 4 does not divide into --pp 2 x --virtual-stages 3 = 6 equal chunks"),
+            (("--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+              "--microbatches", "1"), "--microbatches 1 is not a multiple of --pp 2"),
+            (("--pp", "2", "--microbatches", "2", "--virtual-stages", "2"),
+             "--virtual-stages 2 needs --schedule interleaved")):
+        done = run(bin_dir, 2, *flags)
+        if done.returncode == 0 or needle not in done.stderr:
+            sys.exit(f"{flags} was not refused with '{needle}':\n{done.stdout}\n{done.stderr}")
     done = run(bin_dir, 2, "--pp", "2", "--microbatches", "2", "--fsdp")
     if done.returncode == 0 or "--fsdp with --pp 2: FSDP shards the model over --dp" not in done.stderr:
         sys.exit(f"--fsdp with --pp was not named:\n{done.stdout}\n{done.stderr}")

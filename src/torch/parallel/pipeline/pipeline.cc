@@ -24,15 +24,25 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Children [first, first + count) of the whole model for each stage.
+// Children [first, first + count) of the whole model for each stage (interleaved: each of the
+// stages x virtual_stages chunks).
 std::vector<std::pair<int, int>> split_children(int children, int stages,
-                                                const std::vector<int>& balance) {
+                                                const std::vector<int>& balance,
+                                                int virtual_stages) {
   if (stages > children) {
     throw ConfigError(fmt::format(
         "Pipeline: the model has {} children but the pp group has {} stages; every stage needs at "
         "least one child: use fewer stages or a Sequential of more children",
         children, stages));
   }
+  if (virtual_stages > 1 && stages * virtual_stages > children) {
+    throw ConfigError(fmt::format(
+        "Pipeline: the model has {} children, fewer than the {} stages x {} virtual stages = {} "
+        "chunks of the interleaved schedule; every chunk needs at least one child: use fewer "
+        "virtual stages or a Sequential of more children",
+        children, stages, virtual_stages, stages * virtual_stages));
+  }
+  stages *= virtual_stages;
   std::vector<int> counts(static_cast<std::size_t>(stages));
   if (balance.empty()) {
     for (int s = 0; s < stages; ++s)
@@ -40,9 +50,11 @@ std::vector<std::pair<int, int>> split_children(int children, int stages,
   } else {
     if (static_cast<int>(balance.size()) != stages) {
       throw ConfigError(fmt::format(
-          "Pipeline: balance has {} entries ({}) but the pp group has {} stages; give one child "
-          "count per stage",
-          balance.size(), fmt::join(balance, ","), stages));
+          "Pipeline: balance has {} entries ({}) but the pp group has {} {}; give one child "
+          "count per {}",
+          balance.size(), fmt::join(balance, ","), stages,
+          virtual_stages > 1 ? "chunks (stages x virtual stages)" : "stages",
+          virtual_stages > 1 ? "chunk" : "stage"));
     }
     const int sum = std::accumulate(balance.begin(), balance.end(), 0);
     if (sum != children || *std::min_element(balance.begin(), balance.end()) < 1) {
@@ -72,6 +84,29 @@ void check_options(const PipelineOptions& options, int stages) {
         "Pipeline: the 1F1B schedule needs at least as many micro-batches as stages, but "
         "micro_batches is {} with {} stages: raise micro_batches or use the gpipe schedule",
         options.micro_batches, stages));
+  }
+  if (options.virtual_stages < 1) {
+    throw ConfigError(fmt::format("Pipeline: virtual_stages is {}; it must be at least 1",
+                                  options.virtual_stages));
+  }
+  if (options.schedule != PipelineSchedule::kInterleaved1F1B && options.virtual_stages != 1) {
+    throw ConfigError(fmt::format(
+        "Pipeline: virtual_stages {} needs the interleaved schedule (the {} schedule runs one "
+        "chunk per rank)",
+        options.virtual_stages, to_string(options.schedule)));
+  }
+  if (options.schedule == PipelineSchedule::kInterleaved1F1B) {
+    if (stages < 2) {
+      throw ConfigError(
+          "Pipeline: the interleaved schedule needs at least 2 stages (it passes each micro-batch "
+          "around the ranks); use 1f1b or gpipe with one stage");
+    }
+    if (options.micro_batches < stages || options.micro_batches % stages != 0) {
+      throw ConfigError(fmt::format(
+          "Pipeline: the interleaved schedule runs micro-batches in groups of the stage count, "
+          "but micro_batches is {} with {} stages: use a multiple of {} micro-batches",
+          options.micro_batches, stages, stages));
+    }
   }
   if (options.timeout.count() < 0) {
     throw ConfigError(
@@ -132,7 +167,8 @@ void Pipeline::State::agree(const std::string& description, const std::string& l
        .differ = "the stages were configured differently",
        .requirement = "Every rank of the pp group must pass the same model split, schedule, "
                       "micro-batch count and recomputation"});
-  actions = pipeline_actions(options.schedule, stage(), stages(), options.micro_batches);
+  actions = pipeline_actions(options.schedule, stage(), stages(), options.micro_batches,
+                             options.virtual_stages);
   if (options.dp_group) {
     // The replicas of this stage average their gradients: they must hold the same layers.
     std::string replica = fmt::format("stage {} of {}\nlayers [{}, +{})\n", stage(), stages(),
@@ -152,9 +188,9 @@ void Pipeline::State::agree(const std::string& description, const std::string& l
 namespace {
 
 std::string common_description(const PipelineOptions& options, int stages) {
-  return fmt::format("schedule {}\nmicro-batches {}\nstages {}\nrecompute {}\n",
+  return fmt::format("schedule {}\nmicro-batches {}\nstages {}\nvirtual stages {}\nrecompute {}\n",
                      to_string(options.schedule), options.micro_batches, stages,
-                     options.recompute ? "on" : "off");
+                     options.virtual_stages, options.recompute ? "on" : "off");
 }
 
 }  // namespace
@@ -173,15 +209,24 @@ Pipeline::Pipeline(torch::nn::Sequential whole_model, std::shared_ptr<ProcessGro
     if (!st.loss) throw ConfigError("Pipeline: no loss function");
     check_options(st.options, st.stages());
     const int children = static_cast<int>(whole_model->size());
-    const auto ranges = split_children(children, st.stages(), st.options.balance);
+    const int chunks = st.interleaved() ? st.options.virtual_stages : 1;
+    const auto ranges = split_children(children, st.stages(), st.options.balance, chunks);
     std::vector<int> counts;
     for (const auto& range : ranges)
       counts.push_back(range.second);
     description += fmt::format("model children {}\nsplit {}\n", children, fmt::join(counts, ","));
-    st.layer_range = ranges[static_cast<std::size_t>(st.stage())];
+    // Chunk c of this rank is the model's chunk c x stages + stage.
     const auto names = whole_model->named_children().keys();
-    for (int k = st.layer_range.first; k < st.layer_range.first + st.layer_range.second; ++k) {
-      st.module->push_back(names[static_cast<std::size_t>(k)], *(whole_model->begin() + k));
+    for (int c = 0; c < chunks; ++c) {
+      const auto range = ranges[static_cast<std::size_t>(c * st.stages() + st.stage())];
+      if (c == 0) st.layer_range = range;
+      torch::nn::Sequential chunk;
+      for (int k = range.first; k < range.first + range.second; ++k) {
+        const auto& name = names[static_cast<std::size_t>(k)];
+        chunk->push_back(name, *(whole_model->begin() + k));
+        st.module->push_back(name, *(whole_model->begin() + k));
+      }
+      st.chunks.push_back(chunk);
     }
     st.device = stage_device(*st.module, *st.group, st.stage());
   } catch (const std::exception& e) {
@@ -204,7 +249,13 @@ Pipeline::Pipeline(PipelineStageModule stage, std::shared_ptr<ProcessGroup> grou
     }
     if (!st.loss) throw ConfigError("Pipeline: no loss function");
     check_options(st.options, st.stages());
+    if (st.interleaved()) {
+      throw ConfigError(
+          "Pipeline: the interleaved schedule places several chunks of the model on each rank: "
+          "give it the whole model (the constructor that takes it), not one stage's layers");
+    }
     st.module = stage.module;
+    st.chunks = {st.module};
     st.layer_range = {0, static_cast<int>(st.module->size())};
     st.device = stage_device(*st.module, *st.group, st.stage());
   } catch (const std::exception& e) {

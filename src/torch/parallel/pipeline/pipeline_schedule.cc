@@ -16,6 +16,8 @@ const char* to_string(PipelineSchedule schedule) {
       return "gpipe";
     case PipelineSchedule::k1F1B:
       return "1f1b";
+    case PipelineSchedule::kInterleaved1F1B:
+      return "interleaved";
   }
   return "unknown";
 }
@@ -26,9 +28,45 @@ PipelineSchedule pipeline_schedule_from_name(std::string_view name) {
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   if (lower == "gpipe") return PipelineSchedule::kGPipe;
   if (lower == "1f1b") return PipelineSchedule::k1F1B;
-  throw ConfigError(
-      fmt::format("unknown pipeline schedule '{}': the choices are gpipe and 1f1b", name));
+  if (lower == "interleaved") return PipelineSchedule::kInterleaved1F1B;
+  throw ConfigError(fmt::format(
+      "unknown pipeline schedule '{}': the choices are gpipe, 1f1b and interleaved", name));
 }
+
+namespace {
+
+// Megatron's interleaved 1F1B (forward_backward_pipelining_with_interleaving): the m x v chunk
+// passes of a rank in groups of p micro-batches: chunk 0 of micro-batches 0..p-1, chunk 1 of the
+// same, ..., then the next p micro-batches; backwards the same with the chunks in reverse. Rank s
+// runs 2 (p - s - 1) + (v - 1) p forwards first, then one forward and one backward, then the
+// backwards left. Every rank passes the units in the same order, so each message (sent
+// asynchronously) is the next one its receiver waits for.
+std::vector<PipelineAction> interleaved_actions(int stage, int stages, int micro_batches,
+                                                int virtual_stages) {
+  using Kind = PipelineAction::Kind;
+  const int p = stages, v = virtual_stages;
+  const int units = micro_batches * v;
+  const auto unit = [&](Kind kind, int k) {
+    const int chunk_in_order = (k / p) % v;
+    const int micro_batch = (k / (p * v)) * p + k % p;
+    return PipelineAction{kind, micro_batch,
+                          kind == Kind::kForward ? chunk_in_order : v - 1 - chunk_in_order};
+  };
+  const int warmup = std::min((p - stage - 1) * 2 + (v - 1) * p, units);
+  std::vector<PipelineAction> actions;
+  actions.reserve(2 * static_cast<std::size_t>(units));
+  for (int k = 0; k < warmup; ++k)
+    actions.push_back(unit(Kind::kForward, k));
+  for (int k = 0; k < units - warmup; ++k) {
+    actions.push_back(unit(Kind::kForward, warmup + k));
+    actions.push_back(unit(Kind::kBackward, k));
+  }
+  for (int k = units - warmup; k < units; ++k)
+    actions.push_back(unit(Kind::kBackward, k));
+  return actions;
+}
+
+}  // namespace
 
 // GPipe: F0 .. F(m-1), B0 .. B(m-1).
 // 1F1B (PipeDream-Flush, Megatron's non-interleaved schedule): stage s warms up with
@@ -37,8 +75,11 @@ PipelineSchedule pipeline_schedule_from_name(std::string_view name) {
 // oldest); then the w backwards left. A stage holds at most w + 1 <= p - s micro-batches'
 // activations, against m for GPipe; the bubble is the same.
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stage, int stages,
-                                             int micro_batches) {
+                                             int micro_batches, int virtual_stages) {
   using Kind = PipelineAction::Kind;
+  if (schedule == PipelineSchedule::kInterleaved1F1B) {
+    return interleaved_actions(stage, stages, micro_batches, std::max(virtual_stages, 1));
+  }
   std::vector<PipelineAction> actions;
   actions.reserve(2 * static_cast<std::size_t>(std::max(micro_batches, 0)));
   if (schedule == PipelineSchedule::kGPipe) {

@@ -83,26 +83,28 @@ torch::Tensor Pipeline::State::scaled_loss(const torch::Tensor& output,
   return loss_value.reshape({}) / options.micro_batches;
 }
 
-void Pipeline::State::forward(Run& run, int micro_batch) {
+void Pipeline::State::forward(Run& run, int micro_batch, int chunk) {
   const auto i = static_cast<std::size_t>(micro_batch);
+  const bool first = first_chunk(chunk), final = last_chunk(chunk);
   StoredMicroBatch kept;
-  if (stage() == 0) {
+  if (first) {
     kept.input = run.inputs[i];
   } else {
-    kept.input = detail::recv_pipeline_tensor(*group, stage() - 1, kPipelineActivationTag,
-                                              micro_batch, options.timeout, device);
+    kept.input =
+        detail::recv_pipeline_tensor(*group, previous_rank(), kPipelineActivationTag,
+                                     message_id(chunk, micro_batch), options.timeout, device);
   }
   const auto begin_ns = trace_clock_ns();
   torch::Tensor output;
   if (options.recompute) {
     kept.rng_state = cpu_rng_state();
     torch::NoGradGuard no_grad;
-    output = stage_forward(kept.input);
-    if (last()) run.loss += scaled_loss(output, run.targets[i]).item<double>();
+    output = stage_forward(chunk, kept.input);
+    if (final) run.loss += scaled_loss(output, run.targets[i]).item<double>();
   } else {
-    if (stage() > 0) kept.input.requires_grad_(true);
-    output = stage_forward(kept.input);
-    if (last()) {
+    if (!first) kept.input.requires_grad_(true);
+    output = stage_forward(chunk, kept.input);
+    if (final) {
       kept.loss = scaled_loss(output, run.targets[i]);
       run.loss += kept.loss.item<double>();
     } else {
@@ -110,59 +112,67 @@ void Pipeline::State::forward(Run& run, int micro_batch) {
     }
   }
   const auto end_ns = trace_clock_ns();
-  run.stored.emplace(micro_batch, std::move(kept));
+  run.stored.emplace(message_id(chunk, micro_batch), std::move(kept));
   stats.peak_stored_activations =
       std::max(stats.peak_stored_activations, static_cast<int>(run.stored.size()));
-  record(run, {Kind::kForward, micro_batch}, begin_ns, end_ns);
-  if (!last()) {
-    run.sends.push_back(detail::send_pipeline_tensor(
-        *group, output, stage() + 1, kPipelineActivationTag, micro_batch, options.timeout));
+  record(run, {Kind::kForward, micro_batch, chunk}, begin_ns, end_ns);
+  if (!final) {
+    // The next rank's chunk: the same one, or (from the last rank) the next one.
+    const int next_chunk = last() ? chunk + 1 : chunk;
+    run.sends.push_back(
+        detail::send_pipeline_tensor(*group, output, next_rank(), kPipelineActivationTag,
+                                     message_id(next_chunk, micro_batch), options.timeout));
   }
 }
 
-void Pipeline::State::backward(Run& run, int micro_batch) {
-  auto node = run.stored.extract(micro_batch);
+void Pipeline::State::backward(Run& run, int micro_batch, int chunk) {
+  const bool first = first_chunk(chunk), final = last_chunk(chunk);
+  auto node = run.stored.extract(message_id(chunk, micro_batch));
   auto& kept = node.mapped();
   torch::Tensor output_grad;
-  if (!last()) {
-    output_grad = detail::recv_pipeline_tensor(*group, stage() + 1, kPipelineGradientTag,
-                                               micro_batch, options.timeout, device);
+  if (!final) {
+    output_grad =
+        detail::recv_pipeline_tensor(*group, next_rank(), kPipelineGradientTag,
+                                     message_id(chunk, micro_batch), options.timeout, device);
   }
   const auto begin_ns = trace_clock_ns();
-  if (options.recompute && stage() > 0) {
+  if (options.recompute && !first) {
     kept.input = kept.input.detach().requires_grad_(true);
   }
   if (options.recompute) {
     const auto current_rng = cpu_rng_state();
     set_cpu_rng_state(kept.rng_state);
-    auto output = stage_forward(kept.input);
+    auto output = stage_forward(chunk, kept.input);
     set_cpu_rng_state(current_rng);
-    if (last()) {
+    if (final) {
       kept.loss = scaled_loss(output, run.targets[static_cast<std::size_t>(micro_batch)]);
     } else {
       kept.output = output;
     }
   }
-  if (last()) {
+  if (final) {
     kept.loss.backward();
   } else {
     if (output_grad.sizes() != kept.output.sizes()) {
       throw ConfigError(fmt::format(
           "pipeline stage {}: the gradient of micro-batch {} from stage {} has shape {} but the "
           "activation sent has shape {}",
-          stage(), micro_batch, stage() + 1, fmt::join(output_grad.sizes(), "x"),
+          stage(), micro_batch, next_rank(), fmt::join(output_grad.sizes(), "x"),
           fmt::join(kept.output.sizes(), "x")));
     }
     // A stage whose output does not depend on anything that requires grad has nothing to do.
     if (kept.output.requires_grad()) kept.output.backward(output_grad);
   }
   const auto end_ns = trace_clock_ns();
-  record(run, {Kind::kBackward, micro_batch}, begin_ns, end_ns);
-  if (stage() > 0) {
+  record(run, {Kind::kBackward, micro_batch, chunk}, begin_ns, end_ns);
+  if (!first) {
     auto input_grad = kept.input.grad();
     if (!input_grad.defined()) input_grad = torch::zeros_like(kept.input);
-    run.sends.push_back(detail::send_pipeline_tensor(
-        *group, input_grad, stage() - 1, kPipelineGradientTag, micro_batch, options.timeout));
+    // The previous rank's chunk: the same one, or (to the last rank) the one before.
+    const int previous_chunk = stage() == 0 ? chunk - 1 : chunk;
+    run.sends.push_back(
+        detail::send_pipeline_tensor(*group, input_grad, previous_rank(), kPipelineGradientTag,
+                                     message_id(previous_chunk, micro_batch), options.timeout));
   }
 }
 
@@ -184,9 +194,9 @@ void Pipeline::State::run_schedule(Run& run, const torch::Tensor& input,
   if (last()) run.targets = micro_batches_of(target, m, stage(), "target");
   for (const auto& action : actions) {
     if (action.kind == Kind::kForward) {
-      forward(run, action.micro_batch);
+      forward(run, action.micro_batch, action.chunk);
     } else {
-      backward(run, action.micro_batch);
+      backward(run, action.micro_batch, action.chunk);
     }
   }
   if (!run.input_views.empty()) backward_into_input(run);

@@ -109,11 +109,12 @@ double Pipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
   // Until the final allreduce below has finished, unless the step failed.
   st.stats.wall = std::chrono::nanoseconds(trace_clock_ns() - run.start_ns);
   if (failure) {
-    if (stage > 0)
-      detail::send_pipeline_failure(group, stage - 1, kPipelineGradientTag, origin,
+    // Interleaved, the ring closes: rank 0 also reads from the last rank and the reverse.
+    if (stage > 0 || st.interleaved())
+      detail::send_pipeline_failure(group, st.previous_rank(), kPipelineGradientTag, origin,
                                     st.options.timeout);
-    if (!st.last())
-      detail::send_pipeline_failure(group, stage + 1, kPipelineActivationTag, origin,
+    if (!st.last() || st.interleaved())
+      detail::send_pipeline_failure(group, st.next_rank(), kPipelineActivationTag, origin,
                                     st.options.timeout);
     run.stored.clear();
     st.broken = failure_text;

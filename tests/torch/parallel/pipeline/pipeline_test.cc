@@ -150,7 +150,26 @@ TEST(PipelineSchedule, NamesRoundTrip) {
   EXPECT_EQ(pipeline_schedule_from_name("GPipe"), PipelineSchedule::kGPipe);
   EXPECT_EQ(pipeline_schedule_from_name(to_string(PipelineSchedule::k1F1B)),
             PipelineSchedule::k1F1B);
-  EXPECT_THROW(pipeline_schedule_from_name("interleaved"), ConfigError);
+  EXPECT_EQ(pipeline_schedule_from_name("Interleaved"), PipelineSchedule::kInterleaved1F1B);
+  EXPECT_THROW(pipeline_schedule_from_name("zero-bubble"), ConfigError);
+}
+
+std::string describe_chunk_actions(const std::vector<PipelineAction>& actions) {
+  std::string text;
+  for (const auto& a : actions)
+    text += fmt::format("{}{}.{} ", a.kind == Kind::kForward ? 'F' : 'B', a.chunk, a.micro_batch);
+  return text;
+}
+
+// Megatron's interleaved order at p = 2, v = 2, m = 4: chunks in groups of p micro-batches;
+// stage 0 warms up with 2 (p - 1) + (v - 1) p = 4 chunk forwards, stage 1 with 2.
+TEST(PipelineSchedule, InterleavedRunsEachChunkOfAGroupOfMicroBatchesInTurn) {
+  EXPECT_EQ(
+      describe_chunk_actions(pipeline_actions(PipelineSchedule::kInterleaved1F1B, 0, 2, 4, 2)),
+      "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3 ");
+  EXPECT_EQ(
+      describe_chunk_actions(pipeline_actions(PipelineSchedule::kInterleaved1F1B, 1, 2, 4, 2)),
+      "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 B0.2 B0.3 ");
 }
 
 // p stages, m = 4 micro-batches: equal to one process; the peak of stored activations is m for
@@ -195,6 +214,40 @@ TEST(Pipeline, OneFOneBFourStagesEqualsOneProcess) {
 
 TEST(Pipeline, RecomputationEqualsOneProcess) {
   expect_schedule_equals_one_process(PipelineSchedule::k1F1B, 2, true);
+}
+
+// Two chunks per rank (the model's 7 children in 4 chunks: 2, 2, 2, 1; rank 0 holds chunks 0
+// and 2), 4 and 8 micro-batches, with and without recomputation: one process's losses and
+// parameters; each rank's layers are its chunks' (their names the whole model's).
+TEST(Pipeline, InterleavedTwoStagesOfTwoChunksEqualsOneProcess) {
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto pg = join_group(rank, 2, port);
+    for (const int m : {4, 8}) {
+      for (const bool recompute : {false, true}) {
+        Pipeline pipe(make_model(), pg, mse,
+                      {.schedule = PipelineSchedule::kInterleaved1F1B,
+                       .micro_batches = m,
+                       .virtual_stages = 2,
+                       .recompute = recompute});
+        const std::string what = fmt::format("interleaved v=2 m={} recompute={}", m, recompute);
+        const auto want_layers = rank == 0 ? std::vector<std::string>{"0", "1", "4", "5"}
+                                           : std::vector<std::string>{"2", "3", "6"};
+        if (pipe.stage_module()->named_children().keys() != want_layers) {
+          throw std::runtime_error(
+              fmt::format("{}: stage {} holds layers {}", what, rank,
+                          fmt::join(pipe.stage_module()->named_children().keys(), ",")));
+        }
+        expect_equals_one_process(pipe, train_pipeline(pipe), what);
+        const auto& stats = pipe.last_step_stats();
+        if (static_cast<int>(stats.timings.size()) != 2 * 2 * m) {
+          throw std::runtime_error(
+              fmt::format("{}: {} actions timed, not {}", what, stats.timings.size(), 4 * m));
+        }
+      }
+    }
+  });
+  EXPECT_ALL_RANKS_OK(results);
 }
 
 // With dropout, a recomputed forward draws the masks of its first run: the same training as
@@ -429,7 +482,9 @@ TEST(Pipeline, BubbleIdleFraction) {
   const int port = test::free_port();
   const auto results = run_ranks(2, [&](int rank) {
     auto pg = join_group(rank, 2, port);
-    for (const auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+    for (const auto schedule :
+         {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kInterleaved1F1B}) {
+      const int v = schedule == PipelineSchedule::kInterleaved1F1B ? 2 : 1;
       for (const int m : {4, 8}) {
         torch::manual_seed(3);
         torch::nn::Sequential model;
@@ -437,14 +492,15 @@ TEST(Pipeline, BubbleIdleFraction) {
           if (k % 2 == 0) model->push_back(torch::nn::Linear(256, 256));
           if (k % 2 == 1) model->push_back(torch::nn::Tanh());
         }
-        Pipeline pipe(model, pg, mse, {.schedule = schedule, .micro_batches = m});
+        Pipeline pipe(model, pg, mse,
+                      {.schedule = schedule, .micro_batches = m, .virtual_stages = v});
         auto x = torch::randn({1024, 256});
         auto y = torch::randn({1024, 256});
         std::chrono::nanoseconds busy{0}, wall{0};
         for (int step = 0; step < 5; ++step) {
           pipe.step(x, y);
           const auto& stats = pipe.last_step_stats();
-          if (static_cast<int>(stats.timings.size()) != 2 * m || stats.busy > stats.wall) {
+          if (static_cast<int>(stats.timings.size()) != 2 * m * v || stats.busy > stats.wall) {
             throw std::runtime_error("inconsistent timings");
           }
           for (const auto& t : stats.timings) {
@@ -459,9 +515,9 @@ TEST(Pipeline, BubbleIdleFraction) {
         const double idle =
             1.0 - static_cast<double>(busy.count()) / static_cast<double>(wall.count());
         std::printf(
-            "pipeline bubble schedule=%s p=2 m=%d stage=%d idle=%.3f theory=%.3f "
+            "pipeline bubble schedule=%s p=2 v=%d m=%d stage=%d idle=%.3f theory=%.3f "
             "busy_ms=%.1f wall_ms=%.1f\n",
-            to_string(schedule), m, rank, idle, 1.0 / (m + 1), busy.count() / 3e6,
+            to_string(schedule), v, m, rank, idle, 1.0 / (v * m + 1), busy.count() / 3e6,
             wall.count() / 3e6);
         std::fflush(stdout);
       }
@@ -571,6 +627,39 @@ TEST(PipelineErrors, OneFOneBWithFewerMicroBatchesThanStages) {
       "at least as many micro-batches as stages");
 }
 
+TEST(PipelineErrors, InterleavedMisuseIsNamedOnEveryRank) {
+  using Schedule = PipelineSchedule;
+  const auto build = [](PipelineOptions options) {
+    return [=](int, std::shared_ptr<ProcessGroup> pg) {
+      Pipeline pipe(make_model(), pg, mse, options);
+    };
+  };
+  expect_every_rank_fails(
+      2, build({.schedule = Schedule::kInterleaved1F1B, .micro_batches = 3, .virtual_stages = 2}),
+      "micro_batches is 3 with 2 stages: use a multiple of 2 micro-batches");
+  expect_every_rank_fails(
+      2, build({.schedule = Schedule::k1F1B, .micro_batches = 4, .virtual_stages = 2}),
+      "virtual_stages 2 needs the interleaved schedule");
+  // 7 children cannot fill 2 x 4 chunks.
+  expect_every_rank_fails(
+      2, build({.schedule = Schedule::kInterleaved1F1B, .micro_batches = 4, .virtual_stages = 4}),
+      "fewer than the 2 stages x 4 virtual stages = 8 chunks");
+  expect_every_rank_fails(2,
+                          build({.schedule = Schedule::kInterleaved1F1B,
+                                 .micro_batches = 4,
+                                 .virtual_stages = 2,
+                                 .balance = {3, 4}}),
+                          "balance has 2 entries (3,4) but the pp group has 4 chunks");
+  expect_every_rank_fails(
+      2,
+      [](int, std::shared_ptr<ProcessGroup> pg) {
+        Pipeline pipe(
+            PipelineStageModule{make_model()}, pg, mse,
+            {.schedule = Schedule::kInterleaved1F1B, .micro_batches = 2, .virtual_stages = 2});
+      },
+      "give it the whole model");
+}
+
 TEST(PipelineErrors, RanksThatDisagreeOnTheSchedule) {
   expect_every_rank_fails(
       2,
@@ -663,6 +752,48 @@ TEST(PipelineErrors, AStageThatThrowsMidScheduleStopsEveryStage) {
         if (pipe.last_step_stats().timings.empty() && rank == 0) {
           throw std::runtime_error("stage 0 ran nothing before the failure");
         }
+      },
+      60s);
+  EXPECT_ALL_RANKS_OK(failing);
+}
+
+// Interleaved, the messages go around the ring: rank 0's second chunk throws in its third
+// forward, and rank 1, which waits on it from either side, hears of it well before the timeout.
+TEST(PipelineErrors, AnInterleavedChunkThatThrowsStopsEveryStage) {
+  const int port = test::free_port();
+  const auto failing = run_ranks(
+      2,
+      [&](int rank) {
+        auto pg = join_group(rank, 2, port, 10s);
+        // The model's children with a throwing layer at 4: children 4 and 5 are rank 0's chunk 1.
+        const auto whole = make_model();
+        const auto names = whole->named_children().keys();
+        torch::nn::Sequential model;
+        for (std::size_t k = 0; k < names.size(); ++k) {
+          if (k == 4) model->push_back("throwing", ThrowingLayer(3));
+          model->push_back(names[k], *(whole->begin() + static_cast<std::ptrdiff_t>(k)));
+        }
+        Pipeline pipe(model, pg, mse,
+                      {.schedule = PipelineSchedule::kInterleaved1F1B,
+                       .micro_batches = 4,
+                       .virtual_stages = 2});
+        const auto start = std::chrono::steady_clock::now();
+        auto [x, y] = make_batch(0);
+        try {
+          pipe.step(x, y);
+          throw std::logic_error("step() returned");
+        } catch (const CommError& e) {
+          if (rank == 0 || e.kind() != CommErrorKind::kAborted || e.peer() != 0 ||
+              std::string(e.what()).find("stage 0 failed: injected failure") == std::string::npos) {
+            throw std::runtime_error(fmt::format("stage {}: wrong CommError: {}", rank, e.what()));
+          }
+        } catch (const std::runtime_error& e) {
+          if (rank != 0 || std::string(e.what()) != "injected failure in the stage's layer") {
+            throw std::runtime_error(fmt::format("stage {}: wrong error: {}", rank, e.what()));
+          }
+        }
+        if (std::chrono::steady_clock::now() - start > 5s)
+          throw std::runtime_error("the failure took longer than 5 s to arrive");
       },
       60s);
   EXPECT_ALL_RANKS_OK(failing);

@@ -37,7 +37,14 @@
 // min(p - s - 1, m) forwards, then alternates one forward and one backward, then the remaining
 // backwards; it stores at most p - s activations (needs m >= p, else ConfigError). Both have
 // the same bubble, (p - 1) / (m + p - 1) of a step idle per stage when every micro-batch's
-// forward and backward take the same time on every stage.
+// forward and backward take the same time on every stage. kInterleaved1F1B (Megatron's
+// interleaved schedule, PyTorch's ScheduleInterleaved1F1B): the model is cut into p x v chunks
+// (v = options.virtual_stages) and rank s holds chunks s, s + p, ..., s + (v - 1) p, so a
+// micro-batch passes every rank v times (rank p - 1 hands chunk c's output to rank 0's chunk
+// c + 1); each rank warms up with 2 (p - s - 1) + (v - 1) p chunk forwards and then alternates,
+// which divides the bubble by v: (p - 1) / (v m + p - 1). It needs the whole-model constructor,
+// p >= 2, and m a multiple of p; a rank stores up to 2 (p - s - 1) + (v - 1) p + 1 chunk
+// activations.
 //
 // Messages. Each activation and gradient is a contiguous CPU tensor sent to the neighbouring
 // stage after a 12-word header (its micro-batch, dtype and shape; at most 7 dimensions), so
@@ -78,12 +85,13 @@
 namespace ddp {
 
 enum class PipelineSchedule {
-  kGPipe,  // all forwards, then all backwards (PyTorch's ScheduleGPipe)
-  k1F1B,   // one forward, one backward in the steady state (PyTorch's Schedule1F1B)
+  kGPipe,            // all forwards, then all backwards (PyTorch's ScheduleGPipe)
+  k1F1B,             // one forward, one backward in the steady state (PyTorch's Schedule1F1B)
+  kInterleaved1F1B,  // 1F1B over v chunks per rank (PyTorch's ScheduleInterleaved1F1B)
 };
-// "gpipe", "1f1b".
+// "gpipe", "1f1b", "interleaved".
 const char* to_string(PipelineSchedule schedule);
-// "gpipe" or "1f1b" (any case); ConfigError naming the choices otherwise.
+// "gpipe", "1f1b" or "interleaved" (any case); ConfigError naming the choices otherwise.
 PipelineSchedule pipeline_schedule_from_name(std::string_view name);
 
 inline constexpr int kPipelineActivationTag = 32750;
@@ -92,6 +100,9 @@ inline constexpr int kPipelineGradientTag = 32751;
 struct PipelineOptions {
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   int micro_batches = 1;  // m: chunks of each batch (>= the stage count for 1F1B)
+  // v: model chunks per rank, for kInterleaved1F1B (1 otherwise). The model's children split
+  // into p x v chunks (balance, when given, has p x v entries, in chunk order).
+  int virtual_stages = 1;
   // Children per stage when the whole model is given (one entry per stage, each >= 1, adding up
   // to the model's children); empty: an even split.
   std::vector<int> balance;
@@ -127,11 +138,13 @@ struct PipelineAction {
   enum class Kind { kForward, kBackward };
   Kind kind = Kind::kForward;
   int micro_batch = 0;
+  int chunk = 0;  // which of the rank's model chunks (kInterleaved1F1B; 0 otherwise)
   bool operator==(const PipelineAction&) const = default;
 };
-// The actions of `stage` (0..stages-1) in `schedule` with `micro_batches`, in order.
+// The actions of `stage` (0..stages-1) in `schedule` with `micro_batches` (and `virtual_stages`
+// chunks per rank for kInterleaved1F1B), in order.
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stage, int stages,
-                                             int micro_batches);
+                                             int micro_batches, int virtual_stages = 1);
 
 // Where one stage's time went in the last step. Times are from the step's start on this rank;
 // "busy" is the compute of forwards and backwards (the loss included), the rest of the step
@@ -173,9 +186,10 @@ class Pipeline {
   bool is_first_stage() const { return stage() == 0; }
   bool is_last_stage() const { return stage() == num_stages() - 1; }
   // This stage's first child in the whole model and its child count (whole-model constructor;
-  // {0, module size} otherwise).
+  // {0, module size} otherwise); interleaved: its first chunk's.
   std::pair<int, int> layer_range() const;
-  // This stage's layers; their parameter names are the whole model's ("2.weight").
+  // This stage's layers (interleaved: every chunk's, in the model's order); their parameter
+  // names are the whole model's ("2.weight").
   torch::nn::Sequential& stage_module();
   std::vector<torch::Tensor> parameters() const;
   const PipelineOptions& options() const;
