@@ -8,8 +8,8 @@
 // position embedding, --layers GptBlocks parallelised by Megatron's plan (attention heads and the
 // MLP split over tp), a final LayerNorm and a column-parallel head over the vocabulary, trained
 // with vocab-parallel cross-entropy. The Sequential of those children is split into --pp pipeline
-// stages (GPipe or 1F1B over --microbatches micro-batches, or the interleaved 1F1B schedule over
-// --virtual-stages chunks per rank), and the pipeline is replicated over dp
+// stages (GPipe or 1F1B over --microbatches micro-batches, the interleaved 1F1B schedule over
+// --virtual-stages chunks per rank, or zero bubble), and the pipeline is replicated over dp
 // (PipelineOptions::dp_group: each replica takes its rows of the batch, gradients averaged once
 // per step). Every layout of the same run trains the same model on the same batches: the weights
 // come from fixed seeds, the vocabulary is padded to a multiple of 8, and each step's batch is
@@ -464,8 +464,9 @@ int main(int argc, char** argv) {
   app.add_option("--microbatches", o.microbatches, "micro-batches per step and replica")
       ->check(positive_int);
   app.add_option("--schedule", o.schedule,
-                 "gpipe, 1f1b or interleaved (--virtual-stages chunks per pipeline rank)")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}));
+                 "gpipe, 1f1b, interleaved (--virtual-stages chunks per pipeline rank) or "
+                 "zero-bubble (backward split into input and weight passes)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zero-bubble"}));
   app.add_option("--virtual-stages", o.virtual_stages,
                  "model chunks per pipeline rank (--schedule interleaved; divides --layers / --pp)")
       ->check(positive_int);

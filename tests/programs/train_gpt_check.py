@@ -2,7 +2,7 @@
 """train-gpt (examples/gpt) under ddprun in several layouts of data, tensor and pipeline
 parallelism, float64: every layout's last line ("final loss=... param_sum=...") must equal the
 one-process run's to 1e-9 (relative), with and without --activation-checkpointing and --fsdp, and
-with the interleaved schedule (its flags that do not fit named),
+with the interleaved and zero-bubble schedules (the interleaved one's flags that do not fit named),
 the loss must fall, and a mesh that does not fit the job (or --fsdp with --pp) must be named.
 Checkpoints (PyTorch's DCP format): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at DP 1 x TP 2 x
 PP 2, DP 1 x TP 2 x PP 1, DP 4 x TP 1 x PP 2 and in one process for 5 more, and 5 steps at DP 4 x
@@ -49,6 +49,10 @@ LAYOUTS = [  # dp, tp, pp, schedule, micro-batches, extra flags
     (1, 1, 2, "interleaved", 2, ("--virtual-stages", "2")),
     (2, 1, 2, "interleaved", 2, ("--virtual-stages", "2")),
     (1, 2, 2, "interleaved", 4, ("--virtual-stages", "2", "--activation-checkpointing")),
+    # zero bubble: each backward split into input and weight passes
+    (1, 1, 2, "zero-bubble", 2, ()),
+    (2, 2, 2, "zero-bubble", 2, ()),
+    (1, 1, 2, "zero-bubble", 4, ("--activation-checkpointing",)),
 ]
 
 

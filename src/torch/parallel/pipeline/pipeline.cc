@@ -79,11 +79,14 @@ void check_options(const PipelineOptions& options, int stages) {
     throw ConfigError(
         fmt::format("Pipeline: micro_batches is {}; it must be at least 1", options.micro_batches));
   }
-  if (options.schedule == PipelineSchedule::k1F1B && options.micro_batches < stages) {
+  if ((options.schedule == PipelineSchedule::k1F1B ||
+       options.schedule == PipelineSchedule::kZeroBubble) &&
+      options.micro_batches < stages) {
     throw ConfigError(fmt::format(
-        "Pipeline: the 1F1B schedule needs at least as many micro-batches as stages, but "
+        "Pipeline: the {} schedule needs at least as many micro-batches as stages, but "
         "micro_batches is {} with {} stages: raise micro_batches or use the gpipe schedule",
-        options.micro_batches, stages));
+        options.schedule == PipelineSchedule::k1F1B ? "1F1B" : "zero-bubble", options.micro_batches,
+        stages));
   }
   if (options.virtual_stages < 1) {
     throw ConfigError(fmt::format("Pipeline: virtual_stages is {}; it must be at least 1",

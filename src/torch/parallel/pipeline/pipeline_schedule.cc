@@ -1,7 +1,10 @@
 // The pipeline schedules as lists of actions per stage (pipeline.h). Pure: no communication.
 #include <algorithm>
 #include <cctype>
+#include <deque>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -18,6 +21,8 @@ const char* to_string(PipelineSchedule schedule) {
       return "1f1b";
     case PipelineSchedule::kInterleaved1F1B:
       return "interleaved";
+    case PipelineSchedule::kZeroBubble:
+      return "zero-bubble";
   }
   return "unknown";
 }
@@ -29,8 +34,10 @@ PipelineSchedule pipeline_schedule_from_name(std::string_view name) {
   if (lower == "gpipe") return PipelineSchedule::kGPipe;
   if (lower == "1f1b") return PipelineSchedule::k1F1B;
   if (lower == "interleaved") return PipelineSchedule::kInterleaved1F1B;
+  if (lower == "zero-bubble") return PipelineSchedule::kZeroBubble;
   throw ConfigError(fmt::format(
-      "unknown pipeline schedule '{}': the choices are gpipe, 1f1b and interleaved", name));
+      "unknown pipeline schedule '{}': the choices are gpipe, 1f1b, interleaved and zero-bubble",
+      name));
 }
 
 namespace {
@@ -66,6 +73,75 @@ std::vector<PipelineAction> interleaved_actions(int stage, int stages, int micro
   return actions;
 }
 
+// ZB-H1: every stage simulated with F = B = W = 1 and no message time. At each decision the
+// stage that can start soonest acts (so what it knows is all that has finished by then): a B whose
+// gradient is there, else an F whose input is there and that keeps at most p - s micro-batches
+// held (F done minus W done), else a W pending since its B; with none of them possible now, the
+// earliest B or F. The W's fill the waits of 1F1B's ends, and B, half a backward, hands the
+// gradient on sooner.
+std::vector<PipelineAction> zero_bubble_actions(int stage, int stages, int micro_batches) {
+  using Kind = PipelineAction::Kind;
+  constexpr double kNever = std::numeric_limits<double>::infinity();
+  const int p = stages, m = micro_batches;
+  struct Stage {
+    double time = 0;
+    int forwards = 0, backwards = 0, weights = 0;
+    std::deque<int> pending;  // micro-batches whose B ran and W did not
+    std::vector<PipelineAction> actions;
+  };
+  const auto index = [](int i) { return static_cast<std::size_t>(i); };
+  std::vector<Stage> st(index(p));
+  std::vector<std::vector<double>> forward_done(index(p), std::vector<double>(index(m), kNever));
+  auto backward_done = forward_done;
+  for (int left = 3 * p * m; left > 0; --left) {
+    int best = -1;
+    Kind best_kind = Kind::kForward;
+    double best_start = kNever;
+    for (int s = 0; s < p; ++s) {
+      const auto& x = st[index(s)];
+      double b = kNever, f = kNever;
+      if (x.backwards < x.forwards) {
+        b = s == p - 1 ? forward_done[index(s)][index(x.backwards)]
+                       : backward_done[index(s + 1)][index(x.backwards)];
+      }
+      if (x.forwards < m && x.forwards - x.weights < p - s) {
+        f = s == 0 ? 0.0 : forward_done[index(s - 1)][index(x.forwards)];
+      }
+      Kind kind = Kind::kForward;
+      double start = x.time;
+      if (b <= x.time) {
+        kind = Kind::kBackward;
+      } else if (f <= x.time) {
+        kind = Kind::kForward;
+      } else if (!x.pending.empty()) {
+        kind = Kind::kWeight;
+      } else if (std::min(b, f) < kNever) {
+        kind = b <= f ? Kind::kBackward : Kind::kForward;
+        start = std::min(b, f);
+      } else {
+        continue;
+      }
+      if (start < best_start) best = s, best_kind = kind, best_start = start;
+    }
+    if (best < 0) break;  // cannot happen: some stage can always act until every action ran
+    auto& x = st[index(best)];
+    x.time = best_start + 1.0;
+    if (best_kind == Kind::kForward) {
+      forward_done[index(best)][index(x.forwards)] = x.time;
+      x.actions.push_back({Kind::kForward, x.forwards++});
+    } else if (best_kind == Kind::kBackward) {
+      backward_done[index(best)][index(x.backwards)] = x.time;
+      x.pending.push_back(x.backwards);
+      x.actions.push_back({Kind::kBackward, x.backwards++});
+    } else {
+      x.actions.push_back({Kind::kWeight, x.pending.front()});
+      x.pending.pop_front();
+      ++x.weights;
+    }
+  }
+  return st[index(stage)].actions;
+}
+
 }  // namespace
 
 // GPipe: F0 .. F(m-1), B0 .. B(m-1).
@@ -79,6 +155,10 @@ std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stag
   using Kind = PipelineAction::Kind;
   if (schedule == PipelineSchedule::kInterleaved1F1B) {
     return interleaved_actions(stage, stages, micro_batches, std::max(virtual_stages, 1));
+  }
+  if (schedule == PipelineSchedule::kZeroBubble) {
+    if (micro_batches < 1 || stage < 0 || stage >= stages) return {};
+    return zero_bubble_actions(stage, stages, micro_batches);
   }
   std::vector<PipelineAction> actions;
   actions.reserve(2 * static_cast<std::size_t>(std::max(micro_batches, 0)));

@@ -59,7 +59,9 @@ void Pipeline::State::record(Run& run, PipelineAction action, std::int64_t begin
                            std::chrono::nanoseconds(end_ns - run.start_ns)});
   stats.busy += std::chrono::nanoseconds(end_ns - begin_ns);
   if (trace_enabled()) {
-    trace_complete(action.kind == Kind::kForward ? "pipeline forward" : "pipeline backward",
+    trace_complete(action.kind == Kind::kForward    ? "pipeline forward"
+                   : action.kind == Kind::kBackward ? "pipeline backward"
+                                                    : "pipeline weight gradient",
                    "pipeline", trace_thread_lane(), begin_ns, end_ns,
                    {{"stage", stage()}, {"micro_batch", action.micro_batch}, {"step", steps}});
   }
@@ -127,8 +129,8 @@ void Pipeline::State::forward(Run& run, int micro_batch, int chunk) {
 
 void Pipeline::State::backward(Run& run, int micro_batch, int chunk) {
   const bool first = first_chunk(chunk), final = last_chunk(chunk);
-  auto node = run.stored.extract(message_id(chunk, micro_batch));
-  auto& kept = node.mapped();
+  const auto stored = run.stored.find(message_id(chunk, micro_batch));
+  auto& kept = stored->second;
   torch::Tensor output_grad;
   if (!final) {
     output_grad =
@@ -150,30 +152,54 @@ void Pipeline::State::backward(Run& run, int micro_batch, int chunk) {
       kept.output = output;
     }
   }
-  if (final) {
-    kept.loss.backward();
-  } else {
-    if (output_grad.sizes() != kept.output.sizes()) {
-      throw ConfigError(fmt::format(
-          "pipeline stage {}: the gradient of micro-batch {} from stage {} has shape {} but the "
-          "activation sent has shape {}",
-          stage(), micro_batch, next_rank(), fmt::join(output_grad.sizes(), "x"),
-          fmt::join(kept.output.sizes(), "x")));
+  if (!final && output_grad.sizes() != kept.output.sizes()) {
+    throw ConfigError(fmt::format(
+        "pipeline stage {}: the gradient of micro-batch {} from stage {} has shape {} but the "
+        "activation sent has shape {}",
+        stage(), micro_batch, next_rank(), fmt::join(output_grad.sizes(), "x"),
+        fmt::join(kept.output.sizes(), "x")));
+  }
+  torch::Tensor input_grad;
+  if (split_backward()) {
+    // The input half now (what the previous stage waits for); the weight half at its W.
+    kept.split = std::make_shared<detail::SplitBackward>();
+    const auto& out = final ? kept.loss : kept.output;
+    if (out.requires_grad()) {
+      input_grad =
+          kept.split->backward_input(out, final ? torch::Tensor() : output_grad, kept.input,
+                                     chunks[static_cast<std::size_t>(chunk)]->parameters());
     }
+    // Stage 0's input leaves (the input requires grad): their gradients as a whole backward
+    // leaves them, for backward_into_input.
+    if (first && input_grad.defined()) kept.input.mutable_grad() = input_grad;
+  } else if (final) {
+    kept.loss.backward();
+  } else if (kept.output.requires_grad()) {
     // A stage whose output does not depend on anything that requires grad has nothing to do.
-    if (kept.output.requires_grad()) kept.output.backward(output_grad);
+    kept.output.backward(output_grad);
   }
   const auto end_ns = trace_clock_ns();
   record(run, {Kind::kBackward, micro_batch, chunk}, begin_ns, end_ns);
+  const auto input = kept.input;
+  if (!split_backward()) {
+    input_grad = input.grad();
+    run.stored.erase(stored);  // `kept` goes with it
+  }
   if (!first) {
-    auto input_grad = kept.input.grad();
-    if (!input_grad.defined()) input_grad = torch::zeros_like(kept.input);
+    if (!input_grad.defined()) input_grad = torch::zeros_like(input);
     // The previous rank's chunk: the same one, or (to the last rank) the one before.
     const int previous_chunk = stage() == 0 ? chunk - 1 : chunk;
     run.sends.push_back(
         detail::send_pipeline_tensor(*group, input_grad, previous_rank(), kPipelineGradientTag,
                                      message_id(previous_chunk, micro_batch), options.timeout));
   }
+}
+
+void Pipeline::State::backward_weight(Run& run, int micro_batch, int chunk) {
+  auto node = run.stored.extract(message_id(chunk, micro_batch));
+  const auto begin_ns = trace_clock_ns();
+  node.mapped().split->backward_weight();
+  record(run, {Kind::kWeight, micro_batch, chunk}, begin_ns, trace_clock_ns());
 }
 
 void Pipeline::State::run_schedule(Run& run, const torch::Tensor& input,
@@ -195,8 +221,10 @@ void Pipeline::State::run_schedule(Run& run, const torch::Tensor& input,
   for (const auto& action : actions) {
     if (action.kind == Kind::kForward) {
       forward(run, action.micro_batch, action.chunk);
-    } else {
+    } else if (action.kind == Kind::kBackward) {
       backward(run, action.micro_batch, action.chunk);
+    } else {
+      backward_weight(run, action.micro_batch, action.chunk);
     }
   }
   if (!run.input_views.empty()) backward_into_input(run);

@@ -14,6 +14,7 @@
 #include "ddp/comm/process_group.h"
 #include "ddp/comm/work.h"
 #include "ddp/torch/parallel/pipeline/pipeline.h"
+#include "torch/parallel/pipeline/split_backward.h"
 
 namespace ddp {
 
@@ -24,6 +25,8 @@ struct Pipeline::State {
     torch::Tensor output;     // with its autograd graph (not kept when recomputing)
     torch::Tensor loss;       // last stage: loss / m with its graph (not kept when recomputing)
     torch::Tensor rng_state;  // recomputing: the CPU generator's state before the forward
+    // Zero-bubble: the backward's weight half, pending after its input half.
+    std::shared_ptr<detail::SplitBackward> split;
   };
 
   std::shared_ptr<ProcessGroup> group;
@@ -76,6 +79,8 @@ struct Pipeline::State {
   void run_schedule(Run& run, const torch::Tensor& input, const torch::Tensor& target);
   void forward(Run& run, int micro_batch, int chunk);
   void backward(Run& run, int micro_batch, int chunk);
+  void backward_weight(Run& run, int micro_batch, int chunk);
+  bool split_backward() const { return options.schedule == PipelineSchedule::kZeroBubble; }
   void backward_into_input(Run& run);
   torch::Tensor stage_forward(int chunk, const torch::Tensor& x) {
     return chunks[static_cast<std::size_t>(chunk)]->forward(x);

@@ -29,6 +29,7 @@
 #include "support/temp_dir.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/unity_namespace.h"
+#include "torch/parallel/pipeline/split_backward.h"
 
 namespace ddp {
 namespace {
@@ -151,7 +152,102 @@ TEST(PipelineSchedule, NamesRoundTrip) {
   EXPECT_EQ(pipeline_schedule_from_name(to_string(PipelineSchedule::k1F1B)),
             PipelineSchedule::k1F1B);
   EXPECT_EQ(pipeline_schedule_from_name("Interleaved"), PipelineSchedule::kInterleaved1F1B);
-  EXPECT_THROW(pipeline_schedule_from_name("zero-bubble"), ConfigError);
+  EXPECT_EQ(pipeline_schedule_from_name("zero-bubble"), PipelineSchedule::kZeroBubble);
+  EXPECT_THROW(pipeline_schedule_from_name("zbv"), ConfigError);
+}
+
+// Zero bubble (ZB-H1) at p = 2 and 4: every micro-batch's F, B and W once each, in that order; a
+// stage holds at most p - s micro-batches (F done minus W done); the last stage needs no warm-up;
+// and the W's are what fills the waits: some stage runs a W before its last B.
+TEST(PipelineSchedule, ZeroBubbleRunsEachMicroBatchsWeightPassAfterItsInputPass) {
+  for (const int p : {2, 4}) {
+    bool weight_before_last_backward = false;
+    for (int s = 0; s < p; ++s) {
+      const auto actions = pipeline_actions(PipelineSchedule::kZeroBubble, s, p, 8);
+      std::map<std::pair<Kind, int>, int> at;
+      int held = 0, peak = 0, last_backward = 0, first_weight = 1 << 20;
+      for (int k = 0; k < static_cast<int>(actions.size()); ++k) {
+        const auto& a = actions[static_cast<std::size_t>(k)];
+        EXPECT_TRUE(at.emplace(std::make_pair(a.kind, a.micro_batch), k).second);
+        held += a.kind == Kind::kForward ? 1 : a.kind == Kind::kWeight ? -1 : 0;
+        peak = std::max(peak, held);
+        if (a.kind == Kind::kBackward) last_backward = k;
+        if (a.kind == Kind::kWeight) first_weight = std::min(first_weight, k);
+      }
+      EXPECT_EQ(actions.size(), 24u) << "p=" << p << " s=" << s;
+      for (int i = 0; i < 8; ++i) {
+        const int f = at[std::make_pair(Kind::kForward, i)];
+        const int b = at[std::make_pair(Kind::kBackward, i)];
+        const int w = at[std::make_pair(Kind::kWeight, i)];
+        EXPECT_LT(f, b);
+        EXPECT_LT(b, w);
+      }
+      EXPECT_LE(peak, p - s) << "p=" << p << " s=" << s;
+      if (first_weight < last_backward) weight_before_last_backward = true;
+    }
+    EXPECT_TRUE(weight_before_last_backward) << "p=" << p;
+    EXPECT_EQ(pipeline_actions(PipelineSchedule::kZeroBubble, p - 1, p, 8)[1].kind,
+              Kind::kBackward);
+  }
+}
+
+// The split backward (split_backward.h) against a whole backward, bit for bit: a stage of two
+// Linears, a LayerNorm, a parameter added after them (its branch meets the input's path at the
+// add) and one the stage does not use (no gradient either way); and the same with one Linear used
+// twice (tied), which the weight half runs as a whole backward into the parameters.
+TEST(PipelineSchedule, SplitBackwardAccumulatesWhatAWholeBackwardDoes) {
+  const auto x = torch::sin(torch::arange(24, torch::kFloat64)).reshape({4, 6});
+  const auto grad = torch::cos(torch::arange(24, torch::kFloat64)).reshape({4, 6});
+  const auto run = [&](bool split, bool tied) {
+    torch::manual_seed(11);
+    torch::nn::Linear fc1(6, 6), fc2(6, 6);
+    torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({6}));
+    fc1->to(torch::kFloat64);
+    fc2->to(torch::kFloat64);
+    norm->to(torch::kFloat64);
+    const auto bias = torch::linspace(-1, 1, 6, torch::kFloat64).requires_grad_(true);
+    const auto unused = torch::ones({3}, torch::kFloat64).requires_grad_(true);
+    const auto input = x.clone().requires_grad_(true);
+    const auto out = norm((tied ? fc1 : fc2)(torch::tanh(fc1(input))) + bias);
+    std::vector<torch::Tensor> params = fc1->parameters();
+    for (const auto& p : fc2->parameters())
+      params.push_back(p);
+    for (const auto& p : norm->parameters())
+      params.push_back(p);
+    params.push_back(bias);
+    params.push_back(unused);
+    torch::Tensor input_grad;
+    if (split) {
+      detail::SplitBackward halves;
+      input_grad = halves.backward_input(out, grad, input, params);
+      for (const auto& p : params) {
+        if (p.grad().defined())
+          throw std::runtime_error("the input half wrote a weight's gradient");
+      }
+      halves.backward_weight();
+    } else {
+      out.backward(grad);
+      input_grad = input.grad();
+    }
+    std::vector<torch::Tensor> grads{input_grad};
+    for (const auto& p : params)
+      grads.push_back(p.grad());
+    return grads;
+  };
+  for (const bool tied : {false, true}) {
+    const auto whole = run(false, tied);
+    const auto halves = run(true, tied);
+    ASSERT_EQ(whole.size(), halves.size());
+    for (std::size_t i = 0; i < whole.size(); ++i) {
+      ASSERT_EQ(whole[i].defined(), halves[i].defined()) << "tied " << tied << " gradient " << i;
+      if (whole[i].defined()) {
+        EXPECT_TRUE(torch::equal(whole[i], halves[i]))
+            << "tied " << tied << " gradient " << i << " differs by "
+            << (whole[i] - halves[i]).abs().max().item<double>();
+      }
+    }
+    EXPECT_FALSE(whole.back().defined());  // the unused parameter
+  }
 }
 
 std::string describe_chunk_actions(const std::vector<PipelineAction>& actions) {
@@ -173,7 +269,7 @@ TEST(PipelineSchedule, InterleavedRunsEachChunkOfAGroupOfMicroBatchesInTurn) {
 }
 
 // p stages, m = 4 micro-batches: equal to one process; the peak of stored activations is m for
-// GPipe and p - s for 1F1B; every action is timed.
+// GPipe and p - s for 1F1B (at most that for zero bubble); every action is timed.
 void expect_schedule_equals_one_process(PipelineSchedule schedule, int world, bool recompute) {
   const int port = test::free_port();
   const auto results = run_ranks(world, [&](int rank) {
@@ -185,13 +281,15 @@ void expect_schedule_equals_one_process(PipelineSchedule schedule, int world, bo
     expect_equals_one_process(pipe, train_pipeline(pipe), what);
 
     const auto& stats = pipe.last_step_stats();
+    const bool zero_bubble = schedule == PipelineSchedule::kZeroBubble;
     const int want_peak = schedule == PipelineSchedule::kGPipe ? 4 : world - rank;
-    if (stats.peak_stored_activations != want_peak) {
+    if (zero_bubble ? stats.peak_stored_activations > want_peak
+                    : stats.peak_stored_activations != want_peak) {
       throw std::runtime_error(fmt::format("{}: stage {} stored {} activations at once, not {}",
                                            what, rank, stats.peak_stored_activations, want_peak));
     }
-    if (stats.timings.size() != 8 || stats.busy.count() <= 0 || stats.wall < stats.busy ||
-        stats.idle_fraction < 0.0 || stats.idle_fraction >= 1.0) {
+    if (stats.timings.size() != (zero_bubble ? 12u : 8u) || stats.busy.count() <= 0 ||
+        stats.wall < stats.busy || stats.idle_fraction < 0.0 || stats.idle_fraction >= 1.0) {
       throw std::runtime_error(fmt::format(
           "{}: stage {} timings: {} actions, busy {} ns, wall {} ns, idle {}", what, rank,
           stats.timings.size(), stats.busy.count(), stats.wall.count(), stats.idle_fraction));
@@ -214,6 +312,18 @@ TEST(Pipeline, OneFOneBFourStagesEqualsOneProcess) {
 
 TEST(Pipeline, RecomputationEqualsOneProcess) {
   expect_schedule_equals_one_process(PipelineSchedule::k1F1B, 2, true);
+}
+
+TEST(Pipeline, ZeroBubbleTwoStagesEqualsOneProcess) {
+  expect_schedule_equals_one_process(PipelineSchedule::kZeroBubble, 2, false);
+}
+
+TEST(Pipeline, ZeroBubbleFourStagesEqualsOneProcess) {
+  expect_schedule_equals_one_process(PipelineSchedule::kZeroBubble, 4, false);
+}
+
+TEST(Pipeline, ZeroBubbleWithRecomputationEqualsOneProcess) {
+  expect_schedule_equals_one_process(PipelineSchedule::kZeroBubble, 2, true);
 }
 
 // Two chunks per rank (the model's 7 children in 4 chunks: 2, 2, 2, 1; rank 0 holds chunks 0
@@ -314,7 +424,8 @@ TEST(Pipeline, TheGradientReachesWhatComesBeforeTheFirstStage) {
     auto model = make_model();
     const auto leaf = x.clone().requires_grad_(true);
     mse(model->forward(front->forward(leaf)), y).backward();
-    for (const auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+    for (const auto schedule :
+         {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubble}) {
       for (const bool recompute : {false, true}) {
         const std::string what = fmt::format("{} recompute={}", to_string(schedule), recompute);
         Pipeline pipe(make_model(), pg, mse,
@@ -362,7 +473,8 @@ TEST(Pipeline, DataParallelReplicasOfAPipelineEqualOneProcess) {
   const auto results = run_ranks(4, [&](int rank) {
     auto world = join_group(rank, 4, port);
     DeviceMesh mesh({{"dp", 2}, {"pp", 2}}, world);
-    for (const auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+    for (const auto schedule :
+         {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubble}) {
       Pipeline pipe(make_model(), mesh.group("pp"), mse,
                     {.schedule = schedule, .micro_batches = 2, .dp_group = mesh.group("dp")});
       const auto losses = train_replica(pipe, mesh.coordinate("dp"), 2);
@@ -483,7 +595,8 @@ TEST(Pipeline, BubbleIdleFraction) {
   const auto results = run_ranks(2, [&](int rank) {
     auto pg = join_group(rank, 2, port);
     for (const auto schedule :
-         {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kInterleaved1F1B}) {
+         {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B, PipelineSchedule::kInterleaved1F1B,
+          PipelineSchedule::kZeroBubble}) {
       const int v = schedule == PipelineSchedule::kInterleaved1F1B ? 2 : 1;
       for (const int m : {4, 8}) {
         torch::manual_seed(3);
@@ -500,7 +613,8 @@ TEST(Pipeline, BubbleIdleFraction) {
         for (int step = 0; step < 5; ++step) {
           pipe.step(x, y);
           const auto& stats = pipe.last_step_stats();
-          if (static_cast<int>(stats.timings.size()) != 2 * m * v || stats.busy > stats.wall) {
+          const int passes = schedule == PipelineSchedule::kZeroBubble ? 3 : 2;
+          if (static_cast<int>(stats.timings.size()) != passes * m * v || stats.busy > stats.wall) {
             throw std::runtime_error("inconsistent timings");
           }
           for (const auto& t : stats.timings) {

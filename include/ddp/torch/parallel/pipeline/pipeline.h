@@ -44,7 +44,12 @@
 // c + 1); each rank warms up with 2 (p - s - 1) + (v - 1) p chunk forwards and then alternates,
 // which divides the bubble by v: (p - 1) / (v m + p - 1). It needs the whole-model constructor,
 // p >= 2, and m a multiple of p; a rank stores up to 2 (p - s - 1) + (v - 1) p + 1 chunk
-// activations.
+// activations. kZeroBubble (ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", 2023;
+// PyTorch's zero-bubble schedules split backward the same way): each backward is split into B,
+// the input's gradient (what the previous stage waits for), and W, the parameters' gradients,
+// run later where the stage would otherwise wait. The order comes from simulating every stage
+// with equal F, B and W times and a stage holding at most p - s micro-batches, as 1F1B: a stage
+// runs a ready B first, else a ready F, else a pending W. It needs m >= p.
 //
 // Messages. Each activation and gradient is a contiguous CPU tensor sent to the neighbouring
 // stage after a 12-word header (its micro-batch, dtype and shape; at most 7 dimensions), so
@@ -88,10 +93,12 @@ enum class PipelineSchedule {
   kGPipe,            // all forwards, then all backwards (PyTorch's ScheduleGPipe)
   k1F1B,             // one forward, one backward in the steady state (PyTorch's Schedule1F1B)
   kInterleaved1F1B,  // 1F1B over v chunks per rank (PyTorch's ScheduleInterleaved1F1B)
+  kZeroBubble,       // 1F1B with backward split into input and weight passes (ZB-H1)
 };
-// "gpipe", "1f1b", "interleaved".
+// "gpipe", "1f1b", "interleaved", "zero-bubble".
 const char* to_string(PipelineSchedule schedule);
-// "gpipe", "1f1b" or "interleaved" (any case); ConfigError naming the choices otherwise.
+// "gpipe", "1f1b", "interleaved" or "zero-bubble" (any case); ConfigError naming the choices
+// otherwise.
 PipelineSchedule pipeline_schedule_from_name(std::string_view name);
 
 inline constexpr int kPipelineActivationTag = 32750;
@@ -135,7 +142,8 @@ using PipelineLossFn =
 
 // One action of a stage's schedule.
 struct PipelineAction {
-  enum class Kind { kForward, kBackward };
+  // kBackward: the whole backward, or (zero-bubble) its input half; kWeight: its weight half.
+  enum class Kind { kForward, kBackward, kWeight };
   Kind kind = Kind::kForward;
   int micro_batch = 0;
   int chunk = 0;  // which of the rank's model chunks (kInterleaved1F1B; 0 otherwise)
