@@ -4,13 +4,15 @@
 #include <fmt/format.h>
 
 #include "ddp/torch/fsdp/fully_sharded_data_parallel.h"
+#include "ddp/torch/parallel/context/ring_attention.h"
 #include "ddp/torch/parallel/tensor/gpt_block.h"
 #include "ddp/torch/recompute/activation_checkpoint.h"
 
 namespace train_gpt {
 
-EmbeddingsImpl::EmbeddingsImpl(const GptShape& shape,
-                               const std::shared_ptr<ddp::ProcessGroup>& tp) {
+EmbeddingsImpl::EmbeddingsImpl(const GptShape& shape, const std::shared_ptr<ddp::ProcessGroup>& tp,
+                               const std::shared_ptr<ddp::ProcessGroup>& cp) {
+  if (cp) positions = ddp::context_parallel_positions(shape.block_size, *cp);
   token = register_module(
       "token",
       ddp::VocabParallelEmbedding(ddp::VocabParallelEmbeddingOptions{.num_embeddings = shape.vocab,
@@ -26,6 +28,7 @@ EmbeddingsImpl::EmbeddingsImpl(const GptShape& shape,
 }
 
 torch::Tensor EmbeddingsImpl::forward(const torch::Tensor& ids) {
+  if (positions.defined()) return token(ids) + position.index_select(0, positions);
   return token(ids) + position.narrow(0, 0, ids.size(1));
 }
 
@@ -55,8 +58,9 @@ std::vector<std::string> gpt_child_names(int layers) {
 
 torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
                                     const std::shared_ptr<ddp::ProcessGroup>& tp, bool checkpointed,
-                                    const ddp::MoeGroups& moe) {
-  if (index == 0) return torch::nn::AnyModule(Embeddings(shape, tp));
+                                    const ddp::MoeGroups& moe,
+                                    const std::shared_ptr<ddp::ProcessGroup>& cp) {
+  if (index == 0) return torch::nn::AnyModule(Embeddings(shape, tp, cp));
   if (index == static_cast<std::size_t>(shape.layers) + 1) {
     return torch::nn::AnyModule(Head(shape, tp));
   }
@@ -75,6 +79,7 @@ torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
   auto plan = ddp::gpt_block_tensor_parallel_plan();
   if (shape.moe_experts > 0) plan.resize(2);  // attn_qkv, attn_proj
   if (tp->size() > 1) ddp::parallelize_module(block, tp, plan);
+  if (cp) block->context_parallel(cp);
   if (!checkpointed) return torch::nn::AnyModule(block);
   // The block keeps its input only; its activations are recomputed in backward (with the
   // tensor-parallel collectives inside it, on every tp rank alike).

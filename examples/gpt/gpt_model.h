@@ -29,12 +29,15 @@ struct GptShape {
   double capacity_factor = 0.0, aux_weight = 0.0;
 };
 
-// Token embedding (split over the vocabulary on tp) plus a learned position embedding.
+// Token embedding (split over the vocabulary on tp) plus a learned position embedding; with a cp
+// group, the ids are this rank's positions of each window (context_parallel_positions).
 struct EmbeddingsImpl : torch::nn::Module {
-  EmbeddingsImpl(const GptShape& shape, const std::shared_ptr<ddp::ProcessGroup>& tp);
+  EmbeddingsImpl(const GptShape& shape, const std::shared_ptr<ddp::ProcessGroup>& tp,
+                 const std::shared_ptr<ddp::ProcessGroup>& cp = nullptr);
   torch::Tensor forward(const torch::Tensor& ids);
   ddp::VocabParallelEmbedding token{nullptr};
   torch::Tensor position;
+  torch::Tensor positions;  // with cp: this rank's (int64), else undefined (0, 1, ...)
 };
 TORCH_MODULE(Embeddings);
 
@@ -52,10 +55,12 @@ std::vector<std::string> gpt_child_names(int layers);
 
 // Child `index` of the model (collective over tp: the split layers agree on their shapes; and
 // over `moe`'s groups for a block with experts). A block is parallelised over tp (its attention
-// only, with experts), and with `checkpointed` runs under ddp::checkpoint.
+// only, with experts), context-parallel over `cp` when given (the embeddings then take this rank's
+// positions), and with `checkpointed` runs under ddp::checkpoint.
 torch::nn::AnyModule make_gpt_child(std::size_t index, const GptShape& shape,
                                     const std::shared_ptr<ddp::ProcessGroup>& tp, bool checkpointed,
-                                    const ddp::MoeGroups& moe = {});
+                                    const ddp::MoeGroups& moe = {},
+                                    const std::shared_ptr<ddp::ProcessGroup>& cp = nullptr);
 
 // The sum of every element of one child's parameters, the split ones gathered over tp
 // (collective over tp, in the same order on every tp rank). The child may be under

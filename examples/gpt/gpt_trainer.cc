@@ -96,8 +96,8 @@ class PipelineTrainer final : public Trainer {
     const ddp::MoeGroups moe =
         experts ? ddp::MoeGroups{.ep = mesh.group("ep"), .tokens = config.data} : ddp::MoeGroups{};
     for (std::size_t i = 0; i < names.size(); ++i)
-      model->push_back(names[i],
-                       make_gpt_child(i, config.shape, tp, config.activation_checkpointing, moe));
+      model->push_back(names[i], make_gpt_child(i, config.shape, tp,
+                                                config.activation_checkpointing, moe, config.cp));
     pipe_.emplace(
         model, mesh.group("pp"),
         [tp, vocab = config.shape.vocab](const torch::Tensor& logits, const torch::Tensor& target) {
@@ -107,7 +107,7 @@ class PipelineTrainer final : public Trainer {
                              .micro_batches = config.microbatches,
                              .virtual_stages = config.virtual_stages,
                              .balance = interleaved_balance(config, mesh.size("pp")),
-                             .dp_group = experts ? config.data : mesh.group("dp"),
+                             .dp_group = experts || config.cp ? config.data : mesh.group("dp"),
                              .expert_dp_group = experts ? mesh.group("dp") : nullptr});
     optimizer_.emplace(pipe_->parameters(), torch::optim::AdamWOptions(config.lr));
     // Each rank's part of the model and of AdamW's state (the dp replicas share theirs).

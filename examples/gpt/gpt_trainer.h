@@ -34,6 +34,9 @@ struct TrainerConfig {
   // With experts (shape.moe_experts > 0, the pipeline only): the mesh has an "ep" dimension, and
   // `data` is the group of the dp x ep ranks that split the batch's rows.
   std::shared_ptr<ddp::ProcessGroup> data;
+  // With context parallelism (the pipeline only): the mesh's "cp" group, and `data` the dp x cp
+  // ranks.
+  std::shared_ptr<ddp::ProcessGroup> cp;
 };
 
 class Trainer {

@@ -41,6 +41,11 @@
 // drops, and ends at its numbers with --microbatches 1 (a micro-batch routes its own tokens: with
 // more, the micro-batches of a layout hold other rows than one process's).
 //
+// With --cp N each window's positions are split over N ranks (load balanced: rank r holds chunks r
+// and 2N - 1 - r of 2N), every block's attention is ring attention over them (ddp::ring_attention)
+// and the rest of the model works on the rank's positions alone; the mesh is pp x dp x cp x tp and
+// gradients average over the dp x cp ranks. The same numbers as one process.
+//
 // Rank 0 prints "step <k> loss <loss>" every --log-every steps, and last
 // "final loss=<loss> param_sum=<sum of every element of every parameter of the whole model>",
 // the same on every layout (the split parameters gathered, each stage counted once), with and
@@ -68,6 +73,7 @@
 #include "ddp/error.h"
 #include "ddp/runtime/init.h"
 #include "ddp/torch/api/distributed.h"
+#include "ddp/torch/parallel/context/ring_attention.h"
 #include "ddp/torch/parallel/mesh/device_mesh.h"
 #include "gpt_model.h"
 #include "gpt_trainer.h"
@@ -106,6 +112,7 @@ struct Options {
   std::int64_t moe_experts = 0;  // > 0: every block's MLP a mixture of this many experts
   std::int64_t top_k = 1;
   int ep = 1;  // the experts split over this many ranks
+  int cp = 1;  // each window's positions split over this many ranks (ring attention)
   double capacity_factor = 0.0;
   double moe_aux_weight = 0.01;
 };
@@ -133,6 +140,24 @@ std::string read_text(const Options& o) {
 // on every layout: tp divides it up to 8) and to --vocab-at-least.
 std::int64_t padded_vocabulary(std::int64_t chars, const Options& o) {
   return (std::max(chars, o.vocab_at_least) + 7) / 8 * 8;
+}
+
+// Context parallelism: each window in 2 x --cp equal chunks; what does not compose with it yet is
+// named.
+void check_context(const Options& o) {
+  if (o.cp == 1) return;
+  if (o.block_size % (2 * o.cp) != 0) {
+    throw ddp::ConfigError(fmt::format(
+        "--block-size {} does not split into 2 x --cp {} = {} equal chunks (rank r of cp holds "
+        "chunks r and 2 cp - 1 - r of each window): use a multiple of {}",
+        o.block_size, o.cp, 2 * o.cp, 2 * o.cp));
+  }
+  if (o.moe_experts > 0 || o.fsdp || !o.checkpoint.empty()) {
+    throw ddp::ConfigError(fmt::format("--cp {} with {}: not built yet; use --cp without it", o.cp,
+                                       o.moe_experts > 0 ? "--moe-experts"
+                                       : o.fsdp          ? "--fsdp"
+                                                         : "--checkpoint"));
+  }
 }
 
 // The mixture-of-experts flags: each needs --moe-experts, which --ep and --top-k must fit; what
@@ -212,6 +237,7 @@ void check_options(const Options& o, const std::string& text, std::int64_t vocab
         o.batch_size, o.dp, o.ep, o.microbatches));
   }
   check_experts(o);
+  check_context(o);
   check_schedule(o);
   if (o.hidden % o.heads != 0) {
     throw ddp::ConfigError(
@@ -304,7 +330,7 @@ double resident_mib(const std::string& field) {
 // int).
 std::optional<std::int64_t> layout_ranks(const Options& o) {
   std::int64_t ranks = 1;
-  for (const int size : {o.dp, o.ep, o.tp, o.pp}) {
+  for (const int size : {o.dp, o.ep, o.cp, o.tp, o.pp}) {
     if (__builtin_mul_overflow(ranks, size, &ranks)) return std::nullopt;
   }
   return ranks;
@@ -319,9 +345,10 @@ int run(const Options& o) {
   if (ranks != world->size()) {
     const std::string product = ranks ? fmt::format("{}", *ranks) : "more than 2^63";
     throw ddp::ConfigError(fmt::format(
-        "--dp {} x{} --tp {} x --pp {} = {} ranks, but the job has {}: their product must be the "
-        "job's world size{}",
-        o.dp, o.ep > 1 ? fmt::format(" --ep {} x", o.ep) : "", o.tp, o.pp, product, world->size(),
+        "--dp {} x{}{} --tp {} x --pp {} = {} ranks, but the job has {}: their product must be "
+        "the job's world size{}",
+        o.dp, o.ep > 1 ? fmt::format(" --ep {} x", o.ep) : "",
+        o.cp > 1 ? fmt::format(" --cp {} x", o.cp) : "", o.tp, o.pp, product, world->size(),
         ranks && *ranks <= std::numeric_limits<int>::max()
             ? fmt::format(" (or launch that many: ddprun --nproc-per-node {})", *ranks)
             : ""));
@@ -334,14 +361,16 @@ int run(const Options& o) {
   const auto dtype = o.dtype == "float64" ? torch::kFloat64 : torch::kFloat32;
   // With experts: ep beside dp, and the group of the dp x ep ranks that split the batch (the
   // data mesh lays the same ranks out with dp and ep merged, its rank order the batch's).
-  const bool experts = o.moe_experts > 0;
+  // With context parallelism the same for cp, whose ranks split each window's positions.
+  const bool experts = o.moe_experts > 0, context = o.cp > 1;
   const ddp::DeviceMesh mesh =
-      experts ? ddp::DeviceMesh({{"pp", o.pp}, {"dp", o.dp}, {"ep", o.ep}, {"tp", o.tp}}, world)
-              : ddp::DeviceMesh({{"pp", o.pp}, {"dp", o.dp}, {"tp", o.tp}}, world);
+      experts   ? ddp::DeviceMesh({{"pp", o.pp}, {"dp", o.dp}, {"ep", o.ep}, {"tp", o.tp}}, world)
+      : context ? ddp::DeviceMesh({{"pp", o.pp}, {"dp", o.dp}, {"cp", o.cp}, {"tp", o.tp}}, world)
+                : ddp::DeviceMesh({{"pp", o.pp}, {"dp", o.dp}, {"tp", o.tp}}, world);
   std::shared_ptr<ddp::ProcessGroup> data_group;
-  if (experts) {
-    data_group =
-        ddp::DeviceMesh({{"pp", o.pp}, {"data", o.dp * o.ep}, {"tp", o.tp}}, world).group("data");
+  if (experts || context) {
+    data_group = ddp::DeviceMesh({{"pp", o.pp}, {"data", o.dp * o.ep * o.cp}, {"tp", o.tp}}, world)
+                     .group("data");
   }
 
   std::map<char, std::int64_t> id_of;
@@ -371,7 +400,8 @@ int run(const Options& o) {
                                         .microbatches = o.microbatches,
                                         .activation_checkpointing = o.activation_checkpointing,
                                         .checkpoint = o.checkpoint,
-                                        .data = data_group};
+                                        .data = data_group,
+                                        .cp = context ? mesh.group("cp") : nullptr};
   auto trainer = o.fsdp ? train_gpt::make_fsdp_trainer(mesh, config)
                         : train_gpt::make_pipeline_trainer(mesh, config);
   // The peak of building the model (and sharding it, with --fsdp), before any step.
@@ -411,8 +441,12 @@ int run(const Options& o) {
     const auto offsets = torch::arange(o.block_size + 1, torch::kInt64);
     const auto windows = corpus.index({starts.unsqueeze(1) + offsets});  // [B, T + 1]
     const auto mine = windows.narrow(0, first_row, rows);
-    loss = trainer->step(mine.narrow(1, 0, o.block_size).contiguous(),
-                         mine.narrow(1, 1, o.block_size).contiguous());
+    auto inputs = mine.narrow(1, 0, o.block_size), targets = mine.narrow(1, 1, o.block_size);
+    if (context) {  // this cp rank's positions of each window
+      inputs = ddp::context_parallel_shard(inputs, 1, *mesh.group("cp"));
+      targets = ddp::context_parallel_shard(targets, 1, *mesh.group("cp"));
+    }
+    loss = trainer->step(inputs.contiguous(), targets.contiguous());
     if (timed) {
       ddp::barrier(world);  // the step ends when every rank is done
       step_ms.push_back(
@@ -517,6 +551,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::int64_t{1}, kMaxSize));
   app.add_option("--ep", o.ep,
                  "ranks the experts are split over (dp x ep x tp x pp = the world size)")
+      ->check(positive_int);
+  app.add_option("--cp", o.cp,
+                 "ranks each window's positions are split over, attention by ring attention "
+                 "(dp x ep x cp x tp x pp = the world size)")
       ->check(positive_int);
   app.add_option("--capacity-factor", o.capacity_factor,
                  "each expert takes at most ceil(factor x tokens x k / E) of a step's tokens, the "

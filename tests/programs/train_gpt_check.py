@@ -2,7 +2,8 @@
 """train-gpt (examples/gpt) under ddprun in several layouts of data, tensor and pipeline
 parallelism, float64: every layout's last line ("final loss=... param_sum=...") must equal the
 one-process run's to 1e-9 (relative), with and without --activation-checkpointing and --fsdp, and
-with the interleaved and zero-bubble schedules (the interleaved one's flags that do not fit named),
+with the interleaved and zero-bubble schedules (the interleaved one's flags that do not fit named)
+and with context parallelism (--cp 2 alone and with tp, dp, pp and recomputation),
 the loss must fall, and a mesh that does not fit the job (or --fsdp with --pp) must be named.
 Checkpoints (PyTorch's DCP format): 5 steps at DP 2 x TP 2 x PP 2 saved, resumed at DP 1 x TP 2 x
 PP 2, DP 1 x TP 2 x PP 1, DP 4 x TP 1 x PP 2 and in one process for 5 more, and 5 steps at DP 4 x
@@ -102,6 +103,26 @@ def main():
         for want, got, what in zip(reference, values, ("loss", "param_sum")):
             if abs(got - want) > 1e-9 * abs(want):
                 sys.exit(f"{name}: {what} {got!r} but {reference_name} has {want!r}")
+    # Context parallelism: each window's positions split over cp ranks, ring attention, alone and
+    # with tp, dp, pp and recomputation.
+    for ranks, flags in ((2, ("--cp", "2")), (4, ("--cp", "2", "--tp", "2")),
+                         (4, ("--cp", "2", "--dp", "2")),
+                         (4, ("--cp", "2", "--pp", "2", "--microbatches", "2")),
+                         (2, ("--cp", "2", "--activation-checkpointing"))):
+        done = run(bin_dir, ranks, *flags)
+        match = re.search(r"final loss=(\S+) param_sum=(\S+)", done.stdout)
+        if done.returncode != 0 or not match:
+            sys.exit(f"{flags} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+        finals[" ".join(flags)] = (float(match.group(1)), float(match.group(2)))
+        for want, got, what in zip(reference, finals[" ".join(flags)], ("loss", "param_sum")):
+            if abs(got - want) > 1e-9 * abs(want):
+                sys.exit(f"{flags}: {what} {got!r} but {reference_name} has {want!r}")
+    for ranks, flags, needle in (
+            (3, ("--cp", "3"), "--block-size 16 does not split into 2 x --cp 3 = 6 equal chunks"),
+            (4, ("--cp", "2", "--dp", "2", "--fsdp"), "--cp 2 with --fsdp: not built yet")):
+        done = run(bin_dir, ranks, *flags)
+        if done.returncode == 0 or needle not in done.stderr:
+            sys.exit(f"{flags} was not refused with '{needle}':\n{done.stdout}\n{done.stderr}")
     done = run(bin_dir, 2, "--dp", "3")
     if done.returncode == 0 or "--dp 3 x --tp 1 x --pp 1 = 3 ranks, but the job has 2" not in done.stderr:
         sys.exit(f"a mesh that does not fit was not named:\n{done.stdout}\n{done.stderr}")

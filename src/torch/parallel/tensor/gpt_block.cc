@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "ddp/torch/parallel/context/ring_attention.h"
 #include "torch/api/rank_agreement.h"
 #include "torch/parallel/tensor/tensor_parallel_internal.h"
 
@@ -173,14 +174,20 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   const auto by_head = [&](const torch::Tensor& t) {
     return t.reshape({batch, sequence, local_heads, head_dim}).transpose(1, 2);
   };
-  auto scores = torch::matmul(by_head(qkv[0]), by_head(qkv[1]).transpose(-2, -1)) /
-                std::sqrt(static_cast<double>(head_dim));
-  const auto future = torch::ones({sequence, sequence}, torch::kBool).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  const auto probs = rng_->dropout(torch::softmax(scores, -1), p, is_training(), Region::kSplit);
-  const auto heads_out = torch::matmul(probs, by_head(qkv[2]))
-                             .transpose(1, 2)
-                             .reshape({batch, sequence, local_heads * head_dim});
+  torch::Tensor attended;
+  if (cp_group_) {
+    // This rank's positions against every rank's keys, around the cp ring.
+    attended = ring_attention(by_head(qkv[0]), by_head(qkv[1]), by_head(qkv[2]), cp_group_);
+  } else {
+    auto scores = torch::matmul(by_head(qkv[0]), by_head(qkv[1]).transpose(-2, -1)) /
+                  std::sqrt(static_cast<double>(head_dim));
+    const auto future = torch::ones({sequence, sequence}, torch::kBool).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+    const auto probs = rng_->dropout(torch::softmax(scores, -1), p, is_training(), Region::kSplit);
+    attended = torch::matmul(probs, by_head(qkv[2]));
+  }
+  const auto heads_out =
+      attended.transpose(1, 2).reshape({batch, sequence, local_heads * head_dim});
   auto h = x + rng_->dropout(attn_proj_.forward(heads_out), p, is_training(), Region::kReplicated);
 
   const auto mlp =
@@ -254,6 +261,20 @@ void GptBlockImpl::parallelize(std::shared_ptr<ProcessGroup> tp_group, const Par
   }
   tp_group_ = std::move(tp_group);
   rng_ = rng ? std::move(rng) : std::make_shared<TensorParallelRng>(options_.seed, group.rank());
+}
+
+void GptBlockImpl::context_parallel(std::shared_ptr<ProcessGroup> cp) {
+  if (!cp) throw ConfigError("GptBlock::context_parallel: the cp group is null");
+  if (cp_group_) {
+    throw ConfigError("GptBlock::context_parallel: the block is context-parallel already");
+  }
+  if (options_.dropout > 0.0) {
+    throw ConfigError(fmt::format(
+        "GptBlock::context_parallel: the block has dropout {}; ring attention never holds the "
+        "attention probabilities whole, so it cannot drop them: build the block without dropout",
+        options_.dropout));
+  }
+  cp_group_ = std::move(cp);
 }
 
 ParallelizePlan gpt_block_tensor_parallel_plan() {

@@ -75,6 +75,13 @@ class GptBlockImpl : public torch::nn::Module {
   const std::shared_ptr<ProcessGroup>& tp_group() const { return tp_group_; }
   TensorParallelRng& rng() { return *rng_; }
 
+  // Context parallelism (ring_attention.h): the block then takes this rank's positions of each
+  // sequence (context_parallel_shard along dim 1) and attends over the whole sequence by
+  // ring_attention over `cp` (collective over it). ConfigError with dropout (the ring computes the
+  // attention probabilities block by block, never whole) or twice.
+  void context_parallel(std::shared_ptr<ProcessGroup> cp);
+  const std::shared_ptr<ProcessGroup>& cp_group() const { return cp_group_; }
+
   // parallelize_module(block, ...) below.
   void parallelize(std::shared_ptr<ProcessGroup> tp_group, const ParallelizePlan& plan,
                    std::shared_ptr<TensorParallelRng> rng);
@@ -86,7 +93,7 @@ class GptBlockImpl : public torch::nn::Module {
   torch::nn::LayerNorm ln_1_{nullptr}, ln_2_{nullptr};
   torch::nn::AnyModule attn_qkv_, attn_proj_, mlp_fc_, mlp_proj_;
   MoeLayer moe_{nullptr};
-  std::shared_ptr<ProcessGroup> tp_group_;
+  std::shared_ptr<ProcessGroup> tp_group_, cp_group_;
   std::shared_ptr<TensorParallelRng> rng_;
 };
 TORCH_MODULE(GptBlock);
