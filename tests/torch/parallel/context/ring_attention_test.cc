@@ -13,6 +13,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/parallel/context/ring_attention.h"
+#include "ddp/torch/parallel/tensor/gpt_block.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/unity_namespace.h"
@@ -93,6 +94,15 @@ TEST(RingAttention, EachRankHoldsAChunkFromTheFrontAndOneFromTheBack) {
     const auto odd = torch::zeros({1, 1, 3, 2}, torch::kFloat64);
     test::expect_throws<ConfigError>([&] { ring_attention(odd, odd, odd, cp); },
                                      "not two equal chunks", "an odd local sequence");
+    // A block with dropout cannot drop probabilities the ring never holds whole.
+    GptBlock dropping(GptBlockOptions{.hidden = 8, .heads = 2, .dropout = 0.1, .seed = 1});
+    test::expect_throws<ConfigError>([&] { dropping->context_parallel(cp); },
+                                     "the block has dropout 0.1",
+                                     "a context-parallel block with dropout");
+    GptBlock twice(GptBlockOptions{.hidden = 8, .heads = 2, .seed = 1});
+    twice->context_parallel(cp);
+    test::expect_throws<ConfigError>([&] { twice->context_parallel(cp); },
+                                     "context-parallel already", "context_parallel twice");
   });
   EXPECT_ALL_RANKS_OK(results);
 }

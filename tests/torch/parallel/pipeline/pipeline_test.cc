@@ -774,6 +774,16 @@ TEST(PipelineErrors, InterleavedMisuseIsNamedOnEveryRank) {
       "give it the whole model");
 }
 
+TEST(PipelineErrors, ZeroBubbleWithFewerMicroBatchesThanStages) {
+  expect_every_rank_fails(
+      2,
+      [](int, std::shared_ptr<ProcessGroup> pg) {
+        Pipeline pipe(make_model(), pg, mse,
+                      {.schedule = PipelineSchedule::kZeroBubble, .micro_batches = 1});
+      },
+      "the zero-bubble schedule needs at least as many micro-batches as stages");
+}
+
 TEST(PipelineErrors, RanksThatDisagreeOnTheSchedule) {
   expect_every_rank_fails(
       2,
