@@ -12,6 +12,7 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
+#include "torch/core/autograd_group.h"
 
 namespace ddp {
 
@@ -118,17 +119,14 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
         {running_max[0] + torch::log(running_sum[0]), running_max[1] + torch::log(running_sum[1])},
         2);
     ctx->save_for_backward({q, k, v, out, log_sum_exp});
-    auto holder = c10::make_intrusive<GroupHolder>();
-    holder->group = cp;
-    ctx->saved_data["cp"] = c10::IValue::make_capsule(std::move(holder));
+    detail::save_group(ctx, "cp", cp);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto& q = saved[0];
-    const auto cp =
-        c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["cp"].toCapsule())->group;
+    const auto cp = detail::saved_group(ctx, "cp");
     const Ring ring{cp.get(), cp ? cp->rank() : 0, cp ? cp->size() : 1};
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
     const auto grad_out = grads[0].contiguous();
@@ -175,10 +173,6 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     // After size passes every block is home, its gradients whole.
     return {grad_q, block_grads[0], block_grads[1], torch::Tensor()};
   }
-
-  struct GroupHolder : torch::CustomClassHolder {
-    std::shared_ptr<ProcessGroup> group;
-  };
 };
 
 }  // namespace

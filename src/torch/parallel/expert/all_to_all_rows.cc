@@ -10,6 +10,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "ddp/torch/parallel/expert/mixture_of_experts.h"
+#include "torch/core/autograd_group.h"
 
 namespace ddp {
 
@@ -17,10 +18,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-struct GroupHolder : torch::CustomClassHolder {
-  std::shared_ptr<ProcessGroup> group;
-};
 
 torch::Tensor exchange_rows(const torch::Tensor& input, const std::vector<std::int64_t>& out_splits,
                             const std::vector<std::int64_t>& in_splits, ProcessGroup& group) {
@@ -37,17 +34,13 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
                                std::vector<std::int64_t> out_splits,
                                std::vector<std::int64_t> in_splits,
                                const std::shared_ptr<ProcessGroup>& group) {
-    auto holder = c10::make_intrusive<GroupHolder>();
-    holder->group = group;
-    ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(holder));
+    detail::save_group(ctx, "group", group);
     ctx->saved_data["out_splits"] = out_splits;
     ctx->saved_data["in_splits"] = in_splits;
     return exchange_rows(input, out_splits, in_splits, *group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const auto group =
-        c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())
-            ->group;
+    const auto group = detail::saved_group(ctx, "group");
     // Back along the same pairs: what came from rank j returns to it.
     const auto out_splits = ctx->saved_data["in_splits"].toIntVector();
     const auto in_splits = ctx->saved_data["out_splits"].toIntVector();
