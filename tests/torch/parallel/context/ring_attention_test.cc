@@ -1,6 +1,7 @@
 // ddp::ring_attention (ring_attention.h) in real processes, float64: at cp 2 and 3 each rank's
 // output and the gradients of its queries, keys and values equal their positions of one process's
 // causal attention (1e-12); the load-balanced layout's positions; bad sequences named.
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -103,6 +104,27 @@ TEST(RingAttention, EachRankHoldsAChunkFromTheFrontAndOneFromTheBack) {
     twice->context_parallel(cp);
     test::expect_throws<ConfigError>([&] { twice->context_parallel(cp); },
                                      "context-parallel already", "context_parallel twice");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Ranks whose local sequences differ (a caller that sharded one of them otherwise): the first
+// exchange of keys fails on every rank, well within the group's timeout, never a hang.
+TEST(RingAttention, RanksWithDifferentLocalSequencesFailOnEveryRank) {
+  using namespace std::chrono_literals;
+  const int port = test::free_port();
+  const auto results = run_ranks(2, [&](int rank) {
+    auto cp = join_group(rank, 2, port, 10s);
+    const auto t = torch::zeros({1, 1, rank == 0 ? 4 : 6, 2}, torch::kFloat64);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      ring_attention(t, t, t, cp);
+    } catch (const std::exception& e) {
+      if (std::chrono::steady_clock::now() - start > 12s)
+        throw std::runtime_error(std::string("the failure took past the timeout: ") + e.what());
+      return;
+    }
+    throw std::runtime_error("ranks with different local sequences attended without an error");
   });
   EXPECT_ALL_RANKS_OK(results);
 }
