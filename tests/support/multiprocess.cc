@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -238,6 +240,16 @@ std::string describe(const std::vector<RankResult>& results) {
 }
 
 int free_port() {
+  // Two calls in a row may return the same port (the first is free again by the second call), and
+  // a test that asks for two ports needs two (ddprun refuses --agent-port equal to --master-port):
+  // no port is handed out twice in a process.
+  static std::mutex mutex;
+  static std::set<int> given;
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const int port = ddp::net::pick_free_port();
+    if (given.insert(port).second) return port;
+  }
   return ddp::net::pick_free_port();
 }
 

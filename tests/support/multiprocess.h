@@ -34,7 +34,8 @@ std::vector<RankResult> run_ranks(int world_size, const std::function<void(int r
 // A one-line-per-rank description of the results, for assertion messages.
 std::string describe(const std::vector<RankResult>& results);
 
-// A TCP port that is free right now (for a store or a master).
+// A TCP port that is free right now (for a store or a master), never one this process was given
+// before: two calls give two ports.
 int free_port();
 
 // Sets the variables a launcher gives rank `rank` of a one-host job of `world` ranks (RANK,
