@@ -206,7 +206,8 @@ class FsdpTrainer final : public Trainer {
             },
             dp_,
             ddp::FsdpOptions{.sharding_strategy = ddp::ShardingStrategy::kFullShard,
-                             .min_num_params = 1},
+                             .min_num_params = 1,
+                             .low_memory_backward = config.fsdp_low_memory},
             gpt_child_names(config.shape.layers))),
         optimizer_(model_->parameters(), torch::optim::AdamWOptions(config.lr)),
         state_(*model_, optimizer_, ddp::TrainStateOptions{.tag = "train-gpt --fsdp"}) {

@@ -30,6 +30,7 @@ struct TrainerConfig {
   int virtual_stages = 1;         // chunks per pipeline rank ("interleaved")
   int microbatches = 1;
   bool activation_checkpointing = false;
+  bool fsdp_low_memory = false;      // FsdpOptions::low_memory_backward
   std::filesystem::path checkpoint;  // empty: no checkpoints
   // With experts (shape.moe_experts > 0, the pipeline only): the mesh has an "ep" dimension, and
   // `data` is the group of the dp x ep ranks that split the batch's rows.

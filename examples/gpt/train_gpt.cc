@@ -27,6 +27,8 @@
 // it (FSDP x TP, PyTorch's 2-D parallelism). --microbatches then accumulates gradients (no_sync);
 // --pp must be 1. Its --checkpoint is the same DCP folder as without --fsdp (each rank's flat
 // shards placed in the whole tensors), so either resumes the other's at any --dp x --tp.
+// --fsdp-low-memory trades FSDP's overlap for memory (FsdpOptions::low_memory_backward): nothing
+// is gathered or reduced ahead, and each parameter's gradient is reduced as soon as it is ready.
 //
 // Without --fsdp, --checkpoint DIR is a distributed checkpoint in PyTorch's format (DCP: the
 // model and AdamW's state under the whole model's names, each tp rank's part of a split tensor a
@@ -109,6 +111,7 @@ struct Options {
   std::int64_t vocab_at_least = 0;  // pads the vocabulary further (benchmarks: a larger head)
   bool activation_checkpointing = false;  // every block under ddp::checkpoint
   bool fsdp = false;             // FSDP (FULL_SHARD) over dp, each child built and sharded in turn
+  bool fsdp_low_memory = false;  // with fsdp: nothing in flight, gradients reduced per parameter
   std::int64_t moe_experts = 0;  // > 0: every block's MLP a mixture of this many experts
   std::int64_t top_k = 1;
   int ep = 1;  // the experts split over this many ranks
@@ -266,6 +269,10 @@ void check_options(const Options& o, const std::string& text, std::int64_t vocab
         "--time-after {}: no step after it would be timed, --steps is {} (valid: 0 to {})",
         o.time_after, o.steps, o.steps - 1));
   }
+  if (o.fsdp_low_memory && !o.fsdp) {
+    throw ddp::ConfigError(
+        "--fsdp-low-memory without --fsdp: it sets how FSDP's backward spends memory; add --fsdp");
+  }
   if (o.fsdp && o.pp != 1) {
     throw ddp::ConfigError(fmt::format(
         "--fsdp with --pp {}: FSDP shards the model over --dp and composes with --tp; a pipeline "
@@ -399,6 +406,7 @@ int run(const Options& o) {
                                         .virtual_stages = o.virtual_stages,
                                         .microbatches = o.microbatches,
                                         .activation_checkpointing = o.activation_checkpointing,
+                                        .fsdp_low_memory = o.fsdp_low_memory,
                                         .checkpoint = o.checkpoint,
                                         .data = data_group,
                                         .cp = context ? mesh.group("cp") : nullptr};
@@ -544,6 +552,9 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp", o.fsdp,
                "shard the model over --dp with FSDP (FULL_SHARD), each block built and sharded in "
                "turn (with --tp; --pp 1)");
+  app.add_flag("--fsdp-low-memory", o.fsdp_low_memory,
+               "with --fsdp: no gather or reduction in flight, each parameter's gradient reduced "
+               "and freed as soon as it is ready (less memory, no overlap)");
   app.add_option("--moe-experts", o.moe_experts,
                  "a mixture of this many experts in place of each block's MLP (0: the MLP)")
       ->check(CLI::Range(std::int64_t{0}, kMaxSize));

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """train-gpt (examples/gpt) under ddprun in several layouts of data, tensor and pipeline
 parallelism, float64: every layout's last line ("final loss=... param_sum=...") must equal the
-one-process run's to 1e-9 (relative), with and without --activation-checkpointing and --fsdp, and
+one-process run's to 1e-9 (relative), with and without --activation-checkpointing and --fsdp
+(also with --fsdp-low-memory), and
 with the interleaved and zero-bubble schedules (the interleaved one's flags that do not fit named)
 and with context parallelism (--cp 2 alone and with tp, dp, pp and recomputation),
 the loss must fall, and a mesh that does not fit the job (or --fsdp with --pp) must be named.
@@ -45,6 +46,10 @@ LAYOUTS = [  # dp, tp, pp, schedule, micro-batches, extra flags
     (2, 1, 1, "1f1b", 1, ("--fsdp",)),
     (2, 2, 1, "1f1b", 2, ("--fsdp",)),
     (2, 2, 1, "1f1b", 1, ("--fsdp", "--activation-checkpointing")),
+    # FSDP's low-memory backward: each parameter's gradient reduced as it is ready (and under
+    # no_sync, the flat buffer all the same)
+    (2, 2, 1, "1f1b", 1, ("--fsdp", "--fsdp-low-memory")),
+    (2, 1, 1, "1f1b", 2, ("--fsdp", "--fsdp-low-memory")),
     # the interleaved schedule: two chunks of the model per pipeline rank, with dp, tp and
     # recomputation
     (1, 1, 2, "interleaved", 2, ("--virtual-stages", "2")),
@@ -119,7 +124,8 @@ def main():
                 sys.exit(f"{flags}: {what} {got!r} but {reference_name} has {want!r}")
     for ranks, flags, needle in (
             (3, ("--cp", "3"), "--block-size 16 does not split into 2 x --cp 3 = 6 equal chunks"),
-            (4, ("--cp", "2", "--dp", "2", "--fsdp"), "--cp 2 with --fsdp: not built yet")):
+            (4, ("--cp", "2", "--dp", "2", "--fsdp"), "--cp 2 with --fsdp: not built yet"),
+            (2, ("--dp", "2", "--fsdp-low-memory"), "--fsdp-low-memory without --fsdp")):
         done = run(bin_dir, ranks, *flags)
         if done.returncode == 0 or needle not in done.stderr:
             sys.exit(f"{flags} was not refused with '{needle}':\n{done.stdout}\n{done.stderr}")

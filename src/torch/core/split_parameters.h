@@ -1,10 +1,11 @@
 // Parameters that are one part of a larger tensor split over a group (the tensor-parallel layers'
-// shards), recorded where they are made so that code below those layers can tell. Internal.
+// shards, a MoeLayer's experts split over ep), recorded where they are made so that code below
+// those layers can tell. Internal.
 //
-// FullyShardedDataParallel describes each parameter it flattens with its part: wrapped over the
-// tp dimension of a mesh instead of the dp one, the ranks of its group hold different parts of
-// the same split weights, which FSDP's construction-time agreement then names (flattening them
-// as if they were replicas would train a silently wrong model).
+// FullyShardedDataParallel and DistributedDataParallel describe each parameter they take with its
+// part: wrapped over the tp (or ep) dimension of a mesh instead of the dp one, the ranks of their
+// group hold different parts of the same split weights, which their construction-time agreement
+// then names (averaging them as if they were replicas would train a silently wrong model).
 //
 // Keyed by the tensor's TensorImpl and held weakly: a recorded parameter that is freed is
 // forgotten, and a new tensor at its address is not mistaken for it.
@@ -17,8 +18,9 @@
 namespace ddp::detail {
 
 struct SplitPart {
-  int part = 0;   // this rank's part: the rank in the group it is split over
-  int parts = 1;  // the group's size
+  int part = 0;                          // this rank's part: the rank in the group it is split over
+  int parts = 1;                         // the group's size
+  const char* kind = "tensor-parallel";  // what splits it ("expert-parallel": a MoeLayer's experts)
 };
 
 // Records `parameter` as part `part` of `parts` (thread-safe).

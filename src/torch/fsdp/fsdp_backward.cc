@@ -1,7 +1,5 @@
 // FullyShardedDataParallel: backward: the flat gradients, their reduce-scatter (all-reduce for
 // NO_SHARD) into the shards' .grad(), the end of backward, and no_sync.
-#include <cstdint>
-
 #include <fmt/format.h>
 
 #include "ddp/error.h"
@@ -12,21 +10,6 @@
 #include "torch/fsdp/fsdp_unit.h"
 
 namespace ddp {
-
-namespace {
-
-// PyTorch FSDP's gradient_predivide_factor (DefaultState._get_gradient_predivide_factor): doubled
-// while it divides the world and is below world/factor. A low-precision sum is divided by it
-// before it is reduced (exact: a power of two) and by world/factor after, in fp32, so that the
-// sum does not leave fp16's range.
-std::int64_t gradient_predivide_factor(std::int64_t world) {
-  std::int64_t factor = 1;
-  while (world % factor == 0 && world / factor > factor)
-    factor *= 2;
-  return factor;
-}
-
-}  // namespace
 
 void FullyShardedDataParallelImpl::queue_finish_backward() {
   if (finish_queued_) return;
@@ -48,7 +31,7 @@ void FullyShardedDataParallelImpl::attach_flat_gradient(Unit& u) const {
 void FullyShardedDataParallelImpl::before_unit_backward(std::size_t unit) {
   queue_finish_backward();
   auto& u = *units_[unit];
-  if (!u.reduced && !u.reduction_input.defined()) {
+  if (!u.reduced && !u.reduction_input.defined() && !reduces_each_gradient(u)) {
     // The unit's gradients accumulate in place into views of one flat buffer (autograd adds into
     // a defined .grad), which is then reduced as it is: no copy, and no full-size gradient
     // allocated per parameter.
@@ -57,19 +40,31 @@ void FullyShardedDataParallelImpl::before_unit_backward(std::size_t unit) {
   if (!frees_full_parameters()) return;
   start_gather(unit);
   wait_gather(unit);
-  if (unit > 0) start_gather(unit - 1);  // overlaps this unit's backward
+  // Overlaps this unit's backward (low_memory_backward: one unit's parameters at a time).
+  if (unit > 0 && !options_.low_memory_backward) start_gather(unit - 1);
 }
 
-void FullyShardedDataParallelImpl::on_grad_ready(std::size_t unit) {
+void FullyShardedDataParallelImpl::on_grad_ready(std::size_t unit, std::size_t param) {
   queue_finish_backward();
   auto& u = *units_[unit];
-  if (++u.ready == u.params.size()) reduce_gradients(unit);
+  ++u.ready;
+  if (reduces_each_gradient(u)) {
+    if (u.grad_ready.empty()) u.grad_ready.assign(u.params.size(), false);
+    u.grad_ready[param] = true;
+    reduce_ready_parameters(unit, /*finishing=*/false);
+    return;
+  }
+  if (u.ready == u.params.size()) reduce_gradients(unit);
 }
 
 void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
   torch::NoGradGuard no_grad;
   auto& u = *units_[unit];
   if (u.reduced) return;
+  if (reduces_each_gradient(u)) {
+    reduce_ready_parameters(unit, /*finishing=*/true);
+    return;
+  }
   u.reduced = true;
   if (!sync_gradients_) {
     // no_sync: the gradients stay in the unit's flat buffer, whose views are the parameters'
@@ -96,7 +91,7 @@ void FullyShardedDataParallelImpl::reduce_gradients(std::size_t unit) {
     u.reduction_input = converted;
   }
   if (detail::is_16_bit(reduce_dtype())) {
-    u.reduction_input.div_(static_cast<double>(gradient_predivide_factor(group_->size())));
+    u.reduction_input.div_(static_cast<double>(detail::gradient_predivide_factor(group_->size())));
   }
   if (options_.sharding_strategy == ShardingStrategy::kNoShard) {
     u.reduction_output = u.reduction_input;
@@ -160,7 +155,7 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
         return fmt::format("gradient reduce-scatter of unit {} of {}", unit + 1, units_.size());
       },
       [&] {
-        u.reduction->wait();
+        if (u.reduction) u.reduction->wait();  // none: low_memory_backward reduced synchronously
         // kHybridShard: the shard group's sum, summed over the replicas of this shard.
         if (replicate_group_) all_reduce(u.reduction_output, ReduceOp::kSum, *replicate_group_);
       });
@@ -169,25 +164,14 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
   torch::Tensor average = u.reduction_output;
   auto divisor = static_cast<double>(group_->size());
   if (detail::is_16_bit(average.scalar_type())) {
-    divisor /= static_cast<double>(gradient_predivide_factor(group_->size()));
+    divisor /= static_cast<double>(detail::gradient_predivide_factor(group_->size()));
     average = average.to(storage_dtype_);
   }
   if (divisor != 1.0) average.div_(divisor);
   // cpu_offload: only the shard's averaged gradient leaves the device, to the host shard's .grad().
   if (offloads_shards()) average = average.to(torch::kCPU);
+  check_gradient_after_failure(unit);
   auto& grad = u.shard.mutable_grad();
-  if (u.grad_at_failure != nullptr) {
-    const bool unchanged = grad.defined() && grad.unsafeGetTensorImpl() == u.grad_at_failure &&
-                           grad._version() == u.grad_version_at_failure;
-    u.grad_at_failure = nullptr;
-    if (unchanged) {
-      throw Error(fmt::format(
-          "FullyShardedDataParallel: unit {} of {}: its shard's gradient has not changed since a "
-          "backward failed before it finished, so it may hold part of that backward; zero the "
-          "gradients (optimizer.zero_grad()) after a failed step, then run the step again",
-          unit + 1, units_.size()));
-    }
-  }
   if (grad.defined()) {
     grad.add_(average);
   } else {
@@ -197,6 +181,22 @@ void FullyShardedDataParallelImpl::harvest_reduction(std::size_t unit) {
   u.reduction_input = torch::Tensor();
   u.reduction_output = torch::Tensor();
   u.holds_accumulation = false;
+}
+
+void FullyShardedDataParallelImpl::check_gradient_after_failure(std::size_t unit) {
+  auto& u = *units_[unit];
+  if (u.grad_at_failure == nullptr) return;
+  const auto& grad = u.shard.grad();
+  const bool unchanged = grad.defined() && grad.unsafeGetTensorImpl() == u.grad_at_failure &&
+                         grad._version() == u.grad_version_at_failure;
+  u.grad_at_failure = nullptr;
+  if (unchanged) {
+    throw Error(fmt::format(
+        "FullyShardedDataParallel: unit {} of {}: its shard's gradient has not changed since a "
+        "backward failed before it finished, so it may hold part of that backward; zero the "
+        "gradients (optimizer.zero_grad()) after a failed step, then run the step again",
+        unit + 1, units_.size()));
+  }
 }
 
 void FullyShardedDataParallelImpl::finish_backward() {
@@ -210,6 +210,8 @@ void FullyShardedDataParallelImpl::finish_backward() {
   for (auto& unit : units_) {
     unit->ready = 0;
     unit->reduced = false;
+    unit->grad_ready.clear();
+    unit->reduced_params = 0;
     unit->holds_accumulation = unit->reduction_input.defined();  // no_sync's, for the next pass
   }
   if (frees_full_parameters()) {

@@ -92,6 +92,8 @@ void FullyShardedDataParallelImpl::drop_unfinished_backward() {
     u.reduction_output = torch::Tensor();
     u.ready = 0;
     u.reduced = false;
+    u.grad_ready.clear();
+    u.reduced_params = 0;
     for (auto& p : u.params)
       p.mutable_grad().reset();
     const auto& grad = u.shard.grad();
@@ -187,7 +189,8 @@ torch::Tensor FullyShardedDataParallelImpl::forward(torch::Tensor input) {
       const auto u = static_cast<std::size_t>(current);
       start_gather(u);
       wait_gather(u);
-      if (u + 1 < units_.size()) start_gather(u + 1);  // overlaps this unit's compute
+      // Overlaps this unit's compute (low_memory_backward: one unit's parameters at a time).
+      if (u + 1 < units_.size() && !options_.low_memory_backward) start_gather(u + 1);
     }
     x = (module_->begin() + static_cast<std::ptrdiff_t>(c))->forward(x);
     if (current >= 0 && units_[static_cast<std::size_t>(current)]->end == c + 1) {

@@ -160,6 +160,7 @@ void FullyShardedDataParallelImpl::build() {
     const auto& mp = options_.mixed_precision;
     description << "strategy " << to_string(options_.sharding_strategy) << "\n"
                 << "cpu offload of parameters: " << options_.cpu_offload.offload_params << "\n"
+                << "low-memory backward: " << options_.low_memory_backward << "\n"
                 << "mixed precision: param " << dtype_text(mp.param_dtype) << ", reduce "
                 << dtype_text(mp.reduce_dtype) << ", buffer " << dtype_text(mp.buffer_dtype) << "\n"
                 << "children " << children << "\n";
@@ -216,7 +217,7 @@ void FullyShardedDataParallelImpl::build() {
           // A tensor-parallel part: FSDP over the dp dimension sees the same part on every rank;
           // over the tp one, different parts, which the agreement below names.
           if (const auto split = detail::split_part_of(p)) {
-            description << " (tensor-parallel part " << split->part << " of " << split->parts
+            description << " (" << split->kind << " part " << split->part << " of " << split->parts
                         << ")";
           }
           description << "\n";
@@ -270,16 +271,16 @@ void FullyShardedDataParallelImpl::build() {
     local_error = e.what();
   }
 
-  const bool tensor_parallel = description.str().find("tensor-parallel part") != std::string::npos;
+  const bool tensor_parallel = description.str().find("-parallel part ") != std::string::npos;
   detail::agree_or_throw(
       *group_, description.str(), local_error,
       {.wrapper = "FullyShardedDataParallel",
        .requirement = tensor_parallel
                           ? "Every rank must wrap the same model (children, parameter shapes and "
                             "dtypes, buffers) with the same strategy and units; a model split by "
-                            "tensor parallelism is wrapped over the dp dimension of its mesh "
-                            "(mesh.group(\"dp\")), whose ranks hold the same tensor-parallel "
-                            "parts, not over the tp one"
+                            "tensor (or expert) parallelism is wrapped over the dp dimension of "
+                            "its mesh (mesh.group(\"dp\")), whose ranks hold the same parts, "
+                            "not over the tp (or ep) one"
                           : "Every rank must wrap the same model (children, parameter shapes and "
                             "dtypes, buffers) with the same strategy and units"});
 
@@ -351,9 +352,9 @@ void FullyShardedDataParallelImpl::build() {
       auto& p = unit.params[i];
       p.set_data(unit.full.detach().narrow(0, unit.offsets[i], p.numel()).view(p.sizes()));
     }
-    for (auto& p : unit.params) {
-      unit.hooks.push_back(
-          std::make_unique<libtorch_compat::GradReadyHook>(p, [this, u] { on_grad_ready(u); }));
+    for (std::size_t i = 0; i < unit.params.size(); ++i) {
+      unit.hooks.push_back(std::make_unique<libtorch_compat::GradReadyHook>(
+          unit.params[i], [this, u, i] { on_grad_ready(u, i); }));
     }
     register_parameter(fmt::format("unit_{}", u), unit.shard);
     if (frees_full_parameters()) free_full(u);

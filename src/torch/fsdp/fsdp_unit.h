@@ -29,6 +29,12 @@ struct FullyShardedDataParallelImpl::Unit {
   torch::Tensor gather_source;  // what the all-gather in flight sends (the shard, or its cast)
   std::vector<std::unique_ptr<libtorch_compat::GradReadyHook>> hooks;
   std::size_t ready = 0;  // parameters whose gradient arrived in this backward pass
+  // low_memory_backward: which parameters' gradients arrived in this pass, and how many have been
+  // reduced (they are reduced last parameter first, the order backward produces them in).
+  std::vector<bool> grad_ready;
+  std::size_t reduced_params = 0;
+  // low_memory_backward: this pass adds each parameter's average straight into the shard's .grad().
+  bool adds_into_shard_grad = false;
   bool reduced = false;
   std::shared_ptr<Work> reduction;
   torch::Tensor reduction_input, reduction_output;
@@ -46,6 +52,17 @@ namespace detail {
 // bf16 and fp16: the 16-bit dtypes FSDP may compute and reduce in (fp32 is the other).
 inline bool is_16_bit(torch::ScalarType dtype) {
   return dtype == torch::kBFloat16 || dtype == torch::kHalf;
+}
+
+// PyTorch FSDP's gradient_predivide_factor (DefaultState._get_gradient_predivide_factor): doubled
+// while it divides the world and is below world/factor. A low-precision sum is divided by it
+// before it is reduced (exact: a power of two) and by world/factor after, in fp32, so that the
+// sum does not leave fp16's range.
+inline std::int64_t gradient_predivide_factor(std::int64_t world) {
+  std::int64_t factor = 1;
+  while (world % factor == 0 && world / factor > factor)
+    factor *= 2;
+  return factor;
 }
 
 }  // namespace detail

@@ -166,6 +166,17 @@ struct FsdpOptions {
   // and at the end of each backward, so that the memory FSDP saves is not kept by malloc (ddprun
   // tells glibc to keep freed memory, for speed). Process-wide; kNoShard never does.
   bool release_free_heap = true;
+  // Backward's memory against its overlap. false (default): the next unit's all-gather runs
+  // while a unit computes (forward and backward), and a unit's gradients accumulate in one flat
+  // buffer that is reduce-scattered while the units before it compute: beyond its shards a rank
+  // holds up to two units' parameters and two units' gradients. true: nothing is prefetched or in
+  // flight, and each parameter's gradient is reduced (to the ranks whose shards it spans, in place)
+  // and freed as soon as autograd has produced it and every parameter after it in the unit: a rank
+  // holds one unit's parameters and the gradients autograd is producing, at the cost of every
+  // collective blocking the pass (PyTorch's backward_prefetch=None with limit_all_gathers, with
+  // the gradients reduced per parameter). Results are the same; the sums may round differently.
+  // Inside no_sync() the flat buffer is still used (it holds the accumulation).
+  bool low_memory_backward = false;
 };
 
 // What clip_grad_norm_ needs to know of a tensor-parallel model inside the wrapper: the group its
@@ -428,10 +439,25 @@ class FullyShardedDataParallelImpl : public torch::nn::Module, public Joinable {
   // it (what they held copied in), so that autograd accumulates into it in place.
   void attach_flat_gradient(Unit& u) const;
   void before_unit_backward(std::size_t unit);
-  void on_grad_ready(std::size_t unit);
+  void on_grad_ready(std::size_t unit, std::size_t param);
+  // low_memory_backward: whether this pass reduces the unit's gradients one parameter at a time
+  // (synchronised, and no no_sync() accumulation in its flat buffer).
+  bool reduces_each_gradient(const Unit& u) const;
+  // Reduces the unit's parameters whose gradients are ready, last parameter first, stopping at the
+  // first not ready (all of them when `finishing`: a missing gradient counts as zero); once every
+  // parameter is reduced, frees the unit and hands the shard its gradient.
+  void reduce_ready_parameters(std::size_t unit, bool finishing);
+  void reduce_parameter_gradient(Unit& u, std::size_t unit, std::size_t param);
+  // Where the reduced elements [at, at + count) of this rank's shard go, and putting `sum` there
+  // (the shard's .grad() takes its average; the buffer the sum).
+  static torch::Tensor reduced_slot(Unit& u, std::int64_t at, std::int64_t count);
+  void hand_over_sum(Unit& u, torch::Tensor& sum, std::int64_t at);
   void reduce_gradients(std::size_t unit);
   // Waits for the unit's reduction and adds its average to the shard's .grad().
   void harvest_reduction(std::size_t unit);
+  // Error when the shard's .grad() is the one a failed backward left, unchanged since (it may
+  // hold part of that pass); called before a reduction adds to it.
+  void check_gradient_after_failure(std::size_t unit);
   void queue_finish_backward();
   // The units of this wrapper, then of each nested one (recursively): what a sharded checkpoint
   // holds. ConfigError when a nested wrapper has another strategy or group.
