@@ -20,6 +20,7 @@
 #include "torch/api/rank_agreement.h"
 #include "torch/core/parameter_devices.h"
 #include "torch/core/parameter_loads.h"
+#include "torch/core/split_parameters.h"
 #include "torch/core/wrapper_phase.h"
 #include "torch/ddp/distributed_data_parallel_internal.h"
 
@@ -175,9 +176,17 @@ using detail::shape_text;
 void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
                             const std::vector<torch::Tensor>& params) {
   std::string description;
+  bool split = false;
   for (std::size_t i = 0; i < params.size(); ++i) {
-    description += fmt::format("parameter '{}' {} on {}\n", names[i], shape_text(params[i]),
+    description += fmt::format("parameter '{}' {} on {}", names[i], shape_text(params[i]),
                                c10::DeviceTypeName(params[i].device().type(), /*lower_case=*/true));
+    // A part of a split tensor (a tensor-parallel layer's, a MoeLayer's experts): the group's
+    // ranks must hold the same part, or averaging would mix different weights.
+    if (const auto part = detail::split_part_of(params[i])) {
+      description += fmt::format(" ({} part {} of {})", part->kind, part->part, part->parts);
+      split = true;
+    }
+    description += "\n";
   }
   description += fmt::format("{} trainable parameters\n", params.size());
   const auto mixed = detail::mixed_devices(params, names);
@@ -189,8 +198,12 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
   throw Error(fmt::format(
       "DistributedDataParallel: the model differs across ranks: {}. Every rank must construct the "
       "same model (the same architecture, sizes and requires_grad, on the same kind of device: "
-      "module->to(device) on every rank) before wrapping it",
-      agreement.difference));
+      "module->to(device) on every rank) before wrapping it{}",
+      agreement.difference,
+      split ? "; a model split by tensor or expert parallelism is wrapped over the dp dimension "
+              "of its mesh (mesh.group(\"dp\")), whose ranks hold the same parts, not over the "
+              "tp or ep one"
+            : ""));
 }
 
 }  // namespace

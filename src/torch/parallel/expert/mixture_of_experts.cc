@@ -12,6 +12,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
 #include "torch/api/rank_agreement.h"
+#include "torch/core/split_parameters.h"
 #include "torch/parallel/expert/moe_routing.h"
 
 namespace ddp {
@@ -112,6 +113,11 @@ MoeLayerImpl::MoeLayerImpl(MoeOptions options, MoeGroups groups)
   w2 = register_parameter("w2", torch::stack(w2s));
   b2 = register_parameter("b2", torch::stack(b2s));
   if (ep_size > 1) {
+    // Other experts on each ep rank: a wrapper that would average them over ep names it.
+    for (const auto& p : expert_parameters()) {
+      detail::note_split_parameter(
+          p, {.part = ep_->rank(), .parts = static_cast<int>(ep_size), .kind = "expert-parallel"});
+    }
     // Each expert's gradient sums the losses of every ep rank's tokens: scaled to their mean, as
     // averaging the replicated parameters over the ranks makes theirs.
     const double scale = 1.0 / ep_size;

@@ -15,6 +15,7 @@
 #include <fmt/ranges.h>
 
 #include "ddp/error.h"
+#include "ddp/torch/parallel/expert/mixture_of_experts.h"
 #include "torch/api/rank_agreement.h"
 #include "torch/parallel/pipeline/pipeline_state.h"
 
@@ -117,6 +118,43 @@ void check_options(const PipelineOptions& options, int stages) {
   }
 }
 
+// A MoeLayer split over ep holds other experts than its ep peers, which are among dp_group (the
+// ranks that split the batch's rows): its experts' replicas are the other dp_group ranks with its
+// ep rank, |dp_group| / ep of them. With more than one, expert_dp_group must be exactly those, or
+// the experts' gradients would never be averaged (each replica drifting its own way, silently),
+// or averaged over the wrong ranks.
+void check_expert_replicas(torch::nn::Module& stage, const PipelineOptions& options) {
+  if (!options.dp_group) return;
+  for (const auto& item : stage.named_modules()) {
+    const auto* moe = item.value()->as<MoeLayerImpl>();
+    if (moe == nullptr || !moe->ep_group() || moe->ep_group()->size() < 2) continue;
+    const int ep = moe->ep_group()->size();
+    const int data = options.dp_group->size();
+    if (data % ep != 0) {
+      throw ConfigError(fmt::format(
+          "Pipeline: the MoeLayer '{}' splits its experts over {} ranks (ep), but dp_group has {} "
+          "ranks, not a multiple: dp_group is the dp x ep ranks that split the batch's rows",
+          item.key(), ep, data));
+    }
+    const int replicas = data / ep;
+    if (replicas > 1 && !options.expert_dp_group) {
+      throw ConfigError(fmt::format(
+          "Pipeline: the MoeLayer '{}' splits its experts over {} ranks (ep) and dp_group has {}, "
+          "so each expert has {} replicas, but PipelineOptions::expert_dp_group is not set: their "
+          "gradients would never be averaged and the replicas would drift apart; pass the group of "
+          "the ranks that hold the same experts (a mesh's \"dp\")",
+          item.key(), ep, data, replicas));
+    }
+    if (options.expert_dp_group && options.expert_dp_group->size() != replicas) {
+      throw ConfigError(fmt::format(
+          "Pipeline: the MoeLayer '{}' splits its experts over {} ranks (ep) and dp_group has {}, "
+          "so each expert has {} replicas, but expert_dp_group has {} ranks; pass the group of "
+          "the ranks that hold the same experts (a mesh's \"dp\")",
+          item.key(), ep, data, replicas, options.expert_dp_group->size()));
+    }
+  }
+}
+
 // The one device of a stage's parameters and buffers (the CPU when it has none), checked against
 // what the pp group carries: a host group (ring, mpi) takes CPU and CUDA stages (CUDA tensors
 // staged through host copies), a CUDA group (nccl) only a stage on its own GPU.
@@ -186,6 +224,24 @@ void Pipeline::State::agree(const std::string& description, const std::string& l
           agreement.difference));
     }
   }
+  if (options.expert_dp_group) {
+    // Its ranks average their experts: they must hold the same ones (not be an ep group).
+    std::string experts;
+    for (const auto& item : module->named_modules()) {
+      const auto* moe = item.value()->as<MoeLayerImpl>();
+      if (moe != nullptr && moe->ep_group() && moe->ep_group()->size() > 1) {
+        experts += fmt::format("MoeLayer '{}': experts [{}, +{})\n", item.key(),
+                               moe->first_expert(), moe->local_experts());
+      }
+    }
+    const auto agreement = detail::compare_across_ranks(*options.expert_dp_group, experts, "");
+    if (!agreement.difference.empty()) {
+      throw ConfigError(fmt::format(
+          "Pipeline: the ranks of PipelineOptions::expert_dp_group hold different experts: {}. "
+          "It must be the ranks that hold the same experts (a mesh's \"dp\"), not the ep ones",
+          agreement.difference));
+    }
+  }
 }
 
 namespace {
@@ -232,6 +288,7 @@ Pipeline::Pipeline(torch::nn::Sequential whole_model, std::shared_ptr<ProcessGro
       st.chunks.push_back(chunk);
     }
     st.device = stage_device(*st.module, *st.group, st.stage());
+    check_expert_replicas(*st.module, st.options);
   } catch (const std::exception& e) {
     local_error = e.what();
   }
@@ -261,6 +318,7 @@ Pipeline::Pipeline(PipelineStageModule stage, std::shared_ptr<ProcessGroup> grou
     st.chunks = {st.module};
     st.layer_range = {0, static_cast<int>(st.module->size())};
     st.device = stage_device(*st.module, *st.group, st.stage());
+    check_expert_replicas(*st.module, st.options);
   } catch (const std::exception& e) {
     local_error = e.what();
   }

@@ -2,7 +2,8 @@
 // layer trains 5 SGD steps to one process's losses, routing and weights (1e-9), with the capacity
 // large enough that nothing drops and with one so small that most assignments drop (dropped alike
 // on every layout); the uneven all-to-all's backward returns each row's gradient to its sender;
-// every misuse is named on every rank.
+// every misuse is named on every rank, and so are DDP and a Pipeline that would average other
+// experts together.
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -14,8 +15,10 @@
 
 #include "ddp/error.h"
 #include "ddp/torch/api/distributed.h"
+#include "ddp/torch/ddp/distributed_data_parallel.h"
 #include "ddp/torch/parallel/expert/mixture_of_experts.h"
 #include "ddp/torch/parallel/mesh/device_mesh.h"
+#include "ddp/torch/parallel/pipeline/pipeline.h"
 #include "support/multiprocess.h"
 #include "support/torch/ddp_test_util.h"
 #include "support/unity_namespace.h"
@@ -232,6 +235,44 @@ TEST(MixtureOfExperts, MisuseIsNamedOnEveryRank) {
     moe->set_capacity_factor(1.0);
     const auto y = moe->forward(torch::ones({2, kHidden}, torch::kFloat64));
     check(y.sizes() == torch::IntArrayRef({2, kHidden}), "the output has the wrong shape");
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Averaging experts over ranks that hold other experts would mix different weights silently:
+// DDP over the ep ranks, and a Pipeline whose dp_group spans expert replicas without an
+// expert_dp_group of exactly those replicas, are refused on every rank; the right groups work.
+TEST(MixtureOfExperts, WrappersThatWouldAverageOtherExpertsAreRefusedOnEveryRank) {
+  const int port = test::free_port();
+  const auto results = run_ranks(4, [&](int rank) {
+    auto world = join_group(rank, 4, port);
+    DeviceMesh mesh({{"pp", 1}, {"dp", 2}, {"ep", 2}}, world);
+    const auto layer = [&] {
+      return torch::nn::Sequential(
+          MoeLayer(options(1.0), MoeGroups{.ep = mesh.group("ep"), .tokens = world}));
+    };
+    test::expect_throws<Error>([&] { DistributedDataParallel ddp(layer(), world); },
+                               "expert-parallel part", "DDP over ranks that hold other experts");
+    DistributedDataParallel over_dp(layer(), mesh.group("dp"));  // the same experts: fine
+    const auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
+      return torch::mse_loss(out, target);
+    };
+    const auto pipeline = [&](std::shared_ptr<ProcessGroup> experts) {
+      Pipeline p(PipelineStageModule{layer()}, mesh.group("pp"), loss,
+                 PipelineOptions{
+                     .micro_batches = 1, .dp_group = world, .expert_dp_group = std::move(experts)});
+    };
+    test::expect_throws<ConfigError>([&] { pipeline(nullptr); },
+                                     "so each expert has 2 replicas, but "
+                                     "PipelineOptions::expert_dp_group is not set",
+                                     "a pipeline that never averages the expert replicas");
+    test::expect_throws<ConfigError>([&] { pipeline(world); }, "but expert_dp_group has 4 ranks",
+                                     "an expert_dp_group of the wrong size");
+    test::expect_throws<ConfigError>([&] { pipeline(mesh.group("ep")); },
+                                     "the ranks of PipelineOptions::expert_dp_group hold "
+                                     "different experts",
+                                     "the ep group given as expert_dp_group");
+    pipeline(mesh.group("dp"));
   });
   EXPECT_ALL_RANKS_OK(results);
 }
