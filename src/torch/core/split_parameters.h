@@ -23,11 +23,23 @@ struct SplitPart {
   const char* kind = "tensor-parallel";  // what splits it ("expert-parallel": a MoeLayer's experts)
 };
 
+// Over how many ranks a parameter's gradient must be averaged to be one process's, where the layer
+// that made it knows (a MoeLayer's router: its tokens group, whose ranks split the batch's rows;
+// its experts: their replicas in that group). A wrapper averaging it over another number of ranks
+// would train a silently wrong model, and names it instead.
+struct GradientRanks {
+  int ranks = 1;
+  const char* what = "";  // e.g. "a MoeLayer's router, trained on the rows of its tokens group"
+};
+
 // Records `parameter` as part `part` of `parts` (thread-safe).
 void note_split_parameter(const at::Tensor& parameter, SplitPart part);
+// Records the ranks `parameter`'s gradient must be averaged over (thread-safe).
+void note_gradient_ranks(const at::Tensor& parameter, GradientRanks ranks);
 
-// What note_split_parameter recorded of `parameter` (the same TensorImpl, still alive), if
-// anything.
+// What note_split_parameter / note_gradient_ranks recorded of `parameter` (the same TensorImpl,
+// still alive), if anything.
 std::optional<SplitPart> split_part_of(const at::Tensor& parameter);
+std::optional<GradientRanks> gradient_ranks_of(const at::Tensor& parameter);
 
 }  // namespace ddp::detail

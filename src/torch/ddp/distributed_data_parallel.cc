@@ -177,7 +177,16 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
                             const std::vector<torch::Tensor>& params) {
   std::string description;
   bool split = false;
+  std::string wrong_ranks;  // a parameter whose gradient needs another number of ranks
   for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto needs = detail::gradient_ranks_of(params[i]);
+    if (needs && needs->ranks != group.size() && wrong_ranks.empty()) {
+      wrong_ranks = fmt::format(
+          "DistributedDataParallel: parameter '{}' ({}) must have its gradient averaged over {} "
+          "ranks, but the group has {}; wrap the model over a group of the ranks it names (a "
+          "mesh's dp group for tensor or expert parallel layers), or average it yourself",
+          names[i], needs->what, needs->ranks, group.size());
+    }
     description += fmt::format("parameter '{}' {} on {}", names[i], shape_text(params[i]),
                                c10::DeviceTypeName(params[i].device().type(), /*lower_case=*/true));
     // A part of a split tensor (a tensor-parallel layer's, a MoeLayer's experts): the group's
@@ -190,7 +199,8 @@ void verify_same_parameters(ProcessGroup& group, const std::vector<std::string>&
   }
   description += fmt::format("{} trainable parameters\n", params.size());
   const auto mixed = detail::mixed_devices(params, names);
-  const auto agreement = detail::compare_across_ranks(group, description, mixed.value_or(""));
+  const auto agreement =
+      detail::compare_across_ranks(group, description, mixed.value_or(wrong_ranks));
   if (agreement.failed_rank >= 0) {
     throw ConfigError(fmt::format("rank {}: {}", agreement.failed_rank, agreement.failure));
   }

@@ -216,6 +216,14 @@ void FullyShardedDataParallelImpl::build() {
           description << "  parameter " << shape_text(p);
           // A tensor-parallel part: FSDP over the dp dimension sees the same part on every rank;
           // over the tp one, different parts, which the agreement below names.
+          if (const auto needs = detail::gradient_ranks_of(p);
+              needs && needs->ranks != group_->size()) {
+            throw ConfigError(fmt::format(
+                "FullyShardedDataParallel: a parameter of child {} ({}) must have its gradient "
+                "averaged over {} ranks, but the group has {}; wrap it over a group of those "
+                "ranks",
+                c, needs->what, needs->ranks, group_->size()));
+          }
           if (const auto split = detail::split_part_of(p)) {
             description << " (" << split->kind << " part " << split->part << " of " << split->parts
                         << ")";

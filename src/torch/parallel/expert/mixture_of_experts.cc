@@ -112,6 +112,22 @@ MoeLayerImpl::MoeLayerImpl(MoeOptions options, MoeGroups groups)
   b1 = register_parameter("b1", torch::stack(b1s));
   w2 = register_parameter("w2", torch::stack(w2s));
   b2 = register_parameter("b2", torch::stack(b2s));
+  const int rows = tokens_ ? tokens_->size() : 1;
+  if (rows > 1) {
+    // The router learns from every token rank's rows and the experts from their replicas' (the
+    // gradients are scaled for exactly those averages): a wrapper averaging over other ranks
+    // names it.
+    for (const auto& p : replicated_parameters()) {
+      detail::note_gradient_ranks(
+          p, {.ranks = rows, .what = "a MoeLayer's router, trained on its token group's rows"});
+    }
+    for (const auto& p : expert_parameters()) {
+      detail::note_gradient_ranks(
+          p,
+          {.ranks = rows / ep_size,
+           .what = "a MoeLayer's expert, replicated over its token group's ranks of its ep rank"});
+    }
+  }
   if (ep_size > 1) {
     // Other experts on each ep rank: a wrapper that would average them over ep names it.
     for (const auto& p : expert_parameters()) {

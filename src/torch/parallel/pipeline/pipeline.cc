@@ -10,6 +10,7 @@
 #include <utility>
 
 #include <optional>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -17,6 +18,7 @@
 #include "ddp/error.h"
 #include "ddp/torch/parallel/expert/mixture_of_experts.h"
 #include "torch/api/rank_agreement.h"
+#include "torch/core/split_parameters.h"
 #include "torch/parallel/pipeline/pipeline_state.h"
 
 namespace ddp {
@@ -118,12 +120,28 @@ void check_options(const PipelineOptions& options, int stages) {
   }
 }
 
-// A MoeLayer split over ep holds other experts than its ep peers, which are among dp_group (the
+// The groups the stage's gradients are averaged over, against what its layers need. A MoeLayer
+// split over ep holds other experts than its ep peers, which are among dp_group (the
 // ranks that split the batch's rows): its experts' replicas are the other dp_group ranks with its
 // ep rank, |dp_group| / ep of them. With more than one, expert_dp_group must be exactly those, or
 // the experts' gradients would never be averaged (each replica drifting its own way, silently),
 // or averaged over the wrong ranks.
-void check_expert_replicas(torch::nn::Module& stage, const PipelineOptions& options) {
+void check_gradient_groups(torch::nn::Module& stage, const PipelineOptions& options) {
+  // The rest averages over dp_group (none without it): a parameter whose layer says its gradient
+  // needs another number of ranks (a MoeLayer's router: its token group's) is named.
+  const int replicas = options.dp_group ? options.dp_group->size() : 1;
+  for (const auto& item : stage.named_parameters()) {
+    const auto needs = detail::gradient_ranks_of(item.value());
+    const auto part = detail::split_part_of(item.value());
+    if (!needs || (part && std::string_view(part->kind) == "expert-parallel")) continue;
+    if (needs->ranks != replicas) {
+      throw ConfigError(fmt::format(
+          "Pipeline: the parameter '{}' ({}) must have its gradient averaged over {} ranks, but "
+          "PipelineOptions::dp_group has {}; pass the group of the ranks that split the batch's "
+          "rows",
+          item.key(), needs->what, needs->ranks, replicas));
+    }
+  }
   if (!options.dp_group) return;
   for (const auto& item : stage.named_modules()) {
     const auto* moe = item.value()->as<MoeLayerImpl>();
@@ -288,7 +306,7 @@ Pipeline::Pipeline(torch::nn::Sequential whole_model, std::shared_ptr<ProcessGro
       st.chunks.push_back(chunk);
     }
     st.device = stage_device(*st.module, *st.group, st.stage());
-    check_expert_replicas(*st.module, st.options);
+    check_gradient_groups(*st.module, st.options);
   } catch (const std::exception& e) {
     local_error = e.what();
   }
@@ -318,7 +336,7 @@ Pipeline::Pipeline(PipelineStageModule stage, std::shared_ptr<ProcessGroup> grou
     st.chunks = {st.module};
     st.layer_range = {0, static_cast<int>(st.module->size())};
     st.device = stage_device(*st.module, *st.group, st.stage());
-    check_expert_replicas(*st.module, st.options);
+    check_gradient_groups(*st.module, st.options);
   } catch (const std::exception& e) {
     local_error = e.what();
   }

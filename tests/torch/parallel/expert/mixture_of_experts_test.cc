@@ -2,8 +2,8 @@
 // layer trains 5 SGD steps to one process's losses, routing and weights (1e-9), with the capacity
 // large enough that nothing drops and with one so small that most assignments drop (dropped alike
 // on every layout); the uneven all-to-all's backward returns each row's gradient to its sender;
-// every misuse is named on every rank, and so are DDP and a Pipeline that would average other
-// experts together.
+// every misuse is named on every rank, and so are DDP and a Pipeline that would average a gradient
+// over other ranks than its own.
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -239,10 +239,12 @@ TEST(MixtureOfExperts, MisuseIsNamedOnEveryRank) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
-// Averaging experts over ranks that hold other experts would mix different weights silently:
-// DDP over the ep ranks, and a Pipeline whose dp_group spans expert replicas without an
+// Averaging experts over ranks that hold other experts, or a gradient over other ranks than the
+// ones whose rows it learnt from, would train a silently wrong model: DDP around a layer split over
+// ep (no one group is right for both the router and the experts), DDP over other ranks than the
+// token group, and a Pipeline whose dp_group holds several replicas of each expert without an
 // expert_dp_group of exactly those replicas, are refused on every rank; the right groups work.
-TEST(MixtureOfExperts, WrappersThatWouldAverageOtherExpertsAreRefusedOnEveryRank) {
+TEST(MixtureOfExperts, WrappersThatWouldAverageOverTheWrongRanksAreRefusedOnEveryRank) {
   const int port = test::free_port();
   const auto results = run_ranks(4, [&](int rank) {
     auto world = join_group(rank, 4, port);
@@ -251,9 +253,25 @@ TEST(MixtureOfExperts, WrappersThatWouldAverageOtherExpertsAreRefusedOnEveryRank
       return torch::nn::Sequential(
           MoeLayer(options(1.0), MoeGroups{.ep = mesh.group("ep"), .tokens = world}));
     };
-    test::expect_throws<Error>([&] { DistributedDataParallel ddp(layer(), world); },
-                               "expert-parallel part", "DDP over ranks that hold other experts");
-    DistributedDataParallel over_dp(layer(), mesh.group("dp"));  // the same experts: fine
+    test::expect_throws<ConfigError>([&] { DistributedDataParallel ddp(layer(), world); },
+                                     "must have its gradient averaged over 2 ranks, but the group "
+                                     "has 4",
+                                     "DDP over ranks that hold other experts");
+    test::expect_throws<ConfigError>(
+        [&] { DistributedDataParallel ddp(layer(), mesh.group("dp")); },
+        "router, trained on its token group's rows) must have its "
+        "gradient averaged over 4 ranks, but the group has 2",
+        "DDP over fewer ranks than the router learns from");
+    // Experts replicated (no ep) and the batch split over dp: DDP over dp is right, over more is
+    // not.
+    const auto replicated = [&] {
+      return torch::nn::Sequential(MoeLayer(options(1.0), MoeGroups{.tokens = mesh.group("dp")}));
+    };
+    DistributedDataParallel over_dp(replicated(), mesh.group("dp"));
+    test::expect_throws<ConfigError>(
+        [&] { DistributedDataParallel ddp(replicated(), world); },
+        "must have its gradient averaged over 2 ranks, but the group has 4",
+        "DDP over more ranks than the token group");
     const auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
       return torch::mse_loss(out, target);
     };
@@ -272,6 +290,13 @@ TEST(MixtureOfExperts, WrappersThatWouldAverageOtherExpertsAreRefusedOnEveryRank
                                      "the ranks of PipelineOptions::expert_dp_group hold "
                                      "different experts",
                                      "the ep group given as expert_dp_group");
+    test::expect_throws<ConfigError>(
+        [&] {
+          Pipeline p(PipelineStageModule{layer()}, mesh.group("pp"), loss,
+                     PipelineOptions{.micro_batches = 1, .dp_group = mesh.group("dp")});
+        },
+        "must have its gradient averaged over 4 ranks, but PipelineOptions::dp_group has 2",
+        "a pipeline averaging the router over fewer ranks than its token group");
     pipeline(mesh.group("dp"));
   });
   EXPECT_ALL_RANKS_OK(results);
