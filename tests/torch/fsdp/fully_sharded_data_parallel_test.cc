@@ -351,7 +351,8 @@ std::string error_of(const std::function<void()>& call) {
 // what it left, a gradient it may have reached is never added to silently (the next backward is
 // refused by name until the gradients are zeroed), and a step after zero_grad equals the same step
 // of a wrapper that never failed (before the fix its first unit got no gradient at all). Gradients
-// accumulated under no_sync() that the failure took are named once. Both sharded strategies.
+// accumulated under no_sync() that the failure took are named once. Both sharded strategies, with
+// and without low_memory_backward (whose sums go into the shards' gradients during backward).
 TEST(FullyShardedDataParallel, ABackwardThatFailedIsDroppedAndNeverPartOfAStepSilently) {
   const int port = test::free_port();
   const auto results = run_ranks(2, [&](int rank) {
@@ -368,10 +369,16 @@ TEST(FullyShardedDataParallel, ABackwardThatFailedIsDroppedAndNeverPartOfAStepSi
                                              expected, error.empty() ? "none" : error));
       }
     };
-    for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
-      const std::string name = to_string(strategy);
-      FullyShardedDataParallel fsdp(make_model(), pg, three_units(strategy));
-      FullyShardedDataParallel clean(make_model(), pg, three_units(strategy));
+    for (const auto& [strategy, low_memory] : {std::pair{ShardingStrategy::kFullShard, false},
+                                               {ShardingStrategy::kShardGradOp, false},
+                                               {ShardingStrategy::kFullShard, true},
+                                               {ShardingStrategy::kShardGradOp, true}}) {
+      const std::string name =
+          fmt::format("{}{}", to_string(strategy), low_memory ? " (low-memory backward)" : "");
+      auto options = three_units(strategy);
+      options.low_memory_backward = low_memory;
+      FullyShardedDataParallel fsdp(make_model(), pg, options);
+      FullyShardedDataParallel clean(make_model(), pg, options);
       auto failing_input = x.clone().requires_grad_(true);
       failing_input.register_hook(
           [](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("a hook failed"); });
