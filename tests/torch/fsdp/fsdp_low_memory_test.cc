@@ -2,7 +2,8 @@
 // spans as soon as it is ready, nothing prefetched. Trained side by side with the default
 // (overlapping) wrapper of every strategy, from the same start, on ranks whose shards split
 // parameters (world 3: every unit padded, most parameters spanning two or three owners), with
-// no_sync() micro-batches between synchronised ones and a parameter that gets no gradient.
+// no_sync() micro-batches between synchronised ones, a parameter that gets no gradient, and bf16
+// mixed precision.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -45,10 +46,10 @@ void train(FullyShardedDataParallel& fsdp, torch::optim::Optimizer& opt, int ran
     if (step % 2 == 1) {
       auto guard = fsdp->no_sync();
       auto [x, y] = test::sharded_suite_batch(rank, world, 50 + step);
-      torch::mse_loss(fsdp->forward(x), y).backward();
+      torch::mse_loss(fsdp->forward(x).to(y.scalar_type()), y).backward();
     }
     auto [x, y] = test::sharded_suite_batch(rank, world, step);
-    torch::mse_loss(fsdp->forward(x), y).backward();
+    torch::mse_loss(fsdp->forward(x).to(y.scalar_type()), y).backward();
     opt.step();
   }
 }
@@ -56,8 +57,10 @@ void train(FullyShardedDataParallel& fsdp, torch::optim::Optimizer& opt, int ran
 template <typename MakeModel>
 void expect_low_memory_equals_default(int world, ShardingStrategy strategy, int rank,
                                       const std::shared_ptr<ProcessGroup>& pg,
-                                      const MakeModel& make_model, const std::string& name) {
-  FsdpOptions overlapping{.sharding_strategy = strategy, .min_num_params = 30};
+                                      const MakeModel& make_model, const std::string& name,
+                                      FsdpMixedPrecision mixed_precision = {}) {
+  FsdpOptions overlapping{
+      .sharding_strategy = strategy, .min_num_params = 30, .mixed_precision = mixed_precision};
   if (strategy == ShardingStrategy::kHybridShard) {
     overlapping.shard_group = split_group({{0, 1}, {2, 3}}, pg);
     overlapping.replicate_group = split_group({{0, 2}, {1, 3}}, pg);
@@ -98,6 +101,11 @@ TEST(FsdpLowMemoryBackward, EveryStrategyTrainsAsTheOverlappingWrapperWithNoSync
             world, strategy, rank, pg, [] { return test::sharded_suite_model(); }, name);
         expect_low_memory_equals_default(
             world, strategy, rank, pg, [] { return WithUnused(); }, name + " (unused layer)");
+        // bf16 gathers and bf16 sums (pre-divided, then upcast into the fp32 shards' gradients).
+        expect_low_memory_equals_default(
+            world, strategy, rank, pg, [] { return test::sharded_suite_model(); },
+            name + " (bf16 mixed precision)",
+            {.param_dtype = torch::kBFloat16, .reduce_dtype = torch::kBFloat16});
       }
     });
     EXPECT_ALL_RANKS_OK(results);
