@@ -17,6 +17,7 @@
 #include "net/fd_io.h"
 #include "rpc/agent_connection.h"
 #include "rpc/current_exception.h"
+#include "settings/settings.h"
 
 namespace ddp::rpc::transport {
 namespace {
@@ -93,6 +94,18 @@ Agent::Agent(Store& store, AgentOptions options)
                                   options_.world_size));
   }
   limits_.max_payload_bytes = options_.max_message_bytes;
+  if (options_.shared_memory_bytes != 0) {
+    // Refused here, where the option was given, not at the first large call.
+    if (options_.shared_memory_bytes < kMinRingBytes ||
+        options_.shared_memory_bytes > kMaxRingBytes ||
+        options_.shared_memory_bytes % kRingHeaderBytes != 0) {
+      throw ConfigError(fmt::format(
+          "rpc: shared_memory_bytes of {} is not a multiple of {} from {} to {} (0 turns the "
+          "shared-memory rings off)",
+          options_.shared_memory_bytes, kRingHeaderBytes, kMinRingBytes, kMaxRingBytes));
+    }
+    shared_memory_domain_ = net::shared_memory_domain(settings::host_id());
+  }
   // Before anyone can find this worker, so that no peer's first call misses them.
   for (auto& [name, handler] : options_.functions)
     register_function(name, std::move(handler));
@@ -240,10 +253,11 @@ CallFuture Agent::call_attached(int to_rank, const std::string& function, Outgoi
     id = next_call_id_++;
     auto [it, fresh] = pending_.emplace(id, Pending{promise, to_rank, function, timeout, {}});
     it->second.deadline_entry = deadlines_.emplace(deadline, id);
-    earliest = it->second.deadline_entry == deadlines_.begin();
+    earliest = deadline < timer_wakes_at_;
   }
-  // The timer sleeps until the earliest deadline: only a call that comes before it wakes the
-  // timer (waking it for every call cost a context switch per call).
+  // Only a deadline before the one the timer sleeps until wakes it (waking it for every call cost
+  // a context switch per call): calls one at a time each have the earliest deadline, but the
+  // timer, which still sleeps until the first one's, wakes in time for them all.
   if (earliest) timer_cv_.notify_one();
 
   if (to_rank == options_.rank) {
@@ -285,20 +299,86 @@ CallFuture Agent::call_attached(int to_rank, const std::string& function, Outgoi
   return future;
 }
 
-void Agent::send_frame(Connection& connection, const FrameHeader& header, std::string_view name,
+void Agent::send_frame(Connection& connection, FrameHeader header, std::string_view name,
                        const Bytes& payload, const std::vector<Attachment>& attachments,
                        net::Deadline deadline) {
-  auto bytes = encode_frame_header(header);
-  std::vector<iovec> iov{{bytes.data(), bytes.size()},
-                         {const_cast<char*>(name.data()), name.size()},
-                         {const_cast<std::uint8_t*>(payload.data()), payload.size()}};
-  for (const auto& a : attachments)
-    iov.push_back({const_cast<std::uint8_t*>(a.data), a.size});
   std::lock_guard lock(connection.send_mutex);
   if (connection.broken)
     throw Error("rpc: the connection to " + who(connection.peer_rank) + " is closed");
+  // Under the lock: a payload goes into the ring in the order its frame goes on the wire.
+  if ((header.kind == FrameKind::kRequest || header.kind == FrameKind::kReply) &&
+      header.payload_bytes >= kRingMinPayloadBytes && !shared_memory_domain_.empty()) {
+    header.payload_in_ring = ring_has_room(connection, header.payload_bytes, deadline);
+  }
+  auto bytes = encode_frame_header(header);
+  std::vector<iovec> iov{{bytes.data(), bytes.size()},
+                         {const_cast<char*>(name.data()), name.size()}};
+  if (!header.payload_in_ring) {
+    iov.push_back({const_cast<std::uint8_t*>(payload.data()), payload.size()});
+    for (const auto& a : attachments)
+      iov.push_back({const_cast<std::uint8_t*>(a.data), a.size});
+  }
   send_all_iov(connection.socket.fd(), iov.data(), static_cast<int>(iov.size()), deadline,
                who(connection.peer_rank));
+  if (header.payload_in_ring) {
+    // After the frame: the peer's reader wakes while this copies, and copies out behind it.
+    connection.ring_writer->append({payload.data(), payload.size()});
+    for (const auto& a : attachments)
+      connection.ring_writer->append({a.data, a.size});
+    ++ring_payloads_sent_;
+  }
+}
+
+bool Agent::ring_has_room(Connection& connection, std::size_t total, net::Deadline deadline) {
+  using State = Connection::RingState;
+  if (connection.ring_state == State::kOffered) {
+    const int answer = connection.ring_answer.load(std::memory_order_acquire);
+    if (answer != 0) {
+      connection.ring_state = answer == 1 ? State::kInUse : State::kOff;
+      if (answer == 1) {
+        connection.ring_writer->close_descriptor();
+      } else {
+        connection.ring_writer.reset();
+      }
+    }
+  }
+  if (connection.ring_state == State::kNone) {
+    offer_ring(connection, deadline);
+    return false;  // this payload goes by TCP: the peer has not mapped the ring yet
+  }
+  if (connection.ring_state != State::kInUse) return false;
+  bool damaged = false;
+  if (connection.ring_writer->has_room(total, damaged)) return true;
+  if (damaged) {
+    std::fprintf(stderr,
+                 "ddp rpc: %s: %s wrote an impossible count into the shared-memory ring of their "
+                 "connection; its payloads go by TCP from now on\n",
+                 who(options_.rank).c_str(), who(connection.peer_rank).c_str());
+    connection.ring_state = State::kOff;
+    connection.ring_writer.reset();
+  }
+  return false;  // no room now: by TCP
+}
+
+void Agent::offer_ring(Connection& connection, net::Deadline deadline) {
+  connection.ring_state = Connection::RingState::kOff;  // unless the offer goes out
+  try {
+    connection.ring_writer = std::make_unique<RingWriter>(options_.shared_memory_bytes);
+  } catch (const Error& e) {
+    // Too little shared memory: this connection stays on TCP, which is slower, not wrong.
+    std::fprintf(stderr, "ddp rpc: %s: no shared-memory ring for %s (%s); its payloads go by TCP\n",
+                 who(options_.rank).c_str(), who(connection.peer_rank).c_str(), e.what());
+    return;
+  }
+  std::string offer = encode_ring_offer(connection.ring_writer->offer(shared_memory_domain_));
+  connection.offered_nonce = connection.ring_writer->nonce();
+  connection.ring_offered.store(true, std::memory_order_release);
+  const auto bytes =
+      encode_frame_header(FrameHeader{FrameKind::kRingOffer, 0, 0, 0, offer.size(), false});
+  std::array<iovec, 2> iov{iovec{const_cast<std::uint8_t*>(bytes.data()), bytes.size()},
+                           iovec{offer.data(), offer.size()}};
+  send_all_iov(connection.socket.fd(), iov.data(), 2, deadline, who(connection.peer_rank));
+  connection.ring_state = Connection::RingState::kOffered;
 }
 
 void Agent::complete_call(std::uint64_t call_id, int from_rank, Reply reply) {
@@ -346,6 +426,7 @@ void Agent::timer_loop() {
   std::unique_lock lock(pending_mutex_);
   while (!timer_stop_) {
     if (deadlines_.empty()) {
+      timer_wakes_at_ = net::Deadline::max();
       timer_cv_.wait(lock);
       continue;
     }
@@ -353,7 +434,9 @@ void Agent::timer_loop() {
     // A copy: the entry may be erased (its call completed) while this thread waits.
     const net::Deadline earliest = first->first;
     if (net::Clock::now() < earliest) {
+      timer_wakes_at_ = earliest;
       timer_cv_.wait_until(lock, earliest);
+      timer_wakes_at_ = net::Clock::now();  // awake: a call's notify finds it looking anyway
       continue;
     }
     const std::uint64_t id = first->second;

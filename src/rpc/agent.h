@@ -27,6 +27,12 @@
 // a name the callee never registered is kUnknownFunction naming what it has. A call to oneself
 // runs the handler here, without a connection.
 //
+// Between workers of one host (same kernel and pid namespace), each side of a connection offers
+// a shared-memory ring with its first payload of 16 KiB or more (shared_ring.h); once the peer
+// has mapped it, such payloads skip the kernel's copies while their frames still travel, in
+// order, on the connection. A peer that cannot map it (another host, a /proc it may not read)
+// says so, and everything stays on TCP.
+//
 // Reading: every frame's header is checked (frame.h) before its lengths are trusted; a peer that
 // breaks the protocol loses its connection (its calls fail with kProtocol), nothing else. A
 // connection that does not pass the handshake within `timeout` is closed.
@@ -85,6 +91,10 @@ struct AgentOptions {
   Milliseconds timeout = kDefaultTimeout;
   std::uint64_t max_message_bytes = std::uint64_t{1} << 30;
   int threads = 16;
+  // The shared-memory ring each side of a connection between workers of one host writes its
+  // payloads of 16 KiB and more into (shared_ring.h), made with the first such payload; a payload
+  // larger than the room left goes by TCP. 0: every byte goes by TCP.
+  std::size_t shared_memory_bytes = std::size_t{4} << 20;
   // call_future.h's spin_before_sleep, set for the process while this agent runs.
   std::chrono::microseconds spin_before_sleep = kDefaultSpinBeforeSleep;
   // Keys in the store: <prefix>/<instance>/...; the instance counts this process's agents, so a
@@ -129,6 +139,9 @@ class Agent {
   std::string broken_reason(int rank) const;
   // Connections refused or closed for breaking the protocol, for tests and logs.
   std::int64_t refused_connections() const { return refused_.load(); }
+  // Payloads sent through a shared-memory ring, and peers' rings this worker would not map.
+  std::int64_t ring_payloads_sent() const { return ring_payloads_sent_.load(); }
+  std::int64_t ring_offers_refused() const { return ring_offers_refused_.load(); }
 
  private:
   struct Connection;
@@ -150,9 +163,14 @@ class Agent {
                 std::uint32_t timeout_ms, std::string function, Bytes payload);
   void run_handler(int caller_rank, net::Deadline deadline, const std::string& function,
                    Bytes payload, const CallPromise& reply);
-  void send_frame(Connection& connection, const FrameHeader& header, std::string_view name,
+  void send_frame(Connection& connection, FrameHeader header, std::string_view name,
                   const Bytes& payload, const std::vector<Attachment>& attachments,
                   net::Deadline deadline);
+  bool ring_has_room(Connection& connection, std::size_t total, net::Deadline deadline);
+  void offer_ring(Connection& connection, net::Deadline deadline);
+  void expect_completion(std::uint64_t call_id, int from_rank);
+  void read_ring_frame(const std::shared_ptr<Connection>& connection, const FrameHeader& header,
+                       const Bytes& payload);
   void send_reply(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
                   const Reply& reply);
   void timer_loop();
@@ -171,6 +189,9 @@ class Agent {
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
   std::atomic<std::int64_t> refused_{0};
+  std::atomic<std::int64_t> ring_payloads_sent_{0};
+  std::atomic<std::int64_t> ring_offers_refused_{0};
+  std::string shared_memory_domain_;  // net::shared_memory_domain(); "" = never share
 
   mutable std::mutex connections_mutex_;
   std::condition_variable connections_cv_;
@@ -189,6 +210,9 @@ class Agent {
   std::uint64_t next_call_id_ = 1;
   std::multimap<net::Deadline, std::uint64_t> deadlines_;
   std::condition_variable timer_cv_;
+  // Until when the timer sleeps (max: no deadline; under pending_mutex_): a call whose deadline
+  // is later need not wake it.
+  net::Deadline timer_wakes_at_ = net::Deadline::max();
   bool timer_stop_ = false;
   std::thread timer_;
   std::once_flag stopped_;

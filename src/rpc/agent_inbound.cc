@@ -21,6 +21,10 @@ namespace {
 
 using namespace std::chrono_literals;
 
+// A payload this large takes long enough to receive (tens of microseconds) to hide the wake-up of
+// the thread that takes it next.
+constexpr std::uint64_t kExpectPayloadBytes = std::uint64_t{256} << 10;
+
 // Inbound connections still in their handshake; more are closed at once, so a flood of strangers
 // costs a descriptor for a moment each, not a thread each.
 constexpr int kMaxHandshakes = 64;
@@ -159,8 +163,31 @@ void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
       const FrameHeader header = decode_frame_header(head.data(), limits_, peer);
       std::string name(header.name_bytes, '\0');
       reader.read(name.data(), name.size(), deadline);
+      // A large payload takes a while to copy out: the thread that will take the call (a pool
+      // thread) or its reply (the caller) is woken now, and is looking for it when it is done.
+      if (header.payload_bytes >= kExpectPayloadBytes) {
+        if (header.kind == FrameKind::kRequest && !connection->outbound) pool_.expect_task();
+        if (header.kind == FrameKind::kReply && connection->outbound) {
+          expect_completion(header.call_id, connection->peer_rank);
+        }
+      }
       Bytes payload(header.payload_bytes);
-      reader.read(payload.data(), payload.size(), deadline);
+      if (header.payload_in_ring) {
+        if (!connection->ring_reader) {
+          throw ProtocolError(fmt::format(
+              "rpc: {} sent a payload in a shared-memory ring this worker has not mapped; the "
+              "connection is closed",
+              peer));
+        }
+        connection->ring_reader->read(payload.data(), payload.size(), peer, deadline,
+                                      spin_before_sleep(), connection->socket.fd());
+      } else {
+        reader.read(payload.data(), payload.size(), deadline);
+      }
+      if (header.kind == FrameKind::kRingOffer || header.kind == FrameKind::kRingAnswer) {
+        read_ring_frame(connection, header, payload);
+        continue;
+      }
       if (!connection->outbound) {
         if (header.kind != FrameKind::kRequest) {
           throw ProtocolError(
@@ -200,6 +227,74 @@ void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
   } catch (const std::bad_alloc&) {
     connection_failed(*connection, "no memory for a frame of " + peer, FailureKind::kProtocol);
   }
+}
+
+void Agent::expect_completion(std::uint64_t call_id, int from_rank) {
+  CallPromise promise;
+  {
+    std::lock_guard lock(pending_mutex_);
+    auto it = pending_.find(call_id);
+    if (it == pending_.end() || it->second.to_rank != from_rank) return;
+    promise = it->second.promise;
+  }
+  promise.expect_completion();
+}
+
+void Agent::read_ring_frame(const std::shared_ptr<Connection>& connection,
+                            const FrameHeader& header, const Bytes& payload) {
+  const std::string peer = who(connection->peer_rank);
+  if (header.kind == FrameKind::kRingAnswer) {
+    const RingAnswer answer = decode_ring_answer(payload, peer);
+    if (!connection->ring_offered.load(std::memory_order_acquire)) {
+      throw ProtocolError(fmt::format(
+          "rpc: {} answered a shared-memory offer this worker never made; the connection is "
+          "closed",
+          peer));
+    }
+    if (answer.nonce != connection->offered_nonce) {
+      throw ProtocolError(fmt::format(
+          "rpc: {} answered another shared-memory offer than this worker's; the connection is "
+          "closed",
+          peer));
+    }
+    int none = 0;
+    if (!connection->ring_answer.compare_exchange_strong(none, answer.refusal.empty() ? 1 : 2)) {
+      throw ProtocolError(fmt::format(
+          "rpc: {} answered this worker's shared-memory offer twice; the connection is closed",
+          peer));
+    }
+    return;
+  }
+  if (connection->peer_offered_ring) {
+    throw ProtocolError(
+        fmt::format("rpc: {} offered a second shared-memory ring; the connection is closed", peer));
+  }
+  connection->peer_offered_ring = true;
+  const RingOffer offer = decode_ring_offer(payload, peer);
+  RingAnswer answer{offer.nonce, {}};
+  if (shared_memory_domain_.empty()) {
+    answer.refusal = options_.shared_memory_bytes == 0
+                         ? "shared memory is off on " + who(options_.rank)
+                         : who(options_.rank) + " cannot tell which host it is on";
+  } else {
+    try {
+      connection->ring_reader = std::make_unique<RingReader>(offer, shared_memory_domain_);
+    } catch (const Error& e) {
+      answer.refusal = e.what();
+    }
+  }
+  if (!answer.refusal.empty()) ++ring_offers_refused_;
+  // Answered from the pool: this thread never waits for the connection's send lock.
+  auto text = std::make_shared<std::string>(encode_ring_answer(answer));
+  pool_.post([this, connection, text] {
+    const Bytes bytes(text->begin(), text->end());
+    try {
+      send_frame(*connection, FrameHeader{FrameKind::kRingAnswer, 0, 0, 0, bytes.size(), false}, {},
+                 bytes, {}, net::deadline_after(options_.timeout));
+    } catch (const Error& e) {
+      connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
+    }
+  });
 }
 
 void Agent::connection_failed(Connection& connection, const std::string& reason, FailureKind kind) {

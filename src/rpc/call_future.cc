@@ -82,10 +82,22 @@ void CallFuture::spin_until_ready() const {
   }
 }
 
+void CallFuture::sleep_until_done(std::unique_lock<std::mutex>& lock) const {
+  while (!state_->done) {
+    state_->cv.wait(lock);
+    if (!state_->done && state_->woken_early) {
+      state_->woken_early = false;
+      lock.unlock();
+      spin_until_ready();
+      lock.lock();
+    }
+  }
+}
+
 const Reply& CallFuture::wait() const& {
   spin_until_ready();
   std::unique_lock lock(state_->mutex);
-  state_->cv.wait(lock, [&] { return state_->done; });
+  sleep_until_done(lock);
   return state_->reply;
 }
 
@@ -103,7 +115,7 @@ void CallFuture::then(std::function<void(const Reply&)> callback) const {
 Reply CallFuture::take() const {
   spin_until_ready();
   std::unique_lock lock(state_->mutex);
-  state_->cv.wait(lock, [&] { return state_->done; });
+  sleep_until_done(lock);
   return std::move(state_->reply);
 }
 
@@ -147,6 +159,15 @@ bool CallPromise::complete(Reply reply) const {
     run();
   }
   return true;
+}
+
+void CallPromise::expect_completion() const {
+  {
+    std::lock_guard lock(state_->mutex);
+    if (state_->done) return;
+    state_->woken_early = true;
+  }
+  state_->cv.notify_all();
 }
 
 bool CallPromise::fail(FailureKind kind, std::string message, std::string type_name) const {

@@ -121,6 +121,7 @@ class CallFuture {
   friend class CallPromise;
   struct State;
   void spin_until_ready() const;
+  void sleep_until_done(std::unique_lock<std::mutex>& lock) const;
   explicit CallFuture(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
 };
@@ -134,6 +135,10 @@ class CallPromise {
   // a reply that arrives after its deadline's failure is dropped.
   bool complete(Reply reply) const;
   bool fail(FailureKind kind, std::string message, std::string type_name = {}) const;
+  // The reply is arriving (a large one is being read): wakes a thread sleeping in wait() or
+  // take() to look for it as it does before it sleeps, so that completion does not wait for the
+  // wake-up. Harmless when nobody waits.
+  void expect_completion() const;
   bool valid() const { return state_ != nullptr; }
 
  private:
@@ -146,6 +151,7 @@ struct CallFuture::State {
   bool done = false;
   // `done` as a waiter may read it without the mutex, while it spins before sleeping.
   std::atomic<bool> ready{false};
+  bool woken_early = false;  // expect_completion(), under the mutex
   Reply reply;
   std::vector<std::function<void(const Reply&)>> callbacks;
   Executor executor;

@@ -28,8 +28,8 @@ std::uint32_t crc_of(const std::uint8_t* bytes, std::size_t size) {
 }
 
 // Offsets of the fields.
-constexpr std::size_t kMagicAt = 0, kVersionAt = 4, kKindAt = 5, kCallAt = 8, kTimeoutAt = 16,
-                      kNameAt = 20, kPayloadAt = 24, kCrcAt = 32;
+constexpr std::size_t kMagicAt = 0, kVersionAt = 4, kKindAt = 5, kFlagsAt = 6, kCallAt = 8,
+                      kTimeoutAt = 16, kNameAt = 20, kPayloadAt = 24, kCrcAt = 32;
 static_assert(kCrcAt + 4 == kFrameHeaderBytes);
 
 }  // namespace
@@ -39,6 +39,7 @@ std::array<std::uint8_t, kFrameHeaderBytes> encode_frame_header(const FrameHeade
   put(out.data() + kMagicAt, kFrameMagic);
   out[kVersionAt] = kFrameVersion;
   out[kKindAt] = static_cast<std::uint8_t>(header.kind);
+  out[kFlagsAt] = header.payload_in_ring ? kFrameInRing : 0;
   put(out.data() + kCallAt, header.call_id);
   put(out.data() + kTimeoutAt, header.timeout_ms);
   put(out.data() + kNameAt, header.name_bytes);
@@ -69,8 +70,16 @@ FrameHeader decode_frame_header(const std::uint8_t* bytes, const FrameLimits& li
   }
   FrameHeader header;
   const std::uint8_t kind = bytes[kKindAt];
-  if (kind < 1 || kind > 3) throw refuse(fmt::format("has the unknown kind {}", kind));
+  if (kind < 1 || kind > 5) throw refuse(fmt::format("has the unknown kind {}", kind));
   header.kind = static_cast<FrameKind>(kind);
+  const std::uint8_t flags = bytes[kFlagsAt];
+  if ((flags & ~kFrameInRing) != 0 || bytes[kFlagsAt + 1] != 0) {
+    throw refuse(fmt::format("has the unknown flags {:#04x} {:#04x}", flags, bytes[kFlagsAt + 1]));
+  }
+  header.payload_in_ring = flags == kFrameInRing;
+  if (header.payload_in_ring && kind != 1 && kind != 2) {
+    throw refuse(fmt::format("of kind {} says its payload is in shared memory", kind));
+  }
   header.call_id = take<std::uint64_t>(bytes + kCallAt);
   header.timeout_ms = take<std::uint32_t>(bytes + kTimeoutAt);
   header.name_bytes = take<std::uint32_t>(bytes + kNameAt);

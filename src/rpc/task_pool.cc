@@ -27,6 +27,16 @@ bool TaskPool::post(std::function<void()> task) {
   return true;
 }
 
+void TaskPool::expect_task() {
+  if (spinning_.load(std::memory_order_acquire) != 0) return;
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_ || wake_to_look_ > 0 || !queue_.empty()) return;
+    ++wake_to_look_;
+  }
+  cv_.notify_one();
+}
+
 void TaskPool::stop() {
   {
     std::lock_guard lock(mutex_);
@@ -62,8 +72,12 @@ void TaskPool::run() {
       }
       spinning_.fetch_sub(1, std::memory_order_acq_rel);
       std::unique_lock lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and nothing left to run
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || wake_to_look_ > 0; });
+      if (queue_.empty()) {
+        if (stopping_) return;  // and nothing left to run
+        --wake_to_look_;        // woken to look for a task that is coming
+        continue;
+      }
       task = std::move(queue_.front());
       queue_.pop_front();
       queued_.store(queue_.size(), std::memory_order_release);

@@ -29,6 +29,10 @@ class TaskPool {
 
   // Queues a task; false (and the task is dropped) after stop().
   bool post(std::function<void()> task);
+  // A task is coming soon (a large request is being read): wakes a sleeping thread now, to look
+  // for it as a thread that has just run a task does, so that the task does not wait for the
+  // wake-up after it is posted. Nothing when a thread is looking already.
+  void expect_task();
   // Runs what is queued, then joins every thread. Idempotent; not from a pool thread.
   void stop();
   // Tasks queued or running.
@@ -46,6 +50,7 @@ class TaskPool {
   std::atomic<std::size_t> queued_{0};
   std::atomic<bool> stopping_flag_{false};
   std::atomic<int> spinning_{0};  // threads in (or about to decide on) the look before sleeping
+  int wake_to_look_ = 0;          // expect_task()'s wake-ups not yet taken, under mutex_
   std::vector<std::thread> threads_;
 };
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -206,6 +207,116 @@ TEST(RpcAgent, ThousandsOfConcurrentCallsNoneLostOrDoubled) {
       },
       150s);
   EXPECT_ALL_RANKS_OK(results);
+}
+
+// Payloads of 16 KiB and more cross in the shared-memory rings (shared_ring.h) between workers of
+// one host: requests and replies intact, whatever their size against the ring (which wraps, and
+// fills under concurrent calls so that some go by TCP), with attachments, and with the readers
+// sleeping at once (spin 0). Both workers call each other, so each writes both kinds of frame.
+TEST(RpcAgent, LargePayloadsCrossSharedMemoryIntactWhileTheRingWrapsAndFills) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = make_store(rank, port);
+    auto options = options_for(rank, 2);
+    options.shared_memory_bytes = 64 << 10;  // the smallest: it wraps and fills
+    options.spin_before_sleep = rank == 0 ? 0us : 100us;
+    Agent agent(*store, options);
+    agent.register_function("reverse", [](const CallerInfo&, Bytes in, const CallPromise& r) {
+      std::reverse(in.begin(), in.end());
+      r.complete({std::move(in)});
+    });
+    store->set(fmt::format("ready/{}", rank), "1");
+    store->wait(std::vector<std::string>{"ready/0", "ready/1"}, 30s);
+    const int peer = 1 - rank;
+    auto payload = [](std::size_t n, std::size_t seed) {
+      Bytes b(n);
+      for (std::size_t i = 0; i < n; ++i)
+        b[i] = static_cast<std::uint8_t>((i * 131 + seed * 17 + (i >> 8)) & 0xff);
+      return b;
+    };
+    auto check = [&](const Reply& reply, Bytes sent, const std::string& what) {
+      require(reply.ok(), what + " failed: " + (reply.ok() ? "" : reply.failure->message));
+      std::reverse(sent.begin(), sent.end());
+      require(reply.payload == sent, what + " came back changed");
+    };
+    std::size_t seed = 0;
+    for (int round = 0; round < 20; ++round) {
+      for (std::size_t n : {std::size_t{16} << 10, std::size_t{20000}, std::size_t{48} << 10,
+                            std::size_t{64} << 10, std::size_t{200} << 10, std::size_t{100}}) {
+        Bytes in = payload(n, ++seed);
+        const Reply reply = agent.call(peer, "reverse", in, 20s).wait();
+        check(reply, std::move(in), fmt::format("a call of {} bytes in round {}", n, round));
+      }
+      // Half in the message, half attached (a tensor's storage, as the torch layer sends it).
+      Bytes head = payload(10000, ++seed), tail = payload(30000, ++seed);
+      auto keep = std::make_shared<Bytes>(tail);
+      Bytes whole = head;
+      whole.insert(whole.end(), tail.begin(), tail.end());
+      const Reply attached =
+          agent
+              .call_attached(peer, "reverse",
+                             Outgoing{std::move(head), {{keep->data(), keep->size(), keep}}}, 20s)
+              .wait();
+      check(attached, std::move(whole), "a call with an attachment");
+    }
+    // Many in flight: the ring fills, and what does not fit goes by TCP, in order all the same.
+    std::vector<std::pair<CallFuture, Bytes>> calls;
+    for (int i = 0; i < 64; ++i) {
+      Bytes in = payload(std::size_t{30} << 10, ++seed);
+      calls.emplace_back(agent.call(peer, "reverse", in, 60s), std::move(in));
+    }
+    for (auto& [future, sent] : calls)
+      check(future.wait(), std::move(sent), "a concurrent call");
+    require(agent.ring_payloads_sent() > 40,
+            fmt::format("only {} payloads went through shared memory", agent.ring_payloads_sent()));
+    require(agent.ring_offers_refused() == 0, "a ring of one host was refused");
+    agent.shutdown(30s);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
+// Workers that cannot share memory stay on TCP, calls intact: one whose rings are off (0) refuses
+// its peer's offer and makes none; workers of different "hosts" (DDP_HOST_ID) refuse each other's.
+// A ring size that is not one is refused by name before the agent starts.
+TEST(RpcAgent, PeersThatCannotShareMemoryStayOnTcpAndABadRingSizeIsRefused) {
+  for (const bool other_hosts : {false, true}) {
+    const int port = test::free_port();
+    auto results = run_ranks(2, [&](int rank) {
+      if (other_hosts) ::setenv("DDP_HOST_ID", rank == 0 ? "host-a" : "host-b", 1);
+      auto store = make_store(rank, port);
+      auto options = options_for(rank, 2);
+      if (!other_hosts && rank == 1) options.shared_memory_bytes = 0;
+      Agent agent(*store, options);
+      register_echo(agent);
+      store->set(fmt::format("ready/{}", rank), "1");
+      store->wait(std::vector<std::string>{"ready/0", "ready/1"}, 30s);
+      for (int i = 0; i < 20; ++i) {
+        Bytes in(std::size_t{100} << 10, static_cast<std::uint8_t>(i));
+        const Reply reply = agent.call(1 - rank, "echo", in, 20s).wait();
+        require(reply.ok() && reply.payload.size() == in.size() + agent.self().name.size() + 1 &&
+                    std::equal(in.begin(), in.end(), reply.payload.end() - in.size()),
+                "a large call over TCP failed or came back changed");
+      }
+      require(agent.ring_payloads_sent() == 0,
+              fmt::format("{} payloads went through a ring no peer could map",
+                          agent.ring_payloads_sent()));
+      const bool refuses = other_hosts || rank == 1;
+      require(refuses == (agent.ring_offers_refused() > 0),
+              fmt::format("{} offers refused", agent.ring_offers_refused()));
+      agent.shutdown(30s);
+    });
+    EXPECT_ALL_RANKS_OK(results);
+  }
+  const int port = test::free_port();
+  auto store = make_store(0, port);
+  auto options = options_for(0, 1);
+  options.shared_memory_bytes = 1000;
+  try {
+    Agent agent(*store, options);
+    ADD_FAILURE() << "a ring of 1000 bytes was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_TRUE(contains(e.what(), "shared_memory_bytes of 1000")) << e.what();
+  }
 }
 
 // A waiting thread spins before it sleeps for AgentOptions::spin_before_sleep (call_future.h); at 0

@@ -2,6 +2,9 @@
 // field a stream can get wrong is refused by name before a length is trusted; worker names.
 #include <gtest/gtest.h>
 
+#include <zlib.h>
+
+#include <cstring>
 #include <string>
 
 #include "ddp/error.h"
@@ -53,6 +56,23 @@ TEST(RpcFrame, AnUnknownKindIsRefusedEvenWithAGoodCrc) {
   header.kind = static_cast<FrameKind>(9);
   const auto bytes = encode_frame_header(header);
   EXPECT_NE(refusal(bytes).find("unknown kind 9"), std::string::npos) << refusal(bytes);
+}
+
+TEST(RpcFrame, OnlyRequestsAndRepliesCarryTheirPayloadInSharedMemoryAndUnknownFlagsAreRefused) {
+  FrameHeader header{FrameKind::kReply, 3, 0, 0, 1 << 20};
+  header.payload_in_ring = true;
+  EXPECT_TRUE(decode_frame_header(encode_frame_header(header).data(), {}, "p").payload_in_ring);
+  header.kind = FrameKind::kRingOffer;
+  const auto offer = encode_frame_header(header);
+  EXPECT_NE(refusal(offer).find("of kind 4 says its payload is in shared memory"),
+            std::string::npos)
+      << refusal(offer);
+  // A flag this build does not know, under a CRC that matches.
+  auto bytes = encode_frame_header({FrameKind::kRequest, 1, 1, 0, 0});
+  bytes[6] = 0x80;
+  const std::uint32_t crc = static_cast<std::uint32_t>(::crc32(0L, bytes.data(), 32));
+  std::memcpy(bytes.data() + 32, &crc, 4);
+  EXPECT_NE(refusal(bytes).find("unknown flags 0x80"), std::string::npos) << refusal(bytes);
 }
 
 TEST(RpcWorkerName, LettersDigitsAndSomePunctuationOnly) {

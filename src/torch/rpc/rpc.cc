@@ -208,6 +208,7 @@ void init_rpc(const std::string& name, RpcOptions options) {
   agent.threads = options.threads;
   agent.spin_before_sleep = options.spin_before_sleep;
   agent.max_message_bytes = options.max_message_bytes;
+  agent.shared_memory_bytes = options.shared_memory_bytes;
   for (const auto& [function_name, function] : s.functions) {
     agent.functions.emplace_back(function_name, handler_of(function_name, function));
   }

@@ -230,10 +230,15 @@ write("fuzz_zip_reader", "empty_directory",
 
 # --- RPC (src/rpc): the first byte picks raw (even: handshake, then frames) or frames after a
 # real handshake (odd); handshake.h and frame.h give the layouts ---
-def rpc_frame(kind, call_id, timeout_ms, name, payload):
-    head = struct.pack("<IBBHQIIQ", 0x43505244, 1, kind, 0, call_id, timeout_ms, len(name),
-                       len(payload))
+def rpc_frame(kind, call_id, timeout_ms, name, payload, flags=0, payload_bytes=None):
+    head = struct.pack("<IBBBBQIIQ", 0x43505244, 2, kind, flags, 0, call_id, timeout_ms,
+                       len(name), len(payload) if payload_bytes is None else payload_bytes)
     return head + struct.pack("<I", zlib.crc32(head)) + name + payload
+
+
+def ring_offer(path, domain, capacity=65536):
+    return (bytes(range(16)) + struct.pack("<Q", capacity) + struct.pack("<H", len(path)) + path +
+            struct.pack("<H", len(domain)) + domain)
 
 
 RPC_HELLO = struct.pack("<IBBHiii", 0x48505244, 1, 0, 0, 2, 1, 0) + bytes(32)
@@ -246,5 +251,18 @@ write("fuzz_rpc_peer", "raw_wrong_world", b"\x00" + struct.pack("<IBBHiii", 0x48
 write("fuzz_rpc_peer", "frames_echo", b"\x01" + echo + rpc_frame(1, 2, 5000, b"echo", b""))
 write("fuzz_rpc_peer", "frames_unknown_function", b"\x01" + rpc_frame(1, 3, 5000, b"nope", b"x"))
 write("fuzz_rpc_peer", "frames_reply_on_wrong_way", b"\x01" + rpc_frame(2, 1, 0, b"", b"x"))
-big = struct.pack("<IBBHQIIQ", 0x43505244, 1, 1, 0, 5, 5000, 4, 1 << 40)
+big = struct.pack("<IBBHQIIQ", 0x43505244, 2, 1, 0, 5, 5000, 4, 1 << 40)
 write("fuzz_rpc_peer", "frames_oversized", b"\x01" + big + struct.pack("<I", zlib.crc32(big)))
+# The shared-memory lane (shared_ring.h): a payload in a ring never offered, offers of what is no
+# ring (another process's descriptor, a path of another form, a second offer), an answer to an
+# offer never made, and a 64 KiB echo whose reply the worker offers its own ring for.
+write("fuzz_rpc_peer", "frames_ring_payload_unmapped",
+      b"\x01" + rpc_frame(1, 1, 5000, b"echo", b"", flags=1, payload_bytes=100))
+write("fuzz_rpc_peer", "frames_ring_offer_not_a_ring",
+      b"\x01" + rpc_frame(4, 0, 0, b"", ring_offer(b"/proc/1/fd/0", b"x")) + echo)
+write("fuzz_rpc_peer", "frames_ring_offer_twice",
+      b"\x01" + rpc_frame(4, 0, 0, b"", ring_offer(b"/etc/passwd", b"x")) +
+      rpc_frame(4, 0, 0, b"", ring_offer(b"/proc/self/fd/1", b"")))
+write("fuzz_rpc_peer", "frames_ring_answer_unasked",
+      b"\x01" + rpc_frame(5, 0, 0, b"", bytes(16) + struct.pack("<H", 0)))
+write("fuzz_rpc_peer", "frames_large_echo", b"\x01" + rpc_frame(1, 1, 5000, b"echo", bytes(65536)))

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -66,6 +67,11 @@ struct RpcOptions {
   std::string bind_host;
   int threads = 16;
   std::uint64_t max_message_bytes = std::uint64_t{1} << 30;
+  // Between workers of one host, each side of a connection copies its messages of 16 KiB and more
+  // through a shared-memory ring of this many bytes (a multiple of 4096 from 64 KiB to 1 GiB),
+  // made with the first such message; a message larger than the room left goes by TCP. 0: every
+  // byte goes by TCP (docs/rpc.md, "Shared memory between workers of one host").
+  std::size_t shared_memory_bytes = std::size_t{4} << 20;
   // How long a thread waiting for a reply (rpc_sync, wait()), or a callee's pool thread that has
   // just run a call, yields its core in a loop before it sleeps, 0 to 10,000 us: on one host a
   // round trip is tens of microseconds and each wake-up from sleep adds 10-20 (docs/rpc.md). 0

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstdint>
 
+#include "net/shared_memory.h"
+
 namespace ddp::comm::shm {
 
 // A pause for busy-wait loops.
@@ -21,8 +23,8 @@ inline void cpu_relax() {
 }
 
 // Sleeps while *word == expected, at most `timeout` (returns at once for a non-positive one).
-void futex_wait(std::uint32_t* word, std::uint32_t expected, std::chrono::nanoseconds timeout);
-void futex_wake_all(std::uint32_t* word);
+using net::futex_wait;
+using net::futex_wake_all;
 
 inline std::atomic_ref<std::uint32_t> atomic(std::uint32_t& word) {
   return std::atomic_ref<std::uint32_t>(word);
