@@ -172,6 +172,14 @@ TEST(LazyMesh, ListenerStopsOnceEveryRankAboveHasConnected) {
     expect(listens_on(port) == lazy_above,
            fmt::format("rank {}: listening {} after creation, with a lazy peer above: {}", rank,
                        listens_on(port), lazy_above));
+    // Every rank looks before any connects on first use: a fast rank above would otherwise close
+    // a slow rank's listener before that rank looked (seen once under ASan on a loaded host).
+    FileStore store(dir.path(), 30s);
+    store.set(fmt::format("looked/{}", rank), "1");
+    std::vector<std::string> looked;
+    for (int r = 0; r < kWorld; ++r)
+      looked.push_back(fmt::format("looked/{}", r));
+    store.wait(looked, 30s);
     std::vector<int> send(kWorld, rank), recv(kWorld, -1);
     pg->alltoall(send.data(), recv.data(), 1, DType::kInt32)->wait();
     expect(!listens_on(port), fmt::format("rank {}: still listening after the alltoall", rank));
