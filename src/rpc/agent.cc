@@ -162,6 +162,8 @@ Agent::Agent(Store& store, AgentOptions options)
       throw TimeoutError(fmt::format("rpc: {} did not hear from {} within {} ms of starting",
                                      who(options_.rank), missing, options_.timeout.count()));
     }
+    lock.unlock();
+    set_up_spinning();
   } catch (...) {
     stop();
     throw;
@@ -217,7 +219,7 @@ CallFuture Agent::call(int to_rank, const std::string& function, Bytes payload,
 }
 
 CallFuture Agent::call_attached(int to_rank, const std::string& function, Outgoing payload,
-                                Milliseconds timeout) {
+                                Milliseconds timeout, bool caller_spins) {
   CallPromise promise(executor());
   CallFuture future = promise.future();
   const std::string target = who(to_rank);
@@ -246,15 +248,29 @@ CallFuture Agent::call_attached(int to_rank, const std::string& function, Outgoi
     return future;
   }
   const net::Deadline deadline = net::deadline_after(timeout);
+  std::shared_ptr<Connection> connection;
+  std::string broken;
+  if (to_rank != options_.rank) {
+    std::lock_guard lock(connections_mutex_);
+    connection = outbound_[static_cast<std::size_t>(to_rank)];
+    broken = broken_[static_cast<std::size_t>(to_rank)];
+  }
+  const bool uncovered = connection != nullptr && !caller_spins;
   std::uint64_t id = 0;
   bool earliest = false;
+  bool unpark_reader = false;
   {
     std::lock_guard lock(pending_mutex_);
     id = next_call_id_++;
-    auto [it, fresh] = pending_.emplace(id, Pending{promise, to_rank, function, timeout, {}});
+    auto [it, fresh] = pending_.emplace(
+        id, Pending{promise, to_rank, function, timeout, {}, connection, uncovered});
     it->second.deadline_entry = deadlines_.emplace(deadline, id);
     earliest = deadline < timer_wakes_at_;
+    // Counted under the lock that its completion uncounts it under.
+    if (uncovered) unpark_reader = connection->uncovered.fetch_add(1) == 0;
   }
+  // Nobody spins for this reply: the connection's reader must not stay parked.
+  if (unpark_reader) unpark(*connection);
   // Only a deadline before the one the timer sleeps until wakes it (waking it for every call cost
   // a context switch per call): calls one at a time each have the earliest deadline, but the
   // timer, which still sleeps until the first one's, wakes in time for them all.
@@ -273,13 +289,6 @@ CallFuture Agent::call_attached(int to_rank, const std::string& function, Outgoi
     return future;
   }
 
-  std::shared_ptr<Connection> connection;
-  std::string broken;
-  {
-    std::lock_guard lock(connections_mutex_);
-    connection = outbound_[static_cast<std::size_t>(to_rank)];
-    broken = broken_[static_cast<std::size_t>(to_rank)];
-  }
   if (!connection || connection->broken) {
     fail_call(id, FailureKind::kWorkerGone,
               "the connection to it broke earlier: " + (broken.empty() ? "closed" : broken));
@@ -290,6 +299,7 @@ CallFuture Agent::call_attached(int to_rank, const std::string& function, Outgoi
                      static_cast<std::uint32_t>(std::clamp<std::int64_t>(
                          left.count(), 1, std::numeric_limits<std::uint32_t>::max())),
                      static_cast<std::uint32_t>(function.size()), payload_bytes};
+  if (caller_spins) promise.set_spin_hook(caller_spin(connection, id));
   try {
     send_frame(*connection, header, function, payload.bytes, payload.attachments, deadline);
   } catch (const Error& e) {
@@ -391,6 +401,7 @@ void Agent::complete_call(std::uint64_t call_id, int from_rank, Reply reply) {
     pending = std::move(it->second);
     deadlines_.erase(pending.deadline_entry);
     pending_.erase(it);
+    release_cover(pending);
   }
   pending_cv_.notify_all();
   if (reply.ok()) {
@@ -416,6 +427,7 @@ void Agent::fail_call(std::uint64_t call_id, FailureKind kind, const std::string
     pending = std::move(it->second);
     deadlines_.erase(pending.deadline_entry);
     pending_.erase(it);
+    release_cover(pending);
   }
   pending_cv_.notify_all();
   pending.promise.fail(
@@ -444,6 +456,7 @@ void Agent::timer_loop() {
     Pending pending = std::move(it->second);
     deadlines_.erase(first);
     pending_.erase(it);
+    release_cover(pending);
     lock.unlock();
     pending_cv_.notify_all();
     pending.promise.fail(
@@ -492,6 +505,12 @@ void Agent::stop() {
     for (auto& c : connections) {
       c->broken = true;
       net::shutdown_socket(c->socket.fd(), net::ShutdownHow::kBoth);
+      unpark(*c);
+    }
+    {
+      // Threads spinning in this agent's code leave it (their reads fail on the shut sockets).
+      std::unique_lock lock(life_->mutex);
+      life_->alive = false;
     }
     for (auto& c : connections) {
       if (c->thread.joinable()) c->thread.join();

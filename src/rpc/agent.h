@@ -33,6 +33,11 @@
 // order, on the connection. A peer that cannot map it (another host, a /proc it may not read)
 // says so, and everything stays on TCP.
 //
+// Threads that spin while they wait read their connections themselves (agent_spin.cc): a caller
+// that says it waits at once (call_attached's caller_spins) reads its reply, the pool's spinning
+// thread the requests; the connections' reader threads sleep meanwhile instead of being woken
+// by each frame, and take over when the spinners stop.
+//
 // Reading: every frame's header is checked (frame.h) before its lengths are trusted; a peer that
 // breaks the protocol loses its connection (its calls fail with kProtocol), nothing else. A
 // connection that does not pass the handshake within `timeout` is closed.
@@ -121,9 +126,11 @@ class Agent {
   const WorkerInfo* find_worker(std::string_view name) const;
 
   CallFuture call(int to_rank, const std::string& function, Bytes payload, Milliseconds timeout);
-  // The same with attachments sent from where they lie (call_future.h).
+  // The same with attachments sent from where they lie (call_future.h). `caller_spins`: the
+  // calling thread waits for the reply at once (wait() or take()); while it spins it reads the
+  // reply off the connection itself, no connection reader woken for it (agent_spin.cc).
   CallFuture call_attached(int to_rank, const std::string& function, Outgoing payload,
-                           Milliseconds timeout);
+                           Milliseconds timeout, bool caller_spins = false);
 
   // Runs `task` on the agent's pool (false once stopped).
   bool post(std::function<void()> task) { return pool_.post(std::move(task)); }
@@ -151,13 +158,33 @@ class Agent {
     std::string function;
     Milliseconds timeout{0};
     std::multimap<net::Deadline, std::uint64_t>::iterator deadline_entry;
+    std::shared_ptr<Connection> connection;  // null for a call to this worker
+    bool uncovered = false;  // counted in connection->uncovered: nobody spins for its reply
   };
+  // Whether the agent still runs, for the threads that spin in its code (agent_spin.cc).
+  struct Life {
+    std::shared_mutex mutex;
+    bool alive = true;
+  };
+  class CallerSpin;
+  class PoolSpin;
 
   void accept_loop();
   void reap_finished();
   void complete_call(std::uint64_t call_id, int from_rank, Reply reply);
   void serve_inbound(std::shared_ptr<Connection> connection);
   void read_frames(const std::shared_ptr<Connection>& connection);
+  // Reads and handles one frame (under connection->read_mutex); false when the connection failed.
+  bool read_one_frame(const std::shared_ptr<Connection>& connection);
+  // agent_spin.cc: a spinning thread reads a frame if one is there (true: it did).
+  bool try_read(const std::shared_ptr<Connection>& connection, bool for_pool);
+  bool park(Connection& connection);
+  static void unpark(Connection& connection);
+  void uncover(std::uint64_t call_id);
+  static void release_cover(const Pending& pending);
+  void set_up_spinning();
+  std::shared_ptr<SpinHook> caller_spin(const std::shared_ptr<Connection>& connection,
+                                        std::uint64_t call_id);
   void connection_failed(Connection& connection, const std::string& reason, FailureKind kind);
   void dispatch(const std::shared_ptr<Connection>& connection, std::uint64_t call_id,
                 std::uint32_t timeout_ms, std::string function, Bytes payload);
@@ -184,6 +211,13 @@ class Agent {
   FrameLimits limits_;
   std::vector<WorkerInfo> workers_;
   TaskPool pool_;
+  std::shared_ptr<Life> life_ = std::make_shared<Life>();
+  std::unique_ptr<PoolSpin> pool_spin_;
+  // The inbound connections, fixed once start-up has them all, for the pool's spinning thread.
+  std::vector<std::shared_ptr<Connection>> inbound_snapshot_;
+  std::atomic<bool> inbound_ready_{false};
+  // Until when (steady-clock ns) the pool's spinning thread reads the inbound connections.
+  std::atomic<std::int64_t> pool_lease_until_{0};
 
   net::Socket listener_;
   std::thread acceptor_;

@@ -29,47 +29,6 @@ constexpr std::uint64_t kExpectPayloadBytes = std::uint64_t{256} << 10;
 // costs a descriptor for a moment each, not a thread each.
 constexpr int kMaxHandshakes = 64;
 
-// A connection's bytes through a buffer: a small frame (header, name and payload) arrives whole,
-// and one recv takes it where reading its parts apart took three (a system call is a few
-// microseconds of an empty call's 30 here, issue 51); a part at least half the buffer's size
-// (a tensor) is received straight into its place. Errors as net::Socket::recv_all's.
-class BufferedReader {
- public:
-  explicit BufferedReader(net::Socket& socket) : socket_(socket), buffer_(kBytes) {}
-  bool buffered() const { return begin_ < end_; }
-  void read(void* out, std::size_t n, net::Deadline deadline) {
-    auto* to = static_cast<std::uint8_t*>(out);
-    while (n > 0) {
-      if (begin_ < end_) {
-        const std::size_t take = std::min(n, end_ - begin_);
-        std::memcpy(to, buffer_.data() + begin_, take);
-        begin_ += take;
-        to += take;
-        n -= take;
-        continue;
-      }
-      begin_ = end_ = 0;
-      if (n >= kBytes / 2) {
-        socket_.recv_all(to, n, deadline);
-        return;
-      }
-      const auto got = socket_.recv_some(buffer_.data(), buffer_.size());
-      if (got < 0) throw Error(fmt::format("connection closed by peer {}", socket_.peer()));
-      if (got > 0) {
-        end_ = static_cast<std::size_t>(got);
-      } else if (!socket_.wait_readable(deadline)) {
-        throw TimeoutError(fmt::format("timed out receiving from {}", socket_.peer()));
-      }
-    }
-  }
-
- private:
-  static constexpr std::size_t kBytes = std::size_t{64} << 10;
-  net::Socket& socket_;
-  std::vector<std::uint8_t> buffer_;
-  std::size_t begin_ = 0, end_ = 0;
-};
-
 }  // namespace
 
 void Agent::accept_loop() {
@@ -151,12 +110,28 @@ void Agent::serve_inbound(std::shared_ptr<Connection> connection) {
 }
 
 void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
+  for (;;) {
+    if (connection->broken) return;
+    if (park(*connection)) continue;  // a spinning thread reads this connection: look again later
+    bool buffered = false;
+    {
+      std::lock_guard lock(connection->read_mutex);
+      buffered = connection->reader.buffered();
+    }
+    if (!buffered) connection->socket.wait_readable(net::Deadline::max());
+    std::lock_guard lock(connection->read_mutex);
+    // A spinning thread may have taken what woke this one.
+    if (!connection->reader.buffered() && !readable_now(connection->socket)) continue;
+    if (!read_one_frame(connection)) return;
+  }
+}
+
+bool Agent::read_one_frame(const std::shared_ptr<Connection>& connection) {
   std::array<std::uint8_t, kFrameHeaderBytes> head{};
   const std::string peer = who(connection->peer_rank);
-  BufferedReader reader(connection->socket);
+  BufferedReader& reader = connection->reader;
   try {
-    for (;;) {
-      if (!reader.buffered()) connection->socket.wait_readable(net::Deadline::max());
+    {
       // Once a frame has started, all of it must come within the timeout.
       const net::Deadline deadline = net::deadline_after(options_.timeout);
       reader.read(head.data(), head.size(), deadline);
@@ -186,7 +161,7 @@ void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
       }
       if (header.kind == FrameKind::kRingOffer || header.kind == FrameKind::kRingAnswer) {
         read_ring_frame(connection, header, payload);
-        continue;
+        return true;
       }
       if (!connection->outbound) {
         if (header.kind != FrameKind::kRequest) {
@@ -197,7 +172,7 @@ void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
         }
         dispatch(connection, header.call_id, header.timeout_ms, std::move(name),
                  std::move(payload));
-        continue;
+        return true;
       }
       if (header.kind == FrameKind::kRequest) {
         throw ProtocolError(
@@ -218,6 +193,7 @@ void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
       }
       complete_call(header.call_id, connection->peer_rank, std::move(reply));
     }
+    return true;
   } catch (const ProtocolError& e) {
     ++refused_;
     if (!stopping_) std::fprintf(stderr, "ddp rpc: %s: %s\n", who(options_.rank).c_str(), e.what());
@@ -227,6 +203,7 @@ void Agent::read_frames(const std::shared_ptr<Connection>& connection) {
   } catch (const std::bad_alloc&) {
     connection_failed(*connection, "no memory for a frame of " + peer, FailureKind::kProtocol);
   }
+  return false;
 }
 
 void Agent::expect_completion(std::uint64_t call_id, int from_rank) {
@@ -286,15 +263,17 @@ void Agent::read_ring_frame(const std::shared_ptr<Connection>& connection,
   if (!answer.refusal.empty()) ++ring_offers_refused_;
   // Answered from the pool: this thread never waits for the connection's send lock.
   auto text = std::make_shared<std::string>(encode_ring_answer(answer));
-  pool_.post([this, connection, text] {
-    const Bytes bytes(text->begin(), text->end());
-    try {
-      send_frame(*connection, FrameHeader{FrameKind::kRingAnswer, 0, 0, 0, bytes.size(), false}, {},
-                 bytes, {}, net::deadline_after(options_.timeout));
-    } catch (const Error& e) {
-      connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
-    }
-  });
+  pool_.post(
+      [this, connection, text] {
+        const Bytes bytes(text->begin(), text->end());
+        try {
+          send_frame(*connection, FrameHeader{FrameKind::kRingAnswer, 0, 0, 0, bytes.size(), false},
+                     {}, bytes, {}, net::deadline_after(options_.timeout));
+        } catch (const Error& e) {
+          connection_failed(*connection, e.what(), FailureKind::kWorkerGone);
+        }
+      },
+      !reading_for_pool());
 }
 
 void Agent::connection_failed(Connection& connection, const std::string& reason, FailureKind kind) {
@@ -330,9 +309,9 @@ void Agent::dispatch(const std::shared_ptr<Connection>& connection, std::uint64_
       [this, connection, call_id](const Reply& r) { send_reply(connection, call_id, r); });
   auto shared = std::make_shared<Bytes>(std::move(payload));
   const int caller = connection->peer_rank;
-  if (!pool_.post([this, caller, deadline, function = std::move(function), shared, reply] {
-        run_handler(caller, deadline, function, std::move(*shared), reply);
-      })) {
+  if (!pool_.post([this, caller, deadline, function = std::move(function), shared,
+                   reply] { run_handler(caller, deadline, function, std::move(*shared), reply); },
+                  !reading_for_pool())) {
     reply.fail(FailureKind::kShutdown, who(options_.rank) + " is shutting down");
   }
 }

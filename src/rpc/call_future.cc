@@ -72,14 +72,19 @@ std::chrono::microseconds spin_before_sleep() {
 // Until the call is complete or spin_before_sleep() passed, giving the core to any thread that
 // wants it (the reader that completes the call may be one of them) between looks.
 void CallFuture::spin_until_ready() const {
-  if (state_->ready.load(std::memory_order_acquire)) return;
+  std::shared_ptr<SpinHook> hook;
+  {
+    std::lock_guard lock(state_->mutex);
+    hook = std::move(state_->spin_hook);
+  }
   const auto spin = spin_before_sleep();
-  if (spin.count() <= 0) return;
   const auto until = std::chrono::steady_clock::now() + spin;
   while (!state_->ready.load(std::memory_order_acquire) &&
          std::chrono::steady_clock::now() < until) {
+    if (hook) hook->poll();
     std::this_thread::yield();
   }
+  if (hook) hook->end(state_->ready.load(std::memory_order_acquire));
 }
 
 void CallFuture::sleep_until_done(std::unique_lock<std::mutex>& lock) const {
@@ -159,6 +164,11 @@ bool CallPromise::complete(Reply reply) const {
     run();
   }
   return true;
+}
+
+void CallPromise::set_spin_hook(std::shared_ptr<SpinHook> hook) const {
+  std::lock_guard lock(state_->mutex);
+  state_->spin_hook = std::move(hook);
 }
 
 void CallPromise::expect_completion() const {

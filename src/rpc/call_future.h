@@ -101,6 +101,16 @@ inline constexpr std::chrono::microseconds kDefaultSpinBeforeSleep{100};
 void set_spin_before_sleep(std::chrono::microseconds spin);
 std::chrono::microseconds spin_before_sleep();
 
+// What a thread that spins while it waits (for a call's reply, for a task of the agent's pool)
+// does besides looking: read the connection its work comes on itself, so that no reader sleeping
+// on that connection has to be woken for it (agent_spin.cc). poll() between looks; end(found)
+// once, when the spin ends, saying whether what it waited for came.
+struct SpinHook {
+  virtual ~SpinHook() = default;
+  virtual void poll() = 0;
+  virtual void end(bool found) = 0;
+};
+
 class CallFuture {
  public:
   CallFuture() = default;
@@ -135,6 +145,9 @@ class CallPromise {
   // a reply that arrives after its deadline's failure is dropped.
   bool complete(Reply reply) const;
   bool fail(FailureKind kind, std::string message, std::string type_name = {}) const;
+  // The first thread that spins waiting for this call runs `hook` (set before the future is
+  // handed out).
+  void set_spin_hook(std::shared_ptr<SpinHook> hook) const;
   // The reply is arriving (a large one is being read): wakes a thread sleeping in wait() or
   // take() to look for it as it does before it sleeps, so that completion does not wait for the
   // wake-up. Harmless when nobody waits.
@@ -151,7 +164,8 @@ struct CallFuture::State {
   bool done = false;
   // `done` as a waiter may read it without the mutex, while it spins before sleeping.
   std::atomic<bool> ready{false};
-  bool woken_early = false;  // expect_completion(), under the mutex
+  bool woken_early = false;             // expect_completion(), under the mutex
+  std::shared_ptr<SpinHook> spin_hook;  // under the mutex; taken by the first spin
   Reply reply;
   std::vector<std::function<void(const Reply&)>> callbacks;
   Executor executor;

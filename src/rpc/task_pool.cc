@@ -16,14 +16,14 @@ TaskPool::~TaskPool() {
   stop();
 }
 
-bool TaskPool::post(std::function<void()> task) {
+bool TaskPool::post(std::function<void()> task, bool wake) {
   {
     std::lock_guard lock(mutex_);
     if (stopping_) return false;
     queue_.push_back(std::move(task));
     queued_.store(queue_.size(), std::memory_order_release);
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
   return true;
 }
 
@@ -63,12 +63,15 @@ void TaskPool::run() {
       // (10-20 us a wake-up on this host, issue 51), and sleeps once the stream stops. One thread
       // at a time: more would burn cores a loaded worker needs, and take no task sooner.
       if (spinning_.fetch_add(1, std::memory_order_acq_rel) == 0) {
+        SpinHook* hook = spin_hook_.load(std::memory_order_acquire);
         const auto until = std::chrono::steady_clock::now() + spin_before_sleep();
         while (queued_.load(std::memory_order_acquire) == 0 &&
                !stopping_flag_.load(std::memory_order_acquire) &&
                std::chrono::steady_clock::now() < until) {
+          if (hook != nullptr) hook->poll();
           std::this_thread::yield();
         }
+        if (hook != nullptr) hook->end(queued_.load(std::memory_order_acquire) != 0);
       }
       spinning_.fetch_sub(1, std::memory_order_acq_rel);
       std::unique_lock lock(mutex_);

@@ -27,8 +27,11 @@ class TaskPool {
   TaskPool(const TaskPool&) = delete;
   TaskPool& operator=(const TaskPool&) = delete;
 
-  // Queues a task; false (and the task is dropped) after stop().
-  bool post(std::function<void()> task);
+  // Queues a task; false (and the task is dropped) after stop(). `wake` false: no sleeping thread
+  // is woken for it (the thread posting is the pool's spinning one, which takes it next).
+  bool post(std::function<void()> task, bool wake = true);
+  // What the spinning thread does between looks (SpinHook, call_future.h); it must outlive stop().
+  void set_spin_hook(SpinHook* hook) { spin_hook_.store(hook, std::memory_order_release); }
   // A task is coming soon (a large request is being read): wakes a sleeping thread now, to look
   // for it as a thread that has just run a task does, so that the task does not wait for the
   // wake-up after it is posted. Nothing when a thread is looking already.
@@ -51,6 +54,7 @@ class TaskPool {
   std::atomic<bool> stopping_flag_{false};
   std::atomic<int> spinning_{0};  // threads in (or about to decide on) the look before sleeping
   int wake_to_look_ = 0;          // expect_task()'s wake-ups not yet taken, under mutex_
+  std::atomic<SpinHook*> spin_hook_{nullptr};
   std::vector<std::thread> threads_;
 };
 

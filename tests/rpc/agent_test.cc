@@ -275,6 +275,73 @@ TEST(RpcAgent, LargePayloadsCrossSharedMemoryIntactWhileTheRingWrapsAndFills) {
   EXPECT_ALL_RANKS_OK(results);
 }
 
+// Threads that spin while they wait read the connections themselves, and the connections'
+// readers sleep meanwhile (agent_spin.cc): calls whose callers spin for them (as rpc_sync's do),
+// with spin 0 and 100 us, beside calls nobody spins for, all complete; a call is served at once
+// while the pool's spinning thread runs a handler that blocks; and bursts of frames that one recv
+// brings together are not left in a buffer.
+TEST(RpcAgent, SpinningCallersAndThePoolsSpinningThreadReadTheirConnectionsAndLeaveNothingBehind) {
+  const int port = test::free_port();
+  auto results = run_ranks(2, [&](int rank) {
+    auto store = make_store(rank, port);
+    auto options = options_for(rank, 2);
+    options.threads = 4;
+    Agent agent(*store, options);
+    register_echo(agent);
+    agent.register_function("block", [](const CallerInfo&, Bytes in, const CallPromise& r) {
+      std::this_thread::sleep_for(600ms);
+      r.complete({std::move(in)});
+    });
+    store->set(fmt::format("ready/{}", rank), "1");
+    store->wait(std::vector<std::string>{"ready/0", "ready/1"}, 30s);
+    const int peer = 1 - rank;
+    const std::string prefix = agent.self().name + ":";
+    for (const auto spin : {100us, 0us, 100us}) {
+      set_spin_before_sleep(spin);
+      for (int i = 0; i < 300; ++i) {
+        const std::string text = fmt::format("{}-{}", i, spin.count());
+        // Some nobody spins for, in flight across the spinning ones.
+        CallFuture async = agent.call(peer, "echo", bytes_of("a" + text), 10s);
+        const Reply reply =
+            agent.call_attached(peer, "echo", Outgoing{bytes_of(text), {}}, 10s, true).take();
+        require(reply.ok() && text_of(reply.payload) == prefix + text,
+                "a call whose caller spun: " +
+                    (reply.ok() ? text_of(reply.payload) : reply.failure->message));
+        require(text_of(async.take().payload) == prefix + "a" + text, "a call nobody spun for");
+      }
+    }
+    set_spin_before_sleep(kDefaultSpinBeforeSleep);
+    // A burst: many frames at once, some arriving together in one recv.
+    std::vector<CallFuture> burst;
+    for (int i = 0; i < 500; ++i)
+      burst.push_back(agent.call(peer, "echo", bytes_of(std::to_string(i)), 20s));
+    for (int i = 0; i < 500; ++i) {
+      require(
+          text_of(burst[static_cast<std::size_t>(i)].take().payload) == prefix + std::to_string(i),
+          fmt::format("call {} of a burst", i));
+    }
+    store->set(fmt::format("burst/{}", rank), "1");
+    store->wait(std::vector<std::string>{"burst/0", "burst/1"}, 30s);
+    if (rank == 0) {
+      // The callee's spinning pool thread takes the blocking call; the next is still served at
+      // once (by the connection's reader, its lease over, or another pool thread).
+      CallFuture blocked = agent.call(peer, "block", bytes_of("b"), 10s);
+      std::this_thread::sleep_for(50ms);
+      const auto start = std::chrono::steady_clock::now();
+      const Reply quick =
+          agent.call_attached(peer, "echo", Outgoing{bytes_of("q"), {}}, 10s, true).take();
+      const auto took = std::chrono::steady_clock::now() - start;
+      require(quick.ok() && text_of(quick.payload) == prefix + "q",
+              "the call beside a blocked one");
+      require(took < 300ms, fmt::format("a call waited {} ms behind a blocking handler",
+                                        std::chrono::duration_cast<Milliseconds>(took).count()));
+      require(blocked.take().ok(), "the blocking call");
+    }
+    agent.shutdown(30s);
+  });
+  EXPECT_ALL_RANKS_OK(results);
+}
+
 // Workers that cannot share memory stay on TCP, calls intact: one whose rings are off (0) refuses
 // its peer's offer and makes none; workers of different "hosts" (DDP_HOST_ID) refuse each other's.
 // A ring size that is not one is refused by name before the agent starts.

@@ -343,9 +343,10 @@ c10::IValue rpc_sync(const std::string& to, const std::string& function,
   transport::Outgoing payload = encode_message(
       c10::ivalue::Tuple::create(std::move(args)),
       fmt::format("rpc: the arguments of '{}' for '{}'", function, to), worker->rank);
+  // This thread waits at once: it reads its reply off the connection itself while it spins.
   return result_of(agent
                        ->call_attached(worker->rank, function, std::move(payload),
-                                       timeout.value_or(default_timeout))
+                                       timeout.value_or(default_timeout), /*caller_spins=*/true)
                        .take(),
                    function, to, worker->rank);
 }
